@@ -1,0 +1,126 @@
+"""Process groups and device meshes shared by every strategy.
+
+The hierarchy used by layered SGD (ranks grouped into nodes, one leader per node) and the 2-D meshes used by
+the hybrid, spatial and multigrid strategies are built here, once, on top of torch.distributed and
+DeviceMesh.  Every function must be called by *all* ranks of the world group (torch.distributed requires
+every rank to take part in creating every group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "default_timeout",
+    "NodeGroups",
+    "check_divisible",
+    "node_groups",
+    "local_world_size_from_env",
+    "mesh_2d",
+]
+
+#: Collectives that do not complete in this time raise instead of hanging (overridable per strategy).
+DEFAULT_TIMEOUT_S = float(os.environ.get("LIGHTNING_HPC_TIMEOUT_S", "600"))
+
+
+def default_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def check_divisible(world_size: int, parts: int, *, what: str, setting: str) -> None:
+    """Raise a ValueError naming ``setting`` when ``world_size`` is not a multiple of ``parts``."""
+    if parts <= 0:
+        raise ValueError(f"{setting}={parts}: must be a positive integer")
+    if world_size % parts != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by {setting}={parts} ({what}); "
+            f"use a world size that is a multiple of {parts}, or change {setting}"
+        )
+
+
+def local_world_size_from_env() -> int | None:
+    """Processes per node as the launcher (torchrun, SLURM, Lightning, Horovod) reports it, if it does."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE"):
+        value = os.environ.get(key)
+        if value:
+            try:
+                return int(value.split("(")[0])
+            except ValueError:
+                continue
+    return None
+
+
+@dataclass
+class NodeGroups:
+    """Ranks split into contiguous groups of ``group_size`` ("nodes"), each led by its first rank.
+
+    ``intra`` is this rank's node group; ``leaders`` holds the group leaders (``None`` on other ranks);
+    ``leader_rank`` is the global rank of this rank's leader.
+    """
+
+    group_size: int
+    num_groups: int
+    group_index: int
+    leader_rank: int
+    intra: dist.ProcessGroup
+    leaders: dist.ProcessGroup | None
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == self.leader_rank
+
+
+def node_groups(
+    group_size: int,
+    *,
+    intra_backend: str | None = None,
+    leader_backend: str | None = "gloo",
+    timeout: datetime.timedelta | None = None,
+) -> NodeGroups:
+    """Create the node hierarchy: one group per node and one group of node leaders.
+
+    ``intra_backend`` defaults to the world backend (NCCL on GPUs); the leader group defaults to gloo so the
+    inter-node step can be driven from a CPU thread, as the layered-SGD paper's CPU communicators are.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_divisible(world, group_size, what="ranks per node group", setting="procs_per_node")
+    timeout = timeout or default_timeout()
+    num_groups = world // group_size
+    mine = None
+    for g in range(num_groups):
+        ranks = list(range(g * group_size, (g + 1) * group_size))
+        pg = dist.new_group(ranks, backend=intra_backend, timeout=timeout)
+        if rank in ranks:
+            mine = pg
+    leader_ranks = [g * group_size for g in range(num_groups)]
+    leaders = dist.new_group(leader_ranks, backend=leader_backend, timeout=timeout)
+    assert mine is not None
+    return NodeGroups(
+        group_size=group_size,
+        num_groups=num_groups,
+        group_index=rank // group_size,
+        leader_rank=(rank // group_size) * group_size,
+        intra=mine,
+        leaders=leaders if rank in leader_ranks else None,
+    )
+
+
+def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "cpu"):
+    """A 2-D DeviceMesh of shape ``(outer, inner)``; ``outer * inner`` must equal the world size.
+
+    Rank r sits at ``(r // inner, r % inner)``: the inner dimension holds contiguous ranks (same node).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if outer * inner != world:
+        raise ValueError(
+            f"a {names[0]} x {names[1]} mesh of {outer} x {inner} = {outer * inner} ranks does not match "
+            f"world size {world}; choose sizes whose product is {world}"
+        )
+    return init_device_mesh(device_type, (outer, inner), mesh_dim_names=names)

@@ -1,0 +1,139 @@
+"""Run a function in N local processes joined by a torch.distributed process group.
+
+Used by the test-suite and the benchmarks of every technique: each process initialises a process
+group (gloo by default, so it runs on CPU), calls ``fn(rank, world_size, *args)`` and sends back its
+return value.  The parent enforces a wall-clock deadline, so a hung collective fails the caller with a
+message naming the ranks that did not finish instead of blocking CI forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["find_free_port", "run_in_processes", "DistributedRunError"]
+
+
+class DistributedRunError(RuntimeError):
+    """A rank raised, died, or did not finish before the deadline."""
+
+
+def find_free_port() -> int:
+    """Return a TCP port on localhost that is free right now (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    collective_timeout_s: float,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: "mp.Queue[tuple[int, bool, Any]]",
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # Two cores are shared by all ranks: one intra-op thread per rank avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_in_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 180.0,
+    collective_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks and return their results.
+
+    ``fn`` and ``args`` must be picklable (a module-level function).  Results are returned ordered by
+    rank.  Raises :class:`DistributedRunError` with the failing rank's traceback if any rank raises,
+    dies, or if the whole run exceeds ``timeout_s``; surviving ranks are killed so nothing lingers.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, backend, collective_timeout_s, dict(env or {}), fn, args, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while len(out) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise DistributedRunError(
+                    f"{fn.__name__}: ranks {missing} did not finish within {timeout_s:.0f}s "
+                    f"(world_size={world_size}); a collective is probably waiting on a rank that never joins"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive() and p.exitcode != 0]
+                if dead:
+                    # Give a rank that died with a Python error a moment to deliver its traceback.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedRunError(f"{fn.__name__}: ranks died without a result, exit codes {codes}")
+                else:
+                    continue
+            if not ok:
+                raise DistributedRunError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,34 @@
+"""Plain ``nn.Module`` models: they never import strategies (a strategy adapts the model)."""
+
+from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
+from lightning_hpc.models.resnet import CifarResNet, ResNet, cifar_resnet, resnet, resnet18, resnet34, resnet50, resnet101, resnet152
+from lightning_hpc.models.small_cnn import small_cnn
+
+__all__ = [
+    "AlexNetOneTower",
+    "alexnet_one_tower",
+    "CifarResNet",
+    "ResNet",
+    "cifar_resnet",
+    "resnet",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "small_cnn",
+    "build_model",
+]
+
+
+def build_model(name: str, **kwargs):
+    """Build a model of the zoo by name: ``resnet50``, ``cifar_resnet32``, ``alexnet``, ``small_cnn``."""
+    if name.startswith("resnet") and name[6:].isdigit():
+        return resnet(int(name[6:]), **kwargs)
+    if name.startswith("cifar_resnet") and name[12:].isdigit():
+        return cifar_resnet(int(name[12:]), **kwargs)
+    if name in ("alexnet", "alexnet_one_tower"):
+        return alexnet_one_tower(**kwargs)
+    if name == "small_cnn":
+        return small_cnn(**kwargs)
+    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, small_cnn")
