@@ -1,0 +1,43 @@
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hpc.distributed import DistributedRunError, run_in_processes
+
+
+def _allreduce_rank(rank: int, world_size: int) -> float:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _raise_on_rank1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+
+
+def _hang_on_rank0(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_results_ordered_by_rank(world_size):
+    out = run_in_processes(_allreduce_rank, world_size)
+    assert out == [float(sum(range(world_size)))] * world_size
+
+
+def test_rank_error_is_reported_with_traceback():
+    with pytest.raises(DistributedRunError, match="(?s)rank 1 of 2 failed.*boom on purpose"):
+        run_in_processes(_raise_on_rank1, 2, timeout_s=60, collective_timeout_s=10)
+
+
+def test_hang_fails_instead_of_blocking():
+    t0 = time.time()
+    with pytest.raises(DistributedRunError, match="did not finish"):
+        run_in_processes(_hang_on_rank0, 2, timeout_s=15, collective_timeout_s=60)
+    assert time.time() - t0 < 40
