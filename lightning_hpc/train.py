@@ -71,11 +71,27 @@ def _summary(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
+def _reset_distributed(env_before: dict[str, str]) -> None:
+    """Leave the process as it was before the job, so the next job of a ``--multirun`` sweep launches its
+    own ranks: Lightning keeps the process group and the launcher's variables (LOCAL_RANK, MASTER_PORT, ...)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in set(os.environ) - set(env_before):
+        del os.environ[key]
+    os.environ.update(env_before)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train the recipe; on global rank 0 print and write (``metrics.json``) the final metrics and paths."""
-    trainer, module, datamodule = build(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    summary = _summary(trainer)
+    env_before = dict(os.environ)
+    try:
+        trainer, module, datamodule = build(cfg)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        summary = _summary(trainer)
+    finally:
+        _reset_distributed(env_before)
     if trainer.is_global_zero:
         out = Path(trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
