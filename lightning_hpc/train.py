@@ -35,7 +35,8 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
-    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    # scheduler=none leaves only the recipe's schedule numbers (no _target_): no scheduler then.
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") and cfg.scheduler.get("_target_") else None
     task = OmegaConf.to_container(cfg.task, resolve=True) if cfg.get("task") else {}
     module_target = task.pop("_target_", None)
     if module_target is not None:
