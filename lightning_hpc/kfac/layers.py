@@ -82,16 +82,19 @@ class LayerHandler:
 
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> None:
-        rows = self.input_rows(x)
-        contrib = rows.t() @ rows
+        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
+        with torch.autocast(x.device.type, enabled=False):
+            rows = self.input_rows(x)
+            contrib = rows.t() @ rows
         self.a_sum = contrib if self.a_sum is None else self.a_sum + contrib
         self.a_rows += rows.shape[0]
         self.samples += x.shape[0]
 
     @torch.no_grad()
     def capture_output_grad(self, g: torch.Tensor) -> None:
-        rows = self.output_rows(g)
-        contrib = rows.t() @ rows
+        with torch.autocast(g.device.type, enabled=False):
+            rows = self.output_rows(g)
+            contrib = rows.t() @ rows
         self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
         self.g_samples += g.shape[0]
 

@@ -43,7 +43,7 @@ from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, 
 from lightning_hpc.kfac.placement import assign_factors, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
 
-__all__ = ["KFACPreconditioner", "COMPUTE_METHODS"]
+__all__ = ["KFACPreconditioner", "COMPUTE_METHODS", "validate_options"]
 
 COMPUTE_METHODS = ("eigen", "inverse")
 
@@ -60,6 +60,56 @@ def _compile_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Patter
         except re.error as e:
             raise ValueError(f"K-FAC skip_layers: invalid regular expression {p!r}: {e}") from e
     return out
+
+
+def validate_options(
+    *,
+    factor_update_freq: int | None,
+    inv_update_freq: int,
+    factor_decay: float,
+    damping: float,
+    damping_decay_epochs: Sequence[int],
+    damping_decay_rate: float,
+    update_freq_decay_epochs: Sequence[int],
+    update_freq_decay_rate: float,
+    kl_clip: float | None,
+    compute_method: str,
+    placement: str,
+    decomposition_dtype: torch.dtype | str,
+    bucket_cap_mb: float,
+) -> tuple[KFACSchedule, torch.dtype]:
+    """Check every K-FAC option (raises ``ValueError`` naming the setting); returns the schedule and dtype.
+
+    Shared by :class:`KFACPreconditioner` and the Lightning callback, which checks before training starts.
+    """
+    if factor_update_freq is None:
+        if isinstance(inv_update_freq, int) and not isinstance(inv_update_freq, bool) and inv_update_freq > 0:
+            factor_update_freq = max(1, inv_update_freq // 10)
+        else:
+            factor_update_freq = 1  # the schedule below reports the bad inv_update_freq
+    schedule = KFACSchedule(
+        damping=damping,
+        factor_update_freq=factor_update_freq,
+        inv_update_freq=inv_update_freq,
+        damping_decay_epochs=tuple(int(e) for e in damping_decay_epochs),
+        damping_decay_rate=damping_decay_rate,
+        update_freq_decay_epochs=tuple(int(e) for e in update_freq_decay_epochs),
+        update_freq_decay_rate=update_freq_decay_rate,
+    )
+    if not 0.0 <= factor_decay < 1.0:
+        raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {factor_decay}")
+    if kl_clip is not None and not kl_clip >= 0:
+        raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {kl_clip}")
+    if compute_method not in COMPUTE_METHODS:
+        raise ValueError(f"K-FAC compute_method must be one of {COMPUTE_METHODS}, got {compute_method!r}")
+    check_placement(placement)
+    if isinstance(decomposition_dtype, str):
+        decomposition_dtype = {"float32": torch.float32, "float64": torch.float64}.get(decomposition_dtype)  # type: ignore[assignment]
+    if decomposition_dtype not in (torch.float32, torch.float64):
+        raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    return schedule, decomposition_dtype  # type: ignore[return-value]
 
 
 class KFACPreconditioner:
@@ -110,34 +160,21 @@ class KFACPreconditioner:
         communicator: Communicator | None = None,
         bucket_cap_mb: float = 25.0,
     ) -> None:
-        if factor_update_freq is None:
-            if isinstance(inv_update_freq, int) and not isinstance(inv_update_freq, bool) and inv_update_freq > 0:
-                factor_update_freq = max(1, inv_update_freq // 10)
-            else:
-                factor_update_freq = 1  # the schedule below reports the bad inv_update_freq
-        self.schedule = KFACSchedule(
-            damping=damping,
+        self.schedule, decomposition_dtype = validate_options(
             factor_update_freq=factor_update_freq,
             inv_update_freq=inv_update_freq,
-            damping_decay_epochs=tuple(int(e) for e in damping_decay_epochs),
+            factor_decay=factor_decay,
+            damping=damping,
+            damping_decay_epochs=damping_decay_epochs,
             damping_decay_rate=damping_decay_rate,
-            update_freq_decay_epochs=tuple(int(e) for e in update_freq_decay_epochs),
+            update_freq_decay_epochs=update_freq_decay_epochs,
             update_freq_decay_rate=update_freq_decay_rate,
+            kl_clip=kl_clip,
+            compute_method=compute_method,
+            placement=placement,
+            decomposition_dtype=decomposition_dtype,
+            bucket_cap_mb=bucket_cap_mb,
         )
-        if not 0.0 <= factor_decay < 1.0:
-            raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {factor_decay}")
-        if kl_clip is not None and not kl_clip >= 0:
-            raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {kl_clip}")
-        if compute_method not in COMPUTE_METHODS:
-            raise ValueError(f"K-FAC compute_method must be one of {COMPUTE_METHODS}, got {compute_method!r}")
-        check_placement(placement)
-        if isinstance(decomposition_dtype, str):
-            decomposition_dtype = {"float32": torch.float32, "float64": torch.float64}.get(decomposition_dtype)  # type: ignore[assignment]
-        if decomposition_dtype not in (torch.float32, torch.float64):
-            raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-
         self.factor_decay = float(factor_decay)
         self.kl_clip = kl_clip or None
         self.lr = lr
