@@ -4,11 +4,14 @@ Importing the package registers every strategy name in Lightning's ``StrategyReg
 ``Trainer(strategy="<name>")`` works.
 """
 
+from lightning_hpc.kfac.callback import KFAC
+from lightning_hpc.kfac.precision import KFACMixedPrecision
+from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.lit import ImageClassifier
 from lightning_hpc.registry import register_strategies
 
 __version__ = "0.1.0"
 
-__all__ = ["ImageClassifier", "__version__"]
+__all__ = ["ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "__version__"]
 
 register_strategies()
