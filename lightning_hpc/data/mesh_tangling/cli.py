@@ -1,6 +1,6 @@
 """``lightning-hpc mesh-data``: generate a mesh-tangling data set in LBANN's layout, with a progress bar.
 
-    lightning-hpc mesh-data --size 1024 --samples 16 --out DIR [--seed 0] [--start 0] [--suffix ""]
+    lightning-hpc mesh-data --size 1024 --samples 16 --out DIR [--seed 0] [--start 0] [--suffix ""] [--threads 1]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix", default="", help="suffix of the channel directories (<channel><suffix>/)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="time steps before the snapshot")
     p.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="steps the label looks ahead")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 avoids oversubscribing shared nodes)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -38,7 +39,10 @@ def main(argv: Sequence[str]) -> int:
     if args.start + args.samples > MAX_SAMPLES:
         print(f"mesh-data: indices are 4 digits: --start + --samples must be <= {MAX_SAMPLES}", file=sys.stderr)
         return 2
+    import torch
     from tqdm import tqdm
+
+    torch.set_num_threads(max(args.threads, 1))
 
     write_meta(
         args.out, height=args.size, width=args.size, samples=args.start + args.samples, seed=args.seed,
