@@ -209,7 +209,7 @@ class Plan:
 # ---- network graph ---------------------------------------------------------------------------------------
 def trace_layers(model: nn.Module, input_shape: Sequence[int]) -> list[LayerInfo]:
     """Trace ``model`` with torch.fx and propagate shapes on the meta device (nothing is computed)."""
-    meta_model = copy.deepcopy(model).to("meta")
+    meta_model = copy.deepcopy(model).to("meta").eval()  # eval: shapes only, BN needs no batch statistics
     gm = fx.symbolic_trace(meta_model)
     ShapeProp(gm).propagate(torch.empty(*input_shape, device="meta"))
     layers: list[LayerInfo] = []
@@ -256,7 +256,18 @@ def build_stages(layers: list[LayerInfo]) -> list[Stage]:
                 stage.parents.append(ps)
                 shape = by_name[parent].out_shape
                 stage.edge_bytes[ps] = 4 * math.prod(shape) if shape else 0
-    return list(stages.values())
+    # A join (residual add) sits in its first parent's stage, so creation order need not be topological.
+    ordered: list[Stage] = []
+    done: set[str] = set()
+    pending = list(stages.values())
+    while pending:
+        ready = next((st for st in pending if all(p in done for p in st.parents)), None)
+        if ready is None:
+            raise ValueError("the layer graph has a cycle between stages; cannot plan it")
+        ordered.append(ready)
+        done.add(ready.name)
+        pending.remove(ready)
+    return ordered
 
 
 def _divisors(p: int) -> list[int]:
