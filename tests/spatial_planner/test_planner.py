@@ -170,3 +170,16 @@ def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "predicted time per mini-batch" in text and "block6.0" in text
     assert main(["recipe=nope", "--world-size", "2"]) == 2
+
+
+def _plan_in_job(rank, world_size):
+    plan = plan_for_model(_line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
+    return {name: str(d) for name, d in plan.distributions.items()}, plan.spatial_parts
+
+
+def test_plan_inside_a_job_is_made_once_and_shared():
+    from lightning_hpc.distributed import run_in_processes
+
+    results = run_in_processes(_plan_in_job, 2, timeout_s=240)
+    assert results[0] == results[1]
+    assert results[0][1] in ((1, 2), (2, 1))

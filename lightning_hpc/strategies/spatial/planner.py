@@ -576,9 +576,49 @@ def plan_for_model(
     experiments, and what a strategy with a single ``spatial_parts`` runs).  ``restrict`` filters candidates
     (e.g. ``lambda d: d.h == d.w == 1`` for pure sample parallelism).  ``compute_scale`` multiplies measured
     compute, e.g. ``processes / cores`` when ranks share too few cores.
+
+    Called inside a distributed job, rank 0 plans (alpha-beta calibrated on the job's process group) and
+    broadcasts the plan, so every rank uses the same one.
     """
     if world_size < 1 or batch_size < 1:
         raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Inside a job (a strategy planning at setup): measured times differ between ranks, so rank 0 plans and
+        # every rank gets the same plan; alpha-beta is calibrated on the job's own process group (collective).
+        if alpha_beta is None:
+            from lightning_hpc.perfmodel import calibrate
+
+            alpha_beta = calibrate()
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device)
+            except Exception as e:  # every rank must leave the broadcast, then all raise the same error
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+    return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device)
+
+
+def _plan(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    world_size: int,
+    batch_size: int,
+    alpha_beta: AlphaBeta | None,
+    timer: LayerTimer | None,
+    uniform: bool,
+    restrict: Callable[[Distribution], bool] | None,
+    overlap_halo: bool,
+    aggregate_bn: bool,
+    compute_scale: float,
+    optimizer: str,
+    device: str | torch.device,
+) -> Plan:
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (C, H, W) of one sample, got {list(input_shape)}")
     if alpha_beta is None:
