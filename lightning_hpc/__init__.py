@@ -9,9 +9,10 @@ from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.lit import ImageClassifier
 from lightning_hpc.registry import register_strategies
+from lightning_hpc.segmentation import SegmentationModule
 
 __version__ = "0.1.0"
 
-__all__ = ["ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "__version__"]
+__all__ = ["ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "SegmentationModule", "__version__"]
 
 register_strategies()
