@@ -11,8 +11,8 @@ Mapping (Horovod 0.28):
   duplicated, so they are cached by their (sorted) ranks and the whole world maps to ``global_process_set``;
 * ``allreduce`` is ``hvd.allreduce_async_`` (in place, ``hvd.Average``/``hvd.Sum``), ``Handle.wait`` is
   ``hvd.synchronize``; Horovod's background thread fuses concurrent small allreduces (tensor fusion);
-* ``broadcast`` takes a *global* source rank like torch.distributed; Horovod wants the rank inside the process
-  set, so it is translated;
+* ``broadcast`` takes a *global* source rank, in torch.distributed and in Horovod alike (Horovod translates it
+  to the rank inside the process set and rejects a source outside the set);
 * ``allgather`` stacks a leading dimension and splits it again, ordered by rank within the set (which is the
   sorted order of its global ranks, as for ``torch.distributed.new_group``).
 
@@ -165,8 +165,8 @@ class HorovodCommunicator(Communicator):
         ranks = process_set.ranks if process_set.ranks is not None else list(range(self.world_size))
         if src not in ranks:
             raise ValueError(f"broadcast: source rank {src} is not in the group {sorted(ranks)}")
-        root = sorted(ranks).index(src)  # Horovod's root_rank is the rank inside the process set
-        handle = HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=root, process_set=process_set))
+        # Horovod's root_rank is a global rank (translated to the set's rank in C++, operations.cc)
+        handle = HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=src, process_set=process_set))
         if not async_op:
             handle.wait()
         return handle
