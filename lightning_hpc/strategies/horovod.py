@@ -118,6 +118,8 @@ class HorovodStrategy(ParallelStrategy):
     """
 
     strategy_name = "horovod"
+    #: techniques with ``communicator="auto"`` (K-FAC, layered SGD) use HorovodCommunicator under this strategy
+    communication_backend = "horovod"
 
     def __init__(
         self,
