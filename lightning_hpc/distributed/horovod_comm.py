@@ -26,7 +26,9 @@ fails the job instead of hanging it).
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -41,6 +43,7 @@ __all__ = [
     "import_horovod",
     "horovod_available",
     "init_horovod",
+    "collective_name",
     "HorovodHandle",
     "HorovodCommunicator",
 ]
@@ -85,6 +88,25 @@ def init_horovod() -> ModuleType:
         os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(DEFAULT_STALL_SHUTDOWN_S))
         hvd.init(process_sets="dynamic")
     return hvd
+
+
+_NAME_COUNTERS: dict[tuple[str, int], itertools.count] = {}
+_NAME_LOCK = threading.Lock()
+
+
+def collective_name(kind: str, process_set: Any = None) -> str:
+    """A name for the next ``kind`` collective on ``process_set``, the same on every member rank.
+
+    Horovod matches a collective across ranks by its name.  Unnamed ones are called ``<op>.noname.<handle>``
+    with a per-process handle counter, which differs between ranks as soon as another thread (layered SGD's
+    communicator thread, say) issues collectives in a different interleaving.  Counting per (kind, process
+    set) instead only needs every member to issue that set's collectives in the same order, which any
+    correct program does anyway.
+    """
+    set_id = int(getattr(process_set, "process_set_id", 0) or 0)
+    with _NAME_LOCK:
+        counter = _NAME_COUNTERS.setdefault((kind, set_id), itertools.count())
+        return f"lightning_hpc.{kind}.ps{set_id}.{next(counter)}"
 
 
 class HorovodHandle:
@@ -153,7 +175,10 @@ class HorovodCommunicator(Communicator):
         if process_set.size() == 1:
             return CompletedHandle()
         hvd_op = self._hvd.Average if op == "mean" else self._hvd.Sum
-        handle = HorovodHandle(self._hvd, self._hvd.allreduce_async_(tensor, op=hvd_op, process_set=process_set))
+        name = collective_name("allreduce", process_set)
+        handle = HorovodHandle(
+            self._hvd, self._hvd.allreduce_async_(tensor, op=hvd_op, name=name, process_set=process_set)
+        )
         if not async_op:
             handle.wait()
         return handle
@@ -166,7 +191,10 @@ class HorovodCommunicator(Communicator):
         if src not in ranks:
             raise ValueError(f"broadcast: source rank {src} is not in the group {sorted(ranks)}")
         # Horovod's root_rank is a global rank (translated to the set's rank in C++, operations.cc)
-        handle = HorovodHandle(self._hvd, self._hvd.broadcast_async_(tensor, root_rank=src, process_set=process_set))
+        name = collective_name("broadcast", process_set)
+        handle = HorovodHandle(
+            self._hvd, self._hvd.broadcast_async_(tensor, root_rank=src, name=name, process_set=process_set)
+        )
         if not async_op:
             handle.wait()
         return handle
@@ -175,7 +203,8 @@ class HorovodCommunicator(Communicator):
         process_set = self._process_set(group)
         if process_set.size() == 1:
             return [tensor.clone()]
-        stacked = self._hvd.allgather(tensor.contiguous().unsqueeze(0), process_set=process_set)
+        name = collective_name("allgather", process_set)
+        stacked = self._hvd.allgather(tensor.contiguous().unsqueeze(0), name=name, process_set=process_set)
         return list(stacked.unbind(0))
 
     def barrier(self, group: Any = None) -> None:

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_hpc.distributed.horovod_comm import import_horovod, init_horovod
+from lightning_hpc.distributed.horovod_comm import collective_name, import_horovod, init_horovod
 from lightning_hpc.registry import register_strategy
 from lightning_hpc.strategies.horovod_environment import HorovodEnvironment
 
@@ -69,13 +69,16 @@ def horovod_gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor
     process_set = hvd.global_process_set if group is None else group
     result = result.contiguous()
     if result.ndim == 0:
-        return list(hvd.allgather(result.reshape(1), process_set=process_set).unbind(0))
+        name = collective_name("allgather", process_set)
+        return list(hvd.allgather(result.reshape(1), name=name, process_set=process_set).unbind(0))
     shape = torch.tensor(result.shape, dtype=torch.int64)
-    shapes = hvd.allgather(shape.unsqueeze(0), process_set=process_set)  # (ranks, ndim)
+    name = collective_name("allgather", process_set)
+    shapes = hvd.allgather(shape.unsqueeze(0), name=name, process_set=process_set)  # (ranks, ndim)
     max_shape = shapes.max(dim=0).values
     padded = result.new_zeros(tuple(max_shape.tolist()))
     padded[tuple(slice(0, n) for n in result.shape)] = result
-    gathered = hvd.allgather(padded.unsqueeze(0), process_set=process_set)
+    name = collective_name("allgather", process_set)
+    gathered = hvd.allgather(padded.unsqueeze(0), name=name, process_set=process_set)
     return [piece[tuple(slice(0, int(n)) for n in s)] for piece, s in zip(gathered.unbind(0), shapes)]
 
 
@@ -387,7 +390,7 @@ class HorovodStrategy(ParallelStrategy):
         if not self._broadcast_buffers or self.world_size == 1 or self.model is None:
             return
         buffers = [b for b in self.model.buffers() if b.numel() > 0]
-        handles = [self._hvd.broadcast_async_(b, root_rank=0) for b in buffers]
+        handles = [self._hvd.broadcast_async_(b, root_rank=0, name=collective_name("broadcast")) for b in buffers]
         for handle in handles:
             self._hvd.synchronize(handle)
 
@@ -471,7 +474,8 @@ class HorovodStrategy(ParallelStrategy):
         if ops[op_name] == "Average" and not tensor.is_floating_point():
             tensor = tensor.float()
         process_set = self._hvd.global_process_set if group is None else group
-        return self._hvd.allreduce(tensor, op=getattr(self._hvd, ops[op_name]), process_set=process_set)
+        name = collective_name("allreduce", process_set)
+        return self._hvd.allreduce(tensor, op=getattr(self._hvd, ops[op_name]), name=name, process_set=process_set)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack every rank's tensor along a new leading dimension (as Lightning's DDP ``all_gather``)."""
@@ -479,7 +483,8 @@ class HorovodStrategy(ParallelStrategy):
             return tensor.unsqueeze(0)
         process_set = self._hvd.global_process_set if group is None else group
         with torch.set_grad_enabled(sync_grads and torch.is_grad_enabled()):
-            return self._hvd.allgather(tensor.contiguous().unsqueeze(0), process_set=process_set)
+            name = collective_name("allgather", process_set)
+            return self._hvd.allgather(tensor.contiguous().unsqueeze(0), name=name, process_set=process_set)
 
     # ---- teardown ---------------------------------------------------------------------------------------
     def teardown(self) -> None:

@@ -18,6 +18,8 @@ pytestmark = [pytest.mark.horovod, requires_horovod]
 
 EPOCHS, BATCHES, BATCH_SIZE, ACCUMULATE = 2, 5, 16, 2
 SCRIPT = str(WORKERS / "train_digits.py")
+# non-default fusion buffer, cycle time and grouped allreduce: same sums, so still equal to DDP
+HVD_OPTIONS = '{"fusion_threshold_mb": 1, "cycle_time_ms": 2, "num_groups": 2}'
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hvd_vs_ddp")
     common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
     procs = {
-        "horovod": start([*horovodrun_command(2), sys.executable, SCRIPT, str(root / "horovod"), "--strategy", "horovod", *common]),
+        "horovod": start([*horovodrun_command(2), sys.executable, SCRIPT, str(root / "horovod"), "--strategy", "horovod", "--hvd-options", HVD_OPTIONS, *common]),
         # Lightning's own launcher starts the second DDP process
         "ddp": start([sys.executable, SCRIPT, str(root / "ddp"), "--strategy", "ddp", *common]),
     }
@@ -52,6 +54,9 @@ def test_parameters_equal_ddp(runs):
         assert hvd["global_step"] == ddp["global_step"] == EPOCHS * 3
         # the StepLR schedule followed the Horovod optimizer: 0.05 * 0.5 ** (6 // 2)
         assert hvd["lr"] == pytest.approx(ddp["lr"]) and hvd["lr"][0] == pytest.approx(0.05 * 0.5**3)
+    opt = runs["horovod"][0]["hvd_optimizer"]
+    assert opt["groups"] == 2 and opt["backward_passes_per_step"] == ACCUMULATE
+    assert opt["fusion_threshold"] == str(1024 * 1024) and opt["cycle_time"] == "2"
     # gradients were averaged: both ranks end identical although they read different data
     assert _max_diff(runs["horovod"][0]["params"], runs["horovod"][1]["params"]) == 0.0
     # rank 0's BatchNorm statistics are broadcast before each forward, as DDP(broadcast_buffers=True)
@@ -105,3 +110,15 @@ def test_checkpoint_written_by_rank0_only_and_loads_in_one_process(runs):
     restored.eval()
     with torch.no_grad():
         assert torch.isfinite(restored(torch.randn(4, 1, 8, 8))).all()
+
+
+@pytest.mark.slow
+def test_fp16_compression_stays_close_to_ddp(runs, tmp_path):
+    """fp16 gradient compression (Horovod's Compression.fp16) changes rounding only: close to DDP, not equal."""
+    common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
+    finish(start([*horovodrun_command(2), sys.executable, SCRIPT, str(tmp_path), "--strategy", "horovod",
+                  "--hvd-options", '{"compression": "fp16"}', *common]), timeout_s=420)
+    hvd = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert hvd["hvd_optimizer"]["compression"] == "FP16Compressor"
+    diff = _max_diff(hvd["params"], runs["ddp"][0]["params"])
+    assert 0.0 < diff <= 1e-3

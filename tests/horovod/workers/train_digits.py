@@ -9,6 +9,7 @@ number of checkpoint writes it did.  The tests compare horovod against ddp.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from functools import partial
 from pathlib import Path
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--hvd-options", default="{}", help="HorovodStrategy keyword arguments, as JSON")
     args = parser.parse_args()
 
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("LOCAL_RANK", 0)))
@@ -82,9 +84,14 @@ def main() -> None:
     )
     data = RecordingDigits(batch_size=16)
     io = CountingCheckpointIO()
+    strategy = args.strategy
+    if strategy == "horovod":
+        from lightning_hpc import HorovodStrategy
+
+        strategy = HorovodStrategy(**json.loads(args.hvd_options))
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     trainer = pl.Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_epochs=args.epochs,
@@ -101,6 +108,16 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data)
     strategy = trainer.strategy
+    optimizer = trainer.optimizers[0]
+    hvd_optimizer = {
+        "compression": type(getattr(optimizer, "_compression", None)).__name__
+        if not isinstance(getattr(optimizer, "_compression", None), type)
+        else optimizer._compression.__name__,
+        "groups": getattr(optimizer, "_groups", None),
+        "backward_passes_per_step": getattr(optimizer, "backward_passes_per_step", None),
+        "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD"),
+        "cycle_time": os.environ.get("HOROVOD_CYCLE_TIME"),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
@@ -113,6 +130,7 @@ def main() -> None:
             "seen": data.train_set.seen,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "saves": CountingCheckpointIO.saves,
+            "hvd_optimizer": hvd_optimizer,
             "global_step": trainer.global_step,
             "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
             "reduced_rank_sum": float(strategy.reduce(torch.tensor(float(strategy.global_rank)), reduce_op="sum")),
