@@ -1,0 +1,1 @@
+"""Lightning strategies; each module registers its name with Lightning at import."""

@@ -1,0 +1,145 @@
+"""Train ImageClassifier(small_cnn) on digits for a few steps and dump what each rank ended with.
+
+Run under ``horovodrun -np 2 --gloo python train_digits.py OUT --strategy horovod`` or as
+``python train_digits.py OUT --strategy ddp`` (Lightning launches the second DDP process itself).  Every rank
+writes ``OUT/rank{r}.pt``: final parameters and buffers, the dataset indices it read, logged metrics, the
+number of checkpoint writes it did.  The tests compare horovod against ddp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from lightning_hpc import ImageClassifier  # noqa: E402
+from lightning_hpc.data import DigitsDataModule  # noqa: E402
+from lightning_hpc.models import small_cnn  # noqa: E402
+
+
+class IndexRecording(Dataset):
+    """Wraps a dataset and records every index read (num_workers=0: reads happen in this process)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset, self.seen = dataset, []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        self.seen.append(int(index))
+        return self.dataset[index]
+
+
+class RecordingDigits(DigitsDataModule):
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if not isinstance(self.train_set, IndexRecording):
+            self.train_set = IndexRecording(self.train_set)
+
+
+class CountingCheckpointIO(TorchCheckpointIO):
+    """Counts the checkpoint files this process writes."""
+
+    saves = 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        CountingCheckpointIO.saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def step_lr(optimizer: torch.optim.Optimizer, steps_per_epoch: float) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", default="horovod")
+    parser.add_argument("--devices", default="2")
+    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--hvd-options", default="{}", help="HorovodStrategy keyword arguments, as JSON")
+    args = parser.parse_args()
+
+    rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("LOCAL_RANK", 0)))
+    pl.seed_everything(0, workers=True)
+    # different initial weights on each rank: the strategy must start every rank from rank 0's
+    torch.manual_seed(100 + rank)
+    model = ImageClassifier(
+        small_cnn(1, 10),
+        optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        scheduler=step_lr,
+    )
+    data = RecordingDigits(batch_size=16)
+    io = CountingCheckpointIO()
+    strategy = args.strategy
+    if strategy == "horovod":
+        from lightning_hpc import HorovodStrategy
+
+        strategy = HorovodStrategy(**json.loads(args.hvd_options))
+    devices = int(args.devices) if args.devices.isdigit() else args.devices
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=args.epochs,
+        limit_train_batches=args.batches,
+        limit_val_batches=3,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=args.accumulate,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)],
+        plugins=[io],
+        default_root_dir=args.out,
+    )
+    trainer.fit(model, datamodule=data)
+    strategy = trainer.strategy
+    optimizer = trainer.optimizers[0]
+    hvd_optimizer = {
+        "compression": type(getattr(optimizer, "_compression", None)).__name__
+        if not isinstance(getattr(optimizer, "_compression", None), type)
+        else optimizer._compression.__name__,
+        "groups": getattr(optimizer, "_groups", None),
+        "backward_passes_per_step": getattr(optimizer, "backward_passes_per_step", None),
+        "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD"),
+        "cycle_time": os.environ.get("HOROVOD_CYCLE_TIME"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "rank": strategy.global_rank,
+            "world_size": strategy.world_size,
+            "strategy": type(strategy).__name__,
+            "sampler_kwargs": strategy.distributed_sampler_kwargs,
+            "params": {k: v.detach().clone() for k, v in model.model.named_parameters()},
+            "buffers": {k: v.detach().clone() for k, v in model.model.named_buffers()},
+            "seen": data.train_set.seen,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "saves": CountingCheckpointIO.saves,
+            "hvd_optimizer": hvd_optimizer,
+            "global_step": trainer.global_step,
+            "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+            "reduced_rank_sum": float(strategy.reduce(torch.tensor(float(strategy.global_rank)), reduce_op="sum")),
+            "gathered": strategy.all_gather(torch.tensor([float(strategy.global_rank)])).flatten().tolist(),
+            "broadcast": strategy.broadcast({"from": strategy.global_rank}, src=1),
+        },
+        args.out / f"rank{strategy.global_rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
