@@ -23,6 +23,7 @@ sees the rank's local gradients, not the global average.  Use ``on_before_optimi
 from __future__ import annotations
 
 import datetime
+import warnings
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -164,6 +165,9 @@ class LayeredSGDStrategy(DDPStrategy):
                     "strategy='layered_sgd' postpones the optimizer step and cannot re-evaluate the closure that "
                     "LBFGS needs; use an optimizer that takes one step per closure (SGD, Adam, ...)"
                 )
+        # The scheduler of step t steps before the postponed optimizer step of step t (the update still uses
+        # step t's lr, see PostponedUpdate), which makes torch warn about the order on the first step.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
         if trainer.state.fn == "fit" and self._flush_callback is None:
             self._flush_callback = _FlushBeforeReaders(self)
             trainer.callbacks.insert(0, self._flush_callback)

@@ -103,11 +103,15 @@ def _ddp_worker(rank: int, world: int) -> list[torch.Tensor]:
     return [p.detach().clone().numpy() for p in model.parameters()]  # numpy: pickled by value
 
 
+def _layered_and_ddp_worker(rank: int, world: int):
+    return _layered_worker(rank, world), _ddp_worker(rank, world)
+
+
 def test_layered_equals_serial_and_ddp():
     """Parameters after 6 steps of SGD (momentum, weight decay, StepLR) in float64: layered == DDP == serial."""
     serial = [torch.from_numpy(a) for a in _serial()]
-    layered = run_in_processes(_layered_worker, WORLD, timeout_s=180)
-    ddp = run_in_processes(_ddp_worker, WORLD, timeout_s=180)
+    both = run_in_processes(_layered_and_ddp_worker, WORLD, timeout_s=300)  # one spawn: the machine is slow
+    layered, ddp = [b[0] for b in both], [b[1] for b in both]
     initial = list(_model().parameters())
     assert any(not torch.allclose(s, i) for s, i in zip(serial, initial)), "training did not move the weights"
     for rank in range(WORLD):
@@ -116,7 +120,11 @@ def test_layered_equals_serial_and_ddp():
             torch.testing.assert_close(torch.from_numpy(lay), torch.from_numpy(d), rtol=1e-10, atol=1e-10)
 
 
-def _mean_worker(rank: int, world: int, per_node: int) -> torch.Tensor:
+def _mean_worker(rank: int, world: int) -> list:
+    return [_mean_for(rank, per_node) for per_node in (1, 2, 4)]
+
+
+def _mean_for(rank: int, per_node: int):
     groups = build_layered_groups(per_node, timeout_s=60)
     reducer = HierarchicalAllreduce(groups, timeout_s=60)
     out = []
@@ -128,10 +136,9 @@ def _mean_worker(rank: int, world: int, per_node: int) -> torch.Tensor:
     return torch.stack(out).numpy()
 
 
-@pytest.mark.parametrize("per_node", [1, 2, 4])
-def test_hierarchical_mean(per_node):
+def test_hierarchical_mean():
     """Global mean for 4 groups of 1, 2 groups of 2 and 1 group of 4 (no inter-group step)."""
-    results = run_in_processes(_mean_worker, WORLD, per_node, timeout_s=120)
+    results = [r for per_rank in run_in_processes(_mean_worker, WORLD, timeout_s=240) for r in per_rank]
     expected = torch.stack(
         [sum(torch.arange(10, dtype=torch.float64) * (r + 1) + k for r in range(WORLD)) / WORLD for k in range(3)]
     )
