@@ -32,4 +32,5 @@ def register_strategies() -> None:
 #: modules whose import registers a strategy (filled as strategies land)
 STRATEGY_MODULES: list[str] = [
     "lightning_hpc.strategies.horovod",
+    "lightning_hpc.strategies.layered_sgd",
 ]
