@@ -1,6 +1,7 @@
 """Plain ``nn.Module`` models: they never import strategies (a strategy adapts the model)."""
 
 from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
+from lightning_hpc.models.ode_resnet import ODEResNet, ResidualStep, ode_resnet, paper_inference_net
 from lightning_hpc.models.resnet import CifarResNet, ResNet, cifar_resnet, resnet, resnet18, resnet34, resnet50, resnet101, resnet152
 from lightning_hpc.models.small_cnn import small_cnn
 
@@ -17,6 +18,10 @@ __all__ = [
     "resnet101",
     "resnet152",
     "small_cnn",
+    "ODEResNet",
+    "ResidualStep",
+    "ode_resnet",
+    "paper_inference_net",
     "build_model",
 ]
 
@@ -31,4 +36,6 @@ def build_model(name: str, **kwargs):
         return alexnet_one_tower(**kwargs)
     if name == "small_cnn":
         return small_cnn(**kwargs)
-    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, small_cnn")
+    if name == "ode_resnet":
+        return ode_resnet(**kwargs)
+    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, small_cnn, ode_resnet")
