@@ -23,7 +23,7 @@ import torch
 from lightning_hpc.strategies.multigrid.options import SolveSettings
 from lightning_hpc.strategies.multigrid.parallel import LayerChain
 from lightning_hpc.strategies.multigrid.propagator import Propagator
-from lightning_hpc.strategies.multigrid.relaxation import Level, c_point_residual, f_relax, relax, sequential_solve
+from lightning_hpc.strategies.multigrid.relaxation import Level, c_point_residual, c_relax, f_relax, relax, sequential_solve
 
 __all__ = ["fas_cycle", "mgrit_solve", "make_levels"]
 
@@ -38,14 +38,30 @@ def make_levels(u: torch.Tensor, cfactor: int, levels: int) -> list[Level]:
     return out
 
 
-def fas_cycle(prop: Propagator, ws: list[Level], level: int, chain: LayerChain, relaxation: str, tol: float | None = None) -> float | None:
+def fas_cycle(
+    prop: Propagator,
+    ws: list[Level],
+    level: int,
+    chain: LayerChain,
+    relaxation: str,
+    tol: float | None = None,
+    relaxed: bool = False,
+    final_relax: bool = True,
+) -> float | None:
     """One FAS V-cycle from ``level`` down; returns ||R_h|| (fine level only, measured after relaxation).
 
     With ``tol`` set and the residual already below it, the cycle stops after the relaxation.
+    ``relaxed``: the points are already F-relaxed (the previous cycle ended with F-relaxation and nothing changed
+    since), so the leading F-sweep is skipped (it would recompute the same values).  ``final_relax=False``
+    skips the closing F-relaxation when only the C-points (e.g. the output u_N) are wanted.
     """
     c = prop.hierarchy.cfactor
     lv, coarse = ws[level], ws[level + 1]
-    relax(prop, lv, c, chain, relaxation)
+    if not relaxed:
+        relax(prop, lv, c, chain, relaxation)
+    elif relaxation == "FCF":
+        c_relax(prop, lv, c)
+        f_relax(prop, lv, c, chain)
     r = c_point_residual(prop, lv, c)
     norm = None
     if level == 0:
@@ -61,14 +77,20 @@ def fas_cycle(prop: Propagator, ws: list[Level], level: int, chain: LayerChain, 
     else:
         fas_cycle(prop, ws, level + 1, chain, relaxation)
     lv.u[c::c] = coarse.u[1:]  # u^{kc} <- u^{kc} + delta u_H^k (Algorithm 1, steps 4-5)
-    f_relax(prop, lv, c, chain)
+    lv.u[0] = coarse.u[0]
+    if final_relax:
+        f_relax(prop, lv, c, chain)
     return norm
 
 
-def mgrit_solve(prop: Propagator, u: torch.Tensor, relaxation: str, settings: SolveSettings, chain: LayerChain) -> list[float]:
+def mgrit_solve(
+    prop: Propagator, u: torch.Tensor, relaxation: str, settings: SolveSettings, chain: LayerChain, need_all_points: bool = True
+) -> list[float]:
     """Solve the chain of steps in place in ``u`` (initial guess in, solution out); returns ||R_h|| per cycle.
 
-    With one level, the steps are propagated sequentially (exact; no cycles, empty history).
+    With one level, the steps are propagated sequentially (exact; no cycles, empty history).  With
+    ``need_all_points=False`` (inference: only u_N, a C-point, is read) the last cycle's closing F-relaxation is
+    skipped, so the F-points of the result are stale.
     """
     hierarchy = prop.hierarchy
     ws = make_levels(u, hierarchy.cfactor, hierarchy.levels)
@@ -76,8 +98,9 @@ def mgrit_solve(prop: Propagator, u: torch.Tensor, relaxation: str, settings: So
         sequential_solve(prop, ws[0], chain)
         return []
     history: list[float] = []
-    for _ in range(settings.cycles):
-        norm = fas_cycle(prop, ws, 0, chain, relaxation, settings.tol)
+    for cycle in range(settings.cycles):
+        last = cycle == settings.cycles - 1
+        norm = fas_cycle(prop, ws, 0, chain, relaxation, settings.tol, relaxed=cycle > 0, final_relax=need_all_points or not last)
         assert norm is not None
         history.append(norm)
         if settings.tol is not None and norm <= settings.tol:

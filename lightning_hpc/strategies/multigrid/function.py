@@ -44,11 +44,16 @@ class LayerParallelSolver:
     def local_steps(self) -> int:
         return len(self.stack)
 
-    def solve_states(self, u0: torch.Tensor, training: bool) -> torch.Tensor:
-        """States u_{start}..u_{stop} of this rank (``[n + 1, *u0.shape]``), initial guess u_0 everywhere."""
+    def solve_states(self, u0: torch.Tensor, training: bool, need_states: bool = True) -> torch.Tensor:
+        """States u_{start}..u_{stop} of this rank (``[n + 1, *u0.shape]``), initial guess u_0 everywhere.
+
+        ``need_states=False``: only the last point is valid (inference; saves the last F-relaxation).
+        """
         self.stack.refresh(training)
         u = u0.detach().unsqueeze(0).repeat(self.local_steps + 1, *([1] * u0.dim()))
-        self.forward_history = mgrit_solve(ForwardPropagator(self.stack, self.hierarchy), u, self.options.relaxation, self.options.forward, self.chain)
+        need_states = need_states or (training and self.stack.has_batch_norm)
+        prop = ForwardPropagator(self.stack, self.hierarchy)
+        self.forward_history = mgrit_solve(prop, u, self.options.relaxation, self.options.forward, self.chain, need_states)
         self.stack.update_running_stats(u[: self.local_steps])
         return u
 
@@ -72,8 +77,8 @@ class MultigridFunction(torch.autograd.Function):
     """u_N = MG-solve(u_0; theta) with the adjoint multigrid solve as its backward."""
 
     @staticmethod
-    def forward(ctx, solver: LayerParallelSolver, training: bool, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        states = solver.solve_states(u0, training)
+    def forward(ctx, solver: LayerParallelSolver, training: bool, need_states: bool, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        states = solver.solve_states(u0, training, need_states)
         ctx.solver, ctx.states = solver, states
         return solver.output(states)
 
@@ -81,7 +86,7 @@ class MultigridFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
         grad_u0, grads = ctx.solver.solve_adjoint(ctx.states, grad_out.contiguous())
         ctx.states = None
-        return (None, None, grad_u0, *grads)
+        return (None, None, None, grad_u0, *grads)
 
 
 class MultigridODEBlock(nn.Sequential):
@@ -99,6 +104,7 @@ class MultigridODEBlock(nn.Sequential):
         super().__init__()
         for name, block in zip(names, blocks):
             self.add_module(name, block)
+        self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
         self.options = options or MultigridOptions()
         self.group = group
         self.solver = LayerParallelSolver(blocks, self.options, group)
@@ -120,7 +126,8 @@ class MultigridODEBlock(nn.Sequential):
             local = nn.Sequential(*list(self)[part.start : part.stop])
             residual_steps(local, u0[:1].detach(), first_index=part.start)
             self._shape_checked = True
-        return MultigridFunction.apply(self.solver, self.training, u0, *self.solver.local_params)
+        need_states = torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in self.solver.local_params))
+        return MultigridFunction.apply(self.solver, self.training, need_states, u0, *self.solver.local_params)
 
     def sync_parameters(self) -> None:
         """Broadcast every step's parameters and buffers from its owner rank to the whole layer group."""

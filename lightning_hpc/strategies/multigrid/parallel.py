@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["LayerChain"]
+__all__ = ["LayerChain", "layer_data_groups", "average_gradients"]
 
 
 class LayerChain:
@@ -79,3 +79,35 @@ class LayerChain:
         if self.size > 1:
             dist.broadcast(tensor, src, group=self.group)
         return tensor
+
+
+def layer_data_groups(layer_parallel_size: int, device_type: str = "cpu") -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+    """The 2-D mesh data x layer: (data group, layer group, data index, layer index) of this rank.
+
+    Ranks r = d * P + l: the P ranks of one layer chain are contiguous (same node when P divides the ranks per
+    node, where the boundary exchanges are cheapest); ranks with the same l hold the same layers and average
+    their gradients over the data dimension.  Collective: every rank calls it.
+    """
+    from lightning_hpc.distributed.groups import check_divisible, mesh_2d
+
+    world = dist.get_world_size()
+    check_divisible(world, layer_parallel_size, what="ranks of one layer-parallel chain", setting="layer_parallel_size")
+    mesh = mesh_2d(world // layer_parallel_size, layer_parallel_size, ("data", "layer"), device_type=device_type)
+    rank = dist.get_rank()
+    return mesh.get_group("data"), mesh.get_group("layer"), rank // layer_parallel_size, rank % layer_parallel_size
+
+
+def average_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Average the ``.grad`` of ``params`` (those that have one) over ``group`` in one flat allreduce."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -48,6 +48,7 @@ class PartitionedODEBlock(nn.Sequential):
         super().__init__()
         for name, block in zip(names, blocks):
             self.add_module(name, block)
+        self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
         self.group = group
         self.chain, self.adjoint_chain = LayerChain(group), LayerChain(group, reverse=True)
         self.partition = LayerPartition(len(blocks), self.chain.size, self.chain.index, 2, 1)
