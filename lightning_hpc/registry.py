@@ -33,4 +33,5 @@ def register_strategies() -> None:
 STRATEGY_MODULES: list[str] = [
     "lightning_hpc.strategies.horovod",
     "lightning_hpc.strategies.layered_sgd",
+    "lightning_hpc.strategies.multigrid.strategy",
 ]
