@@ -1,0 +1,1 @@
+"""Lightning strategies (thin adapters over the plain-torch cores)."""
