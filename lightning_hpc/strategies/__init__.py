@@ -1,0 +1,1 @@
+"""Lightning strategies of lightning_hpc (each registers its name at import)."""
