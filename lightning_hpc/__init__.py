@@ -6,9 +6,10 @@ Importing the package registers every strategy name in Lightning's ``StrategyReg
 
 from lightning_hpc.lit import ImageClassifier
 from lightning_hpc.registry import register_strategies
+from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["ImageClassifier", "__version__"]
+__all__ = ["ImageClassifier", "SpatialParallelStrategy", "__version__"]
 
 register_strategies()

@@ -29,4 +29,6 @@ def register_strategies() -> None:
 
 
 #: modules whose import registers a strategy (filled as strategies land)
-STRATEGY_MODULES: list[str] = []
+STRATEGY_MODULES: list[str] = [
+    "lightning_hpc.strategies.spatial.strategy",
+]

@@ -58,7 +58,7 @@ class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):
         mean64 = stats[:c] / n
         var64 = (stats[c : 2 * c] / n - mean64 * mean64).clamp_min(0)
         if self.training and self.track_running_stats:
-            self._update_running_stats(mean64.detach(), var64.detach(), float(n))
+            self._update_running_stats(mean64.detach(), var64.detach(), float(n.detach()))
         mean = mean64.to(x.dtype)[None, :, None, None]
         inv_std = torch.rsqrt(var64 + self.eps).to(x.dtype)[None, :, None, None]
         y = (x - mean) * inv_std
