@@ -74,7 +74,8 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
     "world,parts_list",
     [
         (2, [(2, 1), (1, 2)]),
-        (4, [(2, 2), (4, 1), (1, 4), (2, 1)]),  # (2, 1) on 4 ranks: 2 sample groups x 2 tiles
+        (4, [(2, 2)]),
+        pytest.param(4, [(4, 1), (1, 4), (2, 1)], marks=pytest.mark.slow),  # (2, 1): 2 sample groups x 2 tiles
     ],
 )
 def test_conv_and_pool_match_serial(world, parts_list):

@@ -119,7 +119,10 @@ def _ops(rank: int, world: int, parts_list) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("world,parts_list", [(2, [(2, 1), (1, 2)]), (4, [(2, 2), (4, 1), (2, 1)])])
+@pytest.mark.parametrize(
+    "world,parts_list",
+    [(2, [(2, 1), (1, 2)]), (4, [(2, 2)]), pytest.param(4, [(4, 1), (2, 1)], marks=pytest.mark.slow)],
+)
 def test_ops_match_serial(world, parts_list):
     results = run_in_processes(_ops, world, parts_list, timeout_s=300, collective_timeout_s=120)
     failures = [f for r in results for f in r]
