@@ -13,10 +13,11 @@ from lightning_hpc.strategies.horovod import HorovodStrategy  # importing it nev
 from lightning_hpc.strategies.hybrid_fc import HybridParallelStrategy
 from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
 from lightning_hpc.strategies.multigrid.strategy import MultigridStrategy
+from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.registry import register_strategies
 
 __version__ = "0.1.0"
 
-__all__ = ["HorovodStrategy", "HybridParallelStrategy", "ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "LayeredSGDStrategy", "MultigridStrategy", "SegmentationModule", "__version__"]
+__all__ = ["HorovodStrategy", "HybridParallelStrategy", "ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "LayeredSGDStrategy", "MultigridStrategy", "SegmentationModule", "SpatialParallelStrategy", "__version__"]
 
 register_strategies()

@@ -35,4 +35,5 @@ STRATEGY_MODULES: list[str] = [
     "lightning_hpc.strategies.layered_sgd",
     "lightning_hpc.strategies.multigrid.strategy",
     "lightning_hpc.strategies.hybrid_fc",
+    "lightning_hpc.strategies.spatial.strategy",
 ]
