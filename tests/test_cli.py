@@ -15,6 +15,11 @@ FAST = {
     "digits": [],
     "resnet_cifar": ["batch_size=8", "data.num_workers=0", "data.synthetic_train_size=64", "data.synthetic_val_size=16", "model.depth=20"],
     "resnet_imagenet": ["data=synthetic", "batch_size=2", "model.depth=18", "data.train_size=8", "data.val_size=4"],
+    "alexnet_imagenet": ["batch_size=2", "model.fc_width=64", "data.train_size=8", "data.val_size=4", "trainer.accelerator=cpu", "trainer.devices=2"],
+    "digits_odenet": [],
+    # run (with their own size overrides) by the test named here
+    "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
+    "mesh_tangling_2k": "tests/mesh_tangling/test_recipes.py",
 }
 
 
@@ -62,6 +67,8 @@ def test_overrides_take_effect_and_resume_continues(cli):
 def test_recipe_fast_dev_run(cli, recipe):
     if recipe not in recipe_names():
         pytest.skip(f"recipe {recipe} not shipped")
+    if isinstance(FAST[recipe], str):
+        pytest.skip(f"covered by {FAST[recipe]}")
     cli("train", f"recipe={recipe}", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", *FAST[recipe])
 
 
