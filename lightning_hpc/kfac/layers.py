@@ -188,23 +188,28 @@ class Conv2dHandler(LayerHandler):
     def g_dim(self) -> int:
         return self.module.out_channels
 
-    def _patches(self, x: torch.Tensor) -> torch.Tensor:
-        """Unfolded input ``(N, C * kh * kw, T)``."""
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        """Strided view ``(N, C, oh, ow, kh, kw)`` of the padded input: the patches without copying.
+
+        Padding (zeros, 'same', reflect/replicate/circular) is applied exactly as the module's forward does;
+        dilation takes every ``d``-th element of a ``d (k - 1) + 1`` window. One later copy lays the patches out
+        as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
+        """
         m = self.module
         x = x.detach().float()
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
-        padding = m.padding
-        if isinstance(padding, str) or m.padding_mode != "zeros":
-            # Same padding as the module's own forward (Conv2d._conv_forward), then an unpadded unfold.
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        if any(m._reversed_padding_repeated_twice):
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-            padding = (0, 0)
-        return F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)
+        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+        win = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+        return win[..., ::dh, ::dw]
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
-        patches = self._patches(x)
-        return self._with_bias(patches.transpose(1, 2).reshape(-1, patches.shape[1]))
+        win = self._windows(x)
+        n, c, oh, ow, kh, kw = win.shape
+        return self._with_bias(win.permute(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
         g = g.detach().float()
@@ -229,8 +234,13 @@ class Conv2dHandler(LayerHandler):
         return rows.t() @ rows
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        patches = self._patches(x)
-        n, k, positions = patches.shape
+        win = self._windows(x)
+        n, c, oh, ow, kh, kw = win.shape
+        k, positions = c * kh * kw, oh * ow
+        if positions < k:  # one large product on the row layout (see _channel_gram)
+            rows = self.input_rows(x)
+            return rows.t() @ rows, rows.shape[0]
+        patches = win.permute(0, 1, 4, 5, 2, 3).reshape(n, k, positions)
         gram = self._channel_gram(patches)
         if self.has_bias:  # [[P P^T, sum p], [sum p^T, rows]]
             colsum = patches.sum(dim=(0, 2))
