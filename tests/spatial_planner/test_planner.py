@@ -125,6 +125,10 @@ def test_predicted_time_adds_up_for_sample_parallelism():
     hidden = plan.allreduce_time - plan.exposed_allreduce_time
     assert 0 <= hidden <= plan.allreduce_time
     assert plan.predicted_step_time == pytest.approx(compute + plan.exposed_allreduce_time + plan.optimizer_time)
+    fused = plan_for_model(model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1,
+                           gradient_reduction="single")
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    assert fused.exposed_allreduce_time == pytest.approx(alphabeta.allreduce(nbytes, 2, m))  # nothing left to hide it
 
 
 class _Residual(nn.Module):
