@@ -187,3 +187,12 @@ def test_plan_inside_a_job_is_made_once_and_shared():
     results = run_in_processes(_plan_in_job, 2, timeout_s=240)
     assert results[0] == results[1]
     assert results[0][1] in ((1, 2), (2, 1))
+
+
+def test_compute_contention_is_a_slowdown_factor():
+    from lightning_hpc.perfmodel import compute_contention
+
+    assert compute_contention(1) == 1.0
+    assert compute_contention(2, size=32, repeats=2, rounds=1) >= 1.0
+    with pytest.raises(ValueError, match="world_size"):
+        compute_contention(0)
