@@ -8,6 +8,7 @@ Lightning only needs to read them, never to set them.
 from __future__ import annotations
 
 import os
+import socket
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 
@@ -20,7 +21,17 @@ _LAUNCH_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_R
 
 
 class HorovodEnvironment(ClusterEnvironment):
-    """Ranks and sizes read from an initialised Horovod (initialising it on first use)."""
+    """Ranks and sizes read from an initialised Horovod (initialising it on first use).
+
+    ``HorovodStrategy`` needs nothing else.  DDP-derived strategies (``DDPStrategy``, layered SGD) can also run
+    under ``horovodrun`` with ``cluster_environment=HorovodEnvironment()``: they open a torch.distributed
+    process group at ``main_address:main_port``, which rank 0 picks (``MASTER_ADDR``/``MASTER_PORT`` when set,
+    else its host name and a free port) and Horovod broadcasts on first use; every rank reaches that point
+    together, in the strategy's process-group setup.
+    """
+
+    def __init__(self) -> None:
+        self._main: tuple[str, int] | None = None
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -28,12 +39,26 @@ class HorovodEnvironment(ClusterEnvironment):
 
     @property
     def main_address(self) -> str:
-        # Horovod does its own rendezvous; Lightning never opens a torch.distributed store for this strategy.
-        return os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+        return self._rendezvous()[0]
 
     @property
     def main_port(self) -> int:
-        return int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 0))
+        return self._rendezvous()[1]
+
+    def _rendezvous(self) -> tuple[str, int]:
+        if self._main is None:
+            hvd = init_horovod()
+            mine = None
+            if hvd.rank() == 0:
+                address = os.environ.get("MASTER_ADDR") or _host_name()
+                port = int(os.environ.get("MASTER_PORT", 0)) or _free_port()
+                mine = (address, port)
+            if hvd.size() == 1:
+                self._main = mine
+            else:
+                self._main = hvd.broadcast_object(mine, root_rank=0, name="lightning_hpc.torch_rendezvous")
+        assert self._main is not None
+        return self._main
 
     @staticmethod
     def detect() -> bool:
@@ -57,3 +82,17 @@ class HorovodEnvironment(ClusterEnvironment):
 
     def node_rank(self) -> int:
         return init_horovod().cross_rank()
+
+
+def _host_name() -> str:
+    # horovodrun exports the host name it reached this rank by (-H); MPI launches fall back to the FQDN
+    name = os.environ.get("HOROVOD_HOSTNAME")
+    if name is None:
+        return socket.getfqdn()
+    return "127.0.0.1" if name in ("localhost", "127.0.0.1") else name
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

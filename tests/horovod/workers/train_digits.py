@@ -89,6 +89,13 @@ def main() -> None:
         from lightning_hpc import HorovodStrategy
 
         strategy = HorovodStrategy(**json.loads(args.hvd_options))
+    elif strategy == "ddp_under_horovodrun":
+        # Lightning's DDP, processes started by horovodrun, torch.distributed rendezvous through Horovod
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from lightning_hpc.strategies.horovod_environment import HorovodEnvironment
+
+        strategy = DDPStrategy(cluster_environment=HorovodEnvironment())
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     trainer = pl.Trainer(
         strategy=strategy,
