@@ -4,12 +4,20 @@ Importing the package registers every strategy name in Lightning's ``StrategyReg
 ``Trainer(strategy="<name>")`` works.
 """
 
+from lightning_hpc.kfac.callback import KFAC
+from lightning_hpc.kfac.precision import KFACMixedPrecision
+from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.lit import ImageClassifier
-from lightning_hpc.registry import register_strategies
+from lightning_hpc.segmentation import SegmentationModule
 from lightning_hpc.strategies.horovod import HorovodStrategy  # importing it never imports Horovod
+from lightning_hpc.strategies.hybrid_fc import HybridParallelStrategy
+from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
+from lightning_hpc.strategies.multigrid.strategy import MultigridStrategy
+from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.registry import register_strategies
 
 __version__ = "0.1.0"
 
-__all__ = ["ImageClassifier", "HorovodStrategy", "__version__"]
+__all__ = ["HorovodStrategy", "HybridParallelStrategy", "ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "LayeredSGDStrategy", "MultigridStrategy", "SegmentationModule", "SpatialParallelStrategy", "__version__"]
 
 register_strategies()

@@ -37,6 +37,26 @@ def _split_recipe(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return recipes or [DEFAULT_RECIPE], rest
 
 
+#: Hydra flags that take a value (the value must stay next to its flag when arguments are reordered).
+_HYDRA_VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-i", "--info", "--experimental-rerun"}
+
+
+def _hydra_argv(args: Sequence[str], extra_overrides: Sequence[str]) -> list[str]:
+    """Overrides first, flags after: Hydra's argparse accepts one run of positional overrides only."""
+    overrides, flags = list(extra_overrides), []
+    it = iter(args)
+    for arg in it:
+        if arg.startswith("-"):
+            flags.append(arg)
+            if arg in _HYDRA_VALUE_FLAGS and "=" not in arg:
+                nxt = next(it, None)
+                if nxt is not None:
+                    flags.append(nxt)
+        else:
+            overrides.append(arg)
+    return overrides + flags
+
+
 def train_main(argv: Sequence[str]) -> int:
     """Compose ``recipes/<recipe>.yaml`` (primary config) with the groups in ``conf/`` and train.
 
@@ -63,7 +83,7 @@ def train_main(argv: Sequence[str]) -> int:
         hydra_launch.install([f"recipe={recipe}", searchpath])
         task = hydra.main(config_path=str(recipes_dir()), config_name=recipe, version_base="1.3")(run)
         saved = sys.argv
-        sys.argv = [saved[0], *rest, searchpath]
+        sys.argv = [saved[0], *_hydra_argv(rest, [searchpath])]
         try:
             task()
         finally:

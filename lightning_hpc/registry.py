@@ -8,13 +8,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 __all__ = ["register_strategy", "register_strategies", "STRATEGIES"]
 
-#: name -> (import path of the strategy class, description, default init kwargs)
-STRATEGIES: dict[str, tuple[str, str, dict[str, Any]]] = {}
+#: names this package registered -> strategy class
+STRATEGIES: dict[str, type] = {}
 
 
 def register_strategy(name: str, cls: type, description: str, **init_params: Any) -> None:
     """Register ``name`` (lowercase) unless it is already there (guarded: re-imports are harmless)."""
     name = name.lower()
+    STRATEGIES[name] = cls
     if name in StrategyRegistry:
         return
     StrategyRegistry.register(name, cls, description=description, **init_params)
@@ -31,4 +32,8 @@ def register_strategies() -> None:
 #: modules whose import registers a strategy (filled as strategies land)
 STRATEGY_MODULES: list[str] = [
     "lightning_hpc.strategies.horovod",
+    "lightning_hpc.strategies.layered_sgd",
+    "lightning_hpc.strategies.multigrid.strategy",
+    "lightning_hpc.strategies.hybrid_fc",
+    "lightning_hpc.strategies.spatial.strategy",
 ]

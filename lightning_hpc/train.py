@@ -35,7 +35,8 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
-    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    # scheduler=none leaves only the recipe's schedule numbers (no _target_): no scheduler then.
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") and cfg.scheduler.get("_target_") else None
     task = OmegaConf.to_container(cfg.task, resolve=True) if cfg.get("task") else {}
     module_target = task.pop("_target_", None)
     if module_target is not None:
@@ -71,11 +72,27 @@ def _summary(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
+def _reset_distributed(env_before: dict[str, str]) -> None:
+    """Leave the process as it was before the job, so the next job of a ``--multirun`` sweep launches its
+    own ranks: Lightning keeps the process group and the launcher's variables (LOCAL_RANK, MASTER_PORT, ...)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in set(os.environ) - set(env_before):
+        del os.environ[key]
+    os.environ.update(env_before)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train the recipe; on global rank 0 print and write (``metrics.json``) the final metrics and paths."""
-    trainer, module, datamodule = build(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    summary = _summary(trainer)
+    env_before = dict(os.environ)
+    try:
+        trainer, module, datamodule = build(cfg)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        summary = _summary(trainer)
+    finally:
+        _reset_distributed(env_before)
     if trainer.is_global_zero:
         out = Path(trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,13 @@ class Communicator(ABC):
     def allgather(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         """Gather equally shaped tensors from every rank of the group, ordered by group rank."""
 
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False) -> Handle:
+        """Reduce onto global rank ``dst``; only ``dst``'s tensor is guaranteed to hold the result.
+
+        The default is an allreduce (correct on every rank, more traffic); backends with a real reduce override it.
+        """
+        return self.allreduce(tensor, op=op, group=group, async_op=async_op)
+
     def barrier(self, group: Any = None) -> None:
         self.allreduce(torch.zeros(1), op="sum", group=group).wait()
 
@@ -103,6 +110,18 @@ class TorchDistributedCommunicator(Communicator):
         if op not in ("sum", "mean"):
             raise ValueError(f"allreduce op must be 'sum' or 'mean', got {op!r}")
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        handle: Handle = _MeanAfterWait(work, tensor, n) if op == "mean" else work
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False) -> Handle:
+        n = self.group_size(group)
+        if n == 1:
+            return CompletedHandle()
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce op must be 'sum' or 'mean', got {op!r}")
+        work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
         handle: Handle = _MeanAfterWait(work, tensor, n) if op == "mean" else work
         if not async_op:
             handle.wait()

@@ -1,11 +1,15 @@
 """Plain ``nn.Module`` models: they never import strategies (a strategy adapts the model)."""
 
 from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
+from lightning_hpc.models.mesh_fcn import MeshFCN, mesh_fcn
+from lightning_hpc.models.ode_resnet import ODEResNet, ResidualStep, ode_resnet, paper_inference_net
 from lightning_hpc.models.resnet import CifarResNet, ResNet, cifar_resnet, resnet, resnet18, resnet34, resnet50, resnet101, resnet152
 from lightning_hpc.models.small_cnn import small_cnn
 
 __all__ = [
     "AlexNetOneTower",
+    "MeshFCN",
+    "mesh_fcn",
     "alexnet_one_tower",
     "CifarResNet",
     "ResNet",
@@ -17,6 +21,10 @@ __all__ = [
     "resnet101",
     "resnet152",
     "small_cnn",
+    "ODEResNet",
+    "ResidualStep",
+    "ode_resnet",
+    "paper_inference_net",
     "build_model",
 ]
 
@@ -29,6 +37,10 @@ def build_model(name: str, **kwargs):
         return cifar_resnet(int(name[12:]), **kwargs)
     if name in ("alexnet", "alexnet_one_tower"):
         return alexnet_one_tower(**kwargs)
+    if name == "mesh_fcn":
+        return mesh_fcn(**kwargs)
     if name == "small_cnn":
         return small_cnn(**kwargs)
-    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, small_cnn")
+    if name == "ode_resnet":
+        return ode_resnet(**kwargs)
+    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet")

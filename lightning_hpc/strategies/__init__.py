@@ -1,1 +1,1 @@
-"""Lightning strategies; each module registers its name with Lightning at import."""
+"""Lightning strategies: thin adapters over the plain-torch cores; each module registers its name at import."""

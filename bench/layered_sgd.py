@@ -1,0 +1,446 @@
+"""Layered SGD vs DDP throughput with a slow inter-node link (Yu et al., Figs. 4-6).
+
+Two simulated nodes x 2 processes: each node's processes run in their own network namespace, joined by a veth
+pair whose two ends are shaped with ``tc tbf`` (rate only).  Every training step loads a real mini-batch by
+decoding JPEG files written by this script (Pillow), so loading takes real time.  The link rate is swept so
+the inter-node allreduce goes from much shorter than the loading time to longer than it.
+
+Per run it records: throughput (samples/s), step time, loading time per step, the inter-node part of the
+reduction (leaders' allreduce as the communicator thread measured it, layered only), a blocking world
+allreduce of the gradient size (what DDP pays) and the link rate *measured* with a send/recv right after
+shaping.  Shaped rows are only written for runs that were actually made in namespaces; where namespaces cannot
+be made the script says so and runs unshaped only.
+
+Modes (the same code the Lightning strategies run, in a plain loop so 2 shared CPU cores are not spent on
+Lightning's per-step bookkeeping):
+- ``ddp``: torch ``DistributedDataParallel`` (Algorithm 2; bucketed allreduce overlapped with backward);
+- ``layered``: :class:`lightning_hpc.distributed.postponed_update.PostponedUpdate` over
+  :class:`lightning_hpc.distributed.hierarchical.HierarchicalAllreduce` (Algorithm 3).
+
+    sudo python bench/layered_sgd.py                      # full sweep (needs root for ip netns / tc)
+    python bench/layered_sgd.py --rates 1000,300,100 --steps 10 --repeats 2
+    python bench/layered_sgd.py --delay-ms 5              # refuses: tc netem is not available here
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
+
+NS = ("lsgd_n0", "lsgd_n1")
+DEV = ("lsgd0", "lsgd1")
+ADDR = ("10.77.0.1", "10.77.0.2")
+IMAGE = 192  # JPEG side length
+
+
+# --------------------------------------------------------------------------------------------- setup (root)
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+def make_namespaces() -> str | None:
+    """Create two namespaces joined by a veth pair; return None on success or the reason it failed."""
+    teardown_namespaces()
+    try:
+        sh("ip", "netns", "add", NS[0])
+        sh("ip", "netns", "add", NS[1])
+        sh("ip", "link", "add", DEV[0], "type", "veth", "peer", "name", DEV[1])
+        for i in (0, 1):
+            sh("ip", "link", "set", DEV[i], "netns", NS[i])
+            sh("ip", "netns", "exec", NS[i], "ip", "addr", "add", f"{ADDR[i]}/24", "dev", DEV[i])
+            sh("ip", "netns", "exec", NS[i], "ip", "link", "set", DEV[i], "up")
+            sh("ip", "netns", "exec", NS[i], "ip", "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", NS[0], "ping", "-c", "1", "-W", "2", ADDR[1], check=False)
+        return None
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        teardown_namespaces()
+        return getattr(e, "stderr", None) or str(e)
+
+
+def teardown_namespaces() -> None:
+    for ns in NS:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def netem_available() -> bool:
+    if make_namespaces() is not None:
+        return False
+    try:
+        r = subprocess.run(["ip", "netns", "exec", NS[0], "tc", "qdisc", "add", "dev", DEV[0], "root", "netem",
+                            "delay", "5ms"], capture_output=True, text=True)
+        return r.returncode == 0
+    finally:
+        teardown_namespaces()
+
+
+def write_jpegs(folder: Path, count: int) -> list[Path]:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{i:04d}.jpg" for i in range(count)]
+    if all(p.exists() for p in paths):
+        return paths
+    g = torch.Generator().manual_seed(0)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, IMAGE), torch.linspace(0, 1, IMAGE), indexing="ij")
+    for i, p in enumerate(paths):
+        f = torch.rand(3, 2, generator=g) * 12
+        smooth = torch.stack([torch.sin(f[c, 0] * xx + f[c, 1] * yy) for c in range(3)], -1)
+        img = ((smooth * 0.35 + 0.5 + 0.15 * torch.rand(IMAGE, IMAGE, 3, generator=g)).clamp(0, 1) * 255).byte()
+        Image.fromarray(img.numpy()).save(p, quality=90)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------- worker
+class Net(nn.Module):
+    """Small conv trunk + wide FC head: little compute, ~8 MB of gradients (an inter-node allreduce that
+    matters on a slow link)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(16 * 16 * 16, width), nn.ReLU(), nn.Linear(width, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))
+
+
+class JpegLoader:
+    """Decodes ``batch`` JPEG files per call (Pillow), the real work the paper's workers do meanwhile."""
+
+    def __init__(self, paths: list[Path], batch: int, rank: int, world: int) -> None:
+        self.paths, self.batch, self.i = paths, batch, rank * batch
+        self.stride = world * batch
+        self.times: list[float] = []
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image
+
+        t0 = time.perf_counter()
+        xs = []
+        for k in range(self.batch):
+            p = self.paths[(self.i + k) % len(self.paths)]
+            with Image.open(p) as im:
+                arr = torch.frombuffer(bytearray(im.convert("RGB").tobytes()), dtype=torch.uint8)
+            xs.append(arr.view(IMAGE, IMAGE, 3).permute(2, 0, 1).float().div_(255))
+        self.i += self.stride
+        x = nn.functional.adaptive_avg_pool2d(torch.stack(xs), 32)
+        y = torch.randint(0, 10, (self.batch,))
+        self.times.append(time.perf_counter() - t0)
+        return x, y
+
+
+def _shape(rank: int, per_node: int, rate_mbit: float | None) -> None:
+    """Leaders set their own veth's egress rate (each direction of the link is shaped by its sender)."""
+    if rank % per_node != 0:
+        return
+    dev = DEV[rank // per_node]
+    subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    if rate_mbit is not None:
+        burst_kb = max(32, int(rate_mbit * 1e6 / 8 / 100 / 1024))  # >= one 10 ms timer tick of data
+        subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                        "burst", f"{burst_kb}kb", "latency", "500ms"], check=True, capture_output=True)
+
+
+def _link_rate_mbit(rank: int, per_node: int) -> float:
+    """Measure rank 0 -> first rank of node 1 and back with an 8 MB tensor; returns the mean rate."""
+    import torch.distributed as dist
+
+    peer = per_node
+    t = torch.zeros(2 * 1024 * 1024)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    elif rank == peer:
+        dist.recv(t, 0)
+        dist.send(t, 0)
+    dt = torch.tensor([time.perf_counter() - t0])
+    dist.broadcast(dt, 0)
+    return 2 * t.numel() * 4 * 8 / dt.item() / 1e6
+
+
+def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, steps: int, warmup: int,
+           width: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, build_layered_groups
+    from lightning_hpc.distributed.postponed_update import PostponedUpdate
+
+    torch.manual_seed(0)
+    model = Net(width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    loader.times.clear()
+    inter: list[float] = []
+    if mode == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+
+        def step(x, y):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            return loader()
+        finish = lambda: None  # noqa: E731
+    else:
+        groups = build_layered_groups(per_node, timeout_s=600)
+        reducer = HierarchicalAllreduce(groups, timeout_s=600)
+        update = PostponedUpdate(model.parameters(), reducer)
+
+        def step(x, y):
+            if update.apply(opt.step) and groups.is_leader and groups.num_groups > 1:
+                inter.append(reducer.last_inter_seconds)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            update.begin([opt])
+            return loader()  # Algorithm 3 line 8: load while the leaders allreduce
+        finish = lambda: update.apply(opt.step)  # noqa: E731
+    batch = loader()
+    for _ in range(warmup):
+        batch = step(*batch)
+    finish()
+    loader.times.clear()
+    inter.clear()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = step(*batch)
+    finish()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if mode != "ddp":
+        reducer.close()
+    stats = torch.tensor([statistics.median(loader.times), statistics.median(inter) if inter else 0.0])
+    dist.all_reduce(stats)  # (leaders only report inter times; divide by the number of reporters)
+    n_leaders = world // per_node if world // per_node > 1 else 1
+    return {
+        "mode": mode,
+        "throughput": world * loader.batch * steps / elapsed,
+        "step_s": elapsed / steps,
+        "load_s": stats[0].item() / world,
+        "inter_allreduce_s": stats[1].item() / n_leaders if world // per_node > 1 and mode != "ddp" else None,
+    }
+
+
+def _world_allreduce_s(width: int) -> float:
+    import torch.distributed as dist
+
+    n = sum(p.numel() for p in Net(width).parameters())
+    buf = torch.zeros(n)
+    dist.barrier()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
+    paths = sorted(Path(args.jpegs).glob("*.jpg"))
+    loader = JpegLoader(paths, args.batch, rank, world)
+    rates = [None] + [float(r) for r in args.rates.split(",") if r] if args.shaped else [None]
+    rows = []
+    for repeat in range(args.repeats):
+        for rate in rates:
+            if args.shaped:
+                _shape(rank, args.per_node, rate)
+            dist.barrier()
+            link = _link_rate_mbit(rank, args.per_node) if args.shaped else None
+            allreduce_s = _world_allreduce_s(args.width) if world > 1 else 0.0
+            for mode in args.modes.split(","):
+                row = _train(mode, rank, world, args.per_node, loader, args.steps, args.warmup, args.width)
+                row.update(repeat=repeat, layout=args.layout, world=world, procs_per_node=args.per_node,
+                           link_rate_mbit=rate if args.shaped else None, shaped=bool(args.shaped and rate),
+                           measured_link_mbit=link, world_allreduce_s=allreduce_s)
+                rows.append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+    if args.shaped:
+        _shape(rank, args.per_node, None)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- driver
+def launch(args: argparse.Namespace, world: int, per_node: int, layout: str, shaped: bool, modes: str,
+           out: Path) -> list[dict]:
+    from lightning_hpc.distributed import find_free_port
+
+    port = str(find_free_port())
+    procs = []
+    for rank in range(world):
+        node = rank // per_node if shaped else 0
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   MASTER_ADDR=ADDR[0] if shaped else "127.0.0.1", PYTHONPATH=str(REPO))
+        if shaped:
+            env["GLOO_SOCKET_IFNAME"] = DEV[node]
+        else:
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        cmd = [sys.executable, __file__, "--worker", "--jpegs", args.jpegs, "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+               "--repeats", str(args.repeats), "--rates", args.rates if shaped else "", "--modes", modes,
+               "--per-node", str(per_node), "--layout", layout, "--out", str(out)] + (["--shaped"] if shaped else [])
+        if shaped:
+            cmd = ["ip", "netns", "exec", NS[node]] + cmd
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{layout}: worker exit codes {codes}")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shaped", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--per-node", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--modes", default="ddp,layered", help="modes to compare")
+    p.add_argument("--rates", default="1000,300,100,30", help="inter-node link rates to sweep, Mbit/s")
+    p.add_argument("--delay-ms", type=float, default=None, help="link delay (needs tc netem: not supported here)")
+    p.add_argument("--batch", type=int, default=24, help="images per process per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="repeat the sweep; medians are reported")
+    p.add_argument("--width", type=int, default=512, help="hidden width of the FC head (sets the gradient size)")
+    p.add_argument("--jpegs", default="/tmp/lightning_hpc_bench_jpegs")
+    p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
+    args = p.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return 0
+
+    if args.delay_ms is not None and not netem_available():
+        print("--delay-ms: delay shaping needs the tc 'netem' qdisc, which this kernel does not provide; "
+              "delay is not supported here (rate shaping with tbf is).", file=sys.stderr)
+        return 2
+    if args.delay_ms is not None:
+        print("--delay-ms: netem is available but this script shapes by rate only; delay not implemented.",
+              file=sys.stderr)
+        return 2
+
+    from harness import Report
+
+    write_jpegs(Path(args.jpegs), 256)
+    report = Report("layered_sgd")
+    tmp = Path(args.jpegs) / "runs"
+    tmp.mkdir(exist_ok=True)
+    raw: list[dict] = []
+
+    # 1. single node, unshaped (loopback): overhead of the layered reduction where nothing can be hidden.
+    raw += launch(args, 4, 4, "1 node x 4 (loopback)", False, "ddp,layered", tmp / "single.json")
+    # 2. two namespaced nodes x 2, link swept.
+    reason = make_namespaces() if os.geteuid() == 0 else "not root"
+    if reason is None:
+        try:
+            raw += launch(args, 4, 2, "2 nodes x 2 (veth)", True, "ddp,layered", tmp / "shaped.json")
+        finally:
+            teardown_namespaces()
+    else:
+        print(f"network namespaces cannot be made here ({reason.strip()}): running unshaped only; "
+              "no shaped result is reported.")
+    # 3. scaling table (paper Fig. 6): 1 and 2 processes (one node) for the per-worker baseline.
+    if not args.skip_scaling:
+        raw += launch(args, 1, 1, "1 process", False, "ddp", tmp / "one.json")
+        raw += launch(args, 2, 2, "1 node x 2 (loopback)", False, "ddp,layered", tmp / "two.json")
+
+    # medians over repeats
+    keyf = lambda r: (r["layout"], r["link_rate_mbit"], r["mode"])  # noqa: E731
+    for key in dict.fromkeys(keyf(r) for r in raw):
+        rs = [r for r in raw if keyf(r) == key]
+        med = lambda k: statistics.median(r[k] for r in rs) if all(r[k] is not None for r in rs) else None  # noqa: E731
+        report.add(layout=key[0], link_mbit=key[1] if key[1] is not None else "unshaped", mode=key[2],
+                   measured_link_mbit=med("measured_link_mbit"), throughput=med("throughput"), step_s=med("step_s"),
+                   load_s=med("load_s"), world_allreduce_s=med("world_allreduce_s"),
+                   inter_allreduce_s=med("inter_allreduce_s"), runs=len(rs))
+    report.add_ratios("mode", "throughput", "ddp", ratio_name="vs_ddp", group_by=("layout", "link_mbit"))
+    report.meta.update(batch_per_process=args.batch, steps=args.steps, repeats=args.repeats, width=args.width,
+                       image=IMAGE, note="2 CPU cores shared with other jobs; medians over repeats",
+                       raw=raw)
+    report.print(["layout", "link_mbit", "measured_link_mbit", "mode", "throughput", "vs_ddp", "step_s", "load_s",
+                  "world_allreduce_s", "inter_allreduce_s", "runs"])
+    print(f"wrote {report.write()}")
+    scaling_table(report)
+    plot(report)
+    return 0
+
+
+def scaling_table(report: Report) -> None:
+    """Scaling efficiency = throughput(N) / (N * throughput(1 process)), as in the paper's Fig. 6."""
+    one = next((r["throughput"] for r in report.rows if r["layout"] == "1 process"), None)
+    if one is None:
+        return
+    lines = ["| workers | layout | link (Mbit/s) | DDP samples/s | DDP efficiency | layered samples/s | "
+             "layered efficiency |", "|---|---|---|---|---|---|---|"]
+    lines.append(f"| 1 | 1 process | - | {one:.1f} | 100% | - | - |")
+    for (layout, link) in dict.fromkeys((r["layout"], r["link_mbit"]) for r in report.rows):
+        if layout == "1 process":
+            continue
+        rows = {r["mode"]: r for r in report.rows if r["layout"] == layout and r["link_mbit"] == link}
+        n = 4 if "x 4" in layout or "2 nodes" in layout else 2
+        cells = []
+        for mode in ("ddp", "layered"):
+            r = rows.get(mode)
+            cells += [f"{r['throughput']:.1f}", f"{100 * r['throughput'] / (n * one):.0f}%"] if r else ["-", "-"]
+        lines.append(f"| {n} | {layout} | {link} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print("\nScaling efficiency (paper Fig. 6 style):\n" + text)
+    out = Path(__file__).parent / "results" / "layered_sgd_scaling.md"
+    out.write_text(text + "\n")
+
+
+def plot(report: Report) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shaped = [r for r in report.rows if r["layout"].startswith("2 nodes")]
+    if not shaped:
+        return
+    links = list(dict.fromkeys(r["link_mbit"] for r in shaped))
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    for mode in ("ddp", "layered"):
+        ys = [next((r["throughput"] for r in shaped if r["link_mbit"] == l and r["mode"] == mode), 0) for l in links]
+        ax[0].plot([str(l) for l in links], ys, marker="o", label=mode)
+    ax[0].set_xlabel("inter-node link (Mbit/s)")
+    ax[0].set_ylabel("samples/s")
+    ax[0].legend()
+    ratio = [next((r.get("vs_ddp") for r in shaped if r["link_mbit"] == l and r["mode"] == "layered"), 0) for l in links]
+    ax[1].bar([str(l) for l in links], ratio)
+    ax[1].axhline(1.0, color="k", lw=0.8)
+    ax[1].set_xlabel("inter-node link (Mbit/s)")
+    ax[1].set_ylabel("layered / ddp throughput")
+    fig.suptitle("Layered SGD vs DDP, 2 nodes x 2 processes (2 shared CPU cores)")
+    fig.tight_layout()
+    fig.savefig(Path(__file__).parent / "results" / "layered_sgd.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Planner validation (Dryden et al. section V / VI-B3): predicted vs measured time per mini-batch.
+
+Measured: the mesh FCN trained data-parallel (PyTorch DDP over gloo, one sample per process, SGD) on 1, 2 and 4
+local processes, one torch thread each; the median step time over several steps (barrier to barrier).
+Predicted: ``plan_for_model`` restricted to sample parallelism (the distribution that was run), with layer times
+measured in this process, alpha-beta from the local gloo calibration, and compute scaled by processes / cores
+when the ranks outnumber the cores.  Also prints the planner's free choice (spatial allowed) for each size.
+
+    python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import Report
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from lightning_hpc.distributed import run_in_processes  # noqa: E402
+from lightning_hpc.models import mesh_fcn  # noqa: E402
+from lightning_hpc.perfmodel import LayerTimer, calibrate_local  # noqa: E402
+from lightning_hpc.strategies.spatial.planner import plan_for_model  # noqa: E402
+
+
+def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, warmup: int) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(mesh_fcn(convs_per_block=convs))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1, 18, size, size, generator=g)
+    y = (torch.rand(1, 1, size, size, generator=g) < 0.02).float()
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+        loss.backward()
+        opt.step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=256)
+    ap.add_argument("--convs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="repeat measure + predict, report medians")
+    ap.add_argument("--worlds", default="1,2,4")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cores = os.cpu_count() or 1
+    ab = calibrate_local(2)
+    shape = (18, args.size, args.size)
+    report = Report("mesh_planner")
+    report.meta.update(size=args.size, convs=args.convs, alpha=ab.alpha, beta=ab.beta, cores=cores,
+                       note="shared 2-core machine (other agents running): timings are noisy")
+    for world in [int(w) for w in args.worlds.split(",")]:
+        measured, predicted = [], []
+        for _ in range(args.rounds):
+            times = run_in_processes(_ddp_steps, world, args.size, args.convs, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
+            measured.append(statistics.median(times))
+            with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
+                timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
+                plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=world, alpha_beta=ab, timer=timer,
+                                      restrict=lambda d: d.h == 1 and d.w == 1, compute_scale=max(1.0, world / cores))
+            predicted.append(plan.predicted_step_time)
+        meas, pred = statistics.median(measured), statistics.median(predicted)
+        report.add(processes=world, mini_batch=world, distribution=f"N{world} x H1 x W1 (DDP)", measured_s=meas,
+                   predicted_s=pred, error_pct=100 * (pred - meas) / meas, measured_rounds=[round(m, 4) for m in measured],
+                   predicted_rounds=[round(p, 4) for p in predicted])
+        print(f"P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%)", flush=True)
+    report.print(["processes", "distribution", "measured_s", "predicted_s", "error_pct"])
+    report.write()
+    report.plot_bars("processes", "error_pct", title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)", ylabel="(predicted - measured) / measured %")
+
+
+if __name__ == "__main__":
+    main()

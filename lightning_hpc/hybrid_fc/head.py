@@ -1,0 +1,253 @@
+"""The model-parallel fully-connected head (Krizhevsky, "One weird trick", section 4).
+
+:class:`HybridHead` replaces the head module of a model.  Its forward receives this rank's trunk activations
+(b x d), runs the scheme's exchange (``schemes.py``), the sharded layers (``sharded_linear.py``, layouts from
+``layout.py``) on each sub-batch, hands every example's logits back to its owner and returns this rank's
+``b x C`` logits, so the model's own ``forward`` and any loss work unchanged.
+
+Two update modes (section 4.2):
+
+``fc_update="per_step"``  plain autograd: the returned logits carry the whole graph (exchanges, sharded layers,
+    deliveries are autograd functions), the loss's ``backward()`` fills the shards' gradients with the gradient
+    of the mean loss over all K x b examples (the 1/K of :func:`scale_grad`), which is exactly synchronous SGD on
+    the concatenated batch.
+``fc_update="per_subbatch"`` (schemes b, c; a has one sub-batch so it equals per_step): the head is updated after
+    every sub-batch with that sub-batch's gradient (effective batch (K x b, b)).  The loss has to be known inside
+    the forward, so the caller opens :meth:`HybridHead.subbatch_update` with the targets, the loss function and
+    the head optimizer; the forward then runs forward+backward+step per sub-batch and returns logits whose
+    backward injects the accumulated activation gradients into the trunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
+from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons
+from lightning_hpc.hybrid_fc.layout import plan_layout
+from lightning_hpc.hybrid_fc.schemes import SCHEMES, exchange_in, make_exchange
+from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
+
+__all__ = ["HybridHead", "FC_UPDATES", "SubbatchContext"]
+
+FC_UPDATES = ("per_step", "per_subbatch")
+
+
+@dataclass
+class SubbatchContext:
+    """What the per-sub-batch update needs inside the forward."""
+
+    targets: torch.Tensor
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    step: Callable[[], None]
+
+
+class _InjectGrad(Function):
+    """Returns precomputed logits; backward hands the trunk the activation gradient accumulated over the
+    sub-batches, scaled by how the caller's loss relates to the loss used inside (``c`` in ``c * loss``: gradient
+    accumulation and loss scaling divide or multiply the loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, logits: torch.Tensor, grad_x: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(grad_x, grad_logits)
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        grad_x, grad_logits = ctx.saved_tensors
+        denom = float((grad_logits * grad_logits).sum())
+        scale = float((g * grad_logits).sum()) / denom if denom > 0 else 1.0
+        if denom > 0:
+            residual = float(((g - scale * grad_logits) ** 2).sum()) / max(float((g * g).sum()), 1e-30)
+            if residual > 1e-6:
+                warnings.warn(
+                    "fc_update='per_subbatch': the training loss differs from the loss the head was updated with "
+                    "(its gradient is not a multiple of the head's); the trunk gets the head's loss gradient",
+                    stacklevel=2,
+                )
+        return grad_x * scale, None, None, None
+
+
+class HybridHead(nn.Module):
+    """Sharded replacement of a fully-connected head.
+
+    ``linears`` are the head's ``nn.Linear`` layers in order; ``between[i]`` the element-wise modules after
+    linear i (``between[-1]`` after the last one, applied to the owner's logits); ``before`` the element-wise
+    modules before the first linear (applied by the owner before the exchange).  ``names`` gives the name each
+    module had in the original head so ``state_dict`` keys are unchanged.  The full head weights must be equal on
+    all ranks when this is built (:func:`parallelize_head` broadcasts them from rank 0 first).
+    """
+
+    def __init__(
+        self,
+        linears: Sequence[nn.Linear],
+        between: Sequence[Sequence[nn.Module]],
+        before: Sequence[nn.Module],
+        names: dict[int, str],
+        scheme: str = "c",
+        fc_update: str = "per_step",
+        group: Any = None,
+        counter: ByteCounter | None = None,
+        layouts: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES} (section 4 of the paper), got {scheme!r}")
+        if fc_update not in FC_UPDATES:
+            raise ValueError(f"fc_update must be one of {FC_UPDATES} (section 4.2), got {fc_update!r}")
+        self.comm = HeadComm(group, counter)
+        self.k, self.rank = self.comm.k, self.comm.rank
+        if fc_update == "per_subbatch" and scheme == "a":
+            raise ValueError(
+                "fc_update='per_subbatch' updates the head after each of the K sub-batches of schemes 'b' and 'c' "
+                "(section 4.2); scheme 'a' has a single sub-batch of K x b examples. Use scheme='b' or 'c', or fc_update='per_step'"
+            )
+        self.scheme, self.fc_update = scheme, fc_update
+        widths = [linears[0].in_features] + [lin.out_features for lin in linears]
+        for i in range(1, len(linears)):
+            if linears[i].in_features != linears[i - 1].out_features:
+                raise ValueError(f"head linear {i} expects {linears[i].in_features} inputs but linear {i - 1} gives {linears[i - 1].out_features}")
+        self.layouts = list(layouts) if layouts is not None else plan_layout(widths, self.k)
+        if len(self.layouts) != len(linears):
+            raise ValueError(f"layouts has {len(self.layouts)} entries for {len(linears)} linear layers")
+        self.widths = widths
+        self._order: list[tuple[str, nn.Module]] = []
+        self.shards: list[ShardedLinear] = []
+        self.before = list(before)
+        self.between: list[list[nn.Module]] = [list(ops) for ops in between]
+        # Register every module under its original name (state_dict keys match the unsharded model).
+        idx = 0
+        for op in before:
+            self.add_module(names[idx], op)
+            idx += 1
+        for i, lin in enumerate(linears):
+            shard = ShardedLinear(lin, self.layouts[i], self.rank, self.k)
+            self.add_module(names[idx], shard)
+            self.shards.append(shard)
+            idx += 1
+            for op in self.between[i]:
+                self.add_module(names[idx], op)
+                idx += 1
+        self.exchange = make_exchange(scheme, self.comm)
+        self._subbatch: SubbatchContext | None = None
+
+    # -- the sharded layers on one replicated sub-batch --------------------------------------------------
+    def _layers(self, x: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        h = x
+        last = len(self.shards) - 1
+        for i, shard in enumerate(self.shards):
+            if i == 0 and shard.layout == "row":
+                a, b = shard.in_bounds[self.rank]
+                h = h[:, a:b]
+            out = shard(h, grad_scale)
+            if i == last:
+                return out
+            if shard.layout == "row":
+                out = reduce_scatter_neurons(out, self.comm, shard.out_sizes)
+            for op in self.between[i]:
+                out = op(out)
+            if self.shards[i + 1].layout == "col":
+                out = gather_neurons(out, self.comm, shard.out_sizes)
+            h = out
+        raise AssertionError("unreachable")
+
+    def _post(self, logits: torch.Tensor) -> torch.Tensor:
+        for op in self.between[-1]:
+            logits = op(logits)
+        return logits
+
+    def _pre(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError(
+                f"the hybrid head expects flattened trunk activations of shape (batch, features), got {tuple(x.shape)}; "
+                "the head must start after the model's flatten"
+            )
+        if x.shape[1] != self.widths[0]:
+            raise ValueError(f"the head's first linear layer expects {self.widths[0]} features, got {x.shape[1]}")
+        for op in self.before:
+            x = op(x)
+        return x
+
+    @property
+    def class_sizes(self) -> list[int]:
+        return self.shards[-1].out_sizes
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._pre(x)
+        if self._subbatch is not None and self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch":
+            return self._forward_per_subbatch(x, self._subbatch)
+        ex = self.exchange
+        ex.start(x.detach())
+        outs = []
+        for j in range(ex.num_subbatches()):
+            xj = exchange_in(x, ex, j)
+            out = self._layers(xj, 1.0 / self.k)
+            outs.append(ex.deliver(j, out, self.layouts[-1], self.class_sizes))
+        return self._post(torch.cat(outs, 0))
+
+    def _forward_per_subbatch(self, x: torch.Tensor, ctx: SubbatchContext) -> torch.Tensor:
+        """Section 4.2: forward, backward and head update for each sub-batch in turn; the activation gradients'
+        return trip of sub-batch j overlaps the computation of sub-batch j+1."""
+        ex = self.exchange
+        b = x.shape[0]
+        ex.start(x.detach())
+        logits_parts, reverse = [], []
+        for j in range(ex.num_subbatches()):
+            xj = ex.wait(j).detach().requires_grad_(True)
+            # Each example weighs 1/b in this rank's loss; b / n_j turns the head's gradient into the mean over
+            # the n_j examples of the sub-batch (its own SGD step with batch n_j, section 4.2).
+            rows = ex.deliver(j, self._layers(xj, b / ex.subbatch_size(j)), self.layouts[-1], self.class_sizes)
+            r0, r1 = ex.owned_rows(j)
+            if r1 > r0:
+                rows_leaf = rows.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    logits_j = self._post(rows_leaf)
+                    # A mean loss over this rank's b examples, restricted to the rows in this sub-batch: each
+                    # example keeps weight 1/b, so the head sees the mean gradient of the sub-batch's b examples.
+                    loss_j = ctx.loss_fn(logits_j, ctx.targets[r0:r1]) * ((r1 - r0) / b)
+                    (g_rows,) = torch.autograd.grad(loss_j, rows_leaf)
+                logits_parts.append(logits_j.detach())
+            else:
+                g_rows = torch.zeros_like(rows)
+            torch.autograd.backward(rows, g_rows)
+            reverse.append((j, ex.reverse(j, xj.grad, async_op=True)))
+            ctx.step()
+        grad_x = torch.zeros_like(x)
+        for j, pending in reverse:
+            part = pending.wait()
+            r0, r1 = ex.owned_rows(j)
+            if r1 > r0:
+                grad_x[r0:r1] += part
+        logits = torch.cat(logits_parts, 0)
+        # Reference gradient of the caller's loss w.r.t. the logits, to recover the caller's scaling in backward.
+        logits_ref = logits.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (g_ref,) = torch.autograd.grad(ctx.loss_fn(logits_ref, ctx.targets), logits_ref)
+        return _InjectGrad.apply(x, logits, grad_x, g_ref)
+
+    @contextlib.contextmanager
+    def subbatch_update(self, targets: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], step: Callable[[], None]) -> Iterator[None]:
+        """Within this block a training forward updates the head after every sub-batch (fc_update="per_subbatch").
+
+        ``loss_fn(logits, targets)`` must be a mean over the examples (as ``ImageClassifier.loss``); ``step()``
+        applies the head optimizer and clears the shards' gradients (see :class:`HeadOptimizer`)."""
+        if self.fc_update != "per_subbatch":
+            raise RuntimeError("subbatch_update is only meaningful with fc_update='per_subbatch'")
+        self._subbatch = SubbatchContext(targets, loss_fn, step)
+        try:
+            yield
+        finally:
+            self._subbatch = None
+
+    def extra_repr(self) -> str:
+        return f"scheme={self.scheme}, fc_update={self.fc_update}, K={self.k}, layouts={self.layouts}"
+

@@ -1,0 +1,224 @@
+"""How the last convolutional activations reach the model-parallel head: schemes a, b and c of section 4.
+
+Each rank holds the trunk output ``x`` of its own ``b`` examples (``b x d``).  The head is model-parallel, so every
+rank needs every example of a sub-batch; a scheme decides how the K x b examples are cut into sub-batches and
+how each is assembled, and the reverse path returns every example's activation gradient to its owner.
+
+``a``  one sub-batch of K x b rows, all-gathered (rows of rank r are block r); the gradient is reduce-scattered.
+``b``  K sub-batches; sub-batch j is rank j's b examples, broadcast by rank j; gradients are reduced onto j.
+``c``  K sub-batches; sub-batch j holds slice j (b/K rows, uneven allowed) of every rank's batch, all-gathered
+       (the "all-to-all" of section 4(c): each rank sends each of its K slices to every rank, one slice per
+       sub-batch, so every rank sends about as much per sub-batch and no single sender is the bottleneck);
+       gradients are reduce-scattered back to the slices' owners.
+
+All forward exchanges are started asynchronously up front (:meth:`Exchange.start`), so the transfer of sub-batch
+j+1 overlaps the head's computation on sub-batch j (schemes b and c); :meth:`Exchange.reverse` can run
+asynchronously too, overlapping the next sub-batch (used by the per-sub-batch update path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from lightning_hpc.hybrid_fc.collectives import HeadComm, _Pending
+from lightning_hpc.hybrid_fc.functions import rows_to_owners_from_col, rows_to_owners_from_row, to_root_from_col, to_root_from_row
+
+__all__ = ["SCHEMES", "Exchange", "make_exchange", "exchange_in"]
+
+SCHEMES = ("a", "b", "c")
+
+
+def _even_blocks(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of ``parts`` contiguous blocks of ``n`` rows, the first ``n % parts`` one larger.
+
+    Same rule as :func:`lightning_hpc.distributed.partition.block_bounds`, whose non-empty check is enforced by
+    the caller with a message naming the batch size."""
+    from lightning_hpc.distributed.partition import block_bounds
+
+    return block_bounds(n, parts)
+
+
+class Exchange:
+    """Base class: sub-batch geometry, asynchronous forward exchange, reverse exchange and delivery to owners."""
+
+    scheme = "?"
+
+    def __init__(self, comm: HeadComm) -> None:
+        self.comm = comm
+        self.k = comm.k
+        self._pending: list[Any] = []
+        self.b = 0
+
+    # geometry ---------------------------------------------------------------------------------------------
+    def num_subbatches(self) -> int:
+        raise NotImplementedError
+
+    def owned_rows(self, j: int) -> tuple[int, int]:
+        """[start, stop) of this rank's local examples that sit in sub-batch j."""
+        raise NotImplementedError
+
+    def subbatch_size(self, j: int) -> int:
+        """Number of examples (over all ranks) in sub-batch j."""
+        raise NotImplementedError
+
+    # exchange ---------------------------------------------------------------------------------------------
+    def start(self, x: torch.Tensor) -> None:
+        """Launch every forward exchange of the step asynchronously (``x`` is detached)."""
+        raise NotImplementedError
+
+    def wait(self, j: int) -> torch.Tensor:
+        return self._pending[j].wait()
+
+    def reverse(self, j: int, grad: torch.Tensor, async_op: bool = False) -> Any:
+        """Send sub-batch j's (partial) activation gradient back; result: this rank's rows' gradient."""
+        raise NotImplementedError
+
+    def deliver(self, j: int, out: torch.Tensor, final_layout: str, class_sizes: list[int]) -> torch.Tensor:
+        """Autograd: head output of sub-batch j (``S`` if the last layer is col, ``P`` if row) -> this rank's
+        rows of sub-batch j with all classes."""
+        raise NotImplementedError
+
+
+class _RowBlocked(Exchange):
+    """Sub-batches made of one row block per rank (schemes a and c): all-gather / reduce-scatter by rows."""
+
+    def row_sizes(self, j: int) -> list[int]:
+        raise NotImplementedError
+
+    def local_slice(self, j: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def owned_rows(self, j: int) -> tuple[int, int]:
+        return self.local_slice(j)
+
+    def subbatch_size(self, j: int) -> int:
+        return sum(self.row_sizes(j))
+
+    def start(self, x: torch.Tensor) -> None:
+        self.b = x.shape[0]
+        self._check_batch()
+        self._pending = []
+        for j in range(self.num_subbatches()):
+            a, b = self.local_slice(j)
+            self._pending.append(self.comm.all_gather(x[a:b].contiguous(), self.row_sizes(j), dim=0, async_op=True))
+
+    def _check_batch(self) -> None:
+        pass
+
+    def reverse(self, j: int, grad: torch.Tensor, async_op: bool = False) -> Any:
+        pending = self.comm.reduce_scatter(grad.contiguous(), self.row_sizes(j), dim=0, async_op=True)
+        return pending if async_op else pending.wait()
+
+    def deliver(self, j: int, out: torch.Tensor, final_layout: str, class_sizes: list[int]) -> torch.Tensor:
+        if final_layout == "col":
+            return rows_to_owners_from_col(out, self.comm, self.row_sizes(j), class_sizes)
+        return rows_to_owners_from_row(out, self.comm, self.row_sizes(j))
+
+
+class SchemeA(_RowBlocked):
+    """Scheme a: the head runs once on all K x b examples."""
+
+    scheme = "a"
+
+    def num_subbatches(self) -> int:
+        return 1
+
+    def row_sizes(self, j: int) -> list[int]:
+        return [self.b] * self.k
+
+    def local_slice(self, j: int) -> tuple[int, int]:
+        return 0, self.b
+
+
+class SchemeC(_RowBlocked):
+    """Scheme c: sub-batch j = slice j of every rank's batch."""
+
+    scheme = "c"
+
+    def num_subbatches(self) -> int:
+        return self.k
+
+    def _check_batch(self) -> None:
+        if self.b < self.k:
+            raise ValueError(
+                f"scheme='c' splits each rank's batch into K={self.k} slices, but the per-rank batch has only "
+                f"{self.b} examples; use a batch size >= {self.k} per rank or scheme='a'/'b'"
+            )
+
+    def row_sizes(self, j: int) -> list[int]:
+        a, b = _even_blocks(self.b, self.k)[j]
+        return [b - a] * self.k
+
+    def local_slice(self, j: int) -> tuple[int, int]:
+        return _even_blocks(self.b, self.k)[j]
+
+
+class SchemeB(Exchange):
+    """Scheme b: ranks take turns broadcasting their whole batch; sub-batch j belongs to rank j."""
+
+    scheme = "b"
+
+    def num_subbatches(self) -> int:
+        return self.k
+
+    def owned_rows(self, j: int) -> tuple[int, int]:
+        return (0, self.b) if j == self.comm.rank else (0, 0)
+
+    def subbatch_size(self, j: int) -> int:
+        return self.b
+
+    def start(self, x: torch.Tensor) -> None:
+        self.b = x.shape[0]
+        self._pending = []
+        for j in range(self.k):
+            buf = x.contiguous().clone() if j == self.comm.rank else x.new_empty(x.shape)
+            self._pending.append(self.comm.broadcast(buf, j, async_op=True))
+
+    def reverse(self, j: int, grad: torch.Tensor, async_op: bool = False) -> Any:
+        pending = self.comm.reduce(grad.contiguous(), j, async_op=True)
+        mine = j == self.comm.rank
+        wrapped = _Pending(pending, lambda: pending.wait() if mine else grad.new_zeros((0, *grad.shape[1:])))
+        return wrapped if async_op else wrapped.wait()
+
+    def deliver(self, j: int, out: torch.Tensor, final_layout: str, class_sizes: list[int]) -> torch.Tensor:
+        if final_layout == "col":
+            return to_root_from_col(out, self.comm, class_sizes, j)
+        return to_root_from_row(out, self.comm, j)
+
+
+def make_exchange(scheme: str, comm: HeadComm) -> Exchange:
+    if scheme == "a":
+        return SchemeA(comm)
+    if scheme == "b":
+        return SchemeB(comm)
+    if scheme == "c":
+        return SchemeC(comm)
+    raise ValueError(f"scheme must be one of {SCHEMES} (section 4 of the paper), got {scheme!r}")
+
+
+class _ExchangeIn(Function):
+    """Autograd view of sub-batch j: forward waits for the prefetched exchange, backward runs the reverse
+    exchange and places this rank's rows' gradient in a zero tensor shaped like the local activations."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, exchange: Exchange, j: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.exchange, ctx.j, ctx.shape = exchange, j, x.shape
+        out = exchange.wait(j)
+        return out.clone() if out is x else out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        ex: Exchange = ctx.exchange
+        part = ex.reverse(ctx.j, g)
+        gx = g.new_zeros(ctx.shape)
+        a, b = ex.owned_rows(ctx.j)
+        if b > a:
+            gx[a:b] = part
+        return gx, None, None
+
+
+def exchange_in(x: torch.Tensor, exchange: Exchange, j: int) -> torch.Tensor:
+    return _ExchangeIn.apply(x, exchange, j)

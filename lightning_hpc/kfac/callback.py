@@ -1,0 +1,140 @@
+"""``KFAC``: the Lightning callback that runs :class:`~lightning_hpc.kfac.preconditioner.KFACPreconditioner`.
+
+It only translates Lightning hooks:
+
+* ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`),
+  registers the factor hooks on the LightningModule's layers, picks the communicator.
+* ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
+* ``on_before_optimizer_step``: Lightning calls it after the strategy reduced the gradients and AMP unscaled
+  them, once per optimizer step (after the last accumulated micro-batch): the paper's ``preconditioner.step()``
+  slot of Listing 1. The optimizer's current lr feeds the KL clip (Eq 18).
+* ``state_dict`` / ``load_state_dict``: factors, decompositions and counters travel in Lightning checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hpc.distributed.comm import Communicator, get_communicator
+from lightning_hpc.kfac.precision import KFACMixedPrecision
+from lightning_hpc.kfac.preconditioner import KFACPreconditioner, validate_options
+
+__all__ = ["KFAC"]
+
+
+class KFAC(Callback):
+    """K-FAC gradient preconditioning for any optimizer (SC20). Arguments as :class:`KFACPreconditioner`;
+    ``communicator`` may also be a backend name (``"torch"``, ``"horovod"``). Invalid options raise at
+    construction, a precision without the K-FAC plugin at setup: both before training starts."""
+
+    def __init__(
+        self,
+        factor_update_freq: int | None = None,
+        inv_update_freq: int = 100,
+        factor_decay: float = 0.95,
+        damping: float = 0.001,
+        damping_decay_epochs: Sequence[int] = (),
+        damping_decay_rate: float = 1.0,
+        update_freq_decay_epochs: Sequence[int] = (),
+        update_freq_decay_rate: float = 1.0,
+        kl_clip: float | None = 0.001,
+        compute_method: str = "eigen",
+        placement: str = "balanced",
+        skip_layers: str | Sequence[str] | None = None,
+        decomposition_dtype: str = "float32",
+        batch_averaged: bool = True,
+        communicator: str | Communicator = "torch",
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.options: dict[str, Any] = dict(
+            factor_update_freq=factor_update_freq,
+            inv_update_freq=inv_update_freq,
+            factor_decay=factor_decay,
+            damping=damping,
+            damping_decay_epochs=tuple(damping_decay_epochs),
+            damping_decay_rate=damping_decay_rate,
+            update_freq_decay_epochs=tuple(update_freq_decay_epochs),
+            update_freq_decay_rate=update_freq_decay_rate,
+            kl_clip=kl_clip,
+            compute_method=compute_method,
+            placement=placement,
+            decomposition_dtype=decomposition_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        validate_options(**self.options)
+        self.skip_layers = skip_layers
+        self.batch_averaged = batch_averaged
+        if isinstance(communicator, str) and communicator not in ("torch", "horovod"):
+            raise ValueError(f"KFAC communicator must be 'torch', 'horovod' or a Communicator, got {communicator!r}")
+        self.communicator = communicator
+        self.preconditioner: KFACPreconditioner | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.preconditioner is not None:
+            return
+        self.check_precision(trainer)
+        comm = get_communicator(self.communicator) if isinstance(self.communicator, str) else self.communicator
+        self.preconditioner = KFACPreconditioner(
+            pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options
+        )
+        if self._pending_state is not None:
+            self.preconditioner.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    @staticmethod
+    def check_precision(trainer: pl.Trainer) -> None:
+        plugin = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and not isinstance(plugin, KFACMixedPrecision):
+            raise ValueError(
+                f"KFAC with precision={trainer.precision!r} needs the K-FAC mixed-precision plugin, so factor "
+                "statistics are unscaled and steps the grad scaler skips are dropped: use "
+                "Trainer(plugins=[lightning_hpc.KFACMixedPrecision('16-mixed', device=...)]) without precision=, "
+                "or precision=kfac_16-mixed in a lightning-hpc recipe"
+            )
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.preconditioner is not None:
+            self.preconditioner.remove_hooks()
+
+    # -- training ----------------------------------------------------------------------------------------
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.set_epoch(trainer.current_epoch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        pre = self.preconditioner
+        if pre is None:
+            return
+        plugin = trainer.precision_plugin
+        grad_scale = 1.0
+        if isinstance(plugin, KFACMixedPrecision):
+            if plugin.kfac_found_inf:
+                # The scaler skips this step: its statistics never enter the running averages, and the step
+                # does not count (the next one is again a factor-update step).
+                pre.discard_statistics()
+                return
+            grad_scale = plugin.kfac_grad_scale
+        pre.optimizer = optimizer
+        pre.step(grad_scale=grad_scale)
+
+    # -- checkpointing -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.preconditioner is None:
+            return dict(self._pending_state or {})
+        return self.preconditioner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if self.preconditioner is None:
+            self._pending_state = state_dict
+        else:
+            self.preconditioner.load_state_dict(state_dict)

@@ -1,0 +1,212 @@
+"""Per-layer K-FAC handlers: Kronecker factors and gradient reshaping for ``nn.Linear`` and ``nn.Conv2d``.
+
+Scaling convention (damping depends on it)
+-------------------------------------------
+Let ``B`` be the number of samples that contributed to the optimizer step on this rank (all micro-batches of
+an accumulated step), ``t`` run over the ``T`` spatial positions of a convolution (``T = 1`` for Linear), ``a``
+be the layer input at one position (for Conv2d, the unfolded ``C_in * kh * kw`` patch; a trailing 1 when the
+layer has a bias, so the bias is folded into A) and ``ds`` the gradient of the *per-sample* loss with respect
+to the layer output at that position. Then (Grosse & Martens, KFC, 2016)::
+
+    A = 1/(B T) * sum_n sum_t a a^T          (mean over samples and positions)
+    G = 1/B     * sum_n sum_t ds ds^T        (mean over samples, sum over positions)
+
+so ``A (x) G`` equals KFC's ``Omega (x) Gamma = (sum_t E[a a^T]) (x) (1/T sum_t E[ds ds^T])`` and also the
+product used by the SC20 code (which puts 1/T on A and T^2 on G); the eigen method (Eq 13-15) only sees that
+product, so the paper's damping values carry over. For a Linear layer both are the usual batch means.
+
+The loss of an optimizer step is assumed to be the mean over its ``B`` samples (``batch_averaged=True``, as
+``F.cross_entropy`` and Lightning's division of accumulated losses by the number of micro-batches give), so
+``ds = B * grad_output`` and ``G = B * sum grad_output grad_output^T``. With ``batch_averaged=False`` (a summed
+loss) ``ds = grad_output`` and ``G = 1/B * sum grad_output grad_output^T``.
+
+Statistics are accumulated as raw sums while the micro-batches run and normalised once in
+:meth:`LayerHandler.batch_factors`, so an accumulated step covers all of its micro-batches exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "make_handler", "SUPPORTED"]
+
+#: module types K-FAC preconditions; every other layer is left to the optimizer
+SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+class LayerHandler:
+    """Factor statistics and gradient reshaping for one layer.
+
+    ``a_dim`` / ``g_dim`` are the sides of A and G. The gradient is handled as the matrix
+    ``[W | b]`` of shape ``(g_dim, a_dim)``.
+    """
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.has_bias = getattr(module, "bias", None) is not None
+        self.reset_statistics()
+
+    # -- sizes -------------------------------------------------------------------------------------------
+    @property
+    def a_dim(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def g_dim(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- statistics --------------------------------------------------------------------------------------
+    def reset_statistics(self) -> None:
+        """Forget what the hooks captured (called after every optimizer step and on skipped AMP steps)."""
+        self.a_sum: torch.Tensor | None = None
+        self.a_rows = 0
+        self.g_sum: torch.Tensor | None = None
+        self.samples = 0
+        self.g_samples = 0
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
+        """The layer input as rows ``a`` (one per sample and position), float32, bias column appended."""
+        raise NotImplementedError
+
+    def output_rows(self, g: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
+        """The output gradient as rows (one per sample and position), float32."""
+        raise NotImplementedError
+
+    def _with_bias(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.has_bias:
+            return rows
+        return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+
+    @torch.no_grad()
+    def capture_input(self, x: torch.Tensor) -> None:
+        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
+        with torch.autocast(x.device.type, enabled=False):
+            rows = self.input_rows(x)
+            contrib = rows.t() @ rows
+        self.a_sum = contrib if self.a_sum is None else self.a_sum + contrib
+        self.a_rows += rows.shape[0]
+        self.samples += x.shape[0]
+
+    @torch.no_grad()
+    def capture_output_grad(self, g: torch.Tensor) -> None:
+        with torch.autocast(g.device.type, enabled=False):
+            rows = self.output_rows(g)
+            contrib = rows.t() @ rows
+        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+        self.g_samples += g.shape[0]
+
+    @property
+    def has_statistics(self) -> bool:
+        return self.a_sum is not None and self.g_sum is not None
+
+    def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, G) of the captured micro-batches following the module docstring's convention.
+
+        ``grad_scale`` is the loss scale the output gradients were multiplied by (AMP); G is unscaled by it.
+        """
+        if not self.has_statistics:
+            raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
+        assert self.a_sum is not None and self.g_sum is not None
+        b = max(self.samples, 1)
+        a = self.a_sum / self.a_rows
+        g = self.g_sum * (b if batch_averaged else 1.0 / b)
+        if grad_scale != 1.0:
+            g = g / (grad_scale * grad_scale)
+        return a, g
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    def grad_matrix(self) -> torch.Tensor | None:
+        """``[dW | db]`` as a ``(g_dim, a_dim)`` matrix, or None when the weight has no gradient."""
+        w = self.module.weight
+        if w.grad is None:
+            return None
+        mat = w.grad.reshape(w.shape[0], -1)
+        if self.has_bias:
+            b = self.module.bias
+            bgrad = b.grad if b.grad is not None else torch.zeros_like(b)
+            mat = torch.cat([mat, bgrad.reshape(-1, 1)], dim=1)
+        return mat
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` in place (dtype of the gradient kept)."""
+        w = self.module.weight
+        assert w.grad is not None
+        n_w = mat.shape[1] - (1 if self.has_bias else 0)
+        w.grad.copy_(mat[:, :n_w].reshape_as(w.grad))
+        if self.has_bias:
+            b = self.module.bias
+            if b.grad is None:
+                b.grad = torch.zeros_like(b)
+            b.grad.copy_(mat[:, n_w].reshape_as(b.grad))
+
+
+class LinearHandler(LayerHandler):
+    """``nn.Linear``; inputs with extra leading dimensions count each position as a row (T = numel / B / in)."""
+
+    module: nn.Linear
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.in_features + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_features
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).float())
+
+    def output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        return g.detach().reshape(-1, g.shape[-1]).float()
+
+
+class Conv2dHandler(LayerHandler):
+    """``nn.Conv2d`` with groups=1, any stride / padding (incl. 'same' and non-zero padding modes) / dilation.
+
+    A uses the unfolded input patches (KFC's expansion operator), ordered like ``weight.view(out, -1)``.
+    """
+
+    module: nn.Conv2d
+
+    @property
+    def a_dim(self) -> int:
+        m = self.module
+        return m.in_channels * m.kernel_size[0] * m.kernel_size[1] + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        x = x.detach().float()
+        if x.dim() == 3:  # unbatched input
+            x = x.unsqueeze(0)
+        padding = m.padding
+        if isinstance(padding, str) or m.padding_mode != "zeros":
+            # Same padding as the module's own forward (Conv2d._conv_forward), then an unpadded unfold.
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+            padding = (0, 0)
+        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)  # (N, C*k*k, T)
+        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
+        return self._with_bias(rows)
+
+    def output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        g = g.detach().float()
+        if g.dim() == 3:
+            g = g.unsqueeze(0)
+        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+
+def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
+    """Handler for a supported module (grouped convolutions are left to the optimizer), else None."""
+    if isinstance(module, nn.Linear):
+        return LinearHandler(name, module)
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return Conv2dHandler(name, module)
+    return None

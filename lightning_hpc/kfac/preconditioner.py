@@ -1,0 +1,545 @@
+"""``KFACPreconditioner``: the distributed K-FAC gradient preconditioner of Pauloski et al. (SC20), plain torch.
+
+Usage (paper Listing 1)::
+
+    precond = KFACPreconditioner(model, optimizer=optimizer, damping=0.003, inv_update_freq=10)
+    for x, y in loader:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()      # gradients averaged across ranks (DDP / strategy) by now
+        precond.step()                       # rewrites .grad of every Linear / Conv2d in place
+        optimizer.step()                     # any torch optimizer
+
+Per optimizer step (Algorithm 1):
+
+1. On factor-update steps (every ``factor_update_freq``), forward/backward hooks capture layer inputs and
+   output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
+   averages them across ranks (asynchronous, bucketed allreduce) and folds them into the running averages
+   (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
+2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
+   ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with every rank by one broadcast per
+   owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped inverses (Eq 11).
+3. Every step, each layer's gradient is preconditioned locally (``layer_wise``: by the owner, who broadcasts
+   the result, as K-FAC-lw does), scaled by the KL-clip factor of Eq 18 and written back into ``.grad``.
+
+Steps that update neither factors nor decompositions communicate nothing (except under ``layer_wise``).
+All collectives go through a :class:`~lightning_hpc.distributed.comm.Communicator`, so the Horovod backend
+can be swapped in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
+from lightning_hpc.kfac.layers import LayerHandler, make_handler
+from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
+from lightning_hpc.kfac.placement import assign_factors, check_placement
+from lightning_hpc.kfac.schedules import KFACSchedule
+
+__all__ = ["KFACPreconditioner", "COMPUTE_METHODS", "validate_options"]
+
+COMPUTE_METHODS = ("eigen", "inverse")
+
+
+def _compile_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Pattern[str]]:
+    if skip_layers is None:
+        return []
+    if isinstance(skip_layers, str):
+        skip_layers = [skip_layers]
+    out = []
+    for p in skip_layers:
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"K-FAC skip_layers: invalid regular expression {p!r}: {e}") from e
+    return out
+
+
+def validate_options(
+    *,
+    factor_update_freq: int | None,
+    inv_update_freq: int,
+    factor_decay: float,
+    damping: float,
+    damping_decay_epochs: Sequence[int],
+    damping_decay_rate: float,
+    update_freq_decay_epochs: Sequence[int],
+    update_freq_decay_rate: float,
+    kl_clip: float | None,
+    compute_method: str,
+    placement: str,
+    decomposition_dtype: torch.dtype | str,
+    bucket_cap_mb: float,
+) -> tuple[KFACSchedule, torch.dtype]:
+    """Check every K-FAC option (raises ``ValueError`` naming the setting); returns the schedule and dtype.
+
+    Shared by :class:`KFACPreconditioner` and the Lightning callback, which checks before training starts.
+    """
+    if factor_update_freq is None:
+        if isinstance(inv_update_freq, int) and not isinstance(inv_update_freq, bool) and inv_update_freq > 0:
+            factor_update_freq = max(1, inv_update_freq // 10)
+        else:
+            factor_update_freq = 1  # the schedule below reports the bad inv_update_freq
+    schedule = KFACSchedule(
+        damping=damping,
+        factor_update_freq=factor_update_freq,
+        inv_update_freq=inv_update_freq,
+        damping_decay_epochs=tuple(int(e) for e in damping_decay_epochs),
+        damping_decay_rate=damping_decay_rate,
+        update_freq_decay_epochs=tuple(int(e) for e in update_freq_decay_epochs),
+        update_freq_decay_rate=update_freq_decay_rate,
+    )
+    if not 0.0 <= factor_decay < 1.0:
+        raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {factor_decay}")
+    if kl_clip is not None and not kl_clip >= 0:
+        raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {kl_clip}")
+    if compute_method not in COMPUTE_METHODS:
+        raise ValueError(f"K-FAC compute_method must be one of {COMPUTE_METHODS}, got {compute_method!r}")
+    check_placement(placement)
+    if isinstance(decomposition_dtype, str):
+        decomposition_dtype = {"float32": torch.float32, "float64": torch.float64}.get(decomposition_dtype)  # type: ignore[assignment]
+    if decomposition_dtype not in (torch.float32, torch.float64):
+        raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    return schedule, decomposition_dtype  # type: ignore[return-value]
+
+
+class KFACPreconditioner:
+    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC.
+
+    Args:
+        model: the module whose Linear / Conv2d layers are preconditioned (every other parameter is untouched).
+        factor_update_freq: steps between factor updates; default ``max(1, inv_update_freq // 10)``
+            ("factors updated 10x as often", section V-C).
+        inv_update_freq: steps between decompositions (the paper's kfac-update-freq).
+        factor_decay: running-average weight of the old factor (xi of Eq 16-17), in [0, 1).
+        damping: Tikhonov damping gamma (Eq 11, 14), >= 0.
+        damping_decay_epochs / damping_decay_rate: multiply damping by the rate at each listed epoch.
+        update_freq_decay_epochs / update_freq_decay_rate: multiply both update intervals at each listed epoch.
+        kl_clip: kappa of Eq 18; ``None`` or 0 disables the scaling.
+        lr: learning rate for Eq 18 when no optimizer is given (float or zero-argument callable);
+            ``step(lr=...)`` overrides it.
+        optimizer: optimizer whose parameter-group lr Eq 18 uses (the group holding each layer's weight).
+        compute_method: ``"eigen"`` (Eq 13-15, default) or ``"inverse"`` (Eq 11-12).
+        placement: ``"balanced"`` (default), ``"round_robin"`` or ``"layer_wise"``, see :mod:`.placement`.
+        skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
+        decomposition_dtype: ``torch.float32`` (default) or ``torch.float64``.
+        batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
+        communicator: collectives backend; default :class:`TorchDistributedCommunicator`.
+        bucket_cap_mb: size of the fused factor-allreduce buffers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_freq: int | None = None,
+        inv_update_freq: int = 100,
+        factor_decay: float = 0.95,
+        damping: float = 0.001,
+        damping_decay_epochs: Sequence[int] = (),
+        damping_decay_rate: float = 1.0,
+        update_freq_decay_epochs: Sequence[int] = (),
+        update_freq_decay_rate: float = 1.0,
+        kl_clip: float | None = 0.001,
+        lr: float | Callable[[], float] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        compute_method: str = "eigen",
+        placement: str = "balanced",
+        skip_layers: str | Sequence[str] | None = None,
+        decomposition_dtype: torch.dtype | str = torch.float32,
+        batch_averaged: bool = True,
+        communicator: Communicator | None = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.schedule, decomposition_dtype = validate_options(
+            factor_update_freq=factor_update_freq,
+            inv_update_freq=inv_update_freq,
+            factor_decay=factor_decay,
+            damping=damping,
+            damping_decay_epochs=damping_decay_epochs,
+            damping_decay_rate=damping_decay_rate,
+            update_freq_decay_epochs=update_freq_decay_epochs,
+            update_freq_decay_rate=update_freq_decay_rate,
+            kl_clip=kl_clip,
+            compute_method=compute_method,
+            placement=placement,
+            decomposition_dtype=decomposition_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+        )
+        self.factor_decay = float(factor_decay)
+        self.kl_clip = kl_clip or None
+        self.lr = lr
+        self.optimizer = optimizer
+        self.compute_method = compute_method
+        self.placement = placement
+        self.decomposition_dtype: torch.dtype = decomposition_dtype  # type: ignore[assignment]
+        self.batch_averaged = batch_averaged
+        self.comm = communicator or TorchDistributedCommunicator()
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+
+        patterns = _compile_patterns(skip_layers)
+        self.handlers: list[LayerHandler] = []
+        for name, module in model.named_modules():
+            handler = make_handler(name, module)
+            if handler is None or not module.weight.requires_grad:
+                continue
+            if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
+                continue
+            self.handlers.append(handler)
+        if not self.handlers:
+            raise ValueError(
+                "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
+                + (f" after skip_layers={skip_layers!r}" if patterns else "")
+            )
+
+        #: running factors and decompositions by layer name
+        self.factors: dict[str, dict[str, torch.Tensor]] = {}
+        self.decompositions: dict[str, dict[str, torch.Tensor]] = {}
+        self.steps = 0
+        self.epoch = 0
+        self._warned: set[str] = set()
+        #: KL-clip factor nu of the last step (Eq 18), for logging
+        self.last_nu = 1.0
+        self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
+
+    # -- schedule ----------------------------------------------------------------------------------------
+    @property
+    def damping(self) -> float:
+        return self.schedule.damping_at(self.epoch)
+
+    @property
+    def factor_update_freq(self) -> int:
+        return self.schedule.factor_update_freq_at(self.epoch)
+
+    @property
+    def inv_update_freq(self) -> int:
+        return self.schedule.inv_update_freq_at(self.epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Apply the epoch schedules (damping decay, update-frequency decay); call at each epoch start."""
+        self.epoch = int(epoch)
+
+    @property
+    def is_factor_update_step(self) -> bool:
+        return self.steps % self.factor_update_freq == 0
+
+    @property
+    def is_inv_update_step(self) -> bool:
+        return self.steps % self.inv_update_freq == 0
+
+    # -- hooks -------------------------------------------------------------------------------------------
+    def _make_forward_hook(self, handler: LayerHandler) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            # Only training forwards that will be backpropagated, and only on factor-update steps:
+            # validation, no-grad and inference-mode forwards never touch the factors.
+            if not (module.training and torch.is_grad_enabled() and self.is_factor_update_step):
+                return
+            if not inputs or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return
+            handler.capture_input(inputs[0])
+            output.register_hook(handler.capture_output_grad)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def discard_statistics(self) -> None:
+        """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients)."""
+        for h in self.handlers:
+            h.reset_statistics()
+
+    # -- step --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+        """Precondition ``.grad`` of every registered layer in place (after the gradient allreduce).
+
+        ``grad_scale`` is the AMP loss scale the captured output gradients carry (1 without a grad scaler).
+        """
+        try:
+            if self.is_factor_update_step:
+                self._update_factors(grad_scale)
+            if self.is_inv_update_step or self._missing_decompositions():
+                self._update_decompositions()
+            self._precondition(lr)
+        finally:
+            self.discard_statistics()
+            self.steps += 1
+
+    def _missing_decompositions(self) -> bool:
+        """Layers with factors but no decomposition on the rank that must hold it (hooks that fired late, a
+        checkpoint restored under multi-rank layer_wise): decomposed at once rather than at the next interval.
+        Every rank reaches the same answer, because factors and shared decompositions are identical."""
+        if self.placement == "layer_wise" and self.comm.world_size > 1:
+            owners = self.assignment()
+            mine = [h for i, h in enumerate(self.handlers) if owners[(i, "A")] == self.comm.rank]
+        else:
+            mine = self.handlers
+        return any(h.name in self.factors and h.name not in self.decompositions for h in mine)
+
+    # factors ----------------------------------------------------------------------------------------------
+    def _update_factors(self, grad_scale: float) -> None:
+        fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
+        if self.comm.world_size > 1:
+            # A layer is updated only if its hooks fired on every rank, so the factor allreduce matches.
+            device = self._comm_device()
+            fired = fired.to(device)
+            self.comm.allreduce(fired, op="sum").wait()
+            fired = fired.cpu() / self.comm.world_size
+        active: list[LayerHandler] = []
+        for h, f in zip(self.handlers, fired.tolist()):
+            if f >= 1.0 - 1e-6:
+                active.append(h)
+            elif h.name not in self._warned:
+                self._warned.add(h.name)
+                warnings.warn(
+                    f"K-FAC: the hooks of layer {h.name!r} ({type(h.module).__name__}) did not fire in a training "
+                    "step on every rank (used functionally, output unused, or shared oddly); its factors are not "
+                    "updated and its gradient is left to the optimizer until they exist",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        batch = {h.name: h.batch_factors(grad_scale, self.batch_averaged) for h in active}
+        if self.comm.world_size > 1:
+            self._allreduce_mean([t for name in batch for t in batch[name]])
+        decay = self.factor_decay
+        for name, (a, g) in batch.items():
+            if name not in self.factors:
+                self.factors[name] = {"A": a.clone(), "G": g.clone()}
+            else:
+                running = self.factors[name]
+                running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
+                running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
+
+    def _comm_device(self) -> torch.device:
+        # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
+        return self.handlers[0].module.weight.device
+
+    def _allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` across ranks in place: fused into buckets, all in flight at once."""
+        for bucket, flat, handle in [(b, f, self.comm.allreduce(f, op="mean", async_op=True)) for b, f in self._buckets(tensors)]:
+            handle.wait()
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _buckets(self, tensors: list[torch.Tensor]) -> Iterable[tuple[list[torch.Tensor], torch.Tensor]]:
+        bucket: list[torch.Tensor] = []
+        size = 0
+        out = []
+        for t in tensors:
+            if bucket and (size + t.numel() * t.element_size() > self.bucket_cap_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+                out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
+                bucket, size = [], 0
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+        if bucket:
+            out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
+        return out
+
+    # decompositions -------------------------------------------------------------------------------------
+    def assignment(self) -> dict[tuple[int, str], int]:
+        """``(layer index, "A"|"G") -> rank`` for the current world size (recomputed on every update)."""
+        dims = [(h.a_dim, h.g_dim) for h in self.handlers]
+        return assign_factors(dims, self.comm.world_size, self.placement)
+
+    def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
+        if self.compute_method == "eigen":
+            res = safe_eigh(factor, self.decomposition_dtype, name)
+            return None if res is None else {"d": res[0], "q": res[1]}
+        inv = safe_damped_inverse(factor, self.damping, self.decomposition_dtype, name)
+        return None if inv is None else {"inv": inv}
+
+    def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        return {"d": (n,), "q": (n, n)} if self.compute_method == "eigen" else {"inv": (n, n)}
+
+    def _update_decompositions(self) -> None:
+        world, rank = self.comm.world_size, self.comm.rank
+        owners = self.assignment()
+        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        work: list[tuple[int, LayerHandler, str]] = []
+        for i, h in enumerate(self.handlers):
+            if h.name not in self.factors:
+                continue
+            for kind in ("A", "G"):
+                work.append((owners[(i, kind)], h, kind))
+        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it.
+        for owner, h, kind in work:
+            if owner != rank and world > 1:
+                continue
+            res = self._decompose(self.factors[h.name][kind], f"{h.name}.{kind}")
+            if res is None:  # keep the previous decomposition; broadcast it so all ranks stay identical
+                prev = self.decompositions.get(h.name)
+                if prev is not None:
+                    res = {k: prev[f"{k}_{kind}"] for k in self._result_shapes(1)}
+                else:
+                    n = self.factors[h.name][kind].shape[0]
+                    res = self._fallback_identity(n, self.factors[h.name][kind].device)
+            results[(h.name, kind)] = res
+        if world > 1 and self.placement != "layer_wise":
+            results = self._share(work, results)
+        for (name, kind), res in results.items():
+            entry = self.decompositions.setdefault(name, {})
+            for k, v in res.items():
+                entry[f"{k}_{kind}"] = v
+
+    def _fallback_identity(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+        # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
+        eye = torch.eye(n, dtype=self.decomposition_dtype, device=device)
+        if self.compute_method == "eigen":
+            return {"d": torch.ones(n, dtype=self.decomposition_dtype, device=device), "q": eye}
+        return {"inv": eye / (1.0 + self.damping)}
+
+    def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+        """One broadcast per owning rank of all its decompositions, all in flight at once (paper: allgather)."""
+        rank = self.comm.rank
+        device = self._comm_device()
+        by_owner: dict[int, list[tuple[LayerHandler, str]]] = {}
+        for owner, h, kind in work:
+            by_owner.setdefault(owner, []).append((h, kind))
+        pending = []
+        for owner, items in sorted(by_owner.items()):
+            shapes = [(h, kind, self._result_shapes(self.factors[h.name][kind].shape[0])) for h, kind in items]
+            total = sum(math.prod(s) for _, _, sh in shapes for s in sh.values())
+            if owner == rank:
+                flat = torch.cat([results[(h.name, kind)][k].reshape(-1).to(device) for h, kind, sh in shapes for k in sh])
+            else:
+                flat = torch.empty(total, dtype=self.decomposition_dtype, device=device)
+            pending.append((shapes, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
+        out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for shapes, flat, handle in pending:
+            handle.wait()
+            offset = 0
+            for h, kind, sh in shapes:
+                res = {}
+                for k, shape in sh.items():
+                    n = math.prod(shape)
+                    res[k] = flat[offset : offset + n].view(shape).clone()
+                    offset += n
+                out[(h.name, kind)] = res
+        return out
+
+    # preconditioning ------------------------------------------------------------------------------------
+    def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
+        d = self.decompositions[h.name]
+        if self.compute_method == "eigen":
+            return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], self.damping)
+        return precondition_inverse(grad, d["inv_A"], d["inv_G"])
+
+    def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
+        if lr is not None:
+            return float(lr)
+        if self.optimizer is not None:
+            w = h.module.weight
+            for group in self.optimizer.param_groups:
+                if any(p is w for p in group["params"]):
+                    return float(group["lr"])
+        if self.lr is not None:
+            return float(self.lr() if callable(self.lr) else self.lr)
+        return None
+
+    def _precondition(self, lr: float | None) -> None:
+        world, rank = self.comm.world_size, self.comm.rank
+        grads: dict[str, torch.Tensor] = {}
+        for h in self.handlers:
+            g = h.grad_matrix()
+            if g is not None and h.name in self.factors:
+                grads[h.name] = g
+        precond: dict[str, torch.Tensor] = {}
+        if self.placement == "layer_wise" and world > 1:
+            precond = self._precondition_layer_wise(grads)
+        else:
+            for h in self.handlers:
+                if h.name in grads and h.name in self.decompositions:
+                    precond[h.name] = self._precondition_layer(h, grads[h.name])
+        if not precond:
+            return
+        nu = 1.0
+        if self.kl_clip:
+            # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
+            vg_sum = 0.0
+            for h in self.handlers:
+                if h.name not in precond:
+                    continue
+                layer_lr = self._layer_lr(h, lr)
+                if layer_lr is None:
+                    raise ValueError("K-FAC kl_clip needs the learning rate: pass optimizer= (or lr=) to KFACPreconditioner or lr= to step()")
+                vg_sum += layer_lr**2 * abs(float((precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum()))
+            if vg_sum > 0:
+                nu = min(1.0, math.sqrt(self.kl_clip / vg_sum))
+        self.last_nu = nu
+        for h in self.handlers:
+            if h.name in precond:
+                p = precond[h.name]
+                h.set_grad_matrix(p * nu if nu != 1.0 else p)
+
+    def _precondition_layer_wise(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """K-FAC-lw: the owner of a layer preconditions it and broadcasts the result (one buffer per owner)."""
+        rank = self.comm.rank
+        owners = self.assignment()
+        device = self._comm_device()
+        by_owner: dict[int, list[LayerHandler]] = {}
+        for i, h in enumerate(self.handlers):
+            # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
+            if h.name in grads:
+                by_owner.setdefault(owners[(i, "A")], []).append(h)
+        pending = []
+        for owner, hs in sorted(by_owner.items()):
+            if owner == rank:
+                parts = []
+                for h in hs:
+                    if h.name in self.decompositions:
+                        parts.append(self._precondition_layer(h, grads[h.name]).reshape(-1))
+                    else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
+                        parts.append(grads[h.name].to(self.decomposition_dtype).reshape(-1))
+                flat = torch.cat(parts).to(device)
+            else:
+                flat = torch.empty(sum(grads[h.name].numel() for h in hs), dtype=self.decomposition_dtype, device=device)
+            pending.append((hs, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
+        out: dict[str, torch.Tensor] = {}
+        for hs, flat, handle in pending:
+            handle.wait()
+            offset = 0
+            for h in hs:
+                n = grads[h.name].numel()
+                out[h.name] = flat[offset : offset + n].view_as(grads[h.name])
+                offset += n
+        return out
+
+    # -- checkpointing -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, running factors and the decompositions this rank holds (all of them, except under
+        multi-rank ``layer_wise``, where a resumed run recomputes missing ones from the saved factors)."""
+        return {
+            "steps": self.steps,
+            "epoch": self.epoch,
+            "compute_method": self.compute_method,
+            "factors": {n: {k: v.detach().clone() for k, v in f.items()} for n, f in self.factors.items()},
+            "decompositions": {n: {k: v.detach().clone() for k, v in d.items()} for n, d in self.decompositions.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = {h.name: h for h in self.handlers}
+        unknown = sorted(set(state.get("factors", {})) - set(names))
+        if unknown:
+            raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
+        self.steps = int(state["steps"])
+        self.epoch = int(state.get("epoch", 0))
+        self.factors = {n: {k: v.to(names[n].module.weight.device) for k, v in f.items()} for n, f in state["factors"].items()}
+        self.decompositions = {}
+        if state.get("compute_method", self.compute_method) == self.compute_method:
+            for n, d in state.get("decompositions", {}).items():
+                if n in names:
+                    self.decompositions[n] = {k: v.to(names[n].module.weight.device) for k, v in d.items()}

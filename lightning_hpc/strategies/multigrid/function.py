@@ -1,0 +1,142 @@
+"""The layer-parallel solver of one rank and the autograd.Function / nn.Module that drop it into a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hpc.models.ode_resnet import ResidualStep, residual_steps
+from lightning_hpc.strategies.multigrid.adjoint import AdjointPropagator, parameter_gradients
+from lightning_hpc.strategies.multigrid.fas import mgrit_solve
+from lightning_hpc.strategies.multigrid.hierarchy import Hierarchy
+from lightning_hpc.strategies.multigrid.options import MultigridOptions
+from lightning_hpc.strategies.multigrid.parallel import LayerChain
+from lightning_hpc.strategies.multigrid.partition import LayerPartition
+from lightning_hpc.strategies.multigrid.propagator import ForwardPropagator
+from lightning_hpc.strategies.multigrid.steps import StepStack
+
+__all__ = ["LayerParallelSolver", "MultigridFunction", "MultigridODEBlock"]
+
+
+class LayerParallelSolver:
+    """Forward (state) and backward (adjoint) multigrid solves over this rank's contiguous share of the steps.
+
+    ``group`` is the layer-parallel process group (None: one process holds all steps).
+    """
+
+    def __init__(self, steps: Sequence[ResidualStep], options: MultigridOptions, group: dist.ProcessGroup | None = None) -> None:
+        self.options = options
+        self.chain = LayerChain(group)
+        self.adjoint_chain = LayerChain(group, reverse=True)
+        self.partition = LayerPartition(len(steps), self.chain.size, self.chain.index, options.cfactor, options.levels)
+        local = list(steps)[self.partition.start : self.partition.stop]
+        self.stack = StepStack([s.branch for s in local], [s.h for s in local], options.concurrent, first_index=self.partition.start)
+        self.hierarchy = Hierarchy(self.stack.h, options.cfactor, options.levels)
+        #: parameters of the local steps, in the order the gradients come back (step-major, then by name)
+        self.local_params = [dict(s.branch.named_parameters())[name] for s in local for name in self.stack.param_names]
+        self.forward_history: list[float] = []
+        self.backward_history: list[float] = []
+
+    @property
+    def local_steps(self) -> int:
+        return len(self.stack)
+
+    def solve_states(self, u0: torch.Tensor, training: bool, need_states: bool = True) -> torch.Tensor:
+        """States u_{start}..u_{stop} of this rank (``[n + 1, *u0.shape]``), initial guess u_0 everywhere.
+
+        ``need_states=False``: only the last point is valid (inference; saves the last F-relaxation).
+        """
+        self.stack.refresh(training)
+        u = u0.detach().unsqueeze(0).repeat(self.local_steps + 1, *([1] * u0.dim()))
+        need_states = need_states or (training and self.stack.has_batch_norm)
+        prop = ForwardPropagator(self.stack, self.hierarchy)
+        self.forward_history = mgrit_solve(prop, u, self.options.relaxation, self.options.forward, self.chain, need_states)
+        self.stack.update_running_stats(u[: self.local_steps])
+        return u
+
+    def output(self, states: torch.Tensor) -> torch.Tensor:
+        """u_N, held by the last rank, on every rank of the group (the closing layers run everywhere)."""
+        return self.chain.broadcast(states[-1].clone(), self.chain.last_rank)
+
+    def solve_adjoint(self, states: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(dL/du_0 on every rank, gradients of ``local_params``)."""
+        n = self.local_steps
+        lam = grad_out.detach().unsqueeze(0).repeat(n + 1, *([1] * grad_out.dim())).contiguous()
+        prop = AdjointPropagator(self.stack, self.hierarchy, states)
+        self.backward_history = mgrit_solve(prop, lam, self.options.relaxation, self.options.backward, self.adjoint_chain)
+        stacked = parameter_gradients(self.stack, states, lam)
+        grads = [stacked[name][i] for i in range(n) for name in self.stack.param_names]
+        grad_u0 = self.chain.broadcast(lam[n].clone(), self.chain.first_rank)
+        return grad_u0, grads
+
+
+class MultigridFunction(torch.autograd.Function):
+    """u_N = MG-solve(u_0; theta) with the adjoint multigrid solve as its backward."""
+
+    @staticmethod
+    def forward(ctx, solver: LayerParallelSolver, training: bool, need_states: bool, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        states = solver.solve_states(u0, training, need_states)
+        ctx.solver, ctx.states = solver, states
+        return solver.output(states)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        grad_u0, grads = ctx.solver.solve_adjoint(ctx.states, grad_out.contiguous())
+        ctx.states = None
+        return (None, None, None, grad_u0, *grads)
+
+
+class MultigridODEBlock(nn.Sequential):
+    """Drop-in replacement of a trunk ``nn.Sequential`` of residual steps, solved by layer-parallel multigrid.
+
+    It holds the same step modules under the same names (state dicts and optimizers are unaffected).  With a
+    layer-parallel ``group`` of P ranks, rank r computes only steps [r N/P, (r+1) N/P) and receives gradients
+    only for those (the others stay ``None`` on that rank: each rank owns and updates its layers, as in the
+    paper's model parallelism; :meth:`sync_parameters` copies owners' weights everywhere, e.g. for checkpoints).
+    """
+
+    def __init__(self, steps: nn.Module, options: MultigridOptions | None = None, group: dist.ProcessGroup | None = None) -> None:
+        blocks = residual_steps(steps)
+        names = [name for name, _ in steps.named_children()] if isinstance(steps, nn.Sequential) else [str(i) for i in range(len(blocks))]
+        super().__init__()
+        for name, block in zip(names, blocks):
+            self.add_module(name, block)
+        self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
+        self.options = options or MultigridOptions()
+        self.group = group
+        self.solver = LayerParallelSolver(blocks, self.options, group)
+        self._shape_checked = False
+
+    @property
+    def forward_history(self) -> list[float]:
+        """||R_h|| per cycle of the last forward solve."""
+        return self.solver.forward_history
+
+    @property
+    def backward_history(self) -> list[float]:
+        """||R_h|| per cycle of the last adjoint solve."""
+        return self.solver.backward_history
+
+    def forward(self, u0: torch.Tensor) -> torch.Tensor:
+        if not self._shape_checked:  # local steps only: each rank checks its own share once
+            part = self.solver.partition
+            local = nn.Sequential(*list(self)[part.start : part.stop])
+            residual_steps(local, u0[:1].detach(), first_index=part.start)
+            self._shape_checked = True
+        need_states = torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in self.solver.local_params))
+        return MultigridFunction.apply(self.solver, self.training, need_states, u0, *self.solver.local_params)
+
+    def sync_parameters(self) -> None:
+        """Broadcast every step's parameters and buffers from its owner rank to the whole layer group."""
+        if self.group is None or self.solver.chain.size == 1:
+            return
+        ranks = dist.get_process_group_ranks(self.group)
+        part = self.solver.partition
+        with torch.no_grad():
+            for i, block in enumerate(self):
+                owner = ranks[part.owner(i)]
+                for t in list(block.parameters()) + list(block.buffers()):
+                    dist.broadcast(t.data, owner, group=self.group)

@@ -1,0 +1,132 @@
+"""Spatially partitioned Conv2d with halo exchange (Dryden et al., section III-A, Eqs. 1-3; overlap IV-A).
+
+Forward: each rank computes the output rows/columns of its (blocked) output tile.  It needs its input tile
+plus a halo of exactly the rows/columns its output windows reach (:mod:`halo_exchange`); the image border
+is zero padding.  With ``overlap=True`` the halo messages are posted first, the *interior* outputs (whose
+windows lie inside the local tile) are computed while they travel, and the four boundary strips are computed
+once they arrived.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
+added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
+over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpc.strategies.spatial.halo_exchange import (
+    Window1d,
+    finish_halo_exchange,
+    halo_exchange,
+    start_halo_exchange,
+)
+from lightning_hpc.strategies.spatial.layer import SpatialLayer
+from lightning_hpc.strategies.spatial.tiling import SpatialGrid
+
+__all__ = ["SpatialConv2d", "conv_windows"]
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv_windows(conv: nn.Conv2d) -> tuple[Window1d, Window1d]:
+    """Per-dimension windows of a Conv2d (string paddings resolved; only zero padding is supported)."""
+    k, s, d = _pair(conv.kernel_size), _pair(conv.stride), _pair(conv.dilation)
+    if isinstance(conv.padding, str):
+        if conv.padding == "valid":
+            p = (0, 0)
+        else:  # "same" (stride 1 only in torch): symmetric when the dilated kernel is odd
+            spans = [d[i] * (k[i] - 1) for i in range(2)]
+            if any(sp % 2 for sp in spans):
+                raise ValueError(f"{conv}: padding='same' with an even kernel span is asymmetric; not supported spatially")
+            p = (spans[0] // 2, spans[1] // 2)
+    else:
+        p = _pair(conv.padding)
+    return Window1d(k[0], s[0], p[0], d[0]), Window1d(k[1], s[1], p[1], d[1])
+
+
+class SpatialConv2d(nn.Conv2d, SpatialLayer):
+    """A Conv2d running on one spatial tile; shares its parameters with the layer it was made from."""
+
+    overlap: bool
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = True, name: str = "") -> "SpatialConv2d":
+        if conv.padding_mode != "zeros":
+            raise ValueError(
+                f"Conv2d '{name}' uses padding_mode={conv.padding_mode!r}; the spatial layers implement zero padding "
+                f"only (the image border is padded locally on the border tiles)"
+            )
+        new = copy.copy(conv)  # shallow: the same Parameter objects, so optimizers stay valid
+        new.__class__ = cls
+        new._init_spatial(grid, name)
+        new.overlap = overlap
+        new._wins = conv_windows(conv)
+        return new
+
+    def windows(self, h: int, w: int):
+        return self._wins
+
+    @property
+    def pointwise(self) -> bool:
+        """1x1, stride 1, no padding: output tile = input tile, no halo at all."""
+        return all(win.kernel == 1 and win.stride == 1 and win.padding == 0 for win in self._wins)
+
+    def _conv(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.grid.size == 1:
+            return super().forward(x)
+        h, w = self.global_input_extent(x)
+        plan = self.halo_plan(h, w)
+        if self.pointwise:
+            return self._conv(x)
+        if not self.overlap:
+            return self._conv(halo_exchange(x, plan))
+        return self._forward_overlapped(x, plan)
+
+    def _forward_overlapped(self, x: torch.Tensor, plan) -> torch.Tensor:
+        wh, ww = self._wins
+        (a, b), (c, e) = plan.own
+        (oa, ob), (oc, oe) = plan.out
+        (lo_r, hi_r), (lo_c, hi_c) = plan.need
+        # the zero padding at the image border is local data too
+        pt = max(0, -lo_r) if a == 0 else 0
+        pb = max(0, hi_r - plan.rows.n) if b == plan.rows.n else 0
+        pl = max(0, -lo_c) if c == 0 else 0
+        pr = max(0, hi_c - plan.cols.n) if e == plan.cols.n else 0
+        ia, ib = wh.outputs_within(a - pt, b + pb)
+        ja, jb = ww.outputs_within(c - pl, e + pr)
+        ia, ib = max(ia, oa), min(ib, ob)
+        ja, jb = max(ja, oc), min(jb, oe)
+        xs, exchange = start_halo_exchange(x, plan)
+        if ib <= ia or jb <= ja:  # no interior to hide the exchange behind
+            return self._conv(finish_halo_exchange(xs, exchange))
+        # interior, computed while the halos travel
+        xl = F.pad(xs, (pl, pr, pt, pb)) if (pl or pr or pt or pb) else xs
+        r0, r1 = wh.needed(ia, ib, plan.rows.n)
+        c0, c1 = ww.needed(ja, jb, plan.cols.n)
+        base_r, base_c = a - pt, c - pl
+        interior = self._conv(xl[:, :, r0 - base_r : r1 - base_r, c0 - base_c : c1 - base_c])
+        # boundary strips from the extended tile
+        xp = finish_halo_exchange(xs, exchange)
+
+        def box(o0: int, o1: int, q0: int, q1: int) -> torch.Tensor | None:
+            if o1 <= o0 or q1 <= q0:
+                return None
+            s0, s1 = wh.needed(o0, o1, plan.rows.n)
+            t0, t1 = ww.needed(q0, q1, plan.cols.n)
+            return self._conv(xp[:, :, s0 - lo_r : s1 - lo_r, t0 - lo_c : t1 - lo_c])
+
+        middle = [t for t in (box(ia, ib, oc, ja), interior, box(ia, ib, jb, oe)) if t is not None]
+        rows = [box(oa, ia, oc, oe), torch.cat(middle, dim=3) if len(middle) > 1 else middle[0], box(ib, ob, oc, oe)]
+        rows = [t for t in rows if t is not None]
+        return torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", spatial_parts={self.grid.parts}, overlap={self.overlap}"

@@ -1,0 +1,45 @@
+"""Gradient reduction of hybrid sample x spatial training (section III-A).
+
+Tile parameters (convolution, batch norm) hold partial sums of Eq. 2 over their tile: the full gradient of a
+sample group is their *sum* over the spatial group, and the mini-batch gradient is the *mean* over sample
+groups (as in data parallelism).  Replicated parameters (heads after a global pooling) hold the complete
+gradient of their sample group on every rank: they are averaged over all ranks.  Both reductions are one
+allreduce (sum) over the world after scaling by ``1/S`` and ``1/world`` respectively, flattened into a single
+message per dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["reduce_gradients"]
+
+
+def reduce_gradients(
+    tile_params: Sequence[torch.nn.Parameter],
+    replicated_params: Sequence[torch.nn.Parameter],
+    num_sample_groups: int,
+    group=None,
+) -> None:
+    """Sum tile gradients over the spatial group and average them over sample groups; average replicated ones."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    grads, scales = [], []
+    for params, scale in ((tile_params, 1.0 / num_sample_groups), (replicated_params, 1.0 / world)):
+        for p in params:
+            if p.grad is not None:
+                grads.append(p.grad)
+                scales.append(scale)
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for k, g in enumerate(grads):
+        by_dtype.setdefault((g.dtype, g.device), []).append(k)
+    for idx in by_dtype.values():
+        flat = _flatten_dense_tensors([grads[k] * scales[k] for k in idx])
+        dist.all_reduce(flat, group=group)
+        for k, synced in zip(idx, _unflatten_dense_tensors(flat, [grads[k] for k in idx])):
+            grads[k].copy_(synced)

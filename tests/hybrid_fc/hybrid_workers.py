@@ -1,0 +1,143 @@
+"""Module-level worker functions for the hybrid-head tests (spawned ranks must be able to import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.hybrid_fc import (
+    ByteCounter,
+    HeadOptimizer,
+    average_trunk_gradients,
+    find_hybrid_head,
+    full_optimizer_state,
+    full_state_dict,
+    head_parameters,
+    parallelize_head,
+    shard_optimizer_state,
+    trunk_parameters,
+)
+
+B = 6  # examples per rank (uneven slices for K=4 in scheme c)
+TRUNK_END = 4  # index of the first head layer in small_model()
+
+
+def small_model(seed: int = 0) -> nn.Sequential:
+    """Conv trunk + 3-layer head 64-24-18-10 (18 and 10 split unevenly over 4 ranks)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(1),
+        nn.Linear(64, 24),
+        nn.ReLU(),
+        nn.Linear(24, 18),
+        nn.Tanh(),
+        nn.Linear(18, 10),
+    )
+
+
+def batch(step: int, k: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(k * B, 2, 8, 8, generator=g, dtype=dtype)
+    y = torch.randint(0, 10, (k * B,), generator=g)
+    return x, y
+
+
+def sgd(params) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def per_step_equivalence(rank: int, k: int, scheme: str, layouts, steps: int) -> dict:
+    """Hybrid (per_step) vs one process on the concatenated batch; returns max abs differences."""
+    ref = small_model()
+    hyb = parallelize_head(copy.deepcopy(ref), scheme=scheme, layouts=layouts)
+    ref_opt, hyb_opt = sgd(ref.parameters()), sgd(hyb.parameters())
+    worst = {"logits": 0.0, "loss": 0.0, "params": 0.0, "input_grad": 0.0}
+    for step in range(steps):
+        x, y = batch(step, k)
+        mine = slice(rank * B, (rank + 1) * B)
+        xr = x[mine].clone().requires_grad_(True)
+        logits = hyb(xr)
+        loss = F.cross_entropy(logits, y[mine])
+        hyb_opt.zero_grad()
+        loss.backward()
+        average_trunk_gradients(hyb)
+        hyb_opt.step()
+        x_ref = x.clone().requires_grad_(True)
+        logits_ref = ref(x_ref)
+        loss_ref = F.cross_entropy(logits_ref, y)
+        ref_opt.zero_grad()
+        loss_ref.backward()
+        ref_opt.step()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        worst["logits"] = max(worst["logits"], float((logits.detach() - logits_ref.detach()[mine]).abs().max()))
+        worst["loss"] = max(worst["loss"], abs(float(global_loss) / k - float(loss_ref)))
+        # d(mean over K b)/dx_i = (1/K) d(local mean)/dx_i
+        worst["input_grad"] = max(worst["input_grad"], float((xr.grad / k - x_ref.grad[mine]).abs().max()))
+    full = full_state_dict(hyb)
+    for key, value in ref.state_dict().items():
+        worst["params"] = max(worst["params"], float((full[key] - value).abs().max()))
+    return worst
+
+
+def per_subbatch_equivalence(rank: int, k: int, scheme: str, layouts, steps: int) -> dict:
+    """Hybrid (per_subbatch) vs a hand-written reference that updates the head after each of the K sub-batches."""
+    ref = small_model()
+    hyb = parallelize_head(copy.deepcopy(ref), scheme=scheme, fc_update="per_subbatch", layouts=layouts)
+    hyb_opt = sgd(hyb.parameters())
+    head_opt = HeadOptimizer(hyb_opt, head_parameters(hyb))
+    head_module = find_hybrid_head(hyb)
+    trunk, head = ref[:TRUNK_END], ref[TRUNK_END:]
+    trunk_opt, ref_head_opt = sgd(trunk.parameters()), sgd(head.parameters())
+    worst = {"logits": 0.0, "params": 0.0}
+    for step in range(steps):
+        x, y = batch(step, k)
+        mine = slice(rank * B, (rank + 1) * B)
+        hyb_opt.zero_grad()
+        with head_module.subbatch_update(y[mine], F.cross_entropy, head_opt.step):
+            logits = hyb(x[mine])
+            loss = F.cross_entropy(logits, y[mine])
+        loss.backward()
+        average_trunk_gradients(hyb)
+        hyb_opt.step()
+
+        # Reference, written out: trunk on all K x b examples, then K head steps on the sub-batches.
+        acts = trunk(x)
+        a_leaf = acts.detach().requires_grad_(True)
+        grad_acts = torch.zeros_like(acts)
+        logits_ref = torch.zeros(k * B, 10)
+        for rows in reference_subbatches(scheme, k):
+            ref_head_opt.zero_grad()
+            a_j = a_leaf[rows].detach().requires_grad_(True)
+            out = head(a_j)
+            loss_j = F.cross_entropy(out, y[rows])  # mean over the sub-batch: its own SGD step
+            loss_j.backward()
+            grad_acts[rows] = a_j.grad * (len(rows) / (k * B))  # trunk sees the mean over all K x b
+            logits_ref[rows] = out.detach()
+            ref_head_opt.step()
+        trunk_opt.zero_grad()
+        acts.backward(grad_acts)
+        trunk_opt.step()
+        worst["logits"] = max(worst["logits"], float((logits.detach() - logits_ref[mine]).abs().max()))
+    full = full_state_dict(hyb)
+    for key, value in ref.state_dict().items():
+        worst["params"] = max(worst["params"], float((full[key] - value).abs().max()))
+    return worst
+
+
+def reference_subbatches(scheme: str, k: int) -> list[torch.Tensor]:
+    """Global row indices of each sub-batch, in processing order (schemes b and c)."""
+    if scheme == "b":
+        return [torch.arange(j * B, (j + 1) * B) for j in range(k)]
+    out = []
+    for a, b in block_bounds(B, k):
+        out.append(torch.cat([torch.arange(r * B + a, r * B + b) for r in range(k)]))
+    return out

@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+
+from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta, calibrate_local, fit_alpha_beta
+
+M = AlphaBeta(alpha=1e-5, beta=1e-9, gamma=0.0)
+
+
+def test_single_process_collectives_cost_nothing():
+    for fn in (alphabeta.broadcast, alphabeta.allreduce, alphabeta.allgather, alphabeta.reduce_scatter, alphabeta.alltoall):
+        assert fn(1e6, 1, M) == 0.0
+
+
+def test_collective_formulas():
+    n, p = 8e6, 8
+    # Rabenseifner for long messages: 2 log p alpha + 2 (p-1)/p n beta
+    assert alphabeta.allreduce(n, p, M) == pytest.approx(2 * 3 * M.alpha + 2 * 7 / 8 * n * M.beta)
+    # recursive doubling wins for tiny messages
+    assert alphabeta.allreduce(8, p, M) == pytest.approx(3 * (M.alpha + 8 * M.beta))
+    assert alphabeta.allgather(n, p, M) == pytest.approx(7 * M.alpha + 7 / 8 * n * M.beta)
+    assert alphabeta.send_recv(100, M) == pytest.approx(M.alpha + 100 * M.beta)
+    assert alphabeta.alltoall(n, p, M) == pytest.approx(7 * (M.alpha + n / 8 * M.beta))
+    # allreduce = reduce-scatter + allgather for long messages (gamma = 0)
+    assert alphabeta.allreduce(n, p, M) <= alphabeta.reduce_scatter(n, p, M) + alphabeta.allgather(n, p, M) + 1e-12
+    with pytest.raises(ValueError):
+        alphabeta.allreduce(1, 0, M)
+
+
+def test_fit_recovers_alpha_beta():
+    sizes = [2.0**k for k in range(4, 22)]
+    times = [3e-5 + s * 2e-10 for s in sizes]
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.alpha == pytest.approx(3e-5, rel=1e-6) and fit.beta == pytest.approx(2e-10, rel=1e-6)
+
+
+def test_calibration_on_this_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
+    fit = calibrate_local(2, use_cache=False)
+    assert fit.alpha >= 0 and 0 < fit.beta < 1e-6  # slower than 1 MB/s would mean something is broken
+    assert list(tmp_path.glob("alphabeta-*-gloo-2.json"))
+
+
+def test_layer_timer_measures_and_caches(tmp_path):
+    timer = LayerTimer(tmp_path / "t.json", warmup=1, repeats=2)
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    t = timer.measure(conv, (2, 4, 16, 16))
+    assert t["forward"] > 0 and t["backward"] >= 0
+    again = LayerTimer(tmp_path / "t.json").measure(conv, (2, 4, 16, 16))
+    assert again == t  # served from the cache file
+    assert math.isfinite(t["forward"])

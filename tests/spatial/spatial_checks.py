@@ -1,0 +1,49 @@
+"""Helpers shared by the spatial tests: compare a spatial layer with the serial layer on one rank's tile."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from lightning_hpc.strategies.spatial.tiling import tile_slices
+
+TOL = 1e-5
+
+
+def tile_of(t: torch.Tensor, grid) -> torch.Tensor:
+    rs, cs = tile_slices(t.shape[-2], t.shape[-1], grid.parts, grid.index)
+    return t[..., rs, cs]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference's magnitude (when that exceeds 1)."""
+    a, b = a.detach(), b.detach()
+    if not a.numel():
+        return 0.0
+    return float((a - b).abs().max() / max(1.0, float(b.abs().max())))
+
+
+def compare_layer(ref: torch.nn.Module, make, x_full: torch.Tensor, grid, *, seed: int = 0, grad_sum_group=True) -> dict[str, float]:
+    """Run ``ref`` on the whole input and ``make(copy of ref)`` on this rank's tile; return the max abs
+    differences of output tile, input-gradient tile and (group-summed) parameter gradients."""
+    ref = copy.deepcopy(ref)
+    sp = make(copy.deepcopy(ref))
+    x = x_full.clone().requires_grad_(True)
+    y = ref(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 17), dtype=y.dtype)
+    (y * g).sum().backward()
+
+    xt = tile_of(x_full, grid).clone().requires_grad_(True)
+    yt = sp(xt)
+    (yt * tile_of(g, grid)).sum().backward()
+    errs = {"out": max_err(yt, tile_of(y.detach(), grid)), "dx": max_err(xt.grad, tile_of(x.grad, grid))}
+    if list(yt.shape) != list(tile_of(y, grid).shape):
+        errs["shape"] = float("inf")
+    for (name, p_ref), (_, p_sp) in zip(ref.named_parameters(), sp.named_parameters()):
+        gsp = p_sp.grad.clone()
+        if grad_sum_group and grid.group is not None:
+            dist.all_reduce(gsp, group=grid.group)
+        errs["d" + name] = max_err(gsp, p_ref.grad)
+    return errs

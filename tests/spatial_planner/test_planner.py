@@ -1,0 +1,185 @@
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
+from lightning_hpc.strategies.spatial.planner import (
+    CostModel,
+    Distribution,
+    brute_force_line,
+    build_stages,
+    candidate_distributions,
+    plan_for_model,
+    shortest_line_path,
+    trace_layers,
+)
+
+
+class FlopTimer(LayerTimer):
+    """Deterministic layer times (proportional to multiply-adds) so planner tests do not depend on the load."""
+
+    def __init__(self):
+        self._cache, self.calls = {}, 0
+
+    def measure(self, module, input_shape, dtype=torch.float32, device="cpu"):
+        self.calls += 1
+        elems = 1
+        for s in input_shape:
+            elems *= s
+        if isinstance(module, nn.Conv2d):
+            k = module.kernel_size[0] * module.kernel_size[1]
+            work = elems * module.out_channels * k / (module.stride[0] * module.stride[1])
+        elif isinstance(module, nn.Linear):
+            work = elems * module.out_features
+        else:
+            work = elems
+        t = 1e-9 * work
+        return {"forward": t, "backward": 2 * t}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_shortest_path_equals_brute_force(seed):
+    rng = random.Random(seed)
+    layers = rng.randint(2, 5)
+    cands = [[f"d{k}" for k in range(rng.randint(1, 4))] for _ in range(layers)]
+    costs = {(i, d): rng.uniform(0, 10) for i, row in enumerate(cands) for d in row}
+    shuffles = {}
+
+    def shuffle(i, a, b):
+        return 0.0 if a == b else shuffles.setdefault((i, a, b), rng.uniform(0, 5))
+
+    path, total = shortest_line_path(cands, lambda i, d: costs[(i, d)], shuffle)
+    ref_path, ref_total = brute_force_line(cands, lambda i, d: costs[(i, d)], shuffle)
+    assert total == pytest.approx(ref_total)
+    # the returned path really has that length
+    again = sum(costs[(i, d)] for i, d in enumerate(path)) + sum(shuffle(i, path[i], path[i + 1]) for i in range(layers - 1))
+    assert again == pytest.approx(total)
+
+
+def test_shuffle_cost_can_keep_a_worse_layer_choice():
+    # Layer 1 alone prefers B, but switching costs more than it saves: the path stays on A.
+    cost = {(0, "A"): 1.0, (0, "B"): 5.0, (1, "A"): 2.0, (1, "B"): 1.5}
+    path, total = shortest_line_path([["A", "B"], ["A", "B"]], lambda i, d: cost[(i, d)], lambda i, a, b: 0 if a == b else 1.0)
+    assert path == ["A", "A"] and total == pytest.approx(3.0)
+
+
+def _line_net():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 4, 1),
+    )
+
+
+def test_halo_cost_matches_section_v_a():
+    m = AlphaBeta(alpha=1e-5, beta=1e-9)
+    stages = build_stages(trace_layers(_line_net(), (2, 3, 32, 32)))
+    costs = CostModel(m, world_size=4, batch_size=2, timer=FlopTimer())
+    first = stages[0]
+    assert [layer.name for layer in first.layers] == ["0", "1", "2"]
+    d = Distribution(1, 2, 2)
+    sr = lambda n: alphabeta.send_recv(4 * n, m)  # noqa: E731
+    n, c, hl, wl, o = 2, 3, 16, 16, 1
+    expected = 2 * sr(o * n * c * wl) + 2 * sr(o * n * c * hl) + 4 * sr(o * o * n * c)
+    assert costs._halo(first.head, d) == pytest.approx(expected)
+    assert costs._halo(first.head, Distribution(4, 1, 1)) == 0.0  # sample parallelism needs no halo
+    assert costs._halo(stages[2].head, d) == 0.0  # 1x1 convolution
+    sc = costs.stage_cost(first, d)
+    assert sc.halo == pytest.approx(2 * expected)  # forward and backward exchanges
+    assert sc.bn_stats == pytest.approx(2 * alphabeta.allreduce(2 * 8 * 4, 4, m))
+    params = (3 * 8 * 9 + 8) * 4
+    assert dict(sc.allreduces)["0"] == pytest.approx(alphabeta.allreduce(params, 4, m))
+
+
+def test_candidates_respect_batch_and_tile_size():
+    stages = build_stages(trace_layers(_line_net(), (2, 3, 8, 8)))
+    cands = candidate_distributions(stages[1], world_size=8, batch_size=2)  # stride-2 conv, output 4x4
+    assert all(d.n * d.h * d.w == 8 and d.n <= 2 for d in cands)
+    assert Distribution(1, 8, 1) not in cands  # 4-row output cannot be split in 8
+    assert Distribution(2, 2, 2) in cands
+
+
+def test_planner_prefers_sample_parallelism_when_halos_are_expensive_and_spatial_when_batch_is_small():
+    model, timer = _line_net(), FlopTimer()
+    slow = AlphaBeta(alpha=1.0, beta=1e-3)
+    plan = plan_for_model(model, (3, 32, 32), 4, batch_size=4, alpha_beta=slow, timer=timer)
+    assert set(plan.distributions.values()) == {Distribution(4, 1, 1)} and plan.spatial_parts == (1, 1)
+    plan1 = plan_for_model(model, (3, 32, 32), 4, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=timer)
+    assert plan1.sample_groups == 1 and plan1.spatial_parts[0] * plan1.spatial_parts[1] == 4
+    assert plan1.method == "shortest-path" and plan1.predicted_step_time > 0
+    # pure sample parallelism at N=1 is impossible on 4 processes
+    with pytest.raises(ValueError, match="restriction"):
+        plan_for_model(model, (3, 32, 32), 4, batch_size=1, alpha_beta=slow, timer=timer, restrict=lambda d: d.h == d.w == 1)
+
+
+def test_predicted_time_adds_up_for_sample_parallelism():
+    model, timer = _line_net(), FlopTimer()
+    m = AlphaBeta(alpha=1e-4, beta=1e-8)
+    plan = plan_for_model(model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1)
+    assert plan.halo_time == 0 and plan.shuffle_time == 0
+    compute = sum(c.compute for c in plan.stage_costs.values())
+    assert plan.compute_time == pytest.approx(compute)
+    hidden = plan.allreduce_time - plan.exposed_allreduce_time
+    assert 0 <= hidden <= plan.allreduce_time
+    assert plan.predicted_step_time == pytest.approx(compute + plan.exposed_allreduce_time + plan.optimizer_time)
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.skip = nn.Conv2d(8, 8, 1)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        return self.head(self.b(torch.relu(self.a(x))) + self.skip(x))
+
+
+def test_longest_path_first_assigns_every_layer_of_a_branching_net():
+    plan = plan_for_model(_Residual(), (3, 16, 16), 4, batch_size=2, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
+    assert plan.method == "longest-path-first"
+    names = {"stem", "a", "b", "skip", "head", "add"}
+    assert names <= set(plan.distributions)
+    assert all(d.n * d.h * d.w * d.replicas == 4 for d in plan.distributions.values())
+
+
+def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
+    from lightning_hpc.strategies.spatial.plan import main
+
+    monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    argv = ["recipe=mesh_tangling_1k", "--world-size", "4", "input_shape=[18,64,64]", "model.widths=[4,4,4,4,4,4]",
+            "--alpha", "1e-5", "--beta", "1e-9", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recipe"] == "mesh_tangling_1k" and out["world_size"] == 4
+    names = [layer["name"] for layer in out["layers"]]
+    assert names[0] == "block1.0" and names[-1] == "upsample" and len(names) == 6 * 9 + 2
+    for layer in out["layers"]:
+        d = layer["distribution"]
+        assert d["n"] * d["h"] * d["w"] * d["replicas"] == 4
+    assert out["predicted_step_time_s"] > 0 and len(out["spatial_parts"]) == 2
+    assert main(["recipe=mesh_tangling_1k", "--world-size", "2", "input_shape=[18,64,64]", "model.widths=[4,4,4,4,4,4]",
+                 "--alpha", "1e-5", "--beta", "1e-9"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted time per mini-batch" in text and "block6.0" in text
+    assert main(["recipe=nope", "--world-size", "2"]) == 2
+
+
+def _plan_in_job(rank, world_size):
+    plan = plan_for_model(_line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
+    return {name: str(d) for name, d in plan.distributions.items()}, plan.spatial_parts
+
+
+def test_plan_inside_a_job_is_made_once_and_shared():
+    from lightning_hpc.distributed import run_in_processes
+
+    results = run_in_processes(_plan_in_job, 2, timeout_s=240)
+    assert results[0] == results[1]
+    assert results[0][1] in ((1, 2), (2, 1))

@@ -1,0 +1,99 @@
+"""End-to-end runs of ``lightning-hpc train`` (Hydra composition, DDP children, outputs, resume, sweeps)."""
+
+import csv
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_hpc.cli import _hydra_argv
+from lightning_hpc.config_paths import conf_dir, recipe_names, recipes_dir
+from tests.conftest import read_metrics, run_dirs
+
+#: per-recipe overrides that keep a fast_dev_run cheap on 2 CPU cores (every recipe must be listed)
+FAST = {
+    "digits": [],
+    "resnet_cifar": ["batch_size=8", "data.num_workers=0", "data.synthetic_train_size=64", "data.synthetic_val_size=16", "model.depth=20"],
+    "resnet_imagenet": ["data=synthetic", "batch_size=2", "model.depth=18", "data.train_size=8", "data.val_size=4"],
+    "alexnet_imagenet": ["batch_size=2", "model.fc_width=64", "data.train_size=8", "data.val_size=4", "trainer.accelerator=cpu", "trainer.devices=2"],
+    "digits_odenet": [],
+    # run (with their own size overrides) by the test named here
+    "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
+    "mesh_tangling_2k": "tests/mesh_tangling/test_recipes.py",
+}
+
+
+def test_every_recipe_is_covered_by_the_fast_dev_run_sweep():
+    missing = set(recipe_names()) - set(FAST)
+    assert not missing, f"add fast_dev_run overrides for {sorted(missing)} to tests/test_cli.py::FAST"
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_recipe_composes_and_objects_are_targets(recipe):
+    with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
+        cfg = compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{conf_dir()}]"])
+    for group in ("model", "data", "trainer"):
+        assert group in cfg, f"{recipe} lacks {group}"
+    assert "_target_" in cfg.model and "_target_" in cfg.data
+    OmegaConf.to_container(cfg.model, resolve=True)  # interpolations resolve
+
+
+def test_default_recipe_trains_digits_to_97_percent_on_two_processes(cli):
+    proc = cli("train", "trainer.enable_progress_bar=false")
+    assert "MEMBER: 2/2" in proc.stdout, "the default recipe must run 2 DDP processes"
+    (run,) = run_dirs(cli.cwd, "digits")
+    m = read_metrics(run)
+    assert m["metrics"]["val/acc"] >= 0.97, m
+    assert "Final metrics" in proc.stdout and "Checkpoint:" in proc.stdout
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert list(run.glob("tensorboard/version_0/events.*")) and list(run.glob("csv/version_0/metrics.csv"))
+
+
+def test_overrides_take_effect_and_resume_continues(cli):
+    cli("train", "optimizer.lr=0.05", "trainer.max_epochs=2", "trainer.enable_progress_bar=false", "scheduler=none")
+    (run,) = run_dirs(cli.cwd, "digits")
+    m = read_metrics(run)
+    assert m["epochs"] == 2
+    with open(run / "csv" / "version_0" / "metrics.csv") as f:
+        lrs = {float(r["lr-SGD"]) for r in csv.DictReader(f) if r.get("lr-SGD")}
+    assert lrs == {0.05}
+    steps_two_epochs = m["global_step"]
+    cli("train", "trainer.max_epochs=3", "scheduler=none", "trainer.enable_progress_bar=false", f"ckpt_path={run}/checkpoints/last.ckpt")
+    resumed = read_metrics(run_dirs(cli.cwd, "digits")[-1])
+    assert resumed["epochs"] == 3 and resumed["global_step"] == steps_two_epochs * 3 // 2
+
+
+@pytest.mark.parametrize("recipe", sorted(FAST))
+def test_recipe_fast_dev_run(cli, recipe):
+    if recipe not in recipe_names():
+        pytest.skip(f"recipe {recipe} not shipped")
+    if isinstance(FAST[recipe], str):
+        pytest.skip(f"covered by {FAST[recipe]}")
+    cli("train", f"recipe={recipe}", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", *FAST[recipe])
+
+
+def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job(cli):
+    proc = cli("train", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", "--multirun", "optimizer.lr=0.01,0.02")
+    assert proc.stdout.count("MEMBER: 2/2") == 2
+    (sweep,) = (cli.cwd / "multirun" / "digits").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"], jobs
+    assert not (cli.cwd / "outputs").exists(), "children must write into the job folder, not a new run dir"
+    for job in jobs:
+        assert (sweep / job / "metrics.json").exists()
+
+
+def test_missing_imagenet_folder_fails_before_training(cli, tmp_path):
+    proc = cli("train", "recipe=resnet_imagenet", f"data.root={tmp_path}/nope", "trainer.fast_dev_run=true", check=False)
+    assert proc.returncode != 0
+    assert f"{tmp_path}/nope" in proc.stdout and "data=synthetic" in proc.stdout
+    assert "Epoch 0" not in proc.stdout
+
+
+def test_unknown_recipe(cli):
+    proc = cli("train", "recipe=nope", check=False)
+    assert proc.returncode == 2 and "available: " in proc.stdout
+
+
+def test_hydra_argv_keeps_overrides_in_one_run():
+    assert _hydra_argv(["--multirun", "a=1,2", "-cn", "x", "b=3"], ["s=1"]) == ["s=1", "a=1,2", "b=3", "--multirun", "-cn", "x"]
