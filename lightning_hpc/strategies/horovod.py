@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 from lightning_hpc.distributed.horovod_comm import collective_name, import_horovod, init_horovod
 from lightning_hpc.registry import register_strategy
-from lightning_hpc.strategies.horovod_environment import HorovodEnvironment
+from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
 
 __all__ = ["HorovodStrategy", "horovod_gather_all_tensors"]
 

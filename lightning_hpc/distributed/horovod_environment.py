@@ -1,4 +1,5 @@
-"""Lightning ``ClusterEnvironment`` whose ranks come from Horovod.
+"""Lightning ``ClusterEnvironment`` whose ranks come from Horovod (used by HorovodStrategy and, under
+``horovodrun``, by DDP-derived strategies such as layered SGD).
 
 Horovod's launchers (``horovodrun``, or ``mpirun``/``srun`` for MPI builds) start every process themselves and
 Horovod knows the world after ``hvd.init()``: global rank, size, local rank and the node index (``cross_rank``).
@@ -29,6 +30,9 @@ class HorovodEnvironment(ClusterEnvironment):
     else its host name and a free port) and Horovod broadcasts on first use; every rank reaches that point
     together, in the strategy's process-group setup.
     """
+
+    #: techniques with ``communicator="auto"`` under a strategy using this environment talk through Horovod
+    communication_backend = "horovod"
 
     def __init__(self) -> None:
         self._main: tuple[str, int] | None = None
@@ -63,6 +67,11 @@ class HorovodEnvironment(ClusterEnvironment):
     @staticmethod
     def detect() -> bool:
         return any(name in os.environ for name in _LAUNCH_VARIABLES)
+
+    @staticmethod
+    def launched_by_horovodrun() -> bool:
+        """``horovodrun`` exports HOROVOD_RANK; plain ``mpirun`` (also used without Horovod) does not."""
+        return "HOROVOD_RANK" in os.environ
 
     def world_size(self) -> int:
         return init_horovod().size()
