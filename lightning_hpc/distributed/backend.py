@@ -4,8 +4,9 @@ K-FAC and layered SGD talk to a :class:`~lightning_hpc.distributed.comm.Communic
 ``communicator="auto"`` they ask :func:`communicator_for` here, so under ``Trainer(strategy="horovod")`` their
 collectives run on Horovod and under DDP-style strategies on torch.distributed.  A strategy declares its
 backend with a ``communication_backend`` attribute (``"horovod"`` on
-:class:`~lightning_hpc.strategies.horovod.HorovodStrategy`); no attribute means torch.distributed.  Duck typing
-keeps ``distributed/`` free of strategy imports.
+:class:`~lightning_hpc.strategies.horovod.HorovodStrategy`), or through its cluster environment
+(:class:`~lightning_hpc.distributed.horovod_environment.HorovodEnvironment`: a DDP-derived strategy launched by
+``horovodrun``); neither means torch.distributed.  Duck typing keeps ``distributed/`` free of strategy imports.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def backend_for(strategy: Any | None, requested: str = "auto") -> str:
         raise ValueError(f"communicator must be one of {BACKENDS} or a Communicator, got {requested!r}")
     if requested != "auto":
         return requested
-    backend = getattr(strategy, "communication_backend", "torch")
+    backend = getattr(strategy, "communication_backend", None)
+    if backend is None:
+        backend = getattr(getattr(strategy, "cluster_environment", None), "communication_backend", "torch")
     return backend if backend in ("torch", "horovod") else "torch"
 
 

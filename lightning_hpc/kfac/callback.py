@@ -20,7 +20,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hpc.distributed.comm import Communicator, get_communicator
+from lightning_hpc.distributed.backend import BACKENDS, communicator_for
+from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner, validate_options
 
@@ -29,7 +30,8 @@ __all__ = ["KFAC"]
 
 class KFAC(Callback):
     """K-FAC gradient preconditioning for any optimizer (SC20). Arguments as :class:`KFACPreconditioner`;
-    ``communicator`` may also be a backend name (``"torch"``, ``"horovod"``). Invalid options raise at
+    ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend, Horovod under
+    ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise at
     construction, a precision without the K-FAC plugin at setup: both before training starts."""
 
     def __init__(
@@ -48,7 +50,7 @@ class KFAC(Callback):
         skip_layers: str | Sequence[str] | None = None,
         decomposition_dtype: str = "float32",
         batch_averaged: bool = True,
-        communicator: str | Communicator = "torch",
+        communicator: str | Communicator = "auto",
         bucket_cap_mb: float = 25.0,
     ) -> None:
         self.options: dict[str, Any] = dict(
@@ -69,8 +71,8 @@ class KFAC(Callback):
         validate_options(**self.options)
         self.skip_layers = skip_layers
         self.batch_averaged = batch_averaged
-        if isinstance(communicator, str) and communicator not in ("torch", "horovod"):
-            raise ValueError(f"KFAC communicator must be 'torch', 'horovod' or a Communicator, got {communicator!r}")
+        if isinstance(communicator, str) and communicator not in BACKENDS:
+            raise ValueError(f"KFAC communicator must be one of {BACKENDS} or a Communicator, got {communicator!r}")
         self.communicator = communicator
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -80,7 +82,7 @@ class KFAC(Callback):
         if stage != "fit" or self.preconditioner is not None:
             return
         self.check_precision(trainer)
-        comm = get_communicator(self.communicator) if isinstance(self.communicator, str) else self.communicator
+        comm = communicator_for(trainer.strategy, self.communicator)
         self.preconditioner = KFACPreconditioner(
             pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options
         )

@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 import lightning.pytorch as pl
 from lightning_hpc.distributed.horovod_comm import collective_name, import_horovod, init_horovod
 from lightning_hpc.registry import register_strategy
-from lightning_hpc.strategies.horovod_environment import HorovodEnvironment
+from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
 
 __all__ = ["HorovodStrategy", "horovod_gather_all_tensors"]
 
@@ -115,9 +115,10 @@ class HorovodStrategy(ParallelStrategy):
             (same average, different rounding; useful with fp16 compression).
         sparse_as_dense: allreduce sparse gradients (e.g. ``nn.Embedding(sparse=True)``) as dense tensors.
         broadcast_optimizer_state: broadcast rank 0's optimizer state at setup (when there is any state).
-        broadcast_buffers: broadcast rank 0's buffers (BatchNorm running statistics) before every forward,
-            as ``DistributedDataParallel(broadcast_buffers=True)`` does, so evaluation and checkpoints see the
-            same statistics on every rank and the run matches ``strategy="ddp"``.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm running statistics) before every forward of
+            ``fit`` (training and its validation), as ``DistributedDataParallel(broadcast_buffers=True)`` does,
+            so evaluation and checkpoints see the same statistics on every rank and the run matches
+            ``strategy="ddp"``.
     """
 
     strategy_name = "horovod"
@@ -399,16 +400,12 @@ class HorovodStrategy(ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers()
+        # as DDP: only the fitting loop's validation runs the wrapped (buffer-broadcasting) model; validate/test/
+        # predict start from the buffers broadcast at setup (their samplers may give ranks uneven batch counts)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._sync_buffers()
         return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers()
-        return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sync_buffers()
-        return super().predict_step(*args, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # GradientAccumulationScheduler changes accumulate_grad_batches at epoch starts; Lightning always steps

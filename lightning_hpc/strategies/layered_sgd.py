@@ -33,7 +33,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
-from lightning_hpc.distributed.comm import Communicator, get_communicator
+from lightning_hpc.distributed.backend import communicator_for
+from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
+from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.distributed.groups import check_divisible, local_world_size_from_env
 from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, LayeredGroups, build_layered_groups
 from lightning_hpc.distributed.postponed_update import PostponedUpdate
@@ -73,8 +75,11 @@ class LayeredSGDStrategy(DDPStrategy):
             launcher's local world size (torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node, ...) or, failing
             that, the number of devices per node Lightning was given.  Set it to simulate several nodes on one
             machine, e.g. ``procs_per_node=2`` with ``devices=4``.
-        communicator: ``"torch"`` (torch.distributed) or ``"horovod"``, or a
-            :class:`~lightning_hpc.distributed.comm.Communicator` instance.
+        communicator: ``"auto"`` (default: Horovod process sets when launched by ``horovodrun``, else
+            torch.distributed), ``"torch"``, ``"horovod"``, or a
+            :class:`~lightning_hpc.distributed.comm.Communicator` instance.  Under ``horovodrun`` the strategy
+            takes its ranks from Horovod (:class:`~lightning_hpc.distributed.horovod_environment.HorovodEnvironment`)
+            unless a ``cluster_environment`` is given.
         layered_timeout_s: a layered collective that does not finish in this time raises an error naming the
             group and rank (defaults to the process-group ``timeout``).
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every forward
@@ -88,13 +93,15 @@ class LayeredSGDStrategy(DDPStrategy):
     def __init__(
         self,
         procs_per_node: int | None = None,
-        communicator: str | Communicator = "torch",
+        communicator: str | Communicator = "auto",
         layered_timeout_s: float | None = None,
         broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
         if procs_per_node is not None and (not isinstance(procs_per_node, int) or procs_per_node < 1):
             raise ValueError(f"procs_per_node={procs_per_node!r}: must be a positive integer (ranks per node group)")
+        if kwargs.get("cluster_environment") is None and HorovodEnvironment.launched_by_horovodrun():
+            kwargs["cluster_environment"] = HorovodEnvironment()
         super().__init__(**kwargs)
         self.procs_per_node_setting = procs_per_node
         self._communicator_setting = communicator
@@ -147,7 +154,7 @@ class LayeredSGDStrategy(DDPStrategy):
         """No DistributedDataParallel wrapper: build the two communication layers instead."""
         group_size = self.check_topology()
         comm = self._communicator_setting
-        self.comm = get_communicator(comm) if isinstance(comm, str) else comm
+        self.comm = communicator_for(self, comm)
         intra_backend = self._get_process_group_backend()
         self.groups = build_layered_groups(
             group_size, self.comm, intra_backend=intra_backend, timeout_s=self.timeout_seconds

@@ -122,3 +122,15 @@ def test_fp16_compression_stays_close_to_ddp(runs, tmp_path):
     assert hvd["hvd_optimizer"]["compression"] == "FP16Compressor"
     diff = _max_diff(hvd["params"], runs["ddp"][0]["params"])
     assert 0.0 < diff <= 1e-3
+
+
+def test_ddp_under_horovodrun_with_horovod_environment(runs, tmp_path):
+    """DDP-derived strategies run under horovodrun: HorovodEnvironment gives ranks and a torch rendezvous."""
+    common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
+    finish(start([*horovodrun_command(2), sys.executable, SCRIPT, str(tmp_path), "--strategy", "ddp_under_horovodrun",
+                  *common]), timeout_s=420)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["strategy"] == "DDPStrategy" and got["rank"] == rank and got["world_size"] == 2
+        assert _max_diff(got["params"], runs["ddp"][rank]["params"]) <= 1e-6
+        assert got["seen"] == runs["ddp"][rank]["seen"]

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--hvd-options", default="{}", help="HorovodStrategy keyword arguments, as JSON")
+    parser.add_argument("--kfac", action="store_true", help="add the K-FAC callback (communicator='auto')")
     args = parser.parse_args()
 
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("LOCAL_RANK", 0)))
@@ -84,11 +85,25 @@ def main() -> None:
     )
     data = RecordingDigits(batch_size=16)
     io = CountingCheckpointIO()
+    callbacks: list[pl.Callback] = [pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)]
+    kfac = None
+    if args.kfac:
+        from lightning_hpc import KFAC
+
+        kfac = KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01)
+        callbacks.append(kfac)
     strategy = args.strategy
     if strategy == "horovod":
         from lightning_hpc import HorovodStrategy
 
         strategy = HorovodStrategy(**json.loads(args.hvd_options))
+    elif strategy == "ddp_under_horovodrun":
+        # Lightning's DDP, processes started by horovodrun, torch.distributed rendezvous through Horovod
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
+
+        strategy = DDPStrategy(cluster_environment=HorovodEnvironment())
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     trainer = pl.Trainer(
         strategy=strategy,
@@ -102,7 +117,7 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)],
+        callbacks=callbacks,
         plugins=[io],
         default_root_dir=args.out,
     )
@@ -131,6 +146,7 @@ def main() -> None:
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "saves": CountingCheckpointIO.saves,
             "hvd_optimizer": hvd_optimizer,
+            "kfac_comm": type(kfac.preconditioner.comm).__name__ if kfac is not None else None,
             "global_step": trainer.global_step,
             "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
             "reduced_rank_sum": float(strategy.reduce(torch.tensor(float(strategy.global_rank)), reduce_op="sum")),

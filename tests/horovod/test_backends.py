@@ -1,0 +1,101 @@
+"""K-FAC and layered SGD with their collectives on Horovod, and the backend following the strategy.
+
+- K-FAC core (every placement) on HorovodCommunicator equals K-FAC on torch.distributed (1e-5), 2 ranks.
+- The K-FAC callback with ``communicator="auto"`` runs on Horovod under ``strategy="horovod"`` and on
+  torch.distributed under ``ddp``, and both train to the same parameters (1e-5).
+- Layered SGD's core (hierarchical allreduce on Horovod process sets, postponed update) equals synchronous SGD
+  in one process (1e-6, float64), 4 ranks as 2 groups x 2.
+- ``LayeredSGDStrategy`` launched by ``horovodrun`` takes its ranks from Horovod, picks Horovod process sets by
+  itself and equals synchronous SGD (1e-6).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hvd_launch import WORKERS, finish, horovodrun_command, requires_horovod, run_checked, start
+
+from lightning_hpc.distributed import run_in_processes
+
+pytestmark = [pytest.mark.horovod, requires_horovod]
+
+sys.path.insert(0, str(WORKERS))
+import kfac_case  # noqa: E402
+import layered_case  # noqa: E402
+import layered_trainer  # noqa: E402
+
+
+def _close(got, want, tol: float, what: str) -> None:
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def test_kfac_on_horovod_equals_kfac_on_torch_distributed(tmp_path):
+    run_checked([*horovodrun_command(2), sys.executable, str(WORKERS / "kfac_case.py"), str(tmp_path)], timeout_s=300)
+    hvd = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ref = run_in_processes(kfac_case.torch_case, 2, timeout_s=300, collective_timeout_s=120)
+    initial = [p.detach() for p in kfac_case.model().parameters()]
+    for placement in kfac_case.PLACEMENTS:
+        assert any(not torch.allclose(torch.as_tensor(a), b) for a, b in zip(ref[0][placement], initial))
+        for rank in range(2):
+            _close(hvd[rank][placement], ref[rank][placement], 1e-5, f"{placement} rank {rank}")
+        _close(hvd[1][placement], hvd[0][placement], 1e-6, f"{placement}: ranks differ")
+
+
+def test_kfac_callback_follows_the_strategy(tmp_path):
+    script = str(WORKERS / "train_digits.py")
+    common = ["--kfac", "--batches", "4", "--epochs", "1", "--accumulate", "1"]
+    procs = {
+        "horovod": start([*horovodrun_command(2), sys.executable, script, str(tmp_path / "horovod"), "--strategy", "horovod", *common]),
+        "ddp": start([sys.executable, script, str(tmp_path / "ddp"), "--strategy", "ddp", *common]),
+    }
+    for proc in procs.values():
+        finish(proc, timeout_s=420)
+    runs = {k: [torch.load(tmp_path / k / f"rank{r}.pt", weights_only=False) for r in range(2)] for k in procs}
+    for rank in range(2):
+        assert runs["horovod"][rank]["kfac_comm"] == "HorovodCommunicator"
+        assert runs["ddp"][rank]["kfac_comm"] == "TorchDistributedCommunicator"
+        hvd, ddp = runs["horovod"][rank]["params"], runs["ddp"][rank]["params"]
+        _close([hvd[k] for k in sorted(hvd)], [ddp[k] for k in sorted(ddp)], 1e-5, f"rank {rank}")
+
+
+def test_layered_sgd_on_horovod_process_sets_equals_synchronous_sgd(tmp_path):
+    run_checked([*horovodrun_command(4), sys.executable, str(WORKERS / "layered_case.py"), str(tmp_path)], timeout_s=300)
+    serial = layered_case.serial()
+    initial = [p.detach().numpy() for p in layered_case.model().parameters()]
+    assert any(not torch.allclose(torch.as_tensor(s), torch.as_tensor(i)) for s, i in zip(serial, initial))
+    for rank in range(4):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["intra_group"] == "ProcessSet"
+        assert got["leaders_group"] == ("ProcessSet" if rank in (0, 2) else None)
+        _close(got["params"], serial, 1e-6, f"rank {rank}")
+
+
+def _serial_layered_trainer() -> list[torch.Tensor]:
+    """Synchronous SGD in one process on the union of the ranks' batches (Lightning's DistributedSampler)."""
+    from torch.utils.data import DistributedSampler
+
+    lt = layered_trainer
+    data, net = lt.dataset(), lt.net()
+    opt, sched = lt.optim(net.parameters())
+    shards = [list(DistributedSampler(data, lt.WORLD, r, shuffle=True, seed=0)) for r in range(lt.WORLD)]
+    x, y = data.tensors
+    for b in range(lt.BATCHES):
+        idx = [i for shard in shards for i in shard[b * lt.LOCAL_BATCH : (b + 1) * lt.LOCAL_BATCH]]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+        sched.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def test_layered_sgd_strategy_under_horovodrun_picks_horovod_process_sets(tmp_path):
+    run_checked([*horovodrun_command(4), sys.executable, str(WORKERS / "layered_trainer.py"), str(tmp_path)], timeout_s=420)
+    serial = _serial_layered_trainer()
+    for rank in range(4):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["rank"] == rank and got["world_size"] == 4 and got["global_step"] == layered_trainer.BATCHES
+        assert got["comm"] == "HorovodCommunicator" and got["intra_group"] == "ProcessSet"
+        _close(got["params"], serial, 1e-6, f"rank {rank}")
