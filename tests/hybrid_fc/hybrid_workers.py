@@ -248,3 +248,57 @@ def _numpy(state: dict) -> dict:
     """Tensors leave a spawned rank as numpy copies (torch tensors would be shared through file descriptors that
     vanish when the rank exits)."""
     return {key: v.detach().cpu().numpy().copy() for key, v in state.items()}
+
+
+def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str) -> dict:
+    """Train through Lightning's Trainer with HybridParallelStrategy; return the full parameters afterwards."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import HybridParallelStrategy, ImageClassifier
+
+    # This rank's share of each step's K x b examples (the sampler is disabled so the order is known).
+    mine = slice(rank * B, (rank + 1) * B)
+    xs = torch.cat([batch(s, k)[0][mine] for s in range(steps)])
+    ys = torch.cat([batch(s, k)[1][mine] for s in range(steps)])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
+    module = ImageClassifier(small_model(), optimizer=sgd, num_classes=10)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update),
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    trainer.save_checkpoint(ckpt_path)
+    head = find_hybrid_head(module.model)
+    return {"state": _numpy(full_state_dict(module.model)), "head_local": sum(p.numel() for p in head_parameters(module.model))}
+
+
+def serial_sequence(k: int, steps: int, fc_update: str, scheme: str) -> dict:
+    """Serial reference of ``lightning_equivalence``: step s trains on ``batch(s, k)``, rank r holding rows
+    [r b, (r+1) b)."""
+    ref = small_model()
+    if fc_update == "per_step":
+        opt = sgd(ref.parameters())
+        for s in range(steps):
+            x, y = batch(s, k)
+            opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            opt.step()
+        return _numpy(ref.state_dict())
+    trunk, head = ref[:TRUNK_END], ref[TRUNK_END:]
+    trunk_opt, head_opt = sgd(trunk.parameters()), sgd(head.parameters())
+    for s in range(steps):
+        x, y = batch(s, k)
+        acts = trunk(x)
+        grad_acts = torch.zeros_like(acts)
+        for rows in reference_subbatches(scheme, k):
+            head_opt.zero_grad()
+            a_j = acts[rows].detach().requires_grad_(True)
+            F.cross_entropy(head(a_j), y[rows]).backward()
+            grad_acts[rows] = a_j.grad * (len(rows) / (k * B))
+            head_opt.step()
+        trunk_opt.zero_grad()
+        acts.backward(grad_acts)
+        trunk_opt.step()
+    return _numpy(ref.state_dict())
