@@ -258,7 +258,7 @@ def worker_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     paths = sorted(Path(args.jpegs).glob("*.jpg"))
     loader = JpegLoader(paths, args.batch, rank, world)
-    rates = [None] + [float(r) for r in args.rates.split(",") if r] if args.shaped else [None]
+    rates = ([None] + [float(r) for r in args.rates.split(",") if r]) if args.shaped else [None]
     rows = []
     for repeat in range(args.repeats):
         for rate in rates:
@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="repeat the sweep; medians are reported")
     p.add_argument("--width", type=int, default=512, help="hidden width of the FC head (sets the gradient size)")
     p.add_argument("--jpegs", default="/tmp/lightning_hpc_bench_jpegs")
+    p.add_argument("--name", default="layered_sgd", help="results name: bench/results/<name>.{json,csv,png}")
     p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
     args = p.parse_args(argv)
     if args.worker:
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness import Report
 
     write_jpegs(Path(args.jpegs), 256)
-    report = Report("layered_sgd")
+    report = Report(args.name)
     tmp = Path(args.jpegs) / "runs"
     tmp.mkdir(exist_ok=True)
     raw: list[dict] = []
@@ -384,12 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     report.print(["layout", "link_mbit", "measured_link_mbit", "mode", "throughput", "vs_ddp", "step_s", "load_s",
                   "world_allreduce_s", "inter_allreduce_s", "runs"])
     print(f"wrote {report.write()}")
-    scaling_table(report)
-    plot(report)
+    scaling_table(report, args.name)
+    plot(report, args.name)
     return 0
 
 
-def scaling_table(report: Report) -> None:
+def scaling_table(report: Report, name: str) -> None:
     """Scaling efficiency as in the paper's Fig. 6: throughput(N) / (N * throughput(1 process)).
 
     On this machine N processes share 2 CPU cores, so compute alone caps the efficiency at about 2/N; the
@@ -417,11 +418,11 @@ def scaling_table(report: Report) -> None:
         lines.append(f"| {n} | {layout} | {link} | " + " | ".join(eff + rel) + " |")
     text = "\n".join(lines)
     print("\nScaling efficiency (paper Fig. 6 style):\n" + text)
-    out = Path(__file__).parent / "results" / "layered_sgd_scaling.md"
+    out = Path(__file__).parent / "results" / f"{name}_scaling.md"
     out.write_text(text + "\n")
 
 
-def plot(report: Report) -> None:
+def plot(report: Report, name: str) -> None:
     try:
         import matplotlib
 
@@ -447,7 +448,7 @@ def plot(report: Report) -> None:
     ax[1].set_ylabel("layered / ddp throughput")
     fig.suptitle("Layered SGD vs DDP, 2 nodes x 2 processes (2 shared CPU cores)")
     fig.tight_layout()
-    fig.savefig(Path(__file__).parent / "results" / "layered_sgd.png", dpi=110)
+    fig.savefig(Path(__file__).parent / "results" / f"{name}.png", dpi=110)
     plt.close(fig)
 
 

@@ -141,17 +141,20 @@ class HierarchicalAllreduce:
         if self._buffer is not None:
             raise RuntimeError("HierarchicalAllreduce.start called twice without finish()")
         g = self.groups
+        self._buffer = buffer
+        if g.num_groups == 1:
+            # One group: there is no step 2, so steps 1 and 3 fuse into one intra-group allreduce.
+            self._wait(self.comm.allreduce(buffer, op="sum", group=g.intra, async_op=True), "intra-group allreduce")
+            buffer.div_(g.world_size)
+            return
         self._wait(
             self.comm.reduce(buffer, dst=g.leader_rank, op="sum", group=g.intra, async_op=True),
             "reduce to the group leader (step 1)",
         )
-        self._buffer = buffer
-        if g.is_leader and g.num_groups > 1:
+        if g.is_leader:
             self._ensure_thread()
             self._job = _Job(buffer)
             self._queue.put(self._job)
-        elif g.is_leader:
-            buffer.div_(g.world_size)
 
     def finish(self) -> torch.Tensor:
         """Wait for step 2, then step 3 (broadcast from the leader inside the group); returns the buffer."""
@@ -159,6 +162,8 @@ class HierarchicalAllreduce:
             raise RuntimeError("HierarchicalAllreduce.finish called without start()")
         buffer, job, g = self._buffer, self._job, self.groups
         self._buffer, self._job = None, None
+        if g.num_groups == 1:
+            return buffer
         if job is not None:
             if not job.done.wait(self.timeout_s):
                 raise LayeredCommTimeout(
