@@ -13,6 +13,8 @@ scheme c), reporting validation cross-entropy, top-1 error and wall time.  It sh
 mechanism end to end; it is not ImageNet.
 
     python bench/hybrid_fc.py                       # part 1 with defaults (b=4 per rank, 224x224, 4 timed steps)
+    python bench/hybrid_fc.py --batch 128 --image 64 --steps 2 --name hybrid_fc_b128   # the paper's batch: exact
+        # bytes (the head's input is 256x6x6 for any image size thanks to the adaptive pool); times not AlexNet-224
     python bench/hybrid_fc.py --table               # part 2
 """
 
@@ -94,7 +96,7 @@ def step_worker(rank: int, k: int, method: str, b: int, image: int, steps: int, 
 
 
 def part1(args: argparse.Namespace) -> None:
-    report = Report("hybrid_fc")
+    report = Report(args.name)
     report.meta.update(
         note="shared 2-core CPU machine; step times are medians over timed steps and noisy; bytes are exact",
         batch_per_rank=args.batch, image=args.image, steps=args.steps, warmup=args.warmup, num_classes=args.classes, fc_width=args.fc_width,
@@ -205,6 +207,7 @@ def main() -> None:
     p.add_argument("--fc-width", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--name", default="hybrid_fc", help="results file name under bench/results/")
     p.add_argument("--table", action="store_true", help="run part 2 (Table 1 analogue on digits) instead of part 1")
     p.add_argument("--table-batch", type=int, default=16)
     p.add_argument("--table-epochs", type=int, default=8)

@@ -183,7 +183,13 @@ class HybridHead(nn.Module):
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._pre(x)
-        if self._subbatch is not None and self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch":
+        if self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch":
+            if self._subbatch is None:
+                raise RuntimeError(
+                    "fc_update='per_subbatch' updates the head inside the training forward and needs the targets, loss "
+                    "and head optimizer: wrap the forward in `with head.subbatch_update(targets, loss_fn, head_optimizer.step):` "
+                    "(HybridParallelStrategy does this), or call it under torch.no_grad()/eval() for inference"
+                )
             return self._forward_per_subbatch(x, self._subbatch)
         ex = self.exchange
         ex.start(x.detach())

@@ -11,7 +11,6 @@ from torch import nn
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.hybrid_fc import (
-    ByteCounter,
     HeadOptimizer,
     average_trunk_gradients,
     find_hybrid_head,
@@ -20,7 +19,6 @@ from lightning_hpc.hybrid_fc import (
     head_parameters,
     parallelize_head,
     shard_optimizer_state,
-    trunk_parameters,
 )
 
 B = 6  # examples per rank (uneven slices for K=4 in scheme c)
