@@ -154,3 +154,17 @@ def test_bad_settings_fail_clearly():
     except ImportError:
         with pytest.raises(RuntimeError, match="planner"):
             SpatialParallelStrategy(spatial_parts="auto")._resolve_parts()
+
+
+@pytest.mark.slow
+def test_cli_fast_dev_run_with_spatial_strategy(tmp_path):
+    """`lightning-hpc train ... strategy=spatial` on 2 processes (digits: 8x8 images split 2x1, a global-pool
+    head replicated over the tiles)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lightning_hpc", "train", "recipe=digits", "strategy=spatial",
+           "strategy.spatial_parts=[2,1]", "trainer.devices=2", "trainer.fast_dev_run=true",
+           f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]

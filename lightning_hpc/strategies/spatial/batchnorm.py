@@ -56,12 +56,14 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         dims = (0, 2, 3)
         view = (1, -1, 1, 1)
-        xhat = (x - mean.view(view)) * invstd.view(view)
+        # few full-size temporaries: xhat is built in place and turned into dx in place
+        xhat = (x - mean.view(view)).mul_(invstd.view(view))
         local = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])  # d(bias), d(weight) on this tile
         sums = local.clone()
         dist.all_reduce(sums, group=ctx.group)
-        w = weight.view(view) if weight is not None else 1.0
-        dx = (dy - sums[0].view(view) / ctx.n - xhat * (sums[1].view(view) / ctx.n)) * invstd.view(view) * w
+        gain = invstd if weight is None else invstd * weight
+        dx = xhat.mul_((sums[1] / ctx.n * gain).view(view)).add_((sums[0] / ctx.n * gain).view(view))
+        dx = (dy * gain.view(view)).sub_(dx)
         dweight = local[1] if weight is not None else None
         dbias = local[0] if ctx.has_bias else None
         return dx, dweight, dbias, None, None

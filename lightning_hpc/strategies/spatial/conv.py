@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.strategies.spatial.halo_exchange import Window1d, finish_halo_exchange, start_halo_exchange
+from lightning_hpc.strategies.spatial.halo_exchange import Window1d, finish_halo_exchange, own_slices, start_halo_exchange
 from lightning_hpc.strategies.spatial.layer import SpatialLayer
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 
@@ -97,25 +97,27 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         if ib <= ia or jb <= ja:  # no interior: everything is boundary
             ia = ib = oa
             ja = jb = oc
+        # the input box of every output region: interior first, then the strips (top, bottom, left, right)
+        regions = [(ia, ib, ja, jb), (oa, ia, oc, oe), (ib, ob, oc, oe), (ia, ib, oc, ja), (ia, ib, jb, oe)]
+        boxes = []
+        for o0, o1, q0, q1 in regions:
+            if o1 <= o0 or q1 <= q0:
+                boxes.append(None)
+                continue
+            boxes.append((*wh.needed(o0, o1, plan.rows.n), *ww.needed(q0, q1, plan.cols.n)))
         xs, exchange = start_halo_exchange(x, plan)
+        owns = own_slices(xs, plan, [bx if bx is not None else (0, 0, 0, 0) for bx in boxes])
         halo = None if self.overlap else finish_halo_exchange(xs, exchange)
-        interior = None
-        if ib > ia and jb > ja:
-            r0, r1 = wh.needed(ia, ib, plan.rows.n)
-            c0, c1 = ww.needed(ja, jb, plan.cols.n)
-            interior = self._conv(xs[:, :, r0 - a : r1 - a, c0 - c : c1 - c])
+        outs: list[torch.Tensor | None] = [None] * 5
+        if boxes[0] is not None:  # interior: only this tile's rows, computed while the halos travel
+            outs[0] = self._conv(owns[0])
         if halo is None:
             halo = finish_halo_exchange(xs, exchange)
-
-        def strip(o0: int, o1: int, q0: int, q1: int) -> torch.Tensor | None:
-            if o1 <= o0 or q1 <= q0:
-                return None
-            s0, s1 = wh.needed(o0, o1, plan.rows.n)
-            t0, t1 = ww.needed(q0, q1, plan.cols.n)
-            return self._conv(halo.box(s0, s1, t0, t1))
-
-        middle = [t for t in (strip(ia, ib, oc, ja), interior, strip(ia, ib, jb, oe)) if t is not None]
-        rows = [strip(oa, ia, oc, oe), torch.cat(middle, dim=3) if len(middle) > 1 else (middle[0] if middle else None), strip(ib, ob, oc, oe)]
+        for k in range(1, 5):
+            if boxes[k] is not None:
+                outs[k] = self._conv(halo.box(*boxes[k], own=owns[k]))
+        middle = [t for t in (outs[3], outs[0], outs[4]) if t is not None]
+        rows = [outs[1], torch.cat(middle, dim=3) if len(middle) > 1 else (middle[0] if middle else None), outs[2]]
         rows = [t for t in rows if t is not None]
         return torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]
 

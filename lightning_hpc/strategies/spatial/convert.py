@@ -22,7 +22,7 @@ from lightning_hpc.strategies.spatial.batchnorm import BN_MODES, SpatialBatchNor
 from lightning_hpc.strategies.spatial.conv import SpatialConv2d
 from lightning_hpc.strategies.spatial.halo_exchange import PartitionError
 from lightning_hpc.strategies.spatial.heads import SpatialGlobalAvgPool2d
-from lightning_hpc.strategies.spatial.layer import SpatialLayer
+from lightning_hpc.strategies.spatial.layer import SpatialContext, SpatialLayer
 from lightning_hpc.strategies.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 from lightning_hpc.strategies.spatial.upsample import SpatialUpsample
@@ -129,6 +129,8 @@ def convert_model(
     if input_shape is not None:
         validate_partition(model, input_shape, grid.parts)
     allowed = ELEMENTWISE + REPLICATED + _NOT_LAYERS + tuple(allow)
+    context = SpatialContext(grid)
+    converted = 0
     for name, m in list(model.named_modules()):
         if len(list(m.children())) or isinstance(m, SpatialLayer):
             continue
@@ -148,7 +150,13 @@ def convert_model(
             new = SpatialConv2d.from_module(m, grid, overlap=overlap, name=name)
         else:
             new = cls.from_module(m, grid, name=name)
+        new.spatial_context = context
+        converted += 1
         _set_submodule(model, name, new)
+    if converted and grid.size > 1:
+        # one extent allreduce per forward of the model instead of one per layer call
+        model.register_forward_pre_hook(context.pre_hook)
+        model.register_forward_hook(context.post_hook)
     return model
 
 

@@ -285,8 +285,9 @@ class Halo:
     def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan) -> None:
         self.x, self.blocks, self.plan = x, blocks, plan
 
-    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0) -> torch.Tensor:
-        """Input rows ``[r0, r1)`` x columns ``[c0, c1)`` (global; outside the image: ``pad_value``)."""
+    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0, own: torch.Tensor | None = None) -> torch.Tensor:
+        """Input rows ``[r0, r1)`` x columns ``[c0, c1)`` (global; outside the image: ``pad_value``).  ``own``:
+        the part of the box inside this tile when the caller already sliced it (see :func:`own_slices`)."""
         plan = self.plan
         n_h, n_w = plan.rows.n, plan.cols.n
         cr0, cr1, cc0, cc1 = max(r0, 0), min(r1, n_h), max(c0, 0), min(c1, n_w)
@@ -302,7 +303,10 @@ class Halo:
                     continue
                 (ra, rb), (ca, cb) = _intersect(rr, (cr0, cr1)), _intersect(cc, (cc0, cc1))
                 if rb > ra and cb > ca:
-                    row_parts.append(src[:, :, ra - rr[0] : rb - rr[0], ca - cc[0] : cb - cc[0]])
+                    if (di, dj) == (0, 0) and own is not None:
+                        row_parts.append(own)
+                    else:
+                        row_parts.append(src[:, :, ra - rr[0] : rb - rr[0], ca - cc[0] : cb - cc[0]])
             if row_parts:
                 bands.append(torch.cat(row_parts, dim=3) if len(row_parts) > 1 else row_parts[0])
         out = torch.cat(bands, dim=2) if len(bands) > 1 else bands[0]
@@ -310,6 +314,43 @@ class Halo:
         if any(pads):
             out = F.pad(out, pads, value=pad_value)
         return out
+
+
+class _OwnSlices(torch.autograd.Function):
+    """Several slices (views, no copy) of one tile; backward accumulates their gradients into ONE tile-sized
+    buffer, where separate slicing would allocate a zero-filled tile per slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, boxes: list[tuple[int, int, int, int]]):  # type: ignore[override]
+        ctx.shape, ctx.boxes = x.shape, boxes
+        return tuple(x[:, :, r0:r1, c0:c1] for (r0, r1, c0, c1) in boxes)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        out = None
+        for (r0, r1, c0, c1), g in zip(ctx.boxes, grads):
+            if g is None:
+                continue
+            if out is None:
+                out = g.new_zeros(ctx.shape)
+            out[:, :, r0:r1, c0:c1] += g
+        return out, None
+
+
+def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: list[tuple[int, int, int, int]]) -> list[torch.Tensor | None]:
+    """For global input boxes ``(r0, r1, c0, c1)``, the part of each inside this rank's tile (``None`` if
+    empty), taken through one autograd node."""
+    (a, b), (c, e) = plan.own
+    local, keep = [], []
+    for r0, r1, c0, c1 in boxes:
+        ra, rb, ca, cb = max(r0, a), min(r1, b), max(c0, c), min(c1, e)
+        if rb > ra and cb > ca:
+            keep.append(len(local))
+            local.append((ra - a, rb - a, ca - c, cb - c))
+        else:
+            keep.append(None)
+    views = _OwnSlices.apply(x, local) if local else ()
+    return [views[k] if k is not None else None for k in keep]
 
 
 def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, HaloExchange]:

@@ -16,7 +16,39 @@ from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.strategies.spatial.halo_exchange import DimPlan, HaloPlan, PartitionError
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 
-__all__ = ["SpatialLayer", "largest_working_parts", "PartitionError"]
+__all__ = ["SpatialLayer", "SpatialContext", "largest_working_parts", "PartitionError"]
+
+
+class SpatialContext:
+    """Per-forward state of a converted model: the global extent of the model's input (one allreduce per
+    forward, in a pre-hook on the model) and a call counter, so each layer can cache the global extent of its
+    own input under ``(model input extent, call index)`` instead of allreducing it on every call.  The key is
+    the same on every rank of the group, so all ranks hit or miss the cache together (no rank can skip a
+    collective the others enter)."""
+
+    def __init__(self, grid: SpatialGrid) -> None:
+        self.grid = grid
+        self.input_hw: tuple[int, int] | None = None
+        self.depth = 0
+        self.calls = 0
+
+    def pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.depth == 0:
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), None)
+            self.input_hw = None if x is None else self.grid.global_extent(x.shape[-2], x.shape[-1], device=x.device)
+            self.calls = 0
+        self.depth += 1
+
+    def post_hook(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.input_hw = None
+
+    def next_key(self) -> tuple[tuple[int, int], int] | None:
+        if self.input_hw is None:
+            return None
+        self.calls += 1
+        return self.input_hw, self.calls
 
 
 def _works(n: int, parts: int, window: Any) -> bool:
@@ -48,6 +80,8 @@ class SpatialLayer:
         self.grid = grid
         self.spatial_name = name or type(self).__name__
         self._plans: dict[tuple[int, int], HaloPlan] = {}
+        self._extents: dict = {}
+        self.spatial_context: SpatialContext | None = None
 
     def windows(self, h: int, w: int) -> tuple[Any, Any]:  # pragma: no cover - abstract
         """The per-dimension window (``out_size``, ``needed``) of this layer for an ``h x w`` input."""
@@ -66,7 +100,16 @@ class SpatialLayer:
         )
 
     def global_input_extent(self, x: torch.Tensor) -> tuple[int, int]:
+        ctx = getattr(self, "spatial_context", None)
+        key = ctx.next_key() if ctx is not None else None
+        cached = self._extents.get(key) if key is not None else None
+        if cached is not None and cached[1] == tuple(x.shape[-2:]):
+            return cached[0]
         h, w = self.grid.global_extent(x.shape[-2], x.shape[-1], device=x.device)
+        if key is not None:
+            if len(self._extents) > 64:
+                self._extents.clear()
+            self._extents[key] = ((h, w), tuple(x.shape[-2:]))
         (h0, h1), (w0, w1) = self._tile_bounds_checked(h, w)
         if (h1 - h0, w1 - w0) != tuple(x.shape[-2:]):
             raise PartitionError(

@@ -191,7 +191,10 @@ class SpatialParallelStrategy(DDPStrategy):
         shape = self._input_shape()
         if shape is not None:
             validate_partition(target, shape, self.layout.grid.parts)
-        convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
+        # the network first (its forward carries the per-forward extent context), then anything else
+        convert_model(target, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
+        if target is not module:
+            convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
         self._tile_params, self._replicated_params = split_parameters(module)
         self._replicated_output = any(isinstance(m, SpatialGlobalAvgPool2d) for m in module.modules())
         self._converted = True
