@@ -18,10 +18,10 @@ from lightning_hpc.perfmodel.layer_times import time_callable
 __all__ = ["compute_contention"]
 
 
-def _alone_and_together(rank: int, world_size: int, size: int, repeats: int, rounds: int) -> list[tuple[float, float]]:
+def _alone_and_together(rank: int, world_size: int, size: int, channels: int, repeats: int, rounds: int) -> list[tuple[float, float]]:
     torch.manual_seed(0)
-    conv = nn.Conv2d(16, 16, 3, padding=1)
-    x = torch.randn(1, 16, size, size)
+    conv = nn.Conv2d(channels, channels, 3, padding=1)
+    x = torch.randn(1, channels, size, size)
     out = []
     with torch.no_grad():
         conv(x)
@@ -34,16 +34,17 @@ def _alone_and_together(rank: int, world_size: int, size: int, repeats: int, rou
     return out
 
 
-def compute_contention(world_size: int, size: int = 128, repeats: int = 5, rounds: int = 3) -> float:
+def compute_contention(world_size: int, size: int = 256, channels: int = 32, repeats: int = 3, rounds: int = 3) -> float:
     """Per-process time of a convolution with ``world_size`` local processes running it at once (median over
     ranks and rounds), over its time in one process while the others wait (>= 1).  Spawns ``world_size`` gloo
-    processes, one torch thread each; 1.0 for a single process."""
+    processes, one torch thread each; 1.0 for a single process.  The default workload (a 32-channel 3x3 convolution
+    on 256 x 256, tens of milliseconds per call) is long enough to see the scheduler share the cores."""
     from lightning_hpc.distributed.spawn import run_in_processes
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if world_size == 1:
         return 1.0
-    results = run_in_processes(_alone_and_together, world_size, size, repeats, rounds)
+    results = run_in_processes(_alone_and_together, world_size, size, channels, repeats, rounds)
     ratios = [statistics.median(r[k][1] for r in results) / results[0][k][0] for k in range(rounds)]
     return max(1.0, statistics.median(ratios))

@@ -193,6 +193,6 @@ def test_compute_contention_is_a_slowdown_factor():
     from lightning_hpc.perfmodel import compute_contention
 
     assert compute_contention(1) == 1.0
-    assert compute_contention(2, size=32, repeats=2, rounds=1) >= 1.0
+    assert compute_contention(2, size=32, channels=4, repeats=2, rounds=1) >= 1.0
     with pytest.raises(ValueError, match="world_size"):
         compute_contention(0)

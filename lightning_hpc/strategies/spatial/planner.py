@@ -228,8 +228,7 @@ def trace_layers(model: nn.Module, input_shape: Sequence[int]) -> list[LayerInfo
         name = str(node.target) if node.op == "call_module" else node.name
         layers.append(LayerInfo(name=name, module=module, in_shape=in_shape, out_shape=out_shape, parents=parents))
         known.add(node.name)
-        # fx names call_module nodes by their path with "_" separators; map both spellings to the layer name.
-        shapes[node.name] = out_shape
+    # fx names call_module nodes by their path with "_" separators ("block1_0"); report the module path.
     rename = {n.name: (str(n.target) if n.op == "call_module" else n.name) for n in gm.graph.nodes}
     for layer in layers:
         layer.parents = [rename[p] for p in layer.parents]
