@@ -4,9 +4,14 @@ Measured: the mesh FCN trained data-parallel (PyTorch DDP over gloo, one sample 
 local processes, one torch thread each; the median step time over several steps (barrier to barrier).
 Predicted: ``plan_for_model`` restricted to sample parallelism (the distribution that was run), with layer times
 measured in this process, alpha-beta from the local gloo calibration, and compute scaled by processes / cores
-when the ranks outnumber the cores.  Also prints the planner's free choice (spatial allowed) for each size.
+by the measured slowdown of that many concurrent processes on this host
+(``compute_contention``; ``--contention cores`` uses processes / cores instead).  Also prints the planner's free choice (spatial allowed) for each size.
 
-    python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2]
+    python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2] [--spatial]
+
+With ``--spatial`` (needs the spatial layers of ``lightning_hpc.strategies.spatial``), also pure spatial runs at
+mini-batch 1 on 2 (2x1 tiles) and 4 (2x2) processes, predicted with the same distribution, halo overlap as run
+and one fused gradient allreduce (what ``reduce_gradients`` does).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.models import mesh_fcn  # noqa: E402
-from lightning_hpc.perfmodel import LayerTimer, calibrate_local  # noqa: E402
+from lightning_hpc.perfmodel import LayerTimer, calibrate_local, compute_contention  # noqa: E402
 from lightning_hpc.strategies.spatial.planner import plan_for_model  # noqa: E402
 
 
@@ -54,6 +59,68 @@ def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, wa
     return times
 
 
+def _spatial_steps(rank: int, world_size: int, size: int, convs: int, parts: tuple[int, int], overlap: bool, steps: int, warmup: int) -> list[float]:
+    """Hybrid sample x spatial training steps with the spatial layers (needs lightning_hpc.strategies.spatial's
+    tiling/convert/gradients modules, i.e. the spatial branch merged)."""
+    from lightning_hpc.strategies.spatial.convert import convert_model, split_parameters
+    from lightning_hpc.strategies.spatial.gradients import reduce_gradients
+    from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout, tile_slices
+
+    layout = create_hybrid_layout(parts)
+    torch.manual_seed(0)
+    model = convert_model(mesh_fcn(convs_per_block=convs), layout.grid, overlap=overlap, input_shape=(18, size, size))
+    tile_params, replicated = split_parameters(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator().manual_seed(layout.sample_index)
+    x = torch.randn(1, 18, size, size, generator=g)
+    y = (torch.rand(1, 1, size, size, generator=g) < 0.02).float()
+    rows, cols = tile_slices(size, size, parts, layout.grid.index)
+    x, y = x[..., rows, cols].contiguous(), y[..., rows, cols].contiguous()
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / (size * size)
+        loss.backward()
+        reduce_gradients(tile_params, replicated, layout.num_sample_groups)
+        opt.step()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _scale(world: int, cores: int, how: str) -> float:
+    """Compute slowdown of ``world`` ranks sharing this host: ``cores`` = processes / cores, ``measured`` = the
+    measured contention (captures other jobs on a shared host)."""
+    return compute_contention(world) if how == "measured" else max(1.0, world / cores)
+
+
+def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int) -> None:
+    """Measured vs predicted for pure spatial parallelism at mini-batch 1 (one distribution for every layer)."""
+    shape = (18, args.size, args.size)
+    for world, parts in ((2, (2, 1)), (4, (2, 2))):
+        measured, predicted, scales = [], [], []
+        for _ in range(args.rounds):
+            times = run_in_processes(_spatial_steps, world, args.size, args.convs, parts, not args.no_overlap, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
+            measured.append(statistics.median(times))
+            scale = _scale(world, cores, args.contention)
+            scales.append(scale)
+            with tempfile.TemporaryDirectory() as tmp:
+                timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
+                want = (world // (parts[0] * parts[1]), *parts)
+                plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=1, alpha_beta=ab, timer=timer,
+                                      restrict=lambda d: (d.n, d.h, d.w) == want, compute_scale=scale,
+                                      gradient_reduction="single", overlap_halo=not args.no_overlap)
+            predicted.append(plan.predicted_step_time)
+        meas, pred = statistics.median(measured), statistics.median(predicted)
+        report.add(processes=world, mini_batch=1, distribution=f"N1 x H{parts[0]} x W{parts[1]} (spatial)", measured_s=meas,
+                   predicted_s=pred, error_pct=100 * (pred - meas) / meas, measured_rounds=[round(m, 4) for m in measured],
+                   predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
+        print(f"spatial P={world} {parts}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=256)
@@ -62,6 +129,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="repeat measure + predict, report medians")
     ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--contention", choices=("measured", "cores"), default="measured",
+                    help="compute slowdown of concurrent ranks: measured (compute_contention) or processes / cores")
+    ap.add_argument("--spatial", action="store_true", help="also measure spatial runs (needs the spatial layers)")
+    ap.add_argument("--no-overlap", action="store_true", help="spatial runs without halo/interior overlap")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -71,23 +142,27 @@ def main() -> None:
     report.meta.update(size=args.size, convs=args.convs, alpha=ab.alpha, beta=ab.beta, cores=cores,
                        note="shared 2-core machine (other agents running): timings are noisy")
     for world in [int(w) for w in args.worlds.split(",")]:
-        measured, predicted = [], []
+        measured, predicted, scales = [], [], []
         for _ in range(args.rounds):
             times = run_in_processes(_ddp_steps, world, args.size, args.convs, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
             measured.append(statistics.median(times))
+            scale = _scale(world, cores, args.contention)
             with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
                 timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
                 plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=world, alpha_beta=ab, timer=timer,
-                                      restrict=lambda d: d.h == 1 and d.w == 1, compute_scale=max(1.0, world / cores))
+                                      restrict=lambda d: d.h == 1 and d.w == 1, compute_scale=scale)
+            scales.append(scale)
             predicted.append(plan.predicted_step_time)
         meas, pred = statistics.median(measured), statistics.median(predicted)
         report.add(processes=world, mini_batch=world, distribution=f"N{world} x H1 x W1 (DDP)", measured_s=meas,
                    predicted_s=pred, error_pct=100 * (pred - meas) / meas, measured_rounds=[round(m, 4) for m in measured],
-                   predicted_rounds=[round(p, 4) for p in predicted])
+                   predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
         print(f"P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%)", flush=True)
+    if args.spatial:
+        _spatial_rows(report, args, ab, cores)
     report.print(["processes", "distribution", "measured_s", "predicted_s", "error_pct"])
     report.write()
-    report.plot_bars("processes", "error_pct", title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)", ylabel="(predicted - measured) / measured %")
+    report.plot_bars("distribution", "error_pct", title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)", ylabel="(predicted - measured) / measured %")
 
 
 if __name__ == "__main__":

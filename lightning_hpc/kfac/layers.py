@@ -80,21 +80,28 @@ class LayerHandler:
             return rows
         return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
 
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(sum of a a^T over the rows of x, number of rows)``; handlers may compute it without the rows."""
+        rows = self.input_rows(x)
+        return rows.t() @ rows, rows.shape[0]
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        rows = self.output_rows(g)
+        return rows.t() @ rows
+
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> None:
         # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
         with torch.autocast(x.device.type, enabled=False):
-            rows = self.input_rows(x)
-            contrib = rows.t() @ rows
+            contrib, rows = self.input_gram(x)
         self.a_sum = contrib if self.a_sum is None else self.a_sum + contrib
-        self.a_rows += rows.shape[0]
-        self.samples += x.shape[0]
+        self.a_rows += rows
+        self.samples += x.shape[0] if x.dim() > 1 else 1
 
     @torch.no_grad()
     def capture_output_grad(self, g: torch.Tensor) -> None:
         with torch.autocast(g.device.type, enabled=False):
-            rows = self.output_rows(g)
-            contrib = rows.t() @ rows
+            contrib = self.output_gram(g)
         self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
         self.g_samples += g.shape[0]
 
@@ -181,26 +188,75 @@ class Conv2dHandler(LayerHandler):
     def g_dim(self) -> int:
         return self.module.out_channels
 
-    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        """Strided view ``(N, C, oh, ow, kh, kw)`` of the padded input: the patches without copying.
+
+        Padding (zeros, 'same', reflect/replicate/circular) is applied exactly as the module's forward does;
+        dilation takes every ``d``-th element of a ``d (k - 1) + 1`` window. One later copy lays the patches out
+        as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
+        """
         m = self.module
         x = x.detach().float()
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
-        padding = m.padding
-        if isinstance(padding, str) or m.padding_mode != "zeros":
-            # Same padding as the module's own forward (Conv2d._conv_forward), then an unpadded unfold.
-            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        if any(m._reversed_padding_repeated_twice):
             x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
-            padding = (0, 0)
-        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)  # (N, C*k*k, T)
-        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
-        return self._with_bias(rows)
+        (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+        win = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+        return win[..., ::dh, ::dw]
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        win = self._windows(x)
+        n, c, oh, ow, kh, kw = win.shape
+        return self._with_bias(win.permute(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
         g = g.detach().float()
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
+
+    @staticmethod
+    def _channel_gram(t: torch.Tensor) -> torch.Tensor:
+        """``sum_n t_n t_n^T`` for ``t`` of shape ``(N, K, T)``.
+
+        With many positions per sample (T >= K) per-sample products avoid the transposed ``(N T, K)`` copy,
+        which costs more than the product itself; otherwise one large product on that copy is faster.
+        """
+        n, k, positions = t.shape
+        if positions >= k:
+            acc = torch.zeros(k, k, dtype=t.dtype, device=t.device)
+            for i in range(n):
+                acc.addmm_(t[i], t[i].t())
+            return acc
+        rows = t.transpose(1, 2).reshape(-1, k)
+        return rows.t() @ rows
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        win = self._windows(x)
+        n, c, oh, ow, kh, kw = win.shape
+        k, positions = c * kh * kw, oh * ow
+        if positions < k:  # one large product on the row layout (see _channel_gram)
+            rows = self.input_rows(x)
+            return rows.t() @ rows, rows.shape[0]
+        patches = win.permute(0, 1, 4, 5, 2, 3).reshape(n, k, positions)
+        gram = self._channel_gram(patches)
+        if self.has_bias:  # [[P P^T, sum p], [sum p^T, rows]]
+            colsum = patches.sum(dim=(0, 2))
+            out = gram.new_empty(k + 1, k + 1)
+            out[:k, :k] = gram
+            out[:k, k] = colsum
+            out[k, :k] = colsum
+            out[k, k] = n * positions
+            gram = out
+        return gram, n * positions
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        g = g.detach().float()
+        if g.dim() == 3:
+            g = g.unsqueeze(0)
+        return self._channel_gram(g.reshape(g.shape[0], g.shape[1], -1))
 
 
 def make_handler(name: str, module: nn.Module) -> LayerHandler | None:

@@ -451,7 +451,7 @@ class KFACPreconditioner:
         return None
 
     def _precondition(self, lr: float | None) -> None:
-        world, rank = self.comm.world_size, self.comm.rank
+        world = self.comm.world_size
         grads: dict[str, torch.Tensor] = {}
         for h in self.handlers:
             g = h.grad_matrix()

@@ -3,6 +3,7 @@
 from lightning_hpc.perfmodel import alphabeta
 from lightning_hpc.perfmodel.alphabeta import AlphaBeta
 from lightning_hpc.perfmodel.calibrate import calibrate, calibrate_local, fit_alpha_beta
+from lightning_hpc.perfmodel.contention import compute_contention
 from lightning_hpc.perfmodel.layer_times import LayerTimer, time_callable
 
-__all__ = ["alphabeta", "AlphaBeta", "calibrate", "calibrate_local", "fit_alpha_beta", "LayerTimer", "time_callable"]
+__all__ = ["alphabeta", "AlphaBeta", "calibrate", "calibrate_local", "fit_alpha_beta", "compute_contention", "LayerTimer", "time_callable"]

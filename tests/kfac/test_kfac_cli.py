@@ -79,3 +79,8 @@ def test_plan_kfac_table_and_errors(capsys):
         plan_mod.main(["--world-size", "0"])
     with pytest.raises(SystemExit):
         plan_mod.main(["--placement", "random"])
+
+
+def test_kfac_fp16_precision_option_composes_to_the_plugin():
+    cfg = _compose("resnet_imagenet", "callbacks=kfac", "precision=kfac_16-mixed")
+    assert cfg.precision._target_ == "lightning_hpc.KFACMixedPrecision" and cfg.precision.precision == "16-mixed"

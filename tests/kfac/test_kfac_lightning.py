@@ -233,3 +233,24 @@ def test_schedules_follow_epochs():
         pre.set_epoch(epoch)
         seen.append((pre.damping, pre.factor_update_freq, pre.inv_update_freq))
     assert seen == [(0.01, 10, 100), (0.01, 10, 100), (0.005, 10, 100), (0.005, 1, 10), (0.0025, 1, 10)]
+
+
+def test_accumulate_grad_batches_covers_every_micro_batch():
+    def net() -> nn.Module:  # no BatchNorm: micro-batches must see the same function as the full batch
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(54, 5))
+
+    results = []
+    for batch, accumulate in ((16, 1), (8, 2)):
+        module = ImageClassifier(net(), optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9), num_classes=5)
+        kfac = _kfac()
+        # 48 samples: whole accumulation groups (Lightning divides a short last group's loss by the full count)
+        _trainer(1, [kfac], accumulate_grad_batches=accumulate).fit(module, _loader(48, batch=batch), _loader(16))
+        results.append((module, kfac.preconditioner))
+    (full, pre_full), (acc, pre_acc) = results
+    assert pre_full.steps == pre_acc.steps == 3
+    for name, f in pre_full.factors.items():
+        for k in ("A", "G"):
+            torch.testing.assert_close(pre_acc.factors[name][k], f[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(full.parameters(), acc.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -74,3 +74,17 @@ def test_bad_placement_and_world():
         assign_factors([(2, 2)], 2, "random")
     with pytest.raises(ValueError, match="world_size"):
         assign_factors([(2, 2)], 0, "balanced")
+
+
+def test_core_modules_do_not_import_lightning():
+    import ast
+    from pathlib import Path
+
+    import lightning_hpc.kfac as pkg
+
+    core = [p for p in Path(pkg.__file__).parent.glob("*.py") if p.name not in ("callback.py", "precision.py")]
+    assert len(core) >= 6
+    for path in core:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), f"{path.name} imports {names}"

@@ -125,6 +125,10 @@ def test_predicted_time_adds_up_for_sample_parallelism():
     hidden = plan.allreduce_time - plan.exposed_allreduce_time
     assert 0 <= hidden <= plan.allreduce_time
     assert plan.predicted_step_time == pytest.approx(compute + plan.exposed_allreduce_time + plan.optimizer_time)
+    fused = plan_for_model(model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1,
+                           gradient_reduction="single")
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    assert fused.exposed_allreduce_time == pytest.approx(alphabeta.allreduce(nbytes, 2, m))  # nothing left to hide it
 
 
 class _Residual(nn.Module):
@@ -183,3 +187,12 @@ def test_plan_inside_a_job_is_made_once_and_shared():
     results = run_in_processes(_plan_in_job, 2, timeout_s=240)
     assert results[0] == results[1]
     assert results[0][1] in ((1, 2), (2, 1))
+
+
+def test_compute_contention_is_a_slowdown_factor():
+    from lightning_hpc.perfmodel import compute_contention
+
+    assert compute_contention(1) == 1.0
+    assert compute_contention(2, size=32, repeats=2, rounds=1) >= 1.0
+    with pytest.raises(ValueError, match="world_size"):
+        compute_contention(0)

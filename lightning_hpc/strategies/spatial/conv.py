@@ -17,12 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.strategies.spatial.halo_exchange import (
-    Window1d,
-    finish_halo_exchange,
-    halo_exchange,
-    start_halo_exchange,
-)
+from lightning_hpc.strategies.spatial.halo_exchange import Window1d, finish_halo_exchange, start_halo_exchange
 from lightning_hpc.strategies.spatial.layer import SpatialLayer
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 
@@ -86,45 +81,41 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         plan = self.halo_plan(h, w)
         if self.pointwise:
             return self._conv(x)
-        if not self.overlap:
-            return self._conv(halo_exchange(x, plan))
-        return self._forward_overlapped(x, plan)
+        return self._forward_tiled(x, plan)
 
-    def _forward_overlapped(self, x: torch.Tensor, plan) -> torch.Tensor:
+    def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:
+        """Interior outputs straight from the tile (no copy), the four boundary strips from small boxes that
+        combine tile rows, received halo blocks and the zero padding of the image border.  With overlap the
+        interior is computed while the halos travel; without, after they arrived (same arithmetic)."""
         wh, ww = self._wins
         (a, b), (c, e) = plan.own
         (oa, ob), (oc, oe) = plan.out
-        (lo_r, hi_r), (lo_c, hi_c) = plan.need
-        # the zero padding at the image border is local data too
-        pt = max(0, -lo_r) if a == 0 else 0
-        pb = max(0, hi_r - plan.rows.n) if b == plan.rows.n else 0
-        pl = max(0, -lo_c) if c == 0 else 0
-        pr = max(0, hi_c - plan.cols.n) if e == plan.cols.n else 0
-        ia, ib = wh.outputs_within(a - pt, b + pb)
-        ja, jb = ww.outputs_within(c - pl, e + pr)
+        ia, ib = wh.outputs_within(a, b)
+        ja, jb = ww.outputs_within(c, e)
         ia, ib = max(ia, oa), min(ib, ob)
         ja, jb = max(ja, oc), min(jb, oe)
+        if ib <= ia or jb <= ja:  # no interior: everything is boundary
+            ia = ib = oa
+            ja = jb = oc
         xs, exchange = start_halo_exchange(x, plan)
-        if ib <= ia or jb <= ja:  # no interior to hide the exchange behind
-            return self._conv(finish_halo_exchange(xs, exchange))
-        # interior, computed while the halos travel
-        xl = F.pad(xs, (pl, pr, pt, pb)) if (pl or pr or pt or pb) else xs
-        r0, r1 = wh.needed(ia, ib, plan.rows.n)
-        c0, c1 = ww.needed(ja, jb, plan.cols.n)
-        base_r, base_c = a - pt, c - pl
-        interior = self._conv(xl[:, :, r0 - base_r : r1 - base_r, c0 - base_c : c1 - base_c])
-        # boundary strips from the extended tile
-        xp = finish_halo_exchange(xs, exchange)
+        halo = None if self.overlap else finish_halo_exchange(xs, exchange)
+        interior = None
+        if ib > ia and jb > ja:
+            r0, r1 = wh.needed(ia, ib, plan.rows.n)
+            c0, c1 = ww.needed(ja, jb, plan.cols.n)
+            interior = self._conv(xs[:, :, r0 - a : r1 - a, c0 - c : c1 - c])
+        if halo is None:
+            halo = finish_halo_exchange(xs, exchange)
 
-        def box(o0: int, o1: int, q0: int, q1: int) -> torch.Tensor | None:
+        def strip(o0: int, o1: int, q0: int, q1: int) -> torch.Tensor | None:
             if o1 <= o0 or q1 <= q0:
                 return None
             s0, s1 = wh.needed(o0, o1, plan.rows.n)
             t0, t1 = ww.needed(q0, q1, plan.cols.n)
-            return self._conv(xp[:, :, s0 - lo_r : s1 - lo_r, t0 - lo_c : t1 - lo_c])
+            return self._conv(halo.box(s0, s1, t0, t1))
 
-        middle = [t for t in (box(ia, ib, oc, ja), interior, box(ia, ib, jb, oe)) if t is not None]
-        rows = [box(oa, ia, oc, oe), torch.cat(middle, dim=3) if len(middle) > 1 else middle[0], box(ib, ob, oc, oe)]
+        middle = [t for t in (strip(ia, ib, oc, ja), interior, strip(ia, ib, jb, oe)) if t is not None]
+        rows = [strip(oa, ia, oc, oe), torch.cat(middle, dim=3) if len(middle) > 1 else (middle[0] if middle else None), strip(ib, ob, oc, oe)]
         rows = [t for t in rows if t is not None]
         return torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]
 

@@ -35,6 +35,7 @@ __all__ = [
     "DimPlan",
     "HaloPlan",
     "HaloExchange",
+    "Halo",
     "halo_exchange",
     "start_halo_exchange",
     "finish_halo_exchange",
@@ -166,8 +167,8 @@ def _direction(di: int, dj: int) -> int:
 
 
 class HaloExchange:
-    """One exchange of one layer call: posts the sends/receives, assembles the extended tile, and does the
-    reverse (gradient) exchange in backward.  ``plan`` gives the blocks; tags are fresh per exchange."""
+    """One exchange of one layer call: posts the sends/receives, hands out the received halo blocks, and does
+    the reverse (gradient) exchange in backward.  ``plan`` gives the blocks; tags are fresh per exchange."""
 
     def __init__(self, plan: HaloPlan) -> None:
         self.plan = plan
@@ -175,19 +176,25 @@ class HaloExchange:
         self._works: list = []
         self._recv_bufs: list[torch.Tensor] = []
         self._send_bufs: list[torch.Tensor] = []
+        self._meta: list[tuple] = []
+        self._backward_posted = True
         self.local_shape: torch.Size | None = None
 
-    # -- forward -------------------------------------------------------------------------------------------
     def _local(self, r: Range, c: Range) -> tuple[slice, slice]:
         (a, _), (b, _) = self.plan.own
         return slice(r[0] - a, r[1] - a), slice(c[0] - b, c[1] - b)
 
+    def _wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+
+    # -- forward -------------------------------------------------------------------------------------------
     def post_forward(self, x: torch.Tensor) -> None:
         self.local_shape = x.shape
+        self._xmeta = (x.dtype, x.device)
         group = self.plan.grid.group
-        self._send_bufs = []
-        self._recv_bufs = []
-        self._works = []
+        self._send_bufs, self._recv_bufs, self._works = [], [], []
         for peer, d, r, c in self.plan.recvs:
             buf = x.new_empty(x.shape[0], x.shape[1], r[1] - r[0], c[1] - c[0])
             self._recv_bufs.append(buf)
@@ -198,78 +205,54 @@ class HaloExchange:
             self._send_bufs.append(buf)
             self._works.append(dist.isend(buf, dst=peer, group=group, tag=self.tag + d))
 
-    def _wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works = []
-
-    def finish_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Wait for the halos and assemble the tile extended to the clamped needed box."""
+    def finish_forward(self) -> list[torch.Tensor]:
+        """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
         self._wait()
-        blocks = {(d_r, d_c): None for d_r in (-1, 0, 1) for d_c in (-1, 0, 1)}
-        i, j = self.plan.i, self.plan.j
-        for (peer, d, r, c), buf in zip(self.plan.recvs, self._recv_bufs):
-            di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)
-            blocks[(di - 1, dj - 1)] = buf
-        rows, cols = self.plan.rows, self.plan.cols
-        rs, cs = self._local(rows.recv_range(i, 0), cols.recv_range(j, 0))
-        blocks[(0, 0)] = x[:, :, rs, cs]
-        bands = []
-        for di in (-1, 0, 1):
-            parts = [blocks[(di, dj)] for dj in (-1, 0, 1) if blocks[(di, dj)] is not None]
-            parts = [p for p in parts if p.shape[2] > 0 and p.shape[3] > 0]
-            if parts:
-                bands.append(torch.cat(parts, dim=3) if len(parts) > 1 else parts[0])
-        self._recv_bufs = []
-        self._send_bufs = []
-        ext = torch.cat(bands, dim=2) if len(bands) > 1 else bands[0]
-        self._ext_meta = (ext.shape, ext.dtype, ext.device)
+        bufs = self._recv_bufs
+        self._meta = [(b.shape, b.dtype, b.device) for b in bufs]
+        self._recv_bufs, self._send_bufs = [], []
         self._backward_posted = False
-        return ext
+        return bufs
 
     # -- backward (the adjoint) -----------------------------------------------------------------------------
-    def post_backward(self, grad_ext: torch.Tensor) -> torch.Tensor:
-        """Split the extended-tile gradient: keep the owned part, send each halo part back to its owner."""
+    def post_backward(self, grads: list[torch.Tensor | None]) -> None:
+        """Send the gradient of each received halo block back to its owner; post receives for ours."""
         plan, group = self.plan, self.plan.grid.group
         self._backward_posted = True
-        (crlo, _), (cclo, _) = plan.need_clamped
-        assert self.local_shape is not None
-        grad = grad_ext.new_zeros(self.local_shape)
-        i, j = plan.i, plan.j
-        r0, c0 = plan.rows.recv_range(i, 0), plan.cols.recv_range(j, 0)
-        ls = self._local(r0, c0)
-        grad[:, :, ls[0], ls[1]] = grad_ext[:, :, r0[0] - crlo : r0[1] - crlo, c0[0] - cclo : c0[1] - cclo]
         self._works, self._send_bufs, self._recv_bufs = [], [], []
-        # the halo blocks we received in forward go back to their senders (reverse direction tags)
-        for peer, d, r, c in plan.recvs:
-            buf = grad_ext[:, :, r[0] - crlo : r[1] - crlo, c[0] - cclo : c[1] - cclo].contiguous()
+        for (peer, d, r, c), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
+            buf = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
             self._send_bufs.append(buf)
             self._works.append(dist.isend(buf, dst=peer, group=group, tag=self.tag + 9 + d))
+        assert self.local_shape is not None
+        n, ch = self.local_shape[0], self.local_shape[1]
         for peer, d, r, c in plan.sends:
-            buf = grad_ext.new_empty(grad_ext.shape[0], grad_ext.shape[1], r[1] - r[0], c[1] - c[0])
+            dtype, device = self._xmeta
+            buf = torch.empty(n, ch, r[1] - r[0], c[1] - c[0], dtype=dtype, device=device)
             self._recv_bufs.append(buf)
             self._works.append(dist.irecv(buf, src=peer, group=group, tag=self.tag + 9 + d))
-        return grad
 
     def finish_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """Add the halo gradients our neighbours computed for rows we own into the interior gradient."""
-        if not getattr(self, "_backward_posted", True):
-            # the extended tile was not used on this rank (its whole output was interior): its halo gradient is
-            # zero, but the neighbours still expect it and still send theirs
-            shape, dtype, device = self._ext_meta
-            self.post_backward(torch.zeros(shape, dtype=dtype, device=device))
+        if not self._backward_posted:
+            # no received block was used on this rank: their gradient is zero, but the neighbours expect it
+            self.post_backward([None] * len(self.plan.recvs))
         if not self._works and not self._recv_bufs:
             return grad
         self._wait()
-        grad = grad.clone()
-        for (peer, d, r, c), buf in zip(self.plan.sends, self._recv_bufs):
-            rs, cs = self._local(r, c)
-            grad[:, :, rs, cs] += buf
+        if self._recv_bufs:
+            grad = grad.clone()
+            for (peer, d, r, c), buf in zip(self.plan.sends, self._recv_bufs):
+                rs, cs = self._local(r, c)
+                grad[:, :, rs, cs] += buf.to(grad.dtype)
         self._recv_bufs, self._send_bufs = [], []
         return grad
 
 
 class _HaloStart(torch.autograd.Function):
+    """Identity that posts the exchange; its backward (which runs after every use of the tile) adds the
+    received halo gradients."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, exchange: HaloExchange) -> torch.Tensor:  # type: ignore[override]
         exchange.post_forward(x)
@@ -282,14 +265,51 @@ class _HaloStart(torch.autograd.Function):
 
 
 class _HaloFinish(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, exchange: HaloExchange) -> torch.Tensor:  # type: ignore[override]
-        ctx.exchange = exchange
-        return exchange.finish_forward(x)
+    """Waits for the halos and returns the received blocks; backward sends their gradients back."""
 
     @staticmethod
-    def backward(ctx, grad_ext: torch.Tensor):  # type: ignore[override]
-        return ctx.exchange.post_backward(grad_ext.contiguous()), None
+    def forward(ctx, x: torch.Tensor, exchange: HaloExchange):  # type: ignore[override]
+        ctx.exchange = exchange
+        bufs = exchange.finish_forward()
+        return (x.view_as(x), *bufs)
+
+    @staticmethod
+    def backward(ctx, grad_x, *grads):  # type: ignore[override]
+        ctx.exchange.post_backward(list(grads))
+        return grad_x, None
+
+
+class Halo:
+    """A tile plus its received halo blocks; :meth:`box` assembles any global input box from them."""
+
+    def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan) -> None:
+        self.x, self.blocks, self.plan = x, blocks, plan
+
+    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0) -> torch.Tensor:
+        """Input rows ``[r0, r1)`` x columns ``[c0, c1)`` (global; outside the image: ``pad_value``)."""
+        plan = self.plan
+        n_h, n_w = plan.rows.n, plan.cols.n
+        cr0, cr1, cc0, cc1 = max(r0, 0), min(r1, n_h), max(c0, 0), min(c1, n_w)
+        bands = []
+        for di in (-1, 0, 1):
+            row_parts = []
+            for dj in (-1, 0, 1):
+                if (di, dj) == (0, 0):
+                    src, rr, cc = self.x, plan.own[0], plan.own[1]
+                elif (di, dj) in self.blocks:
+                    src, rr, cc = self.blocks[(di, dj)]
+                else:
+                    continue
+                (ra, rb), (ca, cb) = _intersect(rr, (cr0, cr1)), _intersect(cc, (cc0, cc1))
+                if rb > ra and cb > ca:
+                    row_parts.append(src[:, :, ra - rr[0] : rb - rr[0], ca - cc[0] : cb - cc[0]])
+            if row_parts:
+                bands.append(torch.cat(row_parts, dim=3) if len(row_parts) > 1 else row_parts[0])
+        out = torch.cat(bands, dim=2) if len(bands) > 1 else bands[0]
+        pads = (cc0 - c0, c1 - cc1, cr0 - r0, r1 - cr1)
+        if any(pads):
+            out = F.pad(out, pads, value=pad_value)
+        return out
 
 
 def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, HaloExchange]:
@@ -298,17 +318,20 @@ def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, 
     return _HaloStart.apply(x, exchange), exchange
 
 
-def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange, *, pad_value: float = 0.0) -> torch.Tensor:
-    """Wait for the halos; return the tile extended to the needed box, with ``pad_value`` outside the image."""
-    ext = _HaloFinish.apply(x_started, exchange)
-    pads = exchange.plan.pads
-    if any(pads):
-        ext = F.pad(ext, pads, value=pad_value)
-    return ext
+def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange) -> Halo:
+    """Wait for the halos; returns the tile with its received blocks (autograd-tracked)."""
+    out = _HaloFinish.apply(x_started, exchange)
+    x, bufs = out[0], out[1:]
+    blocks = {}
+    for (peer, d, r, c), buf in zip(exchange.plan.recvs, bufs):
+        di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)
+        blocks[(di - 1, dj - 1)] = (buf, r, c)
+    return Halo(x, blocks, exchange.plan)
 
 
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:
-    """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, padding
+    """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, ``pad_value``
     outside the image)."""
     xs, ex = start_halo_exchange(x, plan)
-    return finish_halo_exchange(xs, ex, pad_value=pad_value)
+    (r0, r1), (c0, c1) = plan.need
+    return finish_halo_exchange(xs, ex).box(r0, r1, c0, c1, pad_value)

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-only", action="store_true", help="pure sample (data) parallelism")
     p.add_argument("--overlap-halo", action="store_true", help="model halo exchanges hidden behind interior compute")
     p.add_argument("--local-bn", action="store_true", help="tile-local batch norm (no statistics allreduce)")
+    p.add_argument("--gradient-reduction", choices=("per-layer", "single"), default="per-layer",
+                   help="per-layer allreduces overlapped with backward (paper), or one fused allreduce after it")
     p.add_argument("--alpha", type=float, default=None, help="latency in seconds (skips calibration with --beta)")
     p.add_argument("--beta", type=float, default=None, help="inverse bandwidth in seconds per byte")
     p.add_argument("--cores", type=int, default=None, help="cores the processes share (scales compute when oversubscribed)")
@@ -83,6 +85,7 @@ def main(argv: Sequence[str]) -> int:
         plan = plan_for_model(
             model, input_shape, args.world_size, batch, alpha_beta=ab, uniform=args.uniform, restrict=restrict,
             overlap_halo=args.overlap_halo, aggregate_bn=not args.local_bn, compute_scale=scale,
+            gradient_reduction=args.gradient_reduction,
         )
     except ValueError as e:
         print(f"plan-spatial: {e}", file=sys.stderr)

@@ -308,6 +308,11 @@ def candidate_distributions(stage: Stage, world_size: int, batch_size: int) -> l
     return out
 
 
+#: "per-layer": one allreduce per parametrised layer as soon as its backward is done (section V-B, greedy
+#: overlap); "single": all gradients flattened into one allreduce after backward (no overlap).
+GRADIENT_REDUCTIONS = ("per-layer", "single")
+
+
 # ---- costs ------------------------------------------------------------------------------------------------
 class CostModel:
     """Costs of stages under distributions and of shuffles between them (sections V-A and V-B)."""
@@ -323,7 +328,11 @@ class CostModel:
         compute_scale: float = 1.0,
         dtype_bytes: int = 4,
         device: str | torch.device = "cpu",
+        gradient_reduction: str = "per-layer",
     ) -> None:
+        if gradient_reduction not in GRADIENT_REDUCTIONS:
+            raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got {gradient_reduction!r}")
+        self.gradient_reduction = gradient_reduction
         self.m, self.p, self.batch = model, world_size, batch_size
         self.timer = timer or LayerTimer()
         self.overlap_halo, self.aggregate_bn = overlap_halo, aggregate_bn
@@ -529,6 +538,9 @@ def _simulate(stages: list[Stage], assignment: dict[str, Distribution], costs: C
             if name in ar:
                 events.append((clock, ar[name]))
     clock += shuffle / 2
+    if costs.gradient_reduction == "single":
+        nbytes = sum(layer.param_bytes for s in stages for layer in s.layers)
+        events = [(clock, alphabeta.allreduce(nbytes, costs.p, costs.m))] if nbytes else []
     busy_until = 0.0
     for ready, t in events:
         busy_until = max(busy_until, ready) + t
@@ -567,6 +579,7 @@ def plan_for_model(
     compute_scale: float = 1.0,
     optimizer: str = "sgd",
     device: str | torch.device = "cpu",
+    gradient_reduction: str = "per-layer",
 ) -> Plan:
     """Choose a distribution for every layer of ``model`` on ``world_size`` processes at mini-batch
     ``batch_size`` (``input_shape`` = (C, H, W) of one sample) and predict the time per mini-batch.
@@ -575,7 +588,8 @@ def plan_for_model(
     processes, cached).  ``uniform=True`` keeps one distribution for all layers (the setting of the paper's
     experiments, and what a strategy with a single ``spatial_parts`` runs).  ``restrict`` filters candidates
     (e.g. ``lambda d: d.h == d.w == 1`` for pure sample parallelism).  ``compute_scale`` multiplies measured
-    compute, e.g. ``processes / cores`` when ranks share too few cores.
+    compute, e.g. ``processes / cores`` when ranks share too few cores.  ``gradient_reduction``: see
+    :data:`GRADIENT_REDUCTIONS` (the paper's per-layer overlapped allreduces, or one fused allreduce).
 
     Called inside a distributed job, rank 0 plans (alpha-beta calibrated on the job's process group) and
     broadcasts the plan, so every rank uses the same one.
@@ -594,14 +608,14 @@ def plan_for_model(
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device)
+                box[0] = _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction)
             except Exception as e:  # every rank must leave the broadcast, then all raise the same error
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]
-    return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device)
+    return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction)
 
 
 def _plan(
@@ -618,6 +632,7 @@ def _plan(
     compute_scale: float,
     optimizer: str,
     device: str | torch.device,
+    gradient_reduction: str,
 ) -> Plan:
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (C, H, W) of one sample, got {list(input_shape)}")
@@ -627,7 +642,7 @@ def _plan(
         alpha_beta = calibrate_local(2)
     layers = trace_layers(model, (batch_size, *input_shape))
     stages = build_stages(layers)
-    costs = CostModel(alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale, device=device)
+    costs = CostModel(alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale, device=device, gradient_reduction=gradient_reduction)
     cands = {}
     for s in stages:
         options = candidate_distributions(s, world_size, batch_size)

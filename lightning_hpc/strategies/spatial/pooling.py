@@ -83,9 +83,10 @@ class SpatialAvgPool2d(nn.AvgPool2d, SpatialLayer):
         wh, ww = self._wins
         k, s = (wh.kernel, ww.kernel), (wh.stride, ww.stride)
         y = F.avg_pool2d(xp, k, s, 0)
-        if not self.count_include_pad and any(plan.pads):
+        pads = plan.pads
+        if not self.count_include_pad and any(pads):
             (r0, r1), (c0, c1) = plan.need_clamped
             ones = xp.new_ones(1, 1, r1 - r0, c1 - c0)
-            frac = F.avg_pool2d(F.pad(ones, plan.pads), k, s, 0)
+            frac = F.avg_pool2d(F.pad(ones, pads), k, s, 0)
             y = y / frac
         return y

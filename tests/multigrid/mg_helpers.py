@@ -11,8 +11,11 @@ from lightning_hpc.strategies.multigrid import MultigridODEBlock, MultigridOptio
 
 
 def make_net(num_steps: int = 32, width: int = 4, seed: int = 0, batch_norm: bool = False, final_time: float = 2.0):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # same initial weights whatever the caller's default dtype
     torch.manual_seed(seed)
     net = ode_resnet(1, 10, 8, width=width, num_steps=num_steps, final_time=final_time, batch_norm=batch_norm).double()
+    torch.set_default_dtype(previous)
     x = torch.randn(6, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     return net, x
 

@@ -1,0 +1,156 @@
+"""SpatialParallelStrategy in a real Lightning Trainer, and the setup-time errors."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.strategies.spatial.convert import convert_model, validate_partition
+from lightning_hpc.strategies.spatial.halo_exchange import PartitionError
+from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.strategies.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
+from spatial_checks import TOL
+from test_spatial_models import SHAPE, data, small_fcn
+
+BATCH, STEPS = 2, 2
+
+
+class TileDataModule(pl.LightningDataModule):
+    """Reads only its tile once ``set_spatial_tile`` was called (the interface the mesh data module implements)."""
+
+    input_shape = SHAPE[1:]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tile = None
+
+    def set_spatial_tile(self, tile_index, parts) -> None:
+        self.tile = (tuple(tile_index), tuple(parts))
+
+    def train_dataloader(self):
+        x, y = data()
+        if self.tile is not None:
+            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
+            x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
+        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+
+class Segmenter(pl.LightningModule):
+    """Per-pixel loss normalised by the pixels of the whole samples (the SegmentationModule contract)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = small_fcn()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        count_fn = getattr(self.trainer.strategy, "global_pixel_count", None)
+        total = count_fn(y) if count_fn is not None else y.numel()
+        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="sum") / total
+        self.log("train/loss", loss, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def serial_reference():
+    model = small_fcn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data()
+    loss = None
+    for step in range(STEPS):
+        xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(xb), yb, reduction="sum") / yb.numel()
+        loss.backward()
+        opt.step()
+    return float(loss.detach()), [p.detach().clone() for p in model.parameters()]
+
+
+def _fit(rank: int, world: int, parts):
+    errors = {}
+    try:  # world size not divisible by ph * pw: clear error before anything runs
+        create_hybrid_layout((world + 1, 1))
+    except ValueError as e:
+        errors["divisible"] = str(e)
+    torch.manual_seed(0)
+    module, dm = Segmenter(), TileDataModule()
+    strategy = SpatialParallelStrategy(spatial_parts=parts)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=dm)
+    return {
+        "tile": dm.tile,
+        "loss": float(trainer.callback_metrics["train/loss"]),
+        "params": [p.detach().numpy().copy() for p in module.model.parameters()],
+        "sampler": strategy.distributed_sampler_kwargs,
+        "errors": errors,
+    }
+
+
+def test_lightning_fit_matches_serial():
+    results = run_in_processes(_fit, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
+    ref_loss, ref_params = serial_reference()
+    for rank, res in enumerate(results):
+        assert res["tile"] == ((rank, 0), (2, 1))
+        assert res["sampler"] == {"num_replicas": 1, "rank": 0}  # both ranks read the same samples
+        assert abs(res["loss"] - ref_loss) <= TOL, (res["loss"], ref_loss)
+        for p, q in zip(res["params"], ref_params):
+            assert float((torch.from_numpy(p) - q).abs().max()) <= TOL
+        assert "not divisible by spatial_parts=3x1" in res["errors"]["divisible"]
+
+
+def test_strategy_is_registered():
+    import lightning_hpc  # noqa: F401
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "spatial" in StrategyRegistry
+    assert StrategyRegistry["spatial"]["strategy"] is SpatialParallelStrategy
+
+
+def test_partition_error_names_layer_size_and_largest_partition():
+    from lightning_hpc.models import resnet50
+
+    model = resnet50(num_classes=10)
+    validate_partition(model, (3, 64, 48), (2, 2))  # fine
+    with pytest.raises(PartitionError, match=r"layer 'layer4\.0\.conv2'.*input 4x3.*largest partition that works for this layer is 2x1"):
+        validate_partition(model, (3, 64, 48), (4, 1))
+
+
+def test_tile_smaller_than_halo_is_rejected():
+    model = nn.Sequential(nn.Conv2d(1, 1, 7, padding=3))  # 6 rows over 3 tiles: 2 rows each, halo of 3
+    with pytest.raises(PartitionError, match=r"layer '0'.*input 6x40.*smaller than the halo.*largest partition that works for this layer is 2x1"):
+        validate_partition(model, (1, 6, 40), (3, 1))
+
+
+def test_unsupported_layers_fail_clearly():
+    grid = SpatialGrid(parts=(2, 1), ranks=[0, 1], group=None, local_rank=0)
+    with pytest.raises(PartitionError, match=r"layer '1' \(GroupNorm\)"):
+        convert_model(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), grid)
+    with pytest.raises(ValueError, match="padding_mode='reflect'"):
+        convert_model(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect")), grid)
+    with pytest.raises(ValueError, match="ceil_mode"):
+        convert_model(nn.Sequential(nn.MaxPool2d(2, ceil_mode=True)), grid)
+
+
+def test_bad_settings_fail_clearly():
+    with pytest.raises(ValueError, match="spatial_parts"):
+        SpatialParallelStrategy(spatial_parts=(0, 2))
+    with pytest.raises(ValueError, match="spatial_parts"):
+        SpatialParallelStrategy(spatial_parts="fast")
+    try:
+        import lightning_hpc.strategies.spatial.planner  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="planner"):
+            SpatialParallelStrategy(spatial_parts="auto")._resolve_parts()
