@@ -4,7 +4,8 @@ Lightning 1.x shipped a HorovodStrategy; Lightning 2.x removed it.  This is a re
 Lightning 2.x's :class:`~lightning.pytorch.strategies.ParallelStrategy`:
 
 * processes are started by Horovod's launcher (``horovodrun -np N``; ``mpirun``/``srun`` for MPI builds), and
-  rank, size, local rank and node rank come from Horovod (:class:`HorovodEnvironment`);
+  rank, size, local rank and node rank come from Horovod
+  (:class:`~lightning_hpc.distributed.horovod_environment.HorovodEnvironment`);
 * ``Trainer(devices=..., num_nodes=...)`` is checked against Horovod's view of the launch (processes on this node,
   number of nodes) when the Trainer is built, with a message saying what to change;
 * ``is_distributed`` and ``distributed_sampler_kwargs`` make Lightning give each rank its own shard;
@@ -14,7 +15,7 @@ Lightning 2.x's :class:`~lightning.pytorch.strategies.ParallelStrategy`:
   (``fusion_threshold_mb``, ``cycle_time_ms``), compression (``compression="fp16"``), grouped allreduce
   (``num_groups``) and ``gradient_predivide_factor`` are exposed;
 * ``accumulate_grad_batches`` becomes Horovod's ``backward_passes_per_step`` (gradients accumulate locally and are
-  allreduced once per optimizer step, exactly as DDP's ``no_sync``);
+  allreduced once per optimizer step, as with DDP's ``no_sync``);
 * initial parameters (and buffers) and any existing optimizer state are broadcast from rank 0;
 * ``reduce``/``all_gather``/``broadcast``/``barrier`` (used by ``self.log(..., sync_dist=True)``, callbacks and
   checkpointing) run on Horovod, and torchmetrics metrics of the module sync their states through Horovod;
@@ -52,8 +53,8 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_hpc.distributed.horovod_comm import collective_name, import_horovod, init_horovod
-from lightning_hpc.registry import register_strategy
 from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
+from lightning_hpc.registry import register_strategy
 
 __all__ = ["HorovodStrategy", "horovod_gather_all_tensors"]
 

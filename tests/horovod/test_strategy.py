@@ -124,6 +124,7 @@ def test_fp16_compression_stays_close_to_ddp(runs, tmp_path):
     assert 0.0 < diff <= 1e-3
 
 
+@pytest.mark.slow
 def test_ddp_under_horovodrun_with_horovod_environment(runs, tmp_path):
     """DDP-derived strategies run under horovodrun: HorovodEnvironment gives ranks and a torch rendezvous."""
     common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
