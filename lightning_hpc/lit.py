@@ -13,7 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hpc.scaling import ScalingRule, scale_hparams
 
-__all__ = ["ImageClassifier", "classification_loss"]
+__all__ = ["ImageClassifier", "classification_loss", "with_step_scheduler"]
 
 LOSSES = ("cross_entropy", "logistic")
 
@@ -28,6 +28,17 @@ def classification_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = 
         onehot = onehot * (1 - label_smoothing) + label_smoothing / logits.shape[-1]
         return F.binary_cross_entropy_with_logits(logits, onehot, reduction="sum") / logits.shape[0]
     raise ValueError(f"task.loss must be one of {LOSSES}, got {kind!r}")
+
+
+def with_step_scheduler(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, scheduler_factory: Callable[..., Any] | None) -> Any:
+    """``configure_optimizers`` return value: the optimizer, plus the scheduler built by ``scheduler_factory``
+    (called with ``steps_per_epoch``) and stepped every optimizer step."""
+    if scheduler_factory is None:
+        return optimizer
+    max_epochs = max(trainer.max_epochs or 1, 1)
+    steps_per_epoch = max(trainer.estimated_stepping_batches / max_epochs, 1)
+    scheduler = scheduler_factory(optimizer, steps_per_epoch=steps_per_epoch)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class ImageClassifier(pl.LightningModule):
@@ -95,9 +106,4 @@ class ImageClassifier(pl.LightningModule):
             for group in optimizer.param_groups:
                 group["lr"], group["weight_decay"] = scale_hparams(group["lr"], group.get("weight_decay", 0.0), batch, self.lr_scaling)
                 group["initial_lr"] = group["lr"]
-        if self.scheduler_factory is None:
-            return optimizer
-        max_epochs = max(self.trainer.max_epochs or 1, 1)
-        steps_per_epoch = max(self.trainer.estimated_stepping_batches / max_epochs, 1)
-        scheduler = self.scheduler_factory(optimizer, steps_per_epoch=steps_per_epoch)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return with_step_scheduler(self.trainer, optimizer, self.scheduler_factory)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import BinaryF1Score, BinaryJaccardIndex
 
+from lightning_hpc.lit import with_step_scheduler
+
 __all__ = ["SegmentationModule", "pixel_loss_sum"]
 
 
@@ -96,10 +98,4 @@ class SegmentationModule(pl.LightningModule):
         self.log("val/f1", self.val_f1)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        max_epochs = max(self.trainer.max_epochs or 1, 1)
-        steps_per_epoch = max(self.trainer.estimated_stepping_batches / max_epochs, 1)
-        scheduler = self.scheduler_factory(optimizer, steps_per_epoch=steps_per_epoch)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return with_step_scheduler(self.trainer, self.optimizer_factory(self.parameters()), self.scheduler_factory)
