@@ -1,8 +1,8 @@
-"""One rank of the Trainer-level layered SGD test (launched 4 times by test_strategy.py, like torchrun would).
+"""One rank of the Trainer-level layered SGD test (launched 4 times by test_layered_strategy.py, like torchrun would).
 
 Runs several ``Trainer.fit`` calls in the same process group (to pay the slow process start-up once) and, on
 rank 0, saves what each run saw: final parameters, the gradients seen by ``on_before_optimizer_step``, the
-parameters seen by validation, and the mid-epoch checkpoints.  The comparisons live in test_strategy.py.
+parameters seen by validation, and the mid-epoch checkpoints.  The comparisons live in test_layered_strategy.py.
 """
 
 from __future__ import annotations
