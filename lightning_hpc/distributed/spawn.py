@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -65,7 +66,9 @@ def _worker(
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle copies tensors by value: the queue's own (shared-memory) tensor transfer would hand the
+        # parent a handle to memory that disappears when this process exits.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -129,7 +132,7 @@ def run_in_processes(
                     continue
             if not ok:
                 raise DistributedRunError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5.0)

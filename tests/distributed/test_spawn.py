@@ -41,3 +41,14 @@ def test_hang_fails_instead_of_blocking():
     with pytest.raises(DistributedRunError, match="did not finish"):
         run_in_processes(_hang_on_rank0, 2, timeout_s=15, collective_timeout_s=60)
     assert time.time() - t0 < 40
+
+
+def _return_tensors(rank: int, world_size: int) -> dict:
+    return {"rank": torch.full((64, 64), float(rank)), "list": [torch.arange(3) * rank]}
+
+
+def test_tensor_results_survive_the_worker_exiting():
+    for _ in range(2):
+        out = run_in_processes(_return_tensors, 2)
+        assert [float(o["rank"].sum()) for o in out] == [0.0, 64.0 * 64]
+        assert out[1]["list"][0].tolist() == [0, 1, 2]
