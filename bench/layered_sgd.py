@@ -329,12 +329,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=512, help="hidden width of the FC head (sets the gradient size)")
     p.add_argument("--jpegs", default="/tmp/lightning_hpc_bench_jpegs")
     p.add_argument("--name", default="layered_sgd", help="results name: bench/results/<name>.{json,csv,png}")
+    p.add_argument("--table-from", default="",
+                   help="only write the scaling table from result files (comma-separated names in bench/results; "
+                        "the first file that has a (layout, link, mode) row wins)")
     p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
     args = p.parse_args(argv)
     if args.worker:
         worker_main(args)
         return 0
 
+    if args.table_from:
+        from harness import RESULTS, Report
+
+        merged = Report(args.name)
+        seen = set()
+        for name in args.table_from.split(","):
+            for row in json.loads((RESULTS / f"{name}.json").read_text())["rows"]:
+                key = (row["layout"], row["link_mbit"], row["mode"])
+                if key not in seen:
+                    seen.add(key)
+                    merged.add(**row, source=name)
+        scaling_table(merged, args.name)
+        return 0
     if args.delay_ms is not None and not netem_available():
         print("--delay-ms: delay shaping needs the tc 'netem' qdisc, which this kernel does not provide; "
               "delay is not supported here (rate shaping with tbf is).", file=sys.stderr)
