@@ -11,7 +11,11 @@ allreduce of the gradient size (what DDP pays) and the link rate *measured* with
 shaping.  Shaped rows are only written for runs that were actually made in namespaces; where namespaces cannot
 be made the script says so and runs unshaped only.
 
-Modes (the same code the Lightning strategies run, in a plain loop so 2 shared CPU cores are not spent on
+``--lightning`` instead runs ``Trainer(strategy="ddp")`` and ``Trainer(strategy=LayeredSGDStrategy(...))``
+themselves on the shaped link (JPEG decoding in a Dataset, ``num_workers=0``), at the rates given.
+``--queue-ms`` sets the tbf queue (its ``latency``); the default 500 ms is a long, "bufferbloated" queue.
+
+Modes of the sweep (the same code the Lightning strategies run, in a plain loop so 2 shared CPU cores are not spent on
 Lightning's per-step bookkeeping):
 - ``ddp``: torch ``DistributedDataParallel`` (Algorithm 2; bucketed allreduce overlapped with backward);
 - ``layered``: :class:`lightning_hpc.distributed.postponed_update.PostponedUpdate` over
@@ -46,6 +50,9 @@ NS = ("lsgd_n0", "lsgd_n1")
 DEV = ("lsgd0", "lsgd1")
 ADDR = ("10.77.0.1", "10.77.0.2")
 IMAGE = 192  # JPEG side length
+#: tbf queue length in milliseconds of data at the shaped rate (a long queue delays every small message that
+#: arrives behind a bulk transfer); set with --queue-ms, passed to workers through the environment
+QUEUE_MS = int(os.environ.get("LSGD_QUEUE_MS", "500"))
 
 
 # --------------------------------------------------------------------------------------------- setup (root)
@@ -153,7 +160,7 @@ def _shape(rank: int, per_node: int, rate_mbit: float | None) -> None:
     if rate_mbit is not None:
         burst_kb = max(32, int(rate_mbit * 1e6 / 8 / 100 / 1024))  # >= one 10 ms timer tick of data
         subprocess.run(["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-                        "burst", f"{burst_kb}kb", "latency", "500ms"], check=True, capture_output=True)
+                        "burst", f"{burst_kb}kb", "latency", f"{QUEUE_MS}ms"], check=True, capture_output=True)
 
 
 def _link_rate_mbit(rank: int, per_node: int) -> float:
@@ -284,6 +291,130 @@ def worker_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# --------------------------------------------------------------------------------------------- Lightning check
+def lightning_worker_main(args: argparse.Namespace) -> None:
+    """One rank of ``Trainer(strategy="ddp" | LayeredSGDStrategy)`` on the shaped link: the strategies themselves,
+    with Lightning's data fetching (JPEG decoding in the main process, ``num_workers=0``)."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
+
+    torch.set_num_threads(1)
+    paths = sorted(Path(args.jpegs).glob("*.jpg"))
+
+    class Jpegs(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 10_000
+
+        def __getitem__(self, i: int):
+            from PIL import Image
+
+            with Image.open(paths[i % len(paths)]) as im:
+                arr = torch.frombuffer(bytearray(im.convert("RGB").tobytes()), dtype=torch.uint8)
+            x = arr.view(IMAGE, IMAGE, 3).permute(2, 0, 1).float().div_(255)
+            return nn.functional.adaptive_avg_pool2d(x, 32), i % 10
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Net(args.width)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Jpegs(), batch_size=args.batch, num_workers=0)
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *a) -> None:
+            self.starts.append(time.perf_counter())
+
+    rows = []
+    for repeat in range(args.repeats):
+        modes = args.modes.split(",")
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+            clock = Clock()
+            strategy = LayeredSGDStrategy(procs_per_node=args.per_node) if mode == "layered" else "ddp"
+            trainer = pl.Trainer(accelerator="cpu", devices=args.per_node, num_nodes=4 // args.per_node,
+                                 strategy=strategy, max_steps=args.warmup + args.steps + 1, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 callbacks=[clock])
+            trainer.fit(Module())
+            # batch starts warmup .. warmup+steps: each interval contains exactly one full step
+            dt = torch.tensor([clock.starts[args.warmup + args.steps] - clock.starts[args.warmup]])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            row = {"mode": mode, "throughput": 4 * args.batch * args.steps / dt.item(),
+                   "step_s": dt.item() / args.steps, "repeat": repeat}
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(json.dumps(row), flush=True)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+def launch_lightning(args: argparse.Namespace, rate: float, out: Path) -> list[dict]:
+    """4 ranks as 2 namespaced nodes x 2, launched like torchrun would (LOCAL_RANK / NODE_RANK set)."""
+    from lightning_hpc.distributed import find_free_port
+
+    port, per_node = str(find_free_port()), 2
+    for node in (0, 1):
+        subprocess.run(["ip", "netns", "exec", NS[node], sys.executable, "-c",
+                        f"import sys; sys.argv=['x']; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                        f"import layered_sgd as b; b._shape({node * per_node}, {per_node}, {rate})"],
+                       check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    procs = []
+    for rank in range(4):
+        node = rank // per_node
+        env = dict(os.environ, NODE_RANK=str(node), LOCAL_RANK=str(rank % per_node), WORLD_SIZE="4",
+                   MASTER_ADDR=ADDR[0], MASTER_PORT=port, GLOO_SOCKET_IFNAME=DEV[node], OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(REPO))
+        cmd = ["ip", "netns", "exec", NS[node], sys.executable, __file__, "--lightning-worker", "--jpegs", args.jpegs,
+               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--width",
+               str(args.width), "--repeats", str(args.repeats), "--per-node", str(per_node), "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
+    codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"Lightning run at {rate} Mbit/s: worker exit codes {codes}")
+    return [dict(r, link_rate_mbit=rate) for r in json.loads(out.read_text())]
+
+
+def lightning_check(args: argparse.Namespace) -> None:
+    from harness import Report
+
+    reason = make_namespaces() if os.geteuid() == 0 else "not root"
+    if reason is not None:
+        print(f"network namespaces cannot be made here ({reason.strip()}): no Lightning shaped check")
+        return
+    raw: list[dict] = []
+    try:
+        for rate in [float(r) for r in args.rates.split(",") if r]:
+            raw += launch_lightning(args, rate, Path(args.jpegs) / "runs" / f"lightning_{rate}.json")
+    finally:
+        teardown_namespaces()
+    report = Report(args.name)
+    for key in dict.fromkeys((r["link_rate_mbit"], r["mode"]) for r in raw):
+        rs = [r for r in raw if (r["link_rate_mbit"], r["mode"]) == key]
+        report.add(layout="2 nodes x 2 (veth), Lightning Trainer", link_mbit=key[0],
+                   mode="ddp" if key[1] == "ddp" else "layered_sgd",
+                   throughput=statistics.median(r["throughput"] for r in rs),
+                   step_s=statistics.median(r["step_s"] for r in rs), runs=len(rs))
+    report.add_ratios("mode", "throughput", "ddp", ratio_name="vs_ddp", group_by=("link_mbit",))
+    report.meta.update(batch_per_process=args.batch, steps=args.steps, repeats=args.repeats, raw=raw,
+                       queue_ms=args.queue_ms, note="2 CPU cores shared with other jobs; medians over repeats")
+    report.print()
+    print(f"wrote {report.write()}")
+
+
 # --------------------------------------------------------------------------------------------- driver
 def launch(args: argparse.Namespace, world: int, per_node: int, layout: str, shaped: bool, modes: str,
            out: Path) -> list[dict]:
@@ -315,6 +446,9 @@ def launch(args: argparse.Namespace, world: int, per_node: int, layout: str, sha
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lightning-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lightning", action="store_true",
+                   help="instead of the sweep: Trainer(strategy=ddp | layered_sgd) on the shaped link at --rates")
     p.add_argument("--shaped", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -322,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="ddp,layered", help="modes to compare")
     p.add_argument("--rates", default="1000,300,100,30", help="inter-node link rates to sweep, Mbit/s")
     p.add_argument("--delay-ms", type=float, default=None, help="link delay (needs tc netem: not supported here)")
+    p.add_argument("--queue-ms", type=int, default=500, help="tbf queue length (latency parameter), ms")
     p.add_argument("--batch", type=int, default=24, help="images per process per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
@@ -329,12 +464,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=512, help="hidden width of the FC head (sets the gradient size)")
     p.add_argument("--jpegs", default="/tmp/lightning_hpc_bench_jpegs")
     p.add_argument("--name", default="layered_sgd", help="results name: bench/results/<name>.{json,csv,png}")
+    p.add_argument("--table-from", default="",
+                   help="only write the scaling table from result files (comma-separated names in bench/results; "
+                        "the first file that has a (layout, link, mode) row wins)")
     p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
     args = p.parse_args(argv)
+    os.environ["LSGD_QUEUE_MS"] = str(args.queue_ms)  # inherited by the workers, which shape the link
     if args.worker:
         worker_main(args)
         return 0
+    if args.lightning_worker:
+        lightning_worker_main(args)
+        return 0
 
+    if args.table_from:
+        from harness import RESULTS, Report
+
+        merged = Report(args.name)
+        seen = set()
+        for name in args.table_from.split(","):
+            for row in json.loads((RESULTS / f"{name}.json").read_text())["rows"]:
+                key = (row["layout"], row["link_mbit"], row["mode"])
+                if key not in seen:
+                    seen.add(key)
+                    merged.add(**row, source=name)
+        scaling_table(merged, args.name)
+        return 0
     if args.delay_ms is not None and not netem_available():
         print("--delay-ms: delay shaping needs the tc 'netem' qdisc, which this kernel does not provide; "
               "delay is not supported here (rate shaping with tbf is).", file=sys.stderr)
@@ -347,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     from harness import Report
 
     write_jpegs(Path(args.jpegs), 256)
+    if args.lightning:
+        (Path(args.jpegs) / "runs").mkdir(exist_ok=True)
+        lightning_check(args)
+        return 0
     report = Report(args.name)
     tmp = Path(args.jpegs) / "runs"
     tmp.mkdir(exist_ok=True)
@@ -380,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                    inter_allreduce_s=med("inter_allreduce_s"), runs=len(rs))
     report.add_ratios("mode", "throughput", "ddp", ratio_name="vs_ddp", group_by=("layout", "link_mbit"))
     report.meta.update(batch_per_process=args.batch, steps=args.steps, repeats=args.repeats, width=args.width,
+                       queue_ms=args.queue_ms,
                        image=IMAGE, note="2 CPU cores shared with other jobs; medians over repeats",
                        raw=raw)
     report.print(["layout", "link_mbit", "measured_link_mbit", "mode", "throughput", "vs_ddp", "step_s", "load_s",
