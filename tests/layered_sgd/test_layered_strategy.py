@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-5000:]}"
     return {name: torch.load(out / f"{name}.pt", weights_only=False)
-            for name in ("layered", "ddp", "layered_accum", "layered_resumed", "ddp_resumed")} | {"dir": out}
+            for name in ("layered", "ddp", "layered_accum", "layered_resumed", "ddp_resumed", "layered_kfac", "ddp_kfac")} | {"dir": out}
 
 
 def test_parameters_equal_serial_and_ddp(runs):
@@ -133,3 +133,16 @@ def test_mid_epoch_checkpoint_and_resume(runs):
         assert (s1, lr1) == (s2, lr2)
         torch.testing.assert_close(g1, g2, **TOL)
     assert [s for s, _, _ in runs["layered_resumed"]["grads"]] == [3, 4, 5]
+
+
+def test_kfac_callback_on_layered_sgd_equals_kfac_on_ddp(runs):
+    """The K-FAC callback reads the gradients at on_before_optimizer_step: under layered SGD it must see (and
+    precondition) the same globally averaged gradients as under DDP, so the runs end with the same parameters.
+    (K-FAC on DDP equals single-process K-FAC: tests/kfac/test_kfac_distributed.py.)"""
+    layered, ddp = runs["layered_kfac"], runs["ddp_kfac"]
+    assert len(layered["after_kfac"]) == len(ddp["after_kfac"]) == 4
+    for (s1, _, before), (s2, _, after) in zip(layered["grads"], layered["after_kfac"]):
+        assert s1 == s2 and not torch.allclose(before, after)  # K-FAC changed the gradient
+    for (_, _, g1), (_, _, g2) in zip(layered["after_kfac"], ddp["after_kfac"]):
+        torch.testing.assert_close(g1, g2, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(layered["final"], ddp["final"], rtol=1e-6, atol=1e-8)

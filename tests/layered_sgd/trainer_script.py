@@ -42,6 +42,7 @@ def main(out: Path) -> None:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     import lightning_hpc  # noqa: F401 - registers "layered_sgd"
+    from lightning_hpc import KFAC
     from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
 
     class Module(pl.LightningModule):
@@ -79,15 +80,17 @@ def main(out: Path) -> None:
             lr = optimizer.param_groups[0]["lr"]
             self.seen.append((trainer.global_step, lr, flat(p.grad for p in pl_module.parameters())))
 
-    def fit(name: str, strategy, resume: str | None = None, **trainer_kwargs):
-        module, grads = Module(), GradRecorder()
+    def fit(name: str, strategy, resume: str | None = None, kfac: bool = False, **trainer_kwargs):
+        module, grads, after = Module(), GradRecorder(), GradRecorder()
+        # K-FAC runs between the two recorders: `grads` sees the averaged gradient, `after` the preconditioned one.
+        extra = [KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=None, decomposition_dtype="float64"), after] if kfac else []
         ckpt = ModelCheckpoint(dirpath=out / f"{name}_ckpt", every_n_train_steps=3, save_top_k=-1)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=WORLD,
             strategy=strategy,
             precision="64-true",
-            callbacks=[grads, ckpt],
+            callbacks=[grads, ckpt, *extra],
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -99,7 +102,7 @@ def main(out: Path) -> None:
         trainer.fit(module, ckpt_path=resume)
         if trainer.global_rank == 0:
             torch.save(
-                {"final": flat(module.parameters()), "grads": grads.seen, "val": module.val_seen},
+                {"final": flat(module.parameters()), "grads": grads.seen, "val": module.val_seen, "after_kfac": after.seen},
                 out / f"{name}.pt",
             )
 
@@ -111,6 +114,9 @@ def main(out: Path) -> None:
     fit("layered_resumed", LayeredSGDStrategy(procs_per_node=2),
         resume=str(out / "layered_ckpt" / "epoch=0-step=3.ckpt"), **common)
     fit("ddp_resumed", "ddp", resume=str(out / "ddp_ckpt" / "epoch=0-step=3.ckpt"), **common)
+    kfac_common = dict(max_steps=4, limit_val_batches=0, kfac=True)
+    fit("layered_kfac", LayeredSGDStrategy(procs_per_node=2), **kfac_common)
+    fit("ddp_kfac", "ddp", **kfac_common)
 
 
 if __name__ == "__main__":
