@@ -9,7 +9,7 @@
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
             "2 procs/sample" (spatial 2x1).  Medians of repeated steps.
 3. overlap: the same 1K step on 2 processes with the halo exchange overlapped with the interior convolution
-            and without.
+            and without, alternating step by step in the same processes.
 
 The mesh models follow section VI: six blocks of three (1K) or five (2K) conv-BN-ReLU with 3x3 filters,
 stride 2 at the first conv of each block, a final 1x1 prediction conv and upsampling to the input resolution.
@@ -17,7 +17,7 @@ lightning_hpc.models.mesh_fcn (written on another branch) was not in this worktr
 written, so the architecture is defined here; the channel widths (16, 32, 64, 64, 128, 128) are ours (the
 paper does not give them).
 
-Run:  python bench/spatial.py            (all three; ~15 min on a shared 2-core machine)
+Run:  python bench/spatial.py            (all three; ~15-20 min on a shared 2-core machine)
       python bench/spatial.py --only memory|scaling|overlap  [--repeats 5]
 """
 
@@ -111,11 +111,14 @@ def bench_memory(report: Report, size: int = 2048) -> None:
         row["rss_vs_1proc"] = row["rss_growth_MiB_max_rank"] / base["rss_growth_MiB_max_rank"]
 
 
-def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap: bool, repeats: int):
+def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, repeats: int):
+    """Median-able step times; ``overlap="alternate"`` toggles the halo overlap of every conv between steps
+    (same process, same weights, so the comparison sees the same machine load)."""
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_fcn(3), grid, overlap=overlap, input_shape=(18, size, size))
+    model = convert_model(mesh_fcn(3), grid, overlap=overlap is not False, input_shape=(18, size, size))
+    convs = [m for m in model.modules() if hasattr(m, "overlap")]
     tile_p, rep_p = split_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     s0, s1 = block_range(batch, layout.num_sample_groups, layout.sample_index)
@@ -132,51 +135,62 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap: 
         reduce_gradients(tile_p, rep_p, layout.num_sample_groups)
         opt.step()
 
-    times = []
-    for k in range(repeats + 1):  # first step is warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    modes = [True, False] if overlap == "alternate" else [bool(overlap)]
+    step()  # warm-up
+    for k in range(repeats * len(modes)):
+        mode = modes[k % len(modes)]
+        for m in convs:
+            m.overlap = mode
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
         step()
         if dist.is_initialized():
             dist.barrier()
-        if k:
-            times.append(time.perf_counter() - t0)
-    return times
+        times[mode].append(time.perf_counter() - t0)
+    return times if overlap == "alternate" else times[bool(overlap)]
 
 
-def _median_step(procs: int, parts, batch: int, size: int, overlap: bool, repeats: int) -> float:
-    times = run_in_processes(_train_worker, procs, parts, batch, size, overlap, repeats, timeout_s=1800, collective_timeout_s=900)[0]
-    return statistics.median(times)
+def _steps(procs: int, parts, batch: int, size: int, overlap, repeats: int):
+    return run_in_processes(_train_worker, procs, parts, batch, size, overlap, repeats, timeout_s=1800, collective_timeout_s=900)[0]
 
 
-def bench_scaling(report: Report, repeats: int, size: int = 1024) -> None:
-    for batch in (1, 2):
-        t1 = _median_step(1, (1, 1), batch, size, True, repeats)
-        report.add(bench="scaling_1k", N=batch, config="1 proc", procs=1, step_s=t1)
-        if batch == 2:
-            report.add(bench="scaling_1k", N=batch, config="2 procs, 1 proc/sample (sample parallel)", procs=2,
-                       step_s=_median_step(2, (1, 1), batch, size, True, repeats))
-        report.add(bench="scaling_1k", N=batch, config="2 procs, 2 procs/sample (spatial 2x1)", procs=2,
-                   step_s=_median_step(2, (2, 1), batch, size, True, repeats))
-        for row in report.rows:
-            if row.get("bench") == "scaling_1k" and row["N"] == batch:
-                row["speedup_vs_1proc"] = t1 / row["step_s"]
-        print([r for r in report.rows if r.get("bench") == "scaling_1k" and r["N"] == batch], flush=True)
+def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 3) -> None:
+    """Configurations are interleaved round by round (the machine's load drifts); medians over all steps."""
+    configs = {
+        1: [("1 proc", 1, (1, 1)), ("2 procs, 2 procs/sample (spatial 2x1)", 2, (2, 1))],
+        2: [("1 proc", 1, (1, 1)), ("2 procs, 1 proc/sample (sample parallel)", 2, (1, 1)),
+            ("2 procs, 2 procs/sample (spatial 2x1)", 2, (2, 1))],
+    }
+    samples: dict[tuple[int, str], list[float]] = {}
+    for _ in range(rounds):
+        for batch, entries in configs.items():
+            for name, procs, parts in entries:
+                samples.setdefault((batch, name), []).extend(_steps(procs, parts, batch, size, True, repeats))
+    for batch, entries in configs.items():
+        t1 = statistics.median(samples[(batch, "1 proc")])
+        for name, procs, _ in entries:
+            ts = samples[(batch, name)]
+            report.add(bench="scaling_1k", N=batch, config=name, procs=procs, step_s=statistics.median(ts),
+                       step_s_min=min(ts), steps=len(ts), speedup_vs_1proc=t1 / statistics.median(ts))
+    print(report.rows, flush=True)
 
 
 def bench_overlap(report: Report, repeats: int, size: int = 1024) -> None:
-    on = _median_step(2, (2, 1), 1, size, True, repeats)
-    off = _median_step(2, (2, 1), 1, size, False, repeats)
-    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap on", procs=2, step_s=on, speedup_vs_off=off / on)
-    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap off", procs=2, step_s=off, speedup_vs_off=1.0)
+    times = _steps(2, (2, 1), 1, size, "alternate", repeats)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap on", procs=2, step_s=on, step_s_min=min(times[True]),
+               steps=len(times[True]), speedup_vs_off=off / on)
+    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap off", procs=2, step_s=off, step_s_min=min(times[False]),
+               steps=len(times[False]), speedup_vs_off=1.0)
     print(report.rows[-2:], flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["memory", "scaling", "overlap"], action="append")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per process group (after 1 warm-up)")
     ap.add_argument("--size-2k", type=int, default=2048)
     ap.add_argument("--size-1k", type=int, default=1024)
     args = ap.parse_args(argv)

@@ -1,10 +1,9 @@
-"""Differentiable reductions over the spatial group.
+"""Differentiable reduction over the spatial group for values used *replicated* afterwards.
 
-Two adjoints are needed (section III-B): statistics that feed back into every tile (aggregated batch norm)
-use :func:`all_reduce_sum`, whose backward is again an allreduce (every tile's output depends on every tile's
-input); a global reduction whose result is then used *replicated* (global average pooling feeding a Linear
-head that every rank evaluates identically) uses :func:`all_reduce_replicated`, whose backward is the
-identity (each rank already holds the full gradient of the replicated value).
+A global reduction whose result every rank of the group then uses identically (global average pooling feeding
+a Linear head that every rank evaluates, section III-B / Table III) needs an allreduce forward and the
+identity backward: each rank already holds the full gradient of the replicated value.  (Aggregated batch norm,
+whose statistics feed back into every tile, has its own adjoint in :mod:`batchnorm`.)
 """
 
 from __future__ import annotations
@@ -12,22 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_sum", "all_reduce_replicated"]
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        y = x.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        g = grad.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+__all__ = ["all_reduce_replicated"]
 
 
 class _AllReduceReplicated(torch.autograd.Function):
@@ -40,11 +24,6 @@ class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad, None
-
-
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ``group``; gradient = sum of the group's gradients.  No-op without a group."""
-    return x if group is None else _AllReduceSum.apply(x, group)
 
 
 def all_reduce_replicated(x: torch.Tensor, group) -> torch.Tensor:
