@@ -152,7 +152,8 @@ class SpatialParallelStrategy(DDPStrategy):
             if shape is None:
                 raise ValueError("spatial_parts='auto' needs the input shape: pass input_shape=(C, H, W) to the strategy")
             model = getattr(self.lightning_module, "model", self.lightning_module)
-            self.plan = plan_for_model(model, shape, world)
+            # The strategy runs one split for the whole network, so ask the planner for the best uniform one.
+            self.plan = plan_for_model(model, shape, world, uniform=True)
             return parse_parts(self.plan.spatial_parts, setting="planner spatial_parts")
         return self._parts_setting  # type: ignore[return-value]
 
