@@ -86,6 +86,28 @@ def measure(method: str, depth: int, group, repeats: int, concurrent: bool = Tru
     return fwd, stp
 
 
+def single_device(depths: list[int], repeats: int) -> Report:
+    """MG (2 cycles) forward over serial forward on one process, the two timed alternately (same load)."""
+    torch.set_num_threads(1)
+    report = Report("multigrid_single_device", meta={"model": f"ode_resnet width {WIDTH}, 8x8, batch {BATCH}, fp32", "mg": {**MG, "cycles": 2}, "timing": "interleaved serial/MG, medians"})
+    x = torch.randn(BATCH, 1, 8, 8)
+    for depth in depths:
+        serial, mg = build("serial", depth, None), build("mg", depth, None)
+        times: dict[str, list[float]] = {"serial": [], "mg": []}
+        with torch.no_grad():
+            serial(x), mg(x)
+            for _ in range(repeats):
+                for name, net in (("serial", serial), ("mg", mg)):
+                    t0 = time.perf_counter()
+                    net(x)
+                    times[name].append(time.perf_counter() - t0)
+        s_med, m_med = statistics.median(times["serial"]), statistics.median(times["mg"])
+        pairwise = statistics.median(m / s for m, s in zip(times["mg"], times["serial"]))
+        report.add(depth=depth, serial_forward_s=s_med, mg_forward_s=m_med, ratio=m_med / s_med, pairwise_ratio=pairwise)
+        print(report.rows[-1], flush=True)
+    return report
+
+
 def _worker(rank: int, world_size: int, depths: list[int], repeats: int) -> list[dict]:
     rows = []
     for depth in depths:
@@ -233,7 +255,13 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-measured", action="store_true")
+    parser.add_argument("--single-device", action="store_true", help="only the interleaved single-device MG/serial forward ratio")
     args = parser.parse_args()
+    if args.single_device:
+        rep = single_device(args.depths, max(args.repeats, 9))
+        rep.print()
+        rep.write()
+        return
     t0 = time.time()
     model_local = calibrate_local(2)
     proj = projection(model_local)
