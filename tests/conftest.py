@@ -8,10 +8,30 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: variables a launcher sets for its ranks; a child launched by a test must never inherit stale ones
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def isolated_distributed_state():
+    """In-process Trainer tests leave Lightning's launcher variables (MASTER_PORT, LOCAL_RANK, ...) and a
+    process group behind; later tests that start `lightning-hpc` or torchrun-like children would inherit them
+    (a child then binds the same port, or believes it was launched externally).  Restore both after each test."""
+    before = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)
+
 
 def run_cli(args, cwd, timeout=600, check=True, env=None):
     """Run ``python -m lightning_hpc <args>`` in ``cwd``; returns the CompletedProcess (stdout+stderr merged)."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    full_env = {**base, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_hpc", *args],
         cwd=cwd,
