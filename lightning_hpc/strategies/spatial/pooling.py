@@ -40,9 +40,11 @@ def _check_pool(pool: nn.Module, name: str) -> None:
         raise ValueError(f"AvgPool2d '{name}': divisor_override is not supported by the spatial layers")
 
 
-class SpatialMaxPool2d(nn.MaxPool2d, SpatialLayer):
+class _SpatialPool(SpatialLayer):
+    """Conversion and halo plan shared by the two pools; subclasses pool the extended tile."""
+
     @classmethod
-    def from_module(cls, pool: nn.MaxPool2d, grid: SpatialGrid, *, name: str = "") -> "SpatialMaxPool2d":
+    def from_module(cls, pool: nn.MaxPool2d | nn.AvgPool2d, grid: SpatialGrid, *, name: str = ""):
         _check_pool(pool, name)
         new = copy.copy(pool)
         new.__class__ = cls
@@ -53,31 +55,21 @@ class SpatialMaxPool2d(nn.MaxPool2d, SpatialLayer):
     def windows(self, h: int, w: int):
         return self._wins
 
+
+class SpatialMaxPool2d(_SpatialPool, nn.MaxPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.grid.size == 1:
-            return super().forward(x)
+            return nn.MaxPool2d.forward(self, x)
         plan = self.halo_plan(*self.global_input_extent(x))
         xp = halo_exchange(x, plan, pad_value=float("-inf"))
         wh, ww = self._wins
         return F.max_pool2d(xp, (wh.kernel, ww.kernel), (wh.stride, ww.stride), 0, (wh.dilation, ww.dilation))
 
 
-class SpatialAvgPool2d(nn.AvgPool2d, SpatialLayer):
-    @classmethod
-    def from_module(cls, pool: nn.AvgPool2d, grid: SpatialGrid, *, name: str = "") -> "SpatialAvgPool2d":
-        _check_pool(pool, name)
-        new = copy.copy(pool)
-        new.__class__ = cls
-        new._init_spatial(grid, name)
-        new._wins = pool_windows(pool)
-        return new
-
-    def windows(self, h: int, w: int):
-        return self._wins
-
+class SpatialAvgPool2d(_SpatialPool, nn.AvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.grid.size == 1:
-            return super().forward(x)
+            return nn.AvgPool2d.forward(self, x)
         plan = self.halo_plan(*self.global_input_extent(x))
         xp = halo_exchange(x, plan, pad_value=0.0)
         wh, ww = self._wins
