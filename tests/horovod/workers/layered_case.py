@@ -78,6 +78,9 @@ def layered(comm: Communicator) -> dict[str, object]:
         time.sleep(0.01)  # "load the next batch" while the leaders allreduce on the communicator thread
     update.apply(opt.step)
     update.allreduce.close()
+    # Horovod shuts down on every rank once one rank exits: a group that finishes its last process-set
+    # broadcast first must not leave while the other group's is still in flight.
+    comm.barrier()
     return {
         "params": [p.detach().clone().numpy() for p in net.parameters()],
         "intra_group": type(groups.intra).__name__,
