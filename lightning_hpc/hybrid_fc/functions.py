@@ -40,17 +40,19 @@ class _GatherNeurons(Function):
         return ctx.comm.reduce_scatter(g, ctx.sizes, dim=1), None, None
 
 
-class _ReduceScatterNeurons(Function):
-    """P -> S: reduce-scatter the partial sums by neuron block; backward all-gathers the exact gradients."""
+class _ReduceScatter(Function):
+    """Reduce-scatter partial sums into blocks of ``sizes`` along ``dim``; backward all-gathers the exact
+    gradients.  dim 1: P -> S between head layers (neuron blocks); dim 0: a row-blocked sub-batch's partial
+    logits to the rows' owners."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: HeadComm, sizes: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.sizes = comm, list(sizes)
-        return comm.reduce_scatter(x, sizes, dim=1)
+    def forward(ctx, x: torch.Tensor, comm: HeadComm, sizes: Sequence[int], dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.comm, ctx.sizes, ctx.dim = comm, list(sizes), dim
+        return comm.reduce_scatter(x, sizes, dim=dim)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return ctx.comm.all_gather(g.contiguous(), ctx.sizes, dim=1), None, None
+        return ctx.comm.all_gather(g.contiguous(), ctx.sizes, dim=ctx.dim), None, None, None
 
 
 class _RowsToOwnersFromCol(Function):
@@ -64,19 +66,6 @@ class _RowsToOwnersFromCol(Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         return ctx.comm.all_to_all(g.contiguous(), 1, ctx.class_sizes, 0, ctx.row_sizes), None, None, None
-
-
-class _RowsToOwnersFromRow(Function):
-    """Partial sums (n, C) of a row-blocked sub-batch -> reduce-scatter by rows; backward all-gathers rows."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
-        ctx.comm, ctx.row_sizes = comm, list(row_sizes)
-        return comm.reduce_scatter(x, row_sizes, dim=0)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return ctx.comm.all_gather(g.contiguous(), ctx.row_sizes, dim=0), None, None
 
 
 class _ToRootFromCol(Function):
@@ -130,7 +119,7 @@ def gather_neurons(x: torch.Tensor, comm: HeadComm, sizes: Sequence[int]) -> tor
 
 
 def reduce_scatter_neurons(x: torch.Tensor, comm: HeadComm, sizes: Sequence[int]) -> torch.Tensor:
-    return _ReduceScatterNeurons.apply(x, comm, sizes)
+    return _ReduceScatter.apply(x, comm, sizes, 1)
 
 
 def rows_to_owners_from_col(x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int], class_sizes: Sequence[int]) -> torch.Tensor:
@@ -138,7 +127,7 @@ def rows_to_owners_from_col(x: torch.Tensor, comm: HeadComm, row_sizes: Sequence
 
 
 def rows_to_owners_from_row(x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int]) -> torch.Tensor:
-    return _RowsToOwnersFromRow.apply(x, comm, row_sizes)
+    return _ReduceScatter.apply(x, comm, row_sizes, 0)
 
 
 def to_root_from_col(x: torch.Tensor, comm: HeadComm, class_sizes: Sequence[int], root: int) -> torch.Tensor:
