@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hpc.kfac.linalg import sym_gram
+
 __all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "make_handler", "SUPPORTED"]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
@@ -81,13 +83,30 @@ class LayerHandler:
         return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``(sum of a a^T over the rows of x, number of rows)``; handlers may compute it without the rows."""
+        """``(sum of a a^T over the rows of x, number of rows)``; handlers compute it without forming the rows.
+
+        :meth:`input_rows` / :meth:`output_rows` are the plain definitions; the grams are computed from
+        cache-sized chunks with a symmetric product (:func:`~lightning_hpc.kfac.linalg.sym_gram`) instead.
+        """
         rows = self.input_rows(x)
         return rows.t() @ rows, rows.shape[0]
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
         rows = self.output_rows(g)
         return rows.t() @ rows
+
+    def _fold_bias(self, gram: torch.Tensor, colsum: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """``[[sum a a^T, sum a], [sum a^T, rows]]``: the bias's constant-1 input appended analytically."""
+        if not self.has_bias:
+            return gram
+        assert colsum is not None
+        k = gram.shape[0]
+        out = gram.new_empty(k + 1, k + 1)
+        out[:k, :k] = gram
+        out[:k, k] = colsum
+        out[k, :k] = colsum
+        out[k, k] = rows
+        return out
 
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> None:
@@ -170,6 +189,14 @@ class LinearHandler(LayerHandler):
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
         return g.detach().reshape(-1, g.shape[-1]).float()
 
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        gram, colsum = sym_gram(rows, colsum=self.has_bias)
+        return self._fold_bias(gram, colsum, rows.shape[0]), rows.shape[0]
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        return sym_gram(self.output_rows(g))[0]
+
 
 class Conv2dHandler(LayerHandler):
     """``nn.Conv2d`` with groups=1, any stride / padding (incl. 'same' and non-zero padding modes) / dilation.
@@ -217,46 +244,17 @@ class Conv2dHandler(LayerHandler):
             g = g.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
 
-    @staticmethod
-    def _channel_gram(t: torch.Tensor) -> torch.Tensor:
-        """``sum_n t_n t_n^T`` for ``t`` of shape ``(N, K, T)``.
-
-        With many positions per sample (T >= K) per-sample products avoid the transposed ``(N T, K)`` copy,
-        which costs more than the product itself; otherwise one large product on that copy is faster.
-        """
-        n, k, positions = t.shape
-        if positions >= k:
-            acc = torch.zeros(k, k, dtype=t.dtype, device=t.device)
-            for i in range(n):
-                acc.addmm_(t[i], t[i].t())
-            return acc
-        rows = t.transpose(1, 2).reshape(-1, k)
-        return rows.t() @ rows
-
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        win = self._windows(x)
-        n, c, oh, ow, kh, kw = win.shape
-        k, positions = c * kh * kw, oh * ow
-        if positions < k:  # one large product on the row layout (see _channel_gram)
-            rows = self.input_rows(x)
-            return rows.t() @ rows, rows.shape[0]
-        patches = win.permute(0, 1, 4, 5, 2, 3).reshape(n, k, positions)
-        gram = self._channel_gram(patches)
-        if self.has_bias:  # [[P P^T, sum p], [sum p^T, rows]]
-            colsum = patches.sum(dim=(0, 2))
-            out = gram.new_empty(k + 1, k + 1)
-            out[:k, :k] = gram
-            out[:k, k] = colsum
-            out[k, :k] = colsum
-            out[k, k] = n * positions
-            gram = out
-        return gram, n * positions
+        win = self._windows(x)  # (N, C, oh, ow, kh, kw), a view: sym_gram copies it chunk by chunk
+        n, _, oh, ow, _, _ = win.shape
+        gram, colsum = sym_gram(win.permute(0, 1, 4, 5, 2, 3), k_dims=3, colsum=self.has_bias)
+        return self._fold_bias(gram, colsum, n * oh * ow), n * oh * ow
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
         g = g.detach().float()
         if g.dim() == 3:
             g = g.unsqueeze(0)
-        return self._channel_gram(g.reshape(g.shape[0], g.shape[1], -1))
+        return sym_gram(g, k_dims=1)[0]
 
 
 def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
