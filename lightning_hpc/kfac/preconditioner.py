@@ -356,11 +356,13 @@ class KFACPreconditioner:
         return assign_factors(dims, self.comm.world_size, self.placement)
 
     def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
+        # Row-major copies: LAPACK returns column-major matrices, and the broadcast or a checkpoint hands other
+        # ranks / resumed runs row-major ones; the products of Eq 13-15 must see one layout to round alike.
         if self.compute_method == "eigen":
             res = safe_eigh(factor, self.decomposition_dtype, name)
-            return None if res is None else {"d": res[0], "q": res[1]}
+            return None if res is None else {"d": res[0].contiguous(), "q": res[1].contiguous()}
         inv = safe_damped_inverse(factor, self.damping, self.decomposition_dtype, name)
-        return None if inv is None else {"inv": inv}
+        return None if inv is None else {"inv": inv.contiguous()}
 
     def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
         return {"d": (n,), "q": (n, n)} if self.compute_method == "eigen" else {"inv": (n, n)}
@@ -519,18 +521,52 @@ class KFACPreconditioner:
         return out
 
     # -- checkpointing -----------------------------------------------------------------------------------
+    def _layer_wise_sharded(self) -> bool:
+        """Under multi-rank ``layer_wise`` each rank holds only the decompositions of the layers it owns."""
+        return self.placement == "layer_wise" and self.comm.world_size > 1
+
+    def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
+        owners = self.assignment()
+        rank = self.comm.rank
+        return {h.name: self.decompositions[h.name] for i, h in enumerate(self.handlers)
+                if owners[(i, "A")] == rank and h.name in self.decompositions}  # fmt: skip
+
+    def _gather_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every layer's decompositions on every rank (collective): under multi-rank ``layer_wise`` the owners
+        broadcast theirs (one buffer per owner, as :meth:`_share`), so a checkpoint written by rank 0 lets every
+        rank resume with the decompositions it had, instead of recomputing them from newer factors."""
+        owned = self._owned_decompositions()
+        present = torch.tensor([1.0 if h.name in owned else 0.0 for h in self.handlers], device=self._comm_device())
+        self.comm.allreduce(present, op="sum").wait()  # which layers have a decomposition on their owner
+        owners = self.assignment()
+        work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if present[i].item() > 0 for kind in ("A", "G")]
+        mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(1)}
+                for owner, h, kind in work if owner == self.comm.rank}  # fmt: skip
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, kind), res in self._share(work, mine).items():
+            for k, v in res.items():
+                out.setdefault(name, {})[f"{k}_{kind}"] = v
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        """Counters, running factors and the decompositions this rank holds (all of them, except under
-        multi-rank ``layer_wise``, where a resumed run recomputes missing ones from the saved factors)."""
+        """Counters, running factors and every layer's decompositions, so a resumed run continues bitwise.
+
+        Under multi-rank ``layer_wise`` the decompositions are sharded across ranks; this method then gathers
+        them and is a collective: call it on every rank (Lightning's checkpointing does), before rank 0 writes.
+        """
+        decompositions = self._gather_decompositions() if self._layer_wise_sharded() else self.decompositions
         return {
             "steps": self.steps,
             "epoch": self.epoch,
             "compute_method": self.compute_method,
             "factors": {n: {k: v.detach().clone() for k, v in f.items()} for n, f in self.factors.items()},
-            "decompositions": {n: {k: v.detach().clone() for k, v in d.items()} for n, d in self.decompositions.items()},
+            "decompositions": {n: {k: v.detach().clone() for k, v in d.items()} for n, d in decompositions.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). Under multi-rank
+        ``layer_wise`` each rank keeps only its own layers' decompositions; decompositions missing from an older
+        checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
         names = {h.name: h for h in self.handlers}
         unknown = sorted(set(state.get("factors", {})) - set(names))
         if unknown:
@@ -543,3 +579,5 @@ class KFACPreconditioner:
             for n, d in state.get("decompositions", {}).items():
                 if n in names:
                     self.decompositions[n] = {k: v.to(names[n].module.weight.device) for k, v in d.items()}
+        if self._layer_wise_sharded():
+            self.decompositions = self._owned_decompositions()
