@@ -1,16 +1,29 @@
-"""K-FAC convergence on real data: digits CNN, SGD vs SGD + K-FAC, epochs and wall time to 97% validation accuracy.
+"""K-FAC convergence on real data: digits CNN, SGD vs SGD + K-FAC, epochs and time to 97% validation accuracy.
 
-Same model (``small_cnn``), data split, batch size, learning rate and momentum for both; K-FAC preconditions
-the gradients SGD then applies. Each seed trains until the validation accuracy, checked ``--evals-per-epoch`` times per epoch, reaches
-``--target`` (or ``--max-epochs``); time counts training only (evaluation excluded for both), as wall time and as process CPU
-time (one thread: on a loaded shared machine the CPU time is the meaningful cost). Medians over ``--seeds``.
+Same model (``small_cnn``), data split, batch size, momentum and weight decay for both; K-FAC preconditions the
+gradients SGD then applies. A run trains until the validation accuracy, checked ``--evals-per-epoch`` times per
+epoch (fractional epochs), reaches ``--target``; time counts training only (evaluation excluded for both), as
+wall time and as process CPU time (one thread: on a loaded shared machine the CPU time is the meaningful cost).
 
-    python bench/kfac_convergence.py [--seeds 0 1 2] [--target 0.97]
+Tuning is the same for both methods and uses seeds (``--tune-seeds``) disjoint from the reported ones (``--seeds``):
+
+1. ``lr``: both methods over the same learning-rate grid (K-FAC with the ``--damping`` / ``--kl-clip`` /
+   interval defaults); each method keeps its best lr (lowest median epochs to target; CPU time breaks ties);
+2. ``kfac``: K-FAC's damping x kl_clip x (factor, decomposition) interval grid at its best lr;
+3. ``lr2``: the lr grid again for K-FAC with the best K-FAC setting (SGD has nothing more to tune);
+4. ``final``: both methods at their chosen settings on the reported seeds (median of those).
+
+A run that does not reach the target within ``--sweep-max-epochs`` (tuning) or ``--max-epochs`` (final) counts as
+never reaching it. ``--stages final`` with explicit ``--sgd-lr`` / ``--kfac-lr`` / ... reruns only the comparison.
+
+    python bench/kfac_convergence.py [--stages lr kfac lr2 final] [--seeds 0 1 2] [--tune-seeds 10 11 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import statistics
 import time
 
@@ -23,89 +36,136 @@ from lightning_hpc.data.digits import load_digits_tensors
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.models import small_cnn
 
+STAGES = ("lr", "kfac", "lr2", "final")
 
-def run(method: str, seed: int, args: argparse.Namespace) -> dict:
+
+def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: argparse.Namespace) -> dict:
+    """One training run; returns fractional epochs / seconds to the target (None if never reached)."""
     torch.manual_seed(seed)
     train, val = load_digits_tensors(0.2, seed=0)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
     xv, yv = val.tensors
     model = small_cnn(1, 10)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    pre = None
-    if method == "kfac":
-        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=args.factor_every, inv_update_freq=args.decomp_every,
-                                 damping=args.damping, kl_clip=args.kl_clip)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
+    pre = KFACPreconditioner(model, optimizer=opt, **kfac) if method == "kfac" else None
     steps_per_epoch = len(loader)
     eval_every = max(1, steps_per_epoch // args.evals_per_epoch)
-    train_time, cpu_time, accs, step = 0.0, 0.0, [], 0
+    train_time, cpu_time, acc, step = 0.0, 0.0, 0.0, 0
 
     def evaluate() -> float:
         model.eval()
         with torch.no_grad():
-            acc = float((model(xv).argmax(1) == yv).float().mean())
+            out = float((model(xv).argmax(1) == yv).float().mean())
         model.train()
-        return acc
+        return out
 
-    for _epoch in range(args.max_epochs):
+    for _epoch in range(max_epochs):
         model.train()
         for x, y in loader:
             t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             if pre is not None:
                 pre.step()
             opt.step()
             train_time += time.perf_counter() - t0
             cpu_time += time.process_time() - c0
             step += 1
+            if not math.isfinite(float(loss)):
+                return {"epochs": None, "seconds": None, "cpu_seconds": None, "final_acc": acc, "diverged": True}
             if step % eval_every == 0 or step % steps_per_epoch == 0:
                 acc = evaluate()
-                accs.append(acc)
                 if acc >= args.target:
-                    return {"method": method, "seed": seed, "epochs_to_target": round(step / steps_per_epoch, 3), "seconds_to_target": train_time,
-                            "cpu_seconds_to_target": cpu_time, "final_acc": acc}  # fmt: skip
-    return {"method": method, "seed": seed, "epochs_to_target": None, "seconds_to_target": None, "cpu_seconds_to_target": None, "final_acc": accs[-1]}
+                    return {"epochs": round(step / steps_per_epoch, 3), "seconds": train_time, "cpu_seconds": cpu_time, "final_acc": acc}
+    return {"epochs": None, "seconds": None, "cpu_seconds": None, "final_acc": acc}
+
+
+def _median(values: list[float | None]) -> float:
+    """Median with never-reached runs as +inf (so a config that misses on 2 of 3 seeds ranks last)."""
+    return statistics.median(math.inf if v is None else v for v in values)
+
+
+def evaluate_config(method: str, lr: float, kfac: dict, seeds: list[int], max_epochs: int, args: argparse.Namespace) -> dict:
+    runs = [run(method, s, lr, kfac, max_epochs, args) for s in seeds]
+    return {
+        "method": method,
+        "lr": lr,
+        **({k: kfac[k] for k in ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")} if method == "kfac" else {}),
+        "reached": sum(r["epochs"] is not None for r in runs),
+        "median_epochs": _median([r["epochs"] for r in runs]),
+        "median_seconds": _median([r["seconds"] for r in runs]),
+        "median_cpu_seconds": _median([r["cpu_seconds"] for r in runs]),
+        "epochs_per_seed": [r["epochs"] for r in runs],
+        "median_final_acc": statistics.median(r["final_acc"] for r in runs),
+    }
+
+
+def _best(rows: list[dict]) -> dict:
+    return min(rows, key=lambda r: (r["median_epochs"], r["median_cpu_seconds"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="reported seeds")
+    ap.add_argument("--tune-seeds", type=int, nargs="+", default=[10, 11, 12], help="seeds of the tuning sweeps")
     ap.add_argument("--target", type=float, default=0.97)
     ap.add_argument("--max-epochs", type=int, default=40)
+    ap.add_argument("--sweep-max-epochs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2, 0.4])
+    ap.add_argument("--dampings", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03])
+    ap.add_argument("--kl-clips", type=float, nargs="+", default=[0.001, 0.01, 0.1])
+    ap.add_argument("--intervals", nargs="+", default=["1:5", "1:10", "5:20"], help="factor:decomposition intervals")
+    ap.add_argument("--sgd-lr", type=float, default=0.05, help="used when the lr stage is skipped")
+    ap.add_argument("--kfac-lr", type=float, default=0.05, help="used when the lr / lr2 stages are skipped")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--kl-clip", type=float, default=0.01)
-    ap.add_argument("--factor-every", type=int, default=5)
-    ap.add_argument("--decomp-every", type=int, default=20)
+    ap.add_argument("--factor-every", type=int, default=1)
+    ap.add_argument("--decomp-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--evals-per-epoch", type=int, default=4, help="validation checks per epoch (fractional epochs to target)")
+    ap.add_argument("--evals-per-epoch", type=int, default=12, help="validation checks per epoch (fractional epochs to target)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    per_seed = Report("kfac_convergence_runs")
-    for seed in args.seeds:
-        for method in ("sgd", "kfac"):
-            row = per_seed.add(**run(method, seed, args))
-            print(row, flush=True)
+    sgd_lr, kfac_lr = args.sgd_lr, args.kfac_lr
+    kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every, "inv_update_freq": args.decomp_every}
+    tuned = [s for s in STAGES[:-1] if s in args.stages]
+    sweep = Report("kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)))
+    sweep.meta.update(vars(args))
+
+    def tune(stage: str, method: str, lr: float, opts: dict) -> dict:
+        row = sweep.add(stage=stage, **evaluate_config(method, lr, opts, args.tune_seeds, args.sweep_max_epochs, args))
+        print(row, flush=True)
+        return row
+
+    if "lr" in args.stages:
+        sgd_lr = _best([tune("lr", "sgd", lr, {}) for lr in args.lrs])["lr"]
+        kfac_lr = _best([tune("lr", "kfac", lr, kfac) for lr in args.lrs])["lr"]
+    if "kfac" in args.stages:
+        rows = []
+        for damping, kl_clip, iv in itertools.product(args.dampings, args.kl_clips, args.intervals):
+            f, d = (int(v) for v in iv.split(":"))
+            rows.append(tune("kfac", "kfac", kfac_lr, {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d}))
+        best = _best(rows)
+        kfac = {k: best[k] for k in kfac}
+    if "lr2" in args.stages:
+        kfac_lr = _best([tune("lr2", "kfac", lr, kfac) for lr in args.lrs])["lr"]
+    if sweep.rows:
+        sweep.print()
+        sweep.write()
+    if "final" not in args.stages:
+        return
+
     report = Report("kfac_convergence")
-    report.meta.update(vars(args), note="shared 2-core machine with other jobs running: wall times are noisy (medians of seeds)")
-    for method in ("sgd", "kfac"):
-        rows = [r for r in per_seed.rows if r["method"] == method]
-        reached = [r for r in rows if r["epochs_to_target"] is not None]
-        report.add(
-            method=method,
-            seeds=len(rows),
-            reached=len(reached),
-            median_epochs=statistics.median(r["epochs_to_target"] for r in reached) if reached else None,
-            median_seconds=statistics.median(r["seconds_to_target"] for r in reached) if reached else None,
-            median_cpu_seconds=statistics.median(r["cpu_seconds_to_target"] for r in reached) if reached else None,
-            median_final_acc=statistics.median(r["final_acc"] for r in rows),
-        )
+    report.meta.update(vars(args), chosen_sgd_lr=sgd_lr, chosen_kfac_lr=kfac_lr, chosen_kfac=kfac,
+                       note="shared 2-core machine: wall times are noisy; CPU time (one thread) is the step's own work")  # fmt: skip
+    for method, lr, opts in (("sgd", sgd_lr, {}), ("kfac", kfac_lr, kfac)):
+        row = report.add(**evaluate_config(method, lr, opts, args.seeds, args.max_epochs, args))
+        print(row, flush=True)
     report.add_ratios("method", "median_epochs", "sgd", ratio_name="epochs_vs_sgd")
     report.add_ratios("method", "median_seconds", "sgd", ratio_name="wall_time_vs_sgd")
     report.add_ratios("method", "median_cpu_seconds", "sgd", ratio_name="cpu_time_vs_sgd")
-    per_seed.print()
-    per_seed.write()
     report.print()
     report.write()
     report.plot_bars("method", "median_epochs", title=f"Epochs to {args.target:.0%} val acc (digits CNN, median of {len(args.seeds)} seeds)", ylabel="epochs")
