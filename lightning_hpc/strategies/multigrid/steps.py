@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+
+if TYPE_CHECKING:
+    from lightning_hpc.strategies.multigrid.parallel import LayerChain
 
 __all__ = ["StepStack"]
 
@@ -84,6 +88,19 @@ class StepStack:
             self.params = {k: torch.stack([p[k].detach() for p in plist]) for k in self.param_names}
             blist = [dict(b.named_buffers()) for b in self.branches]
             self.buffers = {k: torch.stack([b[k] for b in blist]) for k in self.buffer_names}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
+    def gathered(self, layers: slice, chain: "LayerChain") -> "StepStack":
+        """A stack of the ``layers`` of every rank of ``chain`` in layer order (weights and buffers gathered,
+        collective): the operator of the gathered coarsest level (coarse.py).  Evaluation only (no modules)."""
+        view = copy.copy(self)
+        view.branches = []
+        view.params = {k: torch.cat(chain.all_gather(v[layers], forward_order=True)) for k, v in self.params.items()}
+        view.buffers = {k: torch.cat(chain.all_gather(v[layers], forward_order=True)) for k, v in self.buffers.items()}
+        return view
 
     # -- one branch, functional --------------------------------------------------------------------------
     def _branch(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
