@@ -40,6 +40,12 @@ def _stateless_batch_norm(template: nn.Module) -> nn.Module:
     return out
 
 
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(submodule, attribute) holding the parameter or buffer ``name`` ("0.weight") of ``module``."""
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
+
+
 def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(name, type(m).__name__, ()) for name, m in module.named_modules()] + [
         (name, "tensor", tuple(t.shape)) for name, t in list(module.named_parameters()) + list(module.named_buffers())
@@ -75,6 +81,11 @@ class StepStack:
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.training = True
+        # (owning submodule, attribute) of every parameter / buffer per branch: refresh() reads them with
+        # getattr instead of walking the module tree each pass (it runs every forward; tensors replaced by
+        # .to() or assignment are still picked up)
+        self._param_refs = [[_owner(b, k) for k in self.param_names] for b in self.branches]
+        self._buffer_refs = [[_owner(b, k) for k in self.buffer_names] for b in self.branches]
 
     def __len__(self) -> int:
         return len(self.branches)
@@ -84,10 +95,8 @@ class StepStack:
         self.training = training
         self._template.train(training)  # eval: BN normalises with the running statistics passed as buffers
         with torch.no_grad():
-            plist = [dict(b.named_parameters()) for b in self.branches]
-            self.params = {k: torch.stack([p[k].detach() for p in plist]) for k in self.param_names}
-            blist = [dict(b.named_buffers()) for b in self.branches]
-            self.buffers = {k: torch.stack([b[k] for b in blist]) for k in self.buffer_names}
+            self.params = {k: torch.stack([getattr(*refs[i]).detach() for refs in self._param_refs]) for i, k in enumerate(self.param_names)}
+            self.buffers = {k: torch.stack([getattr(*refs[i]) for refs in self._buffer_refs]) for i, k in enumerate(self.buffer_names)}
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +118,7 @@ class StepStack:
         return functional_call(self._template, (params, buffers), (u,))
 
     def _batched(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-        if self.concurrent:
+        if self.concurrent and u.shape[0] > 1:  # one step (the coarsest solve): a plain call, no vmap overhead
             return vmap(self._branch)(params, buffers, u)
         return torch.stack(
             [self._branch({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in buffers.items()}, u[i]) for i in range(u.shape[0])]
