@@ -54,3 +54,38 @@ def test_digits_odenet_recipe_fast_dev_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "multigrid/forward_residual_1" in proc.stdout
+
+
+def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
+    """2 layer-parallel ranks through the Trainer: each rank's optimizer sees half of the residual steps; the
+    checkpoint holds the full model (= one process's, loads into the plain model) and resumes on 2 ranks
+    with the per-rank optimizer state; a different layer_parallel_size is refused with the numbers."""
+    import pytest
+
+    from lightning_hpc.distributed import run_in_processes
+    from mg_lightning_workers import NUM_STEPS, STEPS, fit
+
+    two, one = str(tmp_path / "two.ckpt"), str(tmp_path / "one.ckpt")
+    runs = run_in_processes(fit, 2, STEPS, two, timeout_s=400, collective_timeout_s=200)
+    fit(0, 1, STEPS, one)
+    n_trunk = sum(p.numel() for p in ode_resnet(num_steps=NUM_STEPS, width=4).steps.parameters())
+    n_all = sum(p.numel() for p in ode_resnet(num_steps=NUM_STEPS, width=4).parameters())
+    for r in runs:
+        assert r["trunk_numel"] == n_trunk // 2
+        assert r["optimizer_numel"] == r["momentum_numel"] == n_all - n_trunk // 2
+    ck_two, ck_one = torch.load(two, weights_only=False), torch.load(one, weights_only=False)
+    assert list(ck_two["state_dict"]) == list(ck_one["state_dict"])
+    for key, value in ck_one["state_dict"].items():
+        assert torch.allclose(ck_two["state_dict"][key], value, rtol=1e-5, atol=1e-6), key
+    plain = ImageClassifier(ode_resnet(num_steps=NUM_STEPS, width=4))
+    plain.load_state_dict(ck_two["state_dict"], strict=True)  # the plain serial model
+    # resume on 2 ranks for one more step = one process resuming its own checkpoint
+    again_two, again_one = str(tmp_path / "two_b.ckpt"), str(tmp_path / "one_b.ckpt")
+    run_in_processes(fit, 2, STEPS + 1, again_two, two, timeout_s=400, collective_timeout_s=200)
+    fit(0, 1, STEPS + 1, again_one, one)
+    a, b = torch.load(again_two, weights_only=False)["state_dict"], torch.load(again_one, weights_only=False)["state_dict"]
+    for key, value in b.items():
+        assert torch.allclose(a[key], value, rtol=1e-5, atol=1e-6), key
+    assert not torch.allclose(a["model.steps.15.branch.0.weight"], ck_two["state_dict"]["model.steps.15.branch.0.weight"])
+    with pytest.raises(ValueError, match="saved with layer_parallel_size=2.*resume with layer_parallel_size=2"):
+        fit(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)

@@ -9,6 +9,7 @@ from lightning_hpc.strategies.multigrid.function import LayerParallelSolver, Mul
 from lightning_hpc.strategies.multigrid.options import MultigridOptions, SolveSettings
 from lightning_hpc.strategies.multigrid.partition import LayerPartition, check_layer_partition
 from lightning_hpc.strategies.multigrid.pm import PartitionedODEBlock
+from lightning_hpc.strategies.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
 
 __all__ = [
     "fas_cycle",
@@ -21,4 +22,6 @@ __all__ = [
     "LayerPartition",
     "check_layer_partition",
     "PartitionedODEBlock",
+    "LayerShardedTrunk",
+    "full_model_state_dict",
 ]

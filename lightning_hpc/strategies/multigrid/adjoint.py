@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from lightning_hpc.strategies.multigrid.hierarchy import Hierarchy
+from lightning_hpc.strategies.multigrid.parallel import LayerChain
 from lightning_hpc.strategies.multigrid.steps import StepStack
 
 __all__ = ["AdjointPropagator", "parameter_gradients"]
@@ -40,6 +41,13 @@ class AdjointPropagator:
         layers = self.hierarchy.layer_slice(level, forward_steps)
         out = self.stack.adjoint_step(layers, self.hierarchy.step_sizes[level][forward_steps], self.states[layers], lam.flip(0))
         return out.flip(0)
+
+    def gathered(self, chain: LayerChain) -> "AdjointPropagator":
+        """The adjoint of the coarsest level of every rank as one level: the C-layers' weights and the forward
+        states they are linearised at, gathered in layer order (collective)."""
+        layers = self.hierarchy.coarsest_layers()
+        states = torch.cat(chain.all_gather(self.states[layers], forward_order=True))
+        return AdjointPropagator(self.stack.gathered(layers, chain), self.hierarchy.gathered_coarsest(chain, self.stack.device), states)
 
 
 def parameter_gradients(stack: StepStack, states: torch.Tensor, lam: torch.Tensor) -> dict[str, torch.Tensor]:

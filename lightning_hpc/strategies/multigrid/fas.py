@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from lightning_hpc.strategies.multigrid.coarse import CoarseSolve, coarse_solver
 from lightning_hpc.strategies.multigrid.options import SolveSettings
 from lightning_hpc.strategies.multigrid.parallel import LayerChain
 from lightning_hpc.strategies.multigrid.propagator import Propagator
@@ -47,13 +48,15 @@ def fas_cycle(
     tol: float | None = None,
     relaxed: bool = False,
     final_relax: bool = True,
+    coarse_solve: CoarseSolve | None = None,
 ) -> float | None:
     """One FAS V-cycle from ``level`` down; returns ||R_h|| (fine level only, measured after relaxation).
 
     With ``tol`` set and the residual already below it, the cycle stops after the relaxation.
     ``relaxed``: the points are already F-relaxed (the previous cycle ended with F-relaxation and nothing changed
     since), so the leading F-sweep is skipped (it would recompute the same values).  ``final_relax=False``
-    skips the closing F-relaxation when only the C-points (e.g. the output u_N) are wanted.
+    skips the closing F-relaxation when only the C-points (e.g. the output u_N) are wanted.  ``coarse_solve``
+    solves the coarsest level (coarse.py; default: propagation rank after rank).
     """
     c = prop.hierarchy.cfactor
     lv, coarse = ws[level], ws[level + 1]
@@ -73,9 +76,12 @@ def fas_cycle(
     # S_H = L_H(U_H) + R_H at the coarse points 1..n/c (Eq. 24): g_H = R + U_H - Phi_H(U_H^{k-1})
     coarse.g[1:] = r + lv.u[c::c] - prop(level + 1, slice(0, n_coarse, 1), lv.u[0 : lv.n : c])
     if level + 1 == len(ws) - 1:
-        sequential_solve(prop, coarse, chain)
+        if coarse_solve is None:
+            sequential_solve(prop, coarse, chain)
+        else:
+            coarse_solve(coarse)
     else:
-        fas_cycle(prop, ws, level + 1, chain, relaxation)
+        fas_cycle(prop, ws, level + 1, chain, relaxation, coarse_solve=coarse_solve)
     lv.u[c::c] = coarse.u[1:]  # u^{kc} <- u^{kc} + delta u_H^k (Algorithm 1, steps 4-5)
     lv.u[0] = coarse.u[0]
     if final_relax:
@@ -84,13 +90,20 @@ def fas_cycle(
 
 
 def mgrit_solve(
-    prop: Propagator, u: torch.Tensor, relaxation: str, settings: SolveSettings, chain: LayerChain, need_all_points: bool = True
+    prop: Propagator,
+    u: torch.Tensor,
+    relaxation: str,
+    settings: SolveSettings,
+    chain: LayerChain,
+    need_all_points: bool = True,
+    coarse_gather_threshold: int = 0,
 ) -> list[float]:
     """Solve the chain of steps in place in ``u`` (initial guess in, solution out); returns ||R_h|| per cycle.
 
     With one level, the steps are propagated sequentially (exact; no cycles, empty history).  With
     ``need_all_points=False`` (inference: only u_N, a C-point, is read) the last cycle's closing F-relaxation is
-    skipped, so the F-points of the result are stale.
+    skipped, so the F-points of the result are stale.  The coarsest level is gathered onto every rank when it
+    has at most ``coarse_gather_threshold`` steps in all (coarse.py).
     """
     hierarchy = prop.hierarchy
     ws = make_levels(u, hierarchy.cfactor, hierarchy.levels)
@@ -98,9 +111,12 @@ def mgrit_solve(
         sequential_solve(prop, ws[0], chain)
         return []
     history: list[float] = []
+    coarse_solve = coarse_solver(prop, chain, coarse_gather_threshold)
     for cycle in range(settings.cycles):
         last = cycle == settings.cycles - 1
-        norm = fas_cycle(prop, ws, 0, chain, relaxation, settings.tol, relaxed=cycle > 0, final_relax=need_all_points or not last)
+        norm = fas_cycle(
+            prop, ws, 0, chain, relaxation, settings.tol, relaxed=cycle > 0, final_relax=need_all_points or not last, coarse_solve=coarse_solve
+        )
         assert norm is not None
         history.append(norm)
         if settings.tol is not None and norm <= settings.tol:

@@ -16,6 +16,7 @@ from lightning_hpc.strategies.multigrid.options import MultigridOptions
 from lightning_hpc.strategies.multigrid.parallel import LayerChain
 from lightning_hpc.strategies.multigrid.partition import LayerPartition
 from lightning_hpc.strategies.multigrid.propagator import ForwardPropagator
+from lightning_hpc.strategies.multigrid.sharded import LayerShardedTrunk
 from lightning_hpc.strategies.multigrid.steps import StepStack
 
 __all__ = ["LayerParallelSolver", "MultigridFunction", "MultigridODEBlock"]
@@ -24,15 +25,17 @@ __all__ = ["LayerParallelSolver", "MultigridFunction", "MultigridODEBlock"]
 class LayerParallelSolver:
     """Forward (state) and backward (adjoint) multigrid solves over this rank's contiguous share of the steps.
 
-    ``group`` is the layer-parallel process group (None: one process holds all steps).
+    ``local`` are this rank's steps (``partition.start`` .. ``partition.stop`` of the trunk); ``group`` is the
+    layer-parallel process group (None: one process holds all steps).
     """
 
-    def __init__(self, steps: Sequence[ResidualStep], options: MultigridOptions, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, local: Sequence[ResidualStep], partition: LayerPartition, options: MultigridOptions, group: dist.ProcessGroup | None = None) -> None:
+        if len(local) != partition.local_steps:
+            raise ValueError(f"rank {partition.rank} owns {partition.local_steps} steps but was given {len(local)}")
         self.options = options
         self.chain = LayerChain(group)
         self.adjoint_chain = LayerChain(group, reverse=True)
-        self.partition = LayerPartition(len(steps), self.chain.size, self.chain.index, options.cfactor, options.levels)
-        local = list(steps)[self.partition.start : self.partition.stop]
+        self.partition = partition
         self.stack = StepStack([s.branch for s in local], [s.h for s in local], options.concurrent, first_index=self.partition.start)
         self.hierarchy = Hierarchy(self.stack.h, options.cfactor, options.levels)
         #: parameters of the local steps, in the order the gradients come back (step-major, then by name)
@@ -53,7 +56,9 @@ class LayerParallelSolver:
         u = u0.detach().unsqueeze(0).repeat(self.local_steps + 1, *([1] * u0.dim()))
         need_states = need_states or (training and self.stack.has_batch_norm)
         prop = ForwardPropagator(self.stack, self.hierarchy)
-        self.forward_history = mgrit_solve(prop, u, self.options.relaxation, self.options.forward, self.chain, need_states)
+        self.forward_history = mgrit_solve(
+            prop, u, self.options.relaxation, self.options.forward, self.chain, need_states, self.options.coarse_gather_threshold
+        )
         self.stack.update_running_stats(u[: self.local_steps])
         return u
 
@@ -66,7 +71,9 @@ class LayerParallelSolver:
         n = self.local_steps
         lam = grad_out.detach().unsqueeze(0).repeat(n + 1, *([1] * grad_out.dim())).contiguous()
         prop = AdjointPropagator(self.stack, self.hierarchy, states)
-        self.backward_history = mgrit_solve(prop, lam, self.options.relaxation, self.options.backward, self.adjoint_chain)
+        self.backward_history = mgrit_solve(
+            prop, lam, self.options.relaxation, self.options.backward, self.adjoint_chain, coarse_gather_threshold=self.options.coarse_gather_threshold
+        )
         stacked = parameter_gradients(self.stack, states, lam)
         grads = [stacked[name][i] for i in range(n) for name in self.stack.param_names]
         grad_u0 = self.chain.broadcast(lam[n].clone(), self.chain.first_rank)
@@ -89,25 +96,21 @@ class MultigridFunction(torch.autograd.Function):
         return (None, None, None, grad_u0, *grads)
 
 
-class MultigridODEBlock(nn.Sequential):
+class MultigridODEBlock(LayerShardedTrunk):
     """Drop-in replacement of a trunk ``nn.Sequential`` of residual steps, solved by layer-parallel multigrid.
 
-    It holds the same step modules under the same names (state dicts and optimizers are unaffected).  With a
-    layer-parallel ``group`` of P ranks, rank r computes only steps [r N/P, (r+1) N/P) and receives gradients
-    only for those (the others stay ``None`` on that rank: each rank owns and updates its layers, as in the
-    paper's model parallelism; :meth:`sync_parameters` copies owners' weights everywhere, e.g. for checkpoints).
+    With a layer-parallel ``group`` of P ranks, rank r keeps, computes and updates only steps
+    [r N/P, (r+1) N/P), under their original names (sharded.py): its parameters, gradients and optimizer state
+    are those of its own steps, as in the paper's model parallelism.  :meth:`full_state_dict` /
+    :func:`full_model_state_dict` gather the whole trunk for checkpoints; loading a full state dict keeps the
+    local steps' entries.  With no group it holds every step (one process).
     """
 
     def __init__(self, steps: nn.Module, options: MultigridOptions | None = None, group: dist.ProcessGroup | None = None) -> None:
-        blocks = residual_steps(steps)
-        names = [name for name, _ in steps.named_children()] if isinstance(steps, nn.Sequential) else [str(i) for i in range(len(blocks))]
-        super().__init__()
-        for name, block in zip(names, blocks):
-            self.add_module(name, block)
-        self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
-        self.options = options or MultigridOptions()
-        self.group = group
-        self.solver = LayerParallelSolver(blocks, self.options, group)
+        options = options or MultigridOptions()
+        super().__init__(steps, group, options.cfactor, options.levels)
+        self.options = options
+        self.solver = LayerParallelSolver(self.local_blocks, self.partition, self.options, group)
         self._shape_checked = False
 
     @property
@@ -122,21 +125,7 @@ class MultigridODEBlock(nn.Sequential):
 
     def forward(self, u0: torch.Tensor) -> torch.Tensor:
         if not self._shape_checked:  # local steps only: each rank checks its own share once
-            part = self.solver.partition
-            local = nn.Sequential(*list(self)[part.start : part.stop])
-            residual_steps(local, u0[:1].detach(), first_index=part.start)
+            residual_steps(nn.Sequential(*self.local_blocks), u0[:1].detach(), first_index=self.partition.start)
             self._shape_checked = True
         need_states = torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in self.solver.local_params))
         return MultigridFunction.apply(self.solver, self.training, need_states, u0, *self.solver.local_params)
-
-    def sync_parameters(self) -> None:
-        """Broadcast every step's parameters and buffers from its owner rank to the whole layer group."""
-        if self.group is None or self.solver.chain.size == 1:
-            return
-        ranks = dist.get_process_group_ranks(self.group)
-        part = self.solver.partition
-        with torch.no_grad():
-            for i, block in enumerate(self):
-                owner = ranks[part.owner(i)]
-                for t in list(block.parameters()) + list(block.buffers()):
-                    dist.broadcast(t.data, owner, group=self.group)

@@ -8,7 +8,12 @@ spans (= c h for uniform h, the paper's H = c h, Eq. 25).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from lightning_hpc.strategies.multigrid.parallel import LayerChain
 
 __all__ = ["Hierarchy", "scale_slice"]
 
@@ -28,6 +33,17 @@ class Hierarchy:
         self.cfactor, self.levels = cfactor, levels
         self.sizes = [n // cfactor**level for level in range(levels)]
         self.step_sizes = [h.reshape(self.sizes[level], cfactor**level).sum(1) for level in range(levels)]
+
+    def coarsest_layers(self) -> slice:
+        """The fine layers whose weights the coarsest level's steps use."""
+        top = self.levels - 1
+        return self.layer_slice(top, slice(0, self.sizes[top], 1))
+
+    def gathered_coarsest(self, chain: "LayerChain", device: torch.device) -> "Hierarchy":
+        """One-level hierarchy of the coarsest steps of every rank of ``chain``, in layer order (collective;
+        ``device``: where the communication backend takes tensors, e.g. the GPU for NCCL)."""
+        h = self.step_sizes[self.levels - 1].to(device)
+        return Hierarchy(torch.cat(chain.all_gather(h, forward_order=True)).cpu(), self.cfactor, 1)
 
     def layer_slice(self, level: int, steps: slice) -> slice:
         """Fine layers whose weights the level-``level`` steps ``steps`` use (injection of theta)."""

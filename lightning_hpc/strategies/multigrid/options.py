@@ -40,6 +40,10 @@ class MultigridOptions:
         forward / backward: stopping rules of the forward (state) and backward (adjoint) solves.
         concurrent: evaluate all blocks of a relaxation in one batched (vmapped) call; False evaluates them
             block after block (for comparison only).
+        coarse_gather_threshold: with several layer-parallel ranks, gather the coarsest level onto every rank
+            and solve it there serially when it has at most this many steps in all (N / c^(levels-1));
+            0 (default) never gathers: the coarsest level is propagated rank after rank.  Same result either
+            way (coarse.py).
     """
 
     cfactor: int = 4
@@ -48,8 +52,11 @@ class MultigridOptions:
     forward: SolveSettings = SolveSettings()
     backward: SolveSettings = SolveSettings()
     concurrent: bool = True
+    coarse_gather_threshold: int = 0
 
     def __post_init__(self) -> None:
+        if self.coarse_gather_threshold < 0:
+            raise ValueError(f"coarse_gather_threshold must be >= 0 (0: never gather the coarsest level), got {self.coarse_gather_threshold}")
         if self.cfactor < 2:
             raise ValueError(f"cfactor must be >= 2 (every c-th layer is a coarse layer), got {self.cfactor}")
         if self.levels < 1:

@@ -29,6 +29,7 @@ class LayerChain:
         else:
             self.ranks = dist.get_process_group_ranks(group)
             self.index = self.ranks.index(dist.get_rank())
+        self.reverse = reverse
         if reverse:
             self.ranks = self.ranks[::-1]
             self.index = len(self.ranks) - 1 - self.index
@@ -73,6 +74,15 @@ class LayerChain:
         if self.size > 1:
             dist.all_reduce(value, group=self.group)
         return value
+
+    def all_gather(self, tensor: torch.Tensor, forward_order: bool = False) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), in chain order (``forward_order``: in layer order,
+        also on the reversed adjoint chain)."""
+        if self.size == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous(), group=self.group)  # group-rank order = layer order
+        return out[::-1] if self.reverse and not forward_order else out
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Broadcast from global rank ``src`` to the chain, in place."""

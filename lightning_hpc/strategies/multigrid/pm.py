@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpc.models.ode_resnet import residual_steps
 from lightning_hpc.strategies.multigrid.parallel import LayerChain
-from lightning_hpc.strategies.multigrid.partition import LayerPartition
+from lightning_hpc.strategies.multigrid.sharded import LayerShardedTrunk
 
 __all__ = ["PartitionedODEBlock"]
 
@@ -39,21 +38,17 @@ class _PipelineFunction(torch.autograd.Function):
         return (None, grad_u0, *grads[1:])
 
 
-class PartitionedODEBlock(nn.Sequential):
-    """Steps split contiguously over the layer group, evaluated one rank after the other."""
+class PartitionedODEBlock(LayerShardedTrunk):
+    """Steps split contiguously over the layer group (each rank keeps only its own, sharded.py), evaluated one
+    rank after the other."""
 
     def __init__(self, steps: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-        blocks = residual_steps(steps)
-        names = [name for name, _ in steps.named_children()] if isinstance(steps, nn.Sequential) else [str(i) for i in range(len(blocks))]
-        super().__init__()
-        for name, block in zip(names, blocks):
-            self.add_module(name, block)
-        self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
-        self.group = group
-        self.chain, self.adjoint_chain = LayerChain(group), LayerChain(group, reverse=True)
-        self.partition = LayerPartition(len(blocks), self.chain.size, self.chain.index, 2, 1)
-        self.local = nn.Sequential(*blocks[self.partition.start : self.partition.stop])
-        self.local_params = list(self.local.parameters())
+        super().__init__(steps, group, 2, 1)
+        self.adjoint_chain = LayerChain(group, reverse=True)
+        self.local_params = list(self.parameters())
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)  # nn.Sequential over the local steps
 
     def forward(self, u0: torch.Tensor) -> torch.Tensor:
         return _PipelineFunction.apply(self, u0, *self.local_params)

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from lightning_hpc.strategies.multigrid.hierarchy import Hierarchy
+from lightning_hpc.strategies.multigrid.parallel import LayerChain
 from lightning_hpc.strategies.multigrid.steps import StepStack
 
 __all__ = ["Propagator", "ForwardPropagator"]
@@ -23,6 +24,10 @@ class Propagator(Protocol):
 
     def __call__(self, level: int, steps: slice, x: torch.Tensor) -> torch.Tensor: ...
 
+    def gathered(self, chain: LayerChain) -> "Propagator":
+        """The same operator on the coarsest level of every rank of ``chain`` as one level (collective)."""
+        ...
+
 
 class ForwardPropagator:
     """Forward Euler steps of the network on every level of ``hierarchy``."""
@@ -32,3 +37,6 @@ class ForwardPropagator:
 
     def __call__(self, level: int, steps: slice, x: torch.Tensor) -> torch.Tensor:
         return self.stack.step(self.hierarchy.layer_slice(level, steps), self.hierarchy.step_sizes[level][steps], x)
+
+    def gathered(self, chain: LayerChain) -> "ForwardPropagator":
+        return ForwardPropagator(self.stack.gathered(self.hierarchy.coarsest_layers(), chain), self.hierarchy.gathered_coarsest(chain, self.stack.device))

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+
+if TYPE_CHECKING:
+    from lightning_hpc.strategies.multigrid.parallel import LayerChain
 
 __all__ = ["StepStack"]
 
@@ -34,6 +38,12 @@ def _stateless_batch_norm(template: nn.Module) -> nn.Module:
             m.num_batches_tracked = None
             m.track_running_stats = False
     return out
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(submodule, attribute) holding the parameter or buffer ``name`` ("0.weight") of ``module``."""
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
 
 
 def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -71,6 +81,11 @@ class StepStack:
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.training = True
+        # (owning submodule, attribute) of every parameter / buffer per branch: refresh() reads them with
+        # getattr instead of walking the module tree each pass (it runs every forward; tensors replaced by
+        # .to() or assignment are still picked up)
+        self._param_refs = [[_owner(b, k) for k in self.param_names] for b in self.branches]
+        self._buffer_refs = [[_owner(b, k) for k in self.buffer_names] for b in self.branches]
 
     def __len__(self) -> int:
         return len(self.branches)
@@ -80,10 +95,21 @@ class StepStack:
         self.training = training
         self._template.train(training)  # eval: BN normalises with the running statistics passed as buffers
         with torch.no_grad():
-            plist = [dict(b.named_parameters()) for b in self.branches]
-            self.params = {k: torch.stack([p[k].detach() for p in plist]) for k in self.param_names}
-            blist = [dict(b.named_buffers()) for b in self.branches]
-            self.buffers = {k: torch.stack([b[k] for b in blist]) for k in self.buffer_names}
+            self.params = {k: torch.stack([getattr(*refs[i]).detach() for refs in self._param_refs]) for i, k in enumerate(self.param_names)}
+            self.buffers = {k: torch.stack([getattr(*refs[i]) for refs in self._buffer_refs]) for i, k in enumerate(self.buffer_names)}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device if self.params else torch.device("cpu")
+
+    def gathered(self, layers: slice, chain: "LayerChain") -> "StepStack":
+        """A stack of the ``layers`` of every rank of ``chain`` in layer order (weights and buffers gathered,
+        collective): the operator of the gathered coarsest level (coarse.py).  Evaluation only (no modules)."""
+        view = copy.copy(self)
+        view.branches = []
+        view.params = {k: torch.cat(chain.all_gather(v[layers], forward_order=True)) for k, v in self.params.items()}
+        view.buffers = {k: torch.cat(chain.all_gather(v[layers], forward_order=True)) for k, v in self.buffers.items()}
+        return view
 
     # -- one branch, functional --------------------------------------------------------------------------
     def _branch(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
@@ -92,7 +118,7 @@ class StepStack:
         return functional_call(self._template, (params, buffers), (u,))
 
     def _batched(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
-        if self.concurrent:
+        if self.concurrent and u.shape[0] > 1:  # one step (the coarsest solve): a plain call, no vmap overhead
             return vmap(self._branch)(params, buffers, u)
         return torch.stack(
             [self._branch({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in buffers.items()}, u[i]) for i in range(u.shape[0])]

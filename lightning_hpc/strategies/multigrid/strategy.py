@@ -5,8 +5,13 @@ Translates Lightning hooks only; the algorithm lives in the plain-torch modules 
 * ranks form a data x layer mesh (``layer_parallel_size`` ranks per layer chain); the sampler shards data
   over the data dimension only (the ranks of one chain see the same batch);
 * the model's residual trunk (attribute ``trunk``, default ``steps`` as in ``ODEResNet``) is replaced by a
-  :class:`MultigridODEBlock` (or the partitioned-model baseline with ``mode="pm"``) holding the same modules;
+  :class:`MultigridODEBlock` (or the partitioned-model baseline with ``mode="pm"``) holding only this layer
+  rank's steps (sharded.py), before the optimizers are built: parameters, gradients and optimizer state of the
+  trunk are 1/P per rank;
 * after backward, gradients are averaged over the data dimension (each layer rank owns its steps' gradients);
+* checkpoints hold the full model (the trunk gathered, serial key names: they load on any number of ranks or
+  into the plain model) and the optimizer state of every layer rank (resumable with the same
+  ``layer_parallel_size``);
 * the per-cycle residual norms of the forward solve (and of the previous step's adjoint solve) are logged as
   ``multigrid/forward_residual_<cycle>`` and ``multigrid/backward_residual_<cycle>``.
 """
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hpc.registry import register_strategy
 from lightning_hpc.strategies.multigrid.function import MultigridODEBlock
@@ -27,10 +33,13 @@ from lightning_hpc.strategies.multigrid.options import MultigridOptions, SolveSe
 from lightning_hpc.strategies.multigrid.parallel import average_gradients, layer_data_groups
 from lightning_hpc.strategies.multigrid.partition import check_layer_partition
 from lightning_hpc.strategies.multigrid.pm import PartitionedODEBlock
+from lightning_hpc.strategies.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
 
 __all__ = ["MultigridStrategy"]
 
 MODES = ("mg", "pm", "serial")
+#: key of the per-layer-rank optimizer states in a checkpoint's ``optimizer_states`` entries
+LAYER_SHARDS = "multigrid_layer_shards"
 
 
 class MultigridStrategy(DDPStrategy):
@@ -44,6 +53,8 @@ class MultigridStrategy(DDPStrategy):
             (no change to the model; data parallelism only).
         trunk: attribute path of the residual trunk inside ``lightning_module.model``.
         concurrent: batch the blocks of a relaxation in one vmapped call (False: block after block).
+        coarse_gather_threshold: gather the coarsest level onto every layer rank and solve it there when it
+            has at most this many steps (0: never; it is propagated rank after rank), see coarse.py.
     """
 
     strategy_name = "multigrid"
@@ -61,6 +72,7 @@ class MultigridStrategy(DDPStrategy):
         mode: str = "mg",
         trunk: str = "steps",
         concurrent: bool = True,
+        coarse_gather_threshold: int = 0,
         log_residuals: bool = True,
         timeout: timedelta | None = timedelta(seconds=1800),
         **kwargs: Any,
@@ -78,6 +90,7 @@ class MultigridStrategy(DDPStrategy):
             forward=SolveSettings(forward_cycles, forward_tol),
             backward=SolveSettings(backward_cycles, backward_tol),
             concurrent=concurrent,
+            coarse_gather_threshold=coarse_gather_threshold,
         )
         self.layer_parallel_size_setting = layer_parallel_size
         self.mode, self.trunk, self.log_residuals = mode, trunk, log_residuals
@@ -150,6 +163,12 @@ class MultigridStrategy(DDPStrategy):
         else:
             self.block = trunk
         setattr(parent, name, self.block)
+        if isinstance(self.block, LayerShardedTrunk):
+            # each rank holds different steps under different names: never broadcast them from rank 0
+            block_ids = {id(t) for t in list(self.block.parameters()) + list(self.block.buffers())}
+            module = self.lightning_module
+            local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, local)
 
     def configure_ddp(self) -> None:
         self._wrap_model()
@@ -173,21 +192,44 @@ class MultigridStrategy(DDPStrategy):
                 module.log(f"multigrid/backward_residual_{i}", value, on_step=True, on_epoch=False)
         return out
 
+    def _sharded(self) -> LayerShardedTrunk | None:
+        block = self.block
+        return block if isinstance(block, LayerShardedTrunk) and block.chain.size > 1 else None
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if isinstance(self.block, MultigridODEBlock):
-            self.block.sync_parameters()  # each rank updated only its own steps
-        elif isinstance(self.block, PartitionedODEBlock) and self.layer_group is not None:
-            _sync_partitioned(self.block)
-        return super().lightning_module_state_dict()
+        """The full model: the trunk gathered onto the first rank of each layer chain (global rank 0, which
+        writes the checkpoint, is the first rank of its chain), with the serial model's keys."""
+        sharded = self._sharded()
+        if sharded is None:
+            return super().lightning_module_state_dict()
+        return full_model_state_dict(self.lightning_module, dst=sharded.chain.first_rank)
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every layer rank's optimizer state (each covers its own steps), collected on the chain's first rank."""
+        sharded = self._sharded()
+        state = super().optimizer_state(optimizer)
+        if sharded is None:
+            return state
+        chain = sharded.chain
+        shards: list[Any] | None = [None] * chain.size if dist.get_rank() == chain.first_rank else None
+        dist.gather_object(state, shards, dst=chain.first_rank, group=sharded.group)
+        return {LAYER_SHARDS: shards, "layer_parallel_size": chain.size}
 
-def _sync_partitioned(block: PartitionedODEBlock) -> None:
-    ranks = dist.get_process_group_ranks(block.group)
-    with torch.no_grad():
-        for i, step in enumerate(block):
-            owner = ranks[block.partition.owner(i)]
-            for t in list(step.parameters()) + list(step.buffers()):
-                dist.broadcast(t.data, owner, group=block.group)
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = list(checkpoint["optimizer_states"])
+        sharded = self._sharded()
+        size = sharded.chain.size if sharded is not None else 1
+        for i, state in enumerate(states):
+            saved = state.get("layer_parallel_size", 1) if isinstance(state, dict) and LAYER_SHARDS in state else 1
+            if saved != size:
+                raise ValueError(
+                    f"the checkpoint's optimizer state was saved with layer_parallel_size={saved} (each layer rank "
+                    f"keeps the state of its own steps), this run has {size}: resume with layer_parallel_size={saved}, "
+                    "or load only the model weights (they are saved in full and load with any layer_parallel_size)"
+                )
+            if sharded is not None:
+                states[i] = state[LAYER_SHARDS][sharded.chain.index]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
 
 register_strategy("multigrid", MultigridStrategy, "Layer-parallel multigrid (FAS/MGRIT) training of deep ODE-ResNets")
