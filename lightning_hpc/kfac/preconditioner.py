@@ -15,6 +15,8 @@ Per optimizer step (Algorithm 1):
    output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
    averages them across ranks (asynchronous, bucketed allreduce) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
+   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
+   factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
    ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with every rank by one broadcast per
    owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped inverses (Eq 11).
