@@ -3,7 +3,10 @@
 It only translates Lightning hooks:
 
 * ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`),
-  registers the factor hooks on the LightningModule's layers, picks the communicator.
+  registers the factor hooks on the LightningModule's layers, picks the communicator. Strategies that replace
+  layers in their own ``setup`` (``replaces_layers_in_setup = True``: the spatial strategy's halo-exchange
+  convolutions) run after the callbacks' ``setup``; the hooks are then registered in ``on_fit_start``, on the
+  replaced layers, still before training starts.
 * ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
 * ``on_before_optimizer_step``: Lightning calls it after the strategy reduced the gradients and AMP unscaled
   them, once per optimizer step (after the last accumulated micro-batch): the paper's ``preconditioner.step()``
@@ -76,12 +79,24 @@ class KFAC(Callback):
         self.communicator = communicator
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._deferred = False
 
     # -- setup -------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.preconditioner is not None:
             return
         self.check_precision(trainer)
+        if getattr(trainer.strategy, "replaces_layers_in_setup", False):
+            self._deferred = True  # hook the layers the strategy's setup puts in place (on_fit_start)
+            return
+        self._build(trainer, pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deferred and self.preconditioner is None:
+            self._deferred = False
+            self._build(trainer, pl_module)
+
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         comm = communicator_for(trainer.strategy, self.communicator)
         self.preconditioner = KFACPreconditioner(
             pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options

@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_hpc.kfac.linalg import sym_gram
 
-__all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "make_handler", "SUPPORTED"]
+__all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "TiledConv2dHandler", "make_handler", "SUPPORTED"]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (nn.Linear, nn.Conv2d)
@@ -44,6 +44,11 @@ class LayerHandler:
     ``a_dim`` / ``g_dim`` are the sides of A and G. The gradient is handled as the matrix
     ``[W | b]`` of shape ``(g_dim, a_dim)``.
     """
+
+    #: ranks whose batch factors are partial sums of one sample group's factor (> 1 for spatially tiled layers)
+    partition_size: int = 1
+    #: the layer must be told before a capturing forward (see :meth:`prepare_capture`)
+    records_input: bool = False
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -68,6 +73,13 @@ class LayerHandler:
         self.g_sum: torch.Tensor | None = None
         self.samples = 0
         self.g_samples = 0
+
+    def prepare_capture(self, capturing: bool) -> None:
+        """Called before the layer's forward when :attr:`records_input` is set."""
+
+    def captured_input(self, inputs: tuple) -> torch.Tensor | None:
+        """The tensor whose statistics form A, taken after the forward (default: the layer's input)."""
+        return inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
         """The layer input as rows ``a`` (one per sample and position), float32, bias column appended."""
@@ -226,12 +238,17 @@ class Conv2dHandler(LayerHandler):
         x = x.detach().float()
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-        if any(m._reversed_padding_repeated_twice):
-            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+        x = self._pad(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
         win = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
         return win[..., ::dh, ::dw]
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        if any(m._reversed_padding_repeated_twice):
+            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+        return x
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
         win = self._windows(x)
@@ -257,10 +274,60 @@ class Conv2dHandler(LayerHandler):
         return sym_gram(g, k_dims=1)[0]
 
 
+class TiledConv2dHandler(Conv2dHandler):
+    """A Conv2d that runs on one spatial tile of each sample (spatial parallelism, Dryden et al. section III-A;
+    :class:`lightning_hpc.strategies.spatial.conv.SpatialConv2d`).
+
+    KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
+    each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and
+    ``ds ds^T`` are the sums over tiles of the tiles' sums.  Each tile therefore forms
+
+        A_k = 1/(B T) sum_n sum_{t in tile k} a a^T,    G_k = B sum_n sum_{t in tile k} grad grad^T
+
+    with ``T`` the positions of the *whole* output (as the serial convention, :mod:`.layers` docstring), and
+    ``sum_k A_k``, ``sum_k G_k`` over the spatial group are exactly the serial factors of the sample group's
+    samples; :attr:`partition_size` tells the preconditioner to sum them (``KFACPreconditioner._update_factors``).
+
+    The patches come from the layer's halo-padded input tile (border zero padding and the neighbours' halo
+    rows included), which the layer records on capture steps only: the protocol is ``kfac_record_input``,
+    ``kfac_padded_input``, ``kfac_output_extent`` and ``kfac_partition_size`` on the module.
+    """
+
+    records_input = True
+
+    @property
+    def partition_size(self) -> int:  # type: ignore[override]
+        return int(self.module.kfac_partition_size)  # type: ignore[attr-defined]
+
+    def prepare_capture(self, capturing: bool) -> None:
+        self.module.kfac_record_input = capturing  # type: ignore[attr-defined]
+
+    def captured_input(self, inputs: tuple) -> torch.Tensor | None:
+        m = self.module
+        x = m.kfac_padded_input  # type: ignore[attr-defined]
+        m.kfac_padded_input = None  # type: ignore[attr-defined]
+        m.kfac_record_input = False  # type: ignore[attr-defined]
+        return x
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # already padded by the layer (halo rows from the neighbours, zeros at the image border)
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        gram, _ = super().input_gram(x)
+        oh, ow = self.module.kfac_output_extent  # type: ignore[attr-defined]
+        n = x.shape[0] if x.dim() == 4 else 1
+        return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
+
+
 def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
-    """Handler for a supported module (grouped convolutions are left to the optimizer), else None."""
+    """Handler for a supported module (grouped convolutions are left to the optimizer), else None.
+
+    A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConv2dHandler`) gets the
+    tiled handler: its input is one tile of a spatially partitioned sample."""
     if isinstance(module, nn.Linear):
         return LinearHandler(name, module)
     if isinstance(module, nn.Conv2d) and module.groups == 1:
+        if hasattr(module, "kfac_padded_input"):
+            return TiledConv2dHandler(name, module)
         return Conv2dHandler(name, module)
     return None

@@ -15,6 +15,8 @@ Per optimizer step (Algorithm 1):
    output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
    averages them across ranks (asynchronous, bucketed allreduce) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
+   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
+   factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
    ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with every rank by one broadcast per
    owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped inverses (Eq 11).
@@ -209,7 +211,9 @@ class KFACPreconditioner:
         self._warned: set[str] = set()
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
+        self._check_partitions()
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
+        self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
 
     # -- schedule ----------------------------------------------------------------------------------------
     @property
@@ -236,16 +240,53 @@ class KFACPreconditioner:
     def is_inv_update_step(self) -> bool:
         return self.steps % self.inv_update_freq == 0
 
+    def _check_partitions(self) -> None:
+        """Spatially tiled layers (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial factors
+        over ``partition_size`` ranks: the world must consist of whole groups of that size, all of one size."""
+        sizes = {h.partition_size for h in self.handlers if h.partition_size > 1}
+        if not sizes:
+            return
+        world = self.comm.world_size
+        if len(sizes) > 1 or world % next(iter(sizes)) != 0:
+            raise ValueError(
+                f"K-FAC: the model's spatially partitioned layers split each sample over {sorted(sizes)} ranks, which "
+                f"does not fit the communicator's world of {world} ranks (it must be sample groups x one spatial "
+                "group size); convert the model with one spatial grid (spatial_parts) whose size divides the world "
+                "size, and give K-FAC the world communicator"
+            )
+
     # -- hooks -------------------------------------------------------------------------------------------
+    def _capturing(self, module: nn.Module) -> bool:
+        # Only training forwards that will be backpropagated, and only on factor-update steps:
+        # validation, no-grad and inference-mode forwards never touch the factors.
+        return module.training and torch.is_grad_enabled() and self.is_factor_update_step
+
+    def _check_module(self, handler: LayerHandler, module: nn.Module) -> None:
+        if module is not handler.module:
+            # A layer replaced by a copy that shares the hook dict (spatial convert_model): its statistics
+            # would be computed for the wrong layer type.
+            raise RuntimeError(
+                f"K-FAC layer {handler.name!r} was replaced by a {type(module).__name__} after the K-FAC hooks were "
+                "registered (e.g. by lightning_hpc.strategies.spatial.convert_model); create the "
+                "KFACPreconditioner after converting the model (the KFAC callback does this by itself)"
+            )
+
+    def _make_pre_hook(self, handler: LayerHandler) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            self._check_module(handler, module)
+            handler.prepare_capture(self._capturing(module))
+
+        return hook
+
     def _make_forward_hook(self, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            # Only training forwards that will be backpropagated, and only on factor-update steps:
-            # validation, no-grad and inference-mode forwards never touch the factors.
-            if not (module.training and torch.is_grad_enabled() and self.is_factor_update_step):
+            self._check_module(handler, module)
+            x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
+            if not self._capturing(module):
                 return
-            if not inputs or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            handler.capture_input(inputs[0])
+            handler.capture_input(x)
             output.register_hook(handler.capture_output_grad)
 
         return hook
@@ -312,6 +353,14 @@ class KFACPreconditioner:
                 )
         batch = {h.name: h.batch_factors(grad_scale, self.batch_averaged) for h in active}
         if self.comm.world_size > 1:
+            # Tiled layers: a sample group's factor is the SUM of its partition_size ranks' partial factors
+            # (TiledConv2dHandler), the mini-batch factor the mean over sample groups; scaling by partition_size
+            # turns the world mean into exactly that. Replicated layers (heads after global pooling) hold the same
+            # factor on every rank of a spatial group: the plain world mean counts each group once.
+            for h in active:
+                if h.partition_size > 1:
+                    a, g = batch[h.name]
+                    batch[h.name] = (a * h.partition_size, g * h.partition_size)
             self._allreduce_mean([t for name in batch for t in batch[name]])
         decay = self.factor_decay
         for name, (a, g) in batch.items():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.strategies.spatial.tiling import tile_slices
 
@@ -47,3 +49,24 @@ def compare_layer(ref: torch.nn.Module, make, x_full: torch.Tensor, grid, *, see
             dist.all_reduce(gsp, group=grid.group)
         errs["d" + name] = max_err(gsp, p_ref.grad)
     return errs
+
+
+class TileDataModule(pl.LightningDataModule):
+    """Serves ``(x, y)`` and reads only its tile once ``set_spatial_tile`` was called (the interface the mesh data
+    module implements); ``input_shape`` lets the strategy validate the partition at setup."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.input_shape = tuple(x.shape[1:])
+        self.tile = None
+
+    def set_spatial_tile(self, tile_index, parts) -> None:
+        self.tile = (tuple(tile_index), tuple(parts))
+
+    def train_dataloader(self):
+        x, y = self.x, self.y
+        if self.tile is not None:
+            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
+            x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)

@@ -9,37 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.strategies.spatial.convert import convert_model, validate_partition
 from lightning_hpc.strategies.spatial.halo_exchange import PartitionError
 from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.strategies.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
-from spatial_checks import TOL
+from lightning_hpc.strategies.spatial.tiling import SpatialGrid, create_hybrid_layout
+from spatial_checks import TOL, TileDataModule
 from test_spatial_models import SHAPE, data, small_fcn
 
 BATCH, STEPS = 2, 2
-
-
-class TileDataModule(pl.LightningDataModule):
-    """Reads only its tile once ``set_spatial_tile`` was called (the interface the mesh data module implements)."""
-
-    input_shape = SHAPE[1:]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tile = None
-
-    def set_spatial_tile(self, tile_index, parts) -> None:
-        self.tile = (tuple(tile_index), tuple(parts))
-
-    def train_dataloader(self):
-        x, y = data()
-        if self.tile is not None:
-            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
-            x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
-        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
 class Segmenter(pl.LightningModule):
@@ -83,7 +62,7 @@ def _fit(rank: int, world: int, parts):
     except ValueError as e:
         errors["divisible"] = str(e)
     torch.manual_seed(0)
-    module, dm = Segmenter(), TileDataModule()
+    module, dm = Segmenter(), TileDataModule(*data(), batch_size=BATCH)
     strategy = SpatialParallelStrategy(spatial_parts=parts)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,

@@ -7,6 +7,12 @@ windows lie inside the local tile) are computed while they travel, and the four 
 once they arrived.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
+
+K-FAC extension point (:class:`lightning_hpc.kfac.layers.TiledConv2dHandler`): with ``kfac_record_input`` set
+before a forward, the layer keeps the halo-padded input tile its output tile is computed from
+(``kfac_padded_input``: a convolution with padding 0 of it gives exactly the output positions this tile owns, so
+its unfolded patches are this tile's share of KFC's expansion) and the global output extent
+(``kfac_output_extent``, for the whole-sample normalisation).  ``kfac_partition_size`` tiles make up a sample.
 """
 
 from __future__ import annotations
@@ -48,6 +54,22 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
     """A Conv2d running on one spatial tile; shares its parameters with the layer it was made from."""
 
     overlap: bool
+    #: K-FAC extension point (module docstring): set by K-FAC before a forward whose statistics it captures
+    kfac_record_input: bool = False
+    #: the halo- and border-padded input tile of the last recorded forward (detached), else None
+    kfac_padded_input: torch.Tensor | None = None
+    #: global (H_out, W_out) of the last recorded forward
+    kfac_output_extent: tuple[int, int] | None = None
+
+    @property
+    def kfac_partition_size(self) -> int:
+        """Ranks whose tiles make up one sample: their K-FAC factors are partial sums over this many ranks."""
+        return self.grid.size
+
+    def _record(self, padded: torch.Tensor, extent: tuple[int, int]) -> None:
+        if self.kfac_record_input:
+            self.kfac_padded_input = padded.detach()
+            self.kfac_output_extent = (int(extent[0]), int(extent[1]))
 
     @classmethod
     def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = True, name: str = "") -> "SpatialConv2d":
@@ -76,10 +98,14 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.grid.size == 1:
-            return super().forward(x)
+            out = super().forward(x)
+            if self.kfac_record_input:
+                self._record(F.pad(x, self._reversed_padding_repeated_twice), out.shape[-2:])
+            return out
         h, w = self.global_input_extent(x)
         plan = self.halo_plan(h, w)
         if self.pointwise:
+            self._record(x, (plan.rows.n_out, plan.cols.n_out))
             return self._conv(x)
         return self._forward_tiled(x, plan)
 
@@ -113,6 +139,10 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             outs[0] = self._conv(owns[0])
         if halo is None:
             halo = finish_halo_exchange(xs, exchange)
+        if self.kfac_record_input:  # the whole padded input box of the output tile (a copy, capture steps only)
+            (r0, r1), (c0, c1) = plan.need
+            with torch.no_grad():
+                self._record(halo.box(r0, r1, c0, c1), (plan.rows.n_out, plan.cols.n_out))
         for k in range(1, 5):
             if boxes[k] is not None:
                 outs[k] = self._conv(halo.box(*boxes[k], own=owns[k]))

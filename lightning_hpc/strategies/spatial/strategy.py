@@ -59,6 +59,9 @@ class SpatialParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "spatial"
+    #: layers are replaced in ``setup`` (after the callbacks' ``setup``): callbacks that hook layers (K-FAC) must
+    #: attach in ``on_fit_start``
+    replaces_layers_in_setup = True
 
     def __init__(
         self,
