@@ -86,7 +86,8 @@ class HybridHead(nn.Module):
     all ranks when this is built (:func:`parallelize_head` broadcasts them from rank 0 first), unless they are on
     the meta device: then each rank allocates only its shards on ``device``, initialised by ``head_init(shard)``
     or :meth:`ShardedLinear.reset_parameters`.  ``exchange_group`` (same ranks as ``group``) carries the
-    activation exchange so it overlaps the head's own collectives (see ``schemes.py``).
+    activation exchange so it overlaps the head's own collectives (see ``schemes.py``); ``overlap=False`` turns
+    the overlap off (to measure it).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class HybridHead(nn.Module):
         exchange_group: Any = None,
         device: torch.device | str | None = None,
         head_init: Callable[[ShardedLinear], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if scheme not in SCHEMES:
@@ -144,7 +146,7 @@ class HybridHead(nn.Module):
             for op in self.between[i]:
                 self.add_module(names[idx], op)
                 idx += 1
-        self.exchange = make_exchange(scheme, self.comm, self.xcomm)
+        self.exchange = make_exchange(scheme, self.comm, self.xcomm, overlap)
         self._subbatch: SubbatchContext | None = None
 
     # -- the sharded layers on one replicated sub-batch --------------------------------------------------
@@ -235,6 +237,8 @@ class HybridHead(nn.Module):
                 g_rows = torch.zeros_like(rows)
             torch.autograd.backward(rows, g_rows)
             reverse.append((j, ex.reverse(j, xj.grad, async_op=True)))
+            if not ex.overlap:
+                reverse[-1][1].wait()
             ctx.step()
         grad_x = torch.zeros_like(x)
         for j, pending in reverse:

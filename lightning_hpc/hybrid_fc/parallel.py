@@ -142,6 +142,7 @@ def parallelize_head(
     layouts: Sequence[str] | None = None,
     device: torch.device | str | None = None,
     head_init: Callable[[ShardedLinear], None] | None = None,
+    overlap: bool = True,
 ) -> nn.Module:
     """Replace ``model``'s fully-connected head by a :class:`HybridHead` sharded over the ranks of ``group``.
 
@@ -155,7 +156,8 @@ def parallelize_head(
     allocated on ``device`` with its module's ``reset_parameters()`` and broadcast from rank 0
     (:func:`materialize_meta`).  No rank ever holds a full head layer; load trained weights afterwards with
     ``model.load_state_dict(full_state)`` (full tensors are sliced, ``torch.load(..., mmap=True)`` keeps them
-    on disk until sliced).
+    on disk until sliced).  ``overlap=False`` disables the overlap of the activation exchange with the head's
+    computation (schemes.py), for measurements.
     """
     spec = find_head(model, head)
     meta = has_meta_head(model, head)
@@ -173,7 +175,7 @@ def parallelize_head(
         raise ValueError("the whole model is the head; there is no trunk to run data-parallel")
     hybrid = HybridHead(
         linears, between, before, names, scheme=scheme, fc_update=fc_update, group=group, counter=counter, layouts=layouts,
-        exchange_group=_same_ranks_group(group), device=device, head_init=head_init,
+        exchange_group=_same_ranks_group(group) if overlap else None, device=device, head_init=head_init, overlap=overlap,
     )
     if spec.whole_parent:
         parent_name, _, attr = spec.parent_name.rpartition(".")

@@ -20,7 +20,9 @@ while sub-batch j+1 is still in flight.  The separate group matters: collectives
 still carries the pending broadcasts of sub-batches j+1..K-1, it would wait for all of them and nothing would
 overlap.  In the backward pass the reverse exchange of sub-batch j is launched asynchronously as soon as its
 gradient exists (:func:`exchange_in` / :class:`_ExchangeStart`) and overlaps the backward computation of sub-batch
-j-1; all of them are collected once, where the gradient re-enters the trunk.
+j-1; all of them are collected once, where the gradient re-enters the trunk.  ``overlap=False`` (for measuring
+what the overlap buys) issues each exchange only when its sub-batch is needed and waits for it at once, forward
+and backward, on the head's own group.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class Exchange:
 
     scheme = "?"
 
-    def __init__(self, comm: HeadComm, xcomm: HeadComm | None = None) -> None:
+    def __init__(self, comm: HeadComm, xcomm: HeadComm | None = None, overlap: bool = True) -> None:
         self.comm = comm  # head group: delivery of logits to owners (in the compute sequence)
-        self.xcomm = xcomm if xcomm is not None else comm  # exchange group: activations in, gradients back
+        self.overlap = overlap
+        # exchange group: activations in, gradients back
+        self.xcomm = xcomm if xcomm is not None and overlap else comm
         self.k = comm.k
         self._pending: list[Any] = []
+        self._x: torch.Tensor | None = None
         self._reverse: list[tuple[int, Any]] = []
         self.b = 0
 
@@ -75,15 +80,34 @@ class Exchange:
 
     # exchange ---------------------------------------------------------------------------------------------
     def start(self, x: torch.Tensor) -> None:
-        """Launch every forward exchange of the step asynchronously (``x`` is detached)."""
+        """Launch every forward exchange of the step asynchronously (``x`` is detached); without overlap, only
+        remember ``x``."""
+        self.b = x.shape[0]
+        self._check_batch()
+        self._x = x
+        n = self.num_subbatches()
+        self._pending = [self._issue(j, x) for j in range(n)] if self.overlap else [None] * n
+
+    def _check_batch(self) -> None:
+        pass
+
+    def _issue(self, j: int, x: torch.Tensor) -> Any:
+        """Start the forward exchange of sub-batch j (asynchronous; returns a pending result)."""
         raise NotImplementedError
 
     def wait(self, j: int) -> torch.Tensor:
+        if self._pending[j] is None:
+            assert self._x is not None
+            self._pending[j] = self._issue(j, self._x)
         return self._pending[j].wait()
 
     def launch_reverse(self, j: int, grad: torch.Tensor) -> None:
-        """Start sub-batch j's reverse exchange asynchronously (collected by :meth:`collect_reverse`)."""
-        self._reverse.append((j, self.reverse(j, grad, async_op=True)))
+        """Start sub-batch j's reverse exchange asynchronously (collected by :meth:`collect_reverse`); without
+        overlap it completes here."""
+        pending = self.reverse(j, grad, async_op=True)
+        if not self.overlap:
+            pending.wait()
+        self._reverse.append((j, pending))
 
     def collect_reverse(self, like: torch.Tensor) -> torch.Tensor:
         """Wait for every launched reverse exchange; this rank's activation gradient, shaped like ``like``."""
@@ -121,16 +145,9 @@ class _RowBlocked(Exchange):
     def subbatch_size(self, j: int) -> int:
         return sum(self.row_sizes(j))
 
-    def start(self, x: torch.Tensor) -> None:
-        self.b = x.shape[0]
-        self._check_batch()
-        self._pending = []
-        for j in range(self.num_subbatches()):
-            a, b = self.local_slice(j)
-            self._pending.append(self.xcomm.all_gather(x[a:b].contiguous(), self.row_sizes(j), dim=0, async_op=True))
-
-    def _check_batch(self) -> None:
-        pass
+    def _issue(self, j: int, x: torch.Tensor) -> Any:
+        a, b = self.local_slice(j)
+        return self.xcomm.all_gather(x[a:b].contiguous(), self.row_sizes(j), dim=0, async_op=True)
 
     def reverse(self, j: int, grad: torch.Tensor, async_op: bool = False) -> Any:
         pending = self.xcomm.reduce_scatter(grad.contiguous(), self.row_sizes(j), dim=0, async_op=True)
@@ -194,12 +211,9 @@ class SchemeB(Exchange):
     def subbatch_size(self, j: int) -> int:
         return self.b
 
-    def start(self, x: torch.Tensor) -> None:
-        self.b = x.shape[0]
-        self._pending = []
-        for j in range(self.k):
-            buf = x.contiguous().clone() if j == self.comm.rank else x.new_empty(x.shape)
-            self._pending.append(self.xcomm.broadcast(buf, j, async_op=True))
+    def _issue(self, j: int, x: torch.Tensor) -> Any:
+        buf = x.contiguous().clone() if j == self.comm.rank else x.new_empty(x.shape)
+        return self.xcomm.broadcast(buf, j, async_op=True)
 
     def reverse(self, j: int, grad: torch.Tensor, async_op: bool = False) -> Any:
         pending = self.xcomm.reduce(grad.contiguous(), j, async_op=True)
@@ -213,15 +227,12 @@ class SchemeB(Exchange):
         return to_root_from_row(out, self.comm, j)
 
 
-def make_exchange(scheme: str, comm: HeadComm, xcomm: HeadComm | None = None) -> Exchange:
+def make_exchange(scheme: str, comm: HeadComm, xcomm: HeadComm | None = None, overlap: bool = True) -> Exchange:
     """Exchange of ``scheme``; ``xcomm`` (a second group over the same ranks) carries the activations (see the
     module docstring for why it must differ from ``comm`` for the overlap)."""
-    if scheme == "a":
-        return SchemeA(comm, xcomm)
-    if scheme == "b":
-        return SchemeB(comm, xcomm)
-    if scheme == "c":
-        return SchemeC(comm, xcomm)
+    classes = {"a": SchemeA, "b": SchemeB, "c": SchemeC}
+    if scheme in classes:
+        return classes[scheme](comm, xcomm, overlap)
     raise ValueError(f"scheme must be one of {SCHEMES} (section 4 of the paper), got {scheme!r}")
 
 

@@ -426,3 +426,32 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
         "head_storage_bytes": sum(p.untyped_storage().nbytes() for p in head),
         "head_numel": sum(p.numel() for p in head),
     }
+
+
+def overlap_events(rank: int, k: int, scheme: str, overlap: bool) -> dict:
+    """Order in which one training step issues its collectives (tagged by process group), waits for the forward
+    exchanges and collects the reverse exchanges; plus whether exchange and head use different groups."""
+    model = parallelize_head(small_model(), scheme=scheme, overlap=overlap)
+    head = find_hybrid_head(model)
+    ex = head.exchange
+    events: list[tuple] = []
+
+    def wrap(obj, name, tag):
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            events.append((tag, name) if tag != "wait" else ("wait", args[0]))
+            return original(*args, **kwargs)
+
+        setattr(obj, name, wrapped)
+
+    for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter_columns"):
+        wrap(head.comm, name, "head")
+        if head.xcomm is not head.comm:
+            wrap(head.xcomm, name, "x")
+    wrap(ex, "wait", "wait")
+    wrap(ex, "collect_reverse", "collect")
+    x, y = batch(0, k)
+    mine = slice(rank * B, (rank + 1) * B)
+    F.cross_entropy(model(x[mine]), y[mine]).backward()
+    return {"events": events, "separate_groups": head.xcomm.group is not head.comm.group}
