@@ -35,6 +35,7 @@ mechanism end to end; it is not ImageNet.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -92,6 +93,12 @@ def build(method: str, k: int, num_classes: int, fc_width: int, counter: ByteCou
     return _ddp(model, counter, k, ignore), model
 
 
+@functools.lru_cache
+def _trunk_params(num_classes: int, fc_width: int) -> int:
+    with linear_layers_on_meta():
+        return sum(p.numel() for p in alexnet_one_tower(num_classes=num_classes, fc_width=fc_width).features.parameters())
+
+
 def analytic_bytes(k: int, b: int, num_classes: int = 1000, fc_width: int = 4096, d: int = 256 * 6 * 6, elem: int = 4) -> dict[str, float]:
     """Bytes each rank receives per step (ring convention), one-tower AlexNet, b examples per rank.
 
@@ -103,7 +110,7 @@ def analytic_bytes(k: int, b: int, num_classes: int = 1000, fc_width: int = 4096
     9216-4096-4096-1000 head at any K, col, col, row: one all-gather of 4096 neurons and one reduce-scatter of
     the logits per example, forward, and the same backward), the minimum over the 1-D layouts given a replicated
     input.  ``model = bound + head_internal`` is what the implementation should move."""
-    trunk_params = sum(p.numel() for p in alexnet_one_tower(num_classes=num_classes, fc_width=fc_width).features.parameters())
+    trunk_params = _trunk_params(num_classes, fc_width)
     widths = [d, fc_width, fc_width, num_classes]
     head_params = sum(o * i + o for i, o in zip(widths[:-1], widths[1:]))
     per_example, _ = layout_cost(plan_layout(widths, k), widths, k)

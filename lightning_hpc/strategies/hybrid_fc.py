@@ -108,6 +108,8 @@ class HybridParallelStrategy(DDPStrategy):
             materialize_meta(self.lightning_module, self.root_device)
             super().model_to_device()
             return
+        # other linear layers created under tensor_init_context are still on meta: allocate them before moving
+        materialize_meta(self.lightning_module, self.root_device)
         super().model_to_device()
         self._parallelize()
 
