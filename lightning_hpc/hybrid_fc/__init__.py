@@ -11,7 +11,16 @@ from lightning_hpc.hybrid_fc.discovery import HeadNotFoundError, HeadSpec, find_
 from lightning_hpc.hybrid_fc.head import FC_UPDATES, HybridHead
 from lightning_hpc.hybrid_fc.layout import layout_cost, plan_layout
 from lightning_hpc.hybrid_fc.optim import HeadOptimizer
-from lightning_hpc.hybrid_fc.parallel import average_trunk_gradients, find_hybrid_head, head_parameters, parallelize_head, trunk_parameters
+from lightning_hpc.hybrid_fc.parallel import (
+    average_trunk_gradients,
+    find_hybrid_head,
+    has_meta_head,
+    head_parameters,
+    linear_layers_on_meta,
+    materialize_meta,
+    parallelize_head,
+    trunk_parameters,
+)
 from lightning_hpc.hybrid_fc.schemes import SCHEMES
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
@@ -30,7 +39,10 @@ __all__ = [
     "find_hybrid_head",
     "full_optimizer_state",
     "full_state_dict",
+    "has_meta_head",
     "head_parameters",
+    "linear_layers_on_meta",
+    "materialize_meta",
     "layout_cost",
     "parallelize_head",
     "plan_layout",

@@ -4,6 +4,13 @@ Saving gathers every shard (and every optimizer state tensor shaped like a shard
 full tensor under the unsharded model's key; loading slices full tensors back into this rank's shard
 (``ShardedLinear._load_from_state_dict`` for the weights, :func:`shard_optimizer_state` for the optimizer).  A
 full checkpoint therefore loads into K' ranks for any K', or into the plain single-device model.
+
+Memory of saving.  ``rank0_only=False`` all-gathers: every rank ends with the full head (fine for small heads and
+tests).  ``rank0_only=True, cpu=True`` (what :class:`HybridParallelStrategy` uses) gathers one tensor at a time to
+rank 0 and moves it to host memory at once: on rank 0 the device holds its shards plus, transiently, about two
+copies of the largest single head tensor (K padded blocks and the concatenation); the host holds the full
+checkpoint; every other rank holds only its shards plus one padded block.  So a head that does not fit one
+device's memory is saved as long as its largest layer fits twice and the whole model fits rank 0's host memory.
 """
 
 from __future__ import annotations
@@ -29,20 +36,32 @@ def _head_comm(module: nn.Module) -> Any:
     return find_hybrid_head(module).comm
 
 
-def _gather(comm: Any, shard: ShardedLinear, name: str, value: torch.Tensor) -> torch.Tensor:
+def _gather(comm: Any, shard: ShardedLinear, name: str, value: torch.Tensor, rank0_only: bool, cpu: bool) -> torch.Tensor:
+    """Full tensor of a shard-shaped ``value``; with ``rank0_only`` only group rank 0 gets it (others keep
+    ``value``)."""
     sizes, dim = shard.shard_sizes(name)
-    return comm.all_gather(value.detach().contiguous(), sizes, dim=dim).clone()
+    value = value.detach().contiguous()
+    if rank0_only:
+        full = comm.gather(value, sizes, dim=dim, dst=0, count=False)
+        if full is None:
+            return value
+    else:
+        full = comm.all_gather(value, sizes, dim=dim).clone()
+    return full.cpu() if cpu else full
 
 
-def full_state_dict(module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every head shard replaced by the full tensor (collective: call on all ranks)."""
+def full_state_dict(module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every head shard replaced by the full tensor (collective: call on all ranks).
+
+    ``rank0_only``: gather to group rank 0 only, one tensor at a time (the other ranks' dict keeps the shards);
+    ``cpu``: move each gathered tensor to host memory right away (see the module docstring for the peaks)."""
     state = module.state_dict(prefix=prefix)
     comm = _head_comm(module)
     for name, shard in _shards(module):
         for pname in ("weight", "bias"):
             key = f"{prefix}{name}.{pname}"
             if key in state:
-                state[key] = _gather(comm, shard, pname, state[key])
+                state[key] = _gather(comm, shard, pname, state[key], rank0_only, cpu)
     return state
 
 
@@ -58,8 +77,9 @@ def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[in
     return out
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with the head shards' state tensors gathered to full shape (collective)."""
+def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, rank0_only: bool = False, cpu: bool = False) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with the head shards' state tensors gathered to full shape (collective;
+    ``rank0_only``/``cpu`` as in :func:`full_state_dict`)."""
     sd = optimizer.state_dict()
     comm = _head_comm(module)
     index = _param_index(optimizer, module)
@@ -69,7 +89,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module) ->
         shard_shape = tuple(getattr(shard, pname).shape)
         for key, value in sorted(entry.items()):
             if torch.is_tensor(value) and tuple(value.shape) == shard_shape:
-                entry[key] = _gather(comm, shard, pname, value)
+                entry[key] = _gather(comm, shard, pname, value, rank0_only, cpu)
         state[i] = entry
     return {**sd, "state": state}
 

@@ -174,18 +174,27 @@ class HeadComm:
         pending = _Pending(work, lambda: x)
         return pending if async_op else pending.wait()
 
-    def gather_columns(self, x: torch.Tensor, sizes: Sequence[int], dst: int) -> torch.Tensor:
-        """Concatenate every rank's column block (``sizes[r]`` columns) on ``dst``; other ranks get ``(0, C)``."""
+    def gather(self, x: torch.Tensor, sizes: Sequence[int], dim: int, dst: int, count: bool = True) -> torch.Tensor | None:
+        """Concatenate every rank's block (``sizes[r]`` entries along ``dim``) on group rank ``dst``; other ranks
+        get ``None``.  ``dst`` holds K padded blocks plus the result while it assembles (about twice the full
+        tensor); every other rank only its padded block."""
         if self.k == 1:
             return x
-        xm = pad_dim(x, 1, max(sizes)).contiguous()
+        m = max(sizes)
+        xm = pad_dim(x, dim, m).contiguous()
         if self.rank != dst:
-            self.counter.add("gather", xm.numel() * xm.element_size())
+            if count:
+                self.counter.add("gather", xm.numel() * xm.element_size())
             dist.gather(xm, None, dst=self.global_rank(dst), group=self.group)
-            return x.new_empty((0, sum(sizes)))
+            return None
         bufs = [torch.empty_like(xm) for _ in range(self.k)]
         dist.gather(xm, bufs, dst=self.global_rank(dst), group=self.group)
-        return torch.cat([b[:, :s] for b, s in zip(bufs, sizes)], 1)
+        return torch.cat([b.narrow(dim, 0, s) for b, s in zip(bufs, sizes)], dim)
+
+    def gather_columns(self, x: torch.Tensor, sizes: Sequence[int], dst: int) -> torch.Tensor:
+        """Concatenate every rank's column block (``sizes[r]`` columns) on ``dst``; other ranks get ``(0, C)``."""
+        out = self.gather(x, sizes, 1, dst)
+        return x.new_empty((0, sum(sizes))) if out is None else out
 
     def scatter_columns(self, x: torch.Tensor | None, sizes: Sequence[int], rows: int, src: int, like: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`gather_columns`: ``src`` splits its ``(rows, C)`` tensor into column blocks and rank

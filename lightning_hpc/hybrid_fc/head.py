@@ -33,7 +33,7 @@ from torch.autograd import Function
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
 from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons
 from lightning_hpc.hybrid_fc.layout import plan_layout
-from lightning_hpc.hybrid_fc.schemes import SCHEMES, exchange_in, make_exchange
+from lightning_hpc.hybrid_fc.schemes import SCHEMES, exchange_in, exchange_start, make_exchange
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
 __all__ = ["HybridHead", "FC_UPDATES", "SubbatchContext"]
@@ -83,7 +83,11 @@ class HybridHead(nn.Module):
     linear i (``between[-1]`` after the last one, applied to the owner's logits); ``before`` the element-wise
     modules before the first linear (applied by the owner before the exchange).  ``names`` gives the name each
     module had in the original head so ``state_dict`` keys are unchanged.  The full head weights must be equal on
-    all ranks when this is built (:func:`parallelize_head` broadcasts them from rank 0 first).
+    all ranks when this is built (:func:`parallelize_head` broadcasts them from rank 0 first), unless they are on
+    the meta device: then each rank allocates only its shards on ``device``, initialised by ``head_init(shard)``
+    or :meth:`ShardedLinear.reset_parameters`.  ``exchange_group`` (same ranks as ``group``) carries the
+    activation exchange so it overlaps the head's own collectives (see ``schemes.py``); ``overlap=False`` turns
+    the overlap off (to measure it).
     """
 
     def __init__(
@@ -97,6 +101,10 @@ class HybridHead(nn.Module):
         group: Any = None,
         counter: ByteCounter | None = None,
         layouts: Sequence[str] | None = None,
+        exchange_group: Any = None,
+        device: torch.device | str | None = None,
+        head_init: Callable[[ShardedLinear], None] | None = None,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if scheme not in SCHEMES:
@@ -104,6 +112,8 @@ class HybridHead(nn.Module):
         if fc_update not in FC_UPDATES:
             raise ValueError(f"fc_update must be one of {FC_UPDATES} (section 4.2), got {fc_update!r}")
         self.comm = HeadComm(group, counter)
+        # Activations travel on their own group so the head's collectives never queue behind them (schemes.py).
+        self.xcomm = HeadComm(exchange_group, self.comm.counter) if exchange_group is not None else self.comm
         self.k, self.rank = self.comm.k, self.comm.rank
         if fc_update == "per_subbatch" and scheme == "a":
             raise ValueError(
@@ -129,14 +139,14 @@ class HybridHead(nn.Module):
             self.add_module(names[idx], op)
             idx += 1
         for i, lin in enumerate(linears):
-            shard = ShardedLinear(lin, self.layouts[i], self.rank, self.k)
+            shard = ShardedLinear(lin, self.layouts[i], self.rank, self.k, device=device, init=head_init)
             self.add_module(names[idx], shard)
             self.shards.append(shard)
             idx += 1
             for op in self.between[i]:
                 self.add_module(names[idx], op)
                 idx += 1
-        self.exchange = make_exchange(scheme, self.comm)
+        self.exchange = make_exchange(scheme, self.comm, self.xcomm, overlap)
         self._subbatch: SubbatchContext | None = None
 
     # -- the sharded layers on one replicated sub-batch --------------------------------------------------
@@ -193,9 +203,10 @@ class HybridHead(nn.Module):
             return self._forward_per_subbatch(x, self._subbatch)
         ex = self.exchange
         ex.start(x.detach())
+        xs = exchange_start(x, ex)
         outs = []
         for j in range(ex.num_subbatches()):
-            xj = exchange_in(x, ex, j)
+            xj = exchange_in(xs, ex, j)
             out = self._layers(xj, 1.0 / self.k)
             outs.append(ex.deliver(j, out, self.layouts[-1], self.class_sizes))
         return self._post(torch.cat(outs, 0))
@@ -226,6 +237,8 @@ class HybridHead(nn.Module):
                 g_rows = torch.zeros_like(rows)
             torch.autograd.backward(rows, g_rows)
             reverse.append((j, ex.reverse(j, xj.grad, async_op=True)))
+            if not ex.overlap:
+                reverse[-1][1].wait()
             ctx.step()
         grad_x = torch.zeros_like(x)
         for j, pending in reverse:

@@ -3,7 +3,8 @@ gradient averaging (section 4.1)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -14,8 +15,37 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.discovery import ELEMENTWISE, HeadSpec, find_head
 from lightning_hpc.hybrid_fc.head import HybridHead
+from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
-__all__ = ["parallelize_head", "find_hybrid_head", "head_parameters", "trunk_parameters", "average_trunk_gradients"]
+__all__ = [
+    "parallelize_head",
+    "find_hybrid_head",
+    "head_parameters",
+    "trunk_parameters",
+    "average_trunk_gradients",
+    "materialize_meta",
+    "has_meta_head",
+    "linear_layers_on_meta",
+]
+
+
+@contextlib.contextmanager
+def linear_layers_on_meta() -> Iterator[None]:
+    """Within this block every ``nn.Linear`` (and subclass) is created on the meta device, everything else as
+    usual.  The head's layers then never get storage: :func:`parallelize_head` allocates only each rank's shard.
+    ``HybridParallelStrategy.tensor_init_context`` (``Trainer.init_module``, ``LightningModule.configure_model``)
+    uses this.  Linear layers outside the head are allocated later by :func:`materialize_meta` with their
+    ``reset_parameters()`` (not with a custom initialisation the model's ``__init__`` applied to them)."""
+    original = nn.Linear.__init__
+
+    def init(self: nn.Linear, in_features: int, out_features: int, bias: bool = True, device: Any = None, dtype: Any = None) -> None:
+        original(self, in_features, out_features, bias, device="meta", dtype=dtype)
+
+    nn.Linear.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.__init__ = original  # type: ignore[method-assign]
 
 
 class _TrunkThenHead(nn.Module):
@@ -53,6 +83,55 @@ def _broadcast_head(spec: HeadSpec, group: Any) -> None:
             dist.broadcast(p.data, src=src, group=group)
 
 
+def has_meta_head(model: nn.Module, head: str | None = None) -> bool:
+    """Whether the head's linear layers were built on the meta device (only their shards will be allocated)."""
+    spec = find_head(model, head)
+    metas = [p.is_meta for lin in spec.linears for p in lin.parameters()]
+    if any(metas) and not all(metas):
+        raise ValueError("the head's linear layers are partly on the meta device: build all of them on meta or none")
+    return bool(metas) and all(metas)
+
+
+@torch.no_grad()
+def materialize_meta(module: nn.Module, device: torch.device | str, group: Any = None) -> list[str]:
+    """Allocate every parameter/buffer still on the meta device on ``device``, initialise it with its module's
+    ``reset_parameters()`` and make it identical on all ranks (broadcast from rank 0 of ``group``).
+
+    For the parts of a meta-built model outside the head (the head's shards are allocated by
+    :func:`parallelize_head`).  Returns the names of the materialised modules.  A module with meta tensors and no
+    ``reset_parameters`` is an error: its initial values would be undefined.
+    """
+    done = []
+    for name, m in module.named_modules():
+        tensors = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        if not any(t.is_meta for t in tensors):
+            continue
+        if isinstance(m, ShardedLinear):
+            continue
+        reset = getattr(m, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(
+                f"{name or type(module).__name__} ({type(m).__name__}) was built on the meta device and has no reset_parameters(), "
+                "so it cannot be initialised; build it on a real device (only the head needs the meta device)"
+            )
+        m.to_empty(device=device, recurse=False)
+        reset()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+                dist.broadcast(t.data, src=src, group=group)
+        done.append(name)
+    return done
+
+
+def _same_ranks_group(group: Any) -> Any:
+    """A second process group over the ranks of ``group`` (collective: every rank of the world calls it)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks)
+
+
 def parallelize_head(
     model: nn.Module,
     head: str | None = None,
@@ -61,14 +140,29 @@ def parallelize_head(
     group: Any = None,
     counter: ByteCounter | None = None,
     layouts: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    head_init: Callable[[ShardedLinear], None] | None = None,
+    overlap: bool = True,
 ) -> nn.Module:
     """Replace ``model``'s fully-connected head by a :class:`HybridHead` sharded over the ranks of ``group``.
 
     Returns the model (a new root module only when the model itself is the ``nn.Sequential`` holding the head).
-    Every rank must call this with an identically structured model; rank 0's head weights are used.
+    Every rank must call this with an identically structured model (it is collective).
+
+    Materialised model: rank 0's head weights are broadcast, then each rank keeps its shard (peak memory: the
+    full head once per rank).  Meta-device model (``with torch.device("meta"): model = ...``): each rank
+    allocates only its 1/K shard of every head layer on ``device`` (default CPU), initialised by ``head_init`` or
+    with ``nn.Linear``'s distribution (:meth:`ShardedLinear.reset_parameters`); any other meta tensor is
+    allocated on ``device`` with its module's ``reset_parameters()`` and broadcast from rank 0
+    (:func:`materialize_meta`).  No rank ever holds a full head layer; load trained weights afterwards with
+    ``model.load_state_dict(full_state)`` (full tensors are sliced, ``torch.load(..., mmap=True)`` keeps them
+    on disk until sliced).  ``overlap=False`` disables the overlap of the activation exchange with the head's
+    computation (schemes.py), for measurements.
     """
     spec = find_head(model, head)
-    _broadcast_head(spec, group)
+    meta = has_meta_head(model, head)
+    if not meta:
+        _broadcast_head(spec, group)
     before, linears, between = [], [], []
     for _, m in spec.modules:
         if isinstance(m, nn.Linear):
@@ -77,18 +171,24 @@ def parallelize_head(
         elif isinstance(m, ELEMENTWISE):
             (between[-1] if linears else before).append(m)
     names = {i: n for i, (n, _) in enumerate(spec.modules)}
-    hybrid = HybridHead(linears, between, before, names, scheme=scheme, fc_update=fc_update, group=group, counter=counter, layouts=layouts)
+    if spec.whole_parent and not spec.parent_name:
+        raise ValueError("the whole model is the head; there is no trunk to run data-parallel")
+    hybrid = HybridHead(
+        linears, between, before, names, scheme=scheme, fc_update=fc_update, group=group, counter=counter, layouts=layouts,
+        exchange_group=_same_ranks_group(group) if overlap else None, device=device, head_init=head_init, overlap=overlap,
+    )
     if spec.whole_parent:
-        if not spec.parent_name:
-            raise ValueError("the whole model is the head; there is no trunk to run data-parallel")
         parent_name, _, attr = spec.parent_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, hybrid)
-        return model
-    replacement = _TrunkThenHead(spec.parent, spec.start, hybrid)
-    if not spec.parent_name:
-        return replacement
-    parent_name, _, attr = spec.parent_name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
+    else:
+        replacement = _TrunkThenHead(spec.parent, spec.start, hybrid)
+        if not spec.parent_name:
+            model = replacement
+        else:
+            parent_name, _, attr = spec.parent_name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
+    if meta:
+        materialize_meta(model, device if device is not None else "cpu", group)
     return model
 
 

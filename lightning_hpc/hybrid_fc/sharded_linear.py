@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,9 +25,22 @@ class ShardedLinear(nn.Module):
 
     ``state_dict`` holds the shards under the names of ``nn.Linear``; ``load_state_dict`` accepts either a shard
     or the full tensor (which it slices), so a full checkpoint loads on any K.
+
+    If ``linear`` lives on the meta device (built under ``torch.device("meta")``, ``Trainer.init_module`` or
+    ``LightningModule.configure_model`` with :class:`HybridParallelStrategy`), only this rank's shard is allocated,
+    on ``device``, and initialised by ``init(self)`` or, by default, :meth:`reset_parameters` (the distribution of
+    ``nn.Linear``'s own initialisation, bounds from the *full* fan-in).  The full weight never exists on any rank.
     """
 
-    def __init__(self, linear: nn.Linear, layout: str, rank: int, k: int) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        layout: str,
+        rank: int,
+        k: int,
+        device: torch.device | str | None = None,
+        init: Callable[["ShardedLinear"], None] | None = None,
+    ) -> None:
         super().__init__()
         if layout not in ("col", "row"):
             raise ValueError(f"layout must be 'col' or 'row', got {layout!r}")
@@ -33,8 +49,26 @@ class ShardedLinear(nn.Module):
         self.out_bounds = block_bounds(self.out_features, k)
         self.in_bounds = block_bounds(self.in_features, k)
         w = linear.weight.detach()
-        self.weight = nn.Parameter(self._slice_weight(w).clone())
-        self.bias = None if linear.bias is None else nn.Parameter(self._slice_bias(linear.bias.detach()).clone())
+        if w.is_meta:
+            dev = torch.device("cpu") if device is None else torch.device(device)
+            # Allocate the shard only: the meta tensors carry shape and dtype, no storage.
+            self.weight = nn.Parameter(torch.empty(self._slice_weight(w).shape, dtype=w.dtype, device=dev))
+            self.bias = None if linear.bias is None else nn.Parameter(torch.empty(self._slice_bias(linear.bias).shape, dtype=w.dtype, device=dev))
+            (init or ShardedLinear.reset_parameters)(self)
+        else:
+            self.weight = nn.Parameter(self._slice_weight(w).clone())
+            self.bias = None if linear.bias is None else nn.Parameter(self._slice_bias(linear.bias.detach()).clone())
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``nn.Linear.reset_parameters`` on the shard: weight ``kaiming_uniform_(a=sqrt(5))`` and bias
+        ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` are both ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` with the fan-in of the
+        *full* layer (``in_features``), not of a row shard's ``in_features / K`` columns, so every entry has the
+        distribution it has in the serial layer (the shards are independent draws, not the serial draw)."""
+        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
+        self.weight.uniform_(-bound, bound)
+        if self.bias is not None:
+            self.bias.uniform_(-bound, bound)
 
     # -- shard geometry ------------------------------------------------------------------------------------
     @property

@@ -6,11 +6,19 @@ fully-connected head is sharded over all ranks by :mod:`lightning_hpc.hybrid_fc`
 excluded from DDP, so each rank keeps and updates only its 1/K, and its optimizer state is 1/K too).  Checkpoints
 hold the full, unsharded model and optimizer state, so they resume on any number of ranks or load into the plain
 model.  All the algorithm lives in ``lightning_hpc.hybrid_fc``; this file only translates Lightning hooks.
+
+Large heads: models created under ``Trainer.init_module()`` or in ``LightningModule.configure_model`` (both run
+in :meth:`HybridParallelStrategy.tensor_init_context`) get their ``nn.Linear`` layers on the meta device; at setup
+each rank allocates only its 1/K shard of every head layer (``nn.Linear``'s initial distribution, full fan-in), so
+no rank ever holds the full head.  Checkpoints are gathered to rank 0 one tensor at a time straight into host
+memory, and restored after setup from a memory-mapped file, so only each rank's slices are read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import os
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +35,10 @@ from lightning_hpc.hybrid_fc import (
     find_hybrid_head,
     full_optimizer_state,
     full_state_dict,
+    has_meta_head,
     head_parameters,
+    linear_layers_on_meta,
+    materialize_meta,
     parallelize_head,
     shard_optimizer_state,
 )
@@ -79,13 +90,41 @@ class HybridParallelStrategy(DDPStrategy):
         self._head_optimizer: HeadOptimizer | None = None
 
     # -- setup ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()`` / ``configure_model``: linear layers on the meta device (the head is then
+        allocated shard by shard at setup), everything else as DDP does; ``empty_init=False`` turns it off."""
+        with super().tensor_init_context(empty_init), (linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext()):
+            yield
+
     def model_to_device(self) -> None:
-        # The head is sharded right after the model reaches its device (NCCL broadcasts need device tensors) and
-        # before DDP wraps it, so DDP ignores the shards and the optimizers see only this rank's 1/K.
+        # The head is sharded before DDP wraps the model, so DDP ignores the shards and the optimizers see only
+        # this rank's 1/K.  A materialised head is sharded after the model reaches its device (NCCL broadcasts need
+        # device tensors); a meta-built one before, since a meta tensor cannot be moved: its shards (and any other
+        # meta tensor) are allocated on the root device directly.
+        inner = getattr(self.lightning_module, self.model_attr, None)
+        if isinstance(inner, torch.nn.Module) and not self._parallelized and has_meta_head(inner, self.head):
+            self._parallelize(device=self.root_device)
+            materialize_meta(self.lightning_module, self.root_device)
+            super().model_to_device()
+            return
+        # other linear layers created under tensor_init_context are still on meta: allocate them before moving
+        materialize_meta(self.lightning_module, self.root_device)
         super().model_to_device()
         self._parallelize()
 
-    def _parallelize(self) -> None:
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the sharded model: full tensors are sliced on load, so the full head is never built.
+        return True
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
+            # Memory-mapped: each rank reads only the slices it loads into its shards.
+            return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def _parallelize(self, device: torch.device | None = None) -> None:
         if self._parallelized:
             return
         module = self.lightning_module
@@ -103,7 +142,7 @@ class HybridParallelStrategy(DDPStrategy):
             )
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
         group = dist.new_group(list(range(dist.get_world_size()))) if dist.is_initialized() else None
-        setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts))
+        setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
         shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
@@ -134,11 +173,12 @@ class HybridParallelStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
-        return full_state_dict(module)
+        # Only rank 0 writes the file: gather there, one tensor at a time, straight to host memory.
+        return full_state_dict(module, rank0_only=True, cpu=True)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return full_optimizer_state(optimizer, self.lightning_module)
+        return full_optimizer_state(optimizer, self.lightning_module, rank0_only=True, cpu=True)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = [shard_optimizer_state(s, o, self.lightning_module) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.hybrid_fc import (
@@ -52,12 +54,76 @@ def sgd(params) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
-def per_step_equivalence(rank: int, k: int, scheme: str, layouts, steps: int) -> dict:
-    """Hybrid (per_step) vs one process on the concatenated batch; returns max abs differences."""
+HEAD_WEIGHT_SHAPES = [(24, 64), (18, 24), (10, 18)]  # full weights of small_model()'s head
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Records the shape and storage size of every non-meta tensor produced by any op while active (factory
+    functions such as ``empty`` included), so a test can tell whether a full-size head tensor ever existed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+        self.max_storage_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.shapes.add(tuple(t.shape))
+                self.max_storage_bytes = max(self.max_storage_bytes, t.untyped_storage().nbytes())
+        return out
+
+    def full_head_shapes_seen(self) -> list[tuple[int, ...]]:
+        return [s for s in HEAD_WEIGHT_SHAPES if s in self.shapes or s[::-1] in self.shapes]
+
+
+def init_statistics(full: dict) -> dict:
+    """Per head layer: max |w| / (1/sqrt(fan_in)) and std / (bound/sqrt(3)) of the gathered full weights."""
+    out = {}
+    for key, (o, i) in zip(("4.weight", "6.weight", "8.weight"), HEAD_WEIGHT_SHAPES):
+        w, bound = full[key], 1.0 / i**0.5
+        out[key] = (float(w.abs().max()) / bound, float(w.std()) / (bound / 3**0.5))
+        b = full[key.replace("weight", "bias")]
+        out[key.replace("weight", "bias")] = (float(b.abs().max()) / bound, 1.0)
+    return out
+
+
+def meta_built_hybrid(scheme: str, layouts, state: dict | None) -> tuple[nn.Module, dict]:
+    """small_model() built on the meta device and parallelised (allocation tracked), then ``state`` loaded."""
+    with torch.device("meta"):
+        meta = small_model()
+    with AllocationTracker() as tracker:
+        hyb = parallelize_head(meta, scheme=scheme, layouts=layouts, device="cpu")
+    head = head_parameters(hyb)
+    info = {
+        "full_head_shapes_seen": tracker.full_head_shapes_seen(),
+        "max_storage_bytes": tracker.max_storage_bytes,
+        "head_storage_bytes": sum(p.untyped_storage().nbytes() for p in head),
+        "head_numel": sum(p.numel() for p in head),
+        "init": init_statistics(full_state_dict(hyb)),
+    }
+    # control: building the same model for real inside the tracker must be seen (the tracker can fail)
+    with AllocationTracker() as control:
+        small_model()
+    info["control_seen"] = control.full_head_shapes_seen()
+    if state is not None:
+        hyb.load_state_dict(state)
+    return hyb, info
+
+
+def per_step_equivalence(rank: int, k: int, scheme: str, layouts, steps: int, meta: bool = False) -> dict:
+    """Hybrid (per_step) vs one process on the concatenated batch; returns max abs differences.
+
+    ``meta``: the hybrid model is built on the meta device (only shards allocated) and the serial model's full
+    state dict is loaded into the shards."""
     ref = small_model()
-    hyb = parallelize_head(copy.deepcopy(ref), scheme=scheme, layouts=layouts)
+    worst: dict = {"logits": 0.0, "loss": 0.0, "params": 0.0, "input_grad": 0.0}
+    if meta:
+        hyb, worst["meta"] = meta_built_hybrid(scheme, layouts, ref.state_dict())
+    else:
+        hyb = parallelize_head(copy.deepcopy(ref), scheme=scheme, layouts=layouts)
     ref_opt, hyb_opt = sgd(ref.parameters()), sgd(hyb.parameters())
-    worst = {"logits": 0.0, "loss": 0.0, "params": 0.0, "input_grad": 0.0}
     for step in range(steps):
         x, y = batch(step, k)
         mine = slice(rank * B, (rank + 1) * B)
@@ -84,6 +150,10 @@ def per_step_equivalence(rank: int, k: int, scheme: str, layouts, steps: int) ->
     for key, value in ref.state_dict().items():
         worst["params"] = max(worst["params"], float((full[key] - value).abs().max()))
     return worst
+
+
+def run_meta_configs(rank: int, k: int, configs: list, steps: int) -> list[dict]:
+    return [per_step_equivalence(rank, k, scheme, layouts, steps, meta=True) for scheme, layouts in configs]
 
 
 def per_subbatch_equivalence(rank: int, k: int, scheme: str, layouts, steps: int) -> dict:
@@ -300,3 +370,88 @@ def serial_sequence(k: int, steps: int, fc_update: str, scheme: str) -> dict:
         acts.backward(grad_acts)
         trunk_opt.step()
     return _numpy(ref.state_dict())
+
+
+def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_path: str, ckpt_path: str) -> dict:
+    """Trainer with HybridParallelStrategy on a model whose head is built on the meta device, either under
+    ``trainer.init_module(empty_init=True)`` or in ``configure_model``.  Allocations are tracked from the setup
+    hook to on_fit_start; at on_train_start the serial initial weights (``init_path``) are loaded into the shards."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import HybridParallelStrategy, ImageClassifier
+
+    class Tracking(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.tracker = AllocationTracker()
+            self.tracker.__enter__()
+
+        def on_fit_start(self, trainer, pl_module):
+            self.tracker.__exit__(None, None, None)
+
+    class LoadInitial(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.model.load_state_dict(torch.load(init_path, mmap=True))
+
+    class BuiltInConfigureModel(ImageClassifier):
+        def configure_model(self) -> None:
+            if isinstance(self.model, nn.Identity):
+                self.model = small_model()
+
+    mine = slice(rank * B, (rank + 1) * B)
+    xs = torch.cat([batch(s, k)[0][mine] for s in range(steps)])
+    ys = torch.cat([batch(s, k)[1][mine] for s in range(steps)])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
+    tracking = Tracking()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(scheme="c"), callbacks=[tracking, LoadInitial()],
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    if how == "init_module":
+        with trainer.init_module(empty_init=True):
+            module = ImageClassifier(small_model(), optimizer=sgd, num_classes=10)
+        built_on_meta = all(p.is_meta for p in module.model[4:].parameters())
+    else:
+        module = BuiltInConfigureModel(nn.Identity(), optimizer=sgd, num_classes=10)
+        built_on_meta = True  # checked below through the tracker: the head never had storage
+    trainer.fit(module, train_dataloaders=loader)
+    trainer.save_checkpoint(ckpt_path)
+    head = head_parameters(module.model)
+    return {
+        "state": _numpy(full_state_dict(module.model)),
+        "built_on_meta": built_on_meta,
+        "full_head_shapes_seen": tracking.tracker.full_head_shapes_seen(),
+        "max_storage_bytes": tracking.tracker.max_storage_bytes,
+        "head_storage_bytes": sum(p.untyped_storage().nbytes() for p in head),
+        "head_numel": sum(p.numel() for p in head),
+    }
+
+
+def overlap_events(rank: int, k: int, scheme: str, overlap: bool) -> dict:
+    """Order in which one training step issues its collectives (tagged by process group), waits for the forward
+    exchanges and collects the reverse exchanges; plus whether exchange and head use different groups."""
+    model = parallelize_head(small_model(), scheme=scheme, overlap=overlap)
+    head = find_hybrid_head(model)
+    ex = head.exchange
+    events: list[tuple] = []
+
+    def wrap(obj, name, tag):
+        original = getattr(obj, name)
+
+        def wrapped(*args, **kwargs):
+            events.append((tag, name) if tag != "wait" else ("wait", args[0]))
+            return original(*args, **kwargs)
+
+        setattr(obj, name, wrapped)
+
+    for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter_columns"):
+        wrap(head.comm, name, "head")
+        if head.xcomm is not head.comm:
+            wrap(head.xcomm, name, "x")
+    wrap(ex, "wait", "wait")
+    wrap(ex, "collect_reverse", "collect")
+    x, y = batch(0, k)
+    mine = slice(rank * B, (rank + 1) * B)
+    F.cross_entropy(model(x[mine]), y[mine]).backward()
+    return {"events": events, "separate_groups": head.xcomm.group is not head.comm.group}
