@@ -55,6 +55,8 @@ IMAGE = 192  # JPEG side length
 #: tbf queue length in milliseconds of data at the shaped rate (a long queue delays every small message that
 #: arrives behind a bulk transfer); set with --queue-ms, passed to workers through the environment
 QUEUE_MS = int(os.environ.get("LSGD_QUEUE_MS", "500"))
+#: layered SGD gradient bucket size in MB for every bucket (0: DDP's defaults, 1 MB first bucket then 25 MB)
+BUCKET_MB = float(os.environ.get("LSGD_BUCKET_MB", "0"))
 
 
 # --------------------------------------------------------------------------------------------- setup (root)
@@ -211,7 +213,8 @@ def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, 
         # for comparison, "layered_post": the whole reduction starts after backward (no gradient hooks);
         # "layered_sync": ... and is waited for before loading (what the single-group case did before the
         # hooks: a blocking allreduce)
-        update = PostponedUpdate(model.parameters(), reducer, overlap_backward=mode == "layered")
+        caps = dict(bucket_cap_mb=BUCKET_MB, first_bucket_mb=BUCKET_MB) if BUCKET_MB else {}
+        update = PostponedUpdate(model.parameters(), reducer, overlap_backward=mode == "layered", **caps)
 
         def step(x, y):
             if update.apply(opt.step) and groups.is_leader and groups.num_groups > 1:
@@ -540,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="1000,300,100,30", help="inter-node link rates to sweep, Mbit/s")
     p.add_argument("--delay-ms", type=float, default=None, help="link delay (needs tc netem: not supported here)")
     p.add_argument("--queue-ms", type=int, default=500, help="tbf queue length (latency parameter), ms")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="plain loop: layered SGD bucket size (MB) for every bucket; 0 = DDP's 1 MB first, then 25 MB")
     p.add_argument("--batch", type=int, default=24, help="images per process per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
@@ -553,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
     args = p.parse_args(argv)
     os.environ["LSGD_QUEUE_MS"] = str(args.queue_ms)  # inherited by the workers, which shape the link
+    os.environ["LSGD_BUCKET_MB"] = str(args.bucket_mb)
     if args.worker:
         worker_main(args)
         return 0
@@ -598,12 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     raw: list[dict] = []
 
     # 1. single node, unshaped (loopback): overhead of the layered reduction where nothing can be hidden.
-    raw += launch(args, 4, 4, "1 node x 4 (loopback)", False, "ddp,layered", tmp / "single.json")
+    raw += launch(args, 4, 4, "1 node x 4 (loopback)", False, args.modes, tmp / "single.json")
     # 2. two namespaced nodes x 2, link swept.
     reason = make_namespaces() if os.geteuid() == 0 else "not root"
     if reason is None:
         try:
-            raw += launch(args, 4, 2, "2 nodes x 2 (veth)", True, "ddp,layered", tmp / "shaped.json")
+            raw += launch(args, 4, 2, "2 nodes x 2 (veth)", True, args.modes, tmp / "shaped.json")
         finally:
             teardown_namespaces()
     else:
