@@ -24,6 +24,8 @@ Lightning's per-step bookkeeping):
     sudo python bench/layered_sgd.py                      # full sweep (needs root for ip netns / tc)
     python bench/layered_sgd.py --rates 1000,300,100 --steps 10 --repeats 2
     python bench/layered_sgd.py --delay-ms 5              # refuses: tc netem is not available here
+    python bench/layered_sgd.py --single 2,4 --repeats 6   # unshaped single-node overhead only (no root needed)
+    python bench/layered_sgd.py --single 2,4 --lightning   # the same through Trainer(strategy=ddp | layered_sgd)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ IMAGE = 192  # JPEG side length
 #: tbf queue length in milliseconds of data at the shaped rate (a long queue delays every small message that
 #: arrives behind a bulk transfer); set with --queue-ms, passed to workers through the environment
 QUEUE_MS = int(os.environ.get("LSGD_QUEUE_MS", "500"))
+#: layered SGD gradient bucket size in MB for every bucket (0: DDP's defaults, 1 MB first bucket then 25 MB)
+BUCKET_MB = float(os.environ.get("LSGD_BUCKET_MB", "0"))
 
 
 # --------------------------------------------------------------------------------------------- setup (root)
@@ -206,7 +210,11 @@ def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, 
     else:
         groups = build_layered_groups(per_node, timeout_s=600)
         reducer = HierarchicalAllreduce(groups, timeout_s=600)
-        update = PostponedUpdate(model.parameters(), reducer)
+        # for comparison, "layered_post": the whole reduction starts after backward (no gradient hooks);
+        # "layered_sync": ... and is waited for before loading (what the single-group case did before the
+        # hooks: a blocking allreduce)
+        caps = dict(bucket_cap_mb=BUCKET_MB, first_bucket_mb=BUCKET_MB) if BUCKET_MB else {}
+        update = PostponedUpdate(model.parameters(), reducer, overlap_backward=mode == "layered", **caps)
 
         def step(x, y):
             if update.apply(opt.step) and groups.is_leader and groups.num_groups > 1:
@@ -214,6 +222,8 @@ def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, 
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             update.begin([opt])
+            if mode == "layered_sync":  # no overlap at all: wait for the whole reduction before loading
+                update.apply(opt.step)
             return loader()  # Algorithm 3 line 8: load while the leaders allreduce
         finish = lambda: update.apply(opt.step)  # noqa: E731
     batch = loader()
@@ -231,6 +241,7 @@ def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, 
     elapsed = time.perf_counter() - t0
     if mode != "ddp":
         reducer.close()
+        update.close()
     stats = torch.tensor([statistics.median(loader.times), statistics.median(inter) if inter else 0.0])
     dist.all_reduce(stats)  # (leaders only report inter times; divide by the number of reporters)
     n_leaders = world // per_node if world // per_node > 1 else 1
@@ -344,8 +355,9 @@ def lightning_worker_main(args: argparse.Namespace) -> None:
         modes = args.modes.split(",")
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             clock = Clock()
-            strategy = LayeredSGDStrategy(procs_per_node=args.per_node) if mode == "layered" else "ddp"
-            trainer = pl.Trainer(accelerator="cpu", devices=args.per_node, num_nodes=4 // args.per_node,
+            strategy = (LayeredSGDStrategy(procs_per_node=args.per_node, overlap_backward=mode == "layered")
+                        if mode in ("layered", "layered_post") else "ddp")
+            trainer = pl.Trainer(accelerator="cpu", devices=args.per_node, num_nodes=args.world // args.per_node,
                                  strategy=strategy, max_steps=args.warmup + args.steps + 1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=[clock])
@@ -353,7 +365,7 @@ def lightning_worker_main(args: argparse.Namespace) -> None:
             # batch starts warmup .. warmup+steps: each interval contains exactly one full step
             dt = torch.tensor([clock.starts[args.warmup + args.steps] - clock.starts[args.warmup]])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            row = {"mode": mode, "throughput": 4 * args.batch * args.steps / dt.item(),
+            row = {"mode": mode, "throughput": args.world * args.batch * args.steps / dt.item(),
                    "step_s": dt.item() / args.steps, "repeat": repeat}
             rows.append(row)
             if dist.get_rank() == 0:
@@ -386,6 +398,74 @@ def launch_lightning(args: argparse.Namespace, rate: float, out: Path) -> list[d
     if any(codes):
         raise RuntimeError(f"Lightning run at {rate} Mbit/s: worker exit codes {codes}")
     return [dict(r, link_rate_mbit=rate) for r in json.loads(out.read_text())]
+
+
+def launch_lightning_local(args: argparse.Namespace, world: int, out: Path) -> list[dict]:
+    """``world`` ranks on one node over loopback (one group: ``LayeredSGDStrategy()`` with its default
+    ``procs_per_node`` = the node's devices), launched like torchrun would."""
+    from lightning_hpc.distributed import find_free_port
+
+    port = str(find_free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, NODE_RANK="0", LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        cmd = [sys.executable, __file__, "--lightning-worker", "--jpegs", args.jpegs, "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
+               "--repeats", str(args.repeats), "--per-node", str(world), "--world", str(world), "--out", str(out),
+               "--modes", args.modes]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
+    codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"Lightning run, 1 node x {world}: worker exit codes {codes}")
+    return [dict(r, layout=f"1 node x {world} (loopback), Lightning Trainer") for r in json.loads(out.read_text())]
+
+
+def paired_ratios(raw: list[dict], key: tuple[str, ...]) -> dict[tuple, list[float]]:
+    """mode/ddp throughput of the runs of the same repeat (run back to back), per ``key`` values and mode."""
+    out: dict[tuple, list[float]] = {}
+    for k in dict.fromkeys(tuple(r.get(f) for f in key) for r in raw):
+        rs = [r for r in raw if tuple(r.get(f) for f in key) == k]
+        for rep in sorted({r["repeat"] for r in rs}):
+            by_mode = {r["mode"]: r["throughput"] for r in rs if r["repeat"] == rep}
+            for mode, value in by_mode.items():
+                if mode != "ddp" and "ddp" in by_mode:
+                    out.setdefault(k + (mode,), []).append(value / by_mode["ddp"])
+    return out
+
+
+def single_node(args: argparse.Namespace) -> None:
+    """Unshaped single-node overhead (no namespaces, loopback): ``--single 2,4`` runs 1 node x 2 and x 4,
+    DDP and layered SGD alternating within each repeat; with ``--lightning`` through ``Trainer`` itself."""
+    from harness import Report
+
+    tmp = Path(args.jpegs) / "runs"
+    tmp.mkdir(exist_ok=True)
+    raw: list[dict] = []
+    for world in [int(w) for w in args.single.split(",") if w]:
+        if args.lightning:
+            raw += launch_lightning_local(args, world, tmp / f"lightning_single{world}.json")
+        else:
+            raw += launch(args, world, world, f"1 node x {world} (loopback)", False, args.modes,
+                          tmp / f"single{world}.json")
+    report = Report(args.name)
+    pairs = paired_ratios(raw, ("layout",))
+    for key in dict.fromkeys((r["layout"], r["mode"]) for r in raw):
+        rs = [r for r in raw if (r["layout"], r["mode"]) == key]
+        ratios = pairs.get(key, [])
+        report.add(layout=key[0], mode={"ddp": "ddp", "layered": "layered_sgd"}.get(key[1], key[1]),
+                   throughput=statistics.median(r["throughput"] for r in rs),
+                   step_s=statistics.median(r["step_s"] for r in rs), runs=len(rs),
+                   paired_ratio_median=statistics.median(ratios) if ratios else None,
+                   paired_ratio_min=min(ratios) if ratios else None,
+                   paired_ratio_max=max(ratios) if ratios else None)
+    report.add_ratios("mode", "throughput", "ddp", ratio_name="vs_ddp", group_by=("layout",))
+    report.meta.update(batch_per_process=args.batch, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+                       width=args.width, raw=raw, note="unshaped loopback; vs_ddp = ratio of median throughputs, "
+                       "paired_ratio_* = layered/ddp of the two back-to-back runs of each repeat")
+    report.print(["layout", "mode", "throughput", "vs_ddp", "paired_ratio_median", "paired_ratio_min",
+                  "paired_ratio_max", "step_s", "runs"])
+    print(f"wrote {report.write()}")
 
 
 def lightning_check(args: argparse.Namespace) -> None:
@@ -453,10 +533,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     p.add_argument("--per-node", type=int, default=2, help=argparse.SUPPRESS)
-    p.add_argument("--modes", default="ddp,layered", help="modes to compare")
+    p.add_argument("--world", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--single", default="",
+                   help="only the unshaped single-node overhead for these process counts, e.g. 2,4 "
+                        "(with --lightning: through Trainer)")
+    p.add_argument("--modes", default="ddp,layered",
+                   help="modes to compare (plain loop also: layered_post = the reduction starts after backward, no "
+                        "gradient hooks; layered_sync = ... and is waited for before loading)")
     p.add_argument("--rates", default="1000,300,100,30", help="inter-node link rates to sweep, Mbit/s")
     p.add_argument("--delay-ms", type=float, default=None, help="link delay (needs tc netem: not supported here)")
     p.add_argument("--queue-ms", type=int, default=500, help="tbf queue length (latency parameter), ms")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="plain loop: layered SGD bucket size (MB) for every bucket; 0 = DDP's 1 MB first, then 25 MB")
     p.add_argument("--batch", type=int, default=24, help="images per process per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
@@ -470,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-scaling", action="store_true", help="skip the 1- and 2-process runs of the scaling table")
     args = p.parse_args(argv)
     os.environ["LSGD_QUEUE_MS"] = str(args.queue_ms)  # inherited by the workers, which shape the link
+    os.environ["LSGD_BUCKET_MB"] = str(args.bucket_mb)
     if args.worker:
         worker_main(args)
         return 0
@@ -502,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     from harness import Report
 
     write_jpegs(Path(args.jpegs), 256)
+    if args.single:
+        single_node(args)
+        return 0
     if args.lightning:
         (Path(args.jpegs) / "runs").mkdir(exist_ok=True)
         lightning_check(args)
@@ -512,12 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     raw: list[dict] = []
 
     # 1. single node, unshaped (loopback): overhead of the layered reduction where nothing can be hidden.
-    raw += launch(args, 4, 4, "1 node x 4 (loopback)", False, "ddp,layered", tmp / "single.json")
+    raw += launch(args, 4, 4, "1 node x 4 (loopback)", False, args.modes, tmp / "single.json")
     # 2. two namespaced nodes x 2, link swept.
     reason = make_namespaces() if os.geteuid() == 0 else "not root"
     if reason is None:
         try:
-            raw += launch(args, 4, 2, "2 nodes x 2 (veth)", True, "ddp,layered", tmp / "shaped.json")
+            raw += launch(args, 4, 2, "2 nodes x 2 (veth)", True, args.modes, tmp / "shaped.json")
         finally:
             teardown_namespaces()
     else:

@@ -5,8 +5,12 @@ The algorithm lives in plain torch (:mod:`lightning_hpc.distributed.hierarchical
 
 How one optimizer step is split (automatic optimization):
 
-- ``optimizer_step`` of step ``t`` runs Lightning's closure (forward, zero_grad, backward) and then only
-  *starts* the hierarchical reduction (Algorithm 3 lines 6 and 8).  It returns without touching the weights.
+- ``optimizer_step`` of step ``t`` runs Lightning's closure (forward, zero_grad, backward); during that backward
+  pass gradient hooks start the hierarchical reduction bucket by bucket as the buckets fill (Algorithm 3 lines 6
+  and 8, overlapped with the rest of the backward pass, like DDP's bucketed allreduce); afterwards the
+  remaining buckets are started.  It returns without touching the weights.  Backward passes outside
+  ``optimizer_step`` (the first micro-batches of ``accumulate_grad_batches``, manual optimization) start no
+  reduction: only the accumulated gradient is reduced, as with DDP's ``no_sync``.
 - Before anything of step ``t+1`` reads the weights -- i.e. after batch ``t+1`` has been loaded and moved to the
   device, before the first ``on_train_batch_start`` callback and the forward pass -- the reduction is completed
   (line 9) and the *whole* remainder of Lightning's optimizer step is replayed through the precision plugin:
@@ -35,7 +39,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_hpc.distributed.backend import communicator_for
 from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
-from lightning_hpc.distributed.comm import Communicator
+from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
 from lightning_hpc.distributed.groups import check_divisible, local_world_size_from_env
 from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, LayeredGroups, build_layered_groups
 from lightning_hpc.distributed.postponed_update import PostponedUpdate
@@ -84,6 +88,10 @@ class LayeredSGDStrategy(DDPStrategy):
             group and rank (defaults to the process-group ``timeout``).
         broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every forward
             pass, as ``DistributedDataParallel(broadcast_buffers=True)`` does.
+        bucket_cap_mb: size of the gradient buckets whose reduction starts during the backward pass (the first
+            bucket, holding the last layers' gradients, is 1 MB so communication starts early), as DDP's.
+        overlap_backward: start bucket reductions from gradient hooks during the backward pass (default); with
+            ``False`` the whole reduction starts after the backward pass.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``cluster_environment``, ...).  DDP-wrapper options do not apply: no DDP wrapper is used.
     """
@@ -96,10 +104,14 @@ class LayeredSGDStrategy(DDPStrategy):
         communicator: str | Communicator = "auto",
         layered_timeout_s: float | None = None,
         broadcast_buffers: bool = True,
+        bucket_cap_mb: float = 25.0,
+        overlap_backward: bool = True,
         **kwargs: Any,
     ) -> None:
         if procs_per_node is not None and (not isinstance(procs_per_node, int) or procs_per_node < 1):
             raise ValueError(f"procs_per_node={procs_per_node!r}: must be a positive integer (ranks per node group)")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: must be > 0 (megabytes per gradient bucket)")
         if kwargs.get("cluster_environment") is None and HorovodEnvironment.launched_by_horovodrun():
             kwargs["cluster_environment"] = HorovodEnvironment()
         super().__init__(**kwargs)
@@ -107,6 +119,12 @@ class LayeredSGDStrategy(DDPStrategy):
         self._communicator_setting = communicator
         self._layered_timeout_s = layered_timeout_s
         self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.overlap_backward = bool(overlap_backward)
+        #: True only while Lightning's closure runs inside optimizer_step: the backward pass that may start
+        #: bucket reductions (every other backward pass accumulates locally)
+        self._reduce_in_backward = False
+        self._failed = False
         self.groups: LayeredGroups | None = None
         self.allreduce: HierarchicalAllreduce | None = None
         self.update: PostponedUpdate | None = None
@@ -161,7 +179,12 @@ class LayeredSGDStrategy(DDPStrategy):
         )
         self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
         assert self.lightning_module is not None
-        self.update = PostponedUpdate(self.lightning_module.parameters(), self.allreduce)
+        if self.update is not None:
+            self.update.close()  # a previous fit's hooks
+        self.update = PostponedUpdate(
+            self.lightning_module.parameters(), self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=min(1.0, self.bucket_cap_mb), overlap_backward=self.overlap_backward,
+        )
         self._sync_from_rank0(with_parameters=True)
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -208,7 +231,11 @@ class LayeredSGDStrategy(DDPStrategy):
             self.update.begin([optimizer])
             self.update.finish_gradients()
             return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
-        closure_result = closure()
+        self._reduce_in_backward = True
+        try:
+            closure_result = closure()
+        finally:
+            self._reduce_in_backward = False
         self.update.begin([optimizer])
         self._pending = {
             "optimizer": optimizer,
@@ -251,11 +278,19 @@ class LayeredSGDStrategy(DDPStrategy):
             self._sync_from_rank0(with_parameters=False)
         return super().training_step(*args, **kwargs)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The backward pass inside :meth:`optimizer_step` starts bucket reductions from gradient hooks; any
+        other (accumulation micro-batches, manual optimization) only accumulates local gradients."""
+        if self._reduce_in_backward or self.update is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.update.no_sync():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: there is no DDP reducer."""
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Nothing to do: the reduction starts in :meth:`optimizer_step`."""
+        """Nothing to do: the buckets start from gradient hooks and :meth:`optimizer_step`."""
 
     # ------------------------------------------------------------------ flush points
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -280,11 +315,30 @@ class LayeredSGDStrategy(DDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self._pending = None
+        self._failed = True
+        if self.update is not None:
+            self.update.abandon()
         if self.allreduce is not None:
             self.allreduce.close()
         super().on_exception(exception)
 
+    def _teardown_barrier(self) -> None:
+        """Every rank waits here until all have finished their collectives.  Under Horovod a rank that exits
+        shuts Horovod down on every rank, so a node group that finished first would otherwise kill the step-3
+        broadcast still in flight in another group; with torch.distributed it keeps a leader's process (and
+        its sockets) alive until its group has received the last broadcast.  Skipped after an exception (the
+        other ranks may never arrive)."""
+        if self._failed or self.comm is None or self.comm.world_size <= 1:
+            return
+        if isinstance(self.comm, TorchDistributedCommunicator):
+            self.barrier("layered_sgd_teardown")  # NCCL-aware (device_ids)
+        else:
+            self.comm.barrier()
+
     def teardown(self) -> None:
+        self._teardown_barrier()
+        if self.update is not None:
+            self.update.close()  # remove the gradient hooks: the module may be used without this strategy
         if self.allreduce is not None:
             self.allreduce.close()
         if self._flush_callback is not None and self.lightning_module is not None:

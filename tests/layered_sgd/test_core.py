@@ -26,9 +26,14 @@ class _Net(nn.Module):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
         self.unused = nn.Linear(2, 2)  # never used in forward: must keep grad=None (no weight decay step)
+        self.rank_scale = nn.Parameter(torch.ones(3))  # used on even ranks only (see forward)
+        self.use_scale = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+        out = self.body(x)
+        # A parameter that gets a gradient on some ranks only: the bucket holding it becomes ready during
+        # backward on those ranks and only at begin() on the others; buckets must still start in the same order.
+        return out * self.rank_scale if self.use_scale else out
 
 
 def _model() -> nn.Module:
@@ -66,18 +71,24 @@ def _serial() -> list[torch.Tensor]:
     return [p.detach().clone().numpy() for p in model.parameters()]  # numpy: pickled by value
 
 
-def _layered_worker(rank: int, world: int) -> list[torch.Tensor]:
+def _layered_worker(rank: int, world: int, per_node: int = PER_NODE, bucket_cap_mb: float = 25.0,
+                    rank_dependent: bool = False) -> list[torch.Tensor]:
     torch.manual_seed(100 + rank)  # different seeds: parameters must come from rank 0's broadcast
     model, (x, y) = _model(), _data()
+    model.use_scale = rank_dependent and rank % 2 == 0
     opt, sched = _optim(model)
-    groups = build_layered_groups(PER_NODE, timeout_s=60)
-    update = PostponedUpdate(model.parameters(), HierarchicalAllreduce(groups, timeout_s=60))
+    groups = build_layered_groups(per_node, timeout_s=60)
+    # tiny buckets: about one parameter per bucket, started from the gradient hooks during backward
+    update = PostponedUpdate(model.parameters(), HierarchicalAllreduce(groups, timeout_s=60),
+                             bucket_cap_mb=bucket_cap_mb, first_bucket_mb=min(1.0, bucket_cap_mb))
     for step in range(STEPS):
         xb, yb = _global_batch(x, y, step)
         xb, yb = xb[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH], yb[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         update.apply(opt.step)  # line 10 of step-1: before this forward
         opt.zero_grad()
-        nn.functional.cross_entropy(model(xb), yb).backward()
+        with update.no_sync():  # gradient accumulation: first micro-batch reduces nothing
+            nn.functional.cross_entropy(model(xb[:1]), yb[:1]).mul(1 / LOCAL_BATCH).backward()
+        nn.functional.cross_entropy(model(xb[1:]), yb[1:]).mul((LOCAL_BATCH - 1) / LOCAL_BATCH).backward()
         update.begin([opt])  # lines 6 and 8
         with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
             warnings.simplefilter("ignore", UserWarning)
@@ -85,12 +96,14 @@ def _layered_worker(rank: int, world: int) -> list[torch.Tensor]:
         time.sleep(0.01)  # "load the next batch" while the leaders allreduce
     update.apply(opt.step)
     update.allreduce.close()
+    update.close()
     assert model.unused.weight.grad is None
     return [p.detach().clone().numpy() for p in model.parameters()]  # numpy: pickled by value
 
 
-def _ddp_worker(rank: int, world: int) -> list[torch.Tensor]:
+def _ddp_worker(rank: int, world: int, rank_dependent: bool = False) -> list[torch.Tensor]:
     model, (x, y) = _model(), _data()
+    model.use_scale = rank_dependent and rank % 2 == 0
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt, sched = _optim(model)
     for step in range(STEPS):
@@ -104,20 +117,35 @@ def _ddp_worker(rank: int, world: int) -> list[torch.Tensor]:
 
 
 def _layered_and_ddp_worker(rank: int, world: int):
-    return _layered_worker(rank, world), _ddp_worker(rank, world)
+    return (
+        _layered_worker(rank, world),
+        _ddp_worker(rank, world),
+        _layered_worker(rank, world, bucket_cap_mb=1e-5),  # 2 groups x 2, one bucket per parameter
+        _layered_worker(rank, world, per_node=WORLD, bucket_cap_mb=1e-5),  # one group: plain bucketed allreduce
+        _layered_worker(rank, world, bucket_cap_mb=1e-5, rank_dependent=True),
+        _ddp_worker(rank, world, rank_dependent=True),
+    )
 
 
 def test_layered_equals_serial_and_ddp():
-    """Parameters after 6 steps of SGD (momentum, weight decay, StepLR) in float64: layered == DDP == serial."""
+    """Parameters after 6 steps of SGD (momentum, weight decay, StepLR; each step accumulated from 2
+    micro-batches, the first under no_sync) in float64: layered == DDP == serial, with one bucket and with one
+    bucket per parameter started from the gradient hooks (2 groups x 2 and a single group of 4); and with a
+    parameter that gets gradients on even ranks only, layered == DDP(find_unused_parameters=True)."""
     serial = [torch.from_numpy(a) for a in _serial()]
-    both = run_in_processes(_layered_and_ddp_worker, WORLD, timeout_s=300)  # one spawn: the machine is slow
-    layered, ddp = [b[0] for b in both], [b[1] for b in both]
+    runs = run_in_processes(_layered_and_ddp_worker, WORLD, timeout_s=300)  # one spawn: the machine is slow
     initial = list(_model().parameters())
     assert any(not torch.allclose(s, i) for s, i in zip(serial, initial)), "training did not move the weights"
     for rank in range(WORLD):
-        for s, lay, d in zip(serial, layered[rank], ddp[rank]):
-            torch.testing.assert_close(torch.from_numpy(lay), s, rtol=1e-10, atol=1e-10)
+        layered, ddp, small_buckets, one_group, lay_dep, ddp_dep = runs[rank]
+        for s, lay, d, sb, og in zip(serial, layered, ddp, small_buckets, one_group):
+            for got in (lay, sb, og):
+                torch.testing.assert_close(torch.from_numpy(got), s, rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(torch.from_numpy(lay), torch.from_numpy(d), rtol=1e-10, atol=1e-10)
+        scale = [n for n, _ in _model().named_parameters()].index("rank_scale")  # it moved, as with DDP
+        assert not torch.allclose(torch.from_numpy(lay_dep[scale]), initial[scale].detach())
+        for a, b in zip(lay_dep, ddp_dep):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-10, atol=1e-10)
 
 
 def _mean_worker(rank: int, world: int) -> list:
@@ -131,7 +159,7 @@ def _mean_for(rank: int, per_node: int):
     for k in range(3):  # reuse of the communicator thread
         t = torch.arange(10, dtype=torch.float64) * (rank + 1) + k
         reducer.start(t)
-        out.append(reducer.finish().clone())
+        out.append(reducer.finish()[0].clone())
     reducer.close()
     return torch.stack(out).numpy()
 
