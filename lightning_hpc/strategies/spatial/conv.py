@@ -45,19 +45,23 @@ def conv_windows(conv: nn.Conv2d) -> tuple[Window1d, Window1d]:
 
 
 def native_padding(plan: HaloPlan, windows: tuple[Window1d, Window1d], grid_parts: tuple[int, int]) -> tuple[int, int]:
-    """Per dimension, the zero padding the native convolution can apply itself: a dimension that is not split
-    (one part) and whose needed range is the image plus a symmetric border ``p`` needs no padding in the box."""
-    out = []
-    for dim, (win, parts) in enumerate(zip(windows, grid_parts)):
-        lo, hi = plan.need[dim]
-        n = (plan.rows, plan.cols)[dim].n
-        out.append(win.padding if parts == 1 and lo == -win.padding and hi == n + win.padding else 0)
-    return out[0], out[1]
+    """Per dimension, the zero padding the native convolution applies itself: along a dimension that is not
+    split (one part) the tile is the whole image, so the box spans it and the convolution pads it exactly as the
+    serial layer does (no padding strips to fill, whole-row copies)."""
+    return tuple(win.padding if parts == 1 else 0 for win, parts in zip(windows, grid_parts))  # type: ignore[return-value]
 
 
 def _box_ranges(plan: HaloPlan, native: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Global row and column range of the box: the needed range, without the border the convolution pads."""
-    return tuple((lo + p, hi - p) for (lo, hi), p in zip(plan.need, native))  # type: ignore[return-value]
+    """Global row and column range of the box: the needed range, or the whole image along a dimension the
+    convolution pads natively."""
+    return tuple((0, dim.n) if p else need for need, p, dim in zip(plan.need, native, (plan.rows, plan.cols)))  # type: ignore[return-value]
+
+
+def _own_part(plan: HaloPlan, box: tuple[tuple[int, int], tuple[int, int]]) -> tuple[int, int, int, int]:
+    """Global rows/columns of this tile that lie in the box (a strided kernel may not read a tile's last rows)."""
+    (a, b), (c, e) = plan.own
+    (br0, br1), (bc0, bc1) = box
+    return max(a, br0), min(b, br1), max(c, bc0), min(e, bc1)
 
 
 def extended_box(x: torch.Tensor, blocks: list[torch.Tensor], plan: HaloPlan, out: torch.Tensor | None = None,
@@ -66,7 +70,8 @@ def extended_box(x: torch.Tensor, blocks: list[torch.Tensor], plan: HaloPlan, ou
     blocks (in ``plan.recvs`` order) and zeros for the image border (except the ``native`` border the
     convolution pads itself).  Each element is written once (no zero-fill of the whole box, no concatenation).
     ``own=False`` leaves the tile's part to a later call."""
-    (rlo, rhi), (clo, chi) = _box_ranges(plan, native)
+    box = _box_ranges(plan, native)
+    (rlo, rhi), (clo, chi) = box
     if out is None:
         out = x.new_empty(x.shape[0], x.shape[1], rhi - rlo, chi - clo)
         (crlo, crhi), (cclo, cchi) = plan.need_clamped
@@ -81,9 +86,7 @@ def extended_box(x: torch.Tensor, blocks: list[torch.Tensor], plan: HaloPlan, ou
             out[:, :, :, cchi - clo :].zero_()
     if own:
         (a, _), (c, _) = plan.own
-        (r0, r1), (c0, c1) = plan.own
-        (kr0, kr1), (kc0, kc1) = plan.need_clamped
-        r0, r1, c0, c1 = max(r0, kr0), min(r1, kr1), max(c0, kc0), min(c1, kc1)
+        r0, r1, c0, c1 = _own_part(plan, box)
         out[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo].copy_(x[:, :, r0 - a : r1 - a, c0 - c : c1 - c])
     for (_, _, (r0, r1), (c0, c1)), buf in zip(plan.recvs, blocks):
         out[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo].copy_(buf)
@@ -126,12 +129,12 @@ class _HaloConv2d(torch.autograd.Function):
         del box
         grad_x = None
         if need_x:  # every rank of the group agrees (same layer), so either all exchange or none does
-            (rlo, _), (clo, _) = _box_ranges(plan, native)
+            box_ranges = _box_ranges(plan, native)
+            (rlo, _), (clo, _) = box_ranges
             ex = ctx.exchange
             ex.post_backward([grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo] for (_, _, (r0, r1), (c0, c1)) in plan.recvs])
             (a, b), (c, e) = plan.own
-            (kr0, kr1), (kc0, kc1) = plan.need_clamped
-            r0, r1, c0, c1 = max(a, kr0), min(b, kr1), max(c, kc0), min(e, kc1)
+            r0, r1, c0, c1 = _own_part(plan, box_ranges)
             if (r0, r1, c0, c1) == (a, b, c, e):
                 grad_x = grad_box[:, :, a - rlo : b - rlo, c - clo : e - clo]
             else:  # rows/columns of the tile no output window reads (strided kernels, uneven tiles): zero gradient
