@@ -4,7 +4,10 @@ Forward: each rank computes the output rows/columns of its (blocked) output tile
 plus a halo of exactly the rows/columns its output windows reach (:mod:`halo_exchange`); the image border
 is zero padding.  With ``overlap=True`` the halo messages are posted first, the *interior* outputs (whose
 windows lie inside the local tile) are computed while they travel, and the four boundary strips are computed
-once they arrived.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
+once they arrived.  With ``overlap=False`` (the default) the tile is copied into one box with its halo and
+the image-border zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`):
+on CPU/gloo the five smaller convolutions and the output concatenation of the overlapped path cost more than the
+halo transfer they hide (measured in docs/spatial.md).  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
 """
@@ -154,7 +157,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
     overlap: bool
 
     @classmethod
-    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = True, name: str = "") -> "SpatialConv2d":
+    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = False, name: str = "") -> "SpatialConv2d":
         if conv.padding_mode != "zeros":
             raise ValueError(
                 f"Conv2d '{name}' uses padding_mode={conv.padding_mode!r}; the spatial layers implement zero padding "
