@@ -7,11 +7,12 @@ measured in this process, alpha-beta from the local gloo calibration, and comput
 by the measured slowdown of that many concurrent processes on this host
 (``compute_contention``; ``--contention cores`` uses processes / cores instead).  Also prints the planner's free choice (spatial allowed) for each size.
 
-    python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2] [--spatial]
+    python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2] [--spatial] [--worlds 1,2,4]
 
 With ``--spatial`` (needs the spatial layers of ``lightning_hpc.strategies.spatial``), also pure spatial runs at
 mini-batch 1 on 2 (2x1 tiles) and 4 (2x2) processes, predicted with the same distribution, halo overlap as run
-and one fused gradient allreduce (what ``reduce_gradients`` does).
+(default off: one convolution over the tile + halo box), the box copies, and one fused gradient allreduce (what
+``reduce_gradients`` does).  Every process runs one torch thread, and the layer times are taken with one thread.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int) -> N
     for world, parts in ((2, (2, 1)), (4, (2, 2))):
         measured, predicted, scales = [], [], []
         for _ in range(args.rounds):
-            times = run_in_processes(_spatial_steps, world, args.size, args.convs, parts, not args.no_overlap, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
+            times = run_in_processes(_spatial_steps, world, args.size, args.convs, parts, args.overlap, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
             measured.append(statistics.median(times))
             scale = _scale(world, cores, args.contention)
             scales.append(scale)
@@ -112,7 +113,7 @@ def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int) -> N
                 want = (world // (parts[0] * parts[1]), *parts)
                 plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=1, alpha_beta=ab, timer=timer,
                                       restrict=lambda d: (d.n, d.h, d.w) == want, compute_scale=scale,
-                                      gradient_reduction="single", overlap_halo=not args.no_overlap)
+                                      gradient_reduction="single", overlap_halo=args.overlap)
             predicted.append(plan.predicted_step_time)
         meas, pred = statistics.median(measured), statistics.median(predicted)
         report.add(processes=world, mini_batch=1, distribution=f"N1 x H{parts[0]} x W{parts[1]} (spatial)", measured_s=meas,
@@ -132,7 +133,8 @@ def main() -> None:
     ap.add_argument("--contention", choices=("measured", "cores"), default="measured",
                     help="compute slowdown of concurrent ranks: measured (compute_contention) or processes / cores")
     ap.add_argument("--spatial", action="store_true", help="also measure spatial runs (needs the spatial layers)")
-    ap.add_argument("--no-overlap", action="store_true", help="spatial runs without halo/interior overlap")
+    ap.add_argument("--overlap", action="store_true", help="spatial runs with the interior/halo overlap of section IV-A "
+                    "(default: one convolution over the tile + halo box, the faster path on CPU)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -140,7 +142,7 @@ def main() -> None:
     shape = (18, args.size, args.size)
     report = Report("mesh_planner")
     report.meta.update(size=args.size, convs=args.convs, alpha=ab.alpha, beta=ab.beta, cores=cores,
-                       note="shared 2-core machine (other agents running): timings are noisy")
+                       note="2-core machine, run under the exclusive benchmark lock; one torch thread per process", loadavg_start=os.getloadavg())
     for world in [int(w) for w in args.worlds.split(",")]:
         measured, predicted, scales = [], [], []
         for _ in range(args.rounds):

@@ -1,33 +1,38 @@
 """Spatial parallelism benchmarks (Dryden et al., Tables I/II and section IV-A), on this machine's CPU/gloo.
 
+Every process runs ONE torch thread (``run_in_processes`` sets it), the 1-process baseline included: on this
+2-core machine a "device" is one core.
+
 1. memory:  peak memory per rank for ONE 2048 x 2048 x 18 sample through the 2K mesh model (forward +
-            backward) on 1, 2 and 4 processes (tiles 1x1, 2x1, 2x2).  Reported two ways: the bytes autograd
-            holds for backward (exact, from saved-tensor hooks) and the peak RSS growth of the process during
-            the step (what the OS saw).
+            backward) on 1, 2 and 4 processes (tiles 1x1, 2x1, 2x2).  The headline measure is what a GPU user
+            reads from ``max_memory_allocated``: the CPU allocator's peak of tensor bytes during the step
+            (torch.profiler ``profile_memory``; the "Total Allocated" running count) plus the tensors held
+            before it (parameters, buffers, input tile, target).  Also reported: the bytes autograd saves for
+            backward (saved-tensor hooks), the peak RSS growth during the step (sampled every 5 ms, minus the
+            RSS just before it) and the raw peak RSS (includes the ~300 MiB python + torch + gloo footprint).
 2. scaling: strong scaling of the 1K mesh model (one training step: forward, per-pixel loss, backward,
             gradient reduction, SGD) at mini-batch N = 1 and 2 on 1 and 2 processes, Table I style:
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
-            "2 procs/sample" (spatial 2x1).  Medians of repeated steps.
+            "2 procs/sample" (spatial 2x1).  Configurations interleaved over rounds; medians of all steps.
 3. overlap: the same 1K step on 2 processes with the halo exchange overlapped with the interior convolution
-            and without, alternating step by step in the same processes.
+            (section IV-A) and the single-convolution path, alternating step by step in the same processes.
 
-The mesh models follow section VI: six blocks of three (1K) or five (2K) conv-BN-ReLU with 3x3 filters,
-stride 2 at the first conv of each block, a final 1x1 prediction conv and upsampling to the input resolution.
-lightning_hpc.models.mesh_fcn (written on another branch) was not in this worktree when the bench was
-written, so the architecture is defined here; the channel widths (16, 32, 64, 64, 128, 128) are ours (the
-paper does not give them).
+The model is the recipes' section VI FCN (``lightning_hpc.models.mesh_fcn``: six blocks of three (1K) or five
+(2K) conv-BN-ReLU with 3x3 filters, stride 2 at the first conv of each block, widths 16-32-64-128-256-256, a
+1x1 prediction conv and nearest upsampling to the input resolution).
 
-Run:  python bench/spatial.py            (all three; ~15-20 min on a shared 2-core machine)
-      python bench/spatial.py --only memory|scaling|overlap  [--repeats 5]
+Run (through /work/bin/lhpc-bench on the shared machine):
+      python bench/spatial.py --only memory|scaling|overlap  [--repeats 3] [--rounds 3] [--overlap]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
+import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,23 +47,15 @@ from harness import Report  # noqa: E402
 
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.distributed.partition import block_range  # noqa: E402
+from lightning_hpc.models.mesh_fcn import DEFAULT_WIDTHS, mesh_fcn  # noqa: E402
 from lightning_hpc.strategies.spatial.convert import convert_model, split_parameters  # noqa: E402
 from lightning_hpc.strategies.spatial.gradients import reduce_gradients  # noqa: E402
 from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout  # noqa: E402
 
-WIDTHS = (16, 32, 64, 64, 128, 128)
-
-
-def mesh_fcn(convs_per_block: int, in_channels: int = 18, widths=WIDTHS) -> nn.Sequential:
-    """Section VI's FCN: 6 blocks of ``convs_per_block`` conv-BN-ReLU (stride 2 first), 1x1 prediction, upsample."""
-    layers: list[nn.Module] = []
-    cin = in_channels
-    for width in widths:
-        for k in range(convs_per_block):
-            layers += [nn.Conv2d(cin, width, 3, stride=2 if k == 0 else 1, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
-            cin = width
-    layers += [nn.Conv2d(cin, 1, 1), nn.Upsample(scale_factor=2 ** len(widths), mode="bilinear")]
-    return nn.Sequential(*layers)
+def mesh_model(convs_per_block: int) -> nn.Module:
+    """The recipes' section VI FCN (``recipes/mesh_tangling_{1k,2k}.yaml``: widths 16-32-64-128-256-256, nearest
+    upsampling), i.e. exactly what ``lightning-hpc train recipe=mesh_tangling_1k`` trains."""
+    return mesh_fcn(in_channels=18, convs_per_block=convs_per_block, widths=DEFAULT_WIDTHS)
 
 
 def _rss_bytes() -> int:
@@ -66,15 +63,48 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _memory_worker(rank: int, world: int, parts, size: int, convs: int):
+class _RssSampler(threading.Thread):
+    """Peak resident set size while running, sampled every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.period, self.peak, self._stop_flag = period, _rss_bytes(), threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_flag.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            time.sleep(self.period)
+
+    def stop(self) -> int:
+        self._stop_flag.set()
+        self.join()
+        return max(self.peak, _rss_bytes())
+
+
+def _allocator_peak(prof, path: str) -> tuple[int, int]:
+    """(peak, end) of the CPU allocator's bytes allocated during a profiled region, relative to its start: the
+    CPU analogue of ``torch.cuda.max_memory_allocated() - memory_allocated()`` (tensor bytes only; nothing the
+    allocator caches, no fragmentation, no library buffers)."""
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    return (max([0, *totals]), totals[-1] if totals else 0)
+
+
+def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap: bool):
+    from torch.profiler import ProfilerActivity, profile
+
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_fcn(convs), grid, input_shape=(18, size, size))
+    model = convert_model(mesh_model(convs), grid, overlap=overlap, input_shape=(18, size, size))
     # each rank creates only its own tile (as the tile reader does): no rank ever holds the whole sample
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
     x = torch.randn(1, 18, h1 - h0, w1 - w0)
     y = (torch.rand(1, 1, h1 - h0, w1 - w0) > 0.5).float()
+    held = sum(t.numel() * t.element_size() for t in (x, y, *model.parameters(), *model.buffers()))
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -84,31 +114,42 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int):
     if dist.is_initialized():
         dist.barrier()
     before = _rss_bytes()
+    sampler = _RssSampler()
+    sampler.start()
     t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
-    saved_bytes = sum(saved.values())
-    loss.backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
+        saved_bytes = sum(saved.values())
+        loss.backward()
     step = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"saved_MiB": saved_bytes / 2**20, "rss_growth_MiB": (peak - before) / 2**20, "input_tile_MiB": x.numel() * 4 / 2**20, "step_s": step}
+    peak_rss = sampler.stop()
+    alloc_peak, alloc_end = _allocator_peak(prof, f"/tmp/spatial_mem_{os.getpid()}.json")
+    mib = 2.0**20
+    return {"alloc_peak_MiB": (held + alloc_peak) / mib, "step_alloc_peak_MiB": alloc_peak / mib, "held_before_MiB": held / mib,
+            "saved_MiB": saved_bytes / mib, "rss_growth_MiB": (peak_rss - before) / mib, "rss_peak_MiB": peak_rss / mib,
+            "rss_before_MiB": before / mib, "input_tile_MiB": x.numel() * 4 / mib, "step_s": step}
 
 
-def bench_memory(report: Report, size: int = 2048) -> None:
+def bench_memory(report: Report, size: int = 2048, overlap: bool = False) -> None:
     for procs, parts in ((1, (1, 1)), (2, (2, 1)), (4, (2, 2))):
-        res = run_in_processes(_memory_worker, procs, parts, size, 5, timeout_s=1800, collective_timeout_s=900)
-        worst = max(res, key=lambda r: r["saved_MiB"])
+        res = run_in_processes(_memory_worker, procs, parts, size, 5, overlap, timeout_s=1800, collective_timeout_s=900)
+        worst = max(res, key=lambda r: r["alloc_peak_MiB"])
         report.add(
             bench="memory_2k", procs=procs, tiles=f"{parts[0]}x{parts[1]}",
-            saved_MiB_max_rank=worst["saved_MiB"],
+            alloc_peak_MiB=worst["alloc_peak_MiB"], held_before_MiB=worst["held_before_MiB"],
+            step_alloc_peak_MiB=max(r["step_alloc_peak_MiB"] for r in res),
+            saved_MiB_max_rank=max(r["saved_MiB"] for r in res),
             rss_growth_MiB_max_rank=max(r["rss_growth_MiB"] for r in res),
+            rss_peak_MiB_max_rank=max(r["rss_peak_MiB"] for r in res),
+            rss_before_MiB=max(r["rss_before_MiB"] for r in res),
             input_tile_MiB=worst["input_tile_MiB"], step_s=max(r["step_s"] for r in res),
         )
         print(report.rows[-1], flush=True)
     base = report.rows[-3]
     for row in report.rows[-3:]:
-        row["saved_vs_1proc"] = row["saved_MiB_max_rank"] / base["saved_MiB_max_rank"]
-        row["rss_vs_1proc"] = row["rss_growth_MiB_max_rank"] / base["rss_growth_MiB_max_rank"]
+        for key in ("alloc_peak_MiB", "saved_MiB_max_rank", "rss_growth_MiB_max_rank", "rss_peak_MiB_max_rank"):
+            row[key.replace("_MiB", "").replace("_max_rank", "") + "_vs_1proc"] = row[key] / base[key]
 
 
 def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, repeats: int):
@@ -117,7 +158,7 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_fcn(3), grid, overlap=overlap is not False, input_shape=(18, size, size))
+    model = convert_model(mesh_model(3), grid, overlap=overlap is True or overlap == "alternate", input_shape=(18, size, size))
     convs = [m for m in model.modules() if hasattr(m, "overlap")]
     tile_p, rep_p = split_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -156,7 +197,7 @@ def _steps(procs: int, parts, batch: int, size: int, overlap, repeats: int):
     return run_in_processes(_train_worker, procs, parts, batch, size, overlap, repeats, timeout_s=1800, collective_timeout_s=900)[0]
 
 
-def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 3) -> None:
+def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 3, overlap: bool = False) -> None:
     """Configurations are interleaved round by round (the machine's load drifts); medians over all steps."""
     configs = {
         1: [("1 proc", 1, (1, 1)), ("2 procs, 2 procs/sample (spatial 2x1)", 2, (2, 1))],
@@ -167,7 +208,7 @@ def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 
     for _ in range(rounds):
         for batch, entries in configs.items():
             for name, procs, parts in entries:
-                samples.setdefault((batch, name), []).extend(_steps(procs, parts, batch, size, True, repeats))
+                samples.setdefault((batch, name), []).extend(_steps(procs, parts, batch, size, overlap, repeats))
     for batch, entries in configs.items():
         t1 = statistics.median(samples[(batch, "1 proc")])
         for name, procs, _ in entries:
@@ -193,17 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per process group (after 1 warm-up)")
     ap.add_argument("--size-2k", type=int, default=2048)
     ap.add_argument("--size-1k", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3, help="scaling: interleaved rounds over the configurations")
+    ap.add_argument("--overlap", action="store_true", help="memory/scaling: halo overlapped with the interior convolution "
+                    "(section IV-A) instead of one convolution over the extended tile (the default, faster on CPU)")
     args = ap.parse_args(argv)
     which = args.only or ["memory", "scaling", "overlap"]
     for name in which:
         report = Report(f"spatial_{name}", meta={"note": "2 CPU cores shared with other jobs; gloo; 1 thread per rank",
-                                                    "widths": WIDTHS})
+                                                    "widths": DEFAULT_WIDTHS, "overlap": args.overlap, "loadavg_start": os.getloadavg()})
         if name == "memory":
-            bench_memory(report, args.size_2k)
+            bench_memory(report, args.size_2k, args.overlap)
         elif name == "scaling":
-            bench_scaling(report, args.repeats, args.size_1k)
+            bench_scaling(report, args.repeats, args.size_1k, args.rounds, args.overlap)
         else:
             bench_overlap(report, args.repeats, args.size_1k)
+        report.meta["loadavg_end"] = os.getloadavg()
         report.print()
         report.write()
     return 0

@@ -1,11 +1,11 @@
 """BatchNorm2d over a spatially partitioned sample (section III-B).
 
 The paper leaves open whether batch statistics should be tile-local or aggregated over the spatial
-distribution of a sample; both are offered.  ``mode="aggregated"`` (the default) allreduces, per channel, the
-sum and the sum of squares over the spatial group in one message (accumulated in float64 so the
-``E[x^2] - E[x]^2`` form loses nothing at fp32 tolerance), so the normalisation, the gradients and the running
+distribution of a sample; both are offered.  ``mode="aggregated"`` (the default) gathers, per channel, the
+tile's mean, variance and count over the spatial group in one message and combines them in float64 (Chan et
+al.'s pairwise update), so the normalisation, the gradients and the running
 statistics (unbiased variance over the whole N x H x W) equal those of the unpartitioned layer on the same
-samples.  Backward allreduces the two per-channel sums of the input gradient (the adjoint of the statistics'
+samples.  Backward allreduces the two per-channel sums of the output gradient (the adjoint of the statistics'
 allreduce); weight and bias gradients stay tile-local partial sums, summed over the group by the strategy.  ``mode="local"`` keeps plain ``nn.BatchNorm2d`` on each tile (cheaper, not equal to the serial
 layer).  In eval mode the running statistics are used and nothing is communicated.
 """
@@ -27,43 +27,51 @@ BN_MODES = ("aggregated", "local")
 
 
 class _AggregatedBatchNorm(torch.autograd.Function):
-    """Batch norm whose statistics cover the whole spatial group; saves only the input (like the native layer)
-    and recomputes x_hat in backward, where the two per-channel sums of the input gradient are allreduced too
-    (the adjoint of the statistics' allreduce)."""
+    """Batch norm whose statistics cover the whole spatial group, built on PyTorch's fused kernels.
+
+    Forward: per-tile mean and (biased) variance in one pass (the native statistics kernel), one all-gather of ``(mean, var, count)``
+    per channel over the group, combined in float64 with Chan et al.'s pairwise update (no ``E[x^2] - E[x]^2``
+    cancellation), then the native inference kernel normalises with the group statistics (one pass).  Saves
+    only the input (like the native layer).  Backward: the native inference backward gives ``dy * gain`` and the
+    two per-channel tile sums ``sum(dy)``, ``sum(dy * x_hat)`` in one pass; the sums are allreduced (the adjoint
+    of the statistics' reduction) and the statistics' term of Eq. (BN backward) is subtracted in place:
+    ``dx = dy*gain - gain/n * (sum(dy) + x_hat * sum(dy*x_hat))``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, group):  # type: ignore[override]
-        dims = (0, 2, 3)
         c = x.shape[1]
-        stats = torch.cat([x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64),
-                           torch.tensor([x.shape[0] * x.shape[2] * x.shape[3]], dtype=torch.float64, device=x.device)])
-        dist.all_reduce(stats, group=group)
-        n = float(stats[2 * c])
-        mean64 = stats[:c] / n
-        var64 = (stats[c : 2 * c] / n - mean64 * mean64).clamp_min(0)
-        invstd64 = torch.rsqrt(var64 + eps)
-        mean, invstd = mean64.to(x.dtype), invstd64.to(x.dtype)
-        scale = invstd if weight is None else invstd * weight.detach()
-        shift = -mean * scale if bias is None else bias.detach() - mean * scale
-        y = x * scale[None, :, None, None] + shift[None, :, None, None]
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        # the native (Welford) statistics kernel of batch norm: one pass, several times faster than var_mean
+        mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
+        local = torch.cat([mean_l.double(), var_l.double(), torch.tensor([float(x.numel() // c)], dtype=torch.float64, device=x.device)])
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        stats = torch.stack(parts)  # (ranks, 2C + 1)
+        counts = stats[:, 2 * c : 2 * c + 1]
+        n = float(counts.sum())
+        mean64 = (stats[:, :c] * counts).sum(0) / n
+        var64 = ((stats[:, c : 2 * c] + (stats[:, :c] - mean64) ** 2) * counts).sum(0) / n
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.n, ctx.eps, ctx.group, ctx.has_bias = n, eps, group, bias is not None
         ctx.mark_non_differentiable(mean64, var64)
         return y, mean64, var64, n
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dn):  # type: ignore[override]
-        x, weight, mean, invstd = ctx.saved_tensors
-        dims = (0, 2, 3)
-        view = (1, -1, 1, 1)
-        # few full-size temporaries: xhat is built in place and turned into dx in place
-        xhat = (x - mean.view(view)).mul_(invstd.view(view))
-        local = torch.stack([dy.sum(dims), (dy * xhat).sum(dims)])  # d(bias), d(weight) on this tile
+        x, weight, mean, var = ctx.saved_tensors
+        dx, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, mean, var, None, None, False, ctx.eps, [True, True, True])
+        local = torch.stack([sum_dy, sum_dy_xhat])  # d(bias), d(weight) on this tile
         sums = local.clone()
         dist.all_reduce(sums, group=ctx.group)
+        invstd = torch.rsqrt(var + ctx.eps)
         gain = invstd if weight is None else invstd * weight
-        dx = xhat.mul_((sums[1] / ctx.n * gain).view(view)).add_((sums[0] / ctx.n * gain).view(view))
-        dx = (dy * gain.view(view)).sub_(dx)
+        # dx -= gain/n * (S_dy + (x - mean) * invstd * S_dyxhat) = a * x + b, per channel
+        a = gain * invstd * sums[1] / ctx.n
+        b = gain * sums[0] / ctx.n - a * mean
+        view = (1, -1, 1, 1)
+        dx.addcmul_(x, a.view(view), value=-1.0).sub_(b.view(view))
         dweight = local[1] if weight is not None else None
         dbias = local[0] if ctx.has_bias else None
         return dx, dweight, dbias, None, None

@@ -4,7 +4,10 @@ Forward: each rank computes the output rows/columns of its (blocked) output tile
 plus a halo of exactly the rows/columns its output windows reach (:mod:`halo_exchange`); the image border
 is zero padding.  With ``overlap=True`` the halo messages are posted first, the *interior* outputs (whose
 windows lie inside the local tile) are computed while they travel, and the four boundary strips are computed
-once they arrived.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
+once they arrived.  With ``overlap=False`` (the default) the tile is copied into one box with its halo and
+the image-border zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`):
+on CPU/gloo the five smaller convolutions and the output concatenation of the overlapped path cost more than the
+halo transfer they hide (measured in docs/spatial.md).  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
 
@@ -23,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.strategies.spatial.halo_exchange import Window1d, finish_halo_exchange, own_slices, start_halo_exchange
+from lightning_hpc.strategies.spatial.halo_exchange import HaloExchange, HaloPlan, Window1d, finish_halo_exchange, own_slices, start_halo_exchange
 from lightning_hpc.strategies.spatial.layer import SpatialLayer
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 
-__all__ = ["SpatialConv2d", "conv_windows"]
+__all__ = ["SpatialConv2d", "conv_windows", "extended_box", "native_padding"]
 
 
 def _pair(v) -> tuple[int, int]:
@@ -48,6 +51,110 @@ def conv_windows(conv: nn.Conv2d) -> tuple[Window1d, Window1d]:
     else:
         p = _pair(conv.padding)
     return Window1d(k[0], s[0], p[0], d[0]), Window1d(k[1], s[1], p[1], d[1])
+
+
+def native_padding(plan: HaloPlan, windows: tuple[Window1d, Window1d], grid_parts: tuple[int, int]) -> tuple[int, int]:
+    """Per dimension, the zero padding the native convolution applies itself: along a dimension that is not
+    split (one part) the tile is the whole image, so the box spans it and the convolution pads it exactly as the
+    serial layer does (no padding strips to fill, whole-row copies)."""
+    return tuple(win.padding if parts == 1 else 0 for win, parts in zip(windows, grid_parts))  # type: ignore[return-value]
+
+
+def _box_ranges(plan: HaloPlan, native: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Global row and column range of the box: the needed range, or the whole image along a dimension the
+    convolution pads natively."""
+    return tuple((0, dim.n) if p else need for need, p, dim in zip(plan.need, native, (plan.rows, plan.cols)))  # type: ignore[return-value]
+
+
+def _own_part(plan: HaloPlan, box: tuple[tuple[int, int], tuple[int, int]]) -> tuple[int, int, int, int]:
+    """Global rows/columns of this tile that lie in the box (a strided kernel may not read a tile's last rows)."""
+    (a, b), (c, e) = plan.own
+    (br0, br1), (bc0, bc1) = box
+    return max(a, br0), min(b, br1), max(c, bc0), min(e, bc1)
+
+
+def extended_box(x: torch.Tensor, blocks: list[torch.Tensor], plan: HaloPlan, out: torch.Tensor | None = None,
+                 own: bool = True, native: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """The input box ``plan.need`` of this tile in one buffer: the tile's rows/columns it uses, the received halo
+    blocks (in ``plan.recvs`` order) and zeros for the image border (except the ``native`` border the
+    convolution pads itself).  Each element is written once (no zero-fill of the whole box, no concatenation).
+    ``own=False`` leaves the tile's part to a later call."""
+    box = _box_ranges(plan, native)
+    (rlo, rhi), (clo, chi) = box
+    if out is None:
+        out = x.new_empty(x.shape[0], x.shape[1], rhi - rlo, chi - clo)
+        (crlo, crhi), (cclo, cchi) = plan.need_clamped
+        # image border: zero padding (only the strips outside the image)
+        if crlo > rlo:
+            out[:, :, : crlo - rlo].zero_()
+        if rhi > crhi:
+            out[:, :, crhi - rlo :].zero_()
+        if cclo > clo:
+            out[:, :, :, : cclo - clo].zero_()
+        if chi > cchi:
+            out[:, :, :, cchi - clo :].zero_()
+    if own:
+        (a, _), (c, _) = plan.own
+        r0, r1, c0, c1 = _own_part(plan, box)
+        out[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo].copy_(x[:, :, r0 - a : r1 - a, c0 - c : c1 - c])
+    for (_, _, (r0, r1), (c0, c1)), buf in zip(plan.recvs, blocks):
+        out[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo].copy_(buf)
+    return out
+
+
+class _HaloConv2d(torch.autograd.Function):
+    """Halo exchange + convolution of one tile as one autograd node (``overlap=False``, section III-A).
+
+    Forward posts the halo messages, copies the tile into the extended box while they travel, adds the halos
+    and the image-border zeros, and runs ONE native convolution (padding only along a dimension that is not
+    split, where the box is the whole image).  Only the tile and the (small) halo blocks are saved; backward
+    rebuilds the box (one copy), runs the native convolution backward, posts the halo gradients back to their
+    owners first and adds the gradients received from the neighbours into the tile's edge rows/columns in
+    place (the adjoint of the forward exchange).  The tile's gradient is returned as a view of the box's
+    gradient (no copy; the next kernel reads it strided)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv: "SpatialConv2d", plan: HaloPlan):  # type: ignore[override]
+        native = native_padding(plan, conv._wins, conv.grid.parts)
+        exchange = HaloExchange(plan)
+        exchange.post_forward(x)
+        box = extended_box(x, [], plan, native=native)  # tile copied while the halos travel
+        blocks = exchange.finish_forward()
+        extended_box(x, blocks, plan, out=box, own=False, native=native)
+        y = F.conv2d(box, weight, bias, conv.stride, native, conv.dilation, conv.groups)
+        ctx.save_for_backward(x, weight, *blocks)
+        ctx.exchange, ctx.plan, ctx.conv, ctx.native, ctx.has_bias = exchange, plan, conv, native, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight, *blocks = ctx.saved_tensors
+        plan, conv, native = ctx.plan, ctx.conv, ctx.native
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        box = extended_box(x, blocks, plan, native=native)
+        grad_box, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad_out, box, weight, [weight.shape[0]] if ctx.has_bias else None, conv.stride, list(native), conv.dilation,
+            False, [0, 0], conv.groups, [need_x, need_w, need_b])
+        del box
+        grad_x = None
+        if need_x:  # every rank of the group agrees (same layer), so either all exchange or none does
+            box_ranges = _box_ranges(plan, native)
+            (rlo, _), (clo, _) = box_ranges
+            ex = ctx.exchange
+            ex.post_backward([grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo] for (_, _, (r0, r1), (c0, c1)) in plan.recvs])
+            (a, b), (c, e) = plan.own
+            r0, r1, c0, c1 = _own_part(plan, box_ranges)
+            if (r0, r1, c0, c1) == (a, b, c, e):
+                grad_x = grad_box[:, :, a - rlo : b - rlo, c - clo : e - clo]
+            else:  # rows/columns of the tile no output window reads (strided kernels, uneven tiles): zero gradient
+                grad_x = x.new_empty(x.shape)
+                for sl in ((slice(None), slice(None), slice(0, r0 - a)), (slice(None), slice(None), slice(r1 - a, None)),
+                           (slice(None), slice(None), slice(None), slice(0, c0 - c)), (slice(None), slice(None), slice(None), slice(c1 - c, None))):
+                    grad_x[sl].zero_()
+                grad_x[:, :, r0 - a : r1 - a, c0 - c : c1 - c] = grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo]
+            del grad_box
+            grad_x = ex.finish_backward(grad_x, inplace=True)
+        return grad_x, grad_w if need_w else None, grad_b, None, None
 
 
 class SpatialConv2d(nn.Conv2d, SpatialLayer):
@@ -72,7 +179,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             self.kfac_output_extent = (int(extent[0]), int(extent[1]))
 
     @classmethod
-    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = True, name: str = "") -> "SpatialConv2d":
+    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = False, name: str = "") -> "SpatialConv2d":
         if conv.padding_mode != "zeros":
             raise ValueError(
                 f"Conv2d '{name}' uses padding_mode={conv.padding_mode!r}; the spatial layers implement zero padding "
@@ -107,6 +214,8 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         if self.pointwise:
             self._record(x, (plan.rows.n_out, plan.cols.n_out))
             return self._conv(x)
+        if not self.overlap:
+            return _HaloConv2d.apply(x, self.weight, self.bias, self, plan)
         return self._forward_tiled(x, plan)
 
     def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:

@@ -114,7 +114,7 @@ def convert_model(
     model: nn.Module,
     grid: SpatialGrid,
     *,
-    overlap: bool = True,
+    overlap: bool = False,
     batchnorm: str = "aggregated",
     input_shape: Sequence[int] | None = None,
     allow: Iterable[type[nn.Module]] = (),

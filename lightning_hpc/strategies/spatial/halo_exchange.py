@@ -232,8 +232,9 @@ class HaloExchange:
             self._recv_bufs.append(buf)
             self._works.append(dist.irecv(buf, src=peer, group=group, tag=self.tag + 9 + d))
 
-    def finish_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        """Add the halo gradients our neighbours computed for rows we own into the interior gradient."""
+    def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """Add the halo gradients our neighbours computed for rows we own into the interior gradient
+        (``inplace``: into ``grad`` itself, which the caller owns)."""
         if not self._backward_posted:
             # no received block was used on this rank: their gradient is zero, but the neighbours expect it
             self.post_backward([None] * len(self.plan.recvs))
@@ -241,7 +242,8 @@ class HaloExchange:
             return grad
         self._wait()
         if self._recv_bufs:
-            grad = grad.clone()
+            if not inplace:
+                grad = grad.clone()
             for (peer, d, r, c), buf in zip(self.plan.sends, self._recv_bufs):
                 rs, cs = self._local(r, c)
                 grad[:, :, rs, cs] += buf.to(grad.dtype)

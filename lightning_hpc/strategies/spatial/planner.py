@@ -127,15 +127,16 @@ class StageCost:
     allreduce: float  # gradient allreduce of the stage's parameters, not overlapped (s)
     allreduces: list[tuple[str, float]] = field(default_factory=list)  # per parametrised layer
     backward: list[tuple[str, float]] = field(default_factory=list)  # per layer backward compute (s)
+    copies: float = 0.0  # building the tile + halo box: once in forward, once in backward (s)
 
     @property
     def total(self) -> float:
-        """``Cost_D(l) = FP + BPx + BPw + BPa`` (section V-A)."""
-        return self.compute + self.halo + self.bn_stats + self.allreduce
+        """``Cost_D(l) = FP + BPx + BPw + BPa`` (section V-A), plus the halo box copies of this implementation."""
+        return self.compute + self.halo + self.copies + self.bn_stats + self.allreduce
 
     @property
     def local(self) -> float:
-        return self.compute + self.halo + self.bn_stats
+        return self.compute + self.halo + self.copies + self.bn_stats
 
 
 @dataclass
@@ -364,7 +365,7 @@ class CostModel:
         key = (stage.name, d)
         if key in self._cache:
             return self._cache[key]
-        compute = halo = bn = 0.0
+        compute = halo = bn = copies = 0.0
         allreduces: list[tuple[str, float]] = []
         backward: list[tuple[str, float]] = []
         spatial = d.h * d.w
@@ -379,6 +380,9 @@ class CostModel:
             else:
                 fwd = bwd = 0.0  # element-wise functions (residual adds, flatten) are treated as free
             x = self._halo(layer, d)
+            if x > 0 and layer.module is not None:
+                # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward)
+                copies += 2 * self.compute_scale * self.timer.measure(_TileCopy(), self.local_shape(layer.in_shape, d), device=self.device)["forward"]
             if self.overlap_halo:  # interior computation hides the exchange (section IV-A)
                 compute += max(fwd, x) + max(bwd, x)
             else:
@@ -390,7 +394,7 @@ class CostModel:
                 bn += 2 * alphabeta.allreduce(2 * layer.module.num_features * self.bytes, spatial, self.m)
             if layer.param_bytes:
                 allreduces.append((layer.name, alphabeta.allreduce(layer.param_bytes, self.p, self.m)))
-        cost = StageCost(compute, halo, bn, sum(t for _, t in allreduces), allreduces, backward)
+        cost = StageCost(compute, halo, bn, sum(t for _, t in allreduces), allreduces, backward, copies)
         self._cache[key] = cost
         return cost
 
@@ -401,6 +405,13 @@ class CostModel:
             return 0.0
         share = nbytes / (a.n * a.h * a.w)
         return 2 * alphabeta.alltoall(share, self.p, self.m)
+
+
+class _TileCopy(nn.Module):
+    """What the timer measures for the halo box: one copy of the tile (its ``repr`` keys the cache)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
 
 
 def _fresh(module: nn.Module) -> nn.Module:
@@ -520,7 +531,7 @@ def _simulate(stages: list[Stage], assignment: dict[str, Distribution], costs: C
     allreduces start when their layer's backward is done and run one at a time, overlapping what is left."""
     local = sum(costs.stage_cost(s, assignment[s.name]).local for s in stages)
     compute = sum(costs.stage_cost(s, assignment[s.name]).compute for s in stages)
-    halo = sum(costs.stage_cost(s, assignment[s.name]).halo + costs.stage_cost(s, assignment[s.name]).bn_stats for s in stages)
+    halo = sum(costs.stage_cost(s, assignment[s.name]).halo + costs.stage_cost(s, assignment[s.name]).copies + costs.stage_cost(s, assignment[s.name]).bn_stats for s in stages)
     shuffle = sum(costs.shuffle(s.edge_bytes.get(p, 0), assignment[p], assignment[s.name]) for s in stages for p in s.parents)
     # Walk backward in reverse layer order: clock advances by each layer's backward; its allreduce queues.
     fwd_total = 0.0
