@@ -102,13 +102,14 @@ def serial_run(kind: str, placement: str):
 
 def _spatial_worker(rank: int, world: int, configs):
     out = []
-    for parts, placement in configs:
+    for parts, placement, overlap in configs:
         layout = create_hybrid_layout(parts)
         grid = layout.grid
         s0, s1 = block_range(BATCH, layout.num_sample_groups, layout.sample_index)
         x, seg_y, cls_y = batch_data()
         for kind in ("seg", "cls"):
-            model = convert_model(seg_net() if kind == "seg" else cls_net(), grid, input_shape=(C, H, W))
+            model = convert_model(seg_net() if kind == "seg" else cls_net(), grid, input_shape=(C, H, W),
+                                  overlap=overlap)
             tile_p, rep_p = split_parameters(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             precond = KFACPreconditioner(model, optimizer=opt, placement=placement, **KFAC_OPTIONS)
@@ -160,8 +161,9 @@ def _check(results):
                 assert max(_rel(res["local"][n], first[n]["A"]) for n in res["tiled"]) > 1e-2, where
 
 
-CONFIGS_2 = [((2, 1), "balanced"), ((1, 2), "round_robin")]
-CONFIGS_4 = [((2, 2), "balanced"), ((4, 1), "layer_wise"), ((2, 1), "round_robin")]  # last: 2 sample groups
+# both convolution paths: one conv over tile + halo (overlap=False, the default) and the overlapped pieces
+CONFIGS_2 = [((2, 1), "balanced", False), ((1, 2), "round_robin", True)]
+CONFIGS_4 = [((2, 2), "balanced", False), ((4, 1), "layer_wise", True), ((2, 1), "round_robin", False)]  # last: 2 sample groups
 
 
 def test_kfac_factors_and_steps_2_processes():

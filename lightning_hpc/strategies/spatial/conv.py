@@ -122,6 +122,9 @@ class _HaloConv2d(torch.autograd.Function):
         blocks = exchange.finish_forward()
         extended_box(x, blocks, plan, out=box, own=False, native=native)
         y = F.conv2d(box, weight, bias, conv.stride, native, conv.dilation, conv.groups)
+        if conv.kfac_record_input:  # K-FAC's patches need the box with the native padding made explicit
+            ph, pw = native
+            conv._record(F.pad(box, (pw, pw, ph, ph)) if ph or pw else box, (plan.rows.n_out, plan.cols.n_out))
         ctx.save_for_backward(x, weight, *blocks)
         ctx.exchange, ctx.plan, ctx.conv, ctx.native, ctx.has_bias = exchange, plan, conv, native, bias is not None
         return y
