@@ -253,14 +253,18 @@ def test_eigh_total_failure_keeps_training(monkeypatch):
 
 @pytest.mark.parametrize("use_blas", [True, False], ids=["syrk", "torch"])
 @pytest.mark.parametrize("k_dims", [1, 3])
-def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims):
-    """The factor Gram (syrk upper triangle from chunks, or the torch fallback used on CUDA) equals rows^T rows
-    in float64, on a strided view and with a partial last chunk; the column sums are the folded bias."""
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunks", "one_product"])
+def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
+    """The factor Gram (syrk upper triangle from chunks, the torch fallback used on CUDA, or the single product
+    for small sides) equals rows^T rows in float64, on a strided view and with a partial last chunk; the column
+    sums are the folded bias."""
     if use_blas and linalg._scipy_blas is None:
         pytest.skip("scipy not installed")
     if not use_blas:
         monkeypatch.setattr(linalg, "_scipy_blas", None)
-    monkeypatch.setattr(linalg, "GRAM_CHUNK_ELEMENTS", 200)  # several chunks, the last one partial
+    if chunked:
+        monkeypatch.setattr(linalg, "GRAM_CHUNK_ELEMENTS", 200)  # several chunks, the last one partial
+        monkeypatch.setattr(linalg, "SYRK_MIN_DIM", 1)  # syrk even for these small sides
     torch.manual_seed(5)
     t = torch.randn(7, 5, 9, 4, 3, dtype=torch.float64).permute(0, 3, 1, 4, 2)  # (N, 4, 5, 3, 9), not contiguous
     gram, colsum = linalg.sym_gram(t, k_dims=k_dims, colsum=True)
