@@ -7,6 +7,7 @@ Checkpoints need the full state on the rank that writes them; the tensors travel
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -43,7 +44,7 @@ def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessG
             if me == owner:
                 flat = torch.cat([tensors[k].reshape(-1) for k, _, _ in items])
             else:
-                flat = torch.empty(sum(_numel(s) for _, s, _ in items), dtype=dtype, device=device)
+                flat = torch.empty(sum(math.prod(s) for _, s, _ in items), dtype=dtype, device=device)
             if dst is None:
                 dist.broadcast(flat, owner, group=group)
             elif owner != dst:
@@ -55,14 +56,8 @@ def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessG
                 continue
             offset = 0
             for key, shape, _ in items:
-                n = _numel(shape)
+                n = math.prod(shape)
                 out[key] = flat[offset : offset + n].view(shape).clone() if me != owner else tensors[key]
                 offset += n
     return out
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

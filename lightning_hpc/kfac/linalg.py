@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -121,9 +122,11 @@ def _jitter_scale(x: torch.Tensor) -> float:
     return float(x.diagonal().abs().mean().clamp_min(1e-12))
 
 
-def safe_eigh(factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(eigenvalues, eigenvectors)`` of a symmetric PSD factor in ``dtype``; negative round-off eigenvalues are
-    clamped to 0 (the factor is PSD by construction). Falls back to float64, then jitter; None if all fail."""
+def _with_fallbacks(factor: torch.Tensor, dtype: torch.dtype, what: str, name: str, kept: str,
+                    solve: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
+    """Run ``solve(symmetric factor, jitter)`` in ``dtype``, then float64, then float64 with growing diagonal
+    jitter (:data:`JITTERS`, relative to mean |diag|) until it returns finite tensors; None (with a warning
+    naming what is ``kept``) if every attempt fails, so training goes on with the previous result."""
     x = factor.to(dtype)
     x = 0.5 * (x + x.t())  # allreduce/running averages can break exact symmetry by round-off
     attempts: list[tuple[torch.dtype, float]] = [(dtype, 0.0)]
@@ -132,44 +135,42 @@ def safe_eigh(factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: st
     attempts += [(torch.float64, j) for j in JITTERS]
     for i, (dt, jitter) in enumerate(attempts):
         y = x.to(dt)
-        if jitter:
-            y = y + jitter * _jitter_scale(y) * torch.eye(y.shape[0], dtype=dt, device=y.device)
         try:
-            d, q = torch.linalg.eigh(y)
+            out = solve(y, jitter * _jitter_scale(y) if jitter else 0.0)
         except RuntimeError:  # torch.linalg.LinAlgError subclasses RuntimeError
             continue
-        if not _finite(d, q):
+        if not _finite(*out):
             continue
         if i > 0:
-            warnings.warn(f"K-FAC: eigh of factor {name!r} needed the fallback ({dt}, jitter {jitter:g})", RuntimeWarning, stacklevel=2)
-        return d.clamp_min(0).to(dtype), q.to(dtype)
-    warnings.warn(f"K-FAC: eigh of factor {name!r} failed even with jitter; keeping its previous decomposition", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"K-FAC: {what} of factor {name!r} needed the fallback ({dt}, jitter {jitter:g})", RuntimeWarning, stacklevel=3)
+        return out
+    warnings.warn(f"K-FAC: {what} of factor {name!r} failed even with jitter; keeping {kept}", RuntimeWarning, stacklevel=3)
     return None
+
+
+def _eye(y: torch.Tensor) -> torch.Tensor:
+    return torch.eye(y.shape[0], dtype=y.dtype, device=y.device)
+
+
+def safe_eigh(factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(eigenvalues, eigenvectors)`` of a symmetric PSD factor in ``dtype``; negative round-off eigenvalues are
+    clamped to 0 (the factor is PSD by construction). Falls back to float64, then jitter; None if all fail."""
+
+    def solve(y: torch.Tensor, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.linalg.eigh(y + shift * _eye(y) if shift else y)
+
+    res = _with_fallbacks(factor, dtype, "eigh", name, "its previous decomposition", solve)
+    return None if res is None else (res[0].clamp_min(0).to(dtype), res[1].to(dtype))
 
 
 def safe_damped_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype = torch.float32, name: str = "") -> torch.Tensor | None:
     """``(factor + damping I)^-1`` in ``dtype`` with the same float64 / jitter fallbacks as :func:`safe_eigh`."""
-    x = factor.to(dtype)
-    x = 0.5 * (x + x.t())
-    attempts: list[tuple[torch.dtype, float]] = [(dtype, 0.0)]
-    if dtype != torch.float64:
-        attempts.append((torch.float64, 0.0))
-    attempts += [(torch.float64, j) for j in JITTERS]
-    for i, (dt, jitter) in enumerate(attempts):
-        y = x.to(dt)
-        eye = torch.eye(y.shape[0], dtype=dt, device=y.device)
-        y = y + (damping + jitter * _jitter_scale(y)) * eye
-        try:
-            inv = torch.linalg.inv(y)
-        except RuntimeError:
-            continue
-        if not _finite(inv):
-            continue
-        if i > 0:
-            warnings.warn(f"K-FAC: inverse of factor {name!r} needed the fallback ({dt}, jitter {jitter:g})", RuntimeWarning, stacklevel=2)
-        return inv.to(dtype)
-    warnings.warn(f"K-FAC: inverse of factor {name!r} failed even with jitter; keeping the previous one", RuntimeWarning, stacklevel=2)
-    return None
+
+    def solve(y: torch.Tensor, shift: float) -> tuple[torch.Tensor]:
+        return (torch.linalg.inv(y + (damping + shift) * _eye(y)),)
+
+    res = _with_fallbacks(factor, dtype, "inverse", name, "the previous one", solve)
+    return None if res is None else res[0].to(dtype)
 
 
 def precondition_eigen(grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
