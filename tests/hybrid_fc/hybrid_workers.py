@@ -232,23 +232,29 @@ def serial_per_step_params(k: int, steps: int) -> dict[str, torch.Tensor]:
     return ref.state_dict()
 
 
+def hybrid_sgd_step(model: nn.Module, opt: torch.optim.Optimizer, rank: int, k: int, step: int) -> None:
+    """One plain-torch hybrid step: this rank's rows of ``batch(step, k)``, trunk gradients averaged, SGD."""
+    x, y = batch(step, k)
+    mine = slice(rank * B, (rank + 1) * B)
+    opt.zero_grad()
+    F.cross_entropy(model(x[mine]), y[mine]).backward()
+    average_trunk_gradients(model)
+    opt.step()
+
+
 def memory_and_errors(rank: int, k: int) -> dict:
     """Head parameters and optimizer state held by this rank, and the scheme-c small-batch error."""
     full = small_model()
     n_head_full = sum(p.numel() for p in full[TRUNK_END:].parameters())
     model = parallelize_head(small_model(), scheme="c")
     opt = sgd(model.parameters())
-    x, y = batch(0, k)
-    mine = slice(rank * B, (rank + 1) * B)
-    F.cross_entropy(model(x[mine]), y[mine]).backward()
-    average_trunk_gradients(model)
-    opt.step()
+    hybrid_sgd_step(model, opt, rank, k, 0)
     head = head_parameters(model)
     head_ids = {id(p) for p in head}
     head_state = sum(v.numel() for p, s in opt.state.items() if id(p) in head_ids for v in s.values() if torch.is_tensor(v))
     err = ""
     try:
-        model(x[:2])  # 2 examples per rank cannot be cut into 4 slices
+        model(batch(0, k)[0][:2])  # 2 examples per rank cannot be cut into 4 slices
     except ValueError as e:
         err = str(e)
     return {
@@ -270,12 +276,7 @@ def checkpoint_from_hybrid(rank: int, k: int, path: str, steps: int) -> dict:
             if rank == 0:
                 torch.save(state, path)
             dist.barrier()
-        x, y = batch(step, k)
-        mine = slice(rank * B, (rank + 1) * B)
-        opt.zero_grad()
-        F.cross_entropy(model(x[mine]), y[mine]).backward()
-        average_trunk_gradients(model)
-        opt.step()
+        hybrid_sgd_step(model, opt, rank, k, step)
     return _numpy(full_state_dict(model))
 
 
@@ -287,12 +288,7 @@ def checkpoint_into_hybrid(rank: int, k: int, path: str, step: int) -> dict:
     model.load_state_dict(state["model"])
     opt.load_state_dict(shard_optimizer_state(state["optimizer"], opt, model))
     head_local = sum(p.numel() for p in head_parameters(model))
-    x, y = batch(step, k)
-    mine = slice(rank * B, (rank + 1) * B)
-    opt.zero_grad()
-    F.cross_entropy(model(x[mine]), y[mine]).backward()
-    average_trunk_gradients(model)
-    opt.step()
+    hybrid_sgd_step(model, opt, rank, k, step)
     return {"state": _numpy(full_state_dict(model)), "head_local": head_local}
 
 
@@ -345,15 +341,9 @@ def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps:
 def serial_sequence(k: int, steps: int, fc_update: str, scheme: str) -> dict:
     """Serial reference of ``lightning_equivalence``: step s trains on ``batch(s, k)``, rank r holding rows
     [r b, (r+1) b)."""
-    ref = small_model()
     if fc_update == "per_step":
-        opt = sgd(ref.parameters())
-        for s in range(steps):
-            x, y = batch(s, k)
-            opt.zero_grad()
-            F.cross_entropy(ref(x), y).backward()
-            opt.step()
-        return _numpy(ref.state_dict())
+        return _numpy(serial_per_step_params(k, steps))
+    ref = small_model()
     trunk, head = ref[:TRUNK_END], ref[TRUNK_END:]
     trunk_opt, head_opt = sgd(trunk.parameters()), sgd(head.parameters())
     for s in range(steps):
