@@ -223,8 +223,8 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
 
     def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:
         """Interior outputs straight from the tile (no copy), the four boundary strips from small boxes that
-        combine tile rows, received halo blocks and the zero padding of the image border.  With overlap the
-        interior is computed while the halos travel; without, after they arrived (same arithmetic)."""
+        combine tile rows, received halo blocks and the zero padding of the image border; the interior is computed
+        while the halos travel (``overlap=True``, section IV-A; ``overlap=False`` takes :class:`_HaloConv2d`)."""
         wh, ww = self._wins
         (a, b), (c, e) = plan.own
         (oa, ob), (oc, oe) = plan.out
@@ -245,12 +245,10 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             boxes.append((*wh.needed(o0, o1, plan.rows.n), *ww.needed(q0, q1, plan.cols.n)))
         xs, exchange = start_halo_exchange(x, plan)
         owns = own_slices(xs, plan, [bx if bx is not None else (0, 0, 0, 0) for bx in boxes])
-        halo = None if self.overlap else finish_halo_exchange(xs, exchange)
         outs: list[torch.Tensor | None] = [None] * 5
         if boxes[0] is not None:  # interior: only this tile's rows, computed while the halos travel
             outs[0] = self._conv(owns[0])
-        if halo is None:
-            halo = finish_halo_exchange(xs, exchange)
+        halo = finish_halo_exchange(xs, exchange)
         if self.kfac_record_input:  # the whole padded input box of the output tile (a copy, capture steps only)
             (r0, r1), (c0, c1) = plan.need
             with torch.no_grad():
