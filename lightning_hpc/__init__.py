@@ -1,9 +1,11 @@
 """lightning_hpc: HPC training techniques for PyTorch Lightning.
 
 Importing the package registers every strategy name in Lightning's ``StrategyRegistry`` so
-``Trainer(strategy="<name>")`` works.
+``Trainer(strategy="<name>")`` works, and registers an exit handler that destroys a still-initialised
+torch.distributed process group before the interpreter finalises (see :mod:`lightning_hpc.distributed.exit`).
 """
 
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
@@ -21,3 +23,4 @@ __version__ = "0.1.0"
 __all__ = ["HorovodStrategy", "HybridParallelStrategy", "ImageClassifier", "KFAC", "KFACMixedPrecision", "KFACPreconditioner", "LayeredSGDStrategy", "MultigridStrategy", "SegmentationModule", "SpatialParallelStrategy", "__version__"]
 
 register_strategies()
+destroy_process_group_at_exit()
