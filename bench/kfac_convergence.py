@@ -37,6 +37,8 @@ from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.models import small_cnn
 
 STAGES = ("lr", "kfac", "lr2", "final")
+#: K-FAC settings a configuration names (the tuned ones and the optional A-subsampling variant, off at 1.0)
+KFAC_KEYS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq", "factor_decay", "conv_input_sample_fraction")
 
 
 def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: argparse.Namespace) -> dict:
@@ -91,7 +93,7 @@ def evaluate_config(method: str, lr: float, kfac: dict, seeds: list[int], max_ep
     return {
         "method": method,
         "lr": lr,
-        **({k: kfac[k] for k in ("damping", "kl_clip", "factor_update_freq", "inv_update_freq")} if method == "kfac" else {}),
+        **({k: kfac[k] for k in KFAC_KEYS} if method == "kfac" else {}),
         "reached": sum(r["epochs"] is not None for r in runs),
         "median_epochs": _median([r["epochs"] for r in runs]),
         "median_seconds": _median([r["seconds"] for r in runs]),
@@ -118,20 +120,27 @@ def main() -> None:
     ap.add_argument("--dampings", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03])
     ap.add_argument("--kl-clips", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--intervals", nargs="+", default=["1:5", "1:10", "5:20"], help="factor:decomposition intervals")
+    ap.add_argument("--factor-decays", type=float, nargs="+", default=[0.95], help="running-average weights xi (Eq 16-17) of the kfac stage")
+    ap.add_argument("--sample-fractions", type=float, nargs="+", default=[1.0],
+                    help="conv_input_sample_fraction values of the kfac stage (optional variant; 1.0 = the default KFC factors)")
     ap.add_argument("--sgd-lr", type=float, default=0.05, help="used when the lr stage is skipped")
     ap.add_argument("--kfac-lr", type=float, default=0.05, help="used when the lr / lr2 stages are skipped")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--kl-clip", type=float, default=0.01)
     ap.add_argument("--factor-every", type=int, default=1)
     ap.add_argument("--decomp-every", type=int, default=10)
+    ap.add_argument("--factor-decay", type=float, default=0.95)
+    ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _b128), so runs do not overwrite each other")
     ap.add_argument("--evals-per-epoch", type=int, default=12, help="validation checks per epoch (fractional epochs to target)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sgd_lr, kfac_lr = args.sgd_lr, args.kfac_lr
-    kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every, "inv_update_freq": args.decomp_every}
+    kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every, "inv_update_freq": args.decomp_every,
+            "factor_decay": args.factor_decay, "conv_input_sample_fraction": args.sample_fraction}  # fmt: skip
     tuned = [s for s in STAGES[:-1] if s in args.stages]
-    sweep = Report("kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)))
+    sweep = Report("kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)) + args.tag)
     sweep.meta.update(vars(args))
 
     def tune(stage: str, method: str, lr: float, opts: dict) -> dict:
@@ -144,9 +153,12 @@ def main() -> None:
         kfac_lr = _best([tune("lr", "kfac", lr, kfac) for lr in args.lrs])["lr"]
     if "kfac" in args.stages:
         rows = []
-        for damping, kl_clip, iv in itertools.product(args.dampings, args.kl_clips, args.intervals):
+        grid = itertools.product(args.dampings, args.kl_clips, args.intervals, args.factor_decays, args.sample_fractions)
+        for damping, kl_clip, iv, decay, fraction in grid:
             f, d = (int(v) for v in iv.split(":"))
-            rows.append(tune("kfac", "kfac", kfac_lr, {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d}))
+            opts = {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d, "factor_decay": decay,
+                    "conv_input_sample_fraction": fraction}  # fmt: skip
+            rows.append(tune("kfac", "kfac", kfac_lr, opts))
         best = _best(rows)
         kfac = {k: best[k] for k in kfac}
     if "lr2" in args.stages:
@@ -157,7 +169,7 @@ def main() -> None:
     if "final" not in args.stages:
         return
 
-    report = Report("kfac_convergence")
+    report = Report("kfac_convergence" + args.tag)
     report.meta.update(vars(args), chosen_sgd_lr=sgd_lr, chosen_kfac_lr=kfac_lr, chosen_kfac=kfac,
                        note="shared 2-core machine: wall times are noisy; CPU time (one thread) is the step's own work")  # fmt: skip
     for method, lr, opts in (("sgd", sgd_lr, {}), ("kfac", kfac_lr, kfac)):

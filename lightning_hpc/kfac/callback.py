@@ -55,6 +55,7 @@ class KFAC(Callback):
         batch_averaged: bool = True,
         communicator: str | Communicator = "auto",
         bucket_cap_mb: float = 25.0,
+        conv_input_sample_fraction: float = 1.0,
     ) -> None:
         self.options: dict[str, Any] = dict(
             factor_update_freq=factor_update_freq,
@@ -70,6 +71,7 @@ class KFAC(Callback):
             placement=placement,
             decomposition_dtype=decomposition_dtype,
             bucket_cap_mb=bucket_cap_mb,
+            conv_input_sample_fraction=conv_input_sample_fraction,
         )
         validate_options(**self.options)
         self.skip_layers = skip_layers

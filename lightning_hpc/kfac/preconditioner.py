@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.layers import LayerHandler, make_handler
+from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler, make_handler
 from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
 from lightning_hpc.kfac.placement import assign_factors, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
@@ -79,6 +79,7 @@ def validate_options(
     placement: str,
     decomposition_dtype: torch.dtype | str,
     bucket_cap_mb: float,
+    conv_input_sample_fraction: float = 1.0,
 ) -> tuple[KFACSchedule, torch.dtype]:
     """Check every K-FAC option (raises ``ValueError`` naming the setting); returns the schedule and dtype.
 
@@ -111,6 +112,10 @@ def validate_options(
         raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
     if bucket_cap_mb <= 0:
         raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    if isinstance(conv_input_sample_fraction, bool) or not 0.0 < conv_input_sample_fraction <= 1.0:
+        raise ValueError(
+            f"K-FAC conv_input_sample_fraction must be in (0, 1] (1 = every sample, the default), got {conv_input_sample_fraction!r}"
+        )
     return schedule, decomposition_dtype  # type: ignore[return-value]
 
 
@@ -137,6 +142,14 @@ class KFACPreconditioner:
         batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
         communicator: collectives backend; default :class:`TorchDistributedCommunicator`.
         bucket_cap_mb: size of the fused factor-allreduce buffers.
+        conv_input_sample_fraction: optional, off by default (1.0). Below 1, each Conv2d layer's A factor is
+            estimated from the input patches of a random subset of ``ceil(fraction * N)`` of the ``N`` samples
+            of every captured batch (G and Linear layers keep the whole batch). This is the input subsampling of
+            the K-FAC authors' reference implementation (tensorflow/kfac, ``fisher_factors.py``:
+            ``_SUB_SAMPLE_INPUTS`` / ``_INPUTS_TO_EXTRACT_PATCHES_FACTOR``, off there by default too): A is a
+            mean over rows, so the subset's mean is an unbiased estimate of it, averaged further by the running
+            average (Eq 16-17), at about ``fraction`` of the cost of the A Grams. Not the paper's (SC20)
+            computation; not supported for spatially tiled layers. ``subsample_seed`` seeds the subset generator.
     """
 
     def __init__(
@@ -161,6 +174,8 @@ class KFACPreconditioner:
         batch_averaged: bool = True,
         communicator: Communicator | None = None,
         bucket_cap_mb: float = 25.0,
+        conv_input_sample_fraction: float = 1.0,
+        subsample_seed: int = 0,
     ) -> None:
         self.schedule, decomposition_dtype = validate_options(
             factor_update_freq=factor_update_freq,
@@ -176,6 +191,7 @@ class KFACPreconditioner:
             placement=placement,
             decomposition_dtype=decomposition_dtype,
             bucket_cap_mb=bucket_cap_mb,
+            conv_input_sample_fraction=conv_input_sample_fraction,
         )
         self.factor_decay = float(factor_decay)
         self.kl_clip = kl_clip or None
@@ -212,8 +228,26 @@ class KFACPreconditioner:
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
         self._check_partitions()
+        self.conv_input_sample_fraction = float(conv_input_sample_fraction)
+        #: draws the A-factor sample subsets (only used when conv_input_sample_fraction < 1; saved in checkpoints)
+        self.subsample_generator: torch.Generator | None = None
+        if self.conv_input_sample_fraction < 1.0:
+            self._enable_subsampling(int(subsample_seed))
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
+
+    def _enable_subsampling(self, seed: int) -> None:
+        tiled = [h.name for h in self.handlers if isinstance(h, TiledConv2dHandler)]
+        if tiled:
+            raise ValueError(
+                f"K-FAC conv_input_sample_fraction < 1 is not supported for spatially tiled layers ({tiled[:3]}): the "
+                "ranks of a spatial group would have to draw the same samples; use conv_input_sample_fraction=1.0"
+            )
+        self.subsample_generator = torch.Generator().manual_seed(seed)
+        for h in self.handlers:
+            if isinstance(h, Conv2dHandler):
+                h.sample_fraction = self.conv_input_sample_fraction
+                h.generator = self.subsample_generator
 
     # -- schedule ----------------------------------------------------------------------------------------
     @property
@@ -604,7 +638,9 @@ class KFACPreconditioner:
         them and is a collective: call it on every rank (Lightning's checkpointing does), before rank 0 writes.
         """
         decompositions = self._gather_decompositions() if self._layer_wise_sharded() else self.decompositions
+        extra = {} if self.subsample_generator is None else {"subsample_rng": self.subsample_generator.get_state()}
         return {
+            **extra,
             "steps": self.steps,
             "epoch": self.epoch,
             "compute_method": self.compute_method,
@@ -622,6 +658,8 @@ class KFACPreconditioner:
             raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
         self.steps = int(state["steps"])
         self.epoch = int(state.get("epoch", 0))
+        if self.subsample_generator is not None and "subsample_rng" in state:
+            self.subsample_generator.set_state(state["subsample_rng"])
         self.factors = {n: {k: v.to(names[n].module.weight.device) for k, v in f.items()} for n, f in state["factors"].items()}
         self.decompositions = {}
         if state.get("compute_method", self.compute_method) == self.compute_method:

@@ -110,12 +110,20 @@ def _explicit_patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("layout", [None, True, False], ids=["auto", "channels_last", "as_is"])
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_factors_equal_independent_computation(name):
+def test_factors_equal_independent_computation(name, layout):
+    """A and G against rows built by explicit slicing; for convolutions with the patches copied from the input
+    as it is, from a channels-last copy (A's rows then come out in (kh, kw, C) order and are permuted back),
+    and with the automatic choice."""
+    if layout is not None and name.startswith("linear"):
+        pytest.skip("patch layout applies to convolutions")
     torch.manual_seed(3)
     layer = LAYERS[name]().double()
     x = _inputs(layer).double()
     p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None)
+    if layout is not None:
+        p.handlers[0].channels_last_patches = layout
     recorded = {}
 
     def keep(mod, inp, out):
@@ -251,10 +259,11 @@ def test_eigh_total_failure_keeps_training(monkeypatch):
     torch.testing.assert_close(layer.weight.grad, raw / 1.5)
 
 
+@pytest.mark.parametrize("k_last", [False, True], ids=["k_first", "k_last"])
 @pytest.mark.parametrize("use_blas", [True, False], ids=["syrk", "torch"])
 @pytest.mark.parametrize("k_dims", [1, 3])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunks", "one_product"])
-def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
+def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked, k_last):
     """The factor Gram (syrk upper triangle from chunks, the torch fallback used on CUDA, or the single product
     for small sides) equals rows^T rows in float64, on a strided view and with a partial last chunk; the column
     sums are the folded bias."""
@@ -267,7 +276,88 @@ def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
         monkeypatch.setattr(linalg, "SYRK_MIN_DIM", 1)  # syrk even for these small sides
     torch.manual_seed(5)
     t = torch.randn(7, 5, 9, 4, 3, dtype=torch.float64).permute(0, 3, 1, 4, 2)  # (N, 4, 5, 3, 9), not contiguous
-    gram, colsum = linalg.sym_gram(t, k_dims=k_dims, colsum=True)
-    rows = t.movedim(0, k_dims).reshape(math.prod(t.shape[1 : 1 + k_dims]), -1)
+    if k_last:  # (N, *P, *K): the last k_dims dimensions are the vector
+        t = t.movedim(tuple(range(1, 1 + k_dims)), tuple(range(t.dim() - k_dims, t.dim())))
+        rows = t.reshape(-1, math.prod(t.shape[t.dim() - k_dims :])).t()
+    else:
+        rows = t.movedim(0, k_dims).reshape(math.prod(t.shape[1 : 1 + k_dims]), -1)
+    gram, colsum = linalg.sym_gram(t, k_dims=k_dims, colsum=True, k_last=k_last)
     torch.testing.assert_close(gram, rows @ rows.t(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(colsum, rows.sum(1), rtol=1e-12, atol=1e-12)
+
+
+# -- optional variant: A of Conv2d layers from a random subset of each batch (tensorflow/kfac _SUB_SAMPLE_INPUTS) --
+def _subsample_run(fraction: float, steps: int = 3, seed: int = 7):
+    torch.manual_seed(seed)
+    model = _cnn().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    pre = KFACPreconditioner(model, optimizer=opt, inv_update_freq=2, damping=0.03, kl_clip=0.01, conv_input_sample_fraction=fraction)
+    data = [(torch.randn(8, 2, 7, 7, dtype=torch.float64), torch.randint(0, 5, (8,))) for _ in range(steps)]
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    return model, pre
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.95])  # ceil(0.95 * 8) = 8: the subset is the whole batch
+def test_conv_input_subset_of_whole_batch_is_the_full_computation(fraction):
+    model_full, pre_full = _subsample_run(1.0)
+    model_sub, pre_sub = _subsample_run(fraction)
+    default = KFACPreconditioner(_cnn(), inv_update_freq=2)  # the option is off by default
+    assert default.conv_input_sample_fraction == 1.0 and default.subsample_generator is None
+    for name in pre_full.factors:
+        for k in ("A", "G"):
+            assert torch.equal(pre_sub.factors[name][k], pre_full.factors[name][k])
+    for a, b in zip(model_full.parameters(), model_sub.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_conv_input_subset_factor_equals_reference_on_the_drawn_samples():
+    """fraction 0.5 of 8 samples: each conv's A is the patch mean over the 4 samples the seeded generator draws
+    (sorted randperm prefix), G and the Linear layer's A keep the whole batch."""
+    torch.manual_seed(8)
+    model = _cnn().double()
+    ref = copy.deepcopy(model)
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, conv_input_sample_fraction=0.5, subsample_seed=3)
+    full = KFACPreconditioner(ref, inv_update_freq=1, kl_clip=None)
+    inputs = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Conv2d):
+            mod.register_forward_hook(lambda m, i, o, name=name: inputs.__setitem__(name, i[0].detach().clone()))
+    x, y = torch.randn(8, 2, 7, 7, dtype=torch.float64), torch.randint(0, 5, (8,))
+    for m, p in ((model, pre), (ref, full)):
+        F.cross_entropy(m(x), y).backward()
+        p.step()
+    gen = torch.Generator().manual_seed(3)
+    for name in ("0", "2"):  # forward order: the generator draws for layer 0 first
+        idx = torch.randperm(8, generator=gen)[:4].sort().values
+        conv = dict(model.named_modules())[name]
+        rows = _explicit_patches(inputs[name][idx], conv)
+        rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], 1)
+        a_ref = rows.t() @ rows / rows.shape[0]
+        torch.testing.assert_close(pre.factors[name]["A"].double(), a_ref, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(pre.factors[name]["A"], full.factors[name]["A"], rtol=1e-3, atol=1e-4)  # a subset
+        assert torch.equal(pre.factors[name]["G"], full.factors[name]["G"])  # G: the whole batch, as without it
+    assert torch.equal(pre.factors["5"]["A"], full.factors["5"]["A"])  # Linear layers: the whole batch
+    # a checkpoint carries the generator: a restored preconditioner draws the same subsets next
+    state = pre.state_dict()
+    other = KFACPreconditioner(copy.deepcopy(model), inv_update_freq=1, kl_clip=None, conv_input_sample_fraction=0.5)
+    other.load_state_dict(state)
+    assert torch.equal(other.subsample_generator.get_state(), pre.subsample_generator.get_state())
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5, True])
+def test_conv_input_sample_fraction_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="conv_input_sample_fraction"):
+        KFACPreconditioner(_cnn(), conv_input_sample_fraction=bad)
+
+
+def test_conv_input_subsampling_rejects_tiled_layers():
+    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConv2dHandler), like SpatialConv2d
+        kfac_padded_input = None
+        kfac_partition_size = 1
+
+    with pytest.raises(ValueError, match="spatially tiled"):
+        KFACPreconditioner(nn.Sequential(Tiled(2, 3, 3)), conv_input_sample_fraction=0.5)
