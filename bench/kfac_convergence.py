@@ -103,7 +103,13 @@ def evaluate_config(method: str, lr: float, kfac: dict, seeds: list[int], max_ep
     }
 
 
-def _best(rows: list[dict]) -> dict:
+def _best(rows: list[dict], select: str = "epochs", epoch_cap: float = math.inf) -> dict:
+    """``epochs``: lowest median epochs (CPU time breaks ties). ``time``: lowest median CPU time among the rows
+    whose median epochs are <= ``epoch_cap`` (the epoch target on the tuning seeds), else by epochs."""
+    if select == "time":
+        ok = [r for r in rows if r["median_epochs"] <= epoch_cap]
+        if ok:
+            return min(ok, key=lambda r: (r["median_cpu_seconds"], r["median_epochs"]))
     return min(rows, key=lambda r: (r["median_epochs"], r["median_cpu_seconds"]))
 
 
@@ -131,6 +137,11 @@ def main() -> None:
     ap.add_argument("--decomp-every", type=int, default=10)
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
+    ap.add_argument("--select", choices=("epochs", "time"), default="epochs",
+                    help="tuning choice: lowest median epochs, or lowest median CPU time among the K-FAC settings whose median "
+                         "epochs are <= --epoch-ratio x SGD's tuned median epochs (SGD: lowest time over its lr grid)")
+    ap.add_argument("--epoch-ratio", type=float, default=0.6)
+    ap.add_argument("--sgd-tuned-epochs", type=float, default=None, help="SGD's tuned median epochs when the lr stage is skipped")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _b128), so runs do not overwrite each other")
     ap.add_argument("--evals-per-epoch", type=int, default=12, help="validation checks per epoch (fractional epochs to target)")
@@ -148,9 +159,14 @@ def main() -> None:
         print(row, flush=True)
         return row
 
+    sgd_epochs = args.sgd_tuned_epochs
     if "lr" in args.stages:
-        sgd_lr = _best([tune("lr", "sgd", lr, {}) for lr in args.lrs])["lr"]
+        sgd_best = _best([tune("lr", "sgd", lr, {}) for lr in args.lrs], args.select)
+        sgd_lr, sgd_epochs = sgd_best["lr"], sgd_best["median_epochs"]
         kfac_lr = _best([tune("lr", "kfac", lr, kfac) for lr in args.lrs])["lr"]
+    if args.select == "time" and sgd_epochs is None and ("kfac" in args.stages or "lr2" in args.stages):
+        ap.error("--select time needs SGD's tuned epochs: run the lr stage or pass --sgd-tuned-epochs")
+    cap = args.epoch_ratio * sgd_epochs if sgd_epochs is not None else math.inf
     if "kfac" in args.stages:
         rows = []
         grid = itertools.product(args.dampings, args.kl_clips, args.intervals, args.factor_decays, args.sample_fractions)
@@ -159,10 +175,10 @@ def main() -> None:
             opts = {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d, "factor_decay": decay,
                     "conv_input_sample_fraction": fraction}  # fmt: skip
             rows.append(tune("kfac", "kfac", kfac_lr, opts))
-        best = _best(rows)
+        best = _best(rows, args.select, cap)
         kfac = {k: best[k] for k in kfac}
     if "lr2" in args.stages:
-        kfac_lr = _best([tune("lr2", "kfac", lr, kfac) for lr in args.lrs])["lr"]
+        kfac_lr = _best([tune("lr2", "kfac", lr, kfac) for lr in args.lrs], args.select, cap)["lr"]
     if sweep.rows:
         sweep.print()
         sweep.write()

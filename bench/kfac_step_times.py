@@ -4,7 +4,7 @@ Fresh model per seed, one epoch each, one thread; prints the median training-ste
 that update only the factors and of steps that also decompose them, and the amortized K-FAC step over SGD.
 Explains the wall-time ratio of the convergence benchmark: epochs x steps per epoch x this cost.
 
-    python bench/kfac_step_times.py [--damping 0.003 --kl-clip 0.001 --factor-every 1 --decomp-every 5]
+    python bench/kfac_step_times.py [--damping 0.003 --kl-clip 0.001 --factor-every 1 --decomp-every 5] [--sample-fraction 1.0]
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--kl-clip", type=float, default=0.001)
     ap.add_argument("--factor-every", type=int, default=1)
     ap.add_argument("--decomp-every", type=int, default=5)
+    ap.add_argument("--factor-decay", type=float, default=0.95)
+    ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
+    ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
     torch.set_num_threads(1)
     train, _ = load_digits_tensors(0.2, seed=0)
@@ -44,7 +47,8 @@ def main() -> None:
             pre = None
             if method == "kfac":
                 pre = KFACPreconditioner(model, optimizer=opt, damping=args.damping, kl_clip=args.kl_clip,
-                                         factor_update_freq=args.factor_every, inv_update_freq=args.decomp_every)  # fmt: skip
+                                         factor_update_freq=args.factor_every, inv_update_freq=args.decomp_every,
+                                         factor_decay=args.factor_decay, conv_input_sample_fraction=args.sample_fraction)  # fmt: skip
             loader = DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
             for x, y in loader:
                 decomp = pre is not None and pre.is_inv_update_step
@@ -60,7 +64,7 @@ def main() -> None:
                 else:
                     times["kfac_all"].append(ms)
                     times["kfac_decomposition_step" if decomp else "kfac_factor_step"].append(ms)
-    report = Report("kfac_step_times")
+    report = Report("kfac_step_times" + args.tag)
     report.meta.update(vars(args), note="one thread, digits CNN (small_cnn), one epoch per seed, first steps included")
     sgd = statistics.median(times["sgd"])
     for name, ts in times.items():

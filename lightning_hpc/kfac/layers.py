@@ -225,9 +225,6 @@ class Conv2dHandler(LayerHandler):
     #: ``KFACPreconditioner(conv_input_sample_fraction=...)``); G always uses the whole batch.
     sample_fraction: float = 1.0
     generator: torch.Generator | None = None
-    #: copy the patches for the A Gram from a channels-last copy of the input (True), from the input as it is
-    #: (False), or pick the layout whose contiguous runs are longer (None, default; see :meth:`input_gram`)
-    channels_last_patches: bool | None = None
 
     @property
     def a_dim(self) -> int:
@@ -238,9 +235,8 @@ class Conv2dHandler(LayerHandler):
     def g_dim(self) -> int:
         return self.module.out_channels
 
-    def _windows(self, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
-        """Strided view ``(N, C, oh, ow, kh, kw)`` of the padded input: the patches without copying; with
-        ``channels_last``, ``(N, oh, ow, kh, kw, C)`` of a channels-last copy of the padded input.
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        """Strided view ``(N, C, oh, ow, kh, kw)`` of the padded input: the patches without copying.
 
         Padding (zeros, 'same', reflect/replicate/circular) is applied exactly as the module's forward does;
         dilation takes every ``d``-th element of a ``d (k - 1) + 1`` window. One later copy lays the patches out
@@ -252,10 +248,6 @@ class Conv2dHandler(LayerHandler):
             x = x.unsqueeze(0)
         x = self._pad(x)
         (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
-        if channels_last:
-            x = x.permute(0, 2, 3, 1).contiguous()  # (N, H, W, C): a no-op copy for channels_last inputs
-            win = x.unfold(1, dh * (kh - 1) + 1, sh).unfold(2, dw * (kw - 1) + 1, sw)  # (N, oh, ow, C, kh', kw')
-            return win[..., ::dh, ::dw].permute(0, 1, 2, 4, 5, 3)
         win = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
         return win[..., ::dh, ::dw]
 
@@ -292,20 +284,8 @@ class Conv2dHandler(LayerHandler):
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         x = self.sample_subset(x)  # A is a mean over rows: a subset's mean estimates it without rescaling
         win = self._windows(x)  # (N, C, oh, ow, kh, kw), a view: sym_gram copies it chunk by chunk
-        n, c, oh, ow, kh, kw = win.shape
-        channels_last = self.channels_last_patches
-        if channels_last is None:
-            # The copy reads contiguous runs of ow elements (stride 1) from the input as it is, of C elements from
-            # a channels-last copy: take the longer runs (digits CNN, C = 32, ow = 8 / 4: the copy and Gram of
-            # the two 288-wide factors 5.1 -> 4.1 ms a step). Both give the same sums in the same order.
-            channels_last = c > 1 and c >= (ow if self.module.stride[1] == 1 else 1)
-        if not channels_last:
-            gram, colsum = sym_gram(win.permute(0, 1, 4, 5, 2, 3), k_dims=3, colsum=self.has_bias)
-        else:
-            gram, colsum = sym_gram(self._windows(x, channels_last=True), k_dims=3, colsum=self.has_bias, k_last=True)
-            # (kh, kw, C) order -> the (C, kh, kw) order of weight.view(out, -1)
-            gram = gram.view(kh, kw, c, kh, kw, c).permute(2, 0, 1, 5, 3, 4).reshape(c * kh * kw, c * kh * kw)
-            colsum = None if colsum is None else colsum.view(kh, kw, c).permute(2, 0, 1).reshape(-1)
+        n, _, oh, ow, _, _ = win.shape
+        gram, colsum = sym_gram(win.permute(0, 1, 4, 5, 2, 3), k_dims=3, colsum=self.has_bias)
         return self._fold_bias(gram, colsum, n * oh * ow), n * oh * ow
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:

@@ -62,13 +62,10 @@ def _match_blas_threads() -> None:
         lib.set_num_threads(want)
 
 
-def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False, k_last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``sum_n sum_p a_{n,p} a_{n,p}^T`` for ``t`` of shape ``(N, *K, *P)`` (any strides): ``a`` runs over the
     ``prod(K)``-vectors at each sample ``n`` and position ``p``. Also returns ``sum a`` when ``colsum`` (the bias
     row/column of A, folded in analytically instead of appending a column of ones to a copy of the rows).
-    With ``k_last`` the layout is ``(N, *P, *K)`` instead: chunks are then copied as ``(chunk * P, K)`` row
-    blocks, which is the faster copy when ``t``'s innermost K dimension is the contiguous one (channels-last
-    convolution patches, :class:`~lightning_hpc.kfac.layers.Conv2dHandler`).
 
     Chunks of samples are copied into one cache-sized ``(K, chunk * P)`` buffer (the only copy; ``t`` may be a
     strided window view of a convolution input) and accumulated. On CPU with scipy, BLAS ``ssyrk``/``dsyrk``
@@ -78,17 +75,11 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False, k_last: boo
     summation order of floating point.
     """
     n = t.shape[0]
-    if k_last:
-        pshape, kshape = tuple(t.shape[1 : t.dim() - k_dims]), tuple(t.shape[t.dim() - k_dims :])
-    else:
-        kshape, pshape = tuple(t.shape[1 : 1 + k_dims]), tuple(t.shape[1 + k_dims :])
+    kshape, pshape = tuple(t.shape[1 : 1 + k_dims]), tuple(t.shape[1 + k_dims :])
     k, p = math.prod(kshape), math.prod(pshape)
     use_syrk = t.device.type == "cpu" and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
     if n * k * p <= GRAM_CHUNK_ELEMENTS and not (use_syrk and k >= SYRK_MIN_DIM):
         # Small: one copy (none when t is already a plain row matrix) and one product; exact sums as well.
-        if k_last:
-            rows_t = t.reshape(n * p, k)
-            return rows_t.t() @ rows_t, (rows_t.sum(dim=0) if colsum else None)
         rows = t.movedim(0, k_dims).reshape(k, n * p)
         return rows @ rows.t(), (rows.sum(dim=1) if colsum else None)
     syrk = None
@@ -103,18 +94,6 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False, k_last: boo
     sums = torch.zeros(k, dtype=t.dtype, device=t.device) if colsum else None
     for start in range(0, n, per_chunk):
         m = min(per_chunk, n - start)
-        if k_last:
-            chunk = buf[: k * m * p].view(m, *pshape, *kshape)
-            chunk.copy_(t[start : start + m])
-            rows_t = chunk.view(m * p, k)
-            if syrk is not None:
-                # rows_t (m p, k) C-contiguous is the Fortran (k, m p) matrix X: syrk(trans=0) gives X X^T
-                syrk(1.0, rows_t.numpy().T, beta=1.0, c=acc_f.numpy(), trans=0, lower=0, overwrite_c=1)
-            else:
-                acc.addmm_(rows_t.t(), rows_t)
-            if sums is not None:
-                sums += rows_t.sum(dim=0)
-            continue
         chunk = buf[: k * m * p].view(*kshape, m, *pshape)
         chunk.copy_(t[start : start + m].movedim(0, k_dims))
         rows = chunk.view(k, m * p)

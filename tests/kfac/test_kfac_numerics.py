@@ -110,20 +110,12 @@ def _explicit_patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("layout", [None, True, False], ids=["auto", "channels_last", "as_is"])
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_factors_equal_independent_computation(name, layout):
-    """A and G against rows built by explicit slicing; for convolutions with the patches copied from the input
-    as it is, from a channels-last copy (A's rows then come out in (kh, kw, C) order and are permuted back),
-    and with the automatic choice."""
-    if layout is not None and name.startswith("linear"):
-        pytest.skip("patch layout applies to convolutions")
+def test_factors_equal_independent_computation(name):
     torch.manual_seed(3)
     layer = LAYERS[name]().double()
     x = _inputs(layer).double()
     p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None)
-    if layout is not None:
-        p.handlers[0].channels_last_patches = layout
     recorded = {}
 
     def keep(mod, inp, out):
@@ -259,11 +251,10 @@ def test_eigh_total_failure_keeps_training(monkeypatch):
     torch.testing.assert_close(layer.weight.grad, raw / 1.5)
 
 
-@pytest.mark.parametrize("k_last", [False, True], ids=["k_first", "k_last"])
 @pytest.mark.parametrize("use_blas", [True, False], ids=["syrk", "torch"])
 @pytest.mark.parametrize("k_dims", [1, 3])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunks", "one_product"])
-def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked, k_last):
+def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
     """The factor Gram (syrk upper triangle from chunks, the torch fallback used on CUDA, or the single product
     for small sides) equals rows^T rows in float64, on a strided view and with a partial last chunk; the column
     sums are the folded bias."""
@@ -276,12 +267,8 @@ def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked, k
         monkeypatch.setattr(linalg, "SYRK_MIN_DIM", 1)  # syrk even for these small sides
     torch.manual_seed(5)
     t = torch.randn(7, 5, 9, 4, 3, dtype=torch.float64).permute(0, 3, 1, 4, 2)  # (N, 4, 5, 3, 9), not contiguous
-    if k_last:  # (N, *P, *K): the last k_dims dimensions are the vector
-        t = t.movedim(tuple(range(1, 1 + k_dims)), tuple(range(t.dim() - k_dims, t.dim())))
-        rows = t.reshape(-1, math.prod(t.shape[t.dim() - k_dims :])).t()
-    else:
-        rows = t.movedim(0, k_dims).reshape(math.prod(t.shape[1 : 1 + k_dims]), -1)
-    gram, colsum = linalg.sym_gram(t, k_dims=k_dims, colsum=True, k_last=k_last)
+    gram, colsum = linalg.sym_gram(t, k_dims=k_dims, colsum=True)
+    rows = t.movedim(0, k_dims).reshape(math.prod(t.shape[1 : 1 + k_dims]), -1)
     torch.testing.assert_close(gram, rows @ rows.t(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(colsum, rows.sum(1), rtol=1e-12, atol=1e-12)
 
