@@ -15,6 +15,9 @@ Tuning is the same for both methods and uses seeds (``--tune-seeds``) disjoint f
 
 A run that does not reach the target within ``--sweep-max-epochs`` (tuning) or ``--max-epochs`` (final) counts as
 never reaching it. ``--stages final`` with explicit ``--sgd-lr`` / ``--kfac-lr`` / ... reruns only the comparison.
+``--select time`` picks instead the lowest median CPU time among the K-FAC settings within ``--epoch-ratio`` x
+SGD's tuned epochs. ``--sample-fraction(s)`` runs the optional A-subsampling variant
+(``conv_input_sample_fraction``, off at 1.0); ``--tag`` suffixes the result files so runs do not overwrite each other.
 
     python bench/kfac_convergence.py [--stages lr kfac lr2 final] [--seeds 0 1 2] [--tune-seeds 10 11 12]
 """
