@@ -145,7 +145,7 @@ class KFACPreconditioner:
         conv_input_sample_fraction: optional, off by default (1.0). Below 1, each Conv2d layer's A factor is
             estimated from the input patches of a random subset of ``ceil(fraction * N)`` of the ``N`` samples
             of every captured batch (G and Linear layers keep the whole batch). This is the input subsampling of
-            the K-FAC authors' reference implementation (tensorflow/kfac, ``fisher_factors.py``:
+            the TensorFlow K-FAC library (tensorflow/kfac, ``fisher_factors.py``:
             ``_SUB_SAMPLE_INPUTS`` / ``_INPUTS_TO_EXTRACT_PATCHES_FACTOR``, off there by default too): A is a
             mean over rows, so the subset's mean is an unbiased estimate of it, averaged further by the running
             average (Eq 16-17), at about ``fraction`` of the cost of the A Grams. Not the paper's (SC20)
