@@ -41,7 +41,7 @@ from lightning_hpc.models import small_cnn
 
 STAGES = ("lr", "kfac", "lr2", "final")
 #: K-FAC settings a configuration names (the tuned ones and the optional A-subsampling variant, off at 1.0)
-KFAC_KEYS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq", "factor_decay", "conv_input_sample_fraction")
+KFAC_KEYS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq", "factor_decay", "conv_input_sample_fraction", "compute_method")
 
 
 def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: argparse.Namespace) -> dict:
@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--kl-clips", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--intervals", nargs="+", default=["1:5", "1:10", "5:20"], help="factor:decomposition intervals")
     ap.add_argument("--factor-decays", type=float, nargs="+", default=[0.95], help="running-average weights xi (Eq 16-17) of the kfac stage")
+    ap.add_argument("--compute-methods", nargs="+", default=["eigen"], choices=("eigen", "inverse"), help="Eq 13-15 or Eq 11-12 (kfac stage)")
     ap.add_argument("--sample-fractions", type=float, nargs="+", default=[1.0],
                     help="conv_input_sample_fraction values of the kfac stage (optional variant; 1.0 = the default KFC factors)")
     ap.add_argument("--sgd-lr", type=float, default=0.05, help="used when the lr stage is skipped")
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--factor-every", type=int, default=1)
     ap.add_argument("--decomp-every", type=int, default=10)
     ap.add_argument("--factor-decay", type=float, default=0.95)
+    ap.add_argument("--compute-method", default="eigen", choices=("eigen", "inverse"))
     ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
     ap.add_argument("--select", choices=("epochs", "time"), default="epochs",
                     help="tuning choice: lowest median epochs, or lowest median CPU time among the K-FAC settings whose median "
@@ -152,7 +154,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sgd_lr, kfac_lr = args.sgd_lr, args.kfac_lr
     kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every, "inv_update_freq": args.decomp_every,
-            "factor_decay": args.factor_decay, "conv_input_sample_fraction": args.sample_fraction}  # fmt: skip
+            "factor_decay": args.factor_decay, "conv_input_sample_fraction": args.sample_fraction, "compute_method": args.compute_method}  # fmt: skip
     tuned = [s for s in STAGES[:-1] if s in args.stages]
     sweep = Report("kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)) + args.tag)
     sweep.meta.update(vars(args))
@@ -172,11 +174,11 @@ def main() -> None:
     cap = args.epoch_ratio * sgd_epochs if sgd_epochs is not None else math.inf
     if "kfac" in args.stages:
         rows = []
-        grid = itertools.product(args.dampings, args.kl_clips, args.intervals, args.factor_decays, args.sample_fractions)
-        for damping, kl_clip, iv, decay, fraction in grid:
+        grid = itertools.product(args.dampings, args.kl_clips, args.intervals, args.factor_decays, args.sample_fractions, args.compute_methods)
+        for damping, kl_clip, iv, decay, fraction, method in grid:
             f, d = (int(v) for v in iv.split(":"))
             opts = {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d, "factor_decay": decay,
-                    "conv_input_sample_fraction": fraction}  # fmt: skip
+                    "conv_input_sample_fraction": fraction, "compute_method": method}  # fmt: skip
             rows.append(tune("kfac", "kfac", kfac_lr, opts))
         best = _best(rows, args.select, cap)
         kfac = {k: best[k] for k in kfac}
