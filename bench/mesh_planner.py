@@ -110,8 +110,9 @@ def _sync(world: int, args: argparse.Namespace, report: Report, cache: dict):
         cache[world] = calibrate_sync(world, use_cache=False)  # under the current load, like alpha-beta
         report.meta[f"loaded_sync_{world}"] = cache[world].to_dict()
         c = cache[world]
-        print(f"loaded sync P={world}: chunk {1e3 * c.chunk_s:.2f} ms, allreduce {1e3 * c.allreduce_s:.3f} ms, sendrecv "
-              f"{1e3 * c.sendrecv_s:.3f} ms (idle {1e3 * c.idle_allreduce_s:.3f} / {1e3 * c.idle_sendrecv_s:.3f} ms), "
+        print(f"loaded sync P={world}: chunk {1e3 * c.chunk_s:.2f} ms, allreduce {1e3 * c.allreduce_s:.3f} ms, all-gather "
+              f"{1e3 * c.allgather_s:.3f} ms, sendrecv {1e3 * c.sendrecv_s:.3f} ms (idle {1e3 * c.idle_allreduce_s:.3f} / "
+              f"{1e3 * c.idle_allgather_s:.3f} / {1e3 * c.idle_sendrecv_s:.3f} ms), "
               f"{c.large_bytes >> 20} MiB allreduce {1e3 * c.large_allreduce_s:.2f} ms (overlapped {1e3 * c.large_overlapped_s:.2f} ms)", flush=True)
     return cache[world]
 
@@ -120,7 +121,7 @@ def _predict(world: int, batch: int, shape, args, ab, scale: float, sync, **kw) 
     """(predicted with the loaded sync term, predicted with alpha-beta only, sync points) from one set of layer
     times measured now."""
     with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
-        timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
+        timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=2, repeats=5)
         model = mesh_fcn(convs_per_block=args.convs)
         plan = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, sync=sync, **kw)
         plain = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, **kw)

@@ -57,6 +57,8 @@ class SyncCost:
     idle_allreduce_s: float  # the same allreduce between idle ranks
     idle_sendrecv_s: float  # the same exchange between idle ranks
     small_bytes: int = 64
+    allgather_s: float = 0.0  # what one small all-gather adds to the busy loop
+    idle_allgather_s: float = 0.0  # the same all-gather between idle ranks
     large_bytes: int = 0  # size of the large-allreduce measurement (0: not measured)
     large_allreduce_s: float = 0.0  # a blocking allreduce of large_bytes after every chunk
     large_overlapped_s: float = 0.0  # the same allreduce started before the chunk, waited for after it
@@ -70,16 +72,19 @@ class SyncCost:
         return cls(world_size, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def wait(self, kind: str, model: AlphaBeta, group: int | None = None) -> float:
-        """What one synchronisation point of ``kind`` ("allreduce" for the small collectives, "sendrecv" for a
-        halo exchange) costs under load beyond its alpha-beta cost: ``max(loaded - alpha-beta(small), 0)``,
-        where alpha-beta(small) is the model's cost of the calibration's own small message (an allreduce over
-        ``group`` ranks, default ``world_size``, or one send/recv)."""
+        """What one synchronisation point of ``kind`` ("allreduce" / "allgather" for the small collectives,
+        "sendrecv" for a halo exchange) costs under load beyond its alpha-beta cost: ``max(loaded -
+        alpha-beta(small), 0)``, where alpha-beta(small) is the model's cost of the calibration's own small message
+        (that collective over ``group`` ranks, default ``world_size``, or one send/recv)."""
         if kind == "allreduce":
             loaded, ab = self.allreduce_s, alphabeta.allreduce(self.small_bytes, group or self.world_size, model)
+        elif kind == "allgather":
+            p = group or self.world_size
+            loaded, ab = self.allgather_s, alphabeta.allgather(self.small_bytes * p, p, model)
         elif kind == "sendrecv":
             loaded, ab = self.sendrecv_s, alphabeta.send_recv(self.small_bytes, model)
         else:
-            raise ValueError(f"sync kind must be 'allreduce' or 'sendrecv', got {kind!r}")
+            raise ValueError(f"sync kind must be 'allreduce', 'allgather' or 'sendrecv', got {kind!r}")
         return max(loaded - ab, 0.0)
 
     def gradient_allreduce(self, nbytes: float) -> float:
@@ -125,8 +130,13 @@ def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds:
     large = torch.zeros(max(large_bytes // 4, 1)) if large_bytes > 0 else None
     partner = rank ^ 1 if (rank ^ 1) < world_size else None
 
+    gathered = [torch.empty_like(small) for _ in range(world_size)]
+
     def allreduce() -> None:
         dist.all_reduce(small)
+
+    def allgather() -> None:
+        dist.all_gather(gathered, small)
 
     def sendrecv() -> None:
         if partner is not None:
@@ -156,8 +166,8 @@ def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds:
             conv(x)
             work.wait()
 
-    variants = {"compute": compute, "allreduce": busy(allreduce), "sendrecv": busy(sendrecv),
-                "idle_allreduce": idle(allreduce), "idle_sendrecv": idle(sendrecv)}
+    variants = {"compute": compute, "allreduce": busy(allreduce), "allgather": busy(allgather), "sendrecv": busy(sendrecv),
+                "idle_allreduce": idle(allreduce), "idle_allgather": idle(allgather), "idle_sendrecv": idle(sendrecv)}
     if large is not None:
         variants |= {"large": busy(lambda: dist.all_reduce(large)), "overlapped": overlapped}
     out: dict[str, list[float]] = {k: [] for k in variants}
@@ -185,6 +195,8 @@ def _summarise(world_size: int, iters: int, small_bytes: int, large_bytes: int, 
         idle_allreduce_s=med["idle_allreduce"] / iters,
         idle_sendrecv_s=med["idle_sendrecv"] / iters,
         small_bytes=small_bytes,
+        allgather_s=extra("allgather"),
+        idle_allgather_s=med["idle_allgather"] / iters,
         large_bytes=large_bytes,
         large_allreduce_s=extra("large") if large_bytes else 0.0,
         large_overlapped_s=extra("overlapped") if large_bytes else 0.0,
@@ -214,7 +226,7 @@ def measure_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, rounds
 
 
 def _cache_path(world_size: int, chunk_s: float, iters: int, rounds: int, small_bytes: int, large_bytes: int) -> Path:
-    return cache_dir() / f"sync-{socket.gethostname()}-gloo-{world_size}-{chunk_s * 1e3:g}ms-{iters}x{rounds}-{small_bytes}-{large_bytes}.json"
+    return cache_dir() / f"sync-v2-{socket.gethostname()}-gloo-{world_size}-{chunk_s * 1e3:g}ms-{iters}x{rounds}-{small_bytes}-{large_bytes}.json"
 
 
 def calibrate_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, rounds: int = 5, small_bytes: int = 64,

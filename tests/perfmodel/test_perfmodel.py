@@ -61,8 +61,9 @@ def test_loaded_sync_calibration_is_measured_cached_and_reused(tmp_path, monkeyp
     settings = dict(chunk_s=2e-4, iters=3, rounds=1, large_bytes=4096)
     cost = calibrate_sync(2, **settings)
     assert cost.world_size == 2 and cost.chunk_s > 0 and cost.large_bytes == 4096
-    assert cost.idle_allreduce_s > 0 and cost.idle_sendrecv_s > 0  # a real collective between two processes takes time
-    assert min(cost.allreduce_s, cost.sendrecv_s, cost.large_allreduce_s, cost.large_overlapped_s) >= 0
+    # a real collective between two processes takes time
+    assert cost.idle_allreduce_s > 0 and cost.idle_sendrecv_s > 0 and cost.idle_allgather_s > 0
+    assert min(cost.allreduce_s, cost.allgather_s, cost.sendrecv_s, cost.large_allreduce_s, cost.large_overlapped_s) >= 0
     assert 0.0 <= cost.overlap_fraction <= 1.0
     [entry] = tmp_path.glob("sync-*-gloo-2-*.json")
 
@@ -94,6 +95,7 @@ def test_loaded_sync_wait_subtracts_the_alpha_beta_cost_of_the_calibration_messa
     assert c.wait("allreduce", M) == pytest.approx(5e-3 - alphabeta.allreduce(64, 4, M))
     assert c.wait("allreduce", M, group=2) == pytest.approx(5e-3 - alphabeta.allreduce(64, 2, M))
     assert c.wait("sendrecv", M) == pytest.approx(3e-3 - alphabeta.send_recv(64, M))
+    assert c.wait("allgather", M) == 0.0  # not measured (0 s) is never a negative cost
     assert c.wait("sendrecv", AlphaBeta(alpha=1.0, beta=0.0)) == 0.0  # never negative
     with pytest.raises(ValueError, match="sync kind"):
         c.wait("broadcast", M)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import random
 
@@ -205,7 +206,7 @@ def test_compute_contention_is_a_slowdown_factor():
 # ---- loaded synchronisation cost (perfmodel.sync) -----------------------------------------------------------
 def _sync(p, allreduce=2e-3, sendrecv=3e-3, **kw):
     return SyncCost(world_size=p, chunk_s=1e-3, allreduce_s=allreduce, sendrecv_s=sendrecv, idle_allreduce_s=0.0,
-                    idle_sendrecv_s=0.0, **kw)
+                    idle_sendrecv_s=0.0, allgather_s=allreduce, **kw)
 
 
 def test_sync_points_are_counted_from_the_layer_kinds():
@@ -216,11 +217,12 @@ def test_sync_points_are_counted_from_the_layer_kinds():
     loaded = CostModel(m, world_size=4, batch_size=1, timer=FlopTimer(), sync=_sync(4))
     w_sr = 3e-3 - alphabeta.send_recv(64, m)
     w_ar = 2e-3 - alphabeta.allreduce(64, 4, m)
-    # input conv: forward halo exchange (its input needs no gradient); BN: statistics forward + backward;
-    # the input extent allreduce of the first stage
+    w_ag = 2e-3 - alphabeta.allgather(4 * 64, 4, m)
+    # input conv: forward halo exchange (its input needs no gradient); BN: statistics all-gather forward, allreduce
+    # backward; the input extent allreduce of the first stage
     first_p, first_l = plain.stage_cost(stages[0], d), loaded.stage_cost(stages[0], d)
     assert first_l.sync_points == 1 + 2 + 1
-    assert first_l.sync_wait == pytest.approx(w_sr + 3 * w_ar)
+    assert first_l.sync_wait == pytest.approx(w_sr + w_ag + 2 * w_ar)
     assert first_l.local == pytest.approx(first_p.local + first_l.sync_wait)
     # its weight-gradient allreduce (tiny) costs at least the measured small allreduce between busy ranks
     assert first_l.allreduce == pytest.approx(max(first_p.allreduce, 2e-3) + max(dict(first_p.allreduces)["1"], 2e-3))
@@ -255,6 +257,13 @@ def test_prediction_grows_by_the_sync_points_times_the_measured_cost():
     assert large.sync_time - small.sync_time == pytest.approx(6 * 2e-3, rel=1e-6)
 
 
+class _SlowFlopTimer(FlopTimer):
+    """100x the multiply-add times: backward long enough (tens of ms) to hide millisecond allreduces."""
+
+    def measure(self, module, input_shape, dtype=torch.float32, device="cpu"):
+        return {k: 100 * v for k, v in super().measure(module, input_shape, dtype, device).items()}
+
+
 def test_loaded_gradient_allreduce_and_overlap():
     big = _sync(2, 1e-3, 1e-3, large_bytes=1 << 20, large_allreduce_s=11e-3, large_overlapped_s=5.5e-3)
     assert big.gradient_allreduce(64) == pytest.approx(1e-3)
@@ -262,14 +271,19 @@ def test_loaded_gradient_allreduce_and_overlap():
     assert big.gradient_allreduce((1 << 20) // 2 + 32) == pytest.approx(6e-3)  # linear between the two points
     assert big.overlap_fraction == pytest.approx(0.5)
     assert _sync(2).overlap_fraction == 1.0  # not measured: section V-B's full overlap
-    # DDP-style overlapped allreduces: only the measured half of the allreduce hides behind backward
-    model, timer, m = _line_net(), FlopTimer(), AlphaBeta(alpha=1e-9, beta=1e-15)
-    kw = dict(alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1, gradient_reduction="bucketed")
-    plan = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=big, **kw)
-    assert plan.exposed_allreduce_time == pytest.approx(0.5 * plan.allreduce_time)
-    assert plan.allreduce_time == pytest.approx(1e-3)  # one (first, 1 MiB) bucket holds this small model
-    free = plan_for_model(model, (3, 32, 32), 2, batch_size=2, **kw)
-    assert free.exposed_allreduce_time < 1e-6  # alpha-beta only: hidden behind backward
+    # overlapped per-layer allreduces: only the measured half of their time hides behind backward
+    model, timer, m = _line_net(), _SlowFlopTimer(), AlphaBeta(alpha=1e-9, beta=1e-15)
+    kw = dict(alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1, gradient_reduction="per-layer")
+    half = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=big, **kw)
+    hides_all = dataclasses.replace(big, large_overlapped_s=0.0)
+    assert hides_all.overlap_fraction == 1.0
+    full = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **kw)
+    assert half.allreduce_time == pytest.approx(full.allreduce_time) and half.allreduce_time >= 4e-3  # 4 layers, >= 1 ms each
+    assert full.exposed_allreduce_time < 0.5 * full.allreduce_time  # backward hides the early ones
+    assert half.exposed_allreduce_time == pytest.approx(0.5 * half.allreduce_time)
+    # DDP's buckets: this small model fills one bucket, ready only when backward is done: nothing hides it
+    ddp = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **(kw | {"gradient_reduction": "bucketed"}))
+    assert ddp.exposed_allreduce_time == pytest.approx(ddp.allreduce_time) and ddp.sync_points == 1
 
 
 def test_ddp_buckets_follow_the_bucket_caps():

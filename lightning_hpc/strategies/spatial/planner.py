@@ -433,8 +433,8 @@ class CostModel:
             if isinstance(layer.module, nn.BatchNorm2d) and self.aggregate_bn and spatial > 1:
                 # sum and sum of squares forward, their gradients backward, over the spatial group
                 bn += 2 * alphabeta.allreduce(2 * layer.module.num_features * self.bytes, spatial, self.m)
-                syncs += 2
-                wait += 2 * self.sync_wait("allreduce", spatial)
+                syncs += 2  # this implementation: an all-gather of (mean, var, count) forward, an allreduce backward
+                wait += self.sync_wait("allgather", spatial) + self.sync_wait("allreduce", spatial)
             if layer.param_bytes:
                 allreduces.append((layer.name, self.gradient_allreduce(layer.param_bytes)))
         if not stage.parents and spatial > 1:
