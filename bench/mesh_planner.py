@@ -98,7 +98,8 @@ def _spatial_steps(rank: int, world_size: int, size: int, convs: int, parts: tup
 def _scale(world: int, cores: int, how: str) -> float:
     """Compute slowdown of ``world`` ranks sharing this host: ``cores`` = processes / cores, ``measured`` = the
     measured contention (captures other jobs on a shared host)."""
-    return compute_contention(world) if how == "measured" else max(1.0, world / cores)
+    # 5 rounds of 5 convolutions (default 3 x 3): the factor multiplies all compute, so its noise matters
+    return compute_contention(world, repeats=5, rounds=5) if how == "measured" else max(1.0, world / cores)
 
 
 def _sync(world: int, args: argparse.Namespace, report: Report, cache: dict):

@@ -3,26 +3,32 @@
 The alpha-beta model (Dryden et al. section V-A; :mod:`lightning_hpc.perfmodel.alphabeta`) is calibrated by a
 ping-pong between otherwise idle ranks.  In a training step the ranks compute between two synchronisations
 (halo exchange, batch-norm statistics, gradient allreduce) and do not arrive together: a rank waits until its
-peer finishes its share and until the peer's communication thread is scheduled, which on a node with no spare
-core means until a compute thread gives a core up.  Section V-A has no term for that; this module measures it.
+peer has finished its share and until the peer's communication thread gets a core, which on a node with no spare
+core means until a compute thread gives one up.  Section V-A has no term for that; this module measures it.
 
-Measurement (:func:`measure_sync`, every rank one torch thread, all ``P`` ranks at once):
+What :func:`measure_sync` times (``P`` spawned gloo processes, one torch thread each, all at once; every loop
+starts and ends with a barrier, so it lasts until the slowest rank is done, as a training step does):
 
-* ``compute``: every rank runs ``iters`` chunks of compute (a 3x3 convolution forward whose size gives about
-  ``chunk_s`` seconds), then one barrier;
-* ``loaded``: the same loop with a synchronisation after every chunk (``kind="allreduce"``: an allreduce of
-  ``small_bytes`` over the P ranks; ``kind="sendrecv"``: a nonblocking send + receive with the partner rank
-  ``rank ^ 1`` (rank ``P-1`` of an odd P pairs with nobody) and a wait, the shape of a halo exchange);
-* ``idle``: the synchronisations alone, back to back (no compute).
+* ``compute``: ``iters`` chunks of compute per rank: a 16-channel 3x3 convolution forward whose input side rank 0
+  chooses so that one call takes about ``chunk_s`` in one process (all ranks use that side);
+* ``allreduce`` / ``allgather`` / ``sendrecv``: the same loop with, after every chunk, an allreduce or an
+  all-gather of ``small_bytes`` over the P ranks, or a nonblocking send + receive of ``small_bytes`` with the
+  partner rank ``rank ^ 1`` and a wait (the shape of a halo exchange; rank ``P-1`` of an odd P has no partner);
+* ``idle_*``: those synchronisations alone, back to back, no compute (for reference);
+* with ``large_bytes > 0``: ``large``, a blocking allreduce of ``large_bytes`` after every chunk, and
+  ``overlapped``, the same allreduce started asynchronously before the chunk and waited for after it.
 
-``loaded_s = (loaded - compute) / iters`` is what one synchronisation adds to a busy loop;
-``wait_s = max(loaded_s - idle_s, 0)`` is the part that is *not* in an idle message's alpha-beta cost.  The
-planner charges every synchronisation point ``alpha-beta cost + wait_s``.  With ``large_bytes`` the same is
-done for a blocking allreduce of that size after every chunk (``large_loaded_s``), and for the allreduce
-started asynchronously before the chunk and waited for after it (``large_overlapped_s``: what a gradient
-allreduce overlapped with backward really costs when the ranks' communication threads need the cores the
-compute uses).  Each variant runs ``rounds`` times interleaved; the medians are kept.  Results are cached per
-(host, P, kind, chunk, sizes) in ``$LIGHTNING_HPC_CACHE`` like the alpha-beta calibration.
+The loops run interleaved ``rounds`` times; medians are kept.  ``allreduce_s = (allreduce - compute) / iters`` is
+what one small allreduce adds to a busy loop (likewise ``allgather_s``, ``sendrecv_s``, ``large_allreduce_s``,
+``large_overlapped_s``); ``chunk_s = compute / iters`` is the chunk's time with all P ranks computing.
+
+How the spatial planner uses it (:class:`lightning_hpc.strategies.spatial.planner.CostModel`): every
+synchronisation point is charged its alpha-beta cost plus :meth:`SyncCost.wait` = measured loaded cost of that
+kind minus the alpha-beta cost of the calibration's own small message (never negative); a gradient allreduce costs
+the larger of its alpha-beta cost and :meth:`SyncCost.gradient_allreduce` (the line through the small and large
+loaded measurements); and only :attr:`SyncCost.overlap_fraction` of the allreduces' time may hide behind backward.
+Nothing here is fitted to training-step times.  Results are cached per host, P and settings in
+``$LIGHTNING_HPC_CACHE`` (default ``~/.cache/lightning_hpc``) like the alpha-beta calibration.
 """
 
 from __future__ import annotations
