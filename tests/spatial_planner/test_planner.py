@@ -181,6 +181,25 @@ def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
     assert main(["recipe=nope", "--world-size", "2"]) == 2
 
 
+def test_plan_spatial_cli_loaded_sync_reads_the_cached_calibration(tmp_path, monkeypatch, capsys):
+    from lightning_hpc.perfmodel import sync as sync_mod
+    from lightning_hpc.strategies.spatial.plan import main
+
+    monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
+    cached = _sync(4, 2e-3, 3e-3)
+    sync_mod._cache_path(4, 1e-3, 40, 5, 64, 4 << 20).write_text(json.dumps(cached.to_dict()))
+    monkeypatch.setattr(sync_mod, "measure_sync", lambda *a, **k: pytest.fail("the cached calibration must be used"))
+    argv = ["recipe=mesh_tangling_1k", "--world-size", "4", "--batch-size", "1", "input_shape=[18,64,64]",
+            "model.widths=[4,4,4,4,4,4]", "--alpha", "1e-5", "--beta", "1e-9", "--json"]
+    assert main([*argv, "--loaded-sync"]) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert loaded["loaded_sync"] == cached.to_dict() and plain["loaded_sync"] is None
+    assert loaded["sync_points"] > 0 and loaded["sync_time_s"] > 0 and plain["sync_time_s"] == 0
+    assert loaded["predicted_step_time_s"] > plain["predicted_step_time_s"]
+
+
 def _plan_in_job(rank, world_size):
     plan = plan_for_model(_line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
     return {name: str(d) for name, d in plan.distributions.items()}, plan.spatial_parts
