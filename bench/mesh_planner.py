@@ -5,7 +5,10 @@ local processes, one torch thread each; the median step time over several steps 
 Predicted: ``plan_for_model`` restricted to sample parallelism (the distribution that was run), with layer times
 measured in this process, alpha-beta from the local gloo calibration, and compute scaled by processes / cores
 by the measured slowdown of that many concurrent processes on this host
-(``compute_contention``; ``--contention cores`` uses processes / cores instead).  Also prints the planner's free choice (spatial allowed) for each size.
+(``compute_contention``; ``--contention cores`` uses processes / cores instead), DDP's gradient buckets
+(``gradient_reduction="bucketed"``), and the loaded synchronisation cost measured on P busy processes at the start
+of the run (``calibrate_sync``, :mod:`lightning_hpc.perfmodel.sync`): every synchronisation point is charged
+alpha-beta plus that measured extra.  ``predicted_ab_s`` is the same plan without the loaded term (alpha-beta only).
 
     python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2] [--spatial] [--worlds 1,2,4]
 
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.models import mesh_fcn  # noqa: E402
-from lightning_hpc.perfmodel import LayerTimer, calibrate_local, compute_contention  # noqa: E402
+from lightning_hpc.perfmodel import LayerTimer, calibrate_local, calibrate_sync, compute_contention  # noqa: E402
 from lightning_hpc.strategies.spatial.planner import plan_for_model  # noqa: E402
 
 
@@ -95,31 +98,64 @@ def _spatial_steps(rank: int, world_size: int, size: int, convs: int, parts: tup
 def _scale(world: int, cores: int, how: str) -> float:
     """Compute slowdown of ``world`` ranks sharing this host: ``cores`` = processes / cores, ``measured`` = the
     measured contention (captures other jobs on a shared host)."""
-    return compute_contention(world) if how == "measured" else max(1.0, world / cores)
+    # 5 rounds of 5 convolutions (default 3 x 3): the factor multiplies all compute, so its noise matters
+    return compute_contention(world, repeats=5, rounds=5) if how == "measured" else max(1.0, world / cores)
 
 
-def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int) -> None:
+def _sync(world: int, args: argparse.Namespace, report: Report, cache: dict):
+    """Loaded synchronisation cost of ``world`` busy processes, measured once per run (None: one process or
+    ``--no-sync``)."""
+    if world == 1 or args.no_sync:
+        return None
+    if world not in cache:
+        cache[world] = calibrate_sync(world, use_cache=False)  # under the current load, like alpha-beta
+        report.meta[f"loaded_sync_{world}"] = cache[world].to_dict()
+        c = cache[world]
+        print(f"loaded sync P={world}: chunk {1e3 * c.chunk_s:.2f} ms, allreduce {1e3 * c.allreduce_s:.3f} ms, all-gather "
+              f"{1e3 * c.allgather_s:.3f} ms, sendrecv {1e3 * c.sendrecv_s:.3f} ms (idle {1e3 * c.idle_allreduce_s:.3f} / "
+              f"{1e3 * c.idle_allgather_s:.3f} / {1e3 * c.idle_sendrecv_s:.3f} ms), "
+              f"{c.large_bytes >> 20} MiB allreduce {1e3 * c.large_allreduce_s:.2f} ms (overlapped {1e3 * c.large_overlapped_s:.2f} ms)", flush=True)
+    return cache[world]
+
+
+def _predict(world: int, batch: int, shape, args, ab, scale: float, sync, **kw) -> tuple[float, float, int]:
+    """(predicted with the loaded sync term, predicted with alpha-beta only, sync points) from one set of layer
+    times measured now."""
+    with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
+        timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=2, repeats=5)
+        model = mesh_fcn(convs_per_block=args.convs)
+        plan = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, sync=sync, **kw)
+        plain = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, **kw)
+    return plan.predicted_step_time, plain.predicted_step_time, plan.sync_points
+
+
+def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int, syncs: dict) -> None:
     """Measured vs predicted for pure spatial parallelism at mini-batch 1 (one distribution for every layer)."""
     shape = (18, args.size, args.size)
     for world, parts in ((2, (2, 1)), (4, (2, 2))):
-        measured, predicted, scales = [], [], []
+        measured, predicted, plain, scales = [], [], [], []
+        sync = _sync(world, args, report, syncs)
+        want = (world // (parts[0] * parts[1]), *parts)
         for _ in range(args.rounds):
             times = run_in_processes(_spatial_steps, world, args.size, args.convs, parts, args.overlap, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
             measured.append(statistics.median(times))
             scale = _scale(world, cores, args.contention)
             scales.append(scale)
-            with tempfile.TemporaryDirectory() as tmp:
-                timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
-                want = (world // (parts[0] * parts[1]), *parts)
-                plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=1, alpha_beta=ab, timer=timer,
-                                      restrict=lambda d: (d.n, d.h, d.w) == want, compute_scale=scale,
-                                      gradient_reduction="single", overlap_halo=args.overlap)
-            predicted.append(plan.predicted_step_time)
-        meas, pred = statistics.median(measured), statistics.median(predicted)
-        report.add(processes=world, mini_batch=1, distribution=f"N1 x H{parts[0]} x W{parts[1]} (spatial)", measured_s=meas,
-                   predicted_s=pred, error_pct=100 * (pred - meas) / meas, measured_rounds=[round(m, 4) for m in measured],
-                   predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
-        print(f"spatial P={world} {parts}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%)", flush=True)
+            pred, pred_ab, points = _predict(world, 1, shape, args, ab, scale, sync, restrict=lambda d: (d.n, d.h, d.w) == want,
+                                             gradient_reduction="single", overlap_halo=args.overlap)
+            predicted.append(pred)
+            plain.append(pred_ab)
+        _row(report, world, 1, f"N1 x H{parts[0]} x W{parts[1]} (spatial)", measured, predicted, plain, scales, points)
+
+
+def _row(report: Report, world: int, batch: int, label: str, measured, predicted, plain, scales, points: int) -> None:
+    meas, pred, pred_ab = statistics.median(measured), statistics.median(predicted), statistics.median(plain)
+    report.add(processes=world, mini_batch=batch, distribution=label, measured_s=meas, predicted_s=pred,
+               error_pct=100 * (pred - meas) / meas, predicted_ab_s=pred_ab, error_ab_pct=100 * (pred_ab - meas) / meas,
+               sync_points=points, measured_rounds=[round(m, 4) for m in measured],
+               predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
+    print(f"{label} P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%; alpha-beta only "
+          f"{pred_ab:.3f}s, {100 * (pred_ab - meas) / meas:+.1f}%), {points} sync points", flush=True)
 
 
 def main() -> None:
@@ -133,6 +169,7 @@ def main() -> None:
     ap.add_argument("--contention", choices=("measured", "cores"), default="measured",
                     help="compute slowdown of concurrent ranks: measured (compute_contention) or processes / cores")
     ap.add_argument("--spatial", action="store_true", help="also measure spatial runs (needs the spatial layers)")
+    ap.add_argument("--no-sync", action="store_true", help="skip the loaded-sync calibration (alpha-beta model only)")
     ap.add_argument("--overlap", action="store_true", help="spatial runs with the interior/halo overlap of section IV-A "
                     "(default: one convolution over the tile + halo box, the faster path on CPU)")
     args = ap.parse_args()
@@ -141,28 +178,25 @@ def main() -> None:
     ab = calibrate_local(2, use_cache=False)  # under the current load of the host
     shape = (18, args.size, args.size)
     report = Report("mesh_planner")
+    syncs: dict = {}
     report.meta.update(size=args.size, convs=args.convs, alpha=ab.alpha, beta=ab.beta, cores=cores,
                        note="2-core machine, run under the exclusive benchmark lock; one torch thread per process", loadavg_start=os.getloadavg())
     for world in [int(w) for w in args.worlds.split(",")]:
-        measured, predicted, scales = [], [], []
+        measured, predicted, plain, scales = [], [], [], []
+        sync = _sync(world, args, report, syncs)
         for _ in range(args.rounds):
             times = run_in_processes(_ddp_steps, world, args.size, args.convs, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
             measured.append(statistics.median(times))
             scale = _scale(world, cores, args.contention)
-            with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
-                timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=1, repeats=3)
-                plan = plan_for_model(mesh_fcn(convs_per_block=args.convs), shape, world, batch_size=world, alpha_beta=ab, timer=timer,
-                                      restrict=lambda d: d.h == 1 and d.w == 1, compute_scale=scale)
             scales.append(scale)
-            predicted.append(plan.predicted_step_time)
-        meas, pred = statistics.median(measured), statistics.median(predicted)
-        report.add(processes=world, mini_batch=world, distribution=f"N{world} x H1 x W1 (DDP)", measured_s=meas,
-                   predicted_s=pred, error_pct=100 * (pred - meas) / meas, measured_rounds=[round(m, 4) for m in measured],
-                   predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
-        print(f"P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%)", flush=True)
+            pred, pred_ab, points = _predict(world, world, shape, args, ab, scale, sync, restrict=lambda d: d.h == 1 and d.w == 1,
+                                             gradient_reduction="bucketed")
+            predicted.append(pred)
+            plain.append(pred_ab)
+        _row(report, world, world, f"N{world} x H1 x W1 (DDP)", measured, predicted, plain, scales, points)
     if args.spatial:
-        _spatial_rows(report, args, ab, cores)
-    report.print(["processes", "distribution", "measured_s", "predicted_s", "error_pct"])
+        _spatial_rows(report, args, ab, cores, syncs)
+    report.print(["processes", "distribution", "measured_s", "predicted_s", "error_pct", "predicted_ab_s", "error_ab_pct", "sync_points"])
     report.write()
     report.plot_bars("distribution", "error_pct", title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)", ylabel="(predicted - measured) / measured %")
 

@@ -8,6 +8,7 @@ multiply their compute estimates by this factor.  On a node with a core or GPU p
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,15 +29,21 @@ def _alone_and_together(rank: int, world_size: int, size: int, channels: int, re
         for _ in range(rounds):
             dist.barrier()
             alone = time_callable(lambda: conv(x), warmup=1, repeats=repeats) if rank == 0 else 0.0  # others wait
-            dist.barrier()  # then everyone at once
-            together = time_callable(lambda: conv(x), warmup=1, repeats=repeats)
-            out.append((alone, together))
+            dist.barrier()  # then everyone at once, timed barrier to barrier: a bulk-synchronous step ends when
+            conv(x)  # the slowest rank ends, and a rank that finishes early stops competing for the cores
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                conv(x)
+            dist.barrier()
+            out.append((alone, (time.perf_counter() - t0) / repeats))
     return out
 
 
 def compute_contention(world_size: int, size: int = 256, channels: int = 32, repeats: int = 3, rounds: int = 3) -> float:
-    """Per-process time of a convolution with ``world_size`` local processes running it at once (median over
-    ranks and rounds), over its time in one process while the others wait (>= 1).  Spawns ``world_size`` gloo
+    """Time per convolution with ``world_size`` local processes running ``repeats`` of them at once, from a
+    barrier until the slowest process is done (as a bulk-synchronous training step), over its time in one process
+    while the others wait (>= 1; median over rounds).  Spawns ``world_size`` gloo
     processes, one torch thread each; 1.0 for a single process.  The default workload (a 32-channel 3x3 convolution
     on 256 x 256, tens of milliseconds per call) is long enough to see the scheduler share the cores."""
     from lightning_hpc.distributed.spawn import run_in_processes

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import random
 
@@ -5,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
+from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, SyncCost, alphabeta
 from lightning_hpc.strategies.spatial.planner import (
     CostModel,
     Distribution,
@@ -88,7 +89,11 @@ def test_halo_cost_matches_section_v_a():
     assert costs._halo(first.head, Distribution(4, 1, 1)) == 0.0  # sample parallelism needs no halo
     assert costs._halo(stages[2].head, d) == 0.0  # 1x1 convolution
     sc = costs.stage_cost(first, d)
-    assert sc.halo == pytest.approx(2 * expected)  # forward and backward exchanges
+    assert sc.halo == pytest.approx(expected)  # the input needs no gradient: forward exchange only
+    second = stages[1]  # stride-2 3x3 conv on the 32x32 activation: forward and backward exchanges
+    hl2 = wl2 = 16
+    expected2 = 2 * sr(o * n * 8 * wl2) + 2 * sr(o * n * 8 * hl2) + 4 * sr(o * o * n * 8)
+    assert costs.stage_cost(second, d).halo == pytest.approx(2 * expected2)
     assert sc.bn_stats == pytest.approx(2 * alphabeta.allreduce(2 * 8 * 4, 4, m))
     params = (3 * 8 * 9 + 8) * 4
     assert dict(sc.allreduces)["0"] == pytest.approx(alphabeta.allreduce(params, 4, m))
@@ -176,6 +181,25 @@ def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
     assert main(["recipe=nope", "--world-size", "2"]) == 2
 
 
+def test_plan_spatial_cli_loaded_sync_reads_the_cached_calibration(tmp_path, monkeypatch, capsys):
+    from lightning_hpc.perfmodel import sync as sync_mod
+    from lightning_hpc.strategies.spatial.plan import main
+
+    monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
+    cached = _sync(4, 2e-3, 3e-3)
+    sync_mod._cache_path(4, 1e-3, 40, 5, 64, 4 << 20).write_text(json.dumps(cached.to_dict()))
+    monkeypatch.setattr(sync_mod, "measure_sync", lambda *a, **k: pytest.fail("the cached calibration must be used"))
+    argv = ["recipe=mesh_tangling_1k", "--world-size", "4", "--batch-size", "1", "input_shape=[18,64,64]",
+            "model.widths=[4,4,4,4,4,4]", "--alpha", "1e-5", "--beta", "1e-9", "--json"]
+    assert main([*argv, "--loaded-sync"]) == 0
+    loaded = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert loaded["loaded_sync"] == cached.to_dict() and plain["loaded_sync"] is None
+    assert loaded["sync_points"] > 0 and loaded["sync_time_s"] > 0 and plain["sync_time_s"] == 0
+    assert loaded["predicted_step_time_s"] > plain["predicted_step_time_s"]
+
+
 def _plan_in_job(rank, world_size):
     plan = plan_for_model(_line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
     return {name: str(d) for name, d in plan.distributions.items()}, plan.spatial_parts
@@ -196,3 +220,109 @@ def test_compute_contention_is_a_slowdown_factor():
     assert compute_contention(2, size=32, channels=4, repeats=2, rounds=1) >= 1.0
     with pytest.raises(ValueError, match="world_size"):
         compute_contention(0)
+
+
+# ---- loaded synchronisation cost (perfmodel.sync) -----------------------------------------------------------
+def _sync(p, allreduce=2e-3, sendrecv=3e-3, **kw):
+    return SyncCost(world_size=p, chunk_s=1e-3, allreduce_s=allreduce, sendrecv_s=sendrecv, idle_allreduce_s=0.0,
+                    idle_sendrecv_s=0.0, allgather_s=allreduce, **kw)
+
+
+def test_sync_points_are_counted_from_the_layer_kinds():
+    m = AlphaBeta(alpha=1e-5, beta=1e-9)
+    stages = build_stages(trace_layers(_line_net(), (1, 3, 32, 32)))  # conv-BN-ReLU, stride-2 conv-ReLU, 1x1 conv
+    d = Distribution(1, 2, 2)
+    plain = CostModel(m, world_size=4, batch_size=1, timer=FlopTimer())
+    loaded = CostModel(m, world_size=4, batch_size=1, timer=FlopTimer(), sync=_sync(4))
+    w_sr = 3e-3 - alphabeta.send_recv(64, m)
+    w_ar = 2e-3 - alphabeta.allreduce(64, 4, m)
+    w_ag = 2e-3 - alphabeta.allgather(4 * 64, 4, m)
+    # input conv: forward halo exchange (its input needs no gradient); BN: statistics all-gather forward, allreduce
+    # backward; the input extent allreduce of the first stage
+    first_p, first_l = plain.stage_cost(stages[0], d), loaded.stage_cost(stages[0], d)
+    assert first_l.sync_points == 1 + 2 + 1
+    assert first_l.sync_wait == pytest.approx(w_sr + w_ag + 2 * w_ar)
+    assert first_l.local == pytest.approx(first_p.local + first_l.sync_wait)
+    # its weight-gradient allreduce (tiny) costs at least the measured small allreduce between busy ranks
+    assert first_l.allreduce == pytest.approx(max(first_p.allreduce, 2e-3) + max(dict(first_p.allreduces)["1"], 2e-3))
+    # inner 3x3 conv: forward and backward exchanges; the 1x1 conv needs none
+    assert loaded.stage_cost(stages[1], d).sync_points == 2
+    assert loaded.stage_cost(stages[1], d).sync_wait == pytest.approx(2 * w_sr)
+    assert loaded.stage_cost(stages[2], d).sync_points == 0
+    # sample parallelism has no halo or BN collectives
+    assert loaded.stage_cost(stages[0], Distribution(1, 1, 1, replicas=4)).sync_wait == 0.0
+    # a shuffle is two all-to-alls (forward, backward), each one synchronisation point
+    a, b = Distribution(1, 2, 2), Distribution(1, 4, 1)
+    assert loaded.shuffle(1000, a, b) == pytest.approx(plain.shuffle(1000, a, b) + 2 * w_ar)
+
+
+def test_prediction_grows_by_the_sync_points_times_the_measured_cost():
+    model, timer, m = _line_net(), FlopTimer(), AlphaBeta(alpha=1e-5, beta=1e-9)
+    want = lambda d: (d.n, d.h, d.w) == (1, 2, 2)  # noqa: E731
+    kw = dict(alpha_beta=m, timer=timer, restrict=want, gradient_reduction="single")
+    plain = plan_for_model(model, (3, 32, 32), 4, batch_size=1, **kw)
+    small = plan_for_model(model, (3, 32, 32), 4, batch_size=1, sync=_sync(4, 1e-3, 1e-3), **kw)
+    large = plan_for_model(model, (3, 32, 32), 4, batch_size=1, sync=_sync(4, 3e-3, 3e-3), **kw)
+    # 1 + 2 + 1 (first stage) + 2 (second) synchronisation points, plus one gradient allreduce
+    assert small.sync_points == large.sync_points == 7 and plain.sync_points == 7
+    assert plain.sync_time == 0.0
+    # the gradient allreduce is tiny: its alpha-beta cost is below the measured small-allreduce cost, which it pays
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    grad_ab = alphabeta.allreduce(nbytes, 4, m)
+    assert small.exposed_allreduce_time == pytest.approx(max(grad_ab, 1e-3))
+    # every non-gradient sync point adds the same measured extra: the difference is 6 x 2 ms + the allreduce's 2 ms
+    diff = (large.predicted_step_time - large.optimizer_time) - (small.predicted_step_time - small.optimizer_time)  # optimizer: timed
+    assert diff == pytest.approx(6 * 2e-3 + 2e-3, rel=1e-6)
+    assert large.sync_time - small.sync_time == pytest.approx(6 * 2e-3, rel=1e-6)
+
+
+class _SlowFlopTimer(FlopTimer):
+    """100x the multiply-add times: backward long enough (tens of ms) to hide millisecond allreduces."""
+
+    def measure(self, module, input_shape, dtype=torch.float32, device="cpu"):
+        return {k: 100 * v for k, v in super().measure(module, input_shape, dtype, device).items()}
+
+
+def test_loaded_gradient_allreduce_and_overlap():
+    big = _sync(2, 1e-3, 1e-3, large_bytes=1 << 20, large_allreduce_s=11e-3, large_overlapped_s=5.5e-3)
+    assert big.gradient_allreduce(64) == pytest.approx(1e-3)
+    assert big.gradient_allreduce(1 << 20) == pytest.approx(11e-3)
+    assert big.gradient_allreduce((1 << 20) // 2 + 32) == pytest.approx(6e-3)  # linear between the two points
+    assert big.overlap_fraction == pytest.approx(0.5)
+    assert _sync(2).overlap_fraction == 1.0  # not measured: section V-B's full overlap
+    # overlapped per-layer allreduces: only the measured half of their time hides behind backward
+    model, timer, m = _line_net(), _SlowFlopTimer(), AlphaBeta(alpha=1e-9, beta=1e-15)
+    kw = dict(alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1, gradient_reduction="per-layer")
+    half = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=big, **kw)
+    hides_all = dataclasses.replace(big, large_overlapped_s=0.0)
+    assert hides_all.overlap_fraction == 1.0
+    full = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **kw)
+    assert half.allreduce_time == pytest.approx(full.allreduce_time) and half.allreduce_time >= 4e-3  # 4 layers, >= 1 ms each
+    assert full.exposed_allreduce_time < 0.5 * full.allreduce_time  # backward hides the early ones
+    assert half.exposed_allreduce_time == pytest.approx(0.5 * half.allreduce_time)
+    # DDP's buckets: this small model fills one bucket, ready only when backward is done: nothing hides it
+    ddp = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **(kw | {"gradient_reduction": "bucketed"}))
+    assert ddp.exposed_allreduce_time == pytest.approx(ddp.allreduce_time) and ddp.sync_points == 1
+
+
+def test_ddp_buckets_follow_the_bucket_caps():
+    from lightning_hpc.strategies.spatial import planner
+
+    big_net = nn.Sequential(nn.Conv2d(3, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1),
+                            nn.Conv2d(256, 256, 3, padding=1))
+    m = AlphaBeta(alpha=1.0, beta=0.0)  # every allreduce costs 1 s: the count of buckets shows in the time
+    plan = plan_for_model(big_net, (3, 8, 8), 2, batch_size=2, alpha_beta=m, timer=FlopTimer(), restrict=lambda d: d.h == d.w == 1,
+                          gradient_reduction="bucketed")
+    sizes = [4 * sum(p.numel() for p in layer.parameters()) for layer in big_net][::-1]  # backward order
+    buckets, acc, cap = 0, 0, planner.DDP_FIRST_BUCKET_BYTES
+    for nbytes in sizes:
+        acc += nbytes
+        if acc >= cap:
+            buckets, acc, cap = buckets + 1, 0, planner.DDP_BUCKET_BYTES
+    buckets += acc > 0
+    assert buckets >= 2 and plan.allreduce_time == pytest.approx(buckets * 1.0)
+
+
+def test_sync_calibration_must_match_the_world_size():
+    with pytest.raises(ValueError, match="calibrate_sync\\(4\\)"):
+        plan_for_model(_line_net(), (3, 16, 16), 4, batch_size=4, alpha_beta=AlphaBeta(1e-5, 1e-9), timer=FlopTimer(), sync=_sync(2))

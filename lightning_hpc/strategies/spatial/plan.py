@@ -40,8 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-only", action="store_true", help="pure sample (data) parallelism")
     p.add_argument("--overlap-halo", action="store_true", help="model halo exchanges hidden behind interior compute")
     p.add_argument("--local-bn", action="store_true", help="tile-local batch norm (no statistics allreduce)")
-    p.add_argument("--gradient-reduction", choices=("per-layer", "single"), default="per-layer",
-                   help="per-layer allreduces overlapped with backward (paper), or one fused allreduce after it")
+    p.add_argument("--gradient-reduction", choices=("per-layer", "single", "bucketed"), default="per-layer",
+                   help="per-layer allreduces overlapped with backward (paper), one fused allreduce after it, or DDP's buckets")
+    p.add_argument("--loaded-sync", action="store_true",
+                   help="measure (once, cached) what a synchronisation costs between --world-size busy local processes "
+                        "and charge it at every synchronisation point (for ranks sharing this machine's cores)")
     p.add_argument("--alpha", type=float, default=None, help="latency in seconds (skips calibration with --beta)")
     p.add_argument("--beta", type=float, default=None, help="inverse bandwidth in seconds per byte")
     p.add_argument("--cores", type=int, default=None, help="cores the processes share (scales compute when oversubscribed)")
@@ -81,11 +84,16 @@ def main(argv: Sequence[str]) -> int:
     ab = AlphaBeta(args.alpha, args.beta) if args.alpha is not None else None
     scale = max(1.0, args.world_size * args.threads / args.cores) if args.cores else 1.0
     restrict = (lambda d: d.h == 1 and d.w == 1) if args.sample_only else None
+    sync = None
+    if args.loaded_sync:
+        from lightning_hpc.perfmodel import calibrate_sync
+
+        sync = calibrate_sync(args.world_size)
     try:
         plan = plan_for_model(
             model, input_shape, args.world_size, batch, alpha_beta=ab, uniform=args.uniform, restrict=restrict,
             overlap_halo=args.overlap_halo, aggregate_bn=not args.local_bn, compute_scale=scale,
-            gradient_reduction=args.gradient_reduction,
+            gradient_reduction=args.gradient_reduction, sync=sync,
         )
     except ValueError as e:
         print(f"plan-spatial: {e}", file=sys.stderr)

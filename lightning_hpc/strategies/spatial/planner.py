@@ -33,6 +33,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta, time_callable
+from lightning_hpc.perfmodel.sync import SyncCost
 
 __all__ = [
     "Distribution",
@@ -128,15 +129,18 @@ class StageCost:
     allreduces: list[tuple[str, float]] = field(default_factory=list)  # per parametrised layer
     backward: list[tuple[str, float]] = field(default_factory=list)  # per layer backward compute (s)
     copies: float = 0.0  # building the tile + halo box: once in forward, once in backward (s)
+    sync_points: int = 0  # halo exchanges and small collectives of the stage, forward and backward
+    sync_wait: float = 0.0  # their measured cost under load beyond alpha-beta (perfmodel.sync; 0 without it)
 
     @property
     def total(self) -> float:
-        """``Cost_D(l) = FP + BPx + BPw + BPa`` (section V-A), plus the halo box copies of this implementation."""
-        return self.compute + self.halo + self.copies + self.bn_stats + self.allreduce
+        """``Cost_D(l) = FP + BPx + BPw + BPa`` (section V-A), plus the halo box copies of this implementation and
+        the loaded synchronisation cost of every synchronisation point (:mod:`lightning_hpc.perfmodel.sync`)."""
+        return self.local + self.allreduce
 
     @property
     def local(self) -> float:
-        return self.compute + self.halo + self.copies + self.bn_stats
+        return self.compute + self.halo + self.copies + self.bn_stats + self.sync_wait
 
 
 @dataclass
@@ -157,6 +161,9 @@ class Plan:
     predicted_step_time: float
     model: AlphaBeta
     method: str  # "shortest-path", "longest-path-first" or "uniform"
+    sync_points: int = 0  # synchronisation points per step (halo exchanges, collectives, shuffles, allreduces)
+    sync_time: float = 0.0  # loaded synchronisation cost beyond alpha-beta of the non-gradient ones (s)
+    sync: SyncCost | None = None  # the measured loaded synchronisation costs used (None: alpha-beta only)
 
     @property
     def spatial_parts(self) -> tuple[int, int]:
@@ -182,7 +189,10 @@ class Plan:
             "allreduce_time_s": self.allreduce_time,
             "exposed_allreduce_time_s": self.exposed_allreduce_time,
             "optimizer_time_s": self.optimizer_time,
+            "sync_points": self.sync_points,
+            "sync_time_s": self.sync_time,
             "alpha_beta": self.model.to_dict(),
+            "loaded_sync": None if self.sync is None else self.sync.to_dict(),
             "layers": [
                 {"name": name, "distribution": asdict(d), "label": str(d)} for name, d in self.distributions.items()
             ],
@@ -200,6 +210,7 @@ class Plan:
         lines += [
             f"spatial parts (ph, pw) = {self.spatial_parts}, sample groups = {self.sample_groups}",
             f"compute {1e3 * self.compute_time:.2f} ms + halo {1e3 * self.halo_time:.2f} ms + shuffle {1e3 * self.shuffle_time:.2f} ms"
+            f" + loaded sync waits {1e3 * self.sync_time:.2f} ms ({self.sync_points} sync points)"
             f" + exposed allreduce {1e3 * self.exposed_allreduce_time:.2f} ms (of {1e3 * self.allreduce_time:.2f} ms)"
             f" + optimizer {1e3 * self.optimizer_time:.2f} ms",
             f"predicted time per mini-batch: {1e3 * self.predicted_step_time:.2f} ms",
@@ -309,8 +320,12 @@ def candidate_distributions(stage: Stage, world_size: int, batch_size: int) -> l
 
 
 #: "per-layer": one allreduce per parametrised layer as soon as its backward is done (section V-B, greedy
-#: overlap); "single": all gradients flattened into one allreduce after backward (no overlap).
-GRADIENT_REDUCTIONS = ("per-layer", "single")
+#: overlap); "single": all gradients flattened into one allreduce after backward (no overlap); "bucketed": what
+#: torch DDP does, gradients packed in backward order into buckets (the first of DDP_FIRST_BUCKET_BYTES, then
+#: DDP_BUCKET_BYTES), each allreduced as soon as it is full, overlapping the rest of backward.
+GRADIENT_REDUCTIONS = ("per-layer", "single", "bucketed")
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
 
 
 # ---- costs ------------------------------------------------------------------------------------------------
@@ -329,10 +344,16 @@ class CostModel:
         dtype_bytes: int = 4,
         device: str | torch.device = "cpu",
         gradient_reduction: str = "per-layer",
+        sync: SyncCost | None = None,
     ) -> None:
         if gradient_reduction not in GRADIENT_REDUCTIONS:
             raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got {gradient_reduction!r}")
+        if sync is not None and world_size > 1 and sync.world_size != world_size:
+            raise ValueError(f"the loaded sync calibration was measured on {sync.world_size} processes but the plan is for "
+                             f"{world_size}; measure it with perfmodel.sync.calibrate_sync({world_size})")
         self.gradient_reduction = gradient_reduction
+        #: loaded synchronisation costs (None: the plain alpha-beta model of section V-A)
+        self.sync = sync if sync is not None and world_size > 1 else None
         self.m, self.p, self.batch = model, world_size, batch_size
         self.timer = timer or LayerTimer()
         self.overlap_halo, self.aggregate_bn = overlap_halo, aggregate_bn
@@ -361,11 +382,25 @@ class CostModel:
             cost += 4 * sr(o * o * n * c)
         return cost
 
+    def sync_wait(self, kind: str, group: int | None = None) -> float:
+        """Measured cost of one synchronisation point of ``kind`` under load beyond its alpha-beta cost (0 without
+        a calibration); see :meth:`lightning_hpc.perfmodel.sync.SyncCost.wait`."""
+        return 0.0 if self.sync is None else self.sync.wait(kind, self.m, group)
+
+    def gradient_allreduce(self, nbytes: float, p: int | None = None) -> float:
+        """One gradient allreduce: the alpha-beta cost, or the measured cost of an allreduce that size between
+        busy ranks when that is larger."""
+        ab = alphabeta.allreduce(nbytes, p or self.p, self.m)
+        if self.sync is None or nbytes <= 0:
+            return ab
+        return max(ab, self.sync.gradient_allreduce(nbytes))
+
     def stage_cost(self, stage: Stage, d: Distribution) -> StageCost:
         key = (stage.name, d)
         if key in self._cache:
             return self._cache[key]
-        compute = halo = bn = copies = 0.0
+        compute = halo = bn = copies = wait = 0.0
+        syncs = 0
         allreduces: list[tuple[str, float]] = []
         backward: list[tuple[str, float]] = []
         spatial = d.h * d.w
@@ -380,21 +415,33 @@ class CostModel:
             else:
                 fwd = bwd = 0.0  # element-wise functions (residual adds, flatten) are treated as free
             x = self._halo(layer, d)
+            # the network's input needs no gradient, so its layer exchanges no halo in backward
+            x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None:
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward)
                 copies += 2 * self.compute_scale * self.timer.measure(_TileCopy(), self.local_shape(layer.in_shape, d), device=self.device)["forward"]
+            if x > 0:  # every exchange is a synchronisation point with the neighbours, overlapped or not
+                n_ex = 2 if x_bwd > 0 else 1
+                syncs += n_ex
+                wait += n_ex * self.sync_wait("sendrecv")
             if self.overlap_halo:  # interior computation hides the exchange (section IV-A)
-                compute += max(fwd, x) + max(bwd, x)
+                compute += max(fwd, x) + max(bwd, x_bwd)
             else:
                 compute += fwd + bwd
-                halo += 2 * x
+                halo += x + x_bwd
             backward.append((layer.name, bwd))
             if isinstance(layer.module, nn.BatchNorm2d) and self.aggregate_bn and spatial > 1:
                 # sum and sum of squares forward, their gradients backward, over the spatial group
                 bn += 2 * alphabeta.allreduce(2 * layer.module.num_features * self.bytes, spatial, self.m)
+                syncs += 2  # this implementation: an all-gather of (mean, var, count) forward, an allreduce backward
+                wait += self.sync_wait("allgather", spatial) + self.sync_wait("allreduce", spatial)
             if layer.param_bytes:
-                allreduces.append((layer.name, alphabeta.allreduce(layer.param_bytes, self.p, self.m)))
-        cost = StageCost(compute, halo, bn, sum(t for _, t in allreduces), allreduces, backward, copies)
+                allreduces.append((layer.name, self.gradient_allreduce(layer.param_bytes)))
+        if not stage.parents and spatial > 1:
+            # the spatial layers learn the global extent of the model's input by one small allreduce per forward
+            syncs += 1
+            wait += self.sync_wait("allreduce", spatial)
+        cost = StageCost(compute, halo, bn, sum(t for _, t in allreduces), allreduces, backward, copies, syncs, wait)
         self._cache[key] = cost
         return cost
 
@@ -404,7 +451,7 @@ class CostModel:
         if a == b or nbytes == 0:
             return 0.0
         share = nbytes / (a.n * a.h * a.w)
-        return 2 * alphabeta.alltoall(share, self.p, self.m)
+        return 2 * (alphabeta.alltoall(share, self.p, self.m) + self.sync_wait("allreduce"))
 
 
 class _TileCopy(nn.Module):
@@ -528,42 +575,58 @@ def _assign(stages: list[Stage], cands: dict[str, list[Distribution]], costs: Co
 
 def _simulate(stages: list[Stage], assignment: dict[str, Distribution], costs: CostModel) -> dict[str, float]:
     """Time per mini-batch of an assignment (section V-B): local costs and shuffles add up; the gradient
-    allreduces start when their layer's backward is done and run one at a time, overlapping what is left."""
-    local = sum(costs.stage_cost(s, assignment[s.name]).local for s in stages)
-    compute = sum(costs.stage_cost(s, assignment[s.name]).compute for s in stages)
-    halo = sum(costs.stage_cost(s, assignment[s.name]).halo + costs.stage_cost(s, assignment[s.name]).copies + costs.stage_cost(s, assignment[s.name]).bn_stats for s in stages)
-    shuffle = sum(costs.shuffle(s.edge_bytes.get(p, 0), assignment[p], assignment[s.name]) for s in stages for p in s.parents)
+    allreduces start when their layer's backward is done (or their bucket is full) and run one at a time,
+    overlapping what is left.  With a loaded-sync calibration only the measured fraction of an allreduce that
+    computation can hide (:attr:`SyncCost.overlap_fraction`) is hidden: the rest takes the cores from backward."""
+    chosen = [(s, costs.stage_cost(s, assignment[s.name])) for s in stages]
+    local = sum(c.local for _, c in chosen)
+    compute = sum(c.compute for _, c in chosen)
+    halo = sum(c.halo + c.copies + c.bn_stats for _, c in chosen)
+    sync_time = sum(c.sync_wait for _, c in chosen)
+    sync_points = sum(c.sync_points for _, c in chosen)
+    moves = [(s.edge_bytes.get(p, 0), assignment[p], assignment[s.name]) for s in stages for p in s.parents]
+    shuffle = sum(costs.shuffle(*m) for m in moves)
+    sync_points += 2 * sum(1 for nbytes, a, b in moves if nbytes and a != b)
     # Walk backward in reverse layer order: clock advances by each layer's backward; its allreduce queues.
-    fwd_total = 0.0
-    events: list[tuple[float, float]] = []
-    for s in stages:
-        c = costs.stage_cost(s, assignment[s.name])
-        fwd_total += c.local - sum(t for _, t in c.backward)
+    fwd_total = sum(c.local - sum(t for _, t in c.backward) for _, c in chosen)
     clock = fwd_total + shuffle / 2
-    for s in reversed(stages):
-        c = costs.stage_cost(s, assignment[s.name])
+    events: list[tuple[float, float]] = []
+    bucket, bucket_cap = 0, DDP_FIRST_BUCKET_BYTES
+    for s, c in reversed(chosen):
         ar = dict(c.allreduces)
+        nbytes_of = {layer.name: layer.param_bytes for layer in s.layers}
         for name, bwd in reversed(c.backward):
             clock += bwd
-            if name in ar:
+            if costs.gradient_reduction == "per-layer" and name in ar:
                 events.append((clock, ar[name]))
+            elif costs.gradient_reduction == "bucketed" and nbytes_of.get(name):
+                bucket += nbytes_of[name]
+                if bucket >= bucket_cap:
+                    events.append((clock, costs.gradient_allreduce(bucket)))
+                    bucket, bucket_cap = 0, DDP_BUCKET_BYTES
     clock += shuffle / 2
+    if costs.gradient_reduction == "bucketed" and bucket:
+        events.append((clock, costs.gradient_allreduce(bucket)))
     if costs.gradient_reduction == "single":
         nbytes = sum(layer.param_bytes for s in stages for layer in s.layers)
-        events = [(clock, alphabeta.allreduce(nbytes, costs.p, costs.m))] if nbytes else []
+        events = [(clock, costs.gradient_allreduce(nbytes))] if nbytes else []
     busy_until = 0.0
     for ready, t in events:
         busy_until = max(busy_until, ready) + t
-    end = max(clock, busy_until)
     total_ar = sum(t for _, t in events)
+    sync_points += len(events) if costs.p > 1 else 0
+    hideable = 1.0 if costs.sync is None else costs.sync.overlap_fraction
+    end = max(clock + (1.0 - hideable) * total_ar, busy_until)
     return {
         "local": local,
         "compute": compute,
         "halo": halo,
         "shuffle": shuffle,
         "allreduce": total_ar,
-        "exposed_allreduce": max(busy_until - clock, 0.0),
+        "exposed_allreduce": max(end - clock, 0.0),
         "end": end,
+        "sync_time": sync_time,
+        "sync_points": sync_points,
     }
 
 
@@ -590,6 +653,7 @@ def plan_for_model(
     optimizer: str = "sgd",
     device: str | torch.device = "cpu",
     gradient_reduction: str = "per-layer",
+    sync: SyncCost | None = None,
 ) -> Plan:
     """Choose a distribution for every layer of ``model`` on ``world_size`` processes at mini-batch
     ``batch_size`` (``input_shape`` = (C, H, W) of one sample) and predict the time per mini-batch.
@@ -599,7 +663,12 @@ def plan_for_model(
     experiments, and what a strategy with a single ``spatial_parts`` runs).  ``restrict`` filters candidates
     (e.g. ``lambda d: d.h == d.w == 1`` for pure sample parallelism).  ``compute_scale`` multiplies measured
     compute, e.g. ``processes / cores`` when ranks share too few cores.  ``gradient_reduction``: see
-    :data:`GRADIENT_REDUCTIONS` (the paper's per-layer overlapped allreduces, or one fused allreduce).
+    :data:`GRADIENT_REDUCTIONS` (the paper's per-layer overlapped allreduces, one fused allreduce, or DDP's
+    buckets).  ``sync``: the measured cost of a synchronisation between busy ranks
+    (:func:`lightning_hpc.perfmodel.sync.calibrate_sync` on ``world_size`` processes); every halo exchange,
+    batch-norm collective, shuffle and gradient allreduce of the plan is then charged its alpha-beta cost plus
+    that measured extra, and only the measured share of an allreduce is hidden behind backward.  Default None:
+    the plain alpha-beta model of section V-A (right for ranks with cores to spare).
 
     Called inside a distributed job, rank 0 plans (alpha-beta calibrated on the job's process group) and
     broadcasts the plan, so every rank uses the same one.
@@ -618,14 +687,14 @@ def plan_for_model(
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction)
+                box[0] = _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync)
             except Exception as e:  # every rank must leave the broadcast, then all raise the same error
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]
-    return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction)
+    return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo, aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync)
 
 
 def _plan(
@@ -643,6 +712,7 @@ def _plan(
     optimizer: str,
     device: str | torch.device,
     gradient_reduction: str,
+    sync: SyncCost | None = None,
 ) -> Plan:
     if len(input_shape) != 3:
         raise ValueError(f"input_shape must be (C, H, W) of one sample, got {list(input_shape)}")
@@ -652,7 +722,7 @@ def _plan(
         alpha_beta = calibrate_local(2)
     layers = trace_layers(model, (batch_size, *input_shape))
     stages = build_stages(layers)
-    costs = CostModel(alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale, device=device, gradient_reduction=gradient_reduction)
+    costs = CostModel(alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale, device=device, gradient_reduction=gradient_reduction, sync=sync)
     cands = {}
     for s in stages:
         options = candidate_distributions(s, world_size, batch_size)
@@ -684,6 +754,9 @@ def _plan(
         predicted_step_time=sim["end"] + opt,
         model=alpha_beta,
         method=method,
+        sync_points=int(sim["sync_points"]),
+        sync_time=sim["sync_time"],
+        sync=costs.sync,
     )
 
 
