@@ -2,12 +2,20 @@
 
 Forward: each rank computes the output rows/columns of its (blocked) output tile.  It needs its input tile
 plus a halo of exactly the rows/columns its output windows reach (:mod:`halo_exchange`); the image border
-is zero padding.  With ``overlap=True`` the halo messages are posted first, the *interior* outputs (whose
-windows lie inside the local tile) are computed while they travel, and the four boundary strips are computed
-once they arrived.  With ``overlap=False`` (the default) the tile is copied into one box with its halo and
-the image-border zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`):
-on CPU/gloo the five smaller convolutions and the output concatenation of the overlapped path cost more than the
-halo transfer they hide (measured in docs/spatial.md).  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
+is zero padding.  Three paths, all equal to the serial layer:
+
+* :class:`_TileConv2d` (taken whenever each tile starts at a multiple of the stride and its output block is the
+  native output of the tile, e.g. every layer of the mesh FCN on even extents): one native convolution of the
+  tile itself, padded like the serial layer, gives every output whose window stays in the tile; only the edge
+  rows/columns that read a neighbour's rows are recomputed from small boxes and written over it.  No copy of
+  the tile in forward or backward.  ``overlap=True`` waits for the halo after the tile's convolution (and, in
+  backward, for the halo gradients after the tile's convolution backward), ``overlap=False`` right away.
+* otherwise, ``overlap=False`` (the default): the tile is copied into one box with its halo and the image-border
+  zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`);
+* otherwise, ``overlap=True``: the *interior* outputs are computed from the tile while the halo travels and the
+  four boundary strips from small boxes once it arrived (five convolutions and two concatenations per layer).
+
+Measured in docs/spatial.md.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
 
