@@ -345,11 +345,12 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
 
     def _edge_regions(self, plan: HaloPlan):
         """:func:`edge_regions` of ``plan``, cached with the plan (a pure function of it)."""
-        cached = self._edge_cache.get(id(plan))
-        if cached is None or cached[0] is not plan:
-            if len(self._edge_cache) > 32:
-                self._edge_cache.clear()
-            cached = self._edge_cache[id(plan)] = (plan, edge_regions(plan, self._wins))
+        cache = self.__dict__.setdefault("_edge_cache", {})
+        cached = cache.get(id(plan))
+        if cached is None or cached[0] is not plan:  # (an id can be reused by a new plan after a clear)
+            if len(cache) > 32:
+                cache.clear()
+            cached = cache[id(plan)] = (plan, edge_regions(plan, self._wins))
         return cached[1]
 
     def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:
