@@ -83,3 +83,37 @@ def test_conv_and_pool_match_serial(world, parts_list):
     results = run_in_processes(_layer_matrix, world, parts_list, (2, 3, 19, 17), timeout_s=300, collective_timeout_s=120)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
+
+
+# the in-place tile convolution (_TileConv2d: no box copy, edge rows recomputed) runs when every tile starts at
+# a multiple of the stride and its output block is the native output of the tile; even extents give that
+TILE_CONV_CONFIGS = [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (7, 2, 3, 1), (4, 2, 1, 1), (1, 2, 0, 1)]
+
+
+def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
+    torch.manual_seed(0)
+    failures = []
+    for parts in parts_list:
+        grid = create_hybrid_layout(parts).grid
+        n, c, h, w = shape
+        x = torch.randn(n, c, h, w, generator=torch.Generator().manual_seed(7))
+        for idx, (k, s, p, d) in enumerate(TILE_CONV_CONFIGS):
+            for overlap in (True, False):
+                conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
+                torch.nn.init.normal_(conv.weight, std=0.3)
+                made = []
+                errs = compare_layer(conv, lambda m: made.append(SpatialConv2d.from_module(m, grid, overlap=overlap)) or made[-1], x, grid, seed=idx)
+                bad = {key: v for key, v in errs.items() if not v <= TOL}
+                took = [r for _, r in made[0]._edge_cache.values()]
+                if took != [] and any(r is None for r in took) or (took == [] and (k, s, p) != (1, 1, 0)):
+                    bad["path"] = "box path taken, expected the in-place tile convolution"
+                if bad:
+                    failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
+    return failures
+
+
+@pytest.mark.parametrize("world,parts_list", [(2, [(2, 1), (1, 2)]), (4, [(2, 2)])])
+def test_tile_conv_without_box_matches_serial(world, parts_list):
+    results = run_in_processes(_tile_conv_matrix, world, parts_list, (2, 3, 24, 20), timeout_s=300, collective_timeout_s=120)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures)

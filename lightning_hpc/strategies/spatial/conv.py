@@ -2,12 +2,20 @@
 
 Forward: each rank computes the output rows/columns of its (blocked) output tile.  It needs its input tile
 plus a halo of exactly the rows/columns its output windows reach (:mod:`halo_exchange`); the image border
-is zero padding.  With ``overlap=True`` the halo messages are posted first, the *interior* outputs (whose
-windows lie inside the local tile) are computed while they travel, and the four boundary strips are computed
-once they arrived.  With ``overlap=False`` (the default) the tile is copied into one box with its halo and
-the image-border zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`):
-on CPU/gloo the five smaller convolutions and the output concatenation of the overlapped path cost more than the
-halo transfer they hide (measured in docs/spatial.md).  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
+is zero padding.  Three paths, all equal to the serial layer:
+
+* :class:`_TileConv2d` (taken whenever each tile starts at a multiple of the stride and its output block is the
+  native output of the tile, e.g. every layer of the mesh FCN on even extents): one native convolution of the
+  tile itself, padded like the serial layer, gives every output whose window stays in the tile; only the edge
+  rows/columns that read a neighbour's rows are recomputed from small boxes and written over it.  No copy of
+  the tile in forward or backward.  ``overlap=True`` waits for the halo after the tile's convolution (and, in
+  backward, for the halo gradients after the tile's convolution backward), ``overlap=False`` right away.
+* otherwise, ``overlap=False`` (the default): the tile is copied into one box with its halo and the image-border
+  zeros while the halo travels, and ONE native convolution runs on the box (:class:`_HaloConv2d`);
+* otherwise, ``overlap=True``: the *interior* outputs are computed from the tile while the halo travels and the
+  four boundary strips from small boxes once it arrived (five convolutions and two concatenations per layer).
+
+Measured in docs/spatial.md.  Backward (autograd through the exchange): dL/dx of the halo goes back to its owner and is
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.strategies.spatial.gradients.reduce_gradients`).
 
@@ -26,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.strategies.spatial.halo_exchange import HaloExchange, HaloPlan, Window1d, finish_halo_exchange, own_slices, start_halo_exchange
+from lightning_hpc.strategies.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, finish_halo_exchange, own_slices, start_halo_exchange
 from lightning_hpc.strategies.spatial.layer import SpatialLayer
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
 
@@ -102,6 +110,115 @@ def extended_box(x: torch.Tensor, blocks: list[torch.Tensor], plan: HaloPlan, ou
     return out
 
 
+def _grad_mask(ctx) -> tuple[bool, bool, bool]:
+    """Which of (input, weight, bias) gradients a convolution node must produce."""
+    return ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+
+
+Region = tuple[int, int, int, int]  # global (o0, o1, q0, q1): output rows [o0, o1) x columns [q0, q1)
+
+
+def edge_regions(plan: HaloPlan, windows: tuple[Window1d, Window1d]) -> list[tuple[Region, Region]] | None:
+    """For :class:`_TileConv2d`: the output regions of this tile whose windows read halo rows/columns, each with
+    its (global) input box, or ``None`` when the tile cannot be convolved in place.
+
+    A native convolution of the tile alone with the layer's own padding ``p`` computes, at local output ``k``,
+    the window starting at global input ``a + k*s - p`` (``a`` the tile's first row).  That is global output
+    ``k + a/s`` exactly when ``s`` divides ``a``, and the tile's output block is then the native output if
+    it starts at ``a/s`` and has the native count.  Every output whose window stays inside the tile (or reads
+    only the image border's zero padding, on a border tile) is then already right; the rest, at most a few
+    rows/columns along each split edge, read the neighbours' rows and are recomputed from small boxes
+    (top and bottom strips over the whole width, left and right strips over the rows in between)."""
+    ranges = []
+    for dim, win, (a, b), (oa, ob) in zip((plan.rows, plan.cols), windows, plan.own, plan.out):
+        length = b - a
+        if length + 2 * win.padding < win.span or a % win.stride:
+            return None
+        native = (length + 2 * win.padding - win.span) // win.stride + 1
+        if oa != a // win.stride or ob - oa != native:
+            return None
+        first, stop = win.outputs_within(a, b)
+        ia = oa if a == 0 else max(oa, first)
+        ib = ob if b == dim.n else min(ob, stop)
+        if ib < ia:
+            return None
+        ranges.append((oa, ia, ib, ob))
+    (oa, ia, ib, ob), (oc, ja, jb, oe) = ranges
+    regions = [(oa, ia, oc, oe), (ib, ob, oc, oe), (ia, ib, oc, ja), (ia, ib, jb, oe)]
+    wh, ww = windows
+    return [((o0, o1, q0, q1), (*wh.needed(o0, o1, plan.rows.n), *ww.needed(q0, q1, plan.cols.n)))
+            for (o0, o1, q0, q1) in regions if o1 > o0 and q1 > q0]
+
+
+class _TileConv2d(torch.autograd.Function):
+    """Halo exchange + convolution without copying the tile (section III-A; overlap per section IV-A).
+
+    Forward: ONE native convolution of the tile itself with the layer's padding (no box, no copy) gives every
+    output whose window stays inside the tile; the few edge rows/columns whose windows reach into a
+    neighbour's tile (:func:`edge_regions`) are recomputed from small boxes (tile edge + received halo +
+    border zeros) and written over it.  With ``overlap`` the halo travels during the big convolution.
+
+    Backward, with ``B0`` an edge box as the tile convolution saw it (halo zeroed) and ``H = B - B0`` its halo
+    part: ``y_edge = conv(B0) + conv(H)`` (linear), so the tile convolution's backward over the whole output
+    gradient gives the tile's input gradient and the weight gradient for ``B0``; the edge boxes add
+    ``dL/dw += conv_w_grad(g_edge, H)`` and the halo gradients ``conv_in_grad(g_edge, w)`` on ``H``'s halo
+    entries, which go back to their owners (posted before the tile's backward, so they travel while it runs)
+    and are added into the owners' edge rows.  Nothing the size of the tile is copied in either direction."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv: "SpatialConv2d", plan: HaloPlan, regions):  # type: ignore[override]
+        exchange = HaloExchange(plan)
+        exchange.post_forward(x)
+        padding = tuple(win.padding for win in conv._wins)
+        blocks = None if conv.overlap else exchange.finish_forward()
+        y = F.conv2d(x, weight, bias, conv.stride, padding, conv.dilation, conv.groups)
+        if blocks is None:
+            blocks = exchange.finish_forward()
+        halo = Halo.from_blocks(x, blocks, plan)
+        (oa, _), (oc, _) = plan.out
+        for (o0, o1, q0, q1), box in regions:
+            y[:, :, o0 - oa : o1 - oa, q0 - oc : q1 - oc] = F.conv2d(halo.box(*box), weight, bias, conv.stride, 0, conv.dilation, conv.groups)
+        ctx.save_for_backward(x, weight, *blocks)
+        ctx.exchange, ctx.plan, ctx.conv, ctx.regions, ctx.has_bias = exchange, plan, conv, regions, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, weight, *blocks = ctx.saved_tensors
+        plan, conv = ctx.plan, ctx.conv
+        need_x, need_w, need_b = _grad_mask(ctx)
+        halo = Halo.from_blocks(x, blocks, plan)
+        (oa, _), (oc, _) = plan.out
+        halo_grads = [torch.zeros_like(b) for b in blocks] if need_x else []
+        grad_w_edges = []
+        for (o0, o1, q0, q1), (r0, r1, c0, c1) in ctx.regions:
+            g = grad_out[:, :, o0 - oa : o1 - oa, q0 - oc : q1 - oc]
+            grad_box, grad_w, _ = torch.ops.aten.convolution_backward(
+                g, halo.box(r0, r1, c0, c1, own_zero=True), weight, None, conv.stride, [0, 0], conv.dilation, False,
+                [0, 0], conv.groups, [need_x, need_w, False])
+            if need_w:
+                grad_w_edges.append(grad_w)
+            for (_, _, (br0, br1), (bc0, bc1)), hg in zip(plan.recvs, halo_grads):  # box part on each received block
+                ra, rb, ca, cb = max(br0, r0), min(br1, r1), max(bc0, c0), min(bc1, c1)
+                if rb > ra and cb > ca:
+                    hg[:, :, ra - br0 : rb - br0, ca - bc0 : cb - bc0] += grad_box[:, :, ra - r0 : rb - r0, ca - c0 : cb - c0]
+        ex = ctx.exchange
+        if need_x:  # every rank of the group agrees (same layer), so either all exchange or none does
+            ex.post_backward(halo_grads)
+            if not conv.overlap:
+                ex.wait()
+        padding = [win.padding for win in conv._wins]
+        grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
+            grad_out, x, weight, [weight.shape[0]] if ctx.has_bias else None, conv.stride, padding, conv.dilation,
+            False, [0, 0], conv.groups, [need_x, need_w, need_b])
+        if need_w:
+            for gw in grad_w_edges:
+                grad_w += gw
+        if need_x:
+            grad_x = ex.finish_backward(grad_x, inplace=True)
+        return grad_x, grad_w if need_w else None, grad_b, None, None, None
+
+
 class _HaloConv2d(torch.autograd.Function):
     """Halo exchange + convolution of one tile as one autograd node (``overlap=False``, section III-A).
 
@@ -133,7 +250,7 @@ class _HaloConv2d(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight, *blocks = ctx.saved_tensors
         plan, conv, native = ctx.plan, ctx.conv, ctx.native
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = _grad_mask(ctx)
         box = extended_box(x, blocks, plan, native=native)
         grad_box, grad_w, grad_b = torch.ops.aten.convolution_backward(
             grad_out, box, weight, [weight.shape[0]] if ctx.has_bias else None, conv.stride, list(native), conv.dilation,
@@ -193,6 +310,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         new._init_spatial(grid, name)
         new.overlap = overlap
         new._wins = conv_windows(conv)
+        new._edge_cache = {}
         return new
 
     def windows(self, h: int, w: int):
@@ -217,9 +335,23 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         if self.pointwise:
             self._record(x, (plan.rows.n_out, plan.cols.n_out))
             return self._conv(x)
+        if not self.kfac_record_input:  # (K-FAC capture steps need the padded box: the paths below build it)
+            regions = self._edge_regions(plan)
+            if regions is not None:
+                return _TileConv2d.apply(x, self.weight, self.bias, self, plan, regions)
         if not self.overlap:
             return _HaloConv2d.apply(x, self.weight, self.bias, self, plan)
         return self._forward_tiled(x, plan)
+
+    def _edge_regions(self, plan: HaloPlan):
+        """:func:`edge_regions` of ``plan``, cached with the plan (a pure function of it)."""
+        cache = self.__dict__.setdefault("_edge_cache", {})
+        cached = cache.get(id(plan))
+        if cached is None or cached[0] is not plan:  # (an id can be reused by a new plan after a clear)
+            if len(cache) > 32:
+                cache.clear()
+            cached = cache[id(plan)] = (plan, edge_regions(plan, self._wins))
+        return cached[1]
 
     def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:
         """Interior outputs straight from the tile (no copy), the four boundary strips from small boxes that

@@ -39,7 +39,10 @@ def reduce_gradients(
     for k, g in enumerate(grads):
         by_dtype.setdefault((g.dtype, g.device), []).append(k)
     for idx in by_dtype.values():
-        flat = _flatten_dense_tensors([grads[k] * scales[k] for k in idx])
+        flat = _flatten_dense_tensors([grads[k] for k in idx])  # one copy; the scaling is done on the way back
         dist.all_reduce(flat, group=group)
         for k, synced in zip(idx, _unflatten_dense_tensors(flat, [grads[k] for k in idx])):
-            grads[k].copy_(synced)
+            if scales[k] == 1.0:  # one spatial group: a plain sum, no extra pass
+                grads[k].copy_(synced)
+            else:
+                torch.mul(synced, scales[k], out=grads[k])

@@ -232,6 +232,10 @@ class HaloExchange:
             self._recv_bufs.append(buf)
             self._works.append(dist.irecv(buf, src=peer, group=group, tag=self.tag + 9 + d))
 
+    def wait(self) -> None:
+        """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
+        self._wait()
+
     def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """Add the halo gradients our neighbours computed for rows we own into the interior gradient
         (``inplace``: into ``grad`` itself, which the caller owns)."""
@@ -287,9 +291,20 @@ class Halo:
     def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan) -> None:
         self.x, self.blocks, self.plan = x, blocks, plan
 
-    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0, own: torch.Tensor | None = None) -> torch.Tensor:
+    @classmethod
+    def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> "Halo":
+        """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives them)."""
+        blocks = {}
+        for (peer, d, r, c), buf in zip(plan.recvs, bufs):
+            di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)
+            blocks[(di - 1, dj - 1)] = (buf, r, c)
+        return cls(x, blocks, plan)
+
+    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0, own: torch.Tensor | None = None,
+            own_zero: bool = False) -> torch.Tensor:
         """Input rows ``[r0, r1)`` x columns ``[c0, c1)`` (global; outside the image: ``pad_value``).  ``own``:
-        the part of the box inside this tile when the caller already sliced it (see :func:`own_slices`)."""
+        the part of the box inside this tile when the caller already sliced it (see :func:`own_slices`);
+        ``own_zero``: zeros in place of the tile's part (only the received halo and the padding)."""
         plan = self.plan
         n_h, n_w = plan.rows.n, plan.cols.n
         cr0, cr1, cc0, cc1 = max(r0, 0), min(r1, n_h), max(c0, 0), min(c1, n_w)
@@ -305,7 +320,9 @@ class Halo:
                     continue
                 (ra, rb), (ca, cb) = _intersect(rr, (cr0, cr1)), _intersect(cc, (cc0, cc1))
                 if rb > ra and cb > ca:
-                    if (di, dj) == (0, 0) and own is not None:
+                    if (di, dj) == (0, 0) and own_zero:
+                        row_parts.append(src.new_zeros(src.shape[0], src.shape[1], rb - ra, cb - ca))
+                    elif (di, dj) == (0, 0) and own is not None:
                         row_parts.append(own)
                     else:
                         row_parts.append(src[:, :, ra - rr[0] : rb - rr[0], ca - cc[0] : cb - cc[0]])
@@ -365,11 +382,7 @@ def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange) -> Hal
     """Wait for the halos; returns the tile with its received blocks (autograd-tracked)."""
     out = _HaloFinish.apply(x_started, exchange)
     x, bufs = out[0], out[1:]
-    blocks = {}
-    for (peer, d, r, c), buf in zip(exchange.plan.recvs, bufs):
-        di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)
-        blocks[(di - 1, dj - 1)] = (buf, r, c)
-    return Halo(x, blocks, exchange.plan)
+    return Halo.from_blocks(x, list(bufs), exchange.plan)
 
 
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:

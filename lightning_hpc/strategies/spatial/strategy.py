@@ -50,9 +50,10 @@ class SpatialParallelStrategy(DDPStrategy):
     Args:
         spatial_parts: ``(ph, pw)`` tiles per sample along H and W; ``"auto"`` asks the performance-model planner
             (:func:`lightning_hpc.strategies.spatial.planner.plan_for_model`); ``None`` splits H over all ranks.
-        overlap: compute the interior convolution while the halo travels (section IV-A).  Default off: one
-            native convolution over the tile + halo box, which measured 1.21x faster per step on CPU/gloo
-            (docs/spatial.md); turn it on where halo messages are slow relative to compute (inter-node links).
+        overlap: let the halo travel while the tile's convolution runs (section IV-A).  On the in-place tile
+            path (tiles aligned to the stride, e.g. even extents) both settings measured the same step time on
+            CPU/gloo; on the fallback paths the overlapped one splits each convolution in five and measured 0.83x
+            (docs/spatial.md).  Default off; turn it on where halo messages are slow relative to compute.
         batchnorm: ``"aggregated"`` (statistics over the whole sample, equal to the serial layer) or ``"local"``.
         input_shape: (C, H, W) of one sample, to validate the partition at setup (else taken from the data
             module's ``input_shape`` attribute when it has one, else checked at the first forward).
