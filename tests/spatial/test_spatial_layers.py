@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.strategies.spatial.conv import SpatialConv2d
+from lightning_hpc.strategies.spatial.conv import SpatialConv2d, tile_conv_applies
 from lightning_hpc.strategies.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout
 from spatial_checks import TOL, compare_layer
@@ -104,9 +104,11 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
                 made = []
                 errs = compare_layer(conv, lambda m: made.append(SpatialConv2d.from_module(m, grid, overlap=overlap)) or made[-1], x, grid, seed=idx)
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
-                took = [r for _, r in made[0]._edge_cache.values()]
+                took = list(made[0]._edge_cache.values())
                 if took != [] and any(r is None for r in took) or (took == [] and (k, s, p) != (1, 1, 0)):
                     bad["path"] = "box path taken, expected the in-place tile convolution"
+                if not tile_conv_applies(conv, h, w, parts):  # the planner's prediction of the path (no box copies)
+                    bad["planner"] = "tile_conv_applies says box path, the layer took the in-place path"
                 if bad:
                     failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
     return failures
@@ -117,3 +119,10 @@ def test_tile_conv_without_box_matches_serial(world, parts_list):
     results = run_in_processes(_tile_conv_matrix, world, parts_list, (2, 3, 24, 20), timeout_s=300, collective_timeout_s=120)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
+
+
+def test_tile_conv_applies_only_on_stride_aligned_tiles():
+    conv = nn.Conv2d(1, 1, 3, stride=2, padding=1)
+    assert tile_conv_applies(conv, 16, 16, (2, 1)) and tile_conv_applies(conv, 16, 16, (2, 2))
+    assert not tile_conv_applies(conv, 18, 16, (2, 1))  # the second tile starts at row 9, not a stride multiple
+    assert tile_conv_applies(conv, 18, 16, (1, 2))

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.strategies.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, finish_halo_exchange, own_slices, start_halo_exchange
 from lightning_hpc.strategies.spatial.layer import SpatialLayer
 from lightning_hpc.strategies.spatial.tiling import SpatialGrid
@@ -129,25 +130,41 @@ def edge_regions(plan: HaloPlan, windows: tuple[Window1d, Window1d]) -> list[tup
     only the image border's zero padding, on a border tile) is then already right; the rest, at most a few
     rows/columns along each split edge, read the neighbours' rows and are recomputed from small boxes
     (top and bottom strips over the whole width, left and right strips over the rows in between)."""
-    ranges = []
-    for dim, win, (a, b), (oa, ob) in zip((plan.rows, plan.cols), windows, plan.own, plan.out):
-        length = b - a
-        if length + 2 * win.padding < win.span or a % win.stride:
-            return None
-        native = (length + 2 * win.padding - win.span) // win.stride + 1
-        if oa != a // win.stride or ob - oa != native:
-            return None
-        first, stop = win.outputs_within(a, b)
-        ia = oa if a == 0 else max(oa, first)
-        ib = ob if b == dim.n else min(ob, stop)
-        if ib < ia:
-            return None
-        ranges.append((oa, ia, ib, ob))
-    (oa, ia, ib, ob), (oc, ja, jb, oe) = ranges
+    ranges = [_tile_outputs(win, own, out, dim.n) for dim, win, own, out in zip((plan.rows, plan.cols), windows, plan.own, plan.out)]
+    if None in ranges:
+        return None
+    (oa, ia, ib, ob), (oc, ja, jb, oe) = ranges  # type: ignore[misc]
     regions = [(oa, ia, oc, oe), (ib, ob, oc, oe), (ia, ib, oc, ja), (ia, ib, jb, oe)]
     wh, ww = windows
     return [((o0, o1, q0, q1), (*wh.needed(o0, o1, plan.rows.n), *ww.needed(q0, q1, plan.cols.n)))
             for (o0, o1, q0, q1) in regions if o1 > o0 and q1 > q0]
+
+
+def _tile_outputs(win: Window1d, own: tuple[int, int], out: tuple[int, int], n: int) -> tuple[int, int, int, int] | None:
+    """Along one dimension of extent ``n``: for a tile owning input ``[a, b)`` and output ``[oa, ob)``, the output
+    ranges ``(oa, ia, ib, ob)`` whose ``[ia, ib)`` the tile's own convolution already gets right (see
+    :func:`edge_regions`), or ``None`` when the tile cannot be convolved in place."""
+    (a, b), (oa, ob) = own, out
+    length = b - a
+    if length + 2 * win.padding < win.span or a % win.stride:
+        return None
+    native = (length + 2 * win.padding - win.span) // win.stride + 1
+    if oa != a // win.stride or ob - oa != native:
+        return None
+    first, stop = win.outputs_within(a, b)
+    ia = oa if a == 0 else max(oa, first)
+    ib = ob if b == n else min(ob, stop)
+    return None if ib < ia else (oa, ia, ib, ob)
+
+
+def tile_conv_applies(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, int]) -> bool:
+    """Whether every tile of an ``h x w`` input split ``parts`` (blocked) takes the in-place :class:`_TileConv2d`
+    path, which copies no tile-size box (for the planner's cost of the halo box copies)."""
+    for win, n, p in zip(conv_windows(conv), (h, w), parts):
+        outs = block_bounds(win.out_size(n), p)
+        if any(_tile_outputs(win, own, out, n) is None for own, out in zip(block_bounds(n, p), outs)):
+            return False
+    return True
 
 
 class _TileConv2d(torch.autograd.Function):
@@ -336,22 +353,22 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             self._record(x, (plan.rows.n_out, plan.cols.n_out))
             return self._conv(x)
         if not self.kfac_record_input:  # (K-FAC capture steps need the padded box: the paths below build it)
-            regions = self._edge_regions(plan)
+            regions = self._edge_regions(h, w, plan)
             if regions is not None:
                 return _TileConv2d.apply(x, self.weight, self.bias, self, plan, regions)
         if not self.overlap:
             return _HaloConv2d.apply(x, self.weight, self.bias, self, plan)
         return self._forward_tiled(x, plan)
 
-    def _edge_regions(self, plan: HaloPlan):
-        """:func:`edge_regions` of ``plan``, cached with the plan (a pure function of it)."""
-        cache = self.__dict__.setdefault("_edge_cache", {})
-        cached = cache.get(id(plan))
-        if cached is None or cached[0] is not plan:  # (an id can be reused by a new plan after a clear)
+    def _edge_regions(self, h: int, w: int, plan: HaloPlan):
+        """:func:`edge_regions` for an ``h x w`` input (``plan`` is :meth:`halo_plan` of it): a pure function of the
+        extent for this layer, cached by it as the plans are."""
+        cache = self._edge_cache
+        if (h, w) not in cache:
             if len(cache) > 32:
                 cache.clear()
-            cached = cache[id(plan)] = (plan, edge_regions(plan, self._wins))
-        return cached[1]
+            cache[(h, w)] = edge_regions(plan, self._wins)
+        return cache[(h, w)]
 
     def _forward_tiled(self, x: torch.Tensor, plan) -> torch.Tensor:
         """Interior outputs straight from the tile (no copy), the four boundary strips from small boxes that

@@ -34,6 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta, time_callable
 from lightning_hpc.perfmodel.sync import SyncCost
+from lightning_hpc.strategies.spatial.conv import tile_conv_applies
 
 __all__ = [
     "Distribution",
@@ -417,8 +418,11 @@ class CostModel:
             x = self._halo(layer, d)
             # the network's input needs no gradient, so its layer exchanges no halo in backward
             x_bwd = x if layer.parents else 0.0
-            if x > 0 and layer.module is not None:
-                # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward)
+            if x > 0 and layer.module is not None and not (
+                isinstance(layer.module, nn.Conv2d) and tile_conv_applies(layer.module, *layer.in_shape[-2:], (d.h, d.w))
+            ):
+                # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
+                # a convolution on stride-aligned tiles convolves the tile in place and copies only edge rows
                 copies += 2 * self.compute_scale * self.timer.measure(_TileCopy(), self.local_shape(layer.in_shape, d), device=self.device)["forward"]
             if x > 0:  # every exchange is a synchronisation point with the neighbours, overlapped or not
                 n_ex = 2 if x_bwd > 0 else 1
