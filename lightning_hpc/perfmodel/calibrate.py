@@ -11,14 +11,18 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from lightning_hpc.perfmodel.alphabeta import AlphaBeta
 
-__all__ = ["cache_dir", "fit_alpha_beta", "pingpong", "calibrate", "calibrate_local"]
+T = TypeVar("T")
+
+__all__ = ["cache_dir", "cached_measurement", "fit_alpha_beta", "pingpong", "calibrate", "calibrate_local"]
 
 DEFAULT_SIZES = tuple(2**k for k in range(4, 23, 2))  # 16 B .. 4 MiB
 
@@ -27,6 +31,16 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("LIGHTNING_HPC_CACHE", Path.home() / ".cache" / "lightning_hpc"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def cached_measurement(path: Path, cls: Callable[..., T], measure: Callable[[], T], use_cache: bool = True) -> T:
+    """``cls(**entry)`` from the JSON cache file ``path`` when it exists (and ``use_cache``), else ``measure()``,
+    written there with its ``to_dict()``: how every calibration of this package is cached per machine."""
+    if use_cache and path.exists():
+        return cls(**json.loads(path.read_text()))
+    result = measure()
+    path.write_text(json.dumps(result.to_dict()))  # type: ignore[attr-defined]
+    return result
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> AlphaBeta:
@@ -93,11 +107,8 @@ def _calibrate_worker(rank: int, world_size: int) -> dict[str, float]:
 
 def calibrate_local(world_size: int = 2, use_cache: bool = True) -> AlphaBeta:
     """Calibrate gloo between ``world_size`` local processes (spawned for the purpose), cached."""
-    path = _cache_key("gloo", world_size)
-    if use_cache and path.exists():
-        return AlphaBeta(**json.loads(path.read_text()))
     from lightning_hpc.distributed.spawn import run_in_processes
 
-    fit = AlphaBeta(**run_in_processes(_calibrate_worker, world_size)[0])
-    path.write_text(json.dumps(fit.to_dict()))
-    return fit
+    return cached_measurement(
+        _cache_key("gloo", world_size), AlphaBeta, lambda: AlphaBeta(**run_in_processes(_calibrate_worker, world_size)[0]), use_cache
+    )

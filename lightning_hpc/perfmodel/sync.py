@@ -33,7 +33,6 @@ Nothing here is fitted to training-step times.  Results are cached per host, P a
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import time
@@ -46,7 +45,7 @@ from torch import nn
 
 from lightning_hpc.perfmodel import alphabeta
 from lightning_hpc.perfmodel.alphabeta import AlphaBeta
-from lightning_hpc.perfmodel.calibrate import cache_dir
+from lightning_hpc.perfmodel.calibrate import cache_dir, cached_measurement
 from lightning_hpc.perfmodel.layer_times import time_callable
 
 __all__ = ["SyncCost", "measure_sync", "calibrate_sync"]
@@ -243,9 +242,9 @@ def calibrate_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, roun
     _check_args(world_size, chunk_s, iters, rounds, small_bytes, large_bytes)
     if world_size == 1:
         return SyncCost.none(1)
-    path = _cache_path(world_size, chunk_s, iters, rounds, small_bytes, large_bytes)
-    if use_cache and path.exists():
-        return SyncCost(**json.loads(path.read_text()))
-    cost = measure_sync(world_size, chunk_s, iters, rounds, small_bytes, large_bytes)
-    path.write_text(json.dumps(cost.to_dict()))
-    return cost
+    return cached_measurement(
+        _cache_path(world_size, chunk_s, iters, rounds, small_bytes, large_bytes),
+        SyncCost,
+        lambda: measure_sync(world_size, chunk_s, iters, rounds, small_bytes, large_bytes),
+        use_cache,
+    )
