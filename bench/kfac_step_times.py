@@ -1,6 +1,6 @@
 """Per-step cost of SGD and SGD + K-FAC on the digits CNN of ``kfac_convergence.py`` (same model, batch, settings).
 
-Fresh model per seed, one epoch each, one thread; prints the median training-step time of SGD, of K-FAC steps
+Fresh model per seed, one epoch each, one thread (``--threads`` for more, the same for both); prints the median training-step time of SGD, of K-FAC steps
 that update only the factors and of steps that also decompose them, and the amortized K-FAC step over SGD.
 Explains the wall-time ratio of the convergence benchmark: epochs x steps per epoch x this cost.
 
@@ -34,9 +34,10 @@ def main() -> None:
     ap.add_argument("--decomp-every", type=int, default=5)
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the same for both methods)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     train, _ = load_digits_tensors(0.2, seed=0)
     times: dict[str, list[float]] = {"sgd": [], "kfac_factor_step": [], "kfac_decomposition_step": [], "kfac_all": []}
     for seed in args.seeds:
@@ -65,7 +66,7 @@ def main() -> None:
                     times["kfac_all"].append(ms)
                     times["kfac_decomposition_step" if decomp else "kfac_factor_step"].append(ms)
     report = Report("kfac_step_times" + args.tag)
-    report.meta.update(vars(args), note="one thread, digits CNN (small_cnn), one epoch per seed, first steps included")
+    report.meta.update(vars(args), note=f"{args.threads} thread(s), digits CNN (small_cnn), one epoch per seed, first steps included")
     sgd = statistics.median(times["sgd"])
     for name, ts in times.items():
         report.add(step=name, steps=len(ts), median_ms=statistics.median(ts), mean_ms=statistics.fmean(ts))

@@ -42,13 +42,14 @@ SYRK_MIN_DIM = 128
 _blas_threads: dict[str, object] = {}
 
 
-def _match_blas_threads() -> None:
-    """Give scipy's BLAS the thread count torch uses (by default OpenBLAS would start one thread per core in
-    every process, oversubscribing a node with several ranks); a no-op without threadpoolctl."""
-    want = torch.get_num_threads()
-    if _blas_threads.get("n") == want:
-        return
-    _blas_threads["n"] = want
+def _single_thread_blas() -> None:
+    """Keep scipy's BLAS (OpenBLAS in scipy's wheels) at one thread.
+
+    OpenBLAS runs its own thread pool beside torch's OpenMP pool, and both spin-wait between calls: with more
+    than one torch thread, the two pools oversubscribe the cores and every op slows down (measured on the digits
+    CNN, 2 threads on 2 cores: K-FAC factor steps 115 ms instead of 12 ms, 30x SGD). So syrk is only used when
+    torch itself runs on one thread (:func:`_syrk_applies`), and then with one BLAS thread. A no-op without
+    threadpoolctl."""
     if "ctl" not in _blas_threads:
         try:
             from threadpoolctl import ThreadpoolController
@@ -58,8 +59,16 @@ def _match_blas_threads() -> None:
             _blas_threads["ctl"] = libs
         except Exception:  # threadpoolctl missing or unable to inspect the process: leave BLAS as it is
             _blas_threads["ctl"] = []
-    for lib in _blas_threads["ctl"]:  # type: ignore[union-attr]
-        lib.set_num_threads(want)
+        for lib in _blas_threads["ctl"]:  # type: ignore[union-attr]
+            lib.set_num_threads(1)
+
+
+def _syrk_applies(t: torch.Tensor) -> bool:
+    """scipy's BLAS ``syrk`` for this Gram: CPU float32/float64 with scipy installed, and torch on one thread
+    (with several, torch's own multi-threaded product is faster and does not fight a second pool; see
+    :func:`_single_thread_blas`)."""
+    return (t.device.type == "cpu" and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
+            and torch.get_num_threads() == 1)  # fmt: skip
 
 
 def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,16 +77,16 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
     row/column of A, folded in analytically instead of appending a column of ones to a copy of the rows).
 
     Chunks of samples are copied into one cache-sized ``(K, chunk * P)`` buffer (the only copy; ``t`` may be a
-    strided window view of a convolution input) and accumulated. On CPU with scipy, BLAS ``ssyrk``/``dsyrk``
-    computes only the upper triangle (half the FLOPs of a matrix product); elsewhere (CUDA, no scipy) a plain
-    ``addmm``. Rows that fit one chunk with ``k < SYRK_MIN_DIM`` take one copy and one matrix product instead
+    strided window view of a convolution input) and accumulated. On CPU with scipy and one torch thread, BLAS
+    ``ssyrk``/``dsyrk`` computes only the upper triangle (half the FLOPs of a matrix product); elsewhere (CUDA,
+    no scipy, several torch threads) a plain ``addmm``. Rows that fit one chunk with ``k < SYRK_MIN_DIM`` take one copy and one matrix product instead
     (syrk's call and mirroring cost more than the FLOPs it saves there). All are the exact sums, up to the
     summation order of floating point.
     """
     n = t.shape[0]
     kshape, pshape = tuple(t.shape[1 : 1 + k_dims]), tuple(t.shape[1 + k_dims :])
     k, p = math.prod(kshape), math.prod(pshape)
-    use_syrk = t.device.type == "cpu" and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
+    use_syrk = _syrk_applies(t)
     if n * k * p <= GRAM_CHUNK_ELEMENTS and not (use_syrk and k >= SYRK_MIN_DIM):
         # Small: one copy (none when t is already a plain row matrix) and one product; exact sums as well.
         rows = t.movedim(0, k_dims).reshape(k, n * p)
@@ -85,7 +94,7 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
     syrk = None
     if use_syrk:
         syrk = _scipy_blas.ssyrk if t.dtype == torch.float32 else _scipy_blas.dsyrk
-        _match_blas_threads()
+        _single_thread_blas()
     per_chunk = max(1, min(n, GRAM_CHUNK_ELEMENTS // max(1, k * p)))
     buf = t.new_empty(k * per_chunk * p)
     # Fortran-ordered (k, k) result for syrk: its upper triangle is filled in place (overwrite_c, beta=1).

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -262,6 +265,7 @@ def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
         pytest.skip("scipy not installed")
     if not use_blas:
         monkeypatch.setattr(linalg, "_scipy_blas", None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # syrk is only taken with one torch thread
     if chunked:
         monkeypatch.setattr(linalg, "GRAM_CHUNK_ELEMENTS", 200)  # several chunks, the last one partial
         monkeypatch.setattr(linalg, "SYRK_MIN_DIM", 1)  # syrk even for these small sides
@@ -271,6 +275,69 @@ def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
     rows = t.movedim(0, k_dims).reshape(math.prod(t.shape[1 : 1 + k_dims]), -1)
     torch.testing.assert_close(gram, rows @ rows.t(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(colsum, rows.sum(1), rtol=1e-12, atol=1e-12)
+
+
+class _SyrkSpy:
+    """Stands in for scipy's BLAS module: records syrk calls and delegates to the real one."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.real, name)
+
+        def call(*a, **kw):
+            self.calls += 1
+            return fn(*a, **kw)
+
+        return call
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sym_gram_uses_syrk_only_with_one_torch_thread(monkeypatch, threads):
+    """With several torch threads the Gram is torch's own product: scipy's OpenBLAS pool spinning beside torch's
+    OpenMP pool made every K-FAC step ~10x slower at 2 threads on 2 cores. Same sums either way."""
+    if linalg._scipy_blas is None:
+        pytest.skip("scipy not installed")
+    spy = _SyrkSpy(linalg._scipy_blas)
+    monkeypatch.setattr(linalg, "_scipy_blas", spy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    t = torch.randn(64, 288, 40, dtype=torch.float64)  # k = 288 >= SYRK_MIN_DIM, several chunks
+    gram, _ = linalg.sym_gram(t)
+    rows = t.movedim(0, 1).reshape(288, -1)
+    torch.testing.assert_close(gram, rows @ rows.t(), rtol=1e-12, atol=1e-9)
+    assert (spy.calls > 0) == (threads == 1)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to run torch on 2 threads")
+def test_kfac_step_is_not_slowed_by_a_second_blas_pool():
+    """Regression: a K-FAC factor step at 2 torch threads costs at most twice the 1-thread step (it was 7-8x:
+    OpenBLAS and OpenMP thread pools oversubscribing the cores)."""
+    before = torch.get_num_threads()
+
+    def median_step_ms(threads: int) -> float:
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                              nn.Conv2d(32, 64, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))  # fmt: skip
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=5)
+        x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times[3:])
+
+    try:
+        one, two = median_step_ms(1), median_step_ms(2)
+    finally:
+        torch.set_num_threads(before)
+    assert two <= 2.0 * one, f"K-FAC step {two:.1f} ms at 2 threads vs {one:.1f} ms at 1"
 
 
 # -- optional variant: A of Conv2d layers from a random subset of each batch (tensorflow/kfac _SUB_SAMPLE_INPUTS) --
