@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all step kinds (noise control)")
+    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _threads2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -88,7 +89,7 @@ def main() -> None:
     t = {k: statistics.median(v) for k, v in cpu.items()}
     t_wall = {k: statistics.median(v) for k, v in wall.items()}
 
-    report = Report("kfac_overhead")
+    report = Report("kfac_overhead" + args.tag)
     report.meta.update(model=f"cifar_resnet{args.depth}", batch=args.batch, threads=args.threads, repeats=args.repeats * args.rounds,
                        note="shared 2-core machine with other jobs running: timings are noisy (medians)")  # fmt: skip
     for k, v in t.items():
