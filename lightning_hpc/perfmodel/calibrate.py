@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -22,7 +24,8 @@ from lightning_hpc.perfmodel.alphabeta import AlphaBeta
 
 T = TypeVar("T")
 
-__all__ = ["cache_dir", "cached_measurement", "fit_alpha_beta", "pingpong", "calibrate", "calibrate_local"]
+__all__ = ["cache_dir", "cached_measurement", "read_cache", "write_cache", "machine_fingerprint", "fit_alpha_beta", "pingpong",
+           "calibrate", "calibrate_local"]  # fmt: skip
 
 DEFAULT_SIZES = tuple(2**k for k in range(4, 23, 2))  # 16 B .. 4 MiB
 
@@ -33,13 +36,55 @@ def cache_dir() -> Path:
     return path
 
 
+def read_cache(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when the file is missing or unreadable (a cut-off write, another
+    format), with a warning for the latter: a bad cache file costs a re-measurement, never a crash."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        warnings.warn(f"lightning_hpc: ignoring unreadable cache file {path} ({e}); measuring again", RuntimeWarning, stacklevel=2)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_cache(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` atomically (a per-process temporary file, then ``os.replace``): ranks or jobs
+    sharing a cache directory (a cluster's shared home) never read a half-written file."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def machine_fingerprint(device: torch.device | str = "cpu") -> str:
+    """What a measured time depends on besides the workload: host, device model, torch version. Part of every
+    cache key, so a cache in a shared home directory is not reused across node types or after an upgrade."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        model = torch.cuda.get_device_name(device)
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+        except OSError:
+            pass
+    return f"{socket.gethostname()}|{model}|torch={torch.__version__}"
+
+
 def cached_measurement(path: Path, cls: Callable[..., T], measure: Callable[[], T], use_cache: bool = True) -> T:
-    """``cls(**entry)`` from the JSON cache file ``path`` when it exists (and ``use_cache``), else ``measure()``,
-    written there with its ``to_dict()``: how every calibration of this package is cached per machine."""
-    if use_cache and path.exists():
-        return cls(**json.loads(path.read_text()))
+    """``cls(**entry)`` from the JSON cache file ``path`` when it exists, is readable and fits ``cls`` (and
+    ``use_cache``), else ``measure()``, written there atomically with its ``to_dict()``: how every calibration of
+    this package is cached per machine."""
+    entry = read_cache(path) if use_cache else None
+    if entry is not None:
+        try:
+            return cls(**entry)
+        except TypeError:  # written by another version of the package: measure again
+            pass
     result = measure()
-    path.write_text(json.dumps(result.to_dict()))  # type: ignore[attr-defined]
+    write_cache(path, result.to_dict())  # type: ignore[attr-defined]
     return result
 
 
@@ -84,20 +129,30 @@ def _cache_key(backend: str, world_size: int) -> Path:
 
 
 def calibrate(use_cache: bool = True) -> AlphaBeta:
-    """Alpha-beta of the current process group (collective); rank 0's fit is broadcast to all ranks."""
+    """Alpha-beta of the current process group (collective); every rank gets rank 0's result.
+
+    Rank 0 alone decides between its cache and a measurement and tells the others: ranks on different hosts have
+    different cache files, and if each decided for itself, a rank with a cache would skip the ping-pong its
+    peers wait in (a hang until the collective timeout)."""
     backend, world = dist.get_backend(), dist.get_world_size()
-    path = _cache_key(backend, world)
-    if use_cache and path.exists():
-        return AlphaBeta(**json.loads(path.read_text()))
     if world < 2:
         raise ValueError("calibration needs at least 2 ranks")
+    path = _cache_key(backend, world)
+    box: list[dict | None] = [None]
+    if dist.get_rank() == 0 and use_cache and (entry := read_cache(path)) is not None:
+        try:
+            box[0] = AlphaBeta(**entry).to_dict()
+        except TypeError:  # written by another version of the package: measure again
+            pass
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        return AlphaBeta(**box[0])
     sizes, times = pingpong()
-    fit = fit_alpha_beta(sizes, times)
-    packed = torch.tensor([fit.alpha, fit.beta], dtype=torch.float64)
-    dist.broadcast(packed, 0)
-    fit = AlphaBeta(alpha=float(packed[0]), beta=float(packed[1]))
+    box = [fit_alpha_beta(sizes, times).to_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    fit = AlphaBeta(**box[0])  # type: ignore[arg-type]
     if dist.get_rank() == 0:
-        path.write_text(json.dumps(fit.to_dict()))
+        write_cache(path, fit.to_dict())
     return fit
 
 

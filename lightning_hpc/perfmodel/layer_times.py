@@ -6,7 +6,6 @@ multigrid projections both read layer times from here.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_hpc.perfmodel.calibrate import cache_dir
+from lightning_hpc.perfmodel.calibrate import cache_dir, machine_fingerprint, read_cache, write_cache
 
 __all__ = ["time_callable", "LayerTimer"]
 
@@ -39,15 +38,16 @@ def time_callable(fn: Callable[[], object], warmup: int = 2, repeats: int = 5, d
 
 class LayerTimer:
     """Forward and forward+backward times of a module for an input shape, cached on disk by a key of
-    (module repr, input shape, dtype, device, threads)."""
+    (module repr, input shape, dtype, device, threads, :func:`machine_fingerprint`: host, device model, torch
+    version). The cache file is rewritten atomically, and an unreadable one is ignored (re-measured)."""
 
     def __init__(self, cache_file: str | Path | None = None, warmup: int = 2, repeats: int = 5) -> None:
         self.path = Path(cache_file) if cache_file else cache_dir() / "layer_times.json"
         self.warmup, self.repeats = warmup, repeats
-        self._cache: dict[str, dict[str, float]] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self._cache: dict[str, dict[str, float]] = read_cache(self.path) or {}
 
     def _key(self, module: nn.Module, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> str:
-        return f"{module!r}|{tuple(shape)}|{dtype}|{device}|threads={torch.get_num_threads()}"
+        return f"{module!r}|{tuple(shape)}|{dtype}|{device}|threads={torch.get_num_threads()}|{machine_fingerprint(device)}"
 
     def measure(
         self, module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
@@ -70,6 +70,7 @@ class LayerTimer:
 
         both = time_callable(fwd_bwd, self.warmup, self.repeats, device)
         entry = {"forward": fwd, "backward": max(both - fwd, 0.0)}
-        self._cache[key] = entry
-        self.path.write_text(json.dumps(self._cache))
+        # Entries other processes added since we loaded the file are kept (merge, then one atomic replace).
+        self._cache = {**(read_cache(self.path) or {}), **self._cache, key: entry}
+        write_cache(self.path, self._cache)
         return entry

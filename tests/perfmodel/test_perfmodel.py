@@ -99,3 +99,80 @@ def test_loaded_sync_wait_subtracts_the_alpha_beta_cost_of_the_calibration_messa
     assert c.wait("sendrecv", AlphaBeta(alpha=1.0, beta=0.0)) == 0.0  # never negative
     with pytest.raises(ValueError, match="sync kind"):
         c.wait("broadcast", M)
+
+
+# -- caches: unreadable files, machine-specific keys, collective cache decisions --
+def test_layer_timer_ignores_an_unreadable_cache_and_rewrites_it(tmp_path):
+    """A cut-off cache file (a killed job, two writers) costs a re-measurement with a warning, not a crash."""
+    path = tmp_path / "t.json"
+    path.write_text('{"Conv2d(4, 4, ')
+    with pytest.warns(RuntimeWarning, match="unreadable cache file"):
+        timer = LayerTimer(path, warmup=1, repeats=1)
+    t = timer.measure(torch.nn.Conv2d(4, 4, 3, padding=1), (1, 4, 8, 8))
+    assert t["forward"] > 0
+    assert len(json.loads(path.read_text())) == 1
+    assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file
+
+
+def test_layer_timer_keys_name_the_machine_and_keep_other_writers_entries(tmp_path):
+    """Keys carry host, device model and torch version (a shared home across node types, or an upgrade, must
+    not reuse times), and an entry another process wrote meanwhile survives our write."""
+    from lightning_hpc.perfmodel.calibrate import machine_fingerprint
+
+    path = tmp_path / "t.json"
+    timer = LayerTimer(path, warmup=1, repeats=1)
+    path.write_text(json.dumps({"other-process-key": {"forward": 1.0, "backward": 2.0}}))
+    timer.measure(torch.nn.Conv2d(2, 2, 1), (1, 2, 4, 4))
+    cache = json.loads(path.read_text())
+    assert cache["other-process-key"] == {"forward": 1.0, "backward": 2.0}
+    [key] = [k for k in cache if k != "other-process-key"]
+    assert key.endswith(machine_fingerprint("cpu")) and f"torch={torch.__version__}" in key
+
+
+def test_cached_measurement_measures_again_for_unreadable_or_foreign_entries(tmp_path):
+    from lightning_hpc.perfmodel.calibrate import cached_measurement
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return AlphaBeta(alpha=1.0, beta=2.0)
+
+    path = tmp_path / "ab.json"
+    path.write_text("not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert cached_measurement(path, AlphaBeta, measure) == AlphaBeta(alpha=1.0, beta=2.0)
+    path.write_text(json.dumps({"alpha": 1.0, "bandwidth": 3.0}))  # another version's fields
+    assert cached_measurement(path, AlphaBeta, measure) == AlphaBeta(alpha=1.0, beta=2.0)
+    assert cached_measurement(path, AlphaBeta, measure) == AlphaBeta(alpha=1.0, beta=2.0)
+    assert len(calls) == 2  # the third call read the file the second one wrote
+
+
+def _calibrate_with_rank_cache(rank: int, world_size: int, cache_root: str, cached_ranks: tuple[int, ...]) -> dict:
+    """Each rank has its own cache directory (ranks on different hosts); only ``cached_ranks`` hold an entry."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from lightning_hpc.perfmodel.calibrate import _cache_key, calibrate
+
+    os.environ["LIGHTNING_HPC_CACHE"] = str(Path(cache_root) / f"rank{rank}")
+    if rank in cached_ranks:
+        _cache_key(dist.get_backend(), world_size).write_text(json.dumps({"alpha": 1e-3 * (rank + 1), "beta": 7e-9}))
+    return calibrate().to_dict()
+
+
+@pytest.mark.parametrize("cached_ranks", [(0,), (1,)], ids=["only_rank0_cached", "only_rank1_cached"])
+def test_calibrate_lets_rank0_decide_between_cache_and_measuring(tmp_path, cached_ranks):
+    """Ranks whose caches disagree (different hosts) must not take different paths: that hung in the ping-pong.
+    Every rank gets rank 0's answer: its cached entry, or one shared measurement."""
+    from lightning_hpc.distributed import run_in_processes
+
+    results = run_in_processes(_calibrate_with_rank_cache, 2, str(tmp_path), cached_ranks, timeout_s=120, collective_timeout_s=20)
+    assert results[0] == results[1]
+    if cached_ranks == (0,):
+        assert (results[0]["alpha"], results[0]["beta"]) == (1e-3, 7e-9)
+    else:  # rank 1's cache is ignored: measured, and written to rank 0's cache
+        assert results[0]["beta"] != 7e-9 and 0 < results[0]["beta"] < 1e-6
+        assert list((tmp_path / "rank0").glob("alphabeta-*-gloo-2.json"))
