@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
 from lightning_hpc.data.common import loader, require_dir
@@ -67,6 +68,11 @@ class Cifar10DataModule(pl.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.root is None:
+            # Say so: `recipe=resnet_cifar` alone reads like CIFAR-10 training, and its accuracy would mislead.
+            rank_zero_warn(
+                "data.root is not set: training on synthetic CIFAR-shaped images, not CIFAR-10; "
+                "set data.root=/path/to/cifar-10-batches-py (the python version) for the real data set"
+            )
             n_train, n_val = self.synthetic_sizes
             self.train_set = SyntheticImages(n_train, (3, 32, 32), 10, self.seed)
             self.val_set = SyntheticImages(n_val, (3, 32, 32), 10, self.seed + 1)
