@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
     SCHEMES,
@@ -141,7 +142,8 @@ class HybridParallelStrategy(DDPStrategy):
                 "(as lightning_hpc.ImageClassifier has); use fc_update='per_step' for other modules"
             )
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
-        group = dist.new_group(list(range(dist.get_world_size()))) if dist.is_initialized() else None
+        # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
+        group = new_group(list(range(dist.get_world_size())), timeout=self._timeout) if dist.is_initialized() else None
         setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
         shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
