@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
@@ -103,6 +104,9 @@ class KFAC(Callback):
             self._build(trainer, pl_module)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        note = getattr(trainer.strategy, "kfac_note", None)
+        if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
+            rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
         self.preconditioner = KFACPreconditioner(
             pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options

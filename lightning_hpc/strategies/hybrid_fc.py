@@ -65,6 +65,9 @@ class HybridParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "hybrid_fc"
+    #: the head is sharded in ``setup`` (after the callbacks' ``setup``): K-FAC attaches in ``on_fit_start``, to the
+    #: layers that actually run (before, it hooked the replaced nn.Linear layers, whose hooks never fired)
+    replaces_layers_in_setup = True
 
     def __init__(
         self,
@@ -156,6 +159,17 @@ class HybridParallelStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._inner_model()))
+
+    @property
+    def kfac_note(self) -> str | None:
+        """What the :class:`~lightning_hpc.KFAC` callback leaves out under this strategy (warned at its setup)."""
+        if not self._parallelized:
+            return None
+        head = find_hybrid_head(self._inner_model())
+        return (
+            f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
+            "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
+        )
 
     def _inner_model(self) -> torch.nn.Module:
         return getattr(self.lightning_module, self.model_attr)
