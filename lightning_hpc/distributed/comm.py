@@ -98,7 +98,9 @@ class TorchDistributedCommunicator(Communicator):
         return dist.get_world_size() if dist.is_initialized() else 1
 
     def new_group(self, ranks: Sequence[int]) -> Any:
-        return dist.new_group(list(ranks))
+        from lightning_hpc.distributed.groups import new_group
+
+        return new_group(list(ranks))  # with the world's timeout (torch would give it 30 minutes)
 
     def group_size(self, group: Any = None) -> int:
         return dist.get_world_size(group) if dist.is_initialized() else 1

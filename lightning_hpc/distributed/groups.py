@@ -22,6 +22,9 @@ __all__ = [
     "node_groups",
     "local_world_size_from_env",
     "mesh_2d",
+    "group_timeout",
+    "new_group",
+    "grid_groups",
 ]
 
 #: Collectives that do not complete in this time raise instead of hanging (overridable per strategy).
@@ -30,6 +33,67 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("LIGHTNING_HPC_TIMEOUT_S", "600"))
 
 def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout ``group`` (default: the world group) was created with, or ``None`` if unknown.
+
+    Read from the group's backend options (no public getter exists); ``None`` when the backend does not expose
+    them, so callers fall back to torch's default.
+    """
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in getattr(pg, "_device_types", []) or []:
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except Exception:  # a backend without readable options: keep looking, else unknown
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
+def new_group(
+    ranks: list[int], *, backend: str | None = None, timeout: datetime.timedelta | None = None
+) -> dist.ProcessGroup:
+    """``torch.distributed.new_group`` whose timeout defaults to the world group's.
+
+    torch gives a new group its own default (30 minutes) whatever ``timeout`` the strategy initialised the
+    world with, so a dead or stuck peer would hang a collective on such a group for 30 minutes even when the
+    user asked for a short timeout.  Collective: every rank of the world calls it with the same ``ranks``.
+    """
+    return dist.new_group(list(ranks), backend=backend, timeout=timeout or group_timeout())
+
+
+def grid_groups(
+    outer: int, inner: int, *, timeout: datetime.timedelta | None = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The process groups of an ``outer x inner`` rank grid, for this rank: (along ``outer``, along ``inner``).
+
+    Rank r sits at ``(r // inner, r % inner)`` (as :func:`mesh_2d`): the inner group holds ``inner`` contiguous
+    ranks, the outer group the ``outer`` ranks with the same inner index.  Unlike a DeviceMesh, the groups get
+    the world's timeout (or ``timeout``).  Collective: every rank of the world calls it.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if outer * inner != world:
+        raise ValueError(
+            f"a {outer} x {inner} = {outer * inner} rank grid does not match world size {world}; "
+            f"choose sizes whose product is {world}"
+        )
+    along_outer = along_inner = None
+    for i in range(inner):  # every rank creates every group, in the same order
+        ranks = list(range(i, world, inner))
+        pg = new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            along_outer = pg
+    for o in range(outer):
+        ranks = list(range(o * inner, (o + 1) * inner))
+        pg = new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            along_inner = pg
+    assert along_outer is not None and along_inner is not None
+    return along_outer, along_inner
 
 
 def check_divisible(world_size: int, parts: int, *, what: str, setting: str) -> None:
@@ -114,6 +178,8 @@ def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "
     """A 2-D DeviceMesh of shape ``(outer, inner)``; ``outer * inner`` must equal the world size.
 
     Rank r sits at ``(r // inner, r % inner)``: the inner dimension holds contiguous ranks (same node).
+    Its groups get torch's default timeout (30 minutes), not the world's: for groups that must fail as fast
+    as the strategy's ``timeout``, use :func:`grid_groups`.
     """
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -91,7 +91,9 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
         )
     tail = leaves[last_trunk + 1 :]
     if not tail:
-        raise HeadNotFoundError(f"{type(model).__name__} ends with {type(leaves[last_trunk][1]).__name__}: no fully-connected head follows the last conv/pool/flatten")
+        raise HeadNotFoundError(f"{type(model).__name__} ends with {type(leaves[last_trunk][1]).__name__}: no fully-connected head follows the last conv/pool/flatten; "
+                                "strategy='hybrid_fc' shards an nn.Linear head: give the model one (or name it with head='<submodule>'), "
+                                "or train a model without a fully-connected head with strategy='ddp'")
     _check_head_modules(tail, f"the layers after {leaves[last_trunk][0]!r}")
     parent_names = {n.rpartition(".")[0] for n, _ in tail}
     if len(parent_names) != 1:

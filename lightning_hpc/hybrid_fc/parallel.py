@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_hpc.distributed.groups import group_timeout, new_group
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.discovery import ELEMENTWISE, HeadSpec, find_head
 from lightning_hpc.hybrid_fc.head import HybridHead
@@ -129,7 +130,7 @@ def _same_ranks_group(group: Any) -> Any:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks)
+    return new_group(ranks, timeout=group_timeout(group))  # the same timeout as ``group``
 
 
 def parallelize_head(

@@ -2,7 +2,8 @@
 
 It only translates Lightning hooks:
 
-* ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`),
+* ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`)
+  and that the strategy supports K-FAC (a strategy whose ``kfac_unsupported`` is a message refuses it),
   registers the factor hooks on the LightningModule's layers, picks the communicator. Strategies that replace
   layers in their own ``setup`` (``replaces_layers_in_setup = True``: the spatial strategy's halo-exchange
   convolutions) run after the callbacks' ``setup``; the hooks are then registered in ``on_fit_start``, on the
@@ -22,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
@@ -88,6 +90,9 @@ class KFAC(Callback):
         if stage != "fit" or self.preconditioner is not None:
             return
         self.check_precision(trainer)
+        unsupported = getattr(trainer.strategy, "kfac_unsupported", None)
+        if unsupported:  # before any layer is hooked or any step runs
+            raise ValueError(unsupported)
         if getattr(trainer.strategy, "replaces_layers_in_setup", False):
             self._deferred = True  # hook the layers the strategy's setup puts in place (on_fit_start)
             return
@@ -99,6 +104,9 @@ class KFAC(Callback):
             self._build(trainer, pl_module)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        note = getattr(trainer.strategy, "kfac_note", None)
+        if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
+            rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
         self.preconditioner = KFACPreconditioner(
             pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options

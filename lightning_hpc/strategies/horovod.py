@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -286,6 +287,10 @@ class HorovodStrategy(ParallelStrategy):
         # as DDPStrategy.setup_distributed: every process restarts from the seed given to seed_everything, so
         # random streams (dropout, augmentation) are the same as under strategy="ddp"
         reset_seed()
+        # As Lightning's launchers do for DDP (its own and under torchrun): one share of this node's CPUs per
+        # process unless OMP_NUM_THREADS is set.  horovodrun sets nothing, so every rank ran torch's default (all
+        # cores): measured 0.18-0.29 s/step against 0.063-0.072 s with one thread per rank (2 ranks, 2 cores).
+        _set_num_threads_if_needed(num_processes=self._hvd.local_size())
         super().setup_environment()
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
     SCHEMES,
@@ -64,6 +65,9 @@ class HybridParallelStrategy(DDPStrategy):
     """
 
     strategy_name = "hybrid_fc"
+    #: the head is sharded in ``setup`` (after the callbacks' ``setup``): K-FAC attaches in ``on_fit_start``, to the
+    #: layers that actually run (before, it hooked the replaced nn.Linear layers, whose hooks never fired)
+    replaces_layers_in_setup = True
 
     def __init__(
         self,
@@ -141,7 +145,8 @@ class HybridParallelStrategy(DDPStrategy):
                 "(as lightning_hpc.ImageClassifier has); use fc_update='per_step' for other modules"
             )
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
-        group = dist.new_group(list(range(dist.get_world_size()))) if dist.is_initialized() else None
+        # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
+        group = new_group(list(range(dist.get_world_size())), timeout=self._timeout) if dist.is_initialized() else None
         setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
         shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
@@ -154,6 +159,17 @@ class HybridParallelStrategy(DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._inner_model()))
+
+    @property
+    def kfac_note(self) -> str | None:
+        """What the :class:`~lightning_hpc.KFAC` callback leaves out under this strategy (warned at its setup)."""
+        if not self._parallelized:
+            return None
+        head = find_hybrid_head(self._inner_model())
+        return (
+            f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
+            "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
+        )
 
     def _inner_model(self) -> torch.nn.Module:
         return getattr(self.lightning_module, self.model_attr)

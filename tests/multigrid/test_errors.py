@@ -18,6 +18,13 @@ def test_steps_not_divisible_by_ranks_and_blocks():
         MultigridODEBlock(ode_resnet(num_steps=36).steps, MultigridOptions(cfactor=8, levels=2))
 
 
+def test_too_few_steps_for_one_block_suggests_one_size():
+    # 4 steps, 2 ranks x 4-step blocks: the message used to say "Use 8 or 8 steps"
+    with pytest.raises(ValueError, match=r"must be a multiple of 8\. Use 8 steps, or change") as e:
+        check_layer_partition(4, 2, 4, 2)
+    assert "8 or 8" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -21,10 +21,11 @@ def check_layer_partition(num_steps: int, ranks: int, cfactor: int, levels: int)
     block = ranks * cfactor ** (levels - 1)
     if num_steps % block != 0:
         lower = (num_steps // block) * block
+        use = f"{lower} or {lower + block}" if lower else f"{block}"  # fewer steps than one block: one choice
         raise ValueError(
             f"{num_steps} residual steps cannot be split into {ranks} layer-parallel rank(s) x blocks of "
             f"cfactor^(levels-1) = {cfactor}^{levels - 1} = {cfactor ** (levels - 1)} steps: the number of steps must "
-            f"be a multiple of {block}. Use {lower or block} or {lower + block} steps, or change "
+            f"be a multiple of {block}. Use {use} steps, or change "
             "layer_parallel_size / cfactor / levels"
         )
 

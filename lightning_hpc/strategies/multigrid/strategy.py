@@ -99,6 +99,18 @@ class MultigridStrategy(DDPStrategy):
         self._data_index, self._layer_index = 0, 0
         self.block: nn.Module | None = None
 
+    @property
+    def kfac_unsupported(self) -> str | None:
+        """Why the :class:`~lightning_hpc.KFAC` callback cannot run with this strategy (``None``: it can)."""
+        if self.mode == "serial":
+            return None  # the model is left unchanged
+        return (
+            f"KFAC does not support strategy='multigrid' with mode={self.mode!r}: the trunk is replaced by a "
+            "layer-parallel block that holds only this rank's steps and runs each step's layers several times per "
+            "forward (relaxation sweeps, coarse levels), so K-FAC's per-layer factors would be wrong. Remove the "
+            "KFAC callback, or use K-FAC with strategy='ddp' or 'layered_sgd'"
+        )
+
     # -- sizes and sampler ---------------------------------------------------------------------------------
     @property
     def layer_parallel_size(self) -> int:
