@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,7 +25,6 @@ __all__ = [
     "mesh_2d",
     "group_timeout",
     "new_group",
-    "grid_groups",
 ]
 
 #: Collectives that do not complete in this time raise instead of hanging (overridable per strategy).
@@ -64,36 +64,6 @@ def new_group(
     user asked for a short timeout.  Collective: every rank of the world calls it with the same ``ranks``.
     """
     return dist.new_group(list(ranks), backend=backend, timeout=timeout or group_timeout())
-
-
-def grid_groups(
-    outer: int, inner: int, *, timeout: datetime.timedelta | None = None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The process groups of an ``outer x inner`` rank grid, for this rank: (along ``outer``, along ``inner``).
-
-    Rank r sits at ``(r // inner, r % inner)`` (as :func:`mesh_2d`): the inner group holds ``inner`` contiguous
-    ranks, the outer group the ``outer`` ranks with the same inner index.  Unlike a DeviceMesh, the groups get
-    the world's timeout (or ``timeout``).  Collective: every rank of the world calls it.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if outer * inner != world:
-        raise ValueError(
-            f"a {outer} x {inner} = {outer * inner} rank grid does not match world size {world}; "
-            f"choose sizes whose product is {world}"
-        )
-    along_outer = along_inner = None
-    for i in range(inner):  # every rank creates every group, in the same order
-        ranks = list(range(i, world, inner))
-        pg = new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            along_outer = pg
-    for o in range(outer):
-        ranks = list(range(o * inner, (o + 1) * inner))
-        pg = new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            along_inner = pg
-    assert along_outer is not None and along_inner is not None
-    return along_outer, along_inner
 
 
 def check_divisible(world_size: int, parts: int, *, what: str, setting: str) -> None:
@@ -174,12 +144,28 @@ def node_groups(
     )
 
 
-def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "cpu"):
+def _backend_options(device_type: str, timeout: datetime.timedelta) -> tuple[str, Any] | None:
+    """(backend name, options carrying ``timeout``) of the world's backend for ``device_type``, for a
+    DeviceMesh's ``backend_override``; None for a backend whose options we cannot build."""
+    spec = str(dist.get_backend())  # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+    pairs = dict(p.split(":", 1) for p in spec.split(",")) if ":" in spec else {device_type: spec}
+    name = pairs.get(device_type)
+    if name == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+    elif name == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    opts._timeout = timeout
+    return name, opts
+
+
+def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "cpu", timeout: datetime.timedelta | None = None):
     """A 2-D DeviceMesh of shape ``(outer, inner)``; ``outer * inner`` must equal the world size.
 
     Rank r sits at ``(r // inner, r % inner)``: the inner dimension holds contiguous ranks (same node).
-    Its groups get torch's default timeout (30 minutes), not the world's: for groups that must fail as fast
-    as the strategy's ``timeout``, use :func:`grid_groups`.
+    Its groups get ``timeout``, by default the world group's (the strategy's): torch would give a mesh's groups
+    its 30-minute default, so a stuck peer would hang a collective on them that long.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -189,4 +175,7 @@ def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "
             f"a {names[0]} x {names[1]} mesh of {outer} x {inner} = {outer * inner} ranks does not match "
             f"world size {world}; choose sizes whose product is {world}"
         )
-    return init_device_mesh(device_type, (outer, inner), mesh_dim_names=names)
+    timeout = timeout or group_timeout()
+    override = _backend_options(device_type, timeout) if timeout is not None else None
+    return init_device_mesh(device_type, (outer, inner), mesh_dim_names=names,
+                            backend_override={names[0]: override, names[1]: override} if override else None)  # fmt: skip

@@ -98,15 +98,14 @@ def layer_data_groups(layer_parallel_size: int, device_type: str = "cpu") -> tup
     node, where the boundary exchanges are cheapest); ranks with the same l hold the same layers and average
     their gradients over the data dimension.  Collective: every rank calls it.
     """
-    from lightning_hpc.distributed.groups import check_divisible, grid_groups
+    from lightning_hpc.distributed.groups import check_divisible, mesh_2d
 
     world = dist.get_world_size()
     check_divisible(world, layer_parallel_size, what="ranks of one layer-parallel chain", setting="layer_parallel_size")
-    # plain groups, not a DeviceMesh: they inherit the world's (the strategy's) timeout, so a dead peer ends the
-    # run after that timeout instead of torch's 30-minute default for new groups
-    data, layer = grid_groups(world // layer_parallel_size, layer_parallel_size)
+    # the mesh's groups get the world's (the strategy's) timeout, so a dead peer ends the run after that timeout
+    mesh = mesh_2d(world // layer_parallel_size, layer_parallel_size, ("data", "layer"), device_type=device_type)
     rank = dist.get_rank()
-    return data, layer, rank // layer_parallel_size, rank % layer_parallel_size
+    return mesh.get_group("data"), mesh.get_group("layer"), rank // layer_parallel_size, rank % layer_parallel_size
 
 
 def average_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
