@@ -19,6 +19,7 @@ FLOPs (BLAS ``syrk``, upper triangle only) from cache-sized chunks, which is wha
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -39,28 +40,23 @@ GRAM_CHUNK_ELEMENTS = 1 << 19
 #: 32x32 and 64x64 G factors, 9x9 and 65x65 A factors; 288x288 A factors keep syrk, 0.70x the time of a product)
 SYRK_MIN_DIM = 128
 
-_blas_threads: dict[str, object] = {}
-
-
+@functools.cache
 def _single_thread_blas() -> None:
-    """Keep scipy's BLAS (OpenBLAS in scipy's wheels) at one thread.
+    """Keep scipy's BLAS (OpenBLAS in scipy's wheels) at one thread; done once per process.
 
     OpenBLAS runs its own thread pool beside torch's OpenMP pool, and both spin-wait between calls: with more
     than one torch thread, the two pools oversubscribe the cores and every op slows down (measured on the digits
     CNN, 2 threads on 2 cores: K-FAC factor steps 115 ms instead of 12 ms, 30x SGD). So syrk is only used when
     torch itself runs on one thread (:func:`_syrk_applies`), and then with one BLAS thread. A no-op without
     threadpoolctl."""
-    if "ctl" not in _blas_threads:
-        try:
-            from threadpoolctl import ThreadpoolController
+    try:
+        from threadpoolctl import ThreadpoolController
 
-            ctl = ThreadpoolController()
-            libs = [lib for lib in ctl.lib_controllers if lib.filepath and "scipy" in lib.filepath and lib.user_api == "blas"]
-            _blas_threads["ctl"] = libs
-        except Exception:  # threadpoolctl missing or unable to inspect the process: leave BLAS as it is
-            _blas_threads["ctl"] = []
-        for lib in _blas_threads["ctl"]:  # type: ignore[union-attr]
-            lib.set_num_threads(1)
+        libs = [lib for lib in ThreadpoolController().lib_controllers if lib.filepath and "scipy" in lib.filepath and lib.user_api == "blas"]
+    except Exception:  # threadpoolctl missing or unable to inspect the process: leave BLAS as it is
+        return
+    for lib in libs:
+        lib.set_num_threads(1)
 
 
 def _syrk_applies(t: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ least squares to ``alpha + n * beta``.  Results are cached per (backend, world s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -60,7 +61,11 @@ def write_cache(path: Path, data: dict) -> None:
 def machine_fingerprint(device: torch.device | str = "cpu") -> str:
     """What a measured time depends on besides the workload: host, device model, torch version. Part of every
     cache key, so a cache in a shared home directory is not reused across node types or after an upgrade."""
-    device = torch.device(device)
+    return _fingerprint(torch.device(device))
+
+
+@functools.cache  # read once per device: it is part of every layer-time lookup
+def _fingerprint(device: torch.device) -> str:
     if device.type == "cuda":
         model = torch.cuda.get_device_name(device)
     else:
@@ -73,16 +78,25 @@ def machine_fingerprint(device: torch.device | str = "cpu") -> str:
     return f"{socket.gethostname()}|{model}|torch={torch.__version__}"
 
 
+def _load_cached(path: Path, cls: Callable[..., T]) -> T | None:
+    """``cls(**entry)`` of the cache file ``path``; None if it is missing, unreadable or written by another version
+    of the package (fields ``cls`` does not take)."""
+    entry = read_cache(path)
+    if entry is None:
+        return None
+    try:
+        return cls(**entry)
+    except TypeError:
+        return None
+
+
 def cached_measurement(path: Path, cls: Callable[..., T], measure: Callable[[], T], use_cache: bool = True) -> T:
     """``cls(**entry)`` from the JSON cache file ``path`` when it exists, is readable and fits ``cls`` (and
     ``use_cache``), else ``measure()``, written there atomically with its ``to_dict()``: how every calibration of
     this package is cached per machine."""
-    entry = read_cache(path) if use_cache else None
-    if entry is not None:
-        try:
-            return cls(**entry)
-        except TypeError:  # written by another version of the package: measure again
-            pass
+    cached = _load_cached(path, cls) if use_cache else None
+    if cached is not None:
+        return cached
     result = measure()
     write_cache(path, result.to_dict())  # type: ignore[attr-defined]
     return result
@@ -138,12 +152,8 @@ def calibrate(use_cache: bool = True) -> AlphaBeta:
     if world < 2:
         raise ValueError("calibration needs at least 2 ranks")
     path = _cache_key(backend, world)
-    box: list[dict | None] = [None]
-    if dist.get_rank() == 0 and use_cache and (entry := read_cache(path)) is not None:
-        try:
-            box[0] = AlphaBeta(**entry).to_dict()
-        except TypeError:  # written by another version of the package: measure again
-            pass
+    cached = _load_cached(path, AlphaBeta) if dist.get_rank() == 0 and use_cache else None
+    box: list[dict | None] = [cached.to_dict() if cached is not None else None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         return AlphaBeta(**box[0])
