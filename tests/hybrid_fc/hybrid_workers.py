@@ -314,12 +314,34 @@ def _numpy(state: dict) -> dict:
     return {key: v.detach().cpu().numpy().copy() for key, v in state.items()}
 
 
-def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str) -> dict:
-    """Train through Lightning's Trainer with HybridParallelStrategy; return the full parameters afterwards."""
+#: K-FAC settings of the hybrid_fc + KFAC equivalence test (every step updates factors and decompositions)
+KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=1, damping=0.01, kl_clip=0.01)
+
+
+def serial_kfac_trunk_params(k: int, steps: int) -> dict[str, torch.Tensor]:
+    """Serial reference of hybrid_fc + KFAC: one process, the concatenated batches, K-FAC on the trunk only (the
+    head's Linear layers are skipped: under hybrid_fc they are sharded and left to the optimizer)."""
+    from lightning_hpc.kfac import KFACPreconditioner
+
+    ref = small_model()
+    opt = sgd(ref.parameters())
+    pre = KFACPreconditioner(ref, optimizer=opt, skip_layers="Linear", **KFAC_OPTIONS)
+    for step in range(steps):
+        x, y = batch(step, k)
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        pre.step()
+        opt.step()
+    return ref.state_dict()
+
+
+def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False) -> dict:
+    """Train through Lightning's Trainer with HybridParallelStrategy (and the KFAC callback when ``kfac``);
+    return the full parameters afterwards."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_hpc import HybridParallelStrategy, ImageClassifier
+    from lightning_hpc import KFAC, HybridParallelStrategy, ImageClassifier
 
     # This rank's share of each step's K x b examples (the sampler is disabled so the order is known).
     mine = slice(rank * B, (rank + 1) * B)
