@@ -353,6 +353,7 @@ def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps:
         accelerator="cpu", devices=k, strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=[KFAC(**KFAC_OPTIONS)] if kfac else None,
     )
     trainer.fit(module, train_dataloaders=loader)
     trainer.save_checkpoint(ckpt_path)
