@@ -57,6 +57,31 @@ def _hydra_argv(args: Sequence[str], extra_overrides: Sequence[str]) -> list[str
     return overrides + flags
 
 
+def _quote_numeric_groups(args: Sequence[str], groups: set[str]) -> list[str]:
+    """``precision=32`` -> ``precision='32'``: Hydra parses a bare number as an int, and a config group option
+    must be a string ("Config group override must be a string or a list. Got int")."""
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and key.lstrip("+~") in groups:
+            try:
+                float(value)
+            except ValueError:
+                pass
+            else:
+                arg = f"{key}='{value}'"
+        out.append(arg)
+    return out
+
+
+def _with_config_dir(args: list[str], conf: str) -> list[str]:
+    """Add ``--config-dir conf`` (unless given): the groups then sit on Hydra's search path from the start, so
+    ``--help`` lists them (a ``hydra.searchpath`` override only reaches composition, not the help text)."""
+    if any(a in ("-cd", "--config-dir") or a.startswith("--config-dir=") for a in args):
+        return args
+    return [*args, f"--config-dir={conf}"]
+
+
 def train_main(argv: Sequence[str]) -> int:
     """Compose ``recipes/<recipe>.yaml`` (primary config) with the groups in ``conf/`` and train.
 
@@ -79,11 +104,12 @@ def train_main(argv: Sequence[str]) -> int:
         print("lightning-hpc: several recipes need --multirun", file=sys.stderr)
         return 2
     searchpath = f"hydra.searchpath=[file://{conf_dir()}]"
+    rest = _quote_numeric_groups(rest, {p.name for p in conf_dir().iterdir() if p.is_dir()})
     for recipe in recipes:
         hydra_launch.install([f"recipe={recipe}", searchpath])
         task = hydra.main(config_path=str(recipes_dir()), config_name=recipe, version_base="1.3")(run)
         saved = sys.argv
-        sys.argv = [saved[0], *_hydra_argv(rest, [searchpath])]
+        sys.argv = [saved[0], *_with_config_dir(_hydra_argv(rest, [searchpath]), str(conf_dir()))]
         try:
             task()
         finally:
