@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,11 @@ __all__ = [
     "default_timeout",
     "NodeGroups",
     "check_divisible",
+    "check_layout",
+    "contiguous_layout",
     "node_groups",
+    "gather_hostnames",
+    "hosts_layout",
     "local_world_size_from_env",
     "mesh_2d",
     "group_timeout",
@@ -89,9 +95,33 @@ def local_world_size_from_env() -> int | None:
     return None
 
 
+def gather_hostnames(group: dist.ProcessGroup | None = None) -> list[str]:
+    """``socket.gethostname()`` of every rank of ``group`` (default: the world), indexed by rank.  Collective."""
+    out: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, socket.gethostname(), group=group)
+    return [str(h) for h in out]
+
+
+def hosts_layout(hosts: Sequence[str]) -> list[list[int]]:
+    """Ranks grouped by the host they run on: ``hosts[r]`` is rank r's host.  One ascending list per host,
+    hosts ordered by their lowest rank, e.g. ``["a", "b", "a", "b"]`` (a cyclic placement) -> ``[[0, 2], [1, 3]]``.
+    Raises ValueError when the hosts run different numbers of ranks (node groups must be equal)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    layout = list(by_host.values())
+    sizes = {len(g) for g in layout}
+    if len(sizes) > 1:
+        counts = ", ".join(f"{h}: {len(r)}" for h, r in by_host.items())
+        raise ValueError(f"layered SGD node groups: the hosts run different numbers of ranks ({counts}); "
+                         "launch the same number of processes on every node, or set procs_per_node")
+    return layout
+
+
 @dataclass
 class NodeGroups:
-    """Ranks split into contiguous groups of ``group_size`` ("nodes"), each led by its first rank.
+    """Ranks split into groups of ``group_size`` ("nodes"), each led by its lowest rank: contiguous blocks, or
+    the ``layout`` given to :func:`node_groups` (e.g. the ranks of each host, see :func:`hosts_layout`).
 
     ``intra`` is this rank's node group; ``leaders`` holds the group leaders (``None`` on other ranks);
     ``leader_rank`` is the global rank of this rank's leader.
@@ -103,10 +133,26 @@ class NodeGroups:
     leader_rank: int
     intra: dist.ProcessGroup
     leaders: dist.ProcessGroup | None
+    #: the ranks of this rank's group, ascending
+    members: tuple[int, ...] = ()
 
     @property
     def is_leader(self) -> bool:
         return dist.get_rank() == self.leader_rank
+
+
+def contiguous_layout(world_size: int, group_size: int) -> list[list[int]]:
+    """``[[0 .. g-1], [g .. 2g-1], ...]``: node groups as contiguous rank blocks."""
+    check_divisible(world_size, group_size, what="ranks per node group", setting="procs_per_node")
+    return [list(range(g, g + group_size)) for g in range(0, world_size, group_size)]
+
+
+def check_layout(layout: Sequence[Sequence[int]], world_size: int) -> list[list[int]]:
+    """``layout`` as sorted lists, checked to split ``range(world_size)`` into equal groups."""
+    groups = [sorted(int(r) for r in g) for g in layout]
+    if sorted(r for g in groups for r in g) != list(range(world_size)) or len({len(g) for g in groups}) != 1:
+        raise ValueError(f"node group layout {groups} does not split ranks 0..{world_size - 1} into equal groups")
+    return sorted(groups)
 
 
 def node_groups(
@@ -115,32 +161,34 @@ def node_groups(
     intra_backend: str | None = None,
     leader_backend: str | None = "gloo",
     timeout: datetime.timedelta | None = None,
+    layout: Sequence[Sequence[int]] | None = None,
 ) -> NodeGroups:
     """Create the node hierarchy: one group per node and one group of node leaders.
 
-    ``intra_backend`` defaults to the world backend (NCCL on GPUs); the leader group defaults to gloo so the
-    inter-node step can be driven from a CPU thread, as the layered-SGD paper's CPU communicators are.
+    ``layout`` lists the ranks of each node (default: contiguous blocks of ``group_size``); each group is led by
+    its lowest rank.  ``intra_backend`` defaults to the world backend (NCCL on GPUs); the leader group defaults
+    to gloo so the inter-node step can be driven from a CPU thread, as the layered-SGD paper's CPU
+    communicators are.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_divisible(world, group_size, what="ranks per node group", setting="procs_per_node")
+    groups = check_layout(layout, world) if layout is not None else contiguous_layout(world, group_size)
     timeout = timeout or default_timeout()
-    num_groups = world // group_size
-    mine = None
-    for g in range(num_groups):
-        ranks = list(range(g * group_size, (g + 1) * group_size))
+    mine, index = None, -1
+    for g, ranks in enumerate(groups):
         pg = dist.new_group(ranks, backend=intra_backend, timeout=timeout)
         if rank in ranks:
-            mine = pg
-    leader_ranks = [g * group_size for g in range(num_groups)]
+            mine, index = pg, g
+    leader_ranks = [ranks[0] for ranks in groups]
     leaders = dist.new_group(leader_ranks, backend=leader_backend, timeout=timeout)
     assert mine is not None
     return NodeGroups(
-        group_size=group_size,
-        num_groups=num_groups,
-        group_index=rank // group_size,
-        leader_rank=(rank // group_size) * group_size,
+        group_size=len(groups[0]),
+        num_groups=len(groups),
+        group_index=index,
+        leader_rank=groups[index][0],
         intra=mine,
         leaders=leaders if rank in leader_ranks else None,
+        members=tuple(groups[index]),
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lightning_hpc.distributed.comm import CompletedHandle, Communicator, TorchDistributedCommunicator, get_communicator
-from lightning_hpc.distributed.groups import check_divisible, default_timeout, node_groups
+from lightning_hpc.distributed.groups import check_layout, contiguous_layout, default_timeout, node_groups
 
 __all__ = ["LayeredCommTimeout", "LayeredGroups", "build_layered_groups", "HierarchicalAllreduce"]
 
@@ -47,6 +47,8 @@ class LayeredGroups:
     leader_rank: int
     intra: Any
     leaders: Any | None
+    #: the ranks of this rank's group (default: the contiguous block from the leader)
+    members: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -57,9 +59,12 @@ class LayeredGroups:
         return self.rank == self.leader_rank
 
     def describe(self) -> str:
+        members = self.members or tuple(range(self.leader_rank, self.leader_rank + self.group_size))
+        contiguous = members == tuple(range(members[0], members[0] + len(members)))
+        ranks = f"{members[0]}..{members[-1]}" if contiguous else ", ".join(map(str, members))
         return (
             f"rank {self.rank} of {self.world_size}, node group {self.group_index} of {self.num_groups} "
-            f"(ranks {self.leader_rank}..{self.leader_rank + self.group_size - 1}, leader {self.leader_rank})"
+            f"(ranks {ranks}, leader {self.leader_rank})"
         )
 
 
@@ -69,32 +74,37 @@ def build_layered_groups(
     *,
     intra_backend: str | None = None,
     timeout_s: float | None = None,
+    layout: list[list[int]] | None = None,
 ) -> LayeredGroups:
     """Create the node groups (all ranks must call this together).
 
-    With torch.distributed the groups come from :func:`lightning_hpc.distributed.groups.node_groups` (the leader
-    group on gloo so a CPU thread can drive it); another communicator creates them with its own ``new_group``.
-    Raises ``ValueError`` naming ``procs_per_node`` when it does not divide the world size.
+    ``layout`` lists the ranks of each node (e.g. by host, :func:`lightning_hpc.distributed.groups.hosts_layout`);
+    default: contiguous blocks of ``procs_per_node``.  With torch.distributed the groups come from
+    :func:`lightning_hpc.distributed.groups.node_groups` (the leader group on gloo so a CPU thread can drive
+    it); another communicator creates them with its own ``new_group``.  Raises ``ValueError`` naming
+    ``procs_per_node`` when it does not divide the world size.
     """
     comm = communicator or get_communicator("torch")
     world, rank = comm.world_size, comm.rank
-    check_divisible(world, procs_per_node, what="ranks per node group", setting="procs_per_node")
+    groups = check_layout(layout, world) if layout is not None else contiguous_layout(world, procs_per_node)
+    procs_per_node = len(groups[0])
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else default_timeout()
     if isinstance(comm, TorchDistributedCommunicator):
-        ng = node_groups(procs_per_node, intra_backend=intra_backend, leader_backend="gloo", timeout=timeout)
-        return LayeredGroups(rank, world, procs_per_node, ng.group_index, ng.leader_rank, ng.intra, ng.leaders)
-    # Same contiguous layout as node_groups, through the communicator's own group creation.
-    intra = None
-    for g in range(world // procs_per_node):
-        ranks = list(range(g * procs_per_node, (g + 1) * procs_per_node))
+        ng = node_groups(procs_per_node, intra_backend=intra_backend, leader_backend="gloo", timeout=timeout,
+                         layout=groups)
+        return LayeredGroups(rank, world, procs_per_node, ng.group_index, ng.leader_rank, ng.intra, ng.leaders,
+                             ng.members)
+    # Same layout as node_groups, through the communicator's own group creation.
+    intra, index = None, -1
+    for g, ranks in enumerate(groups):
         handle = comm.new_group(ranks)
         if rank in ranks:
-            intra = handle
-    leader_ranks = list(range(0, world, procs_per_node))
+            intra, index = handle, g
+    leader_ranks = [ranks[0] for ranks in groups]
     leaders = comm.new_group(leader_ranks)
-    leader = (rank // procs_per_node) * procs_per_node
+    leader = groups[index][0]
     return LayeredGroups(
-        rank, world, procs_per_node, rank // procs_per_node, leader, intra, leaders if rank == leader else None
+        rank, world, procs_per_node, index, leader, intra, leaders if rank == leader else None, tuple(groups[index])
     )
 
 

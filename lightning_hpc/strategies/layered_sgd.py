@@ -40,7 +40,12 @@ from torch.optim import LBFGS, Optimizer
 from lightning_hpc.distributed.backend import communicator_for
 from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.distributed.groups import check_divisible, local_world_size_from_env
+from lightning_hpc.distributed.groups import (
+    check_divisible,
+    gather_hostnames,
+    hosts_layout,
+    local_world_size_from_env,
+)
 from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, LayeredGroups, build_layered_groups
 from lightning_hpc.distributed.postponed_update import PostponedUpdate
 from lightning_hpc.registry import register_strategy
@@ -142,6 +147,19 @@ class LayeredSGDStrategy(DDPStrategy):
             return from_env
         return max(1, len(self.parallel_devices or []) or self.world_size // max(1, self.num_nodes))
 
+    def node_layout(self) -> list[list[int]] | None:
+        """The ranks of each host, when the ranks run on several hosts and ``procs_per_node`` is not set.
+
+        Launchers may place ranks on nodes in any order (``srun --distribution=cyclic`` puts rank 1 on the
+        second node), so node groups follow the hostnames the ranks report, not rank blocks.  ``None`` (contiguous
+        blocks of ``procs_per_node``) with an explicit ``procs_per_node`` (nodes simulated on one machine), with
+        all ranks on one host, or with a communicator other than torch.distributed.  Collective.
+        """
+        if self.procs_per_node_setting is not None or not isinstance(self.comm, TorchDistributedCommunicator):
+            return None
+        layout = hosts_layout(gather_hostnames())
+        return layout if len(layout) > 1 else None
+
     def check_topology(self) -> int:
         """Raise before training when the group size does not divide the world size (names both numbers)."""
         group = self.resolve_procs_per_node()
@@ -174,9 +192,13 @@ class LayeredSGDStrategy(DDPStrategy):
         comm = self._communicator_setting
         self.comm = communicator_for(self, comm)
         intra_backend = self._get_process_group_backend()
+        layout = self.node_layout()
         self.groups = build_layered_groups(
-            group_size, self.comm, intra_backend=intra_backend, timeout_s=self.timeout_seconds
+            group_size, self.comm, intra_backend=intra_backend, timeout_s=self.timeout_seconds, layout=layout
         )
+        if self.global_rank == 0:
+            groups = layout or [list(range(g, g + group_size)) for g in range(0, self.world_size, group_size)]
+            print(f"layered SGD node groups: {groups}", flush=True)
         self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
         assert self.lightning_module is not None
         if self.update is not None:
