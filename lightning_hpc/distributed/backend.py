@@ -4,8 +4,8 @@ K-FAC and layered SGD talk to a :class:`~lightning_hpc.distributed.comm.Communic
 ``communicator="auto"`` they ask :func:`communicator_for` here, so under ``Trainer(strategy="horovod")`` their
 collectives run on Horovod and under DDP-style strategies on torch.distributed.  A strategy declares its
 backend with a ``communication_backend`` attribute (``"horovod"`` on
-:class:`~lightning_hpc.strategies.horovod.HorovodStrategy`), or through its cluster environment
-(:class:`~lightning_hpc.distributed.horovod_environment.HorovodEnvironment`: a DDP-derived strategy launched by
+:class:`~lightning_hpc.horovod.strategy.HorovodStrategy`), or through its cluster environment
+(:class:`~lightning_hpc.horovod.environment.HorovodEnvironment`: a DDP-derived strategy launched by
 ``horovodrun``); neither means torch.distributed.  Duck typing keeps ``distributed/`` free of strategy imports.
 """
 

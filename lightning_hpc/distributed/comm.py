@@ -2,7 +2,7 @@
 
 K-FAC (factor allreduce, decomposition sharing) and layered SGD (intra-group reduce/broadcast, inter-group
 allreduce) only use this interface, so the same algorithm runs on torch.distributed or on Horovod (the Horovod
-implementation lives in ``lightning_hpc.distributed.horovod_comm``).  Groups are opaque handles created by
+implementation lives in ``lightning_hpc.horovod.communicator``).  Groups are opaque handles created by
 :meth:`Communicator.new_group`; ``None`` means the whole world.
 """
 
@@ -151,7 +151,7 @@ def get_communicator(backend: str = "torch") -> Communicator:
     if backend == "torch":
         return TorchDistributedCommunicator()
     if backend == "horovod":
-        from lightning_hpc.distributed.horovod_comm import HorovodCommunicator
+        from lightning_hpc.horovod.communicator import HorovodCommunicator
 
         return HorovodCommunicator()
     raise ValueError(f"unknown communication backend {backend!r}; use 'torch' or 'horovod'")
