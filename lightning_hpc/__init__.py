@@ -30,7 +30,19 @@ _PUBLIC: dict[str, str] = {
     "SpatialParallelStrategy": "lightning_hpc.spatial.strategy",
 }
 
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = [
+    "HorovodStrategy",
+    "HybridParallelStrategy",
+    "ImageClassifier",
+    "KFAC",
+    "KFACMixedPrecision",
+    "KFACPreconditioner",
+    "LayeredSGDStrategy",
+    "MultigridStrategy",
+    "SegmentationModule",
+    "SpatialParallelStrategy",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from lightning_hpc.horovod.strategy import HorovodStrategy

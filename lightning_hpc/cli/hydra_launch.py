@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from lightning_hpc._compat import replace_hydra_subprocess_command
+
 __all__ = ["child_command", "install"]
 
 _ENTRY: list[str] = [sys.executable, "-m", "lightning_hpc", "train"]
@@ -47,13 +49,4 @@ def install(extra_args: Sequence[str] = ()) -> None:
     that the children need again.
     """
     _EXTRA_ARGS[:] = list(extra_args)
-    import lightning.fabric.strategies.launchers.subprocess_script as fabric_launcher
-    import lightning.pytorch.strategies.launchers.subprocess_script as pl_launcher
-
-    for module in (fabric_launcher, pl_launcher):
-        if not hasattr(module, "_hydra_subprocess_cmd"):
-            raise RuntimeError(
-                f"{module.__name__} has no _hydra_subprocess_cmd: this Lightning version changed its launcher; "
-                "please report it to lightning_hpc"
-            )
-        module._hydra_subprocess_cmd = child_command
+    replace_hydra_subprocess_command(child_command)

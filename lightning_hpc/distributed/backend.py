@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_hpc.distributed.comm import Communicator, get_communicator
+from lightning_hpc.protocols import CommunicationBackendAware
 
 __all__ = ["BACKENDS", "backend_for", "communicator_for"]
 
@@ -26,10 +27,12 @@ def backend_for(strategy: Any | None, requested: str = "auto") -> str:
         raise ValueError(f"communicator must be one of {BACKENDS} or a Communicator, got {requested!r}")
     if requested != "auto":
         return requested
-    backend = getattr(strategy, "communication_backend", None)
-    if backend is None:
-        backend = getattr(getattr(strategy, "cluster_environment", None), "communication_backend", "torch")
-    return backend if backend in ("torch", "horovod") else "torch"
+    for declared in (strategy, getattr(strategy, "cluster_environment", None)):
+        if isinstance(declared, CommunicationBackendAware):
+            if declared.communication_backend not in ("torch", "horovod"):
+                raise ValueError(f"{type(declared).__name__}.communication_backend must be 'torch' or 'horovod'")
+            return declared.communication_backend
+    return "torch"
 
 
 def communicator_for(strategy: Any | None, requested: str | Communicator = "auto") -> Communicator:

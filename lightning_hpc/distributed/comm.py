@@ -15,6 +15,8 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+
 __all__ = ["Handle", "Communicator", "TorchDistributedCommunicator", "CompletedHandle", "get_communicator"]
 
 ReduceOp = Literal["sum", "mean"]
@@ -149,6 +151,8 @@ class TorchDistributedCommunicator(Communicator):
 def get_communicator(backend: str = "torch") -> Communicator:
     """Communicator by name: ``"torch"`` (torch.distributed) or ``"horovod"``."""
     if backend == "torch":
+        # its collectives are asynchronous: gloo's pending work must not outlive the interpreter
+        destroy_process_group_at_exit()
         return TorchDistributedCommunicator()
     if backend == "horovod":
         from lightning_hpc.horovod.communicator import HorovodCommunicator

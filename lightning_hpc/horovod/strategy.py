@@ -41,8 +41,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -53,6 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hpc._compat import optimizers_to_device, set_num_threads_if_needed
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.horovod.communicator import (
     collective_name,
@@ -60,6 +59,7 @@ from lightning_hpc.horovod.communicator import (
     init_horovod,
 )
 from lightning_hpc.horovod.environment import HorovodEnvironment
+from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["HorovodStrategy", "horovod_gather_all_tensors"]
 
@@ -105,7 +105,7 @@ def _mark_step_tracked(optimizer: Optimizer) -> None:
     optimizer.step = tracked_step  # type: ignore[method-assign]
 
 
-class HorovodStrategy(ParallelStrategy):
+class HorovodStrategy(StrategyContract, ParallelStrategy):
     """Data parallelism with Horovod's allreduce (see the module docstring for what maps to what).
 
     Args:
@@ -295,7 +295,7 @@ class HorovodStrategy(ParallelStrategy):
         # As Lightning's launchers do for DDP (its own and under torchrun): one share of this node's CPUs per
         # process unless OMP_NUM_THREADS is set.  horovodrun sets nothing, so every rank ran torch's default (all
         # cores): measured 0.18-0.29 s/step against 0.063-0.072 s with one thread per rank (2 ranks, 2 cores).
-        _set_num_threads_if_needed(num_processes=self._hvd.local_size())
+        set_num_threads_if_needed(num_processes=self._hvd.local_size())
         super().setup_environment()
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -318,7 +318,7 @@ class HorovodStrategy(ParallelStrategy):
                 self._exit_stack.enter_context(optimizer.skip_synchronize())
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             if self._broadcast_optimizer_state:
                 for optimizer in self.optimizers:
                     self._broadcast_optimizer(optimizer)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from torch.nn.parallel import DistributedDataParallel
 
+from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
@@ -44,11 +44,12 @@ from lightning_hpc.hybrid_fc import (
     parallelize_head,
     shard_optimizer_state,
 )
+from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["HybridParallelStrategy"]
 
 
-class HybridParallelStrategy(DDPStrategy):
+class HybridParallelStrategy(StrategyContract, DDPStrategy):
     """Data-parallel trunk + model-parallel fully-connected head.
 
     Args:
@@ -151,7 +152,7 @@ class HybridParallelStrategy(DDPStrategy):
         setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
         shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignore)
+        ddp_ignore_parameters(module, ignore)
         self._parallelized = True
 
     def setup(self, trainer: Any) -> None:

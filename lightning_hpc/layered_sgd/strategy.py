@@ -37,6 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
+from lightning_hpc._compat import automatic_optimizer_step_progress
 from lightning_hpc.distributed.backend import communicator_for
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
@@ -48,6 +49,7 @@ from lightning_hpc.layered_sgd.hierarchical import (
     build_layered_groups,
 )
 from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
+from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["LayeredSGDStrategy"]
 
@@ -75,7 +77,7 @@ class _FlushBeforeReaders(Callback):
         self._strategy.flush()
 
 
-class LayeredSGDStrategy(DDPStrategy):
+class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     """Layered SGD: hierarchical gradient reduction overlapped with data loading, identical to synchronous SGD.
 
     Args:
@@ -274,8 +276,7 @@ class LayeredSGDStrategy(DDPStrategy):
         return True
 
     def _step_progress(self) -> Any:
-        trainer = self.lightning_module.trainer
-        return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+        return automatic_optimizer_step_progress(self.lightning_module.trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.flush()  # no-op when the callback already flushed; guards custom loops

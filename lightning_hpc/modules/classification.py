@@ -12,6 +12,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hpc.modules.lr_scaling import ScalingRule, scale_hparams
+from lightning_hpc.protocols import data_parallel_size
 
 __all__ = ["ImageClassifier", "classification_loss", "with_step_scheduler"]
 
@@ -96,7 +97,7 @@ class ImageClassifier(pl.LightningModule):
         """Samples per optimizer step over all ranks (per-rank batch x data-parallel ranks x accumulation)."""
         trainer = self.trainer
         per_rank = getattr(trainer.datamodule, "batch_size", None) or 1
-        dp = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        dp = data_parallel_size(trainer.strategy)
         return int(per_rank * dp * trainer.accumulate_grad_batches)
 
     def configure_optimizers(self) -> Any:

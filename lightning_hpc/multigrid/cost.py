@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.perfmodel.alphabeta import AlphaBeta, allreduce, send_recv
 from lightning_hpc.perfmodel.pipeline import (
-    bulk_synchronous_time,
     serial_pipeline_time,
     stage_times,
 )

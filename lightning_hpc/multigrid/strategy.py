@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
@@ -34,6 +34,7 @@ from lightning_hpc.multigrid.parallel import average_gradients, layer_data_group
 from lightning_hpc.multigrid.partition import check_layer_partition
 from lightning_hpc.multigrid.pm import PartitionedODEBlock
 from lightning_hpc.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
+from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["MultigridStrategy"]
 
@@ -42,7 +43,7 @@ MODES = ("mg", "pm", "serial")
 LAYER_SHARDS = "multigrid_layer_shards"
 
 
-class MultigridStrategy(DDPStrategy):
+class MultigridStrategy(StrategyContract, DDPStrategy):
     """Layer-parallel multigrid training (Kirby et al.), optionally combined with data parallelism.
 
     Args:
@@ -181,7 +182,7 @@ class MultigridStrategy(DDPStrategy):
             block_ids = {id(t) for t in list(self.block.parameters()) + list(self.block.buffers())}
             module = self.lightning_module
             local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, local)
+            ddp_ignore_parameters(module, local)
 
     def configure_ddp(self) -> None:
         self._wrap_model()

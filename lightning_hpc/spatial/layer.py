@@ -122,7 +122,7 @@ class SpatialLayer:
     def _tile_bounds_checked(self, h: int, w: int):
         ph, pw = self.grid.parts
         if h < ph or w < pw:
-            raise self.partition_error(h, w, f"the input has fewer rows/columns than parts")
+            raise self.partition_error(h, w, "the input has fewer rows/columns than parts")
         i, j = self.grid.index
         return block_bounds(h, ph)[i], block_bounds(w, pw)[j]
 

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial.convert import (
     convert_model,
     split_parameters,
@@ -54,7 +54,7 @@ __all__ = ["SpatialParallelStrategy"]
 log = logging.getLogger(__name__)
 
 
-class SpatialParallelStrategy(DDPStrategy):
+class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     """Hybrid sample x spatial data parallelism.
 
     Args:
