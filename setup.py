@@ -1,6 +1,6 @@
 """Packaging details pyproject.toml cannot express: conf/ and recipes/ live at the top of the repository and
 travel inside the wheel as lightning_hpc/conf and lightning_hpc/recipes, so `lightning-hpc train` works from a
-plain `pip install .` (lightning_hpc.config_paths finds them in either place)."""
+plain `pip install .` (lightning_hpc.cli.config_paths finds them in either place)."""
 
 from setuptools import find_packages, setup
 

@@ -18,8 +18,8 @@ themselves on the shaped link (JPEG decoding in a Dataset, ``num_workers=0``), a
 Modes of the sweep (the same code the Lightning strategies run, in a plain loop so 2 shared CPU cores are not spent on
 Lightning's per-step bookkeeping):
 - ``ddp``: torch ``DistributedDataParallel`` (Algorithm 2; bucketed allreduce overlapped with backward);
-- ``layered``: :class:`lightning_hpc.distributed.postponed_update.PostponedUpdate` over
-  :class:`lightning_hpc.distributed.hierarchical.HierarchicalAllreduce` (Algorithm 3).
+- ``layered``: :class:`lightning_hpc.layered_sgd.postponed_update.PostponedUpdate` over
+  :class:`lightning_hpc.layered_sgd.hierarchical.HierarchicalAllreduce` (Algorithm 3).
 
     sudo python bench/layered_sgd.py                      # full sweep (needs root for ip netns / tc)
     python bench/layered_sgd.py --rates 1000,300,100 --steps 10 --repeats 2
@@ -190,8 +190,8 @@ def _train(mode: str, rank: int, world: int, per_node: int, loader: JpegLoader, 
            width: int) -> dict:
     import torch.distributed as dist
 
-    from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, build_layered_groups
-    from lightning_hpc.distributed.postponed_update import PostponedUpdate
+    from lightning_hpc.layered_sgd.hierarchical import HierarchicalAllreduce, build_layered_groups
+    from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
 
     torch.manual_seed(0)
     model = Net(width)
@@ -310,7 +310,7 @@ def lightning_worker_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
+    from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy
 
     torch.set_num_threads(1)
     paths = sorted(Path(args.jpegs).glob("*.jpg"))

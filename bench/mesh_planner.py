@@ -12,7 +12,7 @@ alpha-beta plus that measured extra.  ``predicted_ab_s`` is the same plan withou
 
     python bench/mesh_planner.py [--size 256] [--convs 3] [--steps 6] [--rounds 2] [--spatial] [--worlds 1,2,4]
 
-With ``--spatial`` (needs the spatial layers of ``lightning_hpc.strategies.spatial``), also pure spatial runs at
+With ``--spatial`` (needs the spatial layers of ``lightning_hpc.spatial``), also pure spatial runs at
 mini-batch 1 on 2 (2x1 tiles) and 4 (2x2) processes, predicted with the same distribution, halo overlap as run
 (default off: one convolution over the tile + halo box), the box copies, and one fused gradient allreduce (what
 ``reduce_gradients`` does).  Every process runs one torch thread, and the layer times are taken with one thread.
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.models import mesh_fcn  # noqa: E402
 from lightning_hpc.perfmodel import LayerTimer, calibrate_local, calibrate_sync, compute_contention  # noqa: E402
-from lightning_hpc.strategies.spatial.planner import plan_for_model  # noqa: E402
+from lightning_hpc.spatial.planner import plan_for_model  # noqa: E402
 
 
 def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, warmup: int) -> list[float]:
@@ -64,11 +64,11 @@ def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, wa
 
 
 def _spatial_steps(rank: int, world_size: int, size: int, convs: int, parts: tuple[int, int], overlap: bool, steps: int, warmup: int) -> list[float]:
-    """Hybrid sample x spatial training steps with the spatial layers (needs lightning_hpc.strategies.spatial's
+    """Hybrid sample x spatial training steps with the spatial layers (needs lightning_hpc.spatial's
     tiling/convert/gradients modules, i.e. the spatial branch merged)."""
-    from lightning_hpc.strategies.spatial.convert import convert_model, split_parameters
-    from lightning_hpc.strategies.spatial.gradients import reduce_gradients
-    from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout, tile_slices
+    from lightning_hpc.spatial.convert import convert_model, split_parameters
+    from lightning_hpc.spatial.gradients import reduce_gradients
+    from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
     layout = create_hybrid_layout(parts)
     torch.manual_seed(0)

@@ -1,39 +1,79 @@
-"""Registration of lightning_hpc's strategy names in Lightning's ``StrategyRegistry``."""
+"""The strategy names lightning_hpc adds to Lightning's ``StrategyRegistry``.
+
+Registration is lazy on both sides: importing ``lightning_hpc`` (or any of its plain-torch cores) imports
+neither Lightning nor a strategy module.  The names are registered the moment ``lightning.pytorch.strategies``
+is imported (see :mod:`lightning_hpc._registration`), and each name maps to a small factory that imports its
+strategy module only when a ``Trainer(strategy="<name>")`` builds it.
+"""
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
-from lightning.pytorch.strategies import StrategyRegistry
-
-__all__ = ["register_strategy", "register_strategies", "STRATEGIES"]
-
-#: names this package registered -> strategy class
-STRATEGIES: dict[str, type] = {}
+__all__ = ["StrategySpec", "STRATEGY_SPECS", "register_strategies", "strategy_class"]
 
 
-def register_strategy(name: str, cls: type, description: str, **init_params: Any) -> None:
-    """Register ``name`` (lowercase) unless it is already there (guarded: re-imports are harmless)."""
-    name = name.lower()
-    STRATEGIES[name] = cls
-    if name in StrategyRegistry:
-        return
-    StrategyRegistry.register(name, cls, description=description, **init_params)
+@dataclass(frozen=True)
+class StrategySpec:
+    """One registered name: where its class lives and the description Lightning lists."""
+
+    name: str
+    target: str  # "module:Class"
+    description: str
+
+    def load(self) -> type:
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+    def __call__(self, **init_params: Any) -> Any:
+        """The factory Lightning's ``StrategyRegistry.get`` calls: build the strategy."""
+        return self.load()(**init_params)
+
+
+#: every strategy name this package registers
+STRATEGY_SPECS: dict[str, StrategySpec] = {
+    spec.name: spec
+    for spec in (
+        StrategySpec(
+            "layered_sgd",
+            "lightning_hpc.layered_sgd.strategy:LayeredSGDStrategy",
+            "Layered SGD (Yu et al.): hierarchical reduce/allreduce/broadcast overlapped with data loading",
+        ),
+        StrategySpec(
+            "hybrid_fc",
+            "lightning_hpc.hybrid_fc.strategy:HybridParallelStrategy",
+            "Data-parallel conv trunk, model-parallel fully-connected head (Krizhevsky 2014, schemes a/b/c)",
+        ),
+        StrategySpec(
+            "spatial",
+            "lightning_hpc.spatial.strategy:SpatialParallelStrategy",
+            "Hybrid sample x spatial parallelism with halo exchange (Dryden et al.)",
+        ),
+        StrategySpec(
+            "multigrid",
+            "lightning_hpc.multigrid.strategy:MultigridStrategy",
+            "Layer-parallel multigrid (FAS/MGRIT) training of deep ODE-ResNets",
+        ),
+        StrategySpec(
+            "horovod",
+            "lightning_hpc.horovod.strategy:HorovodStrategy",
+            "Horovod data parallelism: hvd.DistributedOptimizer allreduce, launched by horovodrun/mpirun",
+        ),
+    )
+}
+
+
+def strategy_class(name: str) -> type:
+    """The class behind a registered name (imports its module)."""
+    return STRATEGY_SPECS[name].load()
 
 
 def register_strategies() -> None:
-    """Import each strategy module; each registers itself at import."""
-    import importlib
+    """Register every name in ``lightning.pytorch``'s ``StrategyRegistry`` (idempotent; imports Lightning)."""
+    from lightning.pytorch.strategies import StrategyRegistry
 
-    for module in STRATEGY_MODULES:
-        importlib.import_module(module)
-
-
-#: modules whose import registers a strategy (filled as strategies land)
-STRATEGY_MODULES: list[str] = [
-    "lightning_hpc.strategies.horovod",
-    "lightning_hpc.strategies.layered_sgd",
-    "lightning_hpc.strategies.multigrid.strategy",
-    "lightning_hpc.strategies.hybrid_fc",
-    "lightning_hpc.strategies.spatial.strategy",
-]
+    for spec in STRATEGY_SPECS.values():
+        if spec.name not in StrategyRegistry:
+            StrategyRegistry.register(spec.name, spec, description=spec.description)

@@ -3,7 +3,7 @@
 
 import torch
 
-from lightning_hpc.cli import _quote_numeric_groups
+from lightning_hpc.cli.main import _quote_numeric_groups
 from tests.conftest import read_metrics, run_dirs
 
 SHORT = ["trainer.devices=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=2",

@@ -6,7 +6,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from lightning_hpc.config_paths import recipe_names
+from lightning_hpc.cli.config_paths import recipe_names
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def test_wheel_carries_configs_and_recipes(tmp_path):
     zipfile.ZipFile(wheel).extractall(target)
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = (
-        "import lightning_hpc, lightning_hpc.config_paths as c;"
+        "import lightning_hpc, lightning_hpc.cli.config_paths as c;"
         "assert str(c.conf_dir()).startswith(%r), c.conf_dir();"
         "print(' '.join(c.recipe_names()))" % str(target)
     )

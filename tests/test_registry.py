@@ -1,27 +1,41 @@
+import subprocess
+import sys
+
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hpc
-from lightning_hpc.registry import STRATEGIES, STRATEGY_MODULES
+from lightning_hpc.registry import STRATEGY_SPECS, strategy_class
 
-#: every strategy the product promises (README); importing lightning_hpc must register all of them
+#: every strategy the product promises (README); importing Lightning must register all of them
 EXPECTED = {"layered_sgd", "hybrid_fc", "spatial", "multigrid", "horovod"}
 
 
-def test_import_registers_every_strategy_module():
-    assert len(STRATEGIES) >= len(STRATEGY_MODULES)
-    for name, cls in STRATEGIES.items():
+def test_every_strategy_name_is_registered():
+    assert EXPECTED == set(STRATEGY_SPECS)
+    for name, spec in STRATEGY_SPECS.items():
         assert name == name.lower()
-        assert StrategyRegistry[name]["strategy"] is cls
-    assert EXPECTED <= set(STRATEGIES), f"not registered: {EXPECTED - set(STRATEGIES)}"
+        assert StrategyRegistry[name]["strategy"] is spec
+        assert getattr(lightning_hpc, strategy_class(name).__name__) is strategy_class(name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_trainer_resolves_registered_name(name):
-    cls = STRATEGIES[name]
     if name == "horovod":
         pytest.importorskip("horovod.torch")
     trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    assert isinstance(trainer.strategy, cls)
+    assert isinstance(trainer.strategy, strategy_class(name))
     assert lightning_hpc.__version__
+
+
+@pytest.mark.parametrize("order", ["lightning_hpc first", "lightning first"])
+def test_names_resolve_whichever_is_imported_first(order):
+    first, second = ("import lightning_hpc", "import lightning.pytorch as pl") if order == "lightning_hpc first" else (
+        "import lightning.pytorch as pl", "import lightning_hpc")
+    code = (
+        f"{first}; {second}\n"
+        "t = pl.Trainer(strategy='layered_sgd', accelerator='cpu', devices=1, logger=False)\n"
+        "assert type(t.strategy).__name__ == 'LayeredSGDStrategy', type(t.strategy)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from lightning_hpc.scaling import ScalingRule, adjusted_weight_decay, scale_hparams
-from lightning_hpc.schedules import warmup_multistep, warmup_multistep_factor
+from lightning_hpc.modules.lr_scaling import ScalingRule, adjusted_weight_decay, scale_hparams
+from lightning_hpc.modules.lr_schedules import warmup_multistep, warmup_multistep_factor
 
 
 def test_linear_and_sqrt_rules():

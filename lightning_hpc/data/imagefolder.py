@@ -11,7 +11,10 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from lightning_hpc.data.common import IMAGENET_MEAN, IMAGENET_STD, loader, require_dir
-from lightning_hpc.data.transforms import imagenet_train_transform, imagenet_val_transform
+from lightning_hpc.data.transforms import (
+    imagenet_train_transform,
+    imagenet_val_transform,
+)
 
 __all__ = ["ImageFolder", "ImageFolderDataModule", "IMG_EXTENSIONS"]
 

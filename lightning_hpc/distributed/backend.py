@@ -4,8 +4,8 @@ K-FAC and layered SGD talk to a :class:`~lightning_hpc.distributed.comm.Communic
 ``communicator="auto"`` they ask :func:`communicator_for` here, so under ``Trainer(strategy="horovod")`` their
 collectives run on Horovod and under DDP-style strategies on torch.distributed.  A strategy declares its
 backend with a ``communication_backend`` attribute (``"horovod"`` on
-:class:`~lightning_hpc.strategies.horovod.HorovodStrategy`), or through its cluster environment
-(:class:`~lightning_hpc.distributed.horovod_environment.HorovodEnvironment`: a DDP-derived strategy launched by
+:class:`~lightning_hpc.horovod.strategy.HorovodStrategy`), or through its cluster environment
+(:class:`~lightning_hpc.horovod.environment.HorovodEnvironment`: a DDP-derived strategy launched by
 ``horovodrun``); neither means torch.distributed.  Duck typing keeps ``distributed/`` free of strategy imports.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_hpc.distributed.comm import Communicator, get_communicator
+from lightning_hpc.protocols import CommunicationBackendAware
 
 __all__ = ["BACKENDS", "backend_for", "communicator_for"]
 
@@ -26,10 +27,12 @@ def backend_for(strategy: Any | None, requested: str = "auto") -> str:
         raise ValueError(f"communicator must be one of {BACKENDS} or a Communicator, got {requested!r}")
     if requested != "auto":
         return requested
-    backend = getattr(strategy, "communication_backend", None)
-    if backend is None:
-        backend = getattr(getattr(strategy, "cluster_environment", None), "communication_backend", "torch")
-    return backend if backend in ("torch", "horovod") else "torch"
+    for declared in (strategy, getattr(strategy, "cluster_environment", None)):
+        if isinstance(declared, CommunicationBackendAware):
+            if declared.communication_backend not in ("torch", "horovod"):
+                raise ValueError(f"{type(declared).__name__}.communication_backend must be 'torch' or 'horovod'")
+            return declared.communication_backend
+    return "torch"
 
 
 def communicator_for(strategy: Any | None, requested: str | Communicator = "auto") -> Communicator:

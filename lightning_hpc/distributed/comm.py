@@ -2,7 +2,7 @@
 
 K-FAC (factor allreduce, decomposition sharing) and layered SGD (intra-group reduce/broadcast, inter-group
 allreduce) only use this interface, so the same algorithm runs on torch.distributed or on Horovod (the Horovod
-implementation lives in ``lightning_hpc.distributed.horovod_comm``).  Groups are opaque handles created by
+implementation lives in ``lightning_hpc.horovod.communicator``).  Groups are opaque handles created by
 :meth:`Communicator.new_group`; ``None`` means the whole world.
 """
 
@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 
 __all__ = ["Handle", "Communicator", "TorchDistributedCommunicator", "CompletedHandle", "get_communicator"]
 
@@ -149,9 +151,11 @@ class TorchDistributedCommunicator(Communicator):
 def get_communicator(backend: str = "torch") -> Communicator:
     """Communicator by name: ``"torch"`` (torch.distributed) or ``"horovod"``."""
     if backend == "torch":
+        # its collectives are asynchronous: gloo's pending work must not outlive the interpreter
+        destroy_process_group_at_exit()
         return TorchDistributedCommunicator()
     if backend == "horovod":
-        from lightning_hpc.distributed.horovod_comm import HorovodCommunicator
+        from lightning_hpc.horovod.communicator import HorovodCommunicator
 
         return HorovodCommunicator()
     raise ValueError(f"unknown communication backend {backend!r}; use 'torch' or 'horovod'")

@@ -9,8 +9,9 @@ not clean up for us (pytorch/pytorch#190489; the atexit fix in pytorch/pytorch#1
 K-FAC and layered-SGD collectives are asynchronous, which makes the window more likely.
 
 :func:`destroy_process_group_at_exit` registers one ``atexit`` handler that destroys the default group while the
-interpreter is still whole.  It is registered when ``lightning_hpc`` is imported, before the user's own handlers,
-so it runs after them (``atexit`` runs handlers last-in first-out) and a handler that still communicates works.
+interpreter is still whole.  It is registered by the components that need it, when they are created (every
+lightning_hpc strategy, and the torch.distributed communicator K-FAC and layered SGD use), never by an import; a
+user handler registered before that runs after it (``atexit`` runs handlers last-in first-out).
 After an uncaught exception it does nothing: a peer may be stuck in a collective with this rank, and destroying
 the group then could wait for gloo's timeout instead of letting the job end with the error.
 """

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_hpc._compat import process_group_timeout
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "default_timeout",
@@ -47,8 +49,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta 
     Read from the group's backend options (no public getter exists); ``None`` when the backend does not expose
     them, so callers fall back to torch's default.
     """
-    if not dist.is_initialized():
-        return None
+    return process_group_timeout(group)
     pg = group if group is not None else dist.group.WORLD
     for device in getattr(pg, "_device_types", []) or []:
         try:

@@ -2,10 +2,14 @@
 
 Krizhevsky, "One weird trick for parallelizing convolutional neural networks" (2014), section 4: schemes a, b, c,
 weight synchronisation (4.1) and the variable batch size (4.2).  Plain PyTorch + torch.distributed; the Lightning
-adapter is ``lightning_hpc.strategies.hybrid_fc.HybridParallelStrategy``.
+adapter is ``lightning_hpc.hybrid_fc.strategy.HybridParallelStrategy``.
 """
 
-from lightning_hpc.hybrid_fc.checkpoint import full_optimizer_state, full_state_dict, shard_optimizer_state
+from lightning_hpc.hybrid_fc.checkpoint import (
+    full_optimizer_state,
+    full_state_dict,
+    shard_optimizer_state,
+)
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
 from lightning_hpc.hybrid_fc.discovery import HeadNotFoundError, HeadSpec, find_head
 from lightning_hpc.hybrid_fc.head import FC_UPDATES, HybridHead

@@ -33,7 +33,12 @@ from torch.autograd import Function
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
 from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons
 from lightning_hpc.hybrid_fc.layout import plan_layout
-from lightning_hpc.hybrid_fc.schemes import SCHEMES, exchange_in, exchange_start, make_exchange
+from lightning_hpc.hybrid_fc.schemes import (
+    SCHEMES,
+    exchange_in,
+    exchange_start,
+    make_exchange,
+)
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
 __all__ = ["HybridHead", "FC_UPDATES", "SubbatchContext"]

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import group_timeout, new_group
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.discovery import ELEMENTWISE, HeadSpec, find_head
@@ -221,14 +221,9 @@ def average_trunk_gradients(model: nn.Module, group: Any = None, counter: ByteCo
         return
     k = dist.get_world_size(group)
     grads = [p.grad for p in trunk_parameters(model) if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        flat = _flatten_dense_tensors(gs)
+
+    def count(flat: torch.Tensor) -> None:
         if counter is not None:
             counter.add("all_reduce", allreduce_ring_bytes(flat.numel(), flat.element_size(), k))
-        dist.all_reduce(flat, group=group)
-        flat /= k
-        for g, f in zip(gs, _unflatten_dense_tensors(flat, gs)):
-            g.copy_(f)
+
+    allreduce_flat(grads, 1.0 / k, group=group, on_bucket=count)

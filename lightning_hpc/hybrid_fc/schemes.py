@@ -33,7 +33,12 @@ import torch
 from torch.autograd import Function
 
 from lightning_hpc.hybrid_fc.collectives import HeadComm, _Pending
-from lightning_hpc.hybrid_fc.functions import rows_to_owners_from_col, rows_to_owners_from_row, to_root_from_col, to_root_from_row
+from lightning_hpc.hybrid_fc.functions import (
+    rows_to_owners_from_col,
+    rows_to_owners_from_row,
+    to_root_from_col,
+    to_root_from_row,
+)
 
 __all__ = ["SCHEMES", "Exchange", "make_exchange", "exchange_in", "exchange_start"]
 

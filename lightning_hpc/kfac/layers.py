@@ -297,7 +297,7 @@ class Conv2dHandler(LayerHandler):
 
 class TiledConv2dHandler(Conv2dHandler):
     """A Conv2d that runs on one spatial tile of each sample (spatial parallelism, Dryden et al. section III-A;
-    :class:`lightning_hpc.strategies.spatial.conv.SpatialConv2d`).
+    :class:`lightning_hpc.spatial.conv.SpatialConv2d`).
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and

@@ -40,8 +40,18 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler, make_handler
-from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
+from lightning_hpc.kfac.layers import (
+    Conv2dHandler,
+    LayerHandler,
+    TiledConv2dHandler,
+    make_handler,
+)
+from lightning_hpc.kfac.linalg import (
+    precondition_eigen,
+    precondition_inverse,
+    safe_damped_inverse,
+    safe_eigh,
+)
 from lightning_hpc.kfac.placement import assign_factors, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
 
@@ -301,7 +311,7 @@ class KFACPreconditioner:
             # would be computed for the wrong layer type.
             raise RuntimeError(
                 f"K-FAC layer {handler.name!r} was replaced by a {type(module).__name__} after the K-FAC hooks were "
-                "registered (e.g. by lightning_hpc.strategies.spatial.convert_model); create the "
+                "registered (e.g. by lightning_hpc.spatial.convert_model); create the "
                 "KFACPreconditioner after converting the model (the KFAC callback does this by itself)"
             )
 

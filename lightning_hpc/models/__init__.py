@@ -2,8 +2,23 @@
 
 from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
 from lightning_hpc.models.mesh_fcn import MeshFCN, mesh_fcn
-from lightning_hpc.models.ode_resnet import ODEResNet, ResidualStep, ode_resnet, paper_inference_net
-from lightning_hpc.models.resnet import CifarResNet, ResNet, cifar_resnet, resnet, resnet18, resnet34, resnet50, resnet101, resnet152
+from lightning_hpc.models.ode_resnet import (
+    ODEResNet,
+    ResidualStep,
+    ode_resnet,
+    paper_inference_net,
+)
+from lightning_hpc.models.resnet import (
+    CifarResNet,
+    ResNet,
+    cifar_resnet,
+    resnet,
+    resnet18,
+    resnet34,
+    resnet50,
+    resnet101,
+    resnet152,
+)
 from lightning_hpc.models.small_cnn import small_cnn
 
 __all__ = [

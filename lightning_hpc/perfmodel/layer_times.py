@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_hpc.perfmodel.calibrate import cache_dir, machine_fingerprint, read_cache, write_cache
+from lightning_hpc.perfmodel.calibrate import (
+    cache_dir,
+    machine_fingerprint,
+    read_cache,
+    write_cache,
+)
 
 __all__ = ["time_callable", "LayerTimer"]
 

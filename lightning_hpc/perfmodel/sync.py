@@ -22,7 +22,7 @@ The loops run interleaved ``rounds`` times; medians are kept.  ``allreduce_s = (
 what one small allreduce adds to a busy loop (likewise ``allgather_s``, ``sendrecv_s``, ``large_allreduce_s``,
 ``large_overlapped_s``); ``chunk_s = compute / iters`` is the chunk's time with all P ranks computing.
 
-How the spatial planner uses it (:class:`lightning_hpc.strategies.spatial.planner.CostModel`): every
+How the spatial planner uses it (:class:`lightning_hpc.spatial.planner.CostModel`): every
 synchronisation point is charged its alpha-beta cost plus :meth:`SyncCost.wait` = measured loaded cost of that
 kind minus the alpha-beta cost of the calibration's own small message (never negative); a gradient allreduce costs
 the larger of its alpha-beta cost and :meth:`SyncCost.gradient_allreduce` (the line through the small and large

@@ -1,8 +1,8 @@
 """The exit handler of lightning_hpc.distributed.exit: destroys a live gloo group at a clean exit, never after a crash.
 
 Each case runs a fresh interpreter that initialises a one-process gloo group, runs asynchronous collectives,
-and registers a probe ``atexit`` handler *before* importing lightning_hpc, so the probe runs after the library's
-handler (last-in first-out) and reports whether the group was still initialised at that point.
+and registers a probe ``atexit`` handler *before* creating a lightning_hpc communicator (which installs the
+library's handler, as every strategy does), so the probe runs after the library's handler (last-in first-out) and reports whether the group was still initialised at that point.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ SCRIPT = textwrap.dedent(
 
     atexit.register(probe)
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-    import lightning_hpc  # noqa: F401  registers the library's exit handler after the probe
     from lightning_hpc.distributed.comm import get_communicator
 
-    comm = get_communicator("torch")
+    comm = get_communicator("torch")  # installs the library's exit handler, after the probe
     t = torch.ones(8)
     comm.allreduce(t, op="mean", async_op=True).wait()
     if sys.argv[2] == "crash":

@@ -11,7 +11,7 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
 from lightning_hpc.distributed.groups import group_timeout, mesh_2d, new_group
 from lightning_hpc.hybrid_fc.parallel import _same_ranks_group
-from lightning_hpc.strategies.multigrid.parallel import layer_data_groups
+from lightning_hpc.multigrid.parallel import layer_data_groups
 
 WORLD_TIMEOUT_S = 45.0  # short enough to tell from torch's 1800 s, long enough for a slow process start
 

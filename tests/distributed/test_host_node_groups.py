@@ -8,7 +8,7 @@ import torch
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.groups import gather_hostnames, hosts_layout, node_groups
-from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, build_layered_groups
+from lightning_hpc.layered_sgd.hierarchical import HierarchicalAllreduce, build_layered_groups
 
 
 def test_hosts_layout_blocks_and_cyclic():

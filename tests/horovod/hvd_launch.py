@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_hpc.distributed.horovod_comm import horovod_available
+from lightning_hpc.horovod.communicator import horovod_available
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"

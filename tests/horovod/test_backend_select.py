@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_hpc.distributed.backend import backend_for, communicator_for
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
-from lightning_hpc.strategies.horovod import HorovodStrategy
+from lightning_hpc.horovod.strategy import HorovodStrategy
 
 
 class _Horovodish:

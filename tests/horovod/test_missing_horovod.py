@@ -12,7 +12,7 @@ import sys
 import pytest
 from hvd_launch import REPO, worker_env
 
-from lightning_hpc.distributed.horovod_comm import HorovodUnavailableError, import_horovod
+from lightning_hpc.horovod.communicator import HorovodUnavailableError, import_horovod
 
 
 @pytest.fixture

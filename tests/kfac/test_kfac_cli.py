@@ -9,7 +9,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from lightning_hpc.config_paths import conf_dir, recipes_dir
+from lightning_hpc.cli.config_paths import conf_dir, recipes_dir
 from lightning_hpc.kfac import plan as plan_mod
 
 

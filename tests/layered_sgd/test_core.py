@@ -11,12 +11,12 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
-from lightning_hpc.distributed.hierarchical import (
+from lightning_hpc.layered_sgd.hierarchical import (
     HierarchicalAllreduce,
     LayeredCommTimeout,
     build_layered_groups,
 )
-from lightning_hpc.distributed.postponed_update import PostponedUpdate
+from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
 
 WORLD, PER_NODE, LOCAL_BATCH, STEPS = 4, 2, 3, 6
 

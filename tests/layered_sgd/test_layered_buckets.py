@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpc.distributed.postponed_update import PostponedUpdate, assign_buckets
+from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate, assign_buckets
 
 
 class _Recorder:

@@ -43,7 +43,7 @@ def main(out: Path) -> None:
 
     import lightning_hpc  # noqa: F401 - registers "layered_sgd"
     from lightning_hpc import KFAC
-    from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
+    from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.models import build_model, mesh_fcn
-from lightning_hpc.segmentation import SegmentationModule, pixel_loss_sum
+from lightning_hpc.modules.segmentation import SegmentationModule, pixel_loss_sum
 
 
 @pytest.mark.parametrize("convs", [3, 5])

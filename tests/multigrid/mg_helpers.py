@@ -7,7 +7,7 @@ import copy
 import torch
 
 from lightning_hpc.models import ode_resnet
-from lightning_hpc.strategies.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings
+from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings
 
 
 def make_net(num_steps: int = 32, width: int = 4, seed: int = 0, batch_norm: bool = False, final_time: float = 2.0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mg_helpers import make_net, options
-from lightning_hpc.strategies.multigrid import MultigridODEBlock
+from lightning_hpc.multigrid import MultigridODEBlock
 
 
 def cycles_to(tol: float, num_steps: int, levels: int, cfactor: int, relaxation: str) -> tuple[int, list[float]]:

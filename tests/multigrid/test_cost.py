@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_hpc.perfmodel import AlphaBeta
-from lightning_hpc.strategies.multigrid.cost import multigrid_pass_time, partitioned_step_time
+from lightning_hpc.multigrid.cost import multigrid_pass_time, partitioned_step_time
 
 FREE = AlphaBeta(0.0, 0.0)
 
@@ -12,7 +12,7 @@ FREE = AlphaBeta(0.0, 0.0)
 def count_layer_evaluations(num_steps, cfactor, levels, cycles, relaxation):
     """Instrumented solve: how many single-layer evaluations the implementation performs."""
     from mg_helpers import make_net, options
-    from lightning_hpc.strategies.multigrid import MultigridODEBlock
+    from lightning_hpc.multigrid import MultigridODEBlock
 
     net, x = make_net(num_steps)
     block = MultigridODEBlock(net.steps, options(levels, cfactor, cycles, relaxation))

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from mg_helpers import make_net, multigrid_run, options, rel, serial_reference
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.strategies.multigrid import MultigridODEBlock, PartitionedODEBlock, full_model_state_dict
-from lightning_hpc.strategies.multigrid.parallel import average_gradients, layer_data_groups
+from lightning_hpc.multigrid import MultigridODEBlock, PartitionedODEBlock, full_model_state_dict
+from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups
 
 CONFIGS = [(3, 2, "FCF", 2), (2, 4, "F", 3)]
 TRAIN_STEPS = 3
@@ -223,7 +223,7 @@ def test_coarse_gather_threshold_selects_the_solver():
     """The gathered solve is used exactly when the coarsest level (over all ranks) is within the threshold."""
     from types import SimpleNamespace
 
-    from lightning_hpc.strategies.multigrid.coarse import GatheredCoarseSolve, coarse_solver
+    from lightning_hpc.multigrid.coarse import GatheredCoarseSolve, coarse_solver
 
     prop = SimpleNamespace(hierarchy=SimpleNamespace(levels=3, sizes=[16, 8, 4]))  # 4 coarsest steps per rank
     two, one = SimpleNamespace(size=2), SimpleNamespace(size=1)

@@ -7,8 +7,8 @@ from torch import nn
 from mg_helpers import make_net
 from lightning_hpc.models import ResidualStep, ode_resnet
 from lightning_hpc.models.ode_resnet import NotResidualError
-from lightning_hpc.strategies.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings, check_layer_partition
-from lightning_hpc.strategies.multigrid.strategy import MultigridStrategy
+from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings, check_layer_partition
+from lightning_hpc.multigrid.strategy import MultigridStrategy
 
 
 def test_steps_not_divisible_by_ranks_and_blocks():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mg_helpers import make_net, multigrid_run, options, rel, serial_reference
-from lightning_hpc.strategies.multigrid import PartitionedODEBlock
+from lightning_hpc.multigrid import PartitionedODEBlock
 
 
 def _compare(net, x, opts):
@@ -85,7 +85,7 @@ def test_block_after_block_equals_concurrent():
 
 def test_inference_skips_last_relaxation_but_output_identical():
     net, x = make_net(64)
-    from lightning_hpc.strategies.multigrid import MultigridODEBlock
+    from lightning_hpc.multigrid import MultigridODEBlock
 
     block = MultigridODEBlock(copy.deepcopy(net.steps), options(3, 2, 2))
     u0 = net.opening(x).detach()

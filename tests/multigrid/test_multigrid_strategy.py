@@ -13,7 +13,7 @@ import lightning_hpc
 from lightning_hpc import ImageClassifier, MultigridStrategy
 from lightning_hpc.data import DigitsDataModule
 from lightning_hpc.models import ode_resnet
-from lightning_hpc.strategies.multigrid import MultigridODEBlock
+from lightning_hpc.multigrid import MultigridODEBlock
 
 ROOT = Path(__file__).resolve().parents[2]
 

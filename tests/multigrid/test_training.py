@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.data.digits import load_digits_tensors
 from lightning_hpc.models import ode_resnet
-from lightning_hpc.strategies.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings
+from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings
 
 
 def train(net, epochs: int, lr: float = 0.05, batch: int = 64, seed: int = 0) -> float:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hpc.strategies.spatial.tiling import tile_slices
+from lightning_hpc.spatial.tiling import tile_slices
 
 TOL = 1e-5
 

@@ -23,11 +23,11 @@ from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConv2dHandler
 from lightning_hpc.models.mesh_fcn import mesh_fcn
-from lightning_hpc.segmentation import SegmentationModule, pixel_loss_sum
-from lightning_hpc.strategies.spatial.convert import convert_model, split_parameters
-from lightning_hpc.strategies.spatial.gradients import reduce_gradients
-from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.strategies.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
+from lightning_hpc.modules.segmentation import SegmentationModule, pixel_loss_sum
+from lightning_hpc.spatial.convert import convert_model, split_parameters
+from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
 from spatial_checks import TileDataModule
 
 TOL = 1e-5

@@ -13,9 +13,9 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.partition import block_range
-from lightning_hpc.strategies.spatial.convert import convert_model, split_parameters
-from lightning_hpc.strategies.spatial.gradients import reduce_gradients
-from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.convert import convert_model, split_parameters
+from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.tiling import create_hybrid_layout
 from spatial_checks import TOL, max_err, tile_of
 
 SHAPE = (4, 3, 30, 26)  # 30 and 26 split unevenly over 4 and 2; stride-2 layers make them odd

@@ -9,13 +9,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.strategies.spatial.batchnorm import SpatialBatchNorm2d
-from lightning_hpc.strategies.spatial.conv import SpatialConv2d
-from lightning_hpc.strategies.spatial.halo_exchange import PartitionError, halo_exchange
-from lightning_hpc.strategies.spatial.heads import SpatialGlobalAvgPool2d
-from lightning_hpc.strategies.spatial.redistribute import sample_to_spatial, spatial_to_sample
-from lightning_hpc.strategies.spatial.tiling import create_hybrid_layout
-from lightning_hpc.strategies.spatial.upsample import SpatialUpsample
+from lightning_hpc.spatial.batchnorm import SpatialBatchNorm2d
+from lightning_hpc.spatial.conv import SpatialConv2d
+from lightning_hpc.spatial.halo_exchange import PartitionError, halo_exchange
+from lightning_hpc.spatial.heads import SpatialGlobalAvgPool2d
+from lightning_hpc.spatial.redistribute import sample_to_spatial, spatial_to_sample
+from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.upsample import SpatialUpsample
 from spatial_checks import TOL, compare_layer, max_err, tile_of
 
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.strategies.spatial.convert import convert_model, validate_partition
-from lightning_hpc.strategies.spatial.halo_exchange import PartitionError
-from lightning_hpc.strategies.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.strategies.spatial.tiling import SpatialGrid, create_hybrid_layout
+from lightning_hpc.spatial.convert import convert_model, validate_partition
+from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
 from spatial_checks import TOL, TileDataModule
 from test_spatial_models import SHAPE, data, small_fcn
 
@@ -129,7 +129,7 @@ def test_bad_settings_fail_clearly():
     with pytest.raises(ValueError, match="spatial_parts"):
         SpatialParallelStrategy(spatial_parts="fast")
     try:
-        import lightning_hpc.strategies.spatial.planner  # noqa: F401
+        import lightning_hpc.spatial.planner  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="planner"):
             SpatialParallelStrategy(spatial_parts="auto")._resolve_parts()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, SyncCost, alphabeta
-from lightning_hpc.strategies.spatial.planner import (
+from lightning_hpc.spatial.planner import (
     CostModel,
     Distribution,
     brute_force_line,
@@ -159,7 +159,7 @@ def test_longest_path_first_assigns_every_layer_of_a_branching_net():
 
 
 def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
-    from lightning_hpc.strategies.spatial.plan import main
+    from lightning_hpc.spatial.plan import main
 
     monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
     torch.manual_seed(0)
@@ -183,7 +183,7 @@ def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
 
 def test_plan_spatial_cli_loaded_sync_reads_the_cached_calibration(tmp_path, monkeypatch, capsys):
     from lightning_hpc.perfmodel import sync as sync_mod
-    from lightning_hpc.strategies.spatial.plan import main
+    from lightning_hpc.spatial.plan import main
 
     monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
     cached = _sync(4, 2e-3, 3e-3)
@@ -306,7 +306,7 @@ def test_loaded_gradient_allreduce_and_overlap():
 
 
 def test_ddp_buckets_follow_the_bucket_caps():
-    from lightning_hpc.strategies.spatial import planner
+    from lightning_hpc.spatial import planner
 
     big_net = nn.Sequential(nn.Conv2d(3, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1),
                             nn.Conv2d(256, 256, 3, padding=1))

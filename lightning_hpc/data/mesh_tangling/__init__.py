@@ -2,9 +2,19 @@
 quality metrics, LBANN's on-disk layout with a tile reader, and a LightningDataModule."""
 
 from lightning_hpc.data.mesh_tangling.datamodule import MeshTanglingDataModule
-from lightning_hpc.data.mesh_tangling.dataset import DiskSource, MeshTanglingDataset, OnTheFlySource, normalize_channels, tile_bounds
+from lightning_hpc.data.mesh_tangling.dataset import (
+    DiskSource,
+    MeshTanglingDataset,
+    OnTheFlySource,
+    normalize_channels,
+    tile_bounds,
+)
 from lightning_hpc.data.mesh_tangling.generator import CHANNELS, TARGET, generate_sample
-from lightning_hpc.data.mesh_tangling.layout import channel_path, read_tile, write_sample
+from lightning_hpc.data.mesh_tangling.layout import (
+    channel_path,
+    read_tile,
+    write_sample,
+)
 from lightning_hpc.data.mesh_tangling.quality import quad_quality
 
 __all__ = [

@@ -10,8 +10,18 @@ import sys
 import time
 from collections.abc import Sequence
 
-from lightning_hpc.data.mesh_tangling.generator import CHANNELS, DEFAULT_LOOKAHEAD, DEFAULT_STEPS, TARGET, generate_sample
-from lightning_hpc.data.mesh_tangling.layout import MAX_SAMPLES, write_meta, write_sample
+from lightning_hpc.data.mesh_tangling.generator import (
+    CHANNELS,
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_STEPS,
+    TARGET,
+    generate_sample,
+)
+from lightning_hpc.data.mesh_tangling.layout import (
+    MAX_SAMPLES,
+    write_meta,
+    write_sample,
+)
 
 __all__ = ["main"]
 

@@ -12,8 +12,17 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from lightning_hpc.data.common import loader
-from lightning_hpc.data.mesh_tangling.dataset import DiskSource, MeshSource, MeshTanglingDataset, OnTheFlySource
-from lightning_hpc.data.mesh_tangling.generator import CHANNELS, DEFAULT_LOOKAHEAD, DEFAULT_STEPS
+from lightning_hpc.data.mesh_tangling.dataset import (
+    DiskSource,
+    MeshSource,
+    MeshTanglingDataset,
+    OnTheFlySource,
+)
+from lightning_hpc.data.mesh_tangling.generator import (
+    CHANNELS,
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_STEPS,
+)
 from lightning_hpc.data.mesh_tangling.layout import count_samples
 
 __all__ = ["MeshTanglingDataModule"]

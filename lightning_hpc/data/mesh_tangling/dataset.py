@@ -15,7 +15,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_hpc.data.mesh_tangling.generator import CHANNELS, DEFAULT_LOOKAHEAD, DEFAULT_STEPS, TARGET, generate_sample
+from lightning_hpc.data.mesh_tangling.generator import (
+    CHANNELS,
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_STEPS,
+    TARGET,
+    generate_sample,
+)
 from lightning_hpc.data.mesh_tangling.layout import read_tile, sample_shape
 from lightning_hpc.distributed.partition import block_range
 

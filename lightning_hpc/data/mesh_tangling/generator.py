@@ -16,8 +16,16 @@ import math
 import numpy as np
 import torch
 
-from lightning_hpc.data.mesh_tangling.physics import GAMMA_GAS, LagrangianMesh, ShockBubble
-from lightning_hpc.data.mesh_tangling.quality import QUALITY_METRICS, min_corner_jacobian, quad_quality
+from lightning_hpc.data.mesh_tangling.physics import (
+    GAMMA_GAS,
+    LagrangianMesh,
+    ShockBubble,
+)
+from lightning_hpc.data.mesh_tangling.quality import (
+    QUALITY_METRICS,
+    min_corner_jacobian,
+    quad_quality,
+)
 
 __all__ = ["CHANNELS", "TARGET", "FIELDS", "sample_seed", "generate_sample", "DEFAULT_STEPS", "DEFAULT_LOOKAHEAD"]
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator
-from lightning_hpc.distributed.hierarchical import HierarchicalAllreduce, build_layered_groups
-from lightning_hpc.distributed.postponed_update import PostponedUpdate
+from lightning_hpc.layered_sgd.hierarchical import HierarchicalAllreduce, build_layered_groups
+from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
 
 WORLD, PER_NODE, LOCAL_BATCH, STEPS = 4, 2, 3, 6
 

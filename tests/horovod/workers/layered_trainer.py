@@ -39,7 +39,7 @@ def optim(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRSch
 def main(out: Path) -> None:
     import lightning.pytorch as pl
 
-    from lightning_hpc.strategies.layered_sgd import LayeredSGDStrategy
+    from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

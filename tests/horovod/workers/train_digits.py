@@ -101,7 +101,7 @@ def main() -> None:
         # Lightning's DDP, processes started by horovodrun, torch.distributed rendezvous through Horovod
         from lightning.pytorch.strategies import DDPStrategy
 
-        from lightning_hpc.distributed.horovod_environment import HorovodEnvironment
+        from lightning_hpc.horovod.environment import HorovodEnvironment
 
         strategy = DDPStrategy(cluster_environment=HorovodEnvironment())
     devices = int(args.devices) if args.devices.isdigit() else args.devices

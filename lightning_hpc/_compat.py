@@ -1,0 +1,128 @@
+"""Every private Lightning / torch API lightning_hpc relies on, in one place, each behind a version check.
+
+Public APIs cover almost everything we need; where they do not, the private name is used from here only, so an
+upgrade that renames it fails in one place with a message naming the API and the versions it was checked on,
+instead of with an AttributeError deep inside a training step.  Lightning is imported lazily inside the
+functions that need it: the plain-torch cores import this module with Lightning absent.
+
+Checked with torch 2.2-2.13 and lightning 2.2-2.6.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "CompatError",
+    "flatten_dense_tensors",
+    "unflatten_dense_tensors",
+    "process_group_timeout",
+    "ddp_ignore_parameters",
+    "sync_module_states",
+    "set_num_threads_if_needed",
+    "optimizers_to_device",
+    "automatic_optimizer_step_progress",
+    "replace_hydra_subprocess_command",
+]
+
+
+class CompatError(RuntimeError):
+    """A private API this package relies on is missing from the installed torch / Lightning."""
+
+
+def _private(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise CompatError(
+            f"{module}.{name} is not available in this installation ({exc}); lightning_hpc was checked with "
+            "torch 2.2-2.13 and lightning 2.2-2.6: install a version in that range or report the upgrade"
+        ) from exc
+
+
+# ---- torch ---------------------------------------------------------------------------------------------------
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D buffer of ``tensors`` (torch's own bucketing helper, as DDP uses it)."""
+    return _private("torch._utils", "_flatten_dense_tensors")(tensors)  # type: ignore[no-any-return]
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat`` shaped like ``like`` (inverse of :func:`flatten_dense_tensors`)."""
+    return _private("torch._utils", "_unflatten_dense_tensors")(flat, like)  # type: ignore[no-any-return]
+
+
+def process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The collective timeout a process group was created with (``None`` where the backend hides it).
+
+    torch has no public getter: it is read from the group's backend options.
+    """
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in getattr(pg, "_device_types", []) or []:
+        try:
+            timeout = pg._get_backend(device).options._timeout
+        except Exception:  # a backend without readable options: keep looking, else unknown
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
+def ddp_ignore_parameters(module: nn.Module, names: Iterable[str]) -> None:
+    """Tell ``DistributedDataParallel`` (built later on ``module``) not to reduce or broadcast these parameters
+    and buffers (fully qualified names): they are sharded, or reduced by the strategy itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    setter: Callable[[nn.Module, list[str]], None] | None = getattr(
+        DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None
+    )
+    if setter is None:
+        raise CompatError("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is missing")
+    setter(module, list(names))
+
+
+# ---- Lightning -----------------------------------------------------------------------------------------------
+def sync_module_states(module: nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (Lightning's own DDP start-equal)."""
+    _private("lightning.pytorch.overrides.distributed", "_sync_module_states")(module)
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Give each of ``num_processes`` ranks on a node its share of the cores, as Lightning's launchers do for
+    DDP (``OMP_NUM_THREADS`` wins)."""
+    _private("lightning.fabric.utilities.distributed", "_set_num_threads_if_needed")(num_processes=num_processes)
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move optimizer state tensors to ``device`` (Lightning's helper for restored checkpoints)."""
+    _private("lightning.fabric.utilities.optimizer", "_optimizers_to_device")(optimizers, device)
+
+
+def automatic_optimizer_step_progress(trainer: Any) -> Any:
+    """The fit loop's optimizer-step progress counter under automatic optimization (``global_step`` is derived
+    from it).  A strategy that defers an optimizer step (layered SGD's postponed update) adjusts it."""
+    try:
+        return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    except AttributeError as exc:
+        raise CompatError(
+            "trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step is missing in this "
+            "Lightning version; lightning_hpc was checked with lightning 2.2-2.6"
+        ) from exc
+
+
+def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
+    """Make Lightning's script launcher build the command of its child ranks under Hydra with ``command``
+    (same signature as Lightning's ``_hydra_subprocess_cmd``).  Lightning has no public hook for it."""
+    for name in ("lightning.fabric.strategies.launchers.subprocess_script", "lightning.pytorch.strategies.launchers.subprocess_script"):
+        module = importlib.import_module(name)
+        if not hasattr(module, "_hydra_subprocess_cmd"):
+            raise CompatError(f"{name} has no _hydra_subprocess_cmd: this Lightning version changed its launcher")
+        module._hydra_subprocess_cmd = command

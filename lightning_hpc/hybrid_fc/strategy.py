@@ -1,0 +1,203 @@
+"""Lightning adapter of the hybrid data/model-parallel strategy (Krizhevsky, "One weird trick", section 4).
+
+``Trainer(strategy="hybrid_fc")`` or ``HybridParallelStrategy(head="classifier", scheme="c", fc_update=...)``:
+the convolutional trunk is data-parallel (DistributedDataParallel averages its gradients, section 4.1), the
+fully-connected head is sharded over all ranks by :mod:`lightning_hpc.hybrid_fc` (the head's parameters are
+excluded from DDP, so each rank keeps and updates only its 1/K, and its optimizer state is 1/K too).  Checkpoints
+hold the full, unsharded model and optimizer state, so they resume on any number of ranks or load into the plain
+model.  All the algorithm lives in ``lightning_hpc.hybrid_fc``; this file only translates Lightning hooks.
+
+Large heads: models created under ``Trainer.init_module()`` or in ``LightningModule.configure_model`` (both run
+in :meth:`HybridParallelStrategy.tensor_init_context`) get their ``nn.Linear`` layers on the meta device; at setup
+each rank allocates only its 1/K shard of every head layer (``nn.Linear``'s initial distribution, full fan-in), so
+no rank ever holds the full head.  Checkpoints are gathered to rank 0 one tensor at a time straight into host
+memory, and restored after setup from a memory-mapped file, so only each rank's slices are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+
+from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.groups import new_group
+from lightning_hpc.hybrid_fc import (
+    FC_UPDATES,
+    SCHEMES,
+    ByteCounter,
+    HeadOptimizer,
+    find_hybrid_head,
+    full_optimizer_state,
+    full_state_dict,
+    has_meta_head,
+    head_parameters,
+    linear_layers_on_meta,
+    materialize_meta,
+    parallelize_head,
+    shard_optimizer_state,
+)
+from lightning_hpc.protocols import StrategyContract
+
+__all__ = ["HybridParallelStrategy"]
+
+
+class HybridParallelStrategy(StrategyContract, DDPStrategy):
+    """Data-parallel trunk + model-parallel fully-connected head.
+
+    Args:
+        head: name of the head submodule (e.g. ``"classifier"``), or ``None`` to find the trailing run of
+            ``nn.Linear`` layers after the last conv/pool/flatten automatically.
+        scheme: ``"a"`` (gather all K x b activations), ``"b"`` (ranks take turns broadcasting, overlapped with the
+            head's compute) or ``"c"`` (every rank contributes b/K examples to each of K sub-batches).
+        fc_update: ``"per_step"`` (exact synchronous SGD on K x b) or ``"per_subbatch"`` (schemes b/c: the head is
+            updated after each sub-batch, effective batch (K x b, b), section 4.2; needs a LightningModule with
+            ``loss(logits, target)`` and ``(x, y)`` batches, like :class:`lightning_hpc.ImageClassifier`).
+        layouts: force the col/row layout of each head layer (default: the cheapest, see ``hybrid_fc/layout.py``).
+        model_attr: attribute of the LightningModule holding the ``nn.Module`` (``ImageClassifier.model``).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "hybrid_fc"
+    #: the head is sharded in ``setup`` (after the callbacks' ``setup``): K-FAC attaches in ``on_fit_start``, to the
+    #: layers that actually run (before, it hooked the replaced nn.Linear layers, whose hooks never fired)
+    replaces_layers_in_setup = True
+
+    def __init__(
+        self,
+        head: str | None = None,
+        scheme: str = "c",
+        fc_update: str = "per_step",
+        layouts: Sequence[str] | None = None,
+        model_attr: str = "model",
+        **kwargs: Any,
+    ) -> None:
+        if scheme not in SCHEMES:
+            raise ValueError(f"strategy.scheme must be one of {SCHEMES} (section 4 of the paper), got {scheme!r}")
+        if fc_update not in FC_UPDATES:
+            raise ValueError(f"strategy.fc_update must be one of {FC_UPDATES}, got {fc_update!r}")
+        if fc_update == "per_subbatch" and scheme == "a":
+            raise ValueError("strategy.fc_update='per_subbatch' needs scheme 'b' or 'c' (scheme 'a' has a single sub-batch)")
+        kwargs.setdefault("find_unused_parameters", False)
+        destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
+        super().__init__(**kwargs)
+        self.head, self.scheme, self.fc_update = head, scheme, fc_update
+        self.layouts = list(layouts) if layouts is not None else None
+        self.model_attr = model_attr
+        self.byte_counter = ByteCounter()
+        self._parallelized = False
+        self._head_optimizer: HeadOptimizer | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()`` / ``configure_model``: linear layers on the meta device (the head is then
+        allocated shard by shard at setup), everything else as DDP does; ``empty_init=False`` turns it off."""
+        with super().tensor_init_context(empty_init), (linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext()):
+            yield
+
+    def model_to_device(self) -> None:
+        # The head is sharded before DDP wraps the model, so DDP ignores the shards and the optimizers see only
+        # this rank's 1/K.  A materialised head is sharded after the model reaches its device (NCCL broadcasts need
+        # device tensors); a meta-built one before, since a meta tensor cannot be moved: its shards (and any other
+        # meta tensor) are allocated on the root device directly.
+        inner = getattr(self.lightning_module, self.model_attr, None)
+        if isinstance(inner, torch.nn.Module) and not self._parallelized and has_meta_head(inner, self.head):
+            self._parallelize(device=self.root_device)
+            materialize_meta(self.lightning_module, self.root_device)
+            super().model_to_device()
+            return
+        # other linear layers created under tensor_init_context are still on meta: allocate them before moving
+        materialize_meta(self.lightning_module, self.root_device)
+        super().model_to_device()
+        self._parallelize()
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore into the sharded model: full tensors are sliced on load, so the full head is never built.
+        return True
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
+            # Memory-mapped: each rank reads only the slices it loads into its shards.
+            return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def _parallelize(self, device: torch.device | None = None) -> None:
+        if self._parallelized:
+            return
+        module = self.lightning_module
+        assert module is not None
+        inner = getattr(module, self.model_attr, None)
+        if not isinstance(inner, torch.nn.Module):
+            raise ValueError(
+                f"HybridParallelStrategy shards the nn.Module at LightningModule.{self.model_attr}, but "
+                f"{type(module).__name__} has none; set strategy.model_attr to the attribute holding the model"
+            )
+        if self.fc_update == "per_subbatch" and not callable(getattr(module, "loss", None)):
+            raise ValueError(
+                f"fc_update='per_subbatch' updates the head inside the forward, so it needs {type(module).__name__}.loss(logits, target) "
+                "(as lightning_hpc.ImageClassifier has); use fc_update='per_step' for other modules"
+            )
+        # The head gets its own process group so its collectives never interleave with DDP's buckets.
+        # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
+        group = new_group(list(range(dist.get_world_size())), timeout=self._timeout) if dist.is_initialized() else None
+        setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
+        shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
+        ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
+        ddp_ignore_parameters(module, ignore)
+        self._parallelized = True
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.fc_update == "per_subbatch" and self.optimizers:
+            if len(self.optimizers) != 1:
+                raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
+            self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._inner_model()))
+
+    @property
+    def kfac_note(self) -> str | None:
+        """What the :class:`~lightning_hpc.KFAC` callback leaves out under this strategy (warned at its setup)."""
+        if not self._parallelized:
+            return None
+        head = find_hybrid_head(self._inner_model())
+        return (
+            f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
+            "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
+        )
+
+    def _inner_model(self) -> torch.nn.Module:
+        return getattr(self.lightning_module, self.model_attr)
+
+    # -- training --------------------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.fc_update != "per_subbatch" or self._head_optimizer is None:
+            return super().training_step(*args, **kwargs)
+        batch = kwargs.get("batch", args[0] if args else None)
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError("fc_update='per_subbatch' needs (inputs, targets) batches")
+        head = find_hybrid_head(self._inner_model())
+        with head.subbatch_update(batch[1], self.lightning_module.loss, self._head_optimizer.step):
+            return super().training_step(*args, **kwargs)
+
+    # -- checkpoints: full, unsharded ------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        # Only rank 0 writes the file: gather there, one tensor at a time, straight to host memory.
+        return full_state_dict(module, rank0_only=True, cpu=True)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return full_optimizer_state(optimizer, self.lightning_module, rank0_only=True, cpu=True)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = [shard_optimizer_state(s, o, self.lightning_module) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

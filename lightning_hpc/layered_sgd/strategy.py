@@ -1,0 +1,381 @@
+"""Lightning adapter of layered SGD (Yu et al., Algorithm 3): ``Trainer(strategy="layered_sgd")``.
+
+The algorithm lives in plain torch (:mod:`lightning_hpc.layered_sgd.hierarchical`,
+:mod:`lightning_hpc.layered_sgd.postponed_update`); this module only decides *when* Lightning's flow calls it.
+
+How one optimizer step is split (automatic optimization):
+
+- ``optimizer_step`` of step ``t`` runs Lightning's closure (forward, zero_grad, backward); during that backward
+  pass gradient hooks start the hierarchical reduction bucket by bucket as the buckets fill (Algorithm 3 lines 6
+  and 8, overlapped with the rest of the backward pass, like DDP's bucketed allreduce); afterwards the
+  remaining buckets are started.  It returns without touching the weights.  Backward passes outside
+  ``optimizer_step`` (the first micro-batches of ``accumulate_grad_batches``, manual optimization) start no
+  reduction: only the accumulated gradient is reduced, as with DDP's ``no_sync``.
+- Before anything of step ``t+1`` reads the weights -- i.e. after batch ``t+1`` has been loaded and moved to the
+  device, before the first ``on_train_batch_start`` callback and the forward pass -- the reduction is completed
+  (line 9) and the *whole* remainder of Lightning's optimizer step is replayed through the precision plugin:
+  ``on_before_optimizer_step`` callbacks and hook, gradient clipping, AMP unscaling / inf checks, the optimizer
+  step and the scaler update (line 10).  So every gradient reader sees the globally averaged gradient, with
+  the optimizer hyper-parameters and ``trainer.global_step`` step ``t`` had.
+- Pending updates are flushed before validation/test, checkpointing (``lightning_module_state_dict``), the end
+  of every training epoch and the end of training, so nothing observes stale weights and no step is lost.
+
+Known, documented difference: ``on_after_backward`` (which runs *inside* backward, before the deferral point)
+sees the rank's local gradients, not the global average.  Use ``on_before_optimizer_step`` to read gradients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.optim import LBFGS, Optimizer
+
+from lightning_hpc._compat import automatic_optimizer_step_progress
+from lightning_hpc.distributed.backend import communicator_for
+from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.groups import (
+    check_divisible,
+    gather_hostnames,
+    hosts_layout,
+    local_world_size_from_env,
+)
+from lightning_hpc.horovod.environment import HorovodEnvironment
+from lightning_hpc.layered_sgd.hierarchical import (
+    HierarchicalAllreduce,
+    LayeredGroups,
+    build_layered_groups,
+)
+from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
+from lightning_hpc.protocols import StrategyContract
+
+__all__ = ["LayeredSGDStrategy"]
+
+
+class _FlushBeforeReaders(Callback):
+    """Internal callback put *first* in ``trainer.callbacks`` so the postponed update lands before any other
+    callback's hook of the same name can look at the weights."""
+
+    def __init__(self, strategy: "LayeredSGDStrategy") -> None:
+        self._strategy = strategy
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._strategy.flush()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.flush()
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.flush()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.flush()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy.flush()
+
+
+class LayeredSGDStrategy(StrategyContract, DDPStrategy):
+    """Layered SGD: hierarchical gradient reduction overlapped with data loading, identical to synchronous SGD.
+
+    Args:
+        procs_per_node: ranks per group ("node"; the paper's subgroup with one communicator).  Defaults to the
+            launcher's local world size (torchrun ``LOCAL_WORLD_SIZE``, SLURM tasks per node, ...) or, failing
+            that, the number of devices per node Lightning was given.  Set it to simulate several nodes on one
+            machine, e.g. ``procs_per_node=2`` with ``devices=4``.
+        communicator: ``"auto"`` (default: Horovod process sets when launched by ``horovodrun``, else
+            torch.distributed), ``"torch"``, ``"horovod"``, or a
+            :class:`~lightning_hpc.distributed.comm.Communicator` instance.  Under ``horovodrun`` the strategy
+            takes its ranks from Horovod (:class:`~lightning_hpc.horovod.environment.HorovodEnvironment`)
+            unless a ``cluster_environment`` is given.
+        layered_timeout_s: a layered collective that does not finish in this time raises an error naming the
+            group and rank (defaults to the process-group ``timeout``).
+        broadcast_buffers: broadcast module buffers (BatchNorm statistics) from rank 0 before every forward
+            pass, as ``DistributedDataParallel(broadcast_buffers=True)`` does.
+        bucket_cap_mb: size of the gradient buckets whose reduction starts during the backward pass (the first
+            bucket, holding the last layers' gradients, is 1 MB so communication starts early), as DDP's.
+        overlap_backward: start bucket reductions from gradient hooks during the backward pass (default); with
+            ``False`` the whole reduction starts after the backward pass.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``cluster_environment``, ...).  DDP-wrapper options do not apply: no DDP wrapper is used.
+    """
+
+    strategy_name = "layered_sgd"
+
+    def __init__(
+        self,
+        procs_per_node: int | None = None,
+        communicator: str | Communicator = "auto",
+        layered_timeout_s: float | None = None,
+        broadcast_buffers: bool = True,
+        bucket_cap_mb: float = 25.0,
+        overlap_backward: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if procs_per_node is not None and (not isinstance(procs_per_node, int) or procs_per_node < 1):
+            raise ValueError(f"procs_per_node={procs_per_node!r}: must be a positive integer (ranks per node group)")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: must be > 0 (megabytes per gradient bucket)")
+        if kwargs.get("cluster_environment") is None and HorovodEnvironment.launched_by_horovodrun():
+            kwargs["cluster_environment"] = HorovodEnvironment()
+        destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
+        super().__init__(**kwargs)
+        self.procs_per_node_setting = procs_per_node
+        self._communicator_setting = communicator
+        self._layered_timeout_s = layered_timeout_s
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.overlap_backward = bool(overlap_backward)
+        #: True only while Lightning's closure runs inside optimizer_step: the backward pass that may start
+        #: bucket reductions (every other backward pass accumulates locally)
+        self._reduce_in_backward = False
+        self._failed = False
+        self.groups: LayeredGroups | None = None
+        self.allreduce: HierarchicalAllreduce | None = None
+        self.update: PostponedUpdate | None = None
+        self._pending: dict[str, Any] | None = None
+        self._flush_callback: _FlushBeforeReaders | None = None
+        self.comm: Communicator | None = None
+
+    # ------------------------------------------------------------------ topology
+    def resolve_procs_per_node(self) -> int:
+        """Group size: the explicit setting, else the launcher's local world size, else devices per node."""
+        if self.procs_per_node_setting is not None:
+            return self.procs_per_node_setting
+        from_env = local_world_size_from_env()
+        if from_env:
+            return from_env
+        return max(1, len(self.parallel_devices or []) or self.world_size // max(1, self.num_nodes))
+
+    def node_layout(self) -> list[list[int]] | None:
+        """The ranks of each host, when the ranks run on several hosts and ``procs_per_node`` is not set.
+
+        Launchers may place ranks on nodes in any order (``srun --distribution=cyclic`` puts rank 1 on the
+        second node), so node groups follow the hostnames the ranks report, not rank blocks.  ``None`` (contiguous
+        blocks of ``procs_per_node``) with an explicit ``procs_per_node`` (nodes simulated on one machine), with
+        all ranks on one host, or with a communicator other than torch.distributed.  Collective.
+        """
+        if self.procs_per_node_setting is not None or not isinstance(self.comm, TorchDistributedCommunicator):
+            return None
+        layout = hosts_layout(gather_hostnames())
+        return layout if len(layout) > 1 else None
+
+    def check_topology(self) -> int:
+        """Raise before training when the group size does not divide the world size (names both numbers)."""
+        group = self.resolve_procs_per_node()
+        check_divisible(self.world_size, group, what="ranks per node group of layered SGD", setting="procs_per_node")
+        return group
+
+    @property
+    def timeout_seconds(self) -> float | None:
+        if self._layered_timeout_s:
+            return float(self._layered_timeout_s)
+        return self._timeout.total_seconds() if isinstance(self._timeout, datetime.timedelta) else None
+
+    # ------------------------------------------------------------------ setup
+    def _configure_launcher(self) -> None:
+        # Called from Trainer(...) once devices and num_nodes are known: reject a bad topology before any
+        # process is launched or any batch is loaded.
+        if self.parallel_devices is not None:
+            world = self.num_nodes * len(self.parallel_devices)
+            check_divisible(world, self.resolve_procs_per_node(), what="ranks per node group of layered SGD",
+                            setting="procs_per_node")
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # launches / joins the process group
+        self.check_topology()
+
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel wrapper: build the two communication layers instead."""
+        group_size = self.check_topology()
+        comm = self._communicator_setting
+        self.comm = communicator_for(self, comm)
+        intra_backend = self._get_process_group_backend()
+        layout = self.node_layout()
+        self.groups = build_layered_groups(
+            group_size, self.comm, intra_backend=intra_backend, timeout_s=self.timeout_seconds, layout=layout
+        )
+        if self.global_rank == 0:
+            groups = layout or [list(range(g, g + group_size)) for g in range(0, self.world_size, group_size)]
+            print(f"layered SGD node groups: {groups}", flush=True)
+        self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
+        assert self.lightning_module is not None
+        if self.update is not None:
+            self.update.close()  # a previous fit's hooks
+        self.update = PostponedUpdate(
+            self.lightning_module.parameters(), self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=min(1.0, self.bucket_cap_mb), overlap_backward=self.overlap_backward,
+        )
+        self._sync_from_rank0(with_parameters=True)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        for opt in self.optimizers:
+            if isinstance(opt, LBFGS):
+                raise ValueError(
+                    "strategy='layered_sgd' postpones the optimizer step and cannot re-evaluate the closure that "
+                    "LBFGS needs; use an optimizer that takes one step per closure (SGD, Adam, ...)"
+                )
+        # The scheduler of step t steps before the postponed optimizer step of step t (the update still uses
+        # step t's lr, see PostponedUpdate), which makes torch warn about the order on the first step.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+        if trainer.state.fn == "fit" and self._flush_callback is None:
+            self._flush_callback = _FlushBeforeReaders(self)
+            trainer.callbacks.insert(0, self._flush_callback)
+
+    def _sync_from_rank0(self, with_parameters: bool) -> None:
+        """Start from rank 0's parameters/buffers, as DistributedDataParallel does at construction."""
+        assert self.comm is not None and self.lightning_module is not None
+        if self.comm.world_size == 1:
+            return
+        module = self.lightning_module
+        tensors = list(module.buffers()) + (list(module.parameters()) if with_parameters else [])
+        with torch.no_grad():
+            for t in tensors:
+                self.comm.broadcast(t.data, src=0)
+
+    # ------------------------------------------------------------------ the postponed step
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run forward/backward now, start the reduction, and postpone the update (Algorithm 3, line 10)."""
+        self.flush()
+        model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule) and self.update is not None
+        if not model.automatic_optimization:
+            # Manual optimization: the user's code continues right after step(), so reduce and step at once.
+            closure_result = closure()
+            self.update.begin([optimizer])
+            self.update.finish_gradients()
+            return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
+        self._reduce_in_backward = True
+        try:
+            closure_result = closure()
+        finally:
+            self._reduce_in_backward = False
+        self.update.begin([optimizer])
+        self._pending = {
+            "optimizer": optimizer,
+            "model": model,
+            "closure_result": closure_result,
+            "kwargs": kwargs,
+            "global_step": self._step_progress().total.completed,
+        }
+        return closure_result
+
+    def flush(self) -> bool:
+        """Complete a pending reduction and apply the postponed update; True if there was one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        assert self.update is not None
+        optimizer, model = pending["optimizer"], pending["model"]
+        closure_result = pending["closure_result"]
+        progress = self._step_progress().total
+        # Hooks run during the replayed step see the global step of step t, as in Lightning's own flow.
+        ahead = progress.completed - pending["global_step"]
+        progress.completed -= ahead
+        try:
+            self.update.apply(
+                lambda: self.precision_plugin.optimizer_step(
+                    optimizer, model=model, closure=lambda: closure_result, **pending["kwargs"]
+                )
+            )
+        finally:
+            progress.completed += ahead
+        return True
+
+    def _step_progress(self) -> Any:
+        return automatic_optimizer_step_progress(self.lightning_module.trainer)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.flush()  # no-op when the callback already flushed; guards custom loops
+        if self.broadcast_buffers and self.comm is not None and any(True for _ in self.lightning_module.buffers()):
+            self._sync_from_rank0(with_parameters=False)
+        return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The backward pass inside :meth:`optimizer_step` starts bucket reductions from gradient hooks; any
+        other (accumulation micro-batches, manual optimization) only accumulates local gradients."""
+        if self._reduce_in_backward or self.update is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self.update.no_sync():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to prepare: there is no DDP reducer."""
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to do: the buckets start from gradient hooks and :meth:`optimizer_step`."""
+
+    # ------------------------------------------------------------------ flush points
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.flush()  # the first thing a checkpoint dump reads, before callbacks' and optimizers' states
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self.flush()
+        return super().optimizer_state(optimizer)
+
+    def on_validation_start(self) -> None:
+        self.flush()
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self.flush()
+        super().on_test_start()
+
+    def on_train_end(self) -> None:
+        self.flush()
+        super().on_train_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._pending = None
+        self._failed = True
+        if self.update is not None:
+            self.update.abandon()
+        if self.allreduce is not None:
+            self.allreduce.close()
+        super().on_exception(exception)
+
+    def _teardown_barrier(self) -> None:
+        """Every rank waits here until all have finished their collectives.  Under Horovod a rank that exits
+        shuts Horovod down on every rank, so a node group that finished first would otherwise kill the step-3
+        broadcast still in flight in another group; with torch.distributed it keeps a leader's process (and
+        its sockets) alive until its group has received the last broadcast.  Skipped after an exception (the
+        other ranks may never arrive)."""
+        if self._failed or self.comm is None or self.comm.world_size <= 1:
+            return
+        if isinstance(self.comm, TorchDistributedCommunicator):
+            self.barrier("layered_sgd_teardown")  # NCCL-aware (device_ids)
+        else:
+            self.comm.barrier()
+
+    def teardown(self) -> None:
+        self._teardown_barrier()
+        if self.update is not None:
+            self.update.close()  # remove the gradient hooks: the module may be used without this strategy
+        if self.allreduce is not None:
+            self.allreduce.close()
+        if self._flush_callback is not None and self.lightning_module is not None:
+            trainer = self.lightning_module._trainer
+            if trainer is not None and self._flush_callback in trainer.callbacks:
+                trainer.callbacks.remove(self._flush_callback)
+        self._flush_callback = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registered by :func:`lightning_hpc.registry.register_strategy` below (not under DDP's names)."""

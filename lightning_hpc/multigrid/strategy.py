@@ -1,0 +1,246 @@
+"""Lightning adapter: ``Trainer(strategy="multigrid")`` / ``MultigridStrategy(...)``.
+
+Translates Lightning hooks only; the algorithm lives in the plain-torch modules of this package.
+
+* ranks form a data x layer mesh (``layer_parallel_size`` ranks per layer chain); the sampler shards data
+  over the data dimension only (the ranks of one chain see the same batch);
+* the model's residual trunk (attribute ``trunk``, default ``steps`` as in ``ODEResNet``) is replaced by a
+  :class:`MultigridODEBlock` (or the partitioned-model baseline with ``mode="pm"``) holding only this layer
+  rank's steps (sharded.py), before the optimizers are built: parameters, gradients and optimizer state of the
+  trunk are 1/P per rank;
+* after backward, gradients are averaged over the data dimension (each layer rank owns its steps' gradients);
+* checkpoints hold the full model (the trunk gathered, serial key names: they load on any number of ranks or
+  into the plain model) and the optimizer state of every layer rank (resumable with the same
+  ``layer_parallel_size``);
+* the per-cycle residual norms of the forward solve (and of the previous step's adjoint solve) are logged as
+  ``multigrid/forward_residual_<cycle>`` and ``multigrid/backward_residual_<cycle>``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.multigrid.function import MultigridODEBlock
+from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
+from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups
+from lightning_hpc.multigrid.partition import check_layer_partition
+from lightning_hpc.multigrid.pm import PartitionedODEBlock
+from lightning_hpc.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
+from lightning_hpc.protocols import StrategyContract
+
+__all__ = ["MultigridStrategy"]
+
+MODES = ("mg", "pm", "serial")
+#: key of the per-layer-rank optimizer states in a checkpoint's ``optimizer_states`` entries
+LAYER_SHARDS = "multigrid_layer_shards"
+
+
+class MultigridStrategy(StrategyContract, DDPStrategy):
+    """Layer-parallel multigrid training (Kirby et al.), optionally combined with data parallelism.
+
+    Args:
+        layer_parallel_size: ranks per layer chain (default: all ranks); the world size must be a multiple.
+        cfactor, levels, relaxation: the hierarchy (see :class:`MultigridOptions`).
+        forward_cycles, forward_tol, backward_cycles, backward_tol: stopping rules of the two solves.
+        mode: "mg" (multigrid), "pm" (partitioned model: same partition, serial evaluation) or "serial"
+            (no change to the model; data parallelism only).
+        trunk: attribute path of the residual trunk inside ``lightning_module.model``.
+        concurrent: batch the blocks of a relaxation in one vmapped call (False: block after block).
+        coarse_gather_threshold: gather the coarsest level onto every layer rank and solve it there when it
+            has at most this many steps (0: never; it is propagated rank after rank), see coarse.py.
+    """
+
+    strategy_name = "multigrid"
+
+    def __init__(
+        self,
+        layer_parallel_size: int | None = None,
+        cfactor: int = 4,
+        levels: int = 2,
+        relaxation: str = "F",
+        forward_cycles: int = 2,
+        forward_tol: float | None = None,
+        backward_cycles: int = 2,
+        backward_tol: float | None = None,
+        mode: str = "mg",
+        trunk: str = "steps",
+        concurrent: bool = True,
+        coarse_gather_threshold: int = 0,
+        log_residuals: bool = True,
+        timeout: timedelta | None = timedelta(seconds=1800),
+        **kwargs: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if layer_parallel_size is not None and layer_parallel_size < 1:
+            raise ValueError(f"layer_parallel_size must be >= 1, got {layer_parallel_size}")
+        destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
+        super().__init__(timeout=timeout, **kwargs)
+        # validated now so a bad setting fails before any process is started
+        self.options = MultigridOptions(
+            cfactor=cfactor,
+            levels=levels,
+            relaxation=relaxation,
+            forward=SolveSettings(forward_cycles, forward_tol),
+            backward=SolveSettings(backward_cycles, backward_tol),
+            concurrent=concurrent,
+            coarse_gather_threshold=coarse_gather_threshold,
+        )
+        self.layer_parallel_size_setting = layer_parallel_size
+        self.mode, self.trunk, self.log_residuals = mode, trunk, log_residuals
+        self.data_group: dist.ProcessGroup | None = None
+        self.layer_group: dist.ProcessGroup | None = None
+        self._data_index, self._layer_index = 0, 0
+        self.block: nn.Module | None = None
+
+    @property
+    def kfac_unsupported(self) -> str | None:
+        """Why the :class:`~lightning_hpc.KFAC` callback cannot run with this strategy (``None``: it can)."""
+        if self.mode == "serial":
+            return None  # the model is left unchanged
+        return (
+            f"KFAC does not support strategy='multigrid' with mode={self.mode!r}: the trunk is replaced by a "
+            "layer-parallel block that holds only this rank's steps and runs each step's layers several times per "
+            "forward (relaxation sweeps, coarse levels), so K-FAC's per-layer factors would be wrong. Remove the "
+            "KFAC callback, or use K-FAC with strategy='ddp' or 'layered_sgd'"
+        )
+
+    # -- sizes and sampler ---------------------------------------------------------------------------------
+    @property
+    def layer_parallel_size(self) -> int:
+        return self.layer_parallel_size_setting or self.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return max(self.world_size // self.layer_parallel_size, 1)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank of a layer chain must see the same samples: shard over the data dimension only
+        return {"num_replicas": self.data_parallel_size, "rank": self._data_index}
+
+    # -- model setup (instead of DDP wrapping) ------------------------------------------------------------
+    def _find_trunk(self) -> tuple[nn.Module, str, nn.Module]:
+        module = self.lightning_module
+        root = getattr(module, "model", module)
+        *path, name = self.trunk.split(".")
+        parent = root
+        for part in path:
+            parent = getattr(parent, part)
+        trunk = getattr(parent, name, None)
+        if trunk is None:
+            raise ValueError(
+                f"MultigridStrategy(trunk={self.trunk!r}): the model ({type(root).__name__}) has no attribute "
+                f"{self.trunk!r}; set trunk= to the attribute holding the nn.Sequential of residual steps "
+                "(ODEResNet calls it 'steps')"
+            )
+        return parent, name, trunk
+
+    def _check_sizes(self) -> None:
+        if self.world_size % self.layer_parallel_size:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by layer_parallel_size={self.layer_parallel_size}; "
+                f"use a world size that is a multiple of {self.layer_parallel_size}, or change layer_parallel_size"
+            )
+        if self.mode == "serial" and self.layer_parallel_size != 1:
+            raise ValueError(f"mode='serial' runs every layer on every rank: set layer_parallel_size=1 (got {self.layer_parallel_size})")
+
+    def _wrap_model(self) -> None:
+        if self.block is not None:
+            return
+        self._check_sizes()
+        parent, name, trunk = self._find_trunk()
+        levels = self.options.levels if self.mode == "mg" else 1
+        n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
+        check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            device_type = self.root_device.type
+            self.data_group, self.layer_group, self._data_index, self._layer_index = layer_data_groups(self.layer_parallel_size, device_type)
+            # no DDP wrapper broadcasts the initial weights: do it here so every replica starts equal
+            with torch.no_grad():
+                for t in self.lightning_module.state_dict().values():
+                    if isinstance(t, torch.Tensor):
+                        dist.broadcast(t, 0)
+        layer_group = self.layer_group if self.layer_parallel_size > 1 else None
+        if self.mode == "mg":
+            self.block = MultigridODEBlock(trunk, self.options, group=layer_group)
+        elif self.mode == "pm":
+            self.block = PartitionedODEBlock(trunk, group=layer_group)
+        else:
+            self.block = trunk
+        setattr(parent, name, self.block)
+        if isinstance(self.block, LayerShardedTrunk):
+            # each rank holds different steps under different names: never broadcast them from rank 0
+            block_ids = {id(t) for t in list(self.block.parameters()) + list(self.block.buffers())}
+            module = self.lightning_module
+            local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
+            ddp_ignore_parameters(module, local)
+
+    def configure_ddp(self) -> None:
+        self._wrap_model()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
+
+    # -- gradients, logging, checkpoints ----------------------------------------------------------------------
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        average_gradients(list(self.lightning_module.parameters()), self.data_group)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        previous_backward = list(getattr(self.block, "backward_history", []))
+        out = super().training_step(*args, **kwargs)
+        if self.log_residuals and isinstance(self.block, MultigridODEBlock):
+            module = self.lightning_module
+            for i, value in enumerate(self.block.forward_history):
+                module.log(f"multigrid/forward_residual_{i}", value, on_step=True, on_epoch=False)
+            for i, value in enumerate(previous_backward):
+                module.log(f"multigrid/backward_residual_{i}", value, on_step=True, on_epoch=False)
+        return out
+
+    def _sharded(self) -> LayerShardedTrunk | None:
+        block = self.block
+        return block if isinstance(block, LayerShardedTrunk) and block.chain.size > 1 else None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model: the trunk gathered onto the first rank of each layer chain (global rank 0, which
+        writes the checkpoint, is the first rank of its chain), with the serial model's keys."""
+        sharded = self._sharded()
+        if sharded is None:
+            return super().lightning_module_state_dict()
+        return full_model_state_dict(self.lightning_module, dst=sharded.chain.first_rank)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every layer rank's optimizer state (each covers its own steps), collected on the chain's first rank."""
+        sharded = self._sharded()
+        state = super().optimizer_state(optimizer)
+        if sharded is None:
+            return state
+        chain = sharded.chain
+        shards: list[Any] | None = [None] * chain.size if dist.get_rank() == chain.first_rank else None
+        dist.gather_object(state, shards, dst=chain.first_rank, group=sharded.group)
+        return {LAYER_SHARDS: shards, "layer_parallel_size": chain.size}
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = list(checkpoint["optimizer_states"])
+        sharded = self._sharded()
+        size = sharded.chain.size if sharded is not None else 1
+        for i, state in enumerate(states):
+            saved = state.get("layer_parallel_size", 1) if isinstance(state, dict) and LAYER_SHARDS in state else 1
+            if saved != size:
+                raise ValueError(
+                    f"the checkpoint's optimizer state was saved with layer_parallel_size={saved} (each layer rank "
+                    f"keeps the state of its own steps), this run has {size}: resume with layer_parallel_size={saved}, "
+                    "or load only the model weights (they are saved in full and load with any layer_parallel_size)"
+                )
+            if sharded is not None:
+                states[i] = state[LAYER_SHARDS][sharded.chain.index]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

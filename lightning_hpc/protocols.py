@@ -1,0 +1,79 @@
+"""Declared contracts between the techniques, in one place.
+
+* :class:`StrategyContract`: what a lightning_hpc strategy tells callbacks (the K-FAC callback) and modules
+  (learning-rate scaling) about itself.  Every strategy of this package inherits it, so each item is declared
+  once with its default and a misspelt override is caught by mypy instead of silently falling back.  Readers
+  use :func:`contract_of`, which gives the same defaults for strategies that are not ours (Lightning's DDP, ...).
+* :class:`CommunicationBackendAware`: a strategy or cluster environment that names the collective library
+  (``"torch"`` or ``"horovod"``) K-FAC and layered SGD must use.
+* :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
+  samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConv2dHandler`.
+
+No Lightning import here: the plain-torch cores import this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["StrategyContract", "CommunicationBackendAware", "TiledConvolution", "contract_of", "data_parallel_size"]
+
+
+class StrategyContract:
+    """Mixin of every lightning_hpc strategy: the facts other components may ask it (defaults shown)."""
+
+    #: why K-FAC cannot precondition under this strategy (``None``: it can); the callback refuses at setup
+    kfac_unsupported: str | None = None
+    #: the strategy replaces layers in its own ``setup`` (after the callbacks' ``setup``): K-FAC registers its
+    #: hooks in ``on_fit_start`` instead, on the replaced layers
+    replaces_layers_in_setup: bool = False
+    #: a note the K-FAC callback prints once (e.g. which layers it leaves to the optimizer under this strategy)
+    kfac_note: str | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples (the world size unless ranks also split samples or layers)."""
+        return int(self.world_size)  # type: ignore[attr-defined]
+
+
+_DEFAULTS = StrategyContract()
+
+
+def contract_of(strategy: Any) -> StrategyContract:
+    """``strategy`` itself when it declares the contract, else the defaults (any other Lightning strategy)."""
+    return strategy if isinstance(strategy, StrategyContract) else _DEFAULTS
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """Data-parallel ranks of any Lightning strategy (ours declare it; others: their world size)."""
+    if isinstance(strategy, StrategyContract):
+        return strategy.data_parallel_size
+    return int(getattr(strategy, "world_size", 1))
+
+
+@runtime_checkable
+class CommunicationBackendAware(Protocol):
+    """Declared by a strategy (Horovod's) or a cluster environment (``horovodrun`` under a DDP-style strategy)
+    whose ranks must talk through a collective library other than torch.distributed."""
+
+    communication_backend: str
+
+
+@runtime_checkable
+class TiledConvolution(Protocol):
+    """A Conv2d computing one tile of each sample (spatial parallelism).
+
+    With ``kfac_record_input`` set, its next forward keeps ``kfac_padded_input``: the input box whose
+    padding-0 convolution gives exactly the output positions this tile owns (halo rows included), and
+    ``kfac_output_extent``, the (H, W) of the whole sample's output.  ``kfac_partition_size`` tiles make up a
+    sample.
+    """
+
+    kfac_record_input: bool
+    kfac_padded_input: torch.Tensor | None
+    kfac_output_extent: tuple[int, int] | None
+
+    @property
+    def kfac_partition_size(self) -> int: ...

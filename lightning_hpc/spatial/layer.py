@@ -1,0 +1,143 @@
+"""Shared machinery of the spatially partitioned layers: grid, global extents, layout checks, errors.
+
+Every activation of a converted model is blocked over the spatial grid with the same rule as the input
+(:func:`lightning_hpc.distributed.partition.block_bounds` over H and W).  A layer recovers the global extent of
+its input from the local tile sizes (one tiny allreduce), checks the tile has the size the layout says, and
+builds its halo plan, which is a pure function of the global extent and is cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.spatial.halo_exchange import DimPlan, HaloPlan, PartitionError
+from lightning_hpc.spatial.tiling import SpatialGrid
+
+__all__ = ["SpatialLayer", "SpatialContext", "largest_working_parts", "PartitionError"]
+
+
+class SpatialContext:
+    """Per-forward state of a converted model: the global extent of the model's input (one allreduce per
+    forward, in a pre-hook on the model) and a call counter, so each layer can cache the global extent of its
+    own input under ``(model input extent, call index)`` instead of allreducing it on every call.  The key is
+    the same on every rank of the group, so all ranks hit or miss the cache together (no rank can skip a
+    collective the others enter)."""
+
+    def __init__(self, grid: SpatialGrid) -> None:
+        self.grid = grid
+        self.input_hw: tuple[int, int] | None = None
+        self.depth = 0
+        self.calls = 0
+
+    def pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.depth == 0:
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), None)
+            self.input_hw = None if x is None else self.grid.global_extent(x.shape[-2], x.shape[-1], device=x.device)
+            self.calls = 0
+        self.depth += 1
+
+    def post_hook(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.input_hw = None
+
+    def next_key(self) -> tuple[tuple[int, int], int] | None:
+        if self.input_hw is None:
+            return None
+        self.calls += 1
+        return self.input_hw, self.calls
+
+
+def _works(n: int, parts: int, window: Any) -> bool:
+    try:
+        DimPlan(n, window.out_size(n), parts, window)
+        return True
+    except PartitionError:
+        return False
+
+
+def largest_working_parts(h: int, w: int, windows: tuple[Any, Any], parts: tuple[int, int]) -> tuple[int, int]:
+    """Largest ``(ph', pw')`` with ``ph' <= ph`` and ``pw' <= pw`` this layer can be split into."""
+    best = []
+    for n, window, p in ((h, windows[0], parts[0]), (w, windows[1], parts[1])):
+        q = p
+        while q > 1 and not _works(n, q, window):
+            q -= 1
+        best.append(q)
+    return best[0], best[1]
+
+
+class SpatialLayer:
+    """Mixin for layers that run on one tile of a blocked H x W partition."""
+
+    grid: SpatialGrid
+    spatial_name: str
+
+    def _init_spatial(self, grid: SpatialGrid, name: str = "") -> None:
+        self.grid = grid
+        self.spatial_name = name or type(self).__name__
+        self._plans: dict[tuple[int, int], HaloPlan] = {}
+        self._extents: dict = {}
+        self.spatial_context: SpatialContext | None = None
+
+    def windows(self, h: int, w: int) -> tuple[Any, Any]:  # pragma: no cover - abstract
+        """The per-dimension window (``out_size``, ``needed``) of this layer for an ``h x w`` input."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"layer '{self.spatial_name}' ({self.extra_repr() if hasattr(self, 'extra_repr') else ''})"
+
+    def partition_error(self, h: int, w: int, reason: str) -> PartitionError:
+        ph, pw = self.grid.parts
+        wh, ww = largest_working_parts(h, w, self.windows(h, w), self.grid.parts)
+        return PartitionError(
+            f"{type(self).__name__} {self.describe()} with input {h}x{w} cannot be split {ph}x{pw} (spatial_parts): "
+            f"{reason}. The largest partition that works for this layer is {wh}x{ww}; use smaller spatial_parts "
+            f"or a larger input"
+        )
+
+    def global_input_extent(self, x: torch.Tensor) -> tuple[int, int]:
+        ctx = getattr(self, "spatial_context", None)
+        key = ctx.next_key() if ctx is not None else None
+        cached = self._extents.get(key) if key is not None else None
+        if cached is not None and cached[1] == tuple(x.shape[-2:]):
+            return cached[0]
+        h, w = self.grid.global_extent(x.shape[-2], x.shape[-1], device=x.device)
+        if key is not None:
+            if len(self._extents) > 64:
+                self._extents.clear()
+            self._extents[key] = ((h, w), tuple(x.shape[-2:]))
+        (h0, h1), (w0, w1) = self._tile_bounds_checked(h, w)
+        if (h1 - h0, w1 - w0) != tuple(x.shape[-2:]):
+            raise PartitionError(
+                f"{type(self).__name__} {self.describe()}: local tile {tuple(x.shape[-2:])} does not match the blocked "
+                f"layout of a {h}x{w} input over {self.grid.parts} (expected {(h1 - h0, w1 - w0)}); tiles must follow "
+                f"lightning_hpc.distributed.partition.block_bounds over H then W"
+            )
+        return h, w
+
+    def _tile_bounds_checked(self, h: int, w: int):
+        ph, pw = self.grid.parts
+        if h < ph or w < pw:
+            raise self.partition_error(h, w, "the input has fewer rows/columns than parts")
+        i, j = self.grid.index
+        return block_bounds(h, ph)[i], block_bounds(w, pw)[j]
+
+    def halo_plan(self, h: int, w: int) -> HaloPlan:
+        key = (h, w)
+        plan = self._plans.get(key)
+        if plan is None:
+            wh, ww = self.windows(h, w)
+            try:
+                rows = DimPlan(h, wh.out_size(h), self.grid.parts[0], wh, what="H")
+                cols = DimPlan(w, ww.out_size(w), self.grid.parts[1], ww, what="W")
+            except PartitionError as e:
+                raise self.partition_error(h, w, str(e)) from None
+            plan = HaloPlan(self.grid, rows, cols)
+            if len(self._plans) > 32:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan

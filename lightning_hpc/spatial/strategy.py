@@ -1,0 +1,292 @@
+"""Lightning adapter: ``Trainer(strategy="spatial")`` / ``SpatialParallelStrategy(spatial_parts=(ph, pw))``.
+
+Hybrid sample x spatial parallelism (Dryden et al., section III-A): the world is split into sample groups of
+``ph * pw`` contiguous ranks; each group trains on its own samples (sharded by the sampler over sample groups
+only), and inside a group rank ``k`` holds tile ``(k // pw, k % pw)`` of every sample.  The strategy
+
+* checks the world size (= sample groups x ph x pw) and builds the groups at setup,
+* tells the data module which tile to read (``datamodule.set_spatial_tile((i, j), (ph, pw))``) before the
+  dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their batches
+  cut to the tile on the host (with a warning),
+* converts the model's layers (:func:`convert.convert_model`), validating the partition at setup when the input
+  shape is known (``input_shape=`` or the data module's ``input_shape``),
+* sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_gradients`)
+  once per optimizer step (after gradient accumulation),
+* offers ``global_pixel_count(local_target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals
+  the whole-sample loss, and ``reduce`` that turns such per-tile partial values into the whole value.
+
+The core pieces live in plain torch modules next to this one; this file only translates Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.protocols import StrategyContract
+from lightning_hpc.spatial.convert import (
+    convert_model,
+    split_parameters,
+    validate_partition,
+)
+from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.heads import SpatialGlobalAvgPool2d
+from lightning_hpc.spatial.tiling import (
+    HybridLayout,
+    create_hybrid_layout,
+    parse_parts,
+    tile_slices,
+)
+
+__all__ = ["SpatialParallelStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class SpatialParallelStrategy(StrategyContract, DDPStrategy):
+    """Hybrid sample x spatial data parallelism.
+
+    Args:
+        spatial_parts: ``(ph, pw)`` tiles per sample along H and W; ``"auto"`` asks the performance-model planner
+            (:func:`lightning_hpc.spatial.planner.plan_for_model`); ``None`` splits H over all ranks.
+        overlap: let the halo travel while the tile's convolution runs (section IV-A).  On the in-place tile
+            path (tiles aligned to the stride, e.g. even extents) both settings measured the same step time on
+            CPU/gloo; on the fallback paths the overlapped one splits each convolution in five and measured 0.83x
+            (docs/spatial.md).  Default off; turn it on where halo messages are slow relative to compute.
+        batchnorm: ``"aggregated"`` (statistics over the whole sample, equal to the serial layer) or ``"local"``.
+        input_shape: (C, H, W) of one sample, to validate the partition at setup (else taken from the data
+            module's ``input_shape`` attribute when it has one, else checked at the first forward).
+        timeout: collective timeout (no hangs).
+        Remaining arguments go to :class:`lightning.pytorch.strategies.DDPStrategy`.
+    """
+
+    strategy_name = "spatial"
+    #: layers are replaced in ``setup`` (after the callbacks' ``setup``): callbacks that hook layers (K-FAC) must
+    #: attach in ``on_fit_start``
+    replaces_layers_in_setup = True
+
+    def __init__(
+        self,
+        spatial_parts: Sequence[int] | str | None = None,
+        overlap: bool = False,
+        batchnorm: str = "aggregated",
+        input_shape: Sequence[int] | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        if isinstance(spatial_parts, str):
+            if spatial_parts != "auto":
+                raise ValueError(f"spatial_parts={spatial_parts!r}: use a pair (ph, pw), 'auto' or None")
+            self._parts_setting: tuple[int, int] | str | None = "auto"
+        else:
+            self._parts_setting = None if spatial_parts is None else parse_parts(spatial_parts)
+        self.overlap = bool(overlap)
+        self.batchnorm = batchnorm
+        self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
+        self.layout: HybridLayout | None = None
+        self.plan: Any = None
+        self._converted = False
+        self._replicated_output = False
+        self._tile_params: list[torch.nn.Parameter] = []
+        self._replicated_params: list[torch.nn.Parameter] = []
+        self._slice_batches = False
+
+    # -- layout ------------------------------------------------------------------------------------------------
+    @property
+    def spatial_parts(self) -> tuple[int, int]:
+        if self.layout is None:
+            raise RuntimeError("spatial_parts is known after setup_environment()")
+        return self.layout.grid.parts
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of sample groups (used for learning-rate scaling: the batch is split over sample groups only)."""
+        return self.layout.num_sample_groups if self.layout is not None else self.world_size
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # all ranks of a spatial group must see the same samples
+        if self.layout is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.layout.num_sample_groups, "rank": self.layout.sample_index}
+
+    def _input_shape(self) -> tuple[int, ...] | None:
+        if self.input_shape is not None:
+            return self.input_shape
+        dm = self._datamodule()
+        shape = getattr(dm, "input_shape", None) if dm is not None else None
+        return tuple(int(v) for v in shape) if shape is not None else None
+
+    def _datamodule(self) -> Any:
+        lm = self.lightning_module
+        trainer = getattr(lm, "_trainer", None) if lm is not None else None
+        return getattr(trainer, "datamodule", None) if trainer is not None else None
+
+    def _resolve_parts(self) -> tuple[int, int]:
+        world = self.world_size
+        if self._parts_setting is None:
+            return (world, 1)
+        if self._parts_setting == "auto":
+            try:
+                from lightning_hpc.spatial.planner import plan_for_model
+            except ImportError as e:
+                raise RuntimeError(
+                    "spatial_parts='auto' needs the performance-model planner "
+                    "(lightning_hpc.spatial.planner.plan_for_model), which is not available: "
+                    f"{e}. Pass spatial_parts=(ph, pw) instead"
+                ) from e
+            shape = self._input_shape()
+            if shape is None:
+                raise ValueError("spatial_parts='auto' needs the input shape: pass input_shape=(C, H, W) to the strategy")
+            model = getattr(self.lightning_module, "model", self.lightning_module)
+            # The strategy runs one split for the whole network, so ask the planner for the best uniform one.
+            self.plan = plan_for_model(model, shape, world, uniform=True)
+            return parse_parts(self.plan.spatial_parts, setting="planner spatial_parts")
+        return self._parts_setting  # type: ignore[return-value]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # process group
+        parts = self._resolve_parts()
+        if self.world_size % (parts[0] * parts[1]) != 0:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by spatial_parts={parts[0]}x{parts[1]}="
+                f"{parts[0] * parts[1]} (ranks per sample); use devices x num_nodes = sample groups x ph x pw, "
+                f"or change spatial_parts"
+            )
+        self.layout = create_hybrid_layout(parts, timeout=self._timeout)
+        dm = self._datamodule()
+        if dm is not None and hasattr(dm, "set_spatial_tile"):
+            dm.set_spatial_tile(self.layout.grid.index, parts)
+        elif parts != (1, 1):
+            self._slice_batches = True
+            log.warning(
+                "SpatialParallelStrategy: the data module has no set_spatial_tile(tile_index, parts); every rank loads "
+                "whole samples and keeps only its tile (memory of a whole sample on the host)"
+            )
+
+    # -- model -------------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self._convert()
+        super().setup(trainer)
+
+    def _convert(self) -> None:
+        if self._converted:
+            return
+        assert self.layout is not None and self.lightning_module is not None
+        module = self.lightning_module
+        target = getattr(module, "model", None)
+        target = target if isinstance(target, torch.nn.Module) else module
+        shape = self._input_shape()
+        if shape is not None:
+            validate_partition(target, shape, self.layout.grid.parts)
+        # the network first (its forward carries the per-forward extent context), then anything else
+        convert_model(target, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
+        if target is not module:
+            convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
+        self._tile_params, self._replicated_params = split_parameters(module)
+        self._replicated_output = any(isinstance(m, SpatialGlobalAvgPool2d) for m in module.modules())
+        self._converted = True
+
+    def configure_ddp(self) -> None:
+        # no DDP wrapper: gradients need a sum over tiles and a mean over samples (reduce_gradients); start equal
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            out = closure()
+            self.reduce_gradients()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    def reduce_gradients(self) -> None:
+        assert self.layout is not None
+        reduce_gradients(self._tile_params, self._replicated_params, self.layout.num_sample_groups)
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self._slice_batches:
+            batch = self._cut_to_tile(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _cut_to_tile(self, batch: Any) -> Any:
+        assert self.layout is not None
+        grid = self.layout.grid
+        images = [t for t in _tensors(batch) if t.dim() == 4]
+        if not images:
+            return batch
+        h, w = images[0].shape[-2:]
+        rs, cs = tile_slices(h, w, grid.parts, grid.index)
+
+        def cut(t: Tensor) -> Tensor:
+            if t.dim() >= 3 and tuple(t.shape[-2:]) == (h, w):
+                return t[..., rs, cs].contiguous()
+            return t
+
+        return apply_to_collection(batch, Tensor, cut)
+
+    def global_pixel_count(self, local_target: Tensor) -> int:
+        """Number of target pixels of the whole samples of this sample group (sum over the spatial group)."""
+        n = torch.tensor([local_target.numel()], dtype=torch.int64, device=local_target.device)
+        if self.layout is not None and self.layout.grid.group is not None:
+            dist.all_reduce(n, group=self.layout.grid.group)
+        return int(n.item())
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """Mean over the mini-batch of values logged per rank.  Models with a tiled output (segmentation) log
+        per-tile partial values (their sum over the spatial group is the sample group's value); models with a
+        global pooling head log values replicated over the spatial group."""
+        if not isinstance(tensor, Tensor) or not dist.is_initialized() or self.layout is None:
+            return tensor
+        if reduce_op in (None, "mean", "avg"):
+            mean = True
+        elif reduce_op in ("sum", dist.ReduceOp.SUM):
+            mean = False
+        else:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if group is not None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        out = tensor.detach().clone().to(torch.float32 if not tensor.is_floating_point() else tensor.dtype)
+        if self._replicated_output:
+            out = out / self.layout.grid.size  # every tile holds the whole value: count it once
+        dist.all_reduce(out)
+        if mean:
+            out = out / self.layout.num_sample_groups
+        return out
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(t) or t)
+    return found
