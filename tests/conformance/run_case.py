@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 torch.set_num_threads(1)
 WORLD, B, N, CLIP = 2, 4, 64, 0.05
-STEPS = int(__import__("os").environ.get("CONF_STEPS", "4"))
+STEPS = 4
 
 
 def images() -> TensorDataset:
@@ -64,12 +64,51 @@ class UserCNN(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
 
 
+class BackboneClassifier(UserCNN):
+    """The same network as ``self.backbone`` + ``self.classifier`` (no ``.model`` attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.model
+        torch.manual_seed(0)
+        self.backbone = Backbone().double()
+        self.classifier = nn.Sequential(nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.backbone(x))
+
+
+def boring_model() -> pl.LightningModule:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    torch.manual_seed(0)
+    return BoringModel()
+
+
+def flatten_linear() -> UserCNN:
+    module = UserCNN()
+    torch.manual_seed(0)
+    module.model = nn.Sequential(nn.Flatten(), nn.Linear(72, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    return module
+
+
 CASES = {
     # name: (module factory, Trainer kwargs)
     "clip_norm": (lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
     "clip_value": (lambda: UserCNN(), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "manual_clip": (lambda: UserCNN(manual_clip=True), {}),
+    "backbone_classifier": (BackboneClassifier, {}),
+    "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
+    "flatten_linear": (flatten_linear, {}),
 }
+
+
+class ReportSteps(pl.Callback):
+    """Prints a line at every optimizer step, so a test can tell a refusal before the first step from a failure
+    during training."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object) -> None:
+        print(f"OPTIMIZER STEP {trainer.global_step} on rank {trainer.global_rank}", flush=True)
 
 
 def main(case: str, strategy: str, devices: int, out: str) -> None:
@@ -84,9 +123,10 @@ def main(case: str, strategy: str, devices: int, out: str) -> None:
         loader = DataLoader(data, batch_size=B)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ReportSteps()],
+        **kwargs,
     )
-    trainer.fit(module, loader)
+    trainer.fit(module, None if case == "boring_model" else loader)
     trainer.save_checkpoint(out)
 
 

@@ -1,8 +1,10 @@
 """Users' modules with gradient features under our strategies, through ``Trainer.fit`` on 2 processes: the final
 parameters equal one process on the global batch (float64, 1e-9), or the strategy refuses before training.
 
-Cells (strategy x feature): gradient clipping by norm and by value, and manual optimization with
-``self.clip_gradients`` between ``manual_backward`` and ``step`` (DDP cells check the harness itself).
+Cells (strategy x feature): gradient clipping by norm and by value, manual optimization with
+``self.clip_gradients`` between ``manual_backward`` and ``step``, a network split into ``self.backbone`` +
+``self.classifier`` (DDP cells check the harness itself); and modules a strategy must refuse before training,
+with the fix named.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SCRIPT = HERE / "run_case.py"
+STEPS = 4  # run_case.STEPS
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -63,6 +66,14 @@ CELLS = [
     ("hybrid_fc", "clip_value"),
     ("layered_sgd", "manual_clip"),
     ("ddp", "manual_clip"),
+    ("hybrid_fc", "backbone_classifier"),
+]
+
+REFUSED = [
+    # Lightning's BoringModel is one nn.Linear: no data-parallel trunk for hybrid_fc to pair with its head
+    ("hybrid_fc", "boring_model", r"searched the layers of BoringModel.*found none.*strategy='ddp'"),
+    # Flatten + Linear: the head is found, but nothing before it trains
+    ("hybrid_fc", "flatten_linear", r"no trainable parameter outside the fully-connected head.*strategy='ddp'"),
 ]
 
 
@@ -71,4 +82,16 @@ def test_two_processes_equal_one(strategy, case, reference, tmp_path):
     out = tmp_path / "final.ckpt"
     proc = run(case, strategy, 2, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"OPTIMIZER STEP {STEPS - 1} on rank 1" in proc.stdout, "the second rank did not train"
     assert_same(params(out), reference(case), f"{strategy} x {case}")
+
+
+@pytest.mark.parametrize(("strategy", "case", "message"), REFUSED, ids=[f"{s}-{c}" for s, c, _ in REFUSED])
+def test_refused_before_training_with_the_fix_named(strategy, case, message, tmp_path):
+    import re
+
+    out = tmp_path / "final.ckpt"
+    proc = run(case, strategy, 2, out)
+    assert proc.returncode != 0, "expected a refusal"
+    assert re.search(message, proc.stderr, re.S), proc.stderr[-3000:]
+    assert "OPTIMIZER STEP" not in proc.stdout and not out.exists(), "the refusal came after training started"
