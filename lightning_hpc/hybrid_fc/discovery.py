@@ -4,8 +4,10 @@ the trailing fully-connected layers ~95% of the parameters).
 Automatic: the head is the trailing run of ``nn.Linear`` layers, with the element-wise layers (activations,
 dropout) between them, that follows the model's last convolution / pooling / flatten, in the order
 ``named_modules`` lists the leaves (the order of ``nn.Sequential`` models, and of models that define their
-layers in forward order).  Named: ``head="classifier"`` takes that submodule (an ``nn.Sequential`` of linear and
-element-wise layers, or one ``nn.Linear``).  Anything else is a clear error before training starts.
+layers in forward order); the search runs over the whole LightningModule, so ``self.backbone`` +
+``self.classifier`` works as well as ``self.model``.  Named: ``head="model.classifier"`` (a dotted path from the
+searched module) takes that submodule (an ``nn.Sequential`` of linear and element-wise layers, or one
+``nn.Linear``).  Anything else is a clear error before training starts, naming what was searched.
 """
 
 from __future__ import annotations
@@ -82,12 +84,24 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
         _check_head_modules(modules, f"head={head!r}")
         return HeadSpec(sub, head, 0, modules)
 
-    leaves = [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
+    # Layers, in registration order; leaves without parameters of their own that are neither trunk ends nor
+    # element-wise (metrics, loss modules of a LightningModule) do not take part in the search.  Whether the
+    # found head really is the trailing children of one nn.Sequential is checked structurally below.
+    leaves = [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and not list(m.children())
+        and (isinstance(m, (nn.Linear, *ELEMENTWISE, *TRUNK_END)) or any(True for _ in m.parameters(recurse=False)))
+    ]
     last_trunk = max((i for i, (_, m) in enumerate(leaves) if isinstance(m, TRUNK_END)), default=None)
     if last_trunk is None:
+        linears = [n for n, m in leaves if isinstance(m, nn.Linear)]
         raise HeadNotFoundError(
-            f"{type(model).__name__} has no convolution, pooling or flatten layer, so no trunk/head split can be found; "
-            "name the fully-connected head with head='<submodule>'"
+            f"strategy='hybrid_fc' searched the layers of {type(model).__name__} in registration order for a convolution, "
+            f"pooling or flatten layer that ends a data-parallel trunk and found none (its nn.Linear layers: "
+            f"{linears or 'none'}). A model that is only fully connected has no trunk to run data parallel, which is "
+            "what this strategy pairs with the model-parallel head: use strategy='ddp' for it, or name the head "
+            "with head='<dotted.path>' if the trunk is built from other layers"
         )
     tail = leaves[last_trunk + 1 :]
     if not tail:

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc.distributed.clip import clip_grad_norm_
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
@@ -61,7 +62,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             updated after each sub-batch, effective batch (K x b, b), section 4.2; needs a LightningModule with
             ``loss(logits, target)`` and ``(x, y)`` batches, like :class:`lightning_hpc.ImageClassifier`).
         layouts: force the col/row layout of each head layer (default: the cheapest, see ``hybrid_fc/layout.py``).
-        model_attr: attribute of the LightningModule holding the ``nn.Module`` (``ImageClassifier.model``).
+        model_attr: attribute of the LightningModule to search for the head (``None``, default: the whole
+            LightningModule, so ``head`` is a dotted path from it, e.g. ``"model.classifier"``).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -76,7 +78,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         scheme: str = "c",
         fc_update: str = "per_step",
         layouts: Sequence[str] | None = None,
-        model_attr: str = "model",
+        model_attr: str | None = None,
         **kwargs: Any,
     ) -> None:
         if scheme not in SCHEMES:
@@ -108,8 +110,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # this rank's 1/K.  A materialised head is sharded after the model reaches its device (NCCL broadcasts need
         # device tensors); a meta-built one before, since a meta tensor cannot be moved: its shards (and any other
         # meta tensor) are allocated on the root device directly.
-        inner = getattr(self.lightning_module, self.model_attr, None)
-        if isinstance(inner, torch.nn.Module) and not self._parallelized and has_meta_head(inner, self.head):
+        inner = self._search_root()
+        if not self._parallelized and has_meta_head(inner, self.head):
             self._parallelize(device=self.root_device)
             materialize_meta(self.lightning_module, self.root_device)
             super().model_to_device()
@@ -135,12 +137,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        inner = getattr(module, self.model_attr, None)
-        if not isinstance(inner, torch.nn.Module):
-            raise ValueError(
-                f"HybridParallelStrategy shards the nn.Module at LightningModule.{self.model_attr}, but "
-                f"{type(module).__name__} has none; set strategy.model_attr to the attribute holding the model"
-            )
+        inner = self._search_root()
         if self.fc_update == "per_subbatch" and not callable(getattr(module, "loss", None)):
             raise ValueError(
                 f"fc_update='per_subbatch' updates the head inside the forward, so it needs {type(module).__name__}.loss(logits, target) "
@@ -149,14 +146,25 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
         # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
         group = new_group(list(range(dist.get_world_size())), timeout=self._timeout) if dist.is_initialized() else None
-        setattr(module, self.model_attr, parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device))
-        shard_ids = {id(p) for p in head_parameters(getattr(module, self.model_attr))}
+        root = parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device)
+        if self.model_attr is not None:  # a new root only when the searched module itself held the head
+            setattr(module, self.model_attr, root)
+        shard_ids = {id(p) for p in head_parameters(self._search_root())}
+        if not any(p.requires_grad and id(p) not in shard_ids for p in module.parameters()):
+            raise ValueError(
+                f"strategy='hybrid_fc': {type(module).__name__} has no trainable parameter outside the fully-connected "
+                "head, so there is no data-parallel trunk (only parameter-free layers such as Flatten before the "
+                "head); this strategy pairs a data-parallel trunk with the model-parallel head: use strategy='ddp'"
+            )
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         ddp_ignore_parameters(module, ignore)
         self._parallelized = True
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
+        # the same on every rank; a per-rank norm would let the trunk replicas drift apart
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if self.fc_update == "per_subbatch" and self.optimizers:
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
@@ -173,8 +181,29 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
         )
 
+    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        shards = {id(p) for p in head_parameters(self._inner_model())}
+        clip_grad_norm_(
+            [p for p in params if id(p) not in shards], [p for p in params if id(p) in shards], float(clip_val)
+        )
+
+    def _search_root(self) -> torch.nn.Module:
+        """The module searched for the head: the LightningModule, or its ``model_attr`` attribute."""
+        module = self.lightning_module
+        assert module is not None
+        if self.model_attr is None:
+            return module
+        inner = getattr(module, self.model_attr, None)
+        if not isinstance(inner, torch.nn.Module):
+            raise ValueError(
+                f"HybridParallelStrategy(model_attr={self.model_attr!r}): {type(module).__name__} has no nn.Module "
+                "there; leave model_attr unset to search the whole LightningModule"
+            )
+        return inner
+
     def _inner_model(self) -> torch.nn.Module:
-        return getattr(self.lightning_module, self.model_attr)
+        return self._search_root()
 
     # -- training --------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

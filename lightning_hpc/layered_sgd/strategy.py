@@ -9,8 +9,11 @@ How one optimizer step is split (automatic optimization):
   pass gradient hooks start the hierarchical reduction bucket by bucket as the buckets fill (Algorithm 3 lines 6
   and 8, overlapped with the rest of the backward pass, like DDP's bucketed allreduce); afterwards the
   remaining buckets are started.  It returns without touching the weights.  Backward passes outside
-  ``optimizer_step`` (the first micro-batches of ``accumulate_grad_batches``, manual optimization) start no
-  reduction: only the accumulated gradient is reduced, as with DDP's ``no_sync``.
+  ``optimizer_step`` (the first micro-batches of ``accumulate_grad_batches``) start no reduction: only the
+  accumulated gradient is reduced, as with DDP's ``no_sync``.
+- Manual optimization: as under DDP, gradients are global when ``manual_backward`` returns (each backward pass
+  averages the accumulated gradient over the ranks), so ``self.clip_gradients`` and any read of ``.grad``
+  before ``opt.step()`` see the global gradient; ``opt.step()`` then updates at once (nothing is postponed).
 - Before anything of step ``t+1`` reads the weights -- i.e. after batch ``t+1`` has been loaded and moved to the
   device, before the first ``on_train_batch_start`` callback and the forward pass -- the reduction is completed
   (line 9) and the *whole* remainder of Lightning's optimizer step is replayed through the precision plugin:
@@ -255,10 +258,10 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule) and self.update is not None
         if not model.automatic_optimization:
-            # Manual optimization: the user's code continues right after step(), so reduce and step at once.
+            # Manual optimization: every backward pass already made its gradients global (see backward), so
+            # the user's code between manual_backward and step() -- clip_gradients, reading .grad -- sees what
+            # DDP would show; the step itself runs at once.
             closure_result = closure()
-            self.update.begin([optimizer])
-            self.update.finish_gradients()
             return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
         self._reduce_in_backward = True
         try:
@@ -308,11 +311,18 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The backward pass inside :meth:`optimizer_step` starts bucket reductions from gradient hooks; any
-        other (accumulation micro-batches, manual optimization) only accumulates local gradients."""
+        other (accumulation micro-batches) only accumulates local gradients; under manual optimization the
+        gradients are made global right after the pass, as DDP does."""
         if self._reduce_in_backward or self.update is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self.update.no_sync():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            # As DDP does: gradients are global when manual_backward returns.  Averaging the accumulated
+            # gradient after each backward pass is exact: mean_r(avg(g_1) + g_2^r) = avg(g_1) + avg(g_2).
+            self.update.begin()
+            self.update.finish_gradients()
+        return loss
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: there is no DDP reducer."""
@@ -378,4 +388,4 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registered by :func:`lightning_hpc.registry.register_strategy` below (not under DDP's names)."""
+        """Registered by :mod:`lightning_hpc.registry` (not under DDP's names)."""

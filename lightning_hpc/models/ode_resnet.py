@@ -151,6 +151,16 @@ def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, 
                 f"block {first_index + i} ({_describe(block)}) is not a residual step u + h F(u): multigrid needs every block of "
                 "the trunk in forward-Euler form; wrap its residual branch as ResidualStep(branch, h)"
             )
+        if type(block).forward is not ResidualStep.forward:
+            # The solver evaluates u + h * branch(u) and never calls the block's forward, so a block is accepted
+            # only when its forward is provably that expression: ResidualStep's own (a subclass must not
+            # override it).  Attributes named `branch` and `h` alone prove nothing about what forward computes.
+            raise NotResidualError(
+                f"block {first_index + i} ({_describe(block)}) has `branch` and `h` but its own forward(), which the multigrid "
+                "solver would never call (it evaluates u + h * branch(u) itself): if that forward computes exactly "
+                "u + h * branch(u), build the block as lightning_hpc.models.ResidualStep(branch, h); otherwise use "
+                "strategy='ddp'"
+            )
     if example_state is not None:
         u = example_state
         with torch.no_grad():

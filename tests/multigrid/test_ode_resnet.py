@@ -54,3 +54,35 @@ def test_shape_change_is_named_in_error():
 def test_not_a_sequence_error():
     with pytest.raises(NotResidualError, match="nn.Sequential"):
         residual_steps(nn.Conv2d(1, 1, 1))
+
+
+class _LooksResidual(nn.Module):
+    """Has `branch` and `h` like a residual step, but computes something else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch, self.h = nn.Conv2d(4, 4, 3, padding=1), 0.1
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return u - self.h * torch.tanh(self.branch(u))
+
+
+class _SubclassOverridingForward(ResidualStep):
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return 2 * u + self.h * self.branch(u)
+
+
+class _SubclassKeepingForward(ResidualStep):
+    pass
+
+
+@pytest.mark.parametrize("block", [_LooksResidual(), _SubclassOverridingForward(nn.Conv2d(4, 4, 3, padding=1), 0.1)])
+def test_block_with_its_own_forward_is_refused(block):
+    steps = nn.Sequential(ResidualStep(nn.Conv2d(4, 4, 3, padding=1), 0.1), block)
+    with pytest.raises(NotResidualError, match=r"block 1 .* its own forward\(\).*ResidualStep\(branch, h\)"):
+        residual_steps(steps)
+
+
+def test_subclass_keeping_forward_is_accepted():
+    steps = nn.Sequential(_SubclassKeepingForward(nn.Conv2d(4, 4, 3, padding=1), 0.1))
+    assert len(residual_steps(steps, torch.zeros(1, 4, 8, 8))) == 1

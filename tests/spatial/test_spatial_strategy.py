@@ -95,7 +95,7 @@ def test_strategy_is_registered():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert "spatial" in StrategyRegistry
-    assert StrategyRegistry["spatial"]["strategy"] is SpatialParallelStrategy
+    assert isinstance(StrategyRegistry.get("spatial"), SpatialParallelStrategy)
 
 
 def test_partition_error_names_layer_size_and_largest_partition():
