@@ -1,4 +1,4 @@
-"""Launch helpers of the cluster tier: the examples folder, fresh ports, the environment of a launched job."""
+"""Launch utilities of the cluster tier: the examples folder, fresh ports, the environment of a launched job."""
 
 from __future__ import annotations
 
