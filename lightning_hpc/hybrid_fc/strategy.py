@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_hpc._compat import ddp_ignore_parameters
-from lightning_hpc.distributed.clip import clip_grad_norm_
+from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
@@ -164,7 +164,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+            lambda: head_parameters(self._inner_model())
+        )
         if self.fc_update == "per_subbatch" and self.optimizers:
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
@@ -179,13 +181,6 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         return (
             f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
             "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
-        )
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        shards = {id(p) for p in head_parameters(self._inner_model())}
-        clip_grad_norm_(
-            [p for p in params if id(p) not in shards], [p for p in params if id(p) in shards], float(clip_val)
         )
 
     def _search_root(self) -> torch.nn.Module:

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
@@ -190,6 +191,12 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
+        # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
+        # norm counts the replicated parameters once and every rank's steps once
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+            lambda: list(sharded.parameters()) if (sharded := self._sharded()) is not None else [],
+            lambda: self.layer_group,
+        )
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     def post_backward(self, closure_loss: torch.Tensor) -> None:
