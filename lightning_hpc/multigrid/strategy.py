@@ -158,6 +158,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         if self.block is not None:
             return
         self._check_sizes()
+        self._check_precision()
         parent, name, trunk = self._find_trunk()
         levels = self.options.levels if self.mode == "mg" else 1
         n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
@@ -184,6 +185,18 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             module = self.lightning_module
             local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
             ddp_ignore_parameters(module, local)
+
+    def _check_precision(self) -> None:
+        """mode='mg' relaxes the steps with stacked weights outside autocast's reach (torch.func + vmap), so an
+        autocast precision would mix dtypes inside the solver: refused before training, with the choices that
+        work named.  mode='pm' evaluates the steps one after another and runs under autocast."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if self.mode == "mg" and precision.endswith("-mixed"):
+            raise ValueError(
+                f"strategy='multigrid' with mode='mg' does not support precision={precision!r} (autocast does not reach "
+                "the multigrid solver's batched steps); use precision='32-true' (or '64-true', 'bf16-true'), or "
+                "mode='pm' / 'serial', which run under autocast"
+            )
 
     def configure_ddp(self) -> None:
         self._wrap_model()

@@ -111,6 +111,7 @@ CASES = {
     "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
     "flatten_linear": (flatten_linear, {}),
     "odenet": (ode_net, {}),
+    "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
     "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
 }
 
