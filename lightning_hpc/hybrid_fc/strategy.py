@@ -161,6 +161,15 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._parallelized = True
 
     def setup(self, trainer: Any) -> None:
+        if str(trainer.state.fn) in ("predict", "TrainerFn.PREDICTING") and self.world_size > 1:
+            # Lightning's predict sampler gives ranks unequal numbers of samples and batches (no padding, so no
+            # duplicated predictions), but every rank must take part in each batch of the sharded head
+            raise ValueError(
+                "strategy='hybrid_fc' cannot run trainer.predict on several processes: Lightning's predict sampler "
+                "gives the ranks unequal batches, and every rank must take part in each batch of the sharded head. "
+                "Checkpoints hold the full, unsharded model: predict with Trainer(devices=1) (or strategy='ddp') "
+                "after loading it, e.g. trainer.predict(module, dataloaders, ckpt_path=...)"
+            )
         super().setup(trainer)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart

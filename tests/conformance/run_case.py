@@ -111,6 +111,7 @@ CASES = {
     "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
     "flatten_linear": (flatten_linear, {}),
     "odenet": (ode_net, {}),
+    "predict": (UserCNN, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
     "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
     "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
 }
@@ -149,6 +150,9 @@ def main(case: str, strategy: str, devices: int, out: str, data_parallel: int = 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ReportSteps()],
         **kwargs,
     )
+    if case == "predict":
+        trainer.predict(module, loader)
+        return
     trainer.fit(module, None if case == "boring_model" else loader)
     trainer.save_checkpoint(out)
 
