@@ -31,7 +31,7 @@ def loader(dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool, d
     )
 
 
-def require_dir(path: str | None, setting: str) -> "Path":
+def require_dir(path: str | None, setting: str) -> Path:
     """Fail early, naming the path, when a data directory is missing or empty."""
     from pathlib import Path
 
