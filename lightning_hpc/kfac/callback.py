@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
@@ -99,6 +99,7 @@ class KFAC(Callback):
         self._build(trainer, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_optimizers(trainer)
         if self._deferred and self.preconditioner is None:
             self._deferred = False
             self._build(trainer, pl_module)
@@ -109,11 +110,30 @@ class KFAC(Callback):
             rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
         self.preconditioner = KFACPreconditioner(
-            pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options
-        )
+            pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm,
+            announce=False, **self.options,
+        )  # fmt: skip
+        # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
+        report = self.preconditioner.describe_layers()
+        if self.preconditioner.skipped_modules:
+            rank_zero_warn(report)
+        else:
+            rank_zero_info(report)
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    @staticmethod
+    def check_optimizers(trainer: pl.Trainer) -> None:
+        """K-FAC preconditions the layers of one optimizer (its factors, step counter and the lr of Eq 18 belong
+        to one optimizer step per training step): several optimizers are refused before the first step."""
+        n = len(trainer.optimizers)
+        if n > 1:
+            raise ValueError(
+                f"KFAC supports one optimizer, but configure_optimizers returned {n} (e.g. a GAN's generator and "
+                "discriminator optimizers). Use one optimizer with a parameter group per sub-network (each group "
+                "keeps its own lr, and K-FAC's KL clip uses each layer's group lr), or remove the KFAC callback"
+            )
 
     @staticmethod
     def check_precision(trainer: pl.Trainer) -> None:

@@ -30,6 +30,7 @@ can be swapped in.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import warnings
@@ -40,7 +41,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler, make_handler
+from lightning_hpc.kfac.layers import SUPPORTED, Conv2dHandler, LayerHandler, LinearHandler, TiledConv2dHandler, linear_batch_dim, make_handler
 from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
 from lightning_hpc.kfac.placement import assign_factors, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
@@ -48,6 +49,8 @@ from lightning_hpc.kfac.schedules import KFACSchedule
 __all__ = ["KFACPreconditioner", "COMPUTE_METHODS", "validate_options"]
 
 COMPUTE_METHODS = ("eigen", "inverse")
+
+_log = logging.getLogger("lightning_hpc.kfac")
 
 
 def _compile_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Pattern[str]]:
@@ -150,6 +153,13 @@ class KFACPreconditioner:
             mean over rows, so the subset's mean is an unbiased estimate of it, averaged further by the running
             average (Eq 16-17), at about ``fraction`` of the cost of the A Grams. Not the paper's (SC20)
             computation; not supported for spatially tiled layers. ``subsample_seed`` seeds the subset generator.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: ``step()`` then reads the loss scale
+            the captured output gradients carry from it. Without it, a step whose captured output gradients are
+            float16 must be told the scale (``step(grad_scale=scaler.get_scale())``, or ``grad_scale=1.0`` for
+            fp16 without loss scaling): forgetting it would inflate G by the squared scale and shrink every update.
+        announce: say once, at construction, which modules are preconditioned and which are left to the
+            optimizer, and why (logged at INFO; a ``UserWarning`` when trainable modules are left out). The
+            Lightning callback announces on rank 0 instead.
     """
 
     def __init__(
@@ -176,6 +186,8 @@ class KFACPreconditioner:
         bucket_cap_mb: float = 25.0,
         conv_input_sample_fraction: float = 1.0,
         subsample_seed: int = 0,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        announce: bool = True,
     ) -> None:
         self.schedule, decomposition_dtype = validate_options(
             factor_update_freq=factor_update_freq,
@@ -203,21 +215,40 @@ class KFACPreconditioner:
         self.batch_averaged = batch_averaged
         self.comm = communicator or TorchDistributedCommunicator()
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.grad_scaler = grad_scaler
+        #: factor-update steps whose statistics were dropped for being non-finite
+        self.dropped_statistics_steps = 0
 
         patterns = _compile_patterns(skip_layers)
         self.handlers: list[LayerHandler] = []
-        for name, module in model.named_modules():
-            handler = make_handler(name, module)
-            if handler is None or not module.weight.requires_grad:
-                continue
-            if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
-                continue
-            self.handlers.append(handler)
+        #: ``(module name, type name, reason)`` of every module with trainable parameters K-FAC leaves to the
+        #: optimizer, and ``(name, type name, note)`` of the preconditioned ones (see :meth:`describe_layers`)
+        self.skipped_modules: list[tuple[str, str, str]] = []
+        self.preconditioned_modules: list[tuple[str, str, str]] = []
+        modules = dict(model.named_modules())
+        for name, module in modules.items():
+            trainable = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            reason = self._skip_reason(name, module, modules, patterns)
+            if reason is None:
+                handler = make_handler(name, module)
+                assert handler is not None
+                if isinstance(handler, LinearHandler):
+                    handler.batch_dim = linear_batch_dim(name, modules)
+                self.handlers.append(handler)
+                bias = getattr(module, "bias", None)
+                note = "bias frozen: weight only" if isinstance(bias, torch.Tensor) and not handler.has_bias else ""
+                if isinstance(handler, LinearHandler) and handler.batch_dim != 0:
+                    note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
+                self.preconditioned_modules.append((name, type(module).__name__, note))
+            elif trainable:
+                self.skipped_modules.append((name, type(module).__name__, reason))
         if not self.handlers:
             raise ValueError(
                 "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
                 + (f" after skip_layers={skip_layers!r}" if patterns else "")
             )
+        if announce:
+            self.announce_layers()
 
         #: running factors and decompositions by layer name
         self.factors: dict[str, dict[str, torch.Tensor]] = {}
@@ -235,6 +266,38 @@ class KFACPreconditioner:
             self._enable_subsampling(int(subsample_seed))
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
+
+    @staticmethod
+    def _skip_reason(name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]) -> str | None:
+        """Why ``module`` is not preconditioned (None: it is)."""
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            return f"grouped convolution (groups={module.groups}) is not supported"
+        if not isinstance(module, SUPPORTED):
+            return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv2d)"
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        if isinstance(parent, nn.MultiheadAttention):
+            return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
+        if not module.weight.requires_grad:
+            return "weight frozen (requires_grad=False)"
+        if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
+            return "matched skip_layers"
+        return None
+
+    def describe_layers(self) -> str:
+        """Which modules K-FAC preconditions and which (with trainable parameters) it leaves to the optimizer."""
+        lines = [f"K-FAC preconditions {len(self.preconditioned_modules)} layer(s):"]
+        lines += [f"  {n or '<root>'} ({t}){' [' + note + ']' if note else ''}" for n, t, note in self.preconditioned_modules]
+        if self.skipped_modules:
+            lines.append(f"left to the optimizer ({len(self.skipped_modules)} module(s) with trainable parameters):")
+            lines += [f"  {n or '<root>'} ({t}): {why}" for n, t, why in self.skipped_modules]
+        return "\n".join(lines)
+
+    def announce_layers(self) -> None:
+        """Log :meth:`describe_layers` once; warn when modules with trainable parameters are left out."""
+        text = self.describe_layers()
+        _log.info(text)
+        if self.skipped_modules:
+            warnings.warn(text, UserWarning, stacklevel=3)
 
     def _enable_subsampling(self, seed: int) -> None:
         tiled = [h.name for h in self.handlers if isinstance(h, TiledConv2dHandler)]
@@ -320,8 +383,12 @@ class KFACPreconditioner:
                 return
             if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            handler.capture_input(x)
-            output.register_hook(handler.capture_output_grad)
+            if handler.is_stale():
+                # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
+                for h in self.handlers:
+                    h.discard_committed()
+            token = handler.capture_input(x)
+            output.register_hook(lambda g: handler.capture_output_grad(g, token))
 
         return hook
 
@@ -336,21 +403,60 @@ class KFACPreconditioner:
             h.reset_statistics()
 
     # -- step --------------------------------------------------------------------------------------------
+    def _resolve_grad_scale(self, grad_scale: float | None) -> float:
+        """The loss scale the captured output gradients carry: ``grad_scale`` if given, else the ``grad_scaler``'s
+        current scale, else 1 -- refused when float16 output gradients were captured with neither (AMP's scale
+        would enter G squared and make every update near zero)."""
+        if grad_scale is not None:
+            return float(grad_scale)
+        if self.grad_scaler is not None:
+            return float(self.grad_scaler.get_scale()) if self.grad_scaler.is_enabled() else 1.0
+        if self.is_factor_update_step and any(h.g_dtype == torch.float16 for h in self.handlers):
+            raise ValueError(
+                "K-FAC captured float16 output gradients but was not told the loss scale they carry: pass "
+                "KFACPreconditioner(..., grad_scaler=scaler), or call step(grad_scale=scaler.get_scale()) after "
+                "scaler.unscale_(optimizer) (grad_scale=1.0 for float16 without a GradScaler)"
+            )
+        return 1.0
+
     @torch.no_grad()
-    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float | None = None, grad_scale: float | None = None) -> None:
         """Precondition ``.grad`` of every registered layer in place (after the gradient allreduce).
 
-        ``grad_scale`` is the AMP loss scale the captured output gradients carry (1 without a grad scaler).
+        ``grad_scale`` is the AMP loss scale the captured output gradients carry (default: the ``grad_scaler``'s
+        scale, else 1; required when float16 output gradients were captured without a ``grad_scaler``).
         """
+        if all(h.module.weight.grad is None for h in self.handlers):
+            # No gradient at all (a training_step that returned None, a loss that did not reach these layers):
+            # the optimizer step does nothing, so neither does K-FAC; the step does not count.
+            self.discard_statistics()
+            return
         try:
+            scale = self._resolve_grad_scale(grad_scale)
             if self.is_factor_update_step:
-                self._update_factors(grad_scale)
+                self._note_shared_layers()
+                self._update_factors(scale)
             if self.is_inv_update_step or self._missing_decompositions():
                 self._update_decompositions()
             self._precondition(lr)
         finally:
             self.discard_statistics()
             self.steps += 1
+
+    def _note_shared_layers(self) -> None:
+        """One note, the first time, for layers called more than once per forward pass."""
+        shared = [(h.name, h.max_calls_per_forward) for h in self.handlers if h.max_calls_per_forward > 1 and f"calls:{h.name}" not in self._warned]
+        if not shared:
+            return
+        self._warned.update(f"calls:{name}" for name, _ in shared)
+        warnings.warn(
+            f"K-FAC: layer(s) called more than once per forward pass {shared[:5]} (name, calls): each is treated as "
+            "one layer applied at several positions (KFC's weight sharing): samples are counted once per forward "
+            "pass, every call's inputs are rows of A, so G equals a single call on the calls' inputs stacked along "
+            "a position dimension",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _missing_decompositions(self) -> bool:
         """Layers with factors but no decomposition on the rank that must hold it (hooks that fired late, a
@@ -396,6 +502,21 @@ class KFACPreconditioner:
                     a, g = batch[h.name]
                     batch[h.name] = (a * h.partition_size, g * h.partition_size)
             self._allreduce_mean([t for name in batch for t in batch[name]])
+        if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
+            # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
+            # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
+            self.dropped_statistics_steps += 1
+            bad = [name for name, (a, g) in batch.items() if not self._all_finite([a, g])]
+            if "nonfinite" not in self._warned:
+                self._warned.add("nonfinite")
+                warnings.warn(
+                    f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
+                    "statistics are dropped and the running factors kept (said once; dropped_statistics_steps "
+                    "counts them)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
         decay = self.factor_decay
         for name, (a, g) in batch.items():
             if name not in self.factors:
@@ -404,6 +525,11 @@ class KFACPreconditioner:
                 running = self.factors[name]
                 running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
                 running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
+
+    @staticmethod
+    def _all_finite(tensors: list[torch.Tensor]) -> bool:
+        # one host synchronisation for all layers
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
     def _comm_device(self) -> torch.device:
         # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
@@ -551,6 +677,12 @@ class KFACPreconditioner:
                     precond[h.name] = self._precondition_layer(h, grads[h.name])
         if not precond:
             return
+        for name, p in precond.items():
+            # Rows (output units) and columns (inputs) whose gradient is exactly zero stay exactly zero: the
+            # eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to
+            # steps of about +-lr, and which differs with the number of processes. No sync: a mask, not a test.
+            zero = grads[name] == 0
+            precond[name] = p.masked_fill(zero.all(dim=1, keepdim=True) | zero.all(dim=0, keepdim=True), 0.0)
         nu = 1.0
         if self.kl_clip:
             # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
@@ -560,7 +692,12 @@ class KFACPreconditioner:
                     continue
                 layer_lr = self._layer_lr(h, lr)
                 if layer_lr is None:
-                    raise ValueError("K-FAC kl_clip needs the learning rate: pass optimizer= (or lr=) to KFACPreconditioner or lr= to step()")
+                    where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
+                             if self.optimizer is not None else "")  # fmt: skip
+                    raise ValueError(
+                        f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
+                        "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
+                    )
                 vg_sum += layer_lr**2 * abs(float((precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum()))
             if vg_sum > 0:
                 nu = min(1.0, math.sqrt(self.kl_clip / vg_sum))
