@@ -42,117 +42,30 @@ from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
 from lightning_hpc.kfac.layers import SUPPORTED, Conv2dHandler, LayerHandler, LinearHandler, TiledConv2dHandler, linear_batch_dim, make_handler
-from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
-from lightning_hpc.kfac.placement import assign_factors, check_placement
-from lightning_hpc.kfac.schedules import KFACSchedule
+from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
+from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
+from lightning_hpc.kfac.placement import make_placement
 
-__all__ = ["KFACPreconditioner", "COMPUTE_METHODS", "validate_options"]
-
-COMPUTE_METHODS = ("eigen", "inverse")
+__all__ = ["KFACPreconditioner", "COMPUTE_METHODS"]
 
 _log = logging.getLogger("lightning_hpc.kfac")
 
 
-def _compile_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Pattern[str]]:
-    if skip_layers is None:
-        return []
-    if isinstance(skip_layers, str):
-        skip_layers = [skip_layers]
-    out = []
-    for p in skip_layers:
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise ValueError(f"K-FAC skip_layers: invalid regular expression {p!r}: {e}") from e
-    return out
-
-
-def validate_options(
-    *,
-    factor_update_freq: int | None,
-    inv_update_freq: int,
-    factor_decay: float,
-    damping: float,
-    damping_decay_epochs: Sequence[int],
-    damping_decay_rate: float,
-    update_freq_decay_epochs: Sequence[int],
-    update_freq_decay_rate: float,
-    kl_clip: float | None,
-    compute_method: str,
-    placement: str,
-    decomposition_dtype: torch.dtype | str,
-    bucket_cap_mb: float,
-    conv_input_sample_fraction: float = 1.0,
-) -> tuple[KFACSchedule, torch.dtype]:
-    """Check every K-FAC option (raises ``ValueError`` naming the setting); returns the schedule and dtype.
-
-    Shared by :class:`KFACPreconditioner` and the Lightning callback, which checks before training starts.
-    """
-    if factor_update_freq is None:
-        if isinstance(inv_update_freq, int) and not isinstance(inv_update_freq, bool) and inv_update_freq > 0:
-            factor_update_freq = max(1, inv_update_freq // 10)
-        else:
-            factor_update_freq = 1  # the schedule below reports the bad inv_update_freq
-    schedule = KFACSchedule(
-        damping=damping,
-        factor_update_freq=factor_update_freq,
-        inv_update_freq=inv_update_freq,
-        damping_decay_epochs=tuple(int(e) for e in damping_decay_epochs),
-        damping_decay_rate=damping_decay_rate,
-        update_freq_decay_epochs=tuple(int(e) for e in update_freq_decay_epochs),
-        update_freq_decay_rate=update_freq_decay_rate,
-    )
-    if not 0.0 <= factor_decay < 1.0:
-        raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {factor_decay}")
-    if kl_clip is not None and not kl_clip >= 0:
-        raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {kl_clip}")
-    if compute_method not in COMPUTE_METHODS:
-        raise ValueError(f"K-FAC compute_method must be one of {COMPUTE_METHODS}, got {compute_method!r}")
-    check_placement(placement)
-    if isinstance(decomposition_dtype, str):
-        decomposition_dtype = {"float32": torch.float32, "float64": torch.float64}.get(decomposition_dtype)  # type: ignore[assignment]
-    if decomposition_dtype not in (torch.float32, torch.float64):
-        raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-    if isinstance(conv_input_sample_fraction, bool) or not 0.0 < conv_input_sample_fraction <= 1.0:
-        raise ValueError(
-            f"K-FAC conv_input_sample_fraction must be in (0, 1] (1 = every sample, the default), got {conv_input_sample_fraction!r}"
-        )
-    return schedule, decomposition_dtype  # type: ignore[return-value]
-
-
 class KFACPreconditioner:
-    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC.
+    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC (SC20 Alg. 1).
+
+    The decomposition and preconditioning rules are a :class:`~lightning_hpc.kfac.methods.ComputeMethod`
+    (``self.method``: Eq 13-15 or Eq 11-12); which rank decomposes what, and who preconditions, a
+    :class:`~lightning_hpc.kfac.placement.Placement` (``self.placement_policy``).
 
     Args:
         model: the module whose Linear / Conv2d layers are preconditioned (every other parameter is untouched).
-        factor_update_freq: steps between factor updates; default ``max(1, inv_update_freq // 10)``
-            ("factors updated 10x as often", section V-C).
-        inv_update_freq: steps between decompositions (the paper's kfac-update-freq).
-        factor_decay: running-average weight of the old factor (xi of Eq 16-17), in [0, 1).
-        damping: Tikhonov damping gamma (Eq 11, 14), >= 0.
-        damping_decay_epochs / damping_decay_rate: multiply damping by the rate at each listed epoch.
-        update_freq_decay_epochs / update_freq_decay_rate: multiply both update intervals at each listed epoch.
-        kl_clip: kappa of Eq 18; ``None`` or 0 disables the scaling.
+        options: the hyper-parameters (:class:`~lightning_hpc.kfac.options.KFACOptions`); its fields may also be
+            given as keywords (``damping=0.003, inv_update_freq=10``), which override ``options``.
         lr: learning rate for Eq 18 when no optimizer is given (float or zero-argument callable);
             ``step(lr=...)`` overrides it.
         optimizer: optimizer whose parameter-group lr Eq 18 uses (the group holding each layer's weight).
-        compute_method: ``"eigen"`` (Eq 13-15, default) or ``"inverse"`` (Eq 11-12).
-        placement: ``"balanced"`` (default), ``"round_robin"`` or ``"layer_wise"``, see :mod:`.placement`.
-        skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
-        decomposition_dtype: ``torch.float32`` (default) or ``torch.float64``.
-        batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
         communicator: collectives backend; default :class:`TorchDistributedCommunicator`.
-        bucket_cap_mb: size of the fused factor-allreduce buffers.
-        conv_input_sample_fraction: optional, off by default (1.0). Below 1, each Conv2d layer's A factor is
-            estimated from the input patches of a random subset of ``ceil(fraction * N)`` of the ``N`` samples
-            of every captured batch (G and Linear layers keep the whole batch). This is the input subsampling of
-            the TensorFlow K-FAC library (tensorflow/kfac, ``fisher_factors.py``:
-            ``_SUB_SAMPLE_INPUTS`` / ``_INPUTS_TO_EXTRACT_PATCHES_FACTOR``, off there by default too): A is a
-            mean over rows, so the subset's mean is an unbiased estimate of it, averaged further by the running
-            average (Eq 16-17), at about ``fraction`` of the cost of the A Grams. Not the paper's (SC20)
-            computation; not supported for spatially tiled layers. ``subsample_seed`` seeds the subset generator.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: ``step()`` then reads the loss scale
             the captured output gradients carry from it. Without it, a step whose captured output gradients are
             float16 must be told the scale (``step(grad_scale=scaler.get_scale())``, or ``grad_scale=1.0`` for
@@ -165,61 +78,39 @@ class KFACPreconditioner:
     def __init__(
         self,
         model: nn.Module,
+        options: KFACOptions | None = None,
         *,
-        factor_update_freq: int | None = None,
-        inv_update_freq: int = 100,
-        factor_decay: float = 0.95,
-        damping: float = 0.001,
-        damping_decay_epochs: Sequence[int] = (),
-        damping_decay_rate: float = 1.0,
-        update_freq_decay_epochs: Sequence[int] = (),
-        update_freq_decay_rate: float = 1.0,
-        kl_clip: float | None = 0.001,
         lr: float | Callable[[], float] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        compute_method: str = "eigen",
-        placement: str = "balanced",
-        skip_layers: str | Sequence[str] | None = None,
-        decomposition_dtype: torch.dtype | str = torch.float32,
-        batch_averaged: bool = True,
         communicator: Communicator | None = None,
-        bucket_cap_mb: float = 25.0,
-        conv_input_sample_fraction: float = 1.0,
-        subsample_seed: int = 0,
         grad_scaler: torch.amp.GradScaler | None = None,
         announce: bool = True,
+        **overrides: Any,
     ) -> None:
-        self.schedule, decomposition_dtype = validate_options(
-            factor_update_freq=factor_update_freq,
-            inv_update_freq=inv_update_freq,
-            factor_decay=factor_decay,
-            damping=damping,
-            damping_decay_epochs=damping_decay_epochs,
-            damping_decay_rate=damping_decay_rate,
-            update_freq_decay_epochs=update_freq_decay_epochs,
-            update_freq_decay_rate=update_freq_decay_rate,
-            kl_clip=kl_clip,
-            compute_method=compute_method,
-            placement=placement,
-            decomposition_dtype=decomposition_dtype,
-            bucket_cap_mb=bucket_cap_mb,
-            conv_input_sample_fraction=conv_input_sample_fraction,
-        )
-        self.factor_decay = float(factor_decay)
-        self.kl_clip = kl_clip or None
+        try:
+            options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
+        except TypeError as e:  # an unknown keyword
+            raise ValueError(f"KFACPreconditioner: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
+        self.options = options
+        self.schedule = options.schedule
+        self.factor_decay = float(options.factor_decay)
+        self.kl_clip = options.kl_clip or None
         self.lr = lr
         self.optimizer = optimizer
-        self.compute_method = compute_method
-        self.placement = placement
-        self.decomposition_dtype: torch.dtype = decomposition_dtype  # type: ignore[assignment]
-        self.batch_averaged = batch_averaged
+        self.compute_method = options.compute_method
+        self.method = make_method(options.compute_method)
+        self.placement = options.placement
+        self.placement_policy = make_placement(options.placement)
+        self.decomposition_dtype: torch.dtype = options.torch_decomposition_dtype
+        self.batch_averaged = options.batch_averaged
         self.comm = communicator or TorchDistributedCommunicator()
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.bucket_cap_bytes = int(options.bucket_cap_mb * 2**20)
         self.grad_scaler = grad_scaler
         #: factor-update steps whose statistics were dropped for being non-finite
         self.dropped_statistics_steps = 0
 
-        patterns = _compile_patterns(skip_layers)
+        skip_layers = options.skip_layers
+        patterns = compile_skip_patterns(skip_layers)
         self.handlers: list[LayerHandler] = []
         #: ``(module name, type name, reason)`` of every module with trainable parameters K-FAC leaves to the
         #: optimizer, and ``(name, type name, note)`` of the preconditioned ones (see :meth:`describe_layers`)
@@ -259,11 +150,11 @@ class KFACPreconditioner:
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
         self._check_partitions()
-        self.conv_input_sample_fraction = float(conv_input_sample_fraction)
+        self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
         #: draws the A-factor sample subsets (only used when conv_input_sample_fraction < 1; saved in checkpoints)
         self.subsample_generator: torch.Generator | None = None
         if self.conv_input_sample_fraction < 1.0:
-            self._enable_subsampling(int(subsample_seed))
+            self._enable_subsampling(int(options.subsample_seed))
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
 
@@ -462,7 +353,7 @@ class KFACPreconditioner:
         """Layers with factors but no decomposition on the rank that must hold it (hooks that fired late, a
         checkpoint restored under multi-rank layer_wise): decomposed at once rather than at the next interval.
         Every rank reaches the same answer, because factors and shared decompositions are identical."""
-        if self.placement == "layer_wise" and self.comm.world_size > 1:
+        if self.placement_policy.owner_preconditions and self.comm.world_size > 1:
             owners = self.assignment()
             mine = [h for i, h in enumerate(self.handlers) if owners[(i, "A")] == self.comm.rank]
         else:
@@ -562,19 +453,13 @@ class KFACPreconditioner:
     def assignment(self) -> dict[tuple[int, str], int]:
         """``(layer index, "A"|"G") -> rank`` for the current world size (recomputed on every update)."""
         dims = [(h.a_dim, h.g_dim) for h in self.handlers]
-        return assign_factors(dims, self.comm.world_size, self.placement)
+        return self.placement_policy.assign(dims, self.comm.world_size)
 
     def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
-        # Row-major copies: LAPACK returns column-major matrices, and the broadcast or a checkpoint hands other
-        # ranks / resumed runs row-major ones; the products of Eq 13-15 must see one layout to round alike.
-        if self.compute_method == "eigen":
-            res = safe_eigh(factor, self.decomposition_dtype, name)
-            return None if res is None else {"d": res[0].contiguous(), "q": res[1].contiguous()}
-        inv = safe_damped_inverse(factor, self.damping, self.decomposition_dtype, name)
-        return None if inv is None else {"inv": inv.contiguous()}
+        return self.method.decompose(factor, self.damping, self.decomposition_dtype, name)
 
     def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return {"d": (n,), "q": (n, n)} if self.compute_method == "eigen" else {"inv": (n, n)}
+        return self.method.result_shapes(n)
 
     def _update_decompositions(self) -> None:
         world, rank = self.comm.world_size, self.comm.rank
@@ -599,7 +484,7 @@ class KFACPreconditioner:
                     n = self.factors[h.name][kind].shape[0]
                     res = self._fallback_identity(n, self.factors[h.name][kind].device)
             results[(h.name, kind)] = res
-        if world > 1 and self.placement != "layer_wise":
+        if world > 1 and not self.placement_policy.owner_preconditions:
             results = self._share(work, results)
         for (name, kind), res in results.items():
             entry = self.decompositions.setdefault(name, {})
@@ -608,10 +493,7 @@ class KFACPreconditioner:
 
     def _fallback_identity(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
         # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
-        eye = torch.eye(n, dtype=self.decomposition_dtype, device=device)
-        if self.compute_method == "eigen":
-            return {"d": torch.ones(n, dtype=self.decomposition_dtype, device=device), "q": eye}
-        return {"inv": eye / (1.0 + self.damping)}
+        return self.method.identity(n, self.damping, self.decomposition_dtype, device)
 
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
         """One broadcast per owning rank of all its decompositions, all in flight at once (paper: allgather)."""
@@ -644,10 +526,7 @@ class KFACPreconditioner:
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        d = self.decompositions[h.name]
-        if self.compute_method == "eigen":
-            return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], self.damping)
-        return precondition_inverse(grad, d["inv_A"], d["inv_G"])
+        return self.method.precondition(grad, self.decompositions[h.name], self.damping)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -669,7 +548,7 @@ class KFACPreconditioner:
             if g is not None and h.name in self.factors:
                 grads[h.name] = g
         precond: dict[str, torch.Tensor] = {}
-        if self.placement == "layer_wise" and world > 1:
+        if self.placement_policy.owner_preconditions and world > 1:
             precond = self._precondition_layer_wise(grads)
         else:
             for h in self.handlers:
@@ -743,7 +622,7 @@ class KFACPreconditioner:
     # -- checkpointing -----------------------------------------------------------------------------------
     def _layer_wise_sharded(self) -> bool:
         """Under multi-rank ``layer_wise`` each rank holds only the decompositions of the layers it owns."""
-        return self.placement == "layer_wise" and self.comm.world_size > 1
+        return self.placement_policy.owner_preconditions and self.comm.world_size > 1
 
     def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
         owners = self.assignment()
