@@ -62,6 +62,8 @@ class KFACOptions:
         bucket_cap_mb: size of the fused factor-allreduce buffers.
         conv_input_sample_fraction: fraction of each batch's samples whose patches form a Conv2d's A, in (0, 1].
         subsample_seed: seed of the sample-subset generator (only used when the fraction is below 1).
+        symmetric_allreduce: all-reduce only the upper triangles of the (symmetric) factors, about half the
+            bytes of the full matrices, with the same result (see :func:`.collectives.allreduce_mean_symmetric`).
     """
 
     factor_update_freq: int | None = None
@@ -81,6 +83,7 @@ class KFACOptions:
     bucket_cap_mb: float = 25.0
     conv_input_sample_fraction: float = 1.0
     subsample_seed: int = 0
+    symmetric_allreduce: bool = True
 
     def __post_init__(self) -> None:
         # normalise containers (Hydra hands ListConfig) so the options compare and pickle plainly

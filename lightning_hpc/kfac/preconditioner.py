@@ -34,14 +34,16 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.layers import SUPPORTED, Conv2dHandler, LayerHandler, LinearHandler, TiledConv2dHandler, linear_batch_dim, make_handler
+from lightning_hpc.kfac.collectives import allreduce_mean, allreduce_mean_symmetric, broadcast_by_owner
+from lightning_hpc.kfac.discovery import find_layers
+from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.placement import make_placement
@@ -111,28 +113,9 @@ class KFACPreconditioner:
 
         skip_layers = options.skip_layers
         patterns = compile_skip_patterns(skip_layers)
-        self.handlers: list[LayerHandler] = []
-        #: ``(module name, type name, reason)`` of every module with trainable parameters K-FAC leaves to the
-        #: optimizer, and ``(name, type name, note)`` of the preconditioned ones (see :meth:`describe_layers`)
-        self.skipped_modules: list[tuple[str, str, str]] = []
-        self.preconditioned_modules: list[tuple[str, str, str]] = []
-        modules = dict(model.named_modules())
-        for name, module in modules.items():
-            trainable = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            reason = self._skip_reason(name, module, modules, patterns)
-            if reason is None:
-                handler = make_handler(name, module)
-                assert handler is not None
-                if isinstance(handler, LinearHandler):
-                    handler.batch_dim = linear_batch_dim(name, modules)
-                self.handlers.append(handler)
-                bias = getattr(module, "bias", None)
-                note = "bias frozen: weight only" if isinstance(bias, torch.Tensor) and not handler.has_bias else ""
-                if isinstance(handler, LinearHandler) and handler.batch_dim != 0:
-                    note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
-                self.preconditioned_modules.append((name, type(module).__name__, note))
-            elif trainable:
-                self.skipped_modules.append((name, type(module).__name__, reason))
+        #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
+        self.layer_report = find_layers(model, patterns)
+        self.handlers: list[LayerHandler] = self.layer_report.handlers
         if not self.handlers:
             raise ValueError(
                 "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
@@ -158,30 +141,19 @@ class KFACPreconditioner:
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
 
-    @staticmethod
-    def _skip_reason(name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]) -> str | None:
-        """Why ``module`` is not preconditioned (None: it is)."""
-        if isinstance(module, nn.Conv2d) and module.groups != 1:
-            return f"grouped convolution (groups={module.groups}) is not supported"
-        if not isinstance(module, SUPPORTED):
-            return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv2d)"
-        parent = modules.get(name.rpartition(".")[0]) if name else None
-        if isinstance(parent, nn.MultiheadAttention):
-            return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
-        if not module.weight.requires_grad:
-            return "weight frozen (requires_grad=False)"
-        if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
-            return "matched skip_layers"
-        return None
+    @property
+    def skipped_modules(self) -> list[tuple[str, str, str]]:
+        """``(module name, type name, reason)`` of every module with trainable parameters left to the optimizer."""
+        return self.layer_report.skipped
+
+    @property
+    def preconditioned_modules(self) -> list[tuple[str, str, str]]:
+        """``(module name, type name, note)`` of every preconditioned layer."""
+        return self.layer_report.preconditioned
 
     def describe_layers(self) -> str:
         """Which modules K-FAC preconditions and which (with trainable parameters) it leaves to the optimizer."""
-        lines = [f"K-FAC preconditions {len(self.preconditioned_modules)} layer(s):"]
-        lines += [f"  {n or '<root>'} ({t}){' [' + note + ']' if note else ''}" for n, t, note in self.preconditioned_modules]
-        if self.skipped_modules:
-            lines.append(f"left to the optimizer ({len(self.skipped_modules)} module(s) with trainable parameters):")
-            lines += [f"  {n or '<root>'} ({t}): {why}" for n, t, why in self.skipped_modules]
-        return "\n".join(lines)
+        return self.layer_report.describe()
 
     def announce_layers(self) -> None:
         """Log :meth:`describe_layers` once; warn when modules with trainable parameters are left out."""
@@ -392,7 +364,11 @@ class KFACPreconditioner:
                 if h.partition_size > 1:
                     a, g = batch[h.name]
                     batch[h.name] = (a * h.partition_size, g * h.partition_size)
-            self._allreduce_mean([t for name in batch for t in batch[name]])
+            factors = [t for name in batch for t in batch[name]]
+            if self.options.symmetric_allreduce:
+                allreduce_mean_symmetric(self.comm, factors, self.bucket_cap_bytes)
+            else:
+                allreduce_mean(self.comm, factors, self.bucket_cap_bytes)
         if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
             # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
@@ -425,29 +401,6 @@ class KFACPreconditioner:
     def _comm_device(self) -> torch.device:
         # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
         return self.handlers[0].module.weight.device
-
-    def _allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
-        """Average ``tensors`` across ranks in place: fused into buckets, all in flight at once."""
-        for bucket, flat, handle in [(b, f, self.comm.allreduce(f, op="mean", async_op=True)) for b, f in self._buckets(tensors)]:
-            handle.wait()
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def _buckets(self, tensors: list[torch.Tensor]) -> Iterable[tuple[list[torch.Tensor], torch.Tensor]]:
-        bucket: list[torch.Tensor] = []
-        size = 0
-        out = []
-        for t in tensors:
-            if bucket and (size + t.numel() * t.element_size() > self.bucket_cap_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
-                out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
-                bucket, size = [], 0
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-        if bucket:
-            out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
-        return out
 
     # decompositions -------------------------------------------------------------------------------------
     def assignment(self) -> dict[tuple[int, str], int]:
@@ -497,32 +450,10 @@ class KFACPreconditioner:
 
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
         """One broadcast per owning rank of all its decompositions, all in flight at once (paper: allgather)."""
-        rank = self.comm.rank
-        device = self._comm_device()
-        by_owner: dict[int, list[tuple[LayerHandler, str]]] = {}
+        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            by_owner.setdefault(owner, []).append((h, kind))
-        pending = []
-        for owner, items in sorted(by_owner.items()):
-            shapes = [(h, kind, self._result_shapes(self.factors[h.name][kind].shape[0])) for h, kind in items]
-            total = sum(math.prod(s) for _, _, sh in shapes for s in sh.values())
-            if owner == rank:
-                flat = torch.cat([results[(h.name, kind)][k].reshape(-1).to(device) for h, kind, sh in shapes for k in sh])
-            else:
-                flat = torch.empty(total, dtype=self.decomposition_dtype, device=device)
-            pending.append((shapes, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
-        out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        for shapes, flat, handle in pending:
-            handle.wait()
-            offset = 0
-            for h, kind, sh in shapes:
-                res = {}
-                for k, shape in sh.items():
-                    n = math.prod(shape)
-                    res[k] = flat[offset : offset + n].view(shape).clone()
-                    offset += n
-                out[(h.name, kind)] = res
-        return out
+            items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0])))
+        return broadcast_by_owner(self.comm, items, results, self.decomposition_dtype, self._comm_device())  # type: ignore[arg-type, return-value]
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
@@ -588,36 +519,22 @@ class KFACPreconditioner:
 
     def _precondition_layer_wise(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """K-FAC-lw: the owner of a layer preconditions it and broadcasts the result (one buffer per owner)."""
-        rank = self.comm.rank
         owners = self.assignment()
-        device = self._comm_device()
-        by_owner: dict[int, list[LayerHandler]] = {}
+        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
+        local: dict[Hashable, dict[str, torch.Tensor]] = {}
         for i, h in enumerate(self.handlers):
             # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
-            if h.name in grads:
-                by_owner.setdefault(owners[(i, "A")], []).append(h)
-        pending = []
-        for owner, hs in sorted(by_owner.items()):
-            if owner == rank:
-                parts = []
-                for h in hs:
-                    if h.name in self.decompositions:
-                        parts.append(self._precondition_layer(h, grads[h.name]).reshape(-1))
-                    else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
-                        parts.append(grads[h.name].to(self.decomposition_dtype).reshape(-1))
-                flat = torch.cat(parts).to(device)
-            else:
-                flat = torch.empty(sum(grads[h.name].numel() for h in hs), dtype=self.decomposition_dtype, device=device)
-            pending.append((hs, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
-        out: dict[str, torch.Tensor] = {}
-        for hs, flat, handle in pending:
-            handle.wait()
-            offset = 0
-            for h in hs:
-                n = grads[h.name].numel()
-                out[h.name] = flat[offset : offset + n].view_as(grads[h.name])
-                offset += n
-        return out
+            if h.name not in grads:
+                continue
+            owner = owners[(i, "A")]
+            items.setdefault(owner, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
+            if owner == self.comm.rank:
+                if h.name in self.decompositions:
+                    local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
+                else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
+                    local[h.name] = {"p": grads[h.name]}
+        out = broadcast_by_owner(self.comm, items, local, self.decomposition_dtype, self._comm_device())
+        return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def _layer_wise_sharded(self) -> bool:
