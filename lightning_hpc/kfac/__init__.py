@@ -1,29 +1,46 @@
 """K-FAC gradient preconditioning (Pauloski et al., SC20), plain torch; Lightning adapters in callback.py and
 precision.py."""
 
-from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, LinearHandler, TiledConv2dHandler, make_handler
-from lightning_hpc.kfac.methods import COMPUTE_METHODS, ComputeMethod, EigenMethod, InverseMethod
+from lightning_hpc.kfac.layers import (
+    Conv2dHandler,
+    LayerHandler,
+    LinearHandler,
+    TiledConv2dHandler,
+    make_handler,
+)
+from lightning_hpc.kfac.methods import (
+    COMPUTE_METHODS,
+    ComputeMethod,
+    EigenMethod,
+    InverseMethod,
+)
 from lightning_hpc.kfac.options import KFACOptions
-from lightning_hpc.kfac.placement import PLACEMENTS, Placement, assign_factors, make_placement, placement_summary
+from lightning_hpc.kfac.placement import (
+    PLACEMENTS,
+    Placement,
+    assign_factors,
+    make_placement,
+    placement_summary,
+)
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.kfac.schedules import KFACSchedule
 
 __all__ = [
-    "KFACPreconditioner",
-    "KFACOptions",
-    "ComputeMethod",
-    "EigenMethod",
-    "InverseMethod",
-    "Placement",
-    "make_placement",
-    "KFACSchedule",
     "COMPUTE_METHODS",
     "PLACEMENTS",
-    "assign_factors",
-    "placement_summary",
+    "ComputeMethod",
+    "Conv2dHandler",
+    "EigenMethod",
+    "InverseMethod",
+    "KFACOptions",
+    "KFACPreconditioner",
+    "KFACSchedule",
     "LayerHandler",
     "LinearHandler",
-    "Conv2dHandler",
+    "Placement",
     "TiledConv2dHandler",
+    "assign_factors",
     "make_handler",
+    "make_placement",
+    "placement_summary",
 ]

@@ -26,8 +26,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
-from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.options import KFACOptions
+from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 
 __all__ = ["KFAC"]

@@ -18,7 +18,7 @@ import torch
 
 from lightning_hpc.distributed.comm import Communicator
 
-__all__ = ["allreduce_mean", "allreduce_mean_symmetric", "buckets", "broadcast_by_owner"]
+__all__ = ["allreduce_mean", "allreduce_mean_symmetric", "broadcast_by_owner", "buckets"]
 
 
 def buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:

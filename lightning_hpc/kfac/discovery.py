@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_hpc.kfac.layers import SUPPORTED, LayerHandler, LinearHandler, linear_batch_dim, make_handler
+from lightning_hpc.kfac.layers import (
+    SUPPORTED,
+    LayerHandler,
+    LinearHandler,
+    linear_batch_dim,
+    make_handler,
+)
 
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_hpc.kfac.linalg import sym_gram
 
-__all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "TiledConv2dHandler", "make_handler", "linear_batch_dim", "SUPPORTED"]
+__all__ = ["SUPPORTED", "Conv2dHandler", "LayerHandler", "LinearHandler", "TiledConv2dHandler", "linear_batch_dim", "make_handler"]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (nn.Linear, nn.Conv2d)

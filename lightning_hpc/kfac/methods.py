@@ -16,9 +16,14 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from lightning_hpc.kfac.linalg import precondition_eigen, precondition_inverse, safe_damped_inverse, safe_eigh
+from lightning_hpc.kfac.linalg import (
+    precondition_eigen,
+    precondition_inverse,
+    safe_damped_inverse,
+    safe_eigh,
+)
 
-__all__ = ["ComputeMethod", "EigenMethod", "InverseMethod", "COMPUTE_METHODS", "make_method"]
+__all__ = ["COMPUTE_METHODS", "ComputeMethod", "EigenMethod", "InverseMethod", "make_method"]
 
 
 class ComputeMethod(ABC):

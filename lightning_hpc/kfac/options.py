@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,20 +61,23 @@ class KFACOptions:
         batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
         bucket_cap_mb: size of the fused factor-allreduce buffers.
         conv_input_sample_fraction: fraction of each batch's samples whose patches form a Conv2d's A, in (0, 1].
+        Callables: ``damping``, ``factor_decay``, ``kl_clip``, ``factor_update_freq`` and ``inv_update_freq`` may
+            be callables of the optimizer step (the preconditioner's step counter) returning the value for that
+            step, checked when called (see :mod:`.schedules`).
         subsample_seed: seed of the sample-subset generator (only used when the fraction is below 1).
         symmetric_allreduce: all-reduce only the upper triangles of the (symmetric) factors, about half the
             bytes of the full matrices, with the same result (see :func:`.collectives.allreduce_mean_symmetric`).
     """
 
-    factor_update_freq: int | None = None
-    inv_update_freq: int = 100
-    factor_decay: float = 0.95
-    damping: float = 0.001
+    factor_update_freq: int | Callable[[int], int] | None = None
+    inv_update_freq: int | Callable[[int], int] = 100
+    factor_decay: float | Callable[[int], float] = 0.95
+    damping: float | Callable[[int], float] = 0.001
     damping_decay_epochs: Sequence[int] = field(default_factory=tuple)
     damping_decay_rate: float = 1.0
     update_freq_decay_epochs: Sequence[int] = field(default_factory=tuple)
     update_freq_decay_rate: float = 1.0
-    kl_clip: float | None = 0.001
+    kl_clip: float | Callable[[int], float] | None = 0.001
     compute_method: str = "eigen"
     placement: str = "balanced"
     skip_layers: str | Sequence[str] | None = None
@@ -92,9 +95,9 @@ class KFACOptions:
         if self.skip_layers is not None and not isinstance(self.skip_layers, str):
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
         self.schedule  # noqa: B018 - validates the schedule values
-        if not 0.0 <= self.factor_decay < 1.0:
+        if not callable(self.factor_decay) and not 0.0 <= self.factor_decay < 1.0:
             raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {self.factor_decay}")
-        if self.kl_clip is not None and not self.kl_clip >= 0:
+        if self.kl_clip is not None and not callable(self.kl_clip) and not self.kl_clip >= 0:
             raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {self.kl_clip}")
         if self.compute_method not in COMPUTE_METHODS:
             raise ValueError(f"K-FAC compute_method must be one of {tuple(COMPUTE_METHODS)}, got {self.compute_method!r}")
@@ -111,7 +114,10 @@ class KFACOptions:
     def schedule(self) -> KFACSchedule:
         """The epoch schedule of damping and update intervals (validated)."""
         factor_update_freq = self.factor_update_freq
-        if factor_update_freq is None:
+        if factor_update_freq is None and callable(self.inv_update_freq):
+            inv_freq = self.inv_update_freq
+            factor_update_freq = lambda step: max(1, inv_freq(step) // 10)
+        elif factor_update_freq is None:
             inv = self.inv_update_freq
             valid = isinstance(inv, int) and not isinstance(inv, bool) and inv > 0
             factor_update_freq = max(1, inv // 10) if valid else 1  # the schedule reports a bad inv_update_freq

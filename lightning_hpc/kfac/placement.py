@@ -26,8 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "PLACEMENTS", "Factor", "assign_factors", "placement_summary", "check_placement", "Placement", "RoundRobinPlacement",
-    "LayerWisePlacement", "BalancedPlacement", "make_placement",
+    "PLACEMENTS",
+    "BalancedPlacement",
+    "Factor",
+    "LayerWisePlacement",
+    "Placement",
+    "RoundRobinPlacement",
+    "assign_factors",
+    "check_placement",
+    "make_placement",
+    "placement_summary",
 ]  # fmt: skip
 
 PLACEMENTS = ("round_robin", "layer_wise", "balanced")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -41,14 +40,19 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.collectives import allreduce_mean, allreduce_mean_symmetric, broadcast_by_owner
+from lightning_hpc.kfac.collectives import (
+    allreduce_mean,
+    allreduce_mean_symmetric,
+    broadcast_by_owner,
+)
 from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.placement import make_placement
+from lightning_hpc.kfac.schedules import value_at
 
-__all__ = ["KFACPreconditioner", "COMPUTE_METHODS"]
+__all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
 
 _log = logging.getLogger("lightning_hpc.kfac")
 
@@ -95,7 +99,8 @@ class KFACPreconditioner:
             raise ValueError(f"KFACPreconditioner: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
         self.options = options
         self.schedule = options.schedule
-        self.factor_decay = float(options.factor_decay)
+        #: xi of Eq 16-17 and kappa of Eq 18: constants or callables of the step (see :meth:`current_factor_decay`)
+        self.factor_decay = options.factor_decay if callable(options.factor_decay) else float(options.factor_decay)
         self.kl_clip = options.kl_clip or None
         self.lr = lr
         self.optimizer = optimizer
@@ -178,15 +183,25 @@ class KFACPreconditioner:
     # -- schedule ----------------------------------------------------------------------------------------
     @property
     def damping(self) -> float:
-        return self.schedule.damping_at(self.epoch)
+        return self.schedule.damping_at(self.epoch, self.steps)
 
     @property
     def factor_update_freq(self) -> int:
-        return self.schedule.factor_update_freq_at(self.epoch)
+        return self.schedule.factor_update_freq_at(self.epoch, self.steps)
 
     @property
     def inv_update_freq(self) -> int:
-        return self.schedule.inv_update_freq_at(self.epoch)
+        return self.schedule.inv_update_freq_at(self.epoch, self.steps)
+
+    def current_factor_decay(self) -> float:
+        """``factor_decay`` at the current step (a callable of the step is called)."""
+        return float(value_at("factor_decay", self.factor_decay, self.steps, lambda v: 0.0 <= v < 1.0, "in [0, 1)"))
+
+    def current_kl_clip(self) -> float | None:
+        """``kl_clip`` at the current step (None or 0: disabled)."""
+        if self.kl_clip is None:
+            return None
+        return float(value_at("kl_clip", self.kl_clip, self.steps, lambda v: v is not None and v >= 0, ">= 0")) or None
 
     def set_epoch(self, epoch: int) -> None:
         """Apply the epoch schedules (damping decay, update-frequency decay); call at each epoch start."""
@@ -384,7 +399,7 @@ class KFACPreconditioner:
                     stacklevel=3,
                 )
             return
-        decay = self.factor_decay
+        decay = self.current_factor_decay()
         for name, (a, g) in batch.items():
             if name not in self.factors:
                 self.factors[name] = {"A": a.clone(), "G": g.clone()}
@@ -494,7 +509,8 @@ class KFACPreconditioner:
             zero = grads[name] == 0
             precond[name] = p.masked_fill(zero.all(dim=1, keepdim=True) | zero.all(dim=0, keepdim=True), 0.0)
         nu = 1.0
-        if self.kl_clip:
+        kl_clip = self.current_kl_clip()
+        if kl_clip:
             # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
             vg_sum = 0.0
             for h in self.handlers:
@@ -510,7 +526,7 @@ class KFACPreconditioner:
                     )
                 vg_sum += layer_lr**2 * abs(float((precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum()))
             if vg_sum > 0:
-                nu = min(1.0, math.sqrt(self.kl_clip / vg_sum))
+                nu = min(1.0, math.sqrt(kl_clip / vg_sum))
         self.last_nu = nu
         for h in self.handlers:
             if h.name in precond:

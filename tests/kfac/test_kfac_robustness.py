@@ -25,7 +25,7 @@ def _batch(seed: int, n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pre(model: nn.Module, **kw) -> KFACPreconditioner:
-    opts = dict(factor_update_freq=1, inv_update_freq=1, damping=0.1, kl_clip=None)
+    opts = {"factor_update_freq": 1, "inv_update_freq": 1, "damping": 0.1, "kl_clip": None}
     opts.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -75,7 +75,7 @@ def test_non_finite_statistics_never_enter_the_running_factors(corrupt):
         warnings.simplefilter("always")
         for i, batch in enumerate([clean[0], bad, clean[1], bad, clean[0]]):
             model.zero_grad()
-            _backward(model, *batch) if len(batch) == 3 else _backward(model, *batch)
+            _backward(model, *batch)
             pre.step()
             if i == 1:
                 bad_step_grads = [p.grad.clone() for p in model.parameters()]
@@ -180,9 +180,9 @@ def test_layer_called_twice_counts_samples_once_per_forward():
     twice, stacked = Twice(), Twice()
     x1, x2 = torch.randn(7, 5), torch.randn(7, 5)
     pre, ref = _pre(twice), _pre(stacked)
+    for micro in range(2):  # two accumulated micro-batches: each forward counts its 7 samples once
+        (twice(x1 + micro, x2 - micro).mean() / 2).backward()
     with pytest.warns(UserWarning, match="more than once per forward"):
-        for micro in range(2):  # two accumulated micro-batches: each forward counts its 7 samples once
-            (twice(x1 + micro, x2 - micro).mean() / 2).backward()
         pre.step()
     for micro in range(2):
         (stacked(torch.stack([x1 + micro, x2 - micro], dim=1)).mean() / 2).backward()
@@ -356,10 +356,9 @@ def test_callback_refuses_two_optimizers_before_any_step():
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 6)), batch_size=4)
-    with pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(module, data)
+    with pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # refused before any step
 
 
