@@ -118,6 +118,10 @@ class SpatialLayer:
             out = self.tile_call(_plain(x), (h, w))
         except PartitionError as e:
             raise SpatialDispatchError(f"spatial: {e}") from None
+        except RuntimeError as e:  # e.g. a wrong channel count: name the layer
+            if isinstance(e, SpatialDispatchError) or "spatial" in str(e)[:40]:
+                raise
+            raise SpatialDispatchError(f"spatial: {type(self).__name__} {self.describe()}: {e}") from e
         finally:
             st.depth -= 1
         if getattr(self, "replicated_output", False):

@@ -38,6 +38,7 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -215,7 +216,13 @@ class SpatialParallelStrategy(DDPStrategy):
         target = target if isinstance(target, torch.nn.Module) else module
         shape = self._input_shape()
         if shape is not None:
-            validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
+            try:
+                validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
+            except PartitionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the shape trace is an early check only; the first step checks every op
+                log.warning(f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
+                            f"{str(e)[:200]}); partitions are checked at the first training step instead")
         # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
         # the split activation itself (lightning_hpc.spatial.dispatch)
         convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)

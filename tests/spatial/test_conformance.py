@@ -167,6 +167,40 @@ class FlattenHead(nn.Module):
         return self.flat_head(torch.flatten(f, 1)) + self.pool_head(p)
 
 
+class CoordsStridesNorms(nn.Module):
+    """CoordConv (coordinates from x.shape), GroupNorm, InstanceNorm2d, max-pool with padding and ceil_mode,
+    x[..., ::2, ::2], F.unfold-free strided slicing, nearest upsampling back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(C + 2, 6, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 6)
+        self.inorm = nn.InstanceNorm2d(6, affine=True)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True)
+        self.out = nn.Conv2d(12, CLASSES, 1)
+
+    def forward(self, x):
+        n, _, h, w = x.shape
+        ys = torch.linspace(-1, 1, h).view(1, 1, h, 1).expand(n, 1, h, w)
+        xs = torch.linspace(-1, 1, w).view(1, 1, 1, w).expand(n, 1, h, w)
+        f = F.relu(self.gn(self.conv(torch.cat([x, ys, xs], dim=1))))
+        a = self.pool(self.inorm(f))
+        b = f[..., ::2, ::2]
+        a = F.interpolate(a, size=f.shape[-2:], mode="nearest")
+        b = F.interpolate(b, size=f.shape[-2:], mode="nearest")
+        return self.out(torch.cat([a, b], 1))
+
+
+class WrongChannels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(C, 4, 3, padding=1)
+        self.body = nn.Conv2d(5, CLASSES, 3, padding=1)  # expects 5 channels, gets 4
+
+    def forward(self, x):
+        return self.body(self.stem(x))
+
+
 class InPlaceEdit(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -196,6 +230,7 @@ IDIOMS = {
     "attention_over_positions": (AttentionOverPositions, "cls"),
     "flatten_head_params_after_pool": (FlattenHead, "cls"),
     "dropout": (Dropouts, "seg"),
+    "coords_strides_norms": (CoordsStridesNorms, "seg"),
 }
 
 
@@ -260,7 +295,7 @@ class TileData(pl.LightningDataModule):
 
 
 def build(name):
-    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip}[name], "seg")
+    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip, "wrong_channels": WrongChannels}[name], "seg")
     torch.manual_seed(0)
     return cls()
 
@@ -366,6 +401,10 @@ def test_refusals_name_op_and_module():
         err = res["inplace_edit"]["error"]
         assert "Tensor.__setitem__" in err and "module 'model' (InPlaceEdit)" in err, err
         assert res["inplace_edit"]["steps"] == 0  # before the first optimizer step
+    wrong = run_in_processes(_fit, 2, (2, 1), ["wrong_channels"], timeout_s=300, collective_timeout_s=60)
+    for res in wrong:
+        err = res["wrong_channels"]["error"]
+        assert "layer 'model.body'" in err and "channels" in err, err
     strict = run_in_processes(_fit, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
     for res in strict:
         err = res["flip"]["error"]
