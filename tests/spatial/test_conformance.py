@@ -366,16 +366,16 @@ def _err(a, b) -> float:
     return float((a - b).abs().max() / max(1.0, float(b.abs().max()))) if a.numel() else 0.0
 
 
-def _check_equal(res, ref, name):
+def _check_equal(res, ref, name, tol=TOL):
     assert "error" not in res, f"{name}: refused: {res.get('error')}"
-    assert abs(res["loss"] - ref["loss"]) <= TOL * max(1.0, abs(ref["loss"])), (name, res["loss"], ref["loss"])
+    assert abs(res["loss"] - ref["loss"]) <= tol * max(1.0, abs(ref["loss"])), (name, res["loss"], ref["loss"])
     assert len(res["grads"]) == len(ref["grads"])
     for k, (g, r) in enumerate(zip(res["grads"], ref["grads"])):
-        assert _err(g, r) <= TOL, f"{name}: gradient of parameter {k} differs by {_err(g, r)}"
+        assert _err(g, r) <= tol, f"{name}: gradient of parameter {k} differs by {_err(g, r)}"
     for k, (p, r) in enumerate(zip(res["params"], ref["params"])):
-        assert _err(p, r) <= TOL, f"{name}: parameter {k} after {STEPS} steps differs by {_err(p, r)}"
+        assert _err(p, r) <= tol, f"{name}: parameter {k} after {STEPS} steps differs by {_err(p, r)}"
     assert res["out"].shape == ref["out"].shape, (name, res["out"].shape, ref["out"].shape)
-    assert _err(res["out"], ref["out"]) <= TOL, f"{name}: outputs differ by {_err(res['out'], ref['out'])}"
+    assert _err(res["out"], ref["out"]) <= tol, f"{name}: outputs differ by {_err(res['out'], ref['out'])}"
 
 
 @pytest.fixture(scope="module")
@@ -440,3 +440,13 @@ def test_failure_on_one_rank_ends_every_rank_promptly():
     assert results[0]["error"] is not None, "rank 0 finished although its peer failed"
     assert "bad sample on rank 1" in results[0]["error"], results[0]["error"]
     assert max(r["seconds"] for r in results) < 60, results
+
+
+@pytest.mark.slow
+def test_idioms_equal_one_process_2x2(serial_refs):
+    """4 ranks on a 2x2 grid (uneven rows: H = 13); slow on a 2-core machine."""
+    results = run_in_processes(_fit, 4, (2, 2), list(IDIOMS), timeout_s=1200, collective_timeout_s=300)
+    for rank_res in results:
+        for name in IDIOMS:
+            # four partial sums per parameter gradient: fp32 summation order moved them by about 1e-5
+            _check_equal(rank_res[name], serial_refs[name], f"{name} at 2x2", tol=5e-5)
