@@ -54,7 +54,7 @@ from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["SpatialTensor", "SpatialDispatchError", "DispatchState", "split_tensor", "gather_tensor", "state"]
+__all__ = ["SpatialTensor", "SpatialDispatchError", "DispatchState", "split_tensor", "gather_tensor", "local_tile", "state"]
 
 
 class SpatialDispatchError(RuntimeError):
@@ -230,9 +230,17 @@ class SpatialTensor(torch.Tensor):
     _wdim: int
 
     @staticmethod
-    def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int) -> "SpatialTensor":
-        with torch._C.DisableTorchFunctionSubclass():
-            t = local.as_subclass(SpatialTensor)
+    def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int, *,
+             fresh: bool = False) -> "SpatialTensor":
+        """``fresh``: ``local`` is a new result nobody else holds; it becomes the SpatialTensor itself (no alias
+        view, so a later in-place op on it is not an in-place op on a view, which autograd would answer with a
+        whole-tensor copy in backward)."""
+        if fresh and type(local) is torch.Tensor:
+            local.__class__ = SpatialTensor
+            t = local
+        else:
+            with torch._C.DisableTorchFunctionSubclass():
+                t = local.as_subclass(SpatialTensor)
         t._grid, t._gshape, t._hdim, t._wdim = grid, tuple(int(s) for s in gshape), hdim % local.dim(), wdim % local.dim()
         return t
 
@@ -268,7 +276,14 @@ def split_tensor(full_or_tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence
 
 
 def gather_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered) for a split one, else ``t``."""
     return t.full() if isinstance(t, SpatialTensor) else t
+
+
+def local_tile(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tile as a plain tensor for a split one, else ``t``: for statistics whose per-rank counts are
+    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered."""
+    return t.local() if isinstance(t, SpatialTensor) else t
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -308,7 +323,7 @@ def _layout(t: SpatialTensor):
 
 def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, hdim=None, wdim=None) -> SpatialTensor:
     return SpatialTensor.wrap(local, ref._grid, ref._gshape if gshape is None else gshape,
-                              ref._hdim if hdim is None else hdim, ref._wdim if wdim is None else wdim)
+                              ref._hdim if hdim is None else hdim, ref._wdim if wdim is None else wdim, fresh=True)
 
 
 def _nbytes(t: torch.Tensor, shape) -> int:
@@ -379,6 +394,14 @@ _ELEMENTWISE = set(_resolve(" ".join(_UNARY + _BINARY)))
 _NO_TENSOR_OUT = set(_resolve("backward register_hook retain_grad register_post_accumulate_grad_hook"))
 _META = set(_resolve("dim ndimension is_contiguous is_floating_point is_complex element_size get_device data_ptr "
                      "is_signed storage_offset"))
+
+
+def _inplace_call(func, args, kwargs) -> bool:
+    """``F.relu(x, inplace=True)`` and friends: the functional form of an in-place op."""
+    if kwargs.get("inplace") is True:
+        return True
+    mod = getattr(func, "__module__", "") or ""
+    return mod.startswith("torch.nn.functional") and len(args) > 1 and args[-1] is True
 
 
 def _is_inplace(func) -> bool:
@@ -558,11 +581,14 @@ def _elementwise(func, args, kwargs):
         return NotImplemented  # a replicated tensor updated from tiles: gather (fallback refuses in-place)
     if getattr(func, "__name__", "") == "copy_" and not isinstance(args[1], SpatialTensor):
         return NotImplemented
-    out = func(*largs, **lkw)
-    if _is_inplace(func):
+    if _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(func, args, kwargs)):
+        # on the SpatialTensor itself, not on an alias of it (see SpatialTensor.wrap)
+        with torch._C.DisableTorchFunctionSubclass():
+            func(args[0], *largs[1:], **lkw)
         return args[0]
+    out = func(*largs, **lkw)
     if isinstance(out, torch.Tensor) and out.dim() == len(gshape):
-        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, hdim, wdim)
+        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, hdim, wdim, fresh=True)
     raise SpatialDispatchError(f"spatial: internal error: {_op_name(func)} in {_STATE.where()} gave an unexpected result")
 
 
@@ -571,7 +597,8 @@ def _fallback(func, args, kwargs):
     if not spatial:
         return func(*args, **kwargs)
     name = getattr(func, "__name__", "")
-    if _is_inplace(func) and isinstance(args[0], SpatialTensor) or kwargs.get("out") is not None:
+    if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
+            kwargs.get("out") is not None:
         _unsupported(func, "changes a split activation in place in a way that has no tiled form",
                      "Write it out of place (e.g. y = torch.cat(...) or y = x.clone() then edit y) so it can be computed "
                      "exactly", spatial, inplace=True)
@@ -604,7 +631,7 @@ def _resplit(out, ref: SpatialTensor):
                 local = _ScatterTile.apply(out, ref._grid, ref._hdim, ref._wdim)
             else:
                 local = out[_tile_index(out.shape, ref._hdim, ref._wdim, ref._grid)]
-            return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._hdim, ref._wdim)
+            return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._hdim, ref._wdim, fresh=True)
         return out
     if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
         return type(out)(_resplit(o, ref) for o in out)
@@ -917,7 +944,7 @@ def _loss(func, args, kwargs):
         g = list(inp._gshape)
         if class_dim_dropped:
             del g[1]
-        return SpatialTensor.wrap(out, ref._grid, g, hd, wd)
+        return SpatialTensor.wrap(out, ref._grid, g, hd, wd, fresh=True)
     local_sum = func(*largs, reduction="sum", **kw)
     total = all_reduce_replicated(local_sum, ref._grid.group)
     if red == "sum":
@@ -1150,10 +1177,11 @@ def _dropout(func, args, kwargs):
     else:
         mask = F.dropout(torch.ones(x._gshape, dtype=x.dtype, device=x.device), p, True)
         mask = mask[_tile_index(mask.shape, x._hdim, x._wdim, x._grid)]
-    local = _plain(x)
     if inplace:
-        local.mul_(mask)
+        with torch._C.DisableTorchFunctionSubclass():
+            x.mul_(mask)
         return x
+    local = _plain(x)
     return _wrap_like(local * mask, x)
 
 

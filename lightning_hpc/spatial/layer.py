@@ -127,7 +127,8 @@ class SpatialLayer:
         if getattr(self, "replicated_output", False):
             return out
         wh, ww = self.windows(h, w)
-        return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), 2, 3)
+        return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), 2, 3,
+                                  fresh=out is not x)
 
     def windows(self, h: int, w: int) -> tuple[Any, Any]:  # pragma: no cover - abstract
         """The per-dimension window (``out_size``, ``needed``) of this layer for an ``h x w`` input."""
