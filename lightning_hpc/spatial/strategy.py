@@ -226,7 +226,10 @@ class SpatialParallelStrategy(DDPStrategy):
         # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
         # the split activation itself (lightning_hpc.spatial.dispatch)
         convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
-        self._hooks = state().module_hooks(module)
+        st = state()
+        st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
+        st.warned.clear()
+        self._hooks = st.module_hooks(module)
         self._converted = True
 
     def configure_ddp(self) -> None:
