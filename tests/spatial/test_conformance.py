@@ -201,6 +201,21 @@ class WrongChannels(nn.Module):
         return self.body(self.stem(x))
 
 
+class SharedAcrossPool(nn.Module):
+    """One Linear used per pixel (on tiles) and on the pooled features (replicated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(C, 4, 3, padding=1)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Conv2d(4, CLASSES, 1)
+
+    def forward(self, x):
+        f = self.mix(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        g = self.mix(f.mean((2, 3)))
+        return self.out(f * g[:, :, None, None])
+
+
 class InPlaceEdit(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -295,7 +310,8 @@ class TileData(pl.LightningDataModule):
 
 
 def build(name):
-    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip, "wrong_channels": WrongChannels}[name], "seg")
+    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip, "wrong_channels": WrongChannels,
+                                                        "shared_across_pool": SharedAcrossPool}[name], "seg")
     torch.manual_seed(0)
     return cls()
 
@@ -401,10 +417,14 @@ def test_refusals_name_op_and_module():
         err = res["inplace_edit"]["error"]
         assert "Tensor.__setitem__" in err and "module 'model' (InPlaceEdit)" in err, err
         assert res["inplace_edit"]["steps"] == 0  # before the first optimizer step
-    wrong = run_in_processes(_fit, 2, (2, 1), ["wrong_channels"], timeout_s=300, collective_timeout_s=60)
+    wrong = run_in_processes(_fit, 2, (2, 1), ["wrong_channels", "shared_across_pool"], timeout_s=300,
+                             collective_timeout_s=60)
     for res in wrong:
         err = res["wrong_channels"]["error"]
         assert "layer 'model.body'" in err and "channels" in err, err
+        err = res["shared_across_pool"]["error"]
+        assert "parameter 'model.mix.weight'" in err and "F.linear in module 'model.mix' (Linear)" in err, err
+        assert res["shared_across_pool"]["steps"] == 0
     strict = run_in_processes(_fit, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
     for res in strict:
         err = res["flip"]["error"]
