@@ -23,7 +23,7 @@ The model is the recipes' section VI FCN (``lightning_hpc.models.mesh_fcn``: six
 (2K) conv-BN-ReLU with 3x3 filters, stride 2 at the first conv of each block, widths 16-32-64-128-256-256, a
 1x1 prediction conv and nearest upsampling to the input resolution).
 
-Run (through /work/bin/lhpc-bench on the shared machine):
+Run alone on the machine (e.g. under `flock` on a lock file that other benchmarks take too):
       python bench/spatial.py --only memory|scaling|overlap  [--repeats 3] [--rounds 3] [--overlap]
 """
 
