@@ -25,29 +25,6 @@ This package is plain torch: it never imports Lightning, and of the spatial laye
 
 from __future__ import annotations
 
-# Imported by the single-module planner this package replaces, and so reachable as attributes of it: kept so that
-# code written against that module keeps working.
-import copy as copy
-import itertools as itertools
-import math as math
-from collections.abc import Callable as Callable
-from collections.abc import Sequence as Sequence
-from dataclasses import asdict as asdict
-from dataclasses import dataclass as dataclass
-from dataclasses import field as field
-from typing import Any as Any
-
-import torch as torch
-from torch import fx as fx
-from torch import nn as nn
-from torch.fx.passes.shape_prop import ShapeProp as ShapeProp
-
-from lightning_hpc.perfmodel import AlphaBeta as AlphaBeta
-from lightning_hpc.perfmodel import LayerTimer as LayerTimer
-from lightning_hpc.perfmodel import alphabeta as alphabeta
-from lightning_hpc.perfmodel import time_callable as time_callable
-from lightning_hpc.perfmodel.sync import SyncCost as SyncCost
-from lightning_hpc.spatial.conv import tile_conv_applies as tile_conv_applies
 from lightning_hpc.spatial.planner.api import Plan, plan_for_model
 from lightning_hpc.spatial.planner.cost import DDP_BUCKET_BYTES as DDP_BUCKET_BYTES
 from lightning_hpc.spatial.planner.cost import DDP_FIRST_BUCKET_BYTES as DDP_FIRST_BUCKET_BYTES
