@@ -116,7 +116,7 @@ class KFACOptions:
         factor_update_freq = self.factor_update_freq
         if factor_update_freq is None and callable(self.inv_update_freq):
             inv_freq = self.inv_update_freq
-            factor_update_freq = lambda step: max(1, inv_freq(step) // 10)
+            factor_update_freq = lambda step: max(1, inv_freq(step) // 10)  # noqa: E731  (a value, not a def)
         elif factor_update_freq is None:
             inv = self.inv_update_freq
             valid = isinstance(inv, int) and not isinstance(inv, bool) and inv > 0

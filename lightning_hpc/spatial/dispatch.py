@@ -533,7 +533,6 @@ def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = 
         if s._grid is not ref._grid or s._hdim + off != hdim or s._wdim + off != wdim or \
                 s._gshape[s._hdim] != ref._gshape[ref._hdim] or s._gshape[s._wdim] != ref._gshape[ref._wdim]:
             return None
-    conv = {}
 
     def local_of(a):
         if isinstance(a, SpatialTensor):
