@@ -67,7 +67,6 @@ def main() -> None:
                     times["kfac_decomposition_step" if decomp else "kfac_factor_step"].append(ms)
     report = Report("kfac_step_times" + args.tag)
     report.meta.update(vars(args), note=f"{args.threads} thread(s), digits CNN (small_cnn), one epoch per seed, first steps included")
-    sgd = statistics.median(times["sgd"])
     for name, ts in times.items():
         report.add(step=name, steps=len(ts), median_ms=statistics.median(ts), mean_ms=statistics.fmean(ts))
     report.add_ratios("step", "median_ms", "sgd", ratio_name="median_vs_sgd")

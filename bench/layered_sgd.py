@@ -39,7 +39,11 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 from pathlib import Path
+
+if TYPE_CHECKING:
+    from harness import Report
 
 import torch
 from torch import nn
@@ -688,13 +692,13 @@ def plot(report: Report, name: str) -> None:
     links = list(dict.fromkeys(r["link_mbit"] for r in shaped))
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
     for mode in ("ddp", "layered"):
-        ys = [next((r["throughput"] for r in shaped if r["link_mbit"] == l and r["mode"] == mode), 0) for l in links]
-        ax[0].plot([str(l) for l in links], ys, marker="o", label=mode)
+        ys = [next((r["throughput"] for r in shaped if r["link_mbit"] == lv and r["mode"] == mode), 0) for lv in links]
+        ax[0].plot([str(lv) for lv in links], ys, marker="o", label=mode)
     ax[0].set_xlabel("inter-node link (Mbit/s)")
     ax[0].set_ylabel("samples/s")
     ax[0].legend()
-    ratio = [next((r.get("vs_ddp") for r in shaped if r["link_mbit"] == l and r["mode"] == "layered"), 0) for l in links]
-    ax[1].bar([str(l) for l in links], ratio)
+    ratio = [next((r.get("vs_ddp") for r in shaped if r["link_mbit"] == lv and r["mode"] == "layered"), 0) for lv in links]
+    ax[1].bar([str(lv) for lv in links], ratio)
     ax[1].axhline(1.0, color="k", lw=0.8)
     ax[1].set_xlabel("inter-node link (Mbit/s)")
     ax[1].set_ylabel("layered / ddp throughput")

@@ -14,6 +14,8 @@ Every process runs ONE torch thread (``run_in_processes`` sets it), the 1-proces
             gradient reduction, SGD) at mini-batch N = 1 and 2 on 1 and 2 processes, Table I style:
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
             "2 procs/sample" (spatial 2x1).  Configurations interleaved over rounds; medians of all steps.
+4. dispatch: step time of the same model and tile with plain tiles and with op dispatch (SpatialTensor, plain
+            mean loss), alternating step by step; and the all-gathers and bytes F.pad on a split dimension costs.
 3. overlap: the same 1K step on 2 processes with the halo exchange overlapped with the interior convolution
             (section IV-A) and the single-convolution path, alternating step by step in the same processes.
 
@@ -21,7 +23,7 @@ The model is the recipes' section VI FCN (``lightning_hpc.models.mesh_fcn``: six
 (2K) conv-BN-ReLU with 3x3 filters, stride 2 at the first conv of each block, widths 16-32-64-128-256-256, a
 1x1 prediction conv and nearest upsampling to the input resolution).
 
-Run (through /work/bin/lhpc-bench on the shared machine):
+Run alone on the machine (e.g. under `flock` on a lock file that other benchmarks take too):
       python bench/spatial.py --only memory|scaling|overlap  [--repeats 3] [--rounds 3] [--overlap]
 """
 
@@ -228,9 +230,74 @@ def bench_overlap(report: Report, repeats: int, size: int = 1024) -> None:
     print(report.rows[-2:], flush=True)
 
 
+def _small_cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.Upsample(scale_factor=2), nn.Conv2d(32, 1, 1))
+
+
+def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats: int):
+    """Step time of the same model and tile with plain tiles (the converted layers only; loss written with
+    ``global_pixel_count``) and with op dispatch (SpatialTensor input and target, a plain mean loss), alternating
+    step by step in the same processes; also the gathers a redistributing op (F.pad on a split dim) costs."""
+    from lightning_hpc.spatial.dispatch import split_tensor, state
+    from lightning_hpc.spatial.tiling import tile_slices
+
+    layout = create_hybrid_layout((2, 1))
+    grid = layout.grid
+    cin = 18 if model_name == "mesh" else 3
+    torch.manual_seed(0)
+    make = (lambda: mesh_model(3)) if model_name == "mesh" else _small_cnn
+    plain_model, disp_model = make(), make()
+    disp_model.load_state_dict(plain_model.state_dict())
+    convert_model(plain_model, grid)
+    convert_model(disp_model, grid, dispatch=True)
+    x = torch.randn(1, cin, size, size)
+    y = (torch.rand(1, 1, size, size) > 0.5).float()
+    rs, cs = tile_slices(size, size, (2, 1), grid.index)
+    xt, yt = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
+    times = {"plain": [], "dispatch": []}
+    for step in range(repeats + 1):
+        for mode in ("plain", "dispatch"):
+            model = plain_model if mode == "plain" else disp_model
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode == "plain":
+                out = model(xt)
+                loss = F.binary_cross_entropy_with_logits(out, yt, reduction="sum") / (size * size)
+            else:
+                xs = split_tensor(xt, grid, x.shape, 2, 3)
+                ys = split_tensor(yt, grid, y.shape, 2, 3)
+                loss = F.binary_cross_entropy_with_logits(model(xs), ys)
+            loss.backward()
+            tile, rep = split_parameters(model)
+            reduce_gradients(tile, rep, 1)
+            model.zero_grad(set_to_none=True)
+            if step:
+                times[mode].append(time.perf_counter() - t0)
+    st = state()
+    g0, b0 = st.gathers, st.gathered_bytes
+    xs = split_tensor(xt, grid, x.shape, 2, 3)
+    F.pad(xs, (0, 0, 1, 1))
+    return {"times": times, "pad_gathers": st.gathers - g0, "pad_bytes": st.gathered_bytes - b0,
+            "activation_bytes": x.numel() * x.element_size()}
+
+
+def bench_dispatch(report: Report, repeats: int) -> None:
+    for model_name, size in (("small_cnn", 256), ("mesh", 512)):
+        res = run_in_processes(_dispatch_worker, 2, model_name, size, repeats, timeout_s=1800)
+        t = res[0]["times"]
+        plain, disp = statistics.median(t["plain"]), statistics.median(t["dispatch"])
+        report.add(bench="dispatch_overhead", model=model_name, size=size, procs=2, parts="2x1",
+                   step_s_plain_tiles=plain, step_s_dispatch=disp, overhead=disp / plain - 1.0, steps=len(t["plain"]),
+                   pad_gathers=res[0]["pad_gathers"], pad_gathered_bytes=res[0]["pad_bytes"],
+                   activation_bytes=res[0]["activation_bytes"])
+        print(report.rows[-1], flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["memory", "scaling", "overlap"], action="append")
+    ap.add_argument("--only", choices=["memory", "scaling", "overlap", "dispatch"], action="append")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per process group (after 1 warm-up)")
     ap.add_argument("--size-2k", type=int, default=2048)
     ap.add_argument("--size-1k", type=int, default=1024)
@@ -246,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             bench_memory(report, args.size_2k, args.overlap)
         elif name == "scaling":
             bench_scaling(report, args.repeats, args.size_1k, args.rounds, args.overlap)
+        elif name == "dispatch":
+            bench_dispatch(report, args.repeats)
         else:
             bench_overlap(report, args.repeats, args.size_1k)
         report.meta["loadavg_end"] = os.getloadavg()

@@ -29,8 +29,8 @@ def test_wheel_carries_configs_and_recipes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = (
         "import lightning_hpc, lightning_hpc.cli.config_paths as c;"
-        "assert str(c.conf_dir()).startswith(%r), c.conf_dir();"
-        "print(' '.join(c.recipe_names()))" % str(target)
+        f"assert str(c.conf_dir()).startswith({str(target)!r}), c.conf_dir();"
+        "print(' '.join(c.recipe_names()))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,10 +32,8 @@ def loader(dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool, d
     )
 
 
-def require_dir(path: str | None, setting: str) -> "Path":
+def require_dir(path: str | None, setting: str) -> Path:
     """Fail early, naming the path, when a data directory is missing or empty."""
-    from pathlib import Path
-
     if not path:
         raise FileNotFoundError(f"{setting} is not set; point it at your data directory, or use data=synthetic")
     p = Path(path).expanduser()

@@ -12,12 +12,12 @@ and every rank scales its gradients by the same ``max_norm / (||g|| + 1e-6)`` (c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_grad_norm", "clip_grad_norm_"]
+__all__ = ["global_grad_norm", "clip_grad_norm_", "clip_by_global_norm"]
 
 
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -67,3 +67,21 @@ def clip_grad_norm_(
     for g in _grads(rep) + _grads(shard):
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def clip_by_global_norm(
+    sharded: Callable[[], Iterable[torch.Tensor]],
+    group: Callable[[], dist.ProcessGroup | None] = lambda: None,
+) -> Callable[[torch.optim.Optimizer, float], None]:
+    """A drop-in for a Lightning precision plugin's ``clip_grad_by_norm(optimizer, clip_val)`` under model
+    parallelism: the optimizer's parameters that ``sharded()`` lists are shards over ``group()``, the others are
+    replicated.  Every model-parallel strategy installs it the same way in its ``setup``."""
+
+    def clip(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        shard_ids = {id(p) for p in sharded()}
+        clip_grad_norm_(
+            [p for p in params if id(p) not in shard_ids], [p for p in params if id(p) in shard_ids], float(clip_val), group()
+        )
+
+    return clip

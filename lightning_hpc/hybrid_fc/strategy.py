@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 from lightning_hpc._compat import ddp_ignore_parameters
-from lightning_hpc.distributed.clip import clip_grad_norm_
+from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import new_group
 from lightning_hpc.hybrid_fc import (
@@ -161,10 +161,21 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._parallelized = True
 
     def setup(self, trainer: Any) -> None:
+        if str(trainer.state.fn) in ("predict", "TrainerFn.PREDICTING") and self.world_size > 1:
+            # Lightning's predict sampler gives ranks unequal numbers of samples and batches (no padding, so no
+            # duplicated predictions), but every rank must take part in each batch of the sharded head
+            raise ValueError(
+                "strategy='hybrid_fc' cannot run trainer.predict on several processes: Lightning's predict sampler "
+                "gives the ranks unequal batches, and every rank must take part in each batch of the sharded head. "
+                "Checkpoints hold the full, unsharded model: predict with Trainer(devices=1) (or strategy='ddp') "
+                "after loading it, e.g. trainer.predict(module, dataloaders, ckpt_path=...)"
+            )
         super().setup(trainer)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+            lambda: head_parameters(self._inner_model())
+        )
         if self.fc_update == "per_subbatch" and self.optimizers:
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
@@ -179,13 +190,6 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         return (
             f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
             "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
-        )
-
-    def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float | int) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        shards = {id(p) for p in head_parameters(self._inner_model())}
-        clip_grad_norm_(
-            [p for p in params if id(p) not in shards], [p for p in params if id(p) in shards], float(clip_val)
         )
 
     def _search_root(self) -> torch.nn.Module:

@@ -8,20 +8,39 @@ from lightning_hpc.kfac.layers import (
     TiledConv2dHandler,
     make_handler,
 )
-from lightning_hpc.kfac.placement import PLACEMENTS, assign_factors, placement_summary
-from lightning_hpc.kfac.preconditioner import COMPUTE_METHODS, KFACPreconditioner
+from lightning_hpc.kfac.methods import (
+    COMPUTE_METHODS,
+    ComputeMethod,
+    EigenMethod,
+    InverseMethod,
+)
+from lightning_hpc.kfac.options import KFACOptions
+from lightning_hpc.kfac.placement import (
+    PLACEMENTS,
+    Placement,
+    assign_factors,
+    make_placement,
+    placement_summary,
+)
+from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.kfac.schedules import KFACSchedule
 
 __all__ = [
-    "KFACPreconditioner",
-    "KFACSchedule",
     "COMPUTE_METHODS",
     "PLACEMENTS",
-    "assign_factors",
-    "placement_summary",
+    "ComputeMethod",
+    "Conv2dHandler",
+    "EigenMethod",
+    "InverseMethod",
+    "KFACOptions",
+    "KFACPreconditioner",
+    "KFACSchedule",
     "LayerHandler",
     "LinearHandler",
-    "Conv2dHandler",
+    "Placement",
     "TiledConv2dHandler",
+    "assign_factors",
     "make_handler",
+    "make_placement",
+    "placement_summary",
 ]

@@ -17,70 +17,40 @@ It only translates Lightning hooks:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.kfac.options import KFACOptions
 from lightning_hpc.kfac.precision import KFACMixedPrecision
-from lightning_hpc.kfac.preconditioner import KFACPreconditioner, validate_options
+from lightning_hpc.kfac.preconditioner import KFACPreconditioner
+from lightning_hpc.protocols import contract_of
 
 __all__ = ["KFAC"]
 
 
 class KFAC(Callback):
-    """K-FAC gradient preconditioning for any optimizer (SC20). Arguments as :class:`KFACPreconditioner`;
-    ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend, Horovod under
+    """K-FAC gradient preconditioning for any optimizer (SC20). Options as
+    :class:`~lightning_hpc.kfac.options.KFACOptions` (an instance, and/or its fields as keywords: the Hydra
+    config ``conf/callbacks/kfac.yaml`` passes them so); ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend, Horovod under
     ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise at
     construction, a precision without the K-FAC plugin at setup: both before training starts."""
 
-    def __init__(
-        self,
-        factor_update_freq: int | None = None,
-        inv_update_freq: int = 100,
-        factor_decay: float = 0.95,
-        damping: float = 0.001,
-        damping_decay_epochs: Sequence[int] = (),
-        damping_decay_rate: float = 1.0,
-        update_freq_decay_epochs: Sequence[int] = (),
-        update_freq_decay_rate: float = 1.0,
-        kl_clip: float | None = 0.001,
-        compute_method: str = "eigen",
-        placement: str = "balanced",
-        skip_layers: str | Sequence[str] | None = None,
-        decomposition_dtype: str = "float32",
-        batch_averaged: bool = True,
-        communicator: str | Communicator = "auto",
-        bucket_cap_mb: float = 25.0,
-        conv_input_sample_fraction: float = 1.0,
-    ) -> None:
-        self.options: dict[str, Any] = dict(
-            factor_update_freq=factor_update_freq,
-            inv_update_freq=inv_update_freq,
-            factor_decay=factor_decay,
-            damping=damping,
-            damping_decay_epochs=tuple(damping_decay_epochs),
-            damping_decay_rate=damping_decay_rate,
-            update_freq_decay_epochs=tuple(update_freq_decay_epochs),
-            update_freq_decay_rate=update_freq_decay_rate,
-            kl_clip=kl_clip,
-            compute_method=compute_method,
-            placement=placement,
-            decomposition_dtype=decomposition_dtype,
-            bucket_cap_mb=bucket_cap_mb,
-            conv_input_sample_fraction=conv_input_sample_fraction,
-        )
-        validate_options(**self.options)
-        self.skip_layers = skip_layers
-        self.batch_averaged = batch_averaged
+    def __init__(self, options: KFACOptions | None = None, communicator: str | Communicator = "auto", **overrides: Any) -> None:
+        try:
+            self.options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
+        except TypeError as e:  # an unknown keyword
+            raise ValueError(f"KFAC: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
         if isinstance(communicator, str) and communicator not in BACKENDS:
             raise ValueError(f"KFAC communicator must be one of {BACKENDS} or a Communicator, got {communicator!r}")
         self.communicator = communicator
+        destroy_process_group_at_exit()  # the factor collectives are asynchronous
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
@@ -90,30 +60,47 @@ class KFAC(Callback):
         if stage != "fit" or self.preconditioner is not None:
             return
         self.check_precision(trainer)
-        unsupported = getattr(trainer.strategy, "kfac_unsupported", None)
-        if unsupported:  # before any layer is hooked or any step runs
-            raise ValueError(unsupported)
-        if getattr(trainer.strategy, "replaces_layers_in_setup", False):
+        contract = contract_of(trainer.strategy)
+        if contract.kfac_unsupported:  # before any layer is hooked or any step runs
+            raise ValueError(contract.kfac_unsupported)
+        if contract.replaces_layers_in_setup:
             self._deferred = True  # hook the layers the strategy's setup puts in place (on_fit_start)
             return
         self._build(trainer, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_optimizers(trainer)
         if self._deferred and self.preconditioner is None:
             self._deferred = False
             self._build(trainer, pl_module)
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        note = getattr(trainer.strategy, "kfac_note", None)
+        note = contract_of(trainer.strategy).kfac_note
         if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
             rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
-        self.preconditioner = KFACPreconditioner(
-            pl_module, skip_layers=self.skip_layers, batch_averaged=self.batch_averaged, communicator=comm, **self.options
-        )
+        self.preconditioner = KFACPreconditioner(pl_module, self.options, communicator=comm, announce=False)
+        # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
+        report = self.preconditioner.describe_layers()
+        if self.preconditioner.skipped_modules:
+            rank_zero_warn(report)
+        else:
+            rank_zero_info(report)
         if self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    @staticmethod
+    def check_optimizers(trainer: pl.Trainer) -> None:
+        """K-FAC preconditions the layers of one optimizer (its factors, step counter and the lr of Eq 18 belong
+        to one optimizer step per training step): several optimizers are refused before the first step."""
+        n = len(trainer.optimizers)
+        if n > 1:
+            raise ValueError(
+                f"KFAC supports one optimizer, but configure_optimizers returned {n} (e.g. a GAN's generator and "
+                "discriminator optimizers). Use one optimizer with a parameter group per sub-network (each group "
+                "keeps its own lr, and K-FAC's KL clip uses each layer's group lr), or remove the KFAC callback"
+            )
 
     @staticmethod
     def check_precision(trainer: pl.Trainer) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_hpc.kfac.linalg import sym_gram
 
-__all__ = ["LayerHandler", "LinearHandler", "Conv2dHandler", "TiledConv2dHandler", "make_handler", "SUPPORTED"]
+__all__ = ["SUPPORTED", "Conv2dHandler", "LayerHandler", "LinearHandler", "TiledConv2dHandler", "linear_batch_dim", "make_handler"]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (nn.Linear, nn.Conv2d)
@@ -55,7 +55,15 @@ class LayerHandler:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
-        self.has_bias = getattr(module, "bias", None) is not None
+        bias = getattr(module, "bias", None)
+        #: the bias is folded into A (and preconditioned with the weight) only when it trains: a frozen bias is
+        #: neither part of the factors nor given a ``.grad``
+        self.has_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
+        #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
+        self.max_calls_per_forward = 0
+        # never reset: a hook of a discarded forward pass must not match a later call's token
+        self._next_token = 0
+        self._forward_id = 0
         self.reset_statistics()
 
     # -- sizes -------------------------------------------------------------------------------------------
@@ -70,11 +78,39 @@ class LayerHandler:
     # -- statistics --------------------------------------------------------------------------------------
     def reset_statistics(self) -> None:
         """Forget what the hooks captured (called after every optimizer step and on skipped AMP steps)."""
+        self.discard_committed()
+        # A call's input statistics wait here until its output gradient arrives (then both are committed): a
+        # forward pass that is never backpropagated (a skipped training_step, a loss not used) leaves nothing.
+        self._pending: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+        self._in_forward = False
+
+    def discard_committed(self) -> None:
+        """Forget the statistics of completed backward passes (calls still waiting for theirs are kept)."""
         self.a_sum: torch.Tensor | None = None
         self.a_rows = 0
         self.g_sum: torch.Tensor | None = None
         self.samples = 0
         self.g_samples = 0
+        #: dtype of the captured output gradients (float16 ones carry an AMP loss scale)
+        self.g_dtype: torch.dtype | None = None
+        # Samples are counted once per forward pass (its largest call), not once per call: a layer applied k
+        # times per sample is one layer at k positions (KFC's weight sharing), so its G equals the one of a single
+        # call on the k inputs stacked along a position dimension. A forward pass is the calls between two
+        # backward passes of the layer.
+        self._forward_counted: dict[int, tuple[int, int]] = {}  # forward id -> (samples counted, calls committed)
+
+    def sample_count(self, x: torch.Tensor) -> int:
+        """Samples in the captured input ``x`` (its batch dimension; 1 for an unbatched input)."""
+        return x.shape[0] if x.dim() > 1 else 1
+
+    def is_stale(self) -> bool:
+        """True when statistics from a completed backward pass are held but the weight's gradient was cleared
+        since (``zero_grad`` without :meth:`KFACPreconditioner.step`, e.g. a step skipped by the user or a
+        grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
+        if self.g_sum is None:
+            return False
+        grad = self.module.weight.grad
+        return grad is None or not bool(grad.any())
 
     def prepare_capture(self, capturing: bool) -> None:
         """Called before the layer's forward when :attr:`records_input` is set."""
@@ -123,20 +159,39 @@ class LayerHandler:
         return out
 
     @torch.no_grad()
-    def capture_input(self, x: torch.Tensor) -> None:
+    def capture_input(self, x: torch.Tensor) -> int:
+        """Compute the input statistics of one call; returns the token :meth:`capture_output_grad` commits."""
         # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
-        self.a_sum = contrib if self.a_sum is None else self.a_sum + contrib
-        self.a_rows += rows
-        self.samples += x.shape[0] if x.dim() > 1 else 1
+        if not self._in_forward:  # first call since the last backward pass: a new forward pass
+            self._in_forward = True
+            self._forward_id += 1
+        token = self._next_token
+        self._next_token += 1
+        self._pending[token] = (contrib, rows, self.sample_count(x), self._forward_id)
+        return token
 
     @torch.no_grad()
-    def capture_output_grad(self, g: torch.Tensor) -> None:
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> None:
+        """Add the output-gradient statistics of the call ``token`` and commit its input statistics."""
+        self._in_forward = False  # the backward pass ends the forward pass's calls
+        pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
+        if pending is None:  # statistics discarded since the forward pass
+            return
         with torch.autocast(g.device.type, enabled=False):
             contrib = self.output_gram(g)
         self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
         self.g_samples += g.shape[0]
+        self.g_dtype = g.dtype
+        a, rows, n, forward_id = pending
+        self.a_sum = a if self.a_sum is None else self.a_sum + a
+        self.a_rows += rows
+        counted, calls = self._forward_counted.get(forward_id, (0, 0))
+        if n > counted:
+            self.samples += n - counted
+        self._forward_counted[forward_id] = (max(n, counted), calls + 1)
+        self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
 
     @property
     def has_statistics(self) -> bool:
@@ -185,9 +240,25 @@ class LayerHandler:
 
 
 class LinearHandler(LayerHandler):
-    """``nn.Linear``; inputs with extra leading dimensions count each position as a row (T = numel / B / in)."""
+    """``nn.Linear``; inputs with extra leading dimensions count each position as a row (T = numel / B / in).
+
+    Of the leading dimensions of an input ``(..., in_features)``, :attr:`batch_dim` is the sample dimension and
+    all others are positions (KFC's weight sharing, as a convolution's positions): A is the mean over all rows,
+    G the per-sample sum over positions. ``batch_dim`` is 0 (batch first) unless the layer sits in a module
+    with ``batch_first=False`` (torch's ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` /
+    ``MultiheadAttention``, or a user module that sets that attribute), then 1: see
+    :func:`linear_batch_dims`.
+    """
 
     module: nn.Linear
+    batch_dim: int = 0
+
+    def sample_count(self, x: torch.Tensor) -> int:
+        if x.dim() <= 1:
+            return 1
+        if x.dim() == 2:
+            return x.shape[0]
+        return x.shape[self.batch_dim]
 
     @property
     def a_dim(self) -> int:
@@ -352,3 +423,30 @@ def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
             return TiledConv2dHandler(name, module)
         return Conv2dHandler(name, module)
     return None
+
+
+def _batch_first(module: nn.Module) -> bool | None:
+    """``module.batch_first`` when it declares one (directly or through a ``MultiheadAttention`` child, as
+    ``TransformerEncoderLayer`` does), else None."""
+    value = getattr(module, "batch_first", None)
+    if isinstance(value, bool):
+        return value
+    for child in module.children():
+        if isinstance(child, nn.MultiheadAttention):
+            return bool(child.batch_first)
+    return None
+
+
+def linear_batch_dim(name: str, modules: dict[str, nn.Module]) -> int:
+    """Sample dimension of the inputs of the Linear called ``name`` (for inputs of 3 or more dimensions): 1 when
+    the nearest enclosing module that declares ``batch_first`` declares it False (sequence-first ``(T, N, d)``
+    inputs, torch's default for its Transformer layers), else 0."""
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) - 1, -1, -1):
+        parent = modules.get(".".join(parts[:depth]))
+        if parent is None:
+            continue
+        bf = _batch_first(parent)
+        if bf is not None:
+            return 0 if bf else 1
+    return 0

@@ -31,7 +31,7 @@ try:  # optional: BLAS syrk on CPU (scipy comes with the `digits` extra through 
 except ImportError:  # pragma: no cover - depends on the environment
     _scipy_blas = None
 
-__all__ = ["safe_eigh", "safe_damped_inverse", "precondition_eigen", "precondition_inverse", "sym_gram", "JITTERS"]
+__all__ = ["JITTERS", "precondition_eigen", "precondition_inverse", "safe_damped_inverse", "safe_eigh", "sym_gram"]
 
 #: elements of the chunk buffer :func:`sym_gram` copies rows into (2 MiB in float32: it stays in the L2/L3 cache)
 GRAM_CHUNK_ELEMENTS = 1 << 19

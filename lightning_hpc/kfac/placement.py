@@ -25,7 +25,18 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PLACEMENTS", "Factor", "assign_factors", "placement_summary", "check_placement"]
+__all__ = [
+    "PLACEMENTS",
+    "BalancedPlacement",
+    "Factor",
+    "LayerWisePlacement",
+    "Placement",
+    "RoundRobinPlacement",
+    "assign_factors",
+    "check_placement",
+    "make_placement",
+    "placement_summary",
+]  # fmt: skip
 
 PLACEMENTS = ("round_robin", "layer_wise", "balanced")
 
@@ -94,14 +105,10 @@ def assign_factors(layer_dims: Sequence[tuple[int, int]], world_size: int, place
 
     Deterministic: every rank computes the same map without communicating.
     """
-    check_placement(placement)
+    policy = make_placement(placement)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if placement == "round_robin":
-        return _round_robin(layer_dims, world_size)
-    if placement == "layer_wise":
-        return _layer_wise(layer_dims, world_size)
-    return _balanced(layer_dims, world_size)
+    return policy.assign(layer_dims, world_size)
 
 
 def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]) -> dict:
@@ -128,3 +135,47 @@ def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, as
         "max_over_mean": max_cost / (total / world_size) if total else 1.0,
         "max_over_lower_bound": max_cost / lower if lower else 1.0,
     }
+
+
+class Placement:
+    """A placement policy as an object (cf. kfac-pytorch's ``WorkAssignment``): which rank decomposes each
+    factor, and whether that rank also preconditions the layer's gradient and broadcasts the result
+    (:attr:`owner_preconditions`, K-FAC-lw) instead of broadcasting the decompositions to every rank."""
+
+    name: str = ""
+    #: the factor owner preconditions the layer and broadcasts the preconditioned gradient every step; the
+    #: decompositions stay on their owner (sharded across ranks)
+    owner_preconditions: bool = False
+
+    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+        """``(layer index, "A"|"G") -> rank``; deterministic, so every rank computes it without communicating."""
+        raise NotImplementedError
+
+
+class RoundRobinPlacement(Placement):
+    name = "round_robin"
+
+    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+        return _round_robin(layer_dims, world_size)
+
+
+class LayerWisePlacement(Placement):
+    name = "layer_wise"
+    owner_preconditions = True
+
+    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+        return _layer_wise(layer_dims, world_size)
+
+
+class BalancedPlacement(Placement):
+    name = "balanced"
+
+    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+        return _balanced(layer_dims, world_size)
+
+
+_POLICIES: dict[str, type[Placement]] = {"round_robin": RoundRobinPlacement, "layer_wise": LayerWisePlacement, "balanced": BalancedPlacement}
+
+
+def make_placement(placement: str) -> Placement:
+    return _POLICIES[check_placement(placement)]()

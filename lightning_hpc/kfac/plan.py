@@ -21,7 +21,7 @@ import torch
 from lightning_hpc.kfac.layers import make_handler
 from lightning_hpc.kfac.placement import PLACEMENTS, assign_factors, placement_summary
 
-__all__ = ["main", "plan", "model_factor_dims"]
+__all__ = ["main", "model_factor_dims", "plan"]
 
 
 def model_factor_dims(model_name: str) -> tuple[list[str], list[tuple[int, int]]]:

@@ -30,204 +30,104 @@ can be swapped in.
 
 from __future__ import annotations
 
+import logging
 import math
-import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.layers import (
-    Conv2dHandler,
-    LayerHandler,
-    TiledConv2dHandler,
-    make_handler,
+from lightning_hpc.kfac.collectives import (
+    allreduce_mean,
+    allreduce_mean_symmetric,
+    broadcast_by_owner,
 )
-from lightning_hpc.kfac.linalg import (
-    precondition_eigen,
-    precondition_inverse,
-    safe_damped_inverse,
-    safe_eigh,
-)
-from lightning_hpc.kfac.placement import assign_factors, check_placement
-from lightning_hpc.kfac.schedules import KFACSchedule
+from lightning_hpc.kfac.discovery import find_layers
+from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
+from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
+from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
+from lightning_hpc.kfac.placement import make_placement
+from lightning_hpc.kfac.schedules import value_at
 
-__all__ = ["KFACPreconditioner", "COMPUTE_METHODS", "validate_options"]
+__all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
 
-COMPUTE_METHODS = ("eigen", "inverse")
-
-
-def _compile_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Pattern[str]]:
-    if skip_layers is None:
-        return []
-    if isinstance(skip_layers, str):
-        skip_layers = [skip_layers]
-    out = []
-    for p in skip_layers:
-        try:
-            out.append(re.compile(p))
-        except re.error as e:
-            raise ValueError(f"K-FAC skip_layers: invalid regular expression {p!r}: {e}") from e
-    return out
-
-
-def validate_options(
-    *,
-    factor_update_freq: int | None,
-    inv_update_freq: int,
-    factor_decay: float,
-    damping: float,
-    damping_decay_epochs: Sequence[int],
-    damping_decay_rate: float,
-    update_freq_decay_epochs: Sequence[int],
-    update_freq_decay_rate: float,
-    kl_clip: float | None,
-    compute_method: str,
-    placement: str,
-    decomposition_dtype: torch.dtype | str,
-    bucket_cap_mb: float,
-    conv_input_sample_fraction: float = 1.0,
-) -> tuple[KFACSchedule, torch.dtype]:
-    """Check every K-FAC option (raises ``ValueError`` naming the setting); returns the schedule and dtype.
-
-    Shared by :class:`KFACPreconditioner` and the Lightning callback, which checks before training starts.
-    """
-    if factor_update_freq is None:
-        if isinstance(inv_update_freq, int) and not isinstance(inv_update_freq, bool) and inv_update_freq > 0:
-            factor_update_freq = max(1, inv_update_freq // 10)
-        else:
-            factor_update_freq = 1  # the schedule below reports the bad inv_update_freq
-    schedule = KFACSchedule(
-        damping=damping,
-        factor_update_freq=factor_update_freq,
-        inv_update_freq=inv_update_freq,
-        damping_decay_epochs=tuple(int(e) for e in damping_decay_epochs),
-        damping_decay_rate=damping_decay_rate,
-        update_freq_decay_epochs=tuple(int(e) for e in update_freq_decay_epochs),
-        update_freq_decay_rate=update_freq_decay_rate,
-    )
-    if not 0.0 <= factor_decay < 1.0:
-        raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {factor_decay}")
-    if kl_clip is not None and not kl_clip >= 0:
-        raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {kl_clip}")
-    if compute_method not in COMPUTE_METHODS:
-        raise ValueError(f"K-FAC compute_method must be one of {COMPUTE_METHODS}, got {compute_method!r}")
-    check_placement(placement)
-    if isinstance(decomposition_dtype, str):
-        decomposition_dtype = {"float32": torch.float32, "float64": torch.float64}.get(decomposition_dtype)  # type: ignore[assignment]
-    if decomposition_dtype not in (torch.float32, torch.float64):
-        raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-    if isinstance(conv_input_sample_fraction, bool) or not 0.0 < conv_input_sample_fraction <= 1.0:
-        raise ValueError(
-            f"K-FAC conv_input_sample_fraction must be in (0, 1] (1 = every sample, the default), got {conv_input_sample_fraction!r}"
-        )
-    return schedule, decomposition_dtype  # type: ignore[return-value]
+_log = logging.getLogger("lightning_hpc.kfac")
 
 
 class KFACPreconditioner:
-    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC.
+    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC (SC20 Alg. 1).
+
+    The decomposition and preconditioning rules are a :class:`~lightning_hpc.kfac.methods.ComputeMethod`
+    (``self.method``: Eq 13-15 or Eq 11-12); which rank decomposes what, and who preconditions, a
+    :class:`~lightning_hpc.kfac.placement.Placement` (``self.placement_policy``).
 
     Args:
         model: the module whose Linear / Conv2d layers are preconditioned (every other parameter is untouched).
-        factor_update_freq: steps between factor updates; default ``max(1, inv_update_freq // 10)``
-            ("factors updated 10x as often", section V-C).
-        inv_update_freq: steps between decompositions (the paper's kfac-update-freq).
-        factor_decay: running-average weight of the old factor (xi of Eq 16-17), in [0, 1).
-        damping: Tikhonov damping gamma (Eq 11, 14), >= 0.
-        damping_decay_epochs / damping_decay_rate: multiply damping by the rate at each listed epoch.
-        update_freq_decay_epochs / update_freq_decay_rate: multiply both update intervals at each listed epoch.
-        kl_clip: kappa of Eq 18; ``None`` or 0 disables the scaling.
+        options: the hyper-parameters (:class:`~lightning_hpc.kfac.options.KFACOptions`); its fields may also be
+            given as keywords (``damping=0.003, inv_update_freq=10``), which override ``options``.
         lr: learning rate for Eq 18 when no optimizer is given (float or zero-argument callable);
             ``step(lr=...)`` overrides it.
         optimizer: optimizer whose parameter-group lr Eq 18 uses (the group holding each layer's weight).
-        compute_method: ``"eigen"`` (Eq 13-15, default) or ``"inverse"`` (Eq 11-12).
-        placement: ``"balanced"`` (default), ``"round_robin"`` or ``"layer_wise"``, see :mod:`.placement`.
-        skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
-        decomposition_dtype: ``torch.float32`` (default) or ``torch.float64``.
-        batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
         communicator: collectives backend; default :class:`TorchDistributedCommunicator`.
-        bucket_cap_mb: size of the fused factor-allreduce buffers.
-        conv_input_sample_fraction: optional, off by default (1.0). Below 1, each Conv2d layer's A factor is
-            estimated from the input patches of a random subset of ``ceil(fraction * N)`` of the ``N`` samples
-            of every captured batch (G and Linear layers keep the whole batch). This is the input subsampling of
-            the TensorFlow K-FAC library (tensorflow/kfac, ``fisher_factors.py``:
-            ``_SUB_SAMPLE_INPUTS`` / ``_INPUTS_TO_EXTRACT_PATCHES_FACTOR``, off there by default too): A is a
-            mean over rows, so the subset's mean is an unbiased estimate of it, averaged further by the running
-            average (Eq 16-17), at about ``fraction`` of the cost of the A Grams. Not the paper's (SC20)
-            computation; not supported for spatially tiled layers. ``subsample_seed`` seeds the subset generator.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: ``step()`` then reads the loss scale
+            the captured output gradients carry from it. Without it, a step whose captured output gradients are
+            float16 must be told the scale (``step(grad_scale=scaler.get_scale())``, or ``grad_scale=1.0`` for
+            fp16 without loss scaling): forgetting it would inflate G by the squared scale and shrink every update.
+        announce: say once, at construction, which modules are preconditioned and which are left to the
+            optimizer, and why (logged at INFO; a ``UserWarning`` when trainable modules are left out). The
+            Lightning callback announces on rank 0 instead.
     """
 
     def __init__(
         self,
         model: nn.Module,
+        options: KFACOptions | None = None,
         *,
-        factor_update_freq: int | None = None,
-        inv_update_freq: int = 100,
-        factor_decay: float = 0.95,
-        damping: float = 0.001,
-        damping_decay_epochs: Sequence[int] = (),
-        damping_decay_rate: float = 1.0,
-        update_freq_decay_epochs: Sequence[int] = (),
-        update_freq_decay_rate: float = 1.0,
-        kl_clip: float | None = 0.001,
         lr: float | Callable[[], float] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        compute_method: str = "eigen",
-        placement: str = "balanced",
-        skip_layers: str | Sequence[str] | None = None,
-        decomposition_dtype: torch.dtype | str = torch.float32,
-        batch_averaged: bool = True,
         communicator: Communicator | None = None,
-        bucket_cap_mb: float = 25.0,
-        conv_input_sample_fraction: float = 1.0,
-        subsample_seed: int = 0,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        announce: bool = True,
+        **overrides: Any,
     ) -> None:
-        self.schedule, decomposition_dtype = validate_options(
-            factor_update_freq=factor_update_freq,
-            inv_update_freq=inv_update_freq,
-            factor_decay=factor_decay,
-            damping=damping,
-            damping_decay_epochs=damping_decay_epochs,
-            damping_decay_rate=damping_decay_rate,
-            update_freq_decay_epochs=update_freq_decay_epochs,
-            update_freq_decay_rate=update_freq_decay_rate,
-            kl_clip=kl_clip,
-            compute_method=compute_method,
-            placement=placement,
-            decomposition_dtype=decomposition_dtype,
-            bucket_cap_mb=bucket_cap_mb,
-            conv_input_sample_fraction=conv_input_sample_fraction,
-        )
-        self.factor_decay = float(factor_decay)
-        self.kl_clip = kl_clip or None
+        try:
+            options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
+        except TypeError as e:  # an unknown keyword
+            raise ValueError(f"KFACPreconditioner: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
+        self.options = options
+        self.schedule = options.schedule
+        #: xi of Eq 16-17 and kappa of Eq 18: constants or callables of the step (see :meth:`current_factor_decay`)
+        self.factor_decay = options.factor_decay if callable(options.factor_decay) else float(options.factor_decay)
+        self.kl_clip = options.kl_clip or None
         self.lr = lr
         self.optimizer = optimizer
-        self.compute_method = compute_method
-        self.placement = placement
-        self.decomposition_dtype: torch.dtype = decomposition_dtype  # type: ignore[assignment]
-        self.batch_averaged = batch_averaged
+        self.compute_method = options.compute_method
+        self.method = make_method(options.compute_method)
+        self.placement = options.placement
+        self.placement_policy = make_placement(options.placement)
+        self.decomposition_dtype: torch.dtype = options.torch_decomposition_dtype
+        self.batch_averaged = options.batch_averaged
         self.comm = communicator or TorchDistributedCommunicator()
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.bucket_cap_bytes = int(options.bucket_cap_mb * 2**20)
+        self.grad_scaler = grad_scaler
+        #: factor-update steps whose statistics were dropped for being non-finite
+        self.dropped_statistics_steps = 0
 
-        patterns = _compile_patterns(skip_layers)
-        self.handlers: list[LayerHandler] = []
-        for name, module in model.named_modules():
-            handler = make_handler(name, module)
-            if handler is None or not module.weight.requires_grad:
-                continue
-            if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
-                continue
-            self.handlers.append(handler)
+        skip_layers = options.skip_layers
+        patterns = compile_skip_patterns(skip_layers)
+        #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
+        self.layer_report = find_layers(model, patterns)
+        self.handlers: list[LayerHandler] = self.layer_report.handlers
         if not self.handlers:
             raise ValueError(
                 "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
                 + (f" after skip_layers={skip_layers!r}" if patterns else "")
             )
+        if announce:
+            self.announce_layers()
 
         #: running factors and decompositions by layer name
         self.factors: dict[str, dict[str, torch.Tensor]] = {}
@@ -238,13 +138,34 @@ class KFACPreconditioner:
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
         self._check_partitions()
-        self.conv_input_sample_fraction = float(conv_input_sample_fraction)
+        self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
         #: draws the A-factor sample subsets (only used when conv_input_sample_fraction < 1; saved in checkpoints)
         self.subsample_generator: torch.Generator | None = None
         if self.conv_input_sample_fraction < 1.0:
-            self._enable_subsampling(int(subsample_seed))
+            self._enable_subsampling(int(options.subsample_seed))
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
+
+    @property
+    def skipped_modules(self) -> list[tuple[str, str, str]]:
+        """``(module name, type name, reason)`` of every module with trainable parameters left to the optimizer."""
+        return self.layer_report.skipped
+
+    @property
+    def preconditioned_modules(self) -> list[tuple[str, str, str]]:
+        """``(module name, type name, note)`` of every preconditioned layer."""
+        return self.layer_report.preconditioned
+
+    def describe_layers(self) -> str:
+        """Which modules K-FAC preconditions and which (with trainable parameters) it leaves to the optimizer."""
+        return self.layer_report.describe()
+
+    def announce_layers(self) -> None:
+        """Log :meth:`describe_layers` once; warn when modules with trainable parameters are left out."""
+        text = self.describe_layers()
+        _log.info(text)
+        if self.skipped_modules:
+            warnings.warn(text, UserWarning, stacklevel=3)
 
     def _enable_subsampling(self, seed: int) -> None:
         tiled = [h.name for h in self.handlers if isinstance(h, TiledConv2dHandler)]
@@ -262,15 +183,25 @@ class KFACPreconditioner:
     # -- schedule ----------------------------------------------------------------------------------------
     @property
     def damping(self) -> float:
-        return self.schedule.damping_at(self.epoch)
+        return self.schedule.damping_at(self.epoch, self.steps)
 
     @property
     def factor_update_freq(self) -> int:
-        return self.schedule.factor_update_freq_at(self.epoch)
+        return self.schedule.factor_update_freq_at(self.epoch, self.steps)
 
     @property
     def inv_update_freq(self) -> int:
-        return self.schedule.inv_update_freq_at(self.epoch)
+        return self.schedule.inv_update_freq_at(self.epoch, self.steps)
+
+    def current_factor_decay(self) -> float:
+        """``factor_decay`` at the current step (a callable of the step is called)."""
+        return float(value_at("factor_decay", self.factor_decay, self.steps, lambda v: 0.0 <= v < 1.0, "in [0, 1)"))
+
+    def current_kl_clip(self) -> float | None:
+        """``kl_clip`` at the current step (None or 0: disabled)."""
+        if self.kl_clip is None:
+            return None
+        return float(value_at("kl_clip", self.kl_clip, self.steps, lambda v: v is not None and v >= 0, ">= 0")) or None
 
     def set_epoch(self, epoch: int) -> None:
         """Apply the epoch schedules (damping decay, update-frequency decay); call at each epoch start."""
@@ -311,7 +242,7 @@ class KFACPreconditioner:
             # would be computed for the wrong layer type.
             raise RuntimeError(
                 f"K-FAC layer {handler.name!r} was replaced by a {type(module).__name__} after the K-FAC hooks were "
-                "registered (e.g. by lightning_hpc.spatial.convert_model); create the "
+                "registered (e.g. by lightning_hpc.strategies.spatial.convert_model); create the "
                 "KFACPreconditioner after converting the model (the KFAC callback does this by itself)"
             )
 
@@ -330,8 +261,12 @@ class KFACPreconditioner:
                 return
             if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return
-            handler.capture_input(x)
-            output.register_hook(handler.capture_output_grad)
+            if handler.is_stale():
+                # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
+                for h in self.handlers:
+                    h.discard_committed()
+            token = handler.capture_input(x)
+            output.register_hook(lambda g: handler.capture_output_grad(g, token))
 
         return hook
 
@@ -346,15 +281,39 @@ class KFACPreconditioner:
             h.reset_statistics()
 
     # -- step --------------------------------------------------------------------------------------------
+    def _resolve_grad_scale(self, grad_scale: float | None) -> float:
+        """The loss scale the captured output gradients carry: ``grad_scale`` if given, else the ``grad_scaler``'s
+        current scale, else 1 -- refused when float16 output gradients were captured with neither (AMP's scale
+        would enter G squared and make every update near zero)."""
+        if grad_scale is not None:
+            return float(grad_scale)
+        if self.grad_scaler is not None:
+            return float(self.grad_scaler.get_scale()) if self.grad_scaler.is_enabled() else 1.0
+        if self.is_factor_update_step and any(h.g_dtype == torch.float16 for h in self.handlers):
+            raise ValueError(
+                "K-FAC captured float16 output gradients but was not told the loss scale they carry: pass "
+                "KFACPreconditioner(..., grad_scaler=scaler), or call step(grad_scale=scaler.get_scale()) after "
+                "scaler.unscale_(optimizer) (grad_scale=1.0 for float16 without a GradScaler)"
+            )
+        return 1.0
+
     @torch.no_grad()
-    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float | None = None, grad_scale: float | None = None) -> None:
         """Precondition ``.grad`` of every registered layer in place (after the gradient allreduce).
 
-        ``grad_scale`` is the AMP loss scale the captured output gradients carry (1 without a grad scaler).
+        ``grad_scale`` is the AMP loss scale the captured output gradients carry (default: the ``grad_scaler``'s
+        scale, else 1; required when float16 output gradients were captured without a ``grad_scaler``).
         """
+        if all(h.module.weight.grad is None for h in self.handlers):
+            # No gradient at all (a training_step that returned None, a loss that did not reach these layers):
+            # the optimizer step does nothing, so neither does K-FAC; the step does not count.
+            self.discard_statistics()
+            return
         try:
+            scale = self._resolve_grad_scale(grad_scale)
             if self.is_factor_update_step:
-                self._update_factors(grad_scale)
+                self._note_shared_layers()
+                self._update_factors(scale)
             if self.is_inv_update_step or self._missing_decompositions():
                 self._update_decompositions()
             self._precondition(lr)
@@ -362,11 +321,26 @@ class KFACPreconditioner:
             self.discard_statistics()
             self.steps += 1
 
+    def _note_shared_layers(self) -> None:
+        """One note, the first time, for layers called more than once per forward pass."""
+        shared = [(h.name, h.max_calls_per_forward) for h in self.handlers if h.max_calls_per_forward > 1 and f"calls:{h.name}" not in self._warned]
+        if not shared:
+            return
+        self._warned.update(f"calls:{name}" for name, _ in shared)
+        warnings.warn(
+            f"K-FAC: layer(s) called more than once per forward pass {shared[:5]} (name, calls): each is treated as "
+            "one layer applied at several positions (KFC's weight sharing): samples are counted once per forward "
+            "pass, every call's inputs are rows of A, so G equals a single call on the calls' inputs stacked along "
+            "a position dimension",
+            UserWarning,
+            stacklevel=4,
+        )
+
     def _missing_decompositions(self) -> bool:
         """Layers with factors but no decomposition on the rank that must hold it (hooks that fired late, a
         checkpoint restored under multi-rank layer_wise): decomposed at once rather than at the next interval.
         Every rank reaches the same answer, because factors and shared decompositions are identical."""
-        if self.placement == "layer_wise" and self.comm.world_size > 1:
+        if self.placement_policy.owner_preconditions and self.comm.world_size > 1:
             owners = self.assignment()
             mine = [h for i, h in enumerate(self.handlers) if owners[(i, "A")] == self.comm.rank]
         else:
@@ -405,8 +379,27 @@ class KFACPreconditioner:
                 if h.partition_size > 1:
                     a, g = batch[h.name]
                     batch[h.name] = (a * h.partition_size, g * h.partition_size)
-            self._allreduce_mean([t for name in batch for t in batch[name]])
-        decay = self.factor_decay
+            factors = [t for name in batch for t in batch[name]]
+            if self.options.symmetric_allreduce:
+                allreduce_mean_symmetric(self.comm, factors, self.bucket_cap_bytes)
+            else:
+                allreduce_mean(self.comm, factors, self.bucket_cap_bytes)
+        if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
+            # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
+            # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
+            self.dropped_statistics_steps += 1
+            bad = [name for name, (a, g) in batch.items() if not self._all_finite([a, g])]
+            if "nonfinite" not in self._warned:
+                self._warned.add("nonfinite")
+                warnings.warn(
+                    f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
+                    "statistics are dropped and the running factors kept (said once; dropped_statistics_steps "
+                    "counts them)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return
+        decay = self.current_factor_decay()
         for name, (a, g) in batch.items():
             if name not in self.factors:
                 self.factors[name] = {"A": a.clone(), "G": g.clone()}
@@ -415,50 +408,26 @@ class KFACPreconditioner:
                 running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
                 running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
 
+    @staticmethod
+    def _all_finite(tensors: list[torch.Tensor]) -> bool:
+        # one host synchronisation for all layers
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
     def _comm_device(self) -> torch.device:
         # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
         return self.handlers[0].module.weight.device
-
-    def _allreduce_mean(self, tensors: list[torch.Tensor]) -> None:
-        """Average ``tensors`` across ranks in place: fused into buckets, all in flight at once."""
-        for bucket, flat, handle in [(b, f, self.comm.allreduce(f, op="mean", async_op=True)) for b, f in self._buckets(tensors)]:
-            handle.wait()
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def _buckets(self, tensors: list[torch.Tensor]) -> Iterable[tuple[list[torch.Tensor], torch.Tensor]]:
-        bucket: list[torch.Tensor] = []
-        size = 0
-        out = []
-        for t in tensors:
-            if bucket and (size + t.numel() * t.element_size() > self.bucket_cap_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
-                out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
-                bucket, size = [], 0
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-        if bucket:
-            out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
-        return out
 
     # decompositions -------------------------------------------------------------------------------------
     def assignment(self) -> dict[tuple[int, str], int]:
         """``(layer index, "A"|"G") -> rank`` for the current world size (recomputed on every update)."""
         dims = [(h.a_dim, h.g_dim) for h in self.handlers]
-        return assign_factors(dims, self.comm.world_size, self.placement)
+        return self.placement_policy.assign(dims, self.comm.world_size)
 
     def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
-        # Row-major copies: LAPACK returns column-major matrices, and the broadcast or a checkpoint hands other
-        # ranks / resumed runs row-major ones; the products of Eq 13-15 must see one layout to round alike.
-        if self.compute_method == "eigen":
-            res = safe_eigh(factor, self.decomposition_dtype, name)
-            return None if res is None else {"d": res[0].contiguous(), "q": res[1].contiguous()}
-        inv = safe_damped_inverse(factor, self.damping, self.decomposition_dtype, name)
-        return None if inv is None else {"inv": inv.contiguous()}
+        return self.method.decompose(factor, self.damping, self.decomposition_dtype, name)
 
     def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return {"d": (n,), "q": (n, n)} if self.compute_method == "eigen" else {"inv": (n, n)}
+        return self.method.result_shapes(n)
 
     def _update_decompositions(self) -> None:
         world, rank = self.comm.world_size, self.comm.rank
@@ -483,7 +452,7 @@ class KFACPreconditioner:
                     n = self.factors[h.name][kind].shape[0]
                     res = self._fallback_identity(n, self.factors[h.name][kind].device)
             results[(h.name, kind)] = res
-        if world > 1 and self.placement != "layer_wise":
+        if world > 1 and not self.placement_policy.owner_preconditions:
             results = self._share(work, results)
         for (name, kind), res in results.items():
             entry = self.decompositions.setdefault(name, {})
@@ -492,46 +461,18 @@ class KFACPreconditioner:
 
     def _fallback_identity(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
         # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
-        eye = torch.eye(n, dtype=self.decomposition_dtype, device=device)
-        if self.compute_method == "eigen":
-            return {"d": torch.ones(n, dtype=self.decomposition_dtype, device=device), "q": eye}
-        return {"inv": eye / (1.0 + self.damping)}
+        return self.method.identity(n, self.damping, self.decomposition_dtype, device)
 
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
         """One broadcast per owning rank of all its decompositions, all in flight at once (paper: allgather)."""
-        rank = self.comm.rank
-        device = self._comm_device()
-        by_owner: dict[int, list[tuple[LayerHandler, str]]] = {}
+        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            by_owner.setdefault(owner, []).append((h, kind))
-        pending = []
-        for owner, items in sorted(by_owner.items()):
-            shapes = [(h, kind, self._result_shapes(self.factors[h.name][kind].shape[0])) for h, kind in items]
-            total = sum(math.prod(s) for _, _, sh in shapes for s in sh.values())
-            if owner == rank:
-                flat = torch.cat([results[(h.name, kind)][k].reshape(-1).to(device) for h, kind, sh in shapes for k in sh])
-            else:
-                flat = torch.empty(total, dtype=self.decomposition_dtype, device=device)
-            pending.append((shapes, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
-        out: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        for shapes, flat, handle in pending:
-            handle.wait()
-            offset = 0
-            for h, kind, sh in shapes:
-                res = {}
-                for k, shape in sh.items():
-                    n = math.prod(shape)
-                    res[k] = flat[offset : offset + n].view(shape).clone()
-                    offset += n
-                out[(h.name, kind)] = res
-        return out
+            items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0])))
+        return broadcast_by_owner(self.comm, items, results, self.decomposition_dtype, self._comm_device())  # type: ignore[arg-type, return-value]
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        d = self.decompositions[h.name]
-        if self.compute_method == "eigen":
-            return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], self.damping)
-        return precondition_inverse(grad, d["inv_A"], d["inv_G"])
+        return self.method.precondition(grad, self.decompositions[h.name], self.damping)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -553,7 +494,7 @@ class KFACPreconditioner:
             if g is not None and h.name in self.factors:
                 grads[h.name] = g
         precond: dict[str, torch.Tensor] = {}
-        if self.placement == "layer_wise" and world > 1:
+        if self.placement_policy.owner_preconditions and world > 1:
             precond = self._precondition_layer_wise(grads)
         else:
             for h in self.handlers:
@@ -561,8 +502,15 @@ class KFACPreconditioner:
                     precond[h.name] = self._precondition_layer(h, grads[h.name])
         if not precond:
             return
+        for name, p in precond.items():
+            # Rows (output units) and columns (inputs) whose gradient is exactly zero stay exactly zero: the
+            # eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to
+            # steps of about +-lr, and which differs with the number of processes. No sync: a mask, not a test.
+            zero = grads[name] == 0
+            precond[name] = p.masked_fill(zero.all(dim=1, keepdim=True) | zero.all(dim=0, keepdim=True), 0.0)
         nu = 1.0
-        if self.kl_clip:
+        kl_clip = self.current_kl_clip()
+        if kl_clip:
             # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
             vg_sum = 0.0
             for h in self.handlers:
@@ -570,10 +518,15 @@ class KFACPreconditioner:
                     continue
                 layer_lr = self._layer_lr(h, lr)
                 if layer_lr is None:
-                    raise ValueError("K-FAC kl_clip needs the learning rate: pass optimizer= (or lr=) to KFACPreconditioner or lr= to step()")
+                    where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
+                             if self.optimizer is not None else "")  # fmt: skip
+                    raise ValueError(
+                        f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
+                        "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
+                    )
                 vg_sum += layer_lr**2 * abs(float((precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum()))
             if vg_sum > 0:
-                nu = min(1.0, math.sqrt(self.kl_clip / vg_sum))
+                nu = min(1.0, math.sqrt(kl_clip / vg_sum))
         self.last_nu = nu
         for h in self.handlers:
             if h.name in precond:
@@ -582,41 +535,27 @@ class KFACPreconditioner:
 
     def _precondition_layer_wise(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """K-FAC-lw: the owner of a layer preconditions it and broadcasts the result (one buffer per owner)."""
-        rank = self.comm.rank
         owners = self.assignment()
-        device = self._comm_device()
-        by_owner: dict[int, list[LayerHandler]] = {}
+        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
+        local: dict[Hashable, dict[str, torch.Tensor]] = {}
         for i, h in enumerate(self.handlers):
             # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
-            if h.name in grads:
-                by_owner.setdefault(owners[(i, "A")], []).append(h)
-        pending = []
-        for owner, hs in sorted(by_owner.items()):
-            if owner == rank:
-                parts = []
-                for h in hs:
-                    if h.name in self.decompositions:
-                        parts.append(self._precondition_layer(h, grads[h.name]).reshape(-1))
-                    else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
-                        parts.append(grads[h.name].to(self.decomposition_dtype).reshape(-1))
-                flat = torch.cat(parts).to(device)
-            else:
-                flat = torch.empty(sum(grads[h.name].numel() for h in hs), dtype=self.decomposition_dtype, device=device)
-            pending.append((hs, flat, self.comm.broadcast(flat, src=owner, async_op=True)))
-        out: dict[str, torch.Tensor] = {}
-        for hs, flat, handle in pending:
-            handle.wait()
-            offset = 0
-            for h in hs:
-                n = grads[h.name].numel()
-                out[h.name] = flat[offset : offset + n].view_as(grads[h.name])
-                offset += n
-        return out
+            if h.name not in grads:
+                continue
+            owner = owners[(i, "A")]
+            items.setdefault(owner, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
+            if owner == self.comm.rank:
+                if h.name in self.decompositions:
+                    local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
+                else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
+                    local[h.name] = {"p": grads[h.name]}
+        out = broadcast_by_owner(self.comm, items, local, self.decomposition_dtype, self._comm_device())
+        return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def _layer_wise_sharded(self) -> bool:
         """Under multi-rank ``layer_wise`` each rank holds only the decompositions of the layers it owns."""
-        return self.placement == "layer_wise" and self.comm.world_size > 1
+        return self.placement_policy.owner_preconditions and self.comm.world_size > 1
 
     def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
         owners = self.assignment()

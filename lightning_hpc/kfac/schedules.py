@@ -4,14 +4,37 @@ Damping is multiplied by ``damping_decay_rate`` at each epoch of ``damping_decay
 damping by a fixed scalar quantity at fixed epochs"); the factor and decomposition update intervals are
 multiplied by ``update_freq_decay_rate`` at each epoch of ``update_freq_decay_epochs`` (the paper's
 kfac-update-freq schedule). Values are pure functions of the epoch, so a resumed run recomputes them exactly.
+
+Each base value may also be a callable of the optimizer step (``damping=lambda step: ...``, as kfac-pytorch
+allows): it is called with the preconditioner's step counter, checked like a constant (a bad value raises
+``ValueError`` naming the option and the step), and the epoch milestones still multiply it. A resumed run
+restores the step counter, so callables of the step are recomputed exactly too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["KFACSchedule"]
+__all__ = ["KFACSchedule", "value_at"]
+
+
+def value_at(name: str, value: Any, step: int, check: Callable[[Any], bool], need: str) -> Any:
+    """``value`` (or ``value(step)`` for a callable), checked: ``ValueError`` naming the option otherwise."""
+    v = value(step) if callable(value) else value
+    if not check(v):
+        where = f" (returned by its callable at step {step})" if callable(value) else ""
+        raise ValueError(f"K-FAC {name} must be {need}, got {v!r}{where}")
+    return v
+
+
+def _nonneg(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _passed(epoch: int, milestones: Sequence[int]) -> int:
@@ -22,20 +45,20 @@ def _passed(epoch: int, milestones: Sequence[int]) -> int:
 class KFACSchedule:
     """Base values and their epoch milestones."""
 
-    damping: float
-    factor_update_freq: int
-    inv_update_freq: int
+    damping: float | Callable[[int], float]
+    factor_update_freq: int | Callable[[int], int]
+    inv_update_freq: int | Callable[[int], int]
     damping_decay_epochs: Sequence[int] = field(default_factory=tuple)
     damping_decay_rate: float = 1.0
     update_freq_decay_epochs: Sequence[int] = field(default_factory=tuple)
     update_freq_decay_rate: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.damping >= 0:
+        if not callable(self.damping) and not self.damping >= 0:
             raise ValueError(f"K-FAC damping must be >= 0, got {self.damping}")
         for key in ("factor_update_freq", "inv_update_freq"):
             v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not callable(v) and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ValueError(f"K-FAC {key} must be a positive integer (steps), got {v!r}")
         if not self.damping_decay_rate > 0:
             raise ValueError(f"K-FAC damping_decay_rate must be > 0, got {self.damping_decay_rate}")
@@ -45,14 +68,16 @@ class KFACSchedule:
             if any(int(e) < 0 for e in getattr(self, key)):
                 raise ValueError(f"K-FAC {key} must hold epochs >= 0, got {list(getattr(self, key))}")
 
-    def damping_at(self, epoch: int) -> float:
-        return self.damping * self.damping_decay_rate ** _passed(epoch, self.damping_decay_epochs)
+    def damping_at(self, epoch: int, step: int = 0) -> float:
+        base = value_at("damping", self.damping, step, _nonneg, ">= 0")
+        return base * self.damping_decay_rate ** _passed(epoch, self.damping_decay_epochs)
 
-    def _freq(self, base: int, epoch: int) -> int:
-        return max(1, int(round(base * self.update_freq_decay_rate ** _passed(epoch, self.update_freq_decay_epochs))))
+    def _freq(self, name: str, base: int | Callable[[int], int], epoch: int, step: int) -> int:
+        value = value_at(name, base, step, _positive_int, "a positive integer (steps)")
+        return max(1, int(round(value * self.update_freq_decay_rate ** _passed(epoch, self.update_freq_decay_epochs))))
 
-    def factor_update_freq_at(self, epoch: int) -> int:
-        return self._freq(self.factor_update_freq, epoch)
+    def factor_update_freq_at(self, epoch: int, step: int = 0) -> int:
+        return self._freq("factor_update_freq", self.factor_update_freq, epoch, step)
 
-    def inv_update_freq_at(self, epoch: int) -> int:
-        return self._freq(self.inv_update_freq, epoch)
+    def inv_update_freq_at(self, epoch: int, step: int = 0) -> int:
+        return self._freq("inv_update_freq", self.inv_update_freq, epoch, step)

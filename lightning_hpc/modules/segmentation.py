@@ -21,6 +21,7 @@ from torch import nn
 from torchmetrics.classification import BinaryF1Score, BinaryJaccardIndex
 
 from lightning_hpc.modules.classification import with_step_scheduler
+from lightning_hpc.spatial.dispatch import local_tile
 
 __all__ = ["SegmentationModule", "pixel_loss_sum"]
 
@@ -83,7 +84,8 @@ class SegmentationModule(pl.LightningModule):
         logits = self(x)
         loss = self.loss(logits, target)
         self._log_loss("train/loss", logits, target, loss, sync=False)
-        self.train_iou(torch.sigmoid(logits.detach()), target.int())
+        # confusion counts per tile, summed over all ranks at compute (no gather of the split activation)
+        self.train_iou(local_tile(torch.sigmoid(logits.detach())), local_tile(target).int())
         self.log("train/iou", self.train_iou, on_step=False, on_epoch=True)
         return loss
 
@@ -91,7 +93,7 @@ class SegmentationModule(pl.LightningModule):
         x, target = batch
         logits = self(x)
         self._log_loss("val/loss", logits, target, self.loss(logits, target), sync=True)
-        probs, labels = torch.sigmoid(logits), target.int()
+        probs, labels = local_tile(torch.sigmoid(logits)), local_tile(target).int()
         self.val_iou(probs, labels)
         self.val_f1(probs, labels)
         self.log("val/iou", self.val_iou, prog_bar=True)

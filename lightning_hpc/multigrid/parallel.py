@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_hpc.distributed.gradients import allreduce_flat
+
 __all__ = ["LayerChain", "layer_data_groups", "average_gradients"]
 
 
@@ -109,16 +111,7 @@ def layer_data_groups(layer_parallel_size: int, device_type: str = "cpu") -> tup
 
 
 def average_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Average the ``.grad`` of ``params`` (those that have one) over ``group`` in one flat allreduce."""
+    """Average the ``.grad`` of ``params`` (those that have one) over ``group`` (one flat allreduce per dtype)."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    allreduce_flat([p.grad for p in params if p.grad is not None], 1.0 / dist.get_world_size(group), group=group)

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
@@ -157,6 +158,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         if self.block is not None:
             return
         self._check_sizes()
+        self._check_precision()
         parent, name, trunk = self._find_trunk()
         levels = self.options.levels if self.mode == "mg" else 1
         n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
@@ -184,12 +186,30 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
             ddp_ignore_parameters(module, local)
 
+    def _check_precision(self) -> None:
+        """mode='mg' relaxes the steps with stacked weights outside autocast's reach (torch.func + vmap), so an
+        autocast precision would mix dtypes inside the solver: refused before training, with the choices that
+        work named.  mode='pm' evaluates the steps one after another and runs under autocast."""
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if self.mode == "mg" and precision.endswith("-mixed"):
+            raise ValueError(
+                f"strategy='multigrid' with mode='mg' does not support precision={precision!r} (autocast does not reach "
+                "the multigrid solver's batched steps); use precision='32-true' (or '64-true', 'bf16-true'), or "
+                "mode='pm' / 'serial', which run under autocast"
+            )
+
     def configure_ddp(self) -> None:
         self._wrap_model()
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
+        # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
+        # norm counts the replicated parameters once and every rank's steps once
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+            lambda: list(sharded.parameters()) if (sharded := self._sharded()) is not None else [],
+            lambda: self.layer_group,
+        )
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     def post_backward(self, closure_loss: torch.Tensor) -> None:

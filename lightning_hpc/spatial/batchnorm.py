@@ -91,8 +91,12 @@ class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):
         return Window1d(1), Window1d(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from lightning_hpc.spatial.conv import _is_spatial
+
+        if _is_spatial(x):
+            return self.spatial_call(x)
         use_batch_stats = self.training or not self.track_running_stats or self.running_mean is None
-        if self.grid.size == 1 or not use_batch_stats:
+        if self._serial_input(x) or not use_batch_stats:
             return super().forward(x)
         self._check_input_dim(x)
         y, mean64, var64, n = _AggregatedBatchNorm.apply(x, self.weight, self.bias, self.eps, self.grid.group)

@@ -50,6 +50,12 @@ from lightning_hpc.spatial.tiling import SpatialGrid
 __all__ = ["SpatialConv2d", "conv_windows", "extended_box", "native_padding"]
 
 
+def _is_spatial(x) -> bool:
+    from lightning_hpc.spatial.dispatch import SpatialTensor
+
+    return isinstance(x, SpatialTensor)
+
+
 def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
@@ -350,22 +356,29 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.grid.size == 1:
+        if _is_spatial(x):
+            return self.spatial_call(x)
+        if self._serial_input(x):
             out = super().forward(x)
             if self.kfac_record_input:
                 self._record(F.pad(x, self._reversed_padding_repeated_twice), out.shape[-2:])
             return out
         h, w = self.global_input_extent(x)
+        return self.tile_forward(x, self.weight, self.bias, h, w)
+
+    def tile_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: int, w: int) -> torch.Tensor:
+        """This layer's convolution of the plain tile ``x`` of an ``h x w`` input with ``weight`` and ``bias``
+        (the module's own, or those of a functional ``F.conv2d`` call dispatched by :mod:`dispatch`)."""
         plan = self.halo_plan(h, w)
         if self.pointwise:
             self._record(x, (plan.rows.n_out, plan.cols.n_out))
-            return self._conv(x)
+            return F.conv2d(x, weight, bias, self.stride, 0, self.dilation, self.groups)
         if not self.kfac_record_input:  # (K-FAC capture steps need the padded box: the paths below build it)
             regions = self._edge_regions(h, w, plan)
             if regions is not None:
-                return _TileConv2d.apply(x, self.weight, self.bias, self, plan, regions)
-        if not self.overlap:
-            return _HaloConv2d.apply(x, self.weight, self.bias, self, plan)
+                return _TileConv2d.apply(x, weight, bias, self, plan, regions)
+        if not self.overlap or weight is not self.weight:
+            return _HaloConv2d.apply(x, weight, bias, self, plan)
         return self._forward_tiled(x, plan)
 
     def _edge_regions(self, h: int, w: int, plan: HaloPlan):

@@ -78,16 +78,20 @@ def trace_input_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str
                     shapes.setdefault(name, tuple(args[0].shape))
             handles.append(m.register_forward_pre_hook(hook))
     state = {k: torch.empty_like(v, device="meta") for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # shapes do not depend on the mode; training-mode batch norm with momentum=None reads a counter
     try:
         with torch.no_grad():
             torch.func.functional_call(model, state, (torch.empty((1, *input_shape), device="meta"),))
     finally:
         for h in handles:
             h.remove()
+        for m, mode in modes.items():
+            m.train(mode)
     return shapes
 
 
-def validate_partition(model: nn.Module, input_shape: Sequence[int], parts: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+def validate_partition(model: nn.Module, input_shape: Sequence[int], parts: tuple[int, int], *, dispatch: bool = False) -> dict[str, tuple[int, ...]]:
     """Raise :class:`PartitionError` for the first layer that cannot be split ``parts`` with a global input of
     ``input_shape`` = (C, H, W); returns the traced input shape of every leaf layer."""
     shapes = trace_input_shapes(model, input_shape)
@@ -97,10 +101,14 @@ def validate_partition(model: nn.Module, input_shape: Sequence[int], parts: tupl
             continue
         shape = shapes[name]
         cls = _spatial_class(m) or (type(m) if isinstance(m, SpatialLayer) else None)
+        if dispatch and not isinstance(m, SpatialLayer) and cls is not None and not _convertible(m):
+            continue
         if cls is None or len(shape) != 4:
             continue
         layer = cls.from_module(m, probe, name=name) if not isinstance(m, SpatialLayer) else m
         h, w = shape[-2:]
+        if dispatch and (h < parts[0] or w < parts[1]):
+            continue  # after a global pooling: not split, the serial layer runs (a split input fails at the op)
         # DimPlan checks every tile of the grid, not just this rank's
         if h < parts[0] or w < parts[1]:
             raise layer.partition_error(h, w, "the input has fewer rows/columns than parts")
@@ -118,11 +126,17 @@ def convert_model(
     batchnorm: str = "aggregated",
     input_shape: Sequence[int] | None = None,
     allow: Iterable[type[nn.Module]] = (),
+    dispatch: bool = False,
 ) -> nn.Module:
     """Replace the layers of ``model`` in place by their spatial versions on ``grid``; returns ``model``.
 
     ``input_shape`` (C, H, W of one global sample), when given, validates the partition first.  ``allow`` adds
     leaf module types known to be correct on tiles (element-wise custom layers).
+
+    ``dispatch=True`` (the strategy's mode): activations are :class:`~lightning_hpc.spatial.dispatch.SpatialTensor`
+    objects that route every op themselves, so only the exact types above are replaced (for speed and K-FAC's
+    tiled handler), anything else is left to the op dispatch (no refusal by module type here), and a plain input
+    to a converted layer is treated as replicated (the serial layer runs on it).
     """
     if batchnorm not in BN_MODES:
         raise ValueError(f"batchnorm={batchnorm!r}: choose one of {BN_MODES}")
@@ -135,8 +149,10 @@ def convert_model(
         if len(list(m.children())) or isinstance(m, SpatialLayer):
             continue
         cls = _spatial_class(m)
+        if dispatch and cls is not None and not _convertible(m):
+            continue  # left to the op dispatch (e.g. padding_mode='reflect', ceil_mode=True)
         if cls is None:
-            if isinstance(m, allowed) or not _is_layer(m):
+            if dispatch or isinstance(m, allowed) or not _is_layer(m):
                 continue
             raise PartitionError(
                 f"layer '{name}' ({type(m).__name__}) has no spatially partitioned version: it would compute something "
@@ -151,13 +167,28 @@ def convert_model(
         else:
             new = cls.from_module(m, grid, name=name)
         new.spatial_context = context
+        new.spatial_dispatch = dispatch
         converted += 1
         _set_submodule(model, name, new)
-    if converted and grid.size > 1:
+    if converted and grid.size > 1 and not dispatch:
         # one extent allreduce per forward of the model instead of one per layer call
         model.register_forward_pre_hook(context.pre_hook)
         model.register_forward_hook(context.post_hook)
     return model
+
+
+def _convertible(m: nn.Module) -> bool:
+    """Settings the converted layers implement (others are left to the op dispatch)."""
+    if isinstance(m, nn.Conv2d):
+        return m.padding_mode == "zeros" and not (isinstance(m.padding, str) and m.padding == "same" and
+                                                   any(d * (k - 1) % 2 for d, k in zip(m.dilation, m.kernel_size)))
+    if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
+        return not (m.ceil_mode or getattr(m, "return_indices", False) or getattr(m, "divisor_override", None) is not None)
+    if isinstance(m, nn.Upsample):
+        return m.mode in ("nearest", "bilinear") and not getattr(m, "recompute_scale_factor", None)
+    if isinstance(m, nn.AdaptiveAvgPool2d):
+        return m.output_size in (1, (1, 1), [1, 1])
+    return True
 
 
 def _is_layer(m: nn.Module) -> bool:

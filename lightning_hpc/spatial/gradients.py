@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_hpc.distributed.gradients import allreduce_flat
 
 __all__ = ["reduce_gradients"]
 
@@ -29,20 +30,11 @@ def reduce_gradients(
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     world = dist.get_world_size(group)
-    grads, scales = [], []
+    grads: list[torch.Tensor] = []
+    scales: list[float] = []
     for params, scale in ((tile_params, 1.0 / num_sample_groups), (replicated_params, 1.0 / world)):
         for p in params:
             if p.grad is not None:
                 grads.append(p.grad)
                 scales.append(scale)
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for k, g in enumerate(grads):
-        by_dtype.setdefault((g.dtype, g.device), []).append(k)
-    for idx in by_dtype.values():
-        flat = _flatten_dense_tensors([grads[k] for k in idx])  # one copy; the scaling is done on the way back
-        dist.all_reduce(flat, group=group)
-        for k, synced in zip(idx, _unflatten_dense_tensors(flat, [grads[k] for k in idx])):
-            if scales[k] == 1.0:  # one spatial group: a plain sum, no extra pass
-                grads[k].copy_(synced)
-            else:
-                torch.mul(synced, scales[k], out=grads[k])
+    allreduce_flat(grads, scales, group=group)

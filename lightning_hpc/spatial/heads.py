@@ -41,7 +41,11 @@ class SpatialGlobalAvgPool2d(nn.Module, SpatialLayer):
         return Window1d(1), Window1d(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.grid.size == 1:
+        from lightning_hpc.spatial.conv import _is_spatial
+
+        if _is_spatial(x):
+            return self.spatial_call(x)
+        if self._serial_input(x):
             return x.mean((2, 3), keepdim=True)
         h, w = self.global_input_extent(x)
         partial = x.sum((2, 3), keepdim=True)

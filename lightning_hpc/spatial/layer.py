@@ -82,6 +82,53 @@ class SpatialLayer:
         self._plans: dict[tuple[int, int], HaloPlan] = {}
         self._extents: dict = {}
         self.spatial_context: SpatialContext | None = None
+        self._known_extent: tuple[int, int] | None = None
+        #: set by the strategy: inputs are SpatialTensors; a plain input is replicated (the serial layer runs)
+        self.spatial_dispatch = False
+
+    def _serial_input(self, x: torch.Tensor) -> bool:
+        """Whether this call runs the serial layer: one tile per sample, or (under op dispatch) an input that is
+        not split (e.g. a BatchNorm after a global pooling)."""
+        return self.grid.size == 1 or (getattr(self, "spatial_dispatch", False) and getattr(self, "_known_extent", None) is None)
+
+    def tile_call(self, x: torch.Tensor, extent: tuple[int, int]) -> torch.Tensor:
+        """Run this layer on the plain tile ``x`` of an input whose global (H, W) is ``extent`` (no extent
+        allreduce)."""
+        self._known_extent = (int(extent[0]), int(extent[1]))
+        try:
+            return type(self).forward(self, x)
+        finally:
+            self._known_extent = None
+
+    def spatial_call(self, x: Any) -> torch.Tensor:
+        """Forward of a :class:`~lightning_hpc.spatial.dispatch.SpatialTensor`: the tile kernel on its local tile,
+        the output split the same way (or replicated, for a global pooling)."""
+        from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, state
+
+        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3):
+            raise SpatialDispatchError(
+                f"spatial: {type(self).__name__} {self.describe()} got an input split along dims {(x._hdim, x._wdim)} of a "
+                f"{x.dim()}-D tensor; it needs N x C x H x W split over H and W"
+            )
+        st = state()
+        st.note_params(list(self.parameters(recurse=False)))  # type: ignore[attr-defined]
+        h, w = x._gshape[2], x._gshape[3]
+        st.depth += 1
+        try:
+            out = self.tile_call(_plain(x), (h, w))
+        except PartitionError as e:
+            raise SpatialDispatchError(f"spatial: {e}") from None
+        except RuntimeError as e:  # e.g. a wrong channel count: name the layer
+            if isinstance(e, SpatialDispatchError) or "spatial" in str(e)[:40]:
+                raise
+            raise SpatialDispatchError(f"spatial: {type(self).__name__} {self.describe()}: {e}") from e
+        finally:
+            st.depth -= 1
+        if getattr(self, "replicated_output", False):
+            return out
+        wh, ww = self.windows(h, w)
+        return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), 2, 3,
+                                  fresh=out is not x)
 
     def windows(self, h: int, w: int) -> tuple[Any, Any]:  # pragma: no cover - abstract
         """The per-dimension window (``out_size``, ``needed``) of this layer for an ``h x w`` input."""
@@ -100,6 +147,16 @@ class SpatialLayer:
         )
 
     def global_input_extent(self, x: torch.Tensor) -> tuple[int, int]:
+        known = getattr(self, "_known_extent", None)
+        if known is not None:
+            h, w = known
+            (h0, h1), (w0, w1) = self._tile_bounds_checked(h, w)
+            if (h1 - h0, w1 - w0) != tuple(x.shape[-2:]):
+                raise PartitionError(
+                    f"{type(self).__name__} {self.describe()}: local tile {tuple(x.shape[-2:])} does not match the "
+                    f"blocked layout of a {h}x{w} input over {self.grid.parts} (expected {(h1 - h0, w1 - w0)})"
+                )
+            return h, w
         ctx = getattr(self, "spatial_context", None)
         key = ctx.next_key() if ctx is not None else None
         cached = self._extents.get(key) if key is not None else None

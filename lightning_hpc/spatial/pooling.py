@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.spatial.conv import _pair
+from lightning_hpc.spatial.conv import _is_spatial, _pair
 from lightning_hpc.spatial.halo_exchange import Window1d, halo_exchange
 from lightning_hpc.spatial.layer import SpatialLayer
 from lightning_hpc.spatial.tiling import SpatialGrid
@@ -58,7 +58,9 @@ class _SpatialPool(SpatialLayer):
 
 class SpatialMaxPool2d(_SpatialPool, nn.MaxPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.grid.size == 1:
+        if _is_spatial(x):
+            return self.spatial_call(x)
+        if self._serial_input(x):
             return nn.MaxPool2d.forward(self, x)
         plan = self.halo_plan(*self.global_input_extent(x))
         xp = halo_exchange(x, plan, pad_value=float("-inf"))
@@ -68,7 +70,9 @@ class SpatialMaxPool2d(_SpatialPool, nn.MaxPool2d):
 
 class SpatialAvgPool2d(_SpatialPool, nn.AvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.grid.size == 1:
+        if _is_spatial(x):
+            return self.spatial_call(x)
+        if self._serial_input(x):
             return nn.AvgPool2d.forward(self, x)
         plan = self.halo_plan(*self.global_input_extent(x))
         xp = halo_exchange(x, plan, pad_value=0.0)

@@ -28,20 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_hpc._compat import sync_module_states
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.protocols import StrategyContract
-from lightning_hpc.spatial.convert import (
-    convert_model,
-    split_parameters,
-    validate_partition,
-)
+from lightning_hpc.spatial.convert import convert_model, validate_partition
+from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.gradients import reduce_gradients
-from lightning_hpc.spatial.heads import SpatialGlobalAvgPool2d
+from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -50,6 +47,9 @@ from lightning_hpc.spatial.tiling import (
 )
 
 __all__ = ["SpatialParallelStrategy"]
+
+_RUNS = [0]  # counts setups, the same on every rank: keys of one run's failure message in the store
+_COMM_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError", "Timed out")
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         input_shape: (C, H, W) of one sample, to validate the partition at setup (else taken from the data
             module's ``input_shape`` attribute when it has one, else checked at the first forward).
         timeout: collective timeout (no hangs).
+        on_unsupported: what an op on a split activation without a tiled form does: ``"gather"`` (default; the
+            whole activation is gathered and the op computed exactly, with a one-time warning naming the op, the
+            module and the bytes) or ``"error"`` (refused before the first optimizer step).
         Remaining arguments go to :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -90,6 +93,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
+        on_unsupported: str = "gather",
         **kwargs: Any,
     ) -> None:
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
@@ -110,15 +114,17 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             self._parts_setting: tuple[int, int] | str | None = "auto"
         else:
             self._parts_setting = None if spatial_parts is None else parse_parts(spatial_parts)
+        if on_unsupported not in ("gather", "error"):
+            raise ValueError(f"on_unsupported={on_unsupported!r}: choose 'gather' or 'error'")
+        self.on_unsupported = on_unsupported
+        self._hooks: list[Any] = []
+        self._params_checked = False
         self.overlap = bool(overlap)
         self.batchnorm = batchnorm
         self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
         self.layout: HybridLayout | None = None
         self.plan: Any = None
         self._converted = False
-        self._replicated_output = False
-        self._tile_params: list[torch.nn.Parameter] = []
-        self._replicated_params: list[torch.nn.Parameter] = []
         self._slice_batches = False
 
     # -- layout ------------------------------------------------------------------------------------------------
@@ -184,6 +190,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 f"or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout)
+        _RUNS[0] += 1
+        self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
             dm.set_spatial_tile(self.layout.grid.index, parts)
@@ -208,19 +216,26 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         target = target if isinstance(target, torch.nn.Module) else module
         shape = self._input_shape()
         if shape is not None:
-            validate_partition(target, shape, self.layout.grid.parts)
-        # the network first (its forward carries the per-forward extent context), then anything else
-        convert_model(target, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
-        if target is not module:
-            convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm)
-        self._tile_params, self._replicated_params = split_parameters(module)
-        self._replicated_output = any(isinstance(m, SpatialGlobalAvgPool2d) for m in module.modules())
+            try:
+                validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
+            except PartitionError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the shape trace is an early check only; the first step checks every op
+                log.warning(f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
+                            f"{str(e)[:200]}); partitions are checked at the first training step instead")
+        # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
+        # the split activation itself (lightning_hpc.spatial.dispatch)
+        convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
+        st = state()
+        st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
+        st.warned.clear()
+        self._hooks = st.module_hooks(module)
         self._converted = True
 
     def configure_ddp(self) -> None:
         # no DDP wrapper: gradients need a sum over tiles and a mean over samples (reduce_gradients); start equal
         assert self.model is not None
-        _sync_module_states(self.model)
+        sync_module_states(self.model)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
@@ -230,15 +245,86 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        st = state()
+        st.module_stack.clear()
+        st.on_unsupported = self.on_unsupported
+        if self._params_checked or self.layout is None or self.layout.grid.size == 1:
+            return super().training_step(*args, **kwargs)
+        # first step: also record the parameters used on replicated values (a parameter used on tiles and on
+        # replicated values cannot have its gradient reduced exactly: refused before the first optimizer step)
+        check = ParameterUseCheck()
+        with check:
+            out = super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None
+        check.raise_if_mixed({id(p): n for n, p in self.lightning_module.named_parameters()})
+        self._params_checked = True
+        return out
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
+        the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
+        fails at once instead of at the collective timeout); a rank that failed because its peer went away
+        reports the peer's message."""
+        super().on_exception(exception)
+        key = getattr(self, "_failure_key", None)
+        if key is None or not dist.is_initialized():
+            return
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: nothing to share
+            return
+        rank, text = dist.get_rank(), f"{type(exception).__name__}: {exception}"
+        try:
+            if any(s in text for s in _COMM_FAILURE):
+                store.wait([key], timedelta(seconds=3))
+                peer = store.get(key).decode()
+                if not peer.startswith(f"rank {rank}:"):
+                    exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
+            else:
+                store.set(key, f"rank {rank}: {text}")
+        except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
+            pass
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        state().module_stack.clear()
+        return super().validation_step(*args, **kwargs)
+
     def reduce_gradients(self) -> None:
-        assert self.layout is not None
-        reduce_gradients(self._tile_params, self._replicated_params, self.layout.num_sample_groups)
+        """Parameters used directly on tiles hold partial sums over the tiles (summed over the spatial group);
+        every other parameter holds its complete gradient (averaged), as recorded by the op dispatch."""
+        assert self.layout is not None and self.lightning_module is not None
+        met = state().tile_params
+        tile, replicated = [], []
+        for p in self.lightning_module.parameters():
+            (tile if id(p) in met else replicated).append(p)
+        reduce_gradients(tile, replicated, self.layout.num_sample_groups)
 
     # -- data --------------------------------------------------------------------------------------------------
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if self._slice_batches:
             batch = self._cut_to_tile(batch)
-        return super().batch_to_device(batch, device, dataloader_idx)
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self._split(batch)
+
+    def _split(self, batch: Any) -> Any:
+        """The batch's tiles as :class:`SpatialTensor` objects: every tensor whose last two dimensions are the
+        tile of the first image (N x C x H x W) is split over them, with the global extent of the sample."""
+        if self.layout is None or self.layout.grid.size == 1:
+            return batch
+        grid = self.layout.grid
+        images = [t for t in _tensors(batch) if t.dim() == 4 and not isinstance(t, SpatialTensor)]
+        if not images:
+            return batch
+        hl, wl = images[0].shape[-2:]
+        gh, gw = grid.global_extent(hl, wl, device=images[0].device)
+
+        def wrap(t: Tensor) -> Tensor:
+            if t.dim() >= 3 and tuple(t.shape[-2:]) == (hl, wl) and not isinstance(t, SpatialTensor):
+                return split_tensor(t, grid, (*t.shape[:-2], gh, gw), t.dim() - 2, t.dim() - 1)
+            return t
+
+        return apply_to_collection(batch, Tensor, wrap)
 
     def _cut_to_tile(self, batch: Any) -> Any:
         assert self.layout is not None
@@ -258,15 +344,17 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     def global_pixel_count(self, local_target: Tensor) -> int:
         """Number of target pixels of the whole samples of this sample group (sum over the spatial group)."""
+        if isinstance(local_target, SpatialTensor):
+            return int(local_target.numel())  # already the global count
         n = torch.tensor([local_target.numel()], dtype=torch.int64, device=local_target.device)
         if self.layout is not None and self.layout.grid.group is not None:
             dist.all_reduce(n, group=self.layout.grid.group)
         return int(n.item())
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        """Mean over the mini-batch of values logged per rank.  Models with a tiled output (segmentation) log
-        per-tile partial values (their sum over the spatial group is the sample group's value); models with a
-        global pooling head log values replicated over the spatial group."""
+        """Mean over the mini-batch of values logged per rank.  Values computed from split activations are whole
+        values (reductions over split dimensions are global), replicated over the spatial group: each spatial
+        group counts once."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized() or self.layout is None:
             return tensor
         if reduce_op in (None, "mean", "avg"):
@@ -278,8 +366,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if group is not None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         out = tensor.detach().clone().to(torch.float32 if not tensor.is_floating_point() else tensor.dtype)
-        if self._replicated_output:
-            out = out / self.layout.grid.size  # every tile holds the whole value: count it once
+        out = out / self.layout.grid.size  # every tile holds the whole value: count it once
         dist.all_reduce(out)
         if mean:
             out = out / self.layout.num_sample_groups

@@ -82,7 +82,11 @@ class SpatialUpsample(nn.Upsample, SpatialLayer):
         return tuple(out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.grid.size == 1:
+        from lightning_hpc.spatial.conv import _is_spatial
+
+        if _is_spatial(x):
+            return self.spatial_call(x)
+        if self._serial_input(x):
             return super().forward(x)
         h, w = self.global_input_extent(x)
         plan = self.halo_plan(h, w)

@@ -92,6 +92,16 @@ def flatten_linear() -> UserCNN:
     return module
 
 
+def ode_net() -> UserCNN:
+    """A user's module holding a deep ODE-ResNet (the form the multigrid strategy trains) at ``self.model``."""
+    from lightning_hpc.models import ode_resnet
+
+    module = UserCNN()
+    torch.manual_seed(0)
+    module.model = ode_resnet(in_channels=2, num_classes=3, input_size=(6, 6), width=4, num_steps=8).double()
+    return module
+
+
 CASES = {
     # name: (module factory, Trainer kwargs)
     "clip_norm": (lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
@@ -100,6 +110,10 @@ CASES = {
     "backbone_classifier": (BackboneClassifier, {}),
     "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
     "flatten_linear": (flatten_linear, {}),
+    "odenet": (ode_net, {}),
+    "predict": (UserCNN, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
+    "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
+    "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
 }
 
 
@@ -111,24 +125,37 @@ class ReportSteps(pl.Callback):
         print(f"OPTIMIZER STEP {trainer.global_step} on rank {trainer.global_rank}", flush=True)
 
 
-def main(case: str, strategy: str, devices: int, out: str) -> None:
+def build_strategy(name: str) -> object:
+    """A strategy by name; ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk,
+    serial evaluation: exact)."""
+    if name == "multigrid_pm":
+        from lightning_hpc import MultigridStrategy
+
+        return MultigridStrategy(mode="pm", log_residuals=False)
+    return name
+
+
+def main(case: str, strategy: str, devices: int, out: str, data_parallel: int = WORLD) -> None:
     factory, kwargs = CASES[case]
     module = factory()
     data = images()
-    if devices == 1:  # the reference: global batch b = the union of every rank's batch b
-        shards = [list(DistributedSampler(data, WORLD, r, shuffle=True, seed=0)) for r in range(WORLD)]
+    if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
+        shards = [list(DistributedSampler(data, data_parallel, r, shuffle=True, seed=0)) for r in range(data_parallel)]
         batches = [[i for shard in shards for i in shard[b * B : (b + 1) * B]] for b in range(len(shards[0]) // B)]
         loader = DataLoader(data, batch_sampler=batches)
     else:
         loader = DataLoader(data, batch_size=B)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+        accelerator="cpu", devices=devices, strategy=build_strategy(strategy), max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ReportSteps()],
         **kwargs,
     )
+    if case == "predict":
+        trainer.predict(module, loader)
+        return
     trainer.fit(module, None if case == "boring_model" else loader)
     trainer.save_checkpoint(out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:]))

@@ -357,7 +357,7 @@ def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps:
     )
     trainer.fit(module, train_dataloaders=loader)
     trainer.save_checkpoint(ckpt_path)
-    head = find_hybrid_head(module.model)
+    find_hybrid_head(module.model)  # raises if the head was not sharded
     return {"state": _numpy(full_state_dict(module.model)), "head_local": sum(p.numel() for p in head_parameters(module.model))}
 
 

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.kfac import KFACPreconditioner
-from lightning_hpc.kfac import linalg
+from lightning_hpc.kfac import KFACPreconditioner, linalg
 
 LAYERS = {
     "linear_bias": lambda: nn.Linear(6, 5),

@@ -1,0 +1,80 @@
+"""Which modules of a model K-FAC preconditions, and why it leaves the others to the optimizer.
+
+Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv2d`` (groups=1) whose weight trains
+gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module with
+trainable parameters is listed with its reason: unsupported type, grouped convolution, frozen weight,
+``skip_layers``, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_hpc.kfac.layers import (
+    SUPPORTED,
+    LayerHandler,
+    LinearHandler,
+    linear_batch_dim,
+    make_handler,
+)
+
+__all__ = ["LayerReport", "find_layers", "skip_reason"]
+
+
+def skip_reason(name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]) -> str | None:
+    """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is."""
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        return f"grouped convolution (groups={module.groups}) is not supported"
+    if not isinstance(module, SUPPORTED):
+        return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv2d)"
+    parent = modules.get(name.rpartition(".")[0]) if name else None
+    if isinstance(parent, nn.MultiheadAttention):
+        return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
+    if not module.weight.requires_grad:
+        return "weight frozen (requires_grad=False)"
+    if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
+        return "matched skip_layers"
+    return None
+
+
+@dataclass
+class LayerReport:
+    """The handlers of the preconditioned layers, and ``(name, type, note / reason)`` of every module."""
+
+    handlers: list[LayerHandler] = field(default_factory=list)
+    preconditioned: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"K-FAC preconditions {len(self.preconditioned)} layer(s):"]
+        lines += [f"  {n or '<root>'} ({t}){' [' + note + ']' if note else ''}" for n, t, note in self.preconditioned]
+        if self.skipped:
+            lines.append(f"left to the optimizer ({len(self.skipped)} module(s) with trainable parameters):")
+            lines += [f"  {n or '<root>'} ({t}): {why}" for n, t, why in self.skipped]
+        return "\n".join(lines)
+
+
+def find_layers(model: nn.Module, patterns: list[re.Pattern[str]]) -> LayerReport:
+    """Handlers for the layers K-FAC preconditions, in model order, and the report of all modules."""
+    report = LayerReport()
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        reason = skip_reason(name, module, modules, patterns)
+        if reason is None:
+            handler = make_handler(name, module)
+            assert handler is not None
+            if isinstance(handler, LinearHandler):
+                handler.batch_dim = linear_batch_dim(name, modules)
+            report.handlers.append(handler)
+            bias = getattr(module, "bias", None)
+            note = "bias frozen: weight only" if isinstance(bias, torch.Tensor) and not handler.has_bias else ""
+            if isinstance(handler, LinearHandler) and handler.batch_dim != 0:
+                note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
+            report.preconditioned.append((name, type(module).__name__, note))
+        elif any(p.requires_grad for p in module.parameters(recurse=False)):
+            report.skipped.append((name, type(module).__name__, reason))
+    return report

@@ -1,0 +1,98 @@
+"""How a layer's factors are decomposed and its gradient preconditioned: one class per ``compute_method``.
+
+* :class:`EigenMethod` (``"eigen"``, default): ``A = Q_A diag(v_A) Q_A^T``, ``G = Q_G diag(v_G) Q_G^T``
+  (SC20 Eq 13-14), and Eq 15 ``P = Q_G [(Q_G^T grad Q_A) / (v_G v_A^T + gamma)] Q_A^T``, which is exactly
+  ``(A (x) G + gamma I)^-1 vec(grad)``. The damping is applied at preconditioning time.
+* :class:`InverseMethod` (``"inverse"``): Eq 11-12, ``P = (G + gamma I)^-1 grad (A + gamma I)^-1``, with the
+  damped inverses computed at decomposition time (a damping change takes effect at the next decomposition).
+
+A decomposition is a dict of tensors named by :meth:`ComputeMethod.result_shapes` (``d``/``q`` or ``inv``); the
+preconditioner stores a layer's as ``{f"{key}_{A|G}": tensor}`` and moves them between ranks as flat buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from lightning_hpc.kfac.linalg import (
+    precondition_eigen,
+    precondition_inverse,
+    safe_damped_inverse,
+    safe_eigh,
+)
+
+__all__ = ["COMPUTE_METHODS", "ComputeMethod", "EigenMethod", "InverseMethod", "make_method"]
+
+
+class ComputeMethod(ABC):
+    """Decomposition of one factor and preconditioning of one layer's gradient matrix."""
+
+    name: str
+
+    @abstractmethod
+    def result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the tensors that make up the decomposition of an ``n x n`` factor."""
+
+    @abstractmethod
+    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+        """The decomposition in ``dtype`` (row-major tensors), or None if every fallback failed."""
+
+    @abstractmethod
+    def identity(self, n: int, damping: float, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The decomposition of an identity factor: used when none ever succeeded (a damped SGD step)."""
+
+    @abstractmethod
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
+        """Precondition a ``(g_dim, a_dim)`` gradient with the layer's decompositions ``d`` (keys ``k_A``/``k_G``)."""
+
+
+class EigenMethod(ComputeMethod):
+    """Eq 13-15 (eigendecompositions; damping added to the eigenvalue products)."""
+
+    name = "eigen"
+
+    def result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        return {"d": (n,), "q": (n, n)}
+
+    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+        # Row-major copies: LAPACK returns column-major matrices, and the broadcast or a checkpoint hands other
+        # ranks / resumed runs row-major ones; the products of Eq 13-15 must see one layout to round alike.
+        res = safe_eigh(factor, dtype, name)
+        return None if res is None else {"d": res[0].contiguous(), "q": res[1].contiguous()}
+
+    def identity(self, n: int, damping: float, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"d": torch.ones(n, dtype=dtype, device=device), "q": torch.eye(n, dtype=dtype, device=device)}
+
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
+        return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], damping)
+
+
+class InverseMethod(ComputeMethod):
+    """Eq 11-12 (damped inverses of each factor)."""
+
+    name = "inverse"
+
+    def result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        return {"inv": (n, n)}
+
+    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+        inv = safe_damped_inverse(factor, damping, dtype, name)
+        return None if inv is None else {"inv": inv.contiguous()}
+
+    def identity(self, n: int, damping: float, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"inv": torch.eye(n, dtype=dtype, device=device) / (1.0 + damping)}
+
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
+        return precondition_inverse(grad, d["inv_A"], d["inv_G"])
+
+
+#: ``compute_method`` name -> class
+COMPUTE_METHODS: dict[str, type[ComputeMethod]] = {"eigen": EigenMethod, "inverse": InverseMethod}
+
+
+def make_method(name: str) -> ComputeMethod:
+    if name not in COMPUTE_METHODS:
+        raise ValueError(f"K-FAC compute_method must be one of {tuple(COMPUTE_METHODS)}, got {name!r}")
+    return COMPUTE_METHODS[name]()

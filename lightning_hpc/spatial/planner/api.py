@@ -1,0 +1,237 @@
+"""The planner's entry point (Dryden et al., IPDPS 2019, section V): :func:`plan_for_model` traces the model
+(:mod:`.graph`), costs every candidate distribution of every stage (:mod:`.cost`, sections V-A and V-B), searches
+the cheapest assignment (:mod:`.search`, section V-C), predicts the time per mini-batch (:mod:`.simulate`,
+section V-B) and returns it as a :class:`Plan`.  Plain torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hpc.perfmodel import AlphaBeta, LayerTimer
+from lightning_hpc.perfmodel.sync import SyncCost
+from lightning_hpc.spatial.planner.cost import CostModel, StageCost
+from lightning_hpc.spatial.planner.graph import Distribution, build_stages, trace_layers
+from lightning_hpc.spatial.planner.search import _assign, candidate_distributions
+from lightning_hpc.spatial.planner.simulate import _optimizer_time, _simulate
+
+__all__ = ["Plan", "plan_for_model"]
+
+
+@dataclass
+class Plan:
+    """A parallel execution strategy: a distribution per layer and the predicted time per mini-batch."""
+
+    world_size: int
+    batch_size: int
+    input_shape: tuple[int, ...]
+    distributions: dict[str, Distribution]  # every traced layer, in execution order
+    stage_costs: dict[str, StageCost]
+    shuffle_time: float
+    compute_time: float
+    halo_time: float
+    allreduce_time: float  # total allreduce time (partly hidden behind backward)
+    exposed_allreduce_time: float
+    optimizer_time: float
+    predicted_step_time: float
+    model: AlphaBeta
+    method: str  # "shortest-path", "longest-path-first" or "uniform"
+    sync_points: int = 0  # synchronisation points per step (halo exchanges, collectives, shuffles, allreduces)
+    sync_time: float = 0.0  # loaded synchronisation cost beyond alpha-beta of the non-gradient ones (s)
+    sync: SyncCost | None = None  # the measured loaded synchronisation costs used (None: alpha-beta only)
+
+    @property
+    def spatial_parts(self) -> tuple[int, int]:
+        """(ph, pw) of the input layer: the tile each rank of a spatial group reads."""
+        return next(iter(self.distributions.values())).spatial
+
+    @property
+    def sample_groups(self) -> int:
+        return next(iter(self.distributions.values())).n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "input_shape": list(self.input_shape),
+            "method": self.method,
+            "spatial_parts": list(self.spatial_parts),
+            "sample_groups": self.sample_groups,
+            "predicted_step_time_s": self.predicted_step_time,
+            "compute_time_s": self.compute_time,
+            "halo_time_s": self.halo_time,
+            "shuffle_time_s": self.shuffle_time,
+            "allreduce_time_s": self.allreduce_time,
+            "exposed_allreduce_time_s": self.exposed_allreduce_time,
+            "optimizer_time_s": self.optimizer_time,
+            "sync_points": self.sync_points,
+            "sync_time_s": self.sync_time,
+            "alpha_beta": self.model.to_dict(),
+            "loaded_sync": None if self.sync is None else self.sync.to_dict(),
+            "layers": [
+                {"name": name, "distribution": asdict(d), "label": str(d)} for name, d in self.distributions.items()
+            ],
+            "stages": {
+                name: {k: v for k, v in asdict(c).items() if k not in ("allreduces", "backward")} | {"total": c.total}
+                for name, c in self.stage_costs.items()
+            },
+        }
+
+    def table(self) -> str:
+        lines = [
+            f"plan for {self.world_size} processes, mini-batch {self.batch_size}, input {list(self.input_shape)}"
+            f" ({self.method})",
+            f"{'layer':32s} {'distribution':28s} {'stage cost (ms)':>16s}",
+        ]
+        for name, dist in self.distributions.items():
+            cost = self.stage_costs.get(name)
+            lines.append(f"{name:32s} {str(dist):28s} {'' if cost is None else f'{1e3 * cost.total:16.2f}'}")
+        lines += [
+            f"spatial parts (ph, pw) = {self.spatial_parts}, sample groups = {self.sample_groups}",
+            f"compute {1e3 * self.compute_time:.2f} ms + halo {1e3 * self.halo_time:.2f} ms"
+            f" + shuffle {1e3 * self.shuffle_time:.2f} ms"
+            f" + loaded sync waits {1e3 * self.sync_time:.2f} ms ({self.sync_points} sync points)"
+            f" + exposed allreduce {1e3 * self.exposed_allreduce_time:.2f} ms (of {1e3 * self.allreduce_time:.2f} ms)"
+            f" + optimizer {1e3 * self.optimizer_time:.2f} ms",
+            f"predicted time per mini-batch: {1e3 * self.predicted_step_time:.2f} ms",
+        ]
+        return "\n".join(lines)
+
+
+def plan_for_model(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    world_size: int,
+    batch_size: int = 1,
+    alpha_beta: AlphaBeta | None = None,
+    timer: LayerTimer | None = None,
+    uniform: bool = False,
+    restrict: Callable[[Distribution], bool] | None = None,
+    overlap_halo: bool = False,
+    aggregate_bn: bool = True,
+    compute_scale: float = 1.0,
+    optimizer: str = "sgd",
+    device: str | torch.device = "cpu",
+    gradient_reduction: str = "per-layer",
+    sync: SyncCost | None = None,
+) -> Plan:
+    """Choose a distribution for every layer of ``model`` on ``world_size`` processes at mini-batch
+    ``batch_size`` (``input_shape`` = (C, H, W) of one sample) and predict the time per mini-batch.
+
+    ``alpha_beta``: the interconnect (default: :func:`lightning_hpc.perfmodel.calibrate_local` on 2 local
+    processes, cached).  ``uniform=True`` keeps one distribution for all layers (the setting of the paper's
+    experiments, and what a strategy with a single ``spatial_parts`` runs).  ``restrict`` filters candidates
+    (e.g. ``lambda d: d.h == d.w == 1`` for pure sample parallelism).  ``compute_scale`` multiplies measured
+    compute, e.g. ``processes / cores`` when ranks share too few cores.  ``gradient_reduction``: see
+    :data:`.cost.GRADIENT_REDUCTIONS` (the paper's per-layer overlapped allreduces, one fused allreduce, or DDP's
+    buckets).  ``sync``: the measured cost of a synchronisation between busy ranks
+    (:func:`lightning_hpc.perfmodel.sync.calibrate_sync` on ``world_size`` processes); every halo exchange,
+    batch-norm collective, shuffle and gradient allreduce of the plan is then charged its alpha-beta cost plus
+    that measured extra, and only the measured share of an allreduce is hidden behind backward.  Default None:
+    the plain alpha-beta model of section V-A (right for ranks with cores to spare).
+
+    Called inside a distributed job, rank 0 plans (alpha-beta calibrated on the job's process group) and
+    broadcasts the plan, so every rank uses the same one.
+    """
+    if world_size < 1 or batch_size < 1:
+        raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Inside a job (a strategy planning at setup): measured times differ between ranks, so rank 0 plans and
+        # every rank gets the same plan; alpha-beta is calibrated on the job's own process group (collective).
+        if alpha_beta is None:
+            from lightning_hpc.perfmodel import calibrate
+
+            alpha_beta = calibrate()
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = _plan(
+                    model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
+                    aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync,
+                )
+            except Exception as e:  # every rank must leave the broadcast, then all raise the same error
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+    return _plan(
+        model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
+        aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync,
+    )
+
+
+def _plan(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    world_size: int,
+    batch_size: int,
+    alpha_beta: AlphaBeta | None,
+    timer: LayerTimer | None,
+    uniform: bool,
+    restrict: Callable[[Distribution], bool] | None,
+    overlap_halo: bool,
+    aggregate_bn: bool,
+    compute_scale: float,
+    optimizer: str,
+    device: str | torch.device,
+    gradient_reduction: str,
+    sync: SyncCost | None = None,
+) -> Plan:
+    if len(input_shape) != 3:
+        raise ValueError(f"input_shape must be (C, H, W) of one sample, got {list(input_shape)}")
+    if alpha_beta is None:
+        from lightning_hpc.perfmodel import calibrate_local
+
+        alpha_beta = calibrate_local(2)
+    layers = trace_layers(model, (batch_size, *input_shape))
+    stages = build_stages(layers)
+    costs = CostModel(
+        alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale,
+        device=device, gradient_reduction=gradient_reduction, sync=sync,
+    )
+    cands = {}
+    for s in stages:
+        options = candidate_distributions(s, world_size, batch_size)
+        if restrict is not None:
+            kept = [d for d in options if restrict(d)]
+            if not kept:
+                raise ValueError(
+                    f"no candidate distribution of layer {s.name} (input {list(s.head.in_shape)}) passes the "
+                    f"restriction; candidates: {[str(d) for d in options]}"
+                )
+            options = kept
+        cands[s.name] = options
+    assignment, method = _assign(stages, cands, costs, uniform)
+    sim = _simulate(stages, assignment, costs)
+    opt = compute_scale * _optimizer_time(model, optimizer)
+    stage_of = {}
+    for s in stages:
+        for layer in s.layers:
+            stage_of[layer.name] = s.name
+    return Plan(
+        world_size=world_size,
+        batch_size=batch_size,
+        input_shape=tuple(input_shape),
+        distributions={layer.name: assignment[stage_of[layer.name]] for layer in layers},
+        stage_costs={s.name: costs.stage_cost(s, assignment[s.name]) for s in stages},
+        shuffle_time=sim["shuffle"],
+        compute_time=sim["compute"],
+        halo_time=sim["halo"],
+        allreduce_time=sim["allreduce"],
+        exposed_allreduce_time=sim["exposed_allreduce"],
+        optimizer_time=opt,
+        predicted_step_time=sim["end"] + opt,
+        model=alpha_beta,
+        method=method,
+        sync_points=int(sim["sync_points"]),
+        sync_time=sim["sync_time"],
+        sync=costs.sync,
+    )

@@ -1,0 +1,177 @@
+"""Parallel execution strategy search (Dryden et al., IPDPS 2019, section V-C).
+
+Candidate distributions per stage (load balanced, every tile at least as large as its halo), then the shortest
+source-to-sink path through the candidate graph for line networks (:func:`shortest_line_path`), and the
+longest-path-first heuristic for branching networks (ResNet): the heaviest path is solved first and fixed, then
+the next heaviest over the stages still unassigned, until every stage has a distribution.  Plain torch: no
+Lightning import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_hpc.spatial.planner.cost import CostModel
+from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
+
+__all__ = ["candidate_distributions", "shortest_line_path", "brute_force_line"]
+
+
+def _divisors(p: int) -> list[int]:
+    return [d for d in range(1, p + 1) if p % d == 0]
+
+
+def _spatial_extent(layer: LayerInfo) -> tuple[int, int] | None:
+    shapes = [s for s in (layer.in_shape, layer.out_shape) if len(s) == 4]
+    if not shapes:
+        return None
+    return min(s[2] for s in shapes), min(s[3] for s in shapes)
+
+
+def candidate_distributions(stage: Stage, world_size: int, batch_size: int) -> list[Distribution]:
+    """Load-balanced distributions ``n x h x w = P`` that every layer of the stage can run (section V-C):
+    ``n <= N``, and every tile at least as large as the halo it needs (and one row/column).  When nothing
+    fits (e.g. a linear layer with fewer samples than processes), the largest sample split with replicas."""
+    out = []
+    for n in _divisors(world_size):
+        if n > batch_size:
+            continue
+        rest = world_size // n
+        for h in _divisors(rest):
+            w = rest // h
+            ok = True
+            for layer in stage.layers:
+                extent = _spatial_extent(layer)
+                if extent is None:
+                    ok = ok and h == w == 1
+                    continue
+                need = max(layer.halo, 1)
+                ok = ok and extent[0] // h >= need and extent[1] // w >= need
+            if ok:
+                out.append(Distribution(n, h, w))
+    if not out:
+        n = max(d for d in _divisors(world_size) if d <= batch_size)
+        out.append(Distribution(n, 1, 1, replicas=world_size // n))
+    return out
+
+
+def shortest_line_path(
+    candidates: Sequence[Sequence[Any]],
+    cost: Callable[[int, Any], float],
+    shuffle: Callable[[int, Any, Any], float],
+) -> tuple[list[Any], float]:
+    """Shortest source-to-sink path through the candidate graph of a line network (section V-C).
+
+    Vertex ``(i, D)`` for each candidate ``D`` of layer ``i``; edge ``(i, D) -> (i+1, D')`` weighs
+    ``cost(i, D) + shuffle(i, D, D')``; the last layer's vertices reach the sink with ``cost(L-1, D)``.  The graph
+    is a DAG in layer order, so one relaxation sweep (dynamic programming) finds the optimum in linear time.
+    Returns the chosen candidate per layer and the path length.
+    """
+    if not candidates or any(len(c) == 0 for c in candidates):
+        raise ValueError("every layer needs at least one candidate distribution")
+    best = [0.0 for _ in candidates[0]]  # source -> (0, D): weight 0
+    back: list[list[int]] = []
+    for i in range(1, len(candidates)):
+        row, arg = [], []
+        for dj in candidates[i]:
+            options = [best[k] + cost(i - 1, di) + shuffle(i - 1, di, dj) for k, di in enumerate(candidates[i - 1])]
+            k = min(range(len(options)), key=options.__getitem__)
+            row.append(options[k])
+            arg.append(k)
+        best, back = row, back + [arg]
+    last = len(candidates) - 1
+    final = [best[k] + cost(last, d) for k, d in enumerate(candidates[last])]
+    k = min(range(len(final)), key=final.__getitem__)
+    total, choice = final[k], [k]
+    for arg in reversed(back):
+        choice.append(arg[choice[-1]])
+    choice.reverse()
+    return [candidates[i][k] for i, k in enumerate(choice)], total
+
+
+def _line_paths_order(stages: list[Stage], weight: dict[str, float], fixed: set[str]) -> list[str]:
+    """Heaviest source-to-sink path of the stage DAG counting only unfixed stages (longest path first)."""
+    index = {s.name: i for i, s in enumerate(stages)}
+    score: dict[str, tuple[float, int]] = {}
+    prev: dict[str, str | None] = {}
+    for s in stages:  # stages are in topological (execution) order
+        own = (0.0 if s.name in fixed else weight[s.name], -1 if s.name in fixed else 0)
+        if not s.parents:
+            score[s.name], prev[s.name] = own, None
+            continue
+        p = max(s.parents, key=lambda q: (score[q], -index[q]))
+        score[s.name] = (score[p][0] + own[0], score[p][1] + own[1])
+        prev[s.name] = p
+    children = {s.name: 0 for s in stages}
+    for s in stages:
+        for p in s.parents:
+            children[p] += 1
+    sinks = [s.name for s in stages if children[s.name] == 0]
+    end = max(sinks, key=lambda q: score[q])
+    path = [end]
+    while prev[path[-1]] is not None:
+        path.append(prev[path[-1]])
+    return path[::-1]
+
+
+def _is_line(stages: list[Stage]) -> bool:
+    return all(len(s.parents) <= 1 for s in stages) and all(
+        sum(1 for t in stages if s.name in t.parents) <= 1 for s in stages
+    )
+
+
+def _assign(
+    stages: list[Stage], cands: dict[str, list[Distribution]], costs: CostModel, uniform: bool
+) -> tuple[dict[str, Distribution], str]:
+    by_name = {s.name: s for s in stages}
+
+    def solve(path: list[str], options: dict[str, list[Distribution]]) -> list[Distribution]:
+        choice, _ = shortest_line_path(
+            [options[n] for n in path],
+            lambda i, d: costs.stage_cost(by_name[path[i]], d).total,
+            lambda i, a, b: costs.shuffle(by_name[path[i + 1]].edge_bytes.get(path[i], 0), a, b),
+        )
+        return choice
+
+    if uniform:  # one distribution for the whole network (what the paper's experiments use)
+        common = set(cands[stages[0].name])
+        for s in stages[1:]:
+            common &= set(cands[s.name])
+        if not common:
+            raise ValueError("no single distribution fits every layer; plan per layer (uniform=False)")
+        best = min(sorted(common), key=lambda d: sum(costs.stage_cost(s, d).total for s in stages))
+        return {s.name: best for s in stages}, "uniform"
+    if _is_line(stages):
+        path = [s.name for s in stages]
+        return dict(zip(path, solve(path, cands))), "shortest-path"
+    # Branching network: longest path first, then the next longest over the unassigned layers (section V-C).
+    weight = {s.name: min(costs.stage_cost(s, d).total for d in cands[s.name]) for s in stages}
+    fixed: dict[str, Distribution] = {}
+    while len(fixed) < len(stages):
+        path = _line_paths_order(stages, weight, set(fixed))
+        if all(n in fixed for n in path):  # remaining stages are off every heaviest path: take one directly
+            name = next(s.name for s in stages if s.name not in fixed)
+            path = [name]
+        options = {n: ([fixed[n]] if n in fixed else cands[n]) for n in path}
+        for n, d in zip(path, solve(path, options)):
+            fixed.setdefault(n, d)
+    return fixed, "longest-path-first"
+
+
+def brute_force_line(
+    candidates: Sequence[Sequence[Any]],
+    cost: Callable[[int, Any], float],
+    shuffle: Callable[[int, Any, Any], float],
+) -> tuple[list[Any], float]:
+    """Exhaustive search over every assignment (reference for :func:`shortest_line_path`; small graphs only)."""
+    best, best_total = None, math.inf
+    for combo in itertools.product(*candidates):
+        total = sum(cost(i, d) for i, d in enumerate(combo)) + sum(
+            shuffle(i, combo[i], combo[i + 1]) for i in range(len(combo) - 1)
+        )
+        if total < best_total:
+            best, best_total = list(combo), total
+    return best, best_total
