@@ -47,7 +47,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.hybrid_fc import ByteCounter, HeadOptimizer, find_hybrid_head, head_parameters, linear_layers_on_meta, parallelize_head
+from lightning_hpc.hybrid_fc import (
+    ByteCounter,
+    HeadOptimizer,
+    find_hybrid_head,
+    head_parameters,
+    linear_layers_on_meta,
+    parallelize_head,
+)
 from lightning_hpc.hybrid_fc.collectives import allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.layout import layout_cost, plan_layout
 from lightning_hpc.models import alexnet_one_tower

@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from harness import Report

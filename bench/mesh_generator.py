@@ -11,7 +11,6 @@ import sys
 import time
 
 import torch
-
 from harness import Report
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from harness import Report
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

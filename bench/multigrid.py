@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import statistics
 import sys
@@ -32,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import Report, timeit  # noqa: E402
 
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
-from lightning_hpc.models import ResidualStep, ode_resnet  # noqa: E402
+from lightning_hpc.models import ode_resnet  # noqa: E402
 from lightning_hpc.models.ode_resnet import conv_branch  # noqa: E402
-from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, calibrate_local  # noqa: E402
 from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, PartitionedODEBlock, SolveSettings  # noqa: E402
 from lightning_hpc.multigrid.cost import multigrid_step_time, partitioned_step_time  # noqa: E402
+from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, calibrate_local  # noqa: E402
 
 MG = dict(cfactor=4, levels=3, relaxation="F")
 BATCH, WIDTH = 8, 4

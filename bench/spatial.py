@@ -30,8 +30,8 @@ Run alone on the machine (e.g. under `flock` on a lock file that other benchmark
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import sys
 import threading
@@ -53,6 +53,7 @@ from lightning_hpc.models.mesh_fcn import DEFAULT_WIDTHS, mesh_fcn  # noqa: E402
 from lightning_hpc.spatial.convert import convert_model, split_parameters  # noqa: E402
 from lightning_hpc.spatial.gradients import reduce_gradients  # noqa: E402
 from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
+
 
 def mesh_model(convs_per_block: int) -> nn.Module:
     """The recipes' section VI FCN (``recipes/mesh_tangling_{1k,2k}.yaml``: widths 16-32-64-128-256-256, nearest

@@ -6,8 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_hpc.cli.main import _hydra_argv
 from lightning_hpc.cli.config_paths import conf_dir, recipe_names, recipes_dir
+from lightning_hpc.cli.main import _hydra_argv
 from tests.conftest import read_metrics, run_dirs
 
 #: per-recipe overrides that keep a fast_dev_run cheap on 2 CPU cores (every recipe must be listed)

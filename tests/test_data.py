@@ -6,8 +6,20 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_hpc.data import Cifar10DataModule, DigitsDataModule, ImageFolderDataModule, SyntheticDataModule, SyntheticImages
-from lightning_hpc.data.transforms import CenterCrop, RandomResizedCrop, Resize, ToNormalizedTensor, random_resized_crop_box
+from lightning_hpc.data import (
+    Cifar10DataModule,
+    DigitsDataModule,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    SyntheticImages,
+)
+from lightning_hpc.data.transforms import (
+    CenterCrop,
+    RandomResizedCrop,
+    Resize,
+    ToNormalizedTensor,
+    random_resized_crop_box,
+)
 from lightning_hpc.distributed.partition import block_bounds, block_range, block_sizes
 
 

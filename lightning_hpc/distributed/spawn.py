@@ -42,7 +42,7 @@ def _worker(
     env: dict[str, str],
     fn: Callable[..., Any],
     args: Sequence[Any],
-    results: "mp.Queue[tuple[int, bool, Any]]",
+    results: mp.Queue[tuple[int, bool, Any]],
 ) -> None:
     import torch
     import torch.distributed as dist

@@ -17,7 +17,7 @@ import torch.distributed as dist
 __all__ = ["gather_keyed_tensors"]
 
 
-def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None, dst: int | None = None) -> "OrderedDict[str, torch.Tensor]":
+def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None, dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
     """Union of every rank's ``local`` tensors (disjoint keys), ordered by group rank, then by local order.
 
     Collective over ``group`` (``None``: this process alone, the dict is returned as is).  ``dst`` (a global

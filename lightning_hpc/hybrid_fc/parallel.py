@@ -68,7 +68,7 @@ class _TrunkThenHead(nn.Module):
             x = self._modules[n](x)  # type: ignore[misc]
         return self.hybrid_head(x)
 
-    def train(self, mode: bool = True) -> "_TrunkThenHead":
+    def train(self, mode: bool = True) -> _TrunkThenHead:
         super().train(mode)
         self.hybrid_head.training = mode
         return self

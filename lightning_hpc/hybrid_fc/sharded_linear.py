@@ -39,7 +39,7 @@ class ShardedLinear(nn.Module):
         rank: int,
         k: int,
         device: torch.device | str | None = None,
-        init: Callable[["ShardedLinear"], None] | None = None,
+        init: Callable[[ShardedLinear], None] | None = None,
     ) -> None:
         super().__init__()
         if layout not in ("col", "row"):

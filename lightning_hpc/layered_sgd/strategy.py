@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import datetime
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -66,7 +67,7 @@ class _FlushBeforeReaders(Callback):
     """Internal callback put *first* in ``trainer.callbacks`` so the postponed update lands before any other
     callback's hook of the same name can look at the weights."""
 
-    def __init__(self, strategy: "LayeredSGDStrategy") -> None:
+    def __init__(self, strategy: LayeredSGDStrategy) -> None:
         self._strategy = strategy
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

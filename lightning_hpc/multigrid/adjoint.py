@@ -42,7 +42,7 @@ class AdjointPropagator:
         out = self.stack.adjoint_step(layers, self.hierarchy.step_sizes[level][forward_steps], self.states[layers], lam.flip(0))
         return out.flip(0)
 
-    def gathered(self, chain: LayerChain) -> "AdjointPropagator":
+    def gathered(self, chain: LayerChain) -> AdjointPropagator:
         """The adjoint of the coarsest level of every rank as one level: the C-layers' weights and the forward
         states they are linearised at, gathered in layer order (collective)."""
         layers = self.hierarchy.coarsest_layers()

@@ -39,7 +39,7 @@ class Hierarchy:
         top = self.levels - 1
         return self.layer_slice(top, slice(0, self.sizes[top], 1))
 
-    def gathered_coarsest(self, chain: "LayerChain", device: torch.device) -> "Hierarchy":
+    def gathered_coarsest(self, chain: LayerChain, device: torch.device) -> Hierarchy:
         """One-level hierarchy of the coarsest steps of every rank of ``chain``, in layer order (collective;
         ``device``: where the communication backend takes tensors, e.g. the GPU for NCCL)."""
         h = self.step_sizes[self.levels - 1].to(device)

@@ -16,7 +16,7 @@ __all__ = ["PartitionedODEBlock"]
 
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: "PartitionedODEBlock", u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, block: PartitionedODEBlock, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x = u0.detach().clone()
         block.chain.recv_prev(x)
         with torch.enable_grad():

@@ -24,7 +24,7 @@ class Propagator(Protocol):
 
     def __call__(self, level: int, steps: slice, x: torch.Tensor) -> torch.Tensor: ...
 
-    def gathered(self, chain: LayerChain) -> "Propagator":
+    def gathered(self, chain: LayerChain) -> Propagator:
         """The same operator on the coarsest level of every rank of ``chain`` as one level (collective)."""
         ...
 
@@ -38,5 +38,5 @@ class ForwardPropagator:
     def __call__(self, level: int, steps: slice, x: torch.Tensor) -> torch.Tensor:
         return self.stack.step(self.hierarchy.layer_slice(level, steps), self.hierarchy.step_sizes[level][steps], x)
 
-    def gathered(self, chain: LayerChain) -> "ForwardPropagator":
+    def gathered(self, chain: LayerChain) -> ForwardPropagator:
         return ForwardPropagator(self.stack.gathered(self.hierarchy.coarsest_layers(), chain), self.hierarchy.gathered_coarsest(chain, self.stack.device))

@@ -61,13 +61,13 @@ class LayerShardedTrunk(nn.Sequential):
                 del state_dict[key]
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def full_state_dict(self, prefix: str = "", dst: int | None = None) -> "OrderedDict[str, torch.Tensor]":
+    def full_state_dict(self, prefix: str = "", dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
         """State dict of the whole trunk (every step's parameters and buffers) in step order; collective over
         the layer group.  With ``dst`` (a global rank) only that rank gets the full dict."""
         return gather_keyed_tensors(self.state_dict(prefix=prefix), self.group if self.chain.size > 1 else None, dst)
 
 
-def full_model_state_dict(model: nn.Module, dst: int | None = None) -> "OrderedDict[str, torch.Tensor]":
+def full_model_state_dict(model: nn.Module, dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
     """``model.state_dict()`` with every :class:`LayerShardedTrunk` inside gathered to its full set of steps,
     in the serial model's key order (collective: every rank of the layer groups calls it)."""
     local = model.state_dict()

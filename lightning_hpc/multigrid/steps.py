@@ -102,7 +102,7 @@ class StepStack:
     def device(self) -> torch.device:
         return next(iter(self.params.values())).device if self.params else torch.device("cpu")
 
-    def gathered(self, layers: slice, chain: "LayerChain") -> "StepStack":
+    def gathered(self, layers: slice, chain: LayerChain) -> StepStack:
         """A stack of the ``layers`` of every rank of ``chain`` in layer order (weights and buffers gathered,
         collective): the operator of the gathered coarsest level (coarse.py).  Evaluation only (no modules)."""
         view = copy.copy(self)

@@ -72,7 +72,7 @@ class SyncCost:
         return asdict(self)
 
     @classmethod
-    def none(cls, world_size: int = 1) -> "SyncCost":
+    def none(cls, world_size: int = 1) -> SyncCost:
         """No cost beyond alpha-beta (one process: nothing to synchronise)."""
         return cls(world_size, 0.0, 0.0, 0.0, 0.0, 0.0)
 

@@ -79,7 +79,7 @@ class _AggregatedBatchNorm(torch.autograd.Function):
 
 class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):
     @classmethod
-    def from_module(cls, bn: nn.BatchNorm2d, grid: SpatialGrid, *, name: str = "") -> "SpatialBatchNorm2d":
+    def from_module(cls, bn: nn.BatchNorm2d, grid: SpatialGrid, *, name: str = "") -> SpatialBatchNorm2d:
         new = copy.copy(bn)  # shares weight, bias and the running-stat buffers
         new.__class__ = cls
         new._init_spatial(grid, name)

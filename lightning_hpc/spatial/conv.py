@@ -197,7 +197,7 @@ class _TileConv2d(torch.autograd.Function):
     and are added into the owners' edge rows.  Nothing the size of the tile is copied in either direction."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, conv: "SpatialConv2d", plan: HaloPlan, regions):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, conv: SpatialConv2d, plan: HaloPlan, regions):  # type: ignore[override]
         exchange = HaloExchange(plan)
         exchange.post_forward(x)
         padding = tuple(win.padding for win in conv._wins)
@@ -262,7 +262,7 @@ class _HaloConv2d(torch.autograd.Function):
     gradient (no copy; the next kernel reads it strided)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, conv: "SpatialConv2d", plan: HaloPlan):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, conv: SpatialConv2d, plan: HaloPlan):  # type: ignore[override]
         native = native_padding(plan, conv._wins, conv.grid.parts)
         exchange = HaloExchange(plan)
         exchange.post_forward(x)
@@ -330,7 +330,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             self.kfac_output_extent = (int(extent[0]), int(extent[1]))
 
     @classmethod
-    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = False, name: str = "") -> "SpatialConv2d":
+    def from_module(cls, conv: nn.Conv2d, grid: SpatialGrid, *, overlap: bool = False, name: str = "") -> SpatialConv2d:
         if conv.padding_mode != "zeros":
             raise ValueError(
                 f"Conv2d '{name}' uses padding_mode={conv.padding_mode!r}; the spatial layers implement zero padding "

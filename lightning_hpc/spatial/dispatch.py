@@ -231,7 +231,7 @@ class SpatialTensor(torch.Tensor):
 
     @staticmethod
     def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int, *,
-             fresh: bool = False) -> "SpatialTensor":
+             fresh: bool = False) -> SpatialTensor:
         """``fresh``: ``local`` is a new result nobody else holds; it becomes the SpatialTensor itself (no alias
         view, so a later in-place op on it is not an in-place op on a view, which autograd would answer with a
         whole-tensor copy in backward)."""

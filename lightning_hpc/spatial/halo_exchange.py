@@ -292,7 +292,7 @@ class Halo:
         self.x, self.blocks, self.plan = x, blocks, plan
 
     @classmethod
-    def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> "Halo":
+    def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> Halo:
         """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives them)."""
         blocks = {}
         for (peer, d, r, c), buf in zip(plan.recvs, bufs):

@@ -31,7 +31,7 @@ class SpatialGlobalAvgPool2d(nn.Module, SpatialLayer):
         self._init_spatial(grid, name)
 
     @classmethod
-    def from_module(cls, pool: nn.AdaptiveAvgPool2d, grid: SpatialGrid, *, name: str = "") -> "SpatialGlobalAvgPool2d":
+    def from_module(cls, pool: nn.AdaptiveAvgPool2d, grid: SpatialGrid, *, name: str = "") -> SpatialGlobalAvgPool2d:
         size = pool.output_size
         if size not in (1, (1, 1), [1, 1]):
             raise ValueError(f"AdaptiveAvgPool2d '{name}': only output_size=1 (global pooling) is supported spatially, got {size}")

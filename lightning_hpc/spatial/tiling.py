@@ -47,7 +47,7 @@ class SpatialGrid:
     _uid: int = field(default=0, repr=False)
 
     @classmethod
-    def single(cls) -> "SpatialGrid":
+    def single(cls) -> SpatialGrid:
         return cls(parts=(1, 1), ranks=[dist.get_rank() if dist.is_initialized() else 0], group=None, local_rank=0)
 
     @property

@@ -57,7 +57,7 @@ class Interp1d:
 
 class SpatialUpsample(nn.Upsample, SpatialLayer):
     @classmethod
-    def from_module(cls, up: nn.Upsample, grid: SpatialGrid, *, name: str = "") -> "SpatialUpsample":
+    def from_module(cls, up: nn.Upsample, grid: SpatialGrid, *, name: str = "") -> SpatialUpsample:
         if up.mode not in ("nearest", "bilinear"):
             raise ValueError(f"Upsample '{name}': mode={up.mode!r} is not supported spatially; use 'nearest' or 'bilinear'")
         if getattr(up, "recompute_scale_factor", None):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.cluster.launch import EXAMPLES, next_port, node_env
 
 #: every job: 3 steps, no validation, no loggers, only the last.ckpt callback (the parameters compared)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import sys
 
 import lightning.pytorch as pl
-import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
 torch.set_num_threads(1)
 WORLD, B, N, CLIP = 2, 4, 64, 0.05

@@ -9,7 +9,6 @@ import warnings
 
 import lightning.pytorch as pl
 import numpy as np
-import pytest
 import torch
 from hybrid_workers import lightning_equivalence, serial_kfac_trunk_params
 from torch import nn

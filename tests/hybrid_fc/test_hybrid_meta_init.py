@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hybrid_workers import HEAD_WEIGHT_SHAPES, lightning_meta_equivalence, run_meta_configs, serial_sequence, small_model
+from hybrid_workers import (
+    HEAD_WEIGHT_SHAPES,
+    lightning_meta_equivalence,
+    run_meta_configs,
+    serial_sequence,
+    small_model,
+)
 
 from lightning_hpc import ImageClassifier
 from lightning_hpc.distributed import run_in_processes

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from mg_helpers import make_net, options
+
 from lightning_hpc.multigrid import MultigridODEBlock
 
 

@@ -1,10 +1,9 @@
 """The performance model counts the work the solver does."""
 
 import pytest
-import torch
 
-from lightning_hpc.perfmodel import AlphaBeta
 from lightning_hpc.multigrid.cost import multigrid_pass_time, partitioned_step_time
+from lightning_hpc.perfmodel import AlphaBeta
 
 FREE = AlphaBeta(0.0, 0.0)
 
@@ -12,6 +11,7 @@ FREE = AlphaBeta(0.0, 0.0)
 def count_layer_evaluations(num_steps, cfactor, levels, cycles, relaxation):
     """Instrumented solve: how many single-layer evaluations the implementation performs."""
     from mg_helpers import make_net, options
+
     from lightning_hpc.multigrid import MultigridODEBlock
 
     net, x = make_net(num_steps)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from mg_helpers import make_net, multigrid_run, options, rel, serial_reference
+
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.multigrid import MultigridODEBlock, PartitionedODEBlock, full_model_state_dict
 from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups

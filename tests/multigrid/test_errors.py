@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-from mg_helpers import make_net
 from lightning_hpc.models import ResidualStep, ode_resnet
 from lightning_hpc.models.ode_resnet import NotResidualError
 from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings, check_layer_partition

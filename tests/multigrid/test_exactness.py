@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
-
 from mg_helpers import make_net, multigrid_run, options, rel, serial_reference
+
 from lightning_hpc.multigrid import PartitionedODEBlock
 
 

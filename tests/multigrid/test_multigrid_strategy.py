@@ -61,9 +61,9 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     checkpoint holds the full model (= one process's, loads into the plain model) and resumes on 2 ranks
     with the per-rank optimizer state; a different layer_parallel_size is refused with the numbers."""
     import pytest
+    from mg_lightning_workers import NUM_STEPS, STEPS, fit
 
     from lightning_hpc.distributed import run_in_processes
-    from mg_lightning_workers import NUM_STEPS, STEPS, fit
 
     two, one = str(tmp_path / "two.ckpt"), str(tmp_path / "one.ckpt")
     runs = run_in_processes(fit, 2, STEPS, two, timeout_s=400, collective_timeout_s=200)

@@ -21,7 +21,6 @@ from torch.nn.utils import parametrizations
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.distributed.spawn import DistributedRunError
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import tile_slices
 

@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from spatial_checks import TileDataModule
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -28,7 +29,6 @@ from lightning_hpc.spatial.convert import convert_model, split_parameters
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
-from spatial_checks import TileDataModule
 
 TOL = 1e-5
 BATCH, C, H, W = 4, 3, 13, 11  # 13 and 11 split unevenly over 2 and 4; strided layers make odd extents

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spatial_checks import TOL, compare_layer
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.conv import SpatialConv2d, tile_conv_applies
 from lightning_hpc.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 from lightning_hpc.spatial.tiling import create_hybrid_layout
-from spatial_checks import TOL, compare_layer
 
 # (kernel, stride, padding, dilation)
 CONV_CONFIGS = [

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from spatial_checks import TOL, max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -16,7 +17,6 @@ from lightning_hpc.distributed.partition import block_range
 from lightning_hpc.spatial.convert import convert_model, split_parameters
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.tiling import create_hybrid_layout
-from spatial_checks import TOL, max_err, tile_of
 
 SHAPE = (4, 3, 30, 26)  # 30 and 26 split unevenly over 4 and 2; stride-2 layers make them odd
 STEPS = 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from spatial_checks import TOL, compare_layer, max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -16,7 +17,6 @@ from lightning_hpc.spatial.heads import SpatialGlobalAvgPool2d
 from lightning_hpc.spatial.redistribute import sample_to_spatial, spatial_to_sample
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 from lightning_hpc.spatial.upsample import SpatialUpsample
-from spatial_checks import TOL, compare_layer, max_err, tile_of
 
 
 def _ops(rank: int, world: int, parts_list) -> list[str]:

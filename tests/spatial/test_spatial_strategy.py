@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from spatial_checks import TOL, TileDataModule
+from test_spatial_models import data, small_fcn
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -15,8 +15,6 @@ from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
-from spatial_checks import TOL, TileDataModule
-from test_spatial_models import SHAPE, data, small_fcn
 
 BATCH, STEPS = 2, 2
 
@@ -91,8 +89,9 @@ def test_lightning_fit_matches_serial():
 
 
 def test_strategy_is_registered():
-    import lightning_hpc  # noqa: F401
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_hpc  # noqa: F401
 
     assert "spatial" in StrategyRegistry
     assert isinstance(StrategyRegistry.get("spatial"), SpatialParallelStrategy)

@@ -56,7 +56,7 @@ class ShockBubble:
     n_primary: int = 96
 
     @classmethod
-    def sample(cls, seed: int, cells: int = 1024) -> "ShockBubble":
+    def sample(cls, seed: int, cells: int = 1024) -> ShockBubble:
         """Draw a problem; ``cells`` (mesh cells across the domain) sets how many grid-scale roll-ups the
         interface carries (one every 25-40 cells of perimeter, as a KH instability at grid scale would)."""
         rng = np.random.default_rng(seed)
