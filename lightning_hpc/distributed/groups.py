@@ -50,15 +50,6 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta 
     them, so callers fall back to torch's default.
     """
     return process_group_timeout(group)
-    pg = group if group is not None else dist.group.WORLD
-    for device in getattr(pg, "_device_types", []) or []:
-        try:
-            timeout = pg._get_backend(device).options._timeout
-        except Exception:  # a backend without readable options: keep looking, else unknown
-            continue
-        if isinstance(timeout, datetime.timedelta):
-            return timeout
-    return None
 
 
 def new_group(
