@@ -23,7 +23,7 @@ def test_digits_recipe_fast_dev_run_under_horovodrun(tmp_path):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["global_step"] == 1, out.stdout[-3000:]  # fast_dev_run: one optimizer step
     assert "[1]<" in out.stdout, "horovodrun did not run a second rank"
-    assert "lightning_hpc.horovod.strategy.HorovodStrategy" in (tmp_path / ".hydra" / "config.yaml").read_text()
+    assert "_target_: lightning_hpc.HorovodStrategy" in (tmp_path / ".hydra" / "config.yaml").read_text()
 
 
 def test_devices_and_num_nodes_must_match_the_launch():
