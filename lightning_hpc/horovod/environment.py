@@ -12,6 +12,7 @@ import os
 import socket
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing_extensions import override
 
 from lightning_hpc.horovod.communicator import init_horovod
 
@@ -38,14 +39,17 @@ class HorovodEnvironment(ClusterEnvironment):
         self._main: tuple[str, int] | None = None
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         return True
 
     @property
+    @override
     def main_address(self) -> str:
         return self._rendezvous()[0]
 
     @property
+    @override
     def main_port(self) -> int:
         return self._rendezvous()[1]
 
@@ -65,6 +69,7 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._main
 
     @staticmethod
+    @override
     def detect() -> bool:
         return any(name in os.environ for name in _LAUNCH_VARIABLES)
 
@@ -73,22 +78,28 @@ class HorovodEnvironment(ClusterEnvironment):
         """``horovodrun`` exports HOROVOD_RANK; plain ``mpirun`` (also used without Horovod) does not."""
         return "HOROVOD_RANK" in os.environ
 
+    @override
     def world_size(self) -> int:
         return init_horovod().size()
 
+    @override
     def set_world_size(self, size: int) -> None:
         # the launcher fixed it; a different request is reported by HorovodStrategy's consistency check
         pass
 
+    @override
     def global_rank(self) -> int:
         return init_horovod().rank()
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         pass
 
+    @override
     def local_rank(self) -> int:
         return init_horovod().local_rank()
 
+    @override
     def node_rank(self) -> int:
         return init_horovod().cross_rank()
 

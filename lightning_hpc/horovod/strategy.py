@@ -50,6 +50,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_hpc._compat import optimizers_to_device, set_num_threads_if_needed
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
@@ -203,18 +204,22 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
 
     # ---- ranks and devices ------------------------------------------------------------------------------
     @property
+    @override
     def global_rank(self) -> int:
         return self._hvd.rank()
 
     @property
+    @override
     def local_rank(self) -> int:
         return self._hvd.local_rank()
 
     @property
+    @override
     def node_rank(self) -> int:
         return self._hvd.cross_rank()
 
     @property
+    @override
     def world_size(self) -> int:
         return self._hvd.size()
 
@@ -232,10 +237,12 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None, "HorovodStrategy used before the Trainer set its devices"
         return self.parallel_devices[self.local_rank]
@@ -288,6 +295,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         self.parallel_devices = devices
 
     # ---- setup ------------------------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         # as DDPStrategy.setup_distributed: every process restarts from the seed given to seed_everything, so
         # random streams (dropout, augmentation) are the same as under strategy="ddp"
@@ -298,6 +306,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         set_num_threads_if_needed(num_processes=self._hvd.local_size())
         super().setup_environment()
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -323,6 +332,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
                 for optimizer in self.optimizers:
                     self._broadcast_optimizer(optimizer)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if self.root_device.type == "cuda":
@@ -406,10 +416,12 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         for handle in handles:
             self._hvd.synchronize(handle)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_buffers()
         return super().training_step(*args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         # as DDP: only the fitting loop's validation runs the wrapped (buffer-broadcasting) model; validate/test/
         # predict start from the buffers broadcast at setup (their samplers may give ranks uneven batch counts)
@@ -418,6 +430,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             self._sync_buffers()
         return super().validation_step(*args, **kwargs)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # GradientAccumulationScheduler changes accumulate_grad_batches at epoch starts; Lightning always steps
         # on an epoch's last batch, so no accumulation window is open at batch 0.
@@ -429,6 +442,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             if getattr(optimizer, "backward_passes_per_step", k) != k:
                 optimizer.set_backward_passes_per_step(k)
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -447,6 +461,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         finally:
             self._stepping_optimizer = None
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """After the backward of the stepping closure: wait for the averaged gradients.
 
@@ -459,15 +474,18 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             optimizer.synchronize()
 
     # ---- collectives used by Lightning (logging, callbacks, checkpointing) ------------------------------
+    @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if self.world_size > 1:
             self._hvd.barrier()
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if self.world_size == 1:
             return obj
         return self._hvd.broadcast_object(obj, root_rank=src)
 
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Allreduce a tensor: ``reduce_op`` is mean/avg (default), sum, max or min (or a torch ReduceOp)."""
         if not isinstance(tensor, Tensor):
@@ -485,6 +503,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         name = collective_name("allreduce", process_set)
         return self._hvd.allreduce(tensor, op=getattr(self._hvd, ops[op_name]), name=name, process_set=process_set)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack every rank's tensor along a new leading dimension (as Lightning's DDP ``all_gather``)."""
         if self.world_size == 1:
@@ -495,6 +514,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             return self._hvd.allgather(tensor.contiguous().unsqueeze(0), name=name, process_set=process_set)
 
     # ---- teardown ---------------------------------------------------------------------------------------
+    @override
     def teardown(self) -> None:
         if self._exit_stack is not None:
             self._exit_stack.close()
@@ -502,5 +522,6 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Horovod data parallelism (lightning_hpc)")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from typing_extensions import override
 
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
@@ -99,12 +100,14 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``Trainer.init_module()`` / ``configure_model``: linear layers on the meta device (the head is then
         allocated shard by shard at setup), everything else as DDP does; ``empty_init=False`` turns it off."""
         with super().tensor_init_context(empty_init), (linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext()):
             yield
 
+    @override
     def model_to_device(self) -> None:
         # The head is sharded before DDP wraps the model, so DDP ignores the shards and the optimizers see only
         # this rank's 1/K.  A materialised head is sharded after the model reaches its device (NCCL broadcasts need
@@ -122,10 +125,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._parallelize()
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Restore into the sharded model: full tensors are sliced on load, so the full head is never built.
         return True
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isfile(checkpoint_path):
             # Memory-mapped: each rank reads only the slices it loads into its shards.
@@ -160,6 +165,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         ddp_ignore_parameters(module, ignore)
         self._parallelized = True
 
+    @override
     def setup(self, trainer: Any) -> None:
         if str(trainer.state.fn) in ("predict", "TrainerFn.PREDICTING") and self.world_size > 1:
             # Lightning's predict sampler gives ranks unequal numbers of samples and batches (no padding, so no
@@ -210,6 +216,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         return self._search_root()
 
     # -- training --------------------------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.fc_update != "per_subbatch" or self._head_optimizer is None:
             return super().training_step(*args, **kwargs)
@@ -220,17 +227,32 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         with head.subbatch_update(batch[1], self.lightning_module.loss, self._head_optimizer.step):
             return super().training_step(*args, **kwargs)
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        unused = "Expected to have finished reduction in the prior iteration" in str(exception)
+        super().on_exception(exception)
+        if unused:  # Lightning's DDP advice names DDP's own strategy strings, which would drop the sharded head
+            exception.args = (
+                "A parameter of the data-parallel trunk took no part in the loss returned by training_step. If that "
+                "is intentional, keep strategy='hybrid_fc' and enable DDP's detection of unused parameters: "
+                "HybridParallelStrategy(find_unused_parameters=True), or strategy.find_unused_parameters=true with "
+                "Hydra ('ddp_find_unused_parameters_true' would replace this strategy by plain DDP).",
+            )
+
     # -- checkpoints: full, unsharded ------------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
         # Only rank 0 writes the file: gather there, one tensor at a time, straight to host memory.
         return full_state_dict(module, rank0_only=True, cpu=True)
 
+    @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return full_optimizer_state(optimizer, self.lightning_module, rank0_only=True, cpu=True)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = [shard_optimizer_state(s, o, self.lightning_module) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
@@ -56,6 +57,7 @@ class KFAC(Callback):
         self._deferred = False
 
     # -- setup -------------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.preconditioner is not None:
             return
@@ -68,6 +70,7 @@ class KFAC(Callback):
             return
         self._build(trainer, pl_module)
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_optimizers(trainer)
         if self._deferred and self.preconditioner is None:
@@ -114,15 +117,18 @@ class KFAC(Callback):
                 "or precision=kfac_16-mixed in a lightning-hpc recipe"
             )
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.preconditioner is not None:
             self.preconditioner.remove_hooks()
 
     # -- training ----------------------------------------------------------------------------------------
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.preconditioner is not None:
             self.preconditioner.set_epoch(trainer.current_epoch)
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
         pre = self.preconditioner
         if pre is None:
@@ -140,11 +146,13 @@ class KFAC(Callback):
         pre.step(grad_scale=grad_scale)
 
     # -- checkpointing -----------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         if self.preconditioner is None:
             return dict(self._pending_state or {})
         return self.preconditioner.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from typing_extensions import override
 
 __all__ = ["KFACMixedPrecision"]
 
@@ -34,6 +35,7 @@ class KFACMixedPrecision(MixedPrecision):
         self.kfac_grad_scale = 1.0
         self.kfac_found_inf = False
 
+    @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         # Runs after scaler.unscale_ and before on_before_optimizer_step (where the KFAC callback reads these)
         # and before scaler.update() changes the scale: get_scale() is the scale this backward pass used.

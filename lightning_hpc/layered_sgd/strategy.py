@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
 
 from lightning_hpc._compat import automatic_optimizer_step_progress
 from lightning_hpc.distributed.backend import communicator_for
@@ -70,18 +71,23 @@ class _FlushBeforeReaders(Callback):
     def __init__(self, strategy: LayeredSGDStrategy) -> None:
         self._strategy = strategy
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._strategy.flush()
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.flush()
 
+    @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.flush()
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.flush()
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._strategy.flush()
 
@@ -184,6 +190,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         return self._timeout.total_seconds() if isinstance(self._timeout, datetime.timedelta) else None
 
     # ------------------------------------------------------------------ setup
+    @override
     def _configure_launcher(self) -> None:
         # Called from Trainer(...) once devices and num_nodes are known: reject a bad topology before any
         # process is launched or any batch is loaded.
@@ -193,10 +200,12 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
                             setting="procs_per_node")
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # launches / joins the process group
         self.check_topology()
 
+    @override
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: build the two communication layers instead."""
         group_size = self.check_topology()
@@ -220,6 +229,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         )
         self._sync_from_rank0(with_parameters=True)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         for opt in self.optimizers:
@@ -247,6 +257,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
                 self.comm.broadcast(t.data, src=0)
 
     # ------------------------------------------------------------------ the postponed step
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -304,12 +315,14 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     def _step_progress(self) -> Any:
         return automatic_optimizer_step_progress(self.lightning_module.trainer)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.flush()  # no-op when the callback already flushed; guards custom loops
         if self.broadcast_buffers and self.comm is not None and any(True for _ in self.lightning_module.buffers()):
             self._sync_from_rank0(with_parameters=False)
         return super().training_step(*args, **kwargs)
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The backward pass inside :meth:`optimizer_step` starts bucket reductions from gradient hooks; any
         other (accumulation micro-batches) only accumulates local gradients; under manual optimization the
@@ -325,33 +338,41 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             self.update.finish_gradients()
         return loss
 
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: there is no DDP reducer."""
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """Nothing to do: the buckets start from gradient hooks and :meth:`optimizer_step`."""
 
     # ------------------------------------------------------------------ flush points
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.flush()  # the first thing a checkpoint dump reads, before callbacks' and optimizers' states
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self.flush()
         return super().optimizer_state(optimizer)
 
+    @override
     def on_validation_start(self) -> None:
         self.flush()
         super().on_validation_start()
 
+    @override
     def on_test_start(self) -> None:
         self.flush()
         super().on_test_start()
 
+    @override
     def on_train_end(self) -> None:
         self.flush()
         super().on_train_end()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._pending = None
         self._failed = True
@@ -374,6 +395,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         else:
             self.comm.barrier()
 
+    @override
     def teardown(self) -> None:
         self._teardown_barrier()
         if self.update is not None:
@@ -388,5 +410,6 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registered by :mod:`lightning_hpc.registry` (not under DDP's names)."""

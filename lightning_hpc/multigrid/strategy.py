@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from typing_extensions import override
 
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
@@ -124,6 +125,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         return max(self.world_size // self.layer_parallel_size, 1)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every rank of a layer chain must see the same samples: shard over the data dimension only
         return {"num_replicas": self.data_parallel_size, "rank": self._data_index}
@@ -198,9 +200,11 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 "mode='pm' / 'serial', which run under autocast"
             )
 
+    @override
     def configure_ddp(self) -> None:
         self._wrap_model()
 
+    @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
@@ -212,9 +216,11 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         )
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         average_gradients(list(self.lightning_module.parameters()), self.data_group)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         previous_backward = list(getattr(self.block, "backward_history", []))
         out = super().training_step(*args, **kwargs)
@@ -230,6 +236,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         block = self.block
         return block if isinstance(block, LayerShardedTrunk) and block.chain.size > 1 else None
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model: the trunk gathered onto the first rank of each layer chain (global rank 0, which
         writes the checkpoint, is the first rank of its chain), with the serial model's keys."""
@@ -238,6 +245,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             return super().lightning_module_state_dict()
         return full_model_state_dict(self.lightning_module, dst=sharded.chain.first_rank)
 
+    @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Every layer rank's optimizer state (each covers its own steps), collected on the chain's first rank."""
         sharded = self._sharded()
@@ -249,6 +257,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         dist.gather_object(state, shards, dst=chain.first_rank, group=sharded.group)
         return {LAYER_SHARDS: shards, "layer_parallel_size": chain.size}
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = list(checkpoint["optimizer_states"])
         sharded = self._sharded()

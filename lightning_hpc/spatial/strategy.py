@@ -31,6 +31,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_hpc._compat import sync_module_states
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
@@ -140,6 +141,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         return self.layout.num_sample_groups if self.layout is not None else self.world_size
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # all ranks of a spatial group must see the same samples
         if self.layout is None:
@@ -180,6 +182,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             return parse_parts(self.plan.spatial_parts, setting="planner spatial_parts")
         return self._parts_setting  # type: ignore[return-value]
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # process group
         parts = self._resolve_parts()
@@ -203,6 +206,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             )
 
     # -- model -------------------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Any) -> None:
         self._convert()
         super().setup(trainer)
@@ -232,11 +236,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         self._converted = True
 
+    @override
     def configure_ddp(self) -> None:
         # no DDP wrapper: gradients need a sum over tiles and a mean over samples (reduce_gradients); start equal
         assert self.model is not None
         sync_module_states(self.model)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             out = closure()
@@ -245,6 +251,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         st = state()
         st.module_stack.clear()
@@ -261,6 +268,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._params_checked = True
         return out
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
         the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
@@ -286,6 +294,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
             pass
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         state().module_stack.clear()
         return super().validation_step(*args, **kwargs)
@@ -301,6 +310,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         reduce_gradients(tile, replicated, self.layout.num_sample_groups)
 
     # -- data --------------------------------------------------------------------------------------------------
+    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         if self._slice_batches:
             batch = self._cut_to_tile(batch)
@@ -351,6 +361,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             dist.all_reduce(n, group=self.layout.grid.group)
         return int(n.item())
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """Mean over the mini-batch of values logged per rank.  Values computed from split activations are whole
         values (reductions over split dimensions are global), replicated over the spatial group: each spatial

@@ -103,6 +103,14 @@ def ode_net() -> UserCNN:
     return module
 
 
+class UnusedTrunkParameter(UserCNN):
+    """A trunk layer that takes no part in the loss (a common leftover in users' models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model[0].unused = nn.Conv2d(4, 4, 1).double()
+
+
 CASES = {
     # name: (module factory, Trainer kwargs)
     "clip_norm": (lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
@@ -112,7 +120,8 @@ CASES = {
     "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
     "flatten_linear": (flatten_linear, {}),
     "odenet": (ode_net, {}),
-    "predict": (UserCNN, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
+    "predict": (UserCNN, {}),
+    "unused_parameter": (UnusedTrunkParameter, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
     "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
     "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
 }
@@ -129,6 +138,10 @@ class ReportSteps(pl.Callback):
 def build_strategy(name: str) -> object:
     """A strategy by name; ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk,
     serial evaluation: exact)."""
+    if name == "hybrid_fc_find_unused":
+        from lightning_hpc import HybridParallelStrategy
+
+        return HybridParallelStrategy(find_unused_parameters=True)
     if name == "multigrid_pm":
         from lightning_hpc import MultigridStrategy
 

@@ -68,6 +68,7 @@ CELLS = [
     ("layered_sgd", "manual_clip"),
     ("ddp", "manual_clip"),
     ("hybrid_fc", "backbone_classifier"),
+    ("hybrid_fc_find_unused", "unused_parameter"),  # the fix the error message names
     ("multigrid_pm", "odenet"),  # the trunk's steps are split over the 2 ranks; both see the same samples
     ("multigrid_pm", "odenet_clip_norm"),
 ]
@@ -105,3 +106,9 @@ def test_refused_before_training_with_the_fix_named(strategy, case, message, tmp
     assert proc.returncode != 0, "expected a refusal"
     assert re.search(message, proc.stderr, re.S), proc.stderr[-3000:]
     assert "OPTIMIZER STEP" not in proc.stdout and not out.exists(), "the refusal came after training started"
+
+
+def test_unused_parameter_error_names_this_strategys_fix(tmp_path):
+    proc = run("unused_parameter", "hybrid_fc", 2, tmp_path / "final.ckpt")
+    assert proc.returncode != 0
+    assert "HybridParallelStrategy(find_unused_parameters=True)" in proc.stderr, proc.stderr[-3000:]
