@@ -68,9 +68,10 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "`flatten_linear` (Flatten + Linear only), `odenet` / `odenet_clip_norm` (a deep ODE-ResNet, the form the "
         "multigrid strategy trains; `multigrid_pm` splits its steps over the ranks), `odenet_bf16_mixed` (the same "
         "with `precision='bf16-mixed'`), `predict` (`trainer.predict` with Lightning's sampler), `unused_parameter` (a "
-        "trunk layer outside the loss; `hybrid_fc_find_unused` is the strategy with the fix its error names).",
+        "trunk layer outside the loss; `hybrid_fc_find_unused` is the strategy with the fix its error names), `adamw` "
+        "(AdamW instead of SGD), `accumulate_2` (`accumulate_grad_batches=2`).",
         "",
-        "Not yet in the suite (no claim is made for them here): Adam/AdamW, `accumulate_grad_batches`, two "
+        "Not yet in the suite (no claim is made for them here): two "
         "optimizers, bf16-mixed / 16-mixed, validate / test / predict with Lightning's samplers, resume onto "
         "another number of processes, EarlyStopping, torchmetrics objects, frozen parameters, the "
         "`spatial` and `horovod` strategies and the `KFAC` callback (tested in their own folders under `tests/`).",

@@ -65,6 +65,13 @@ class UserCNN(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
 
 
+class AdamCNN(UserCNN):
+    """The same module trained with AdamW (adaptive: any gradient difference is amplified, not averaged away)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=1e-2)
+
+
 class BackboneClassifier(UserCNN):
     """The same network as ``self.backbone`` + ``self.classifier`` (no ``.model`` attribute)."""
 
@@ -121,6 +128,8 @@ CASES = {
     "flatten_linear": (flatten_linear, {}),
     "odenet": (ode_net, {}),
     "predict": (UserCNN, {}),
+    "adamw": (AdamCNN, {}),
+    "accumulate_2": (lambda: UserCNN(), {"accumulate_grad_batches": 2}),
     "unused_parameter": (UnusedTrunkParameter, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
     "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
     "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),

@@ -68,6 +68,10 @@ CELLS = [
     ("layered_sgd", "manual_clip"),
     ("ddp", "manual_clip"),
     ("hybrid_fc", "backbone_classifier"),
+    ("hybrid_fc", "adamw"),
+    ("layered_sgd", "adamw"),
+    ("hybrid_fc", "accumulate_2"),
+    ("layered_sgd", "accumulate_2"),
     ("hybrid_fc_find_unused", "unused_parameter"),  # the fix the error message names
     ("multigrid_pm", "odenet"),  # the trunk's steps are split over the 2 ranks; both see the same samples
     ("multigrid_pm", "odenet_clip_norm"),
