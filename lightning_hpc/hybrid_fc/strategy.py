@@ -180,19 +180,19 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
         self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
-            lambda: head_parameters(self._inner_model())
+            lambda: head_parameters(self._search_root())
         )
         if self.fc_update == "per_subbatch" and self.optimizers:
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
-            self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._inner_model()))
+            self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._search_root()))
 
     @property
     def kfac_note(self) -> str | None:
         """What the :class:`~lightning_hpc.KFAC` callback leaves out under this strategy (warned at its setup)."""
         if not self._parallelized:
             return None
-        head = find_hybrid_head(self._inner_model())
+        head = find_hybrid_head(self._search_root())
         return (
             f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
             "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
@@ -212,9 +212,6 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             )
         return inner
 
-    def _inner_model(self) -> torch.nn.Module:
-        return self._search_root()
-
     # -- training --------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -223,7 +220,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         batch = kwargs.get("batch", args[0] if args else None)
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise ValueError("fc_update='per_subbatch' needs (inputs, targets) batches")
-        head = find_hybrid_head(self._inner_model())
+        head = find_hybrid_head(self._search_root())
         with head.subbatch_update(batch[1], self.lightning_module.loss, self._head_optimizer.step):
             return super().training_step(*args, **kwargs)
 
