@@ -181,4 +181,8 @@ def main(case: str, strategy: str, devices: int, out: str, data_parallel: int = 
 
 
 if __name__ == "__main__":
+    # the stock-DDP reference runs leave gloo's group alive; without this a finished run may abort at exit
+    from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+
+    destroy_process_group_at_exit()
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:]))

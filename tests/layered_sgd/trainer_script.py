@@ -120,5 +120,9 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
+    # the stock-DDP reference runs leave gloo's group alive; without this a finished run may abort at exit
+    from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+
+    destroy_process_group_at_exit()
     main(Path(sys.argv[1]))
     os._exit(0)  # skip slow interpreter teardown of the gloo groups

@@ -158,4 +158,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # the stock-DDP reference runs leave gloo's group alive; without this a finished run may abort at exit
+    from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+
+    destroy_process_group_at_exit()
     main()
