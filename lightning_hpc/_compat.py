@@ -30,6 +30,7 @@ __all__ = [
     "optimizers_to_device",
     "automatic_optimizer_step_progress",
     "replace_hydra_subprocess_command",
+    "enable_torch_function",
 ]
 
 
@@ -48,6 +49,13 @@ def _private(module: str, name: str) -> Any:
 
 
 # ---- torch ---------------------------------------------------------------------------------------------------
+def enable_torch_function() -> Any:
+    """Context manager re-enabling ``__torch_function__`` dispatch for tensor subclasses inside a region that
+    disabled it (``torch._C.DisableTorchFunctionSubclass``): user hooks called from there must see the
+    subclass (the spatial ``SpatialTensor``)."""
+    return _private("torch._C", "_EnableTorchFunction")()
+
+
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous 1-D buffer of ``tensors`` (torch's own bucketing helper, as DDP uses it)."""
     return _private("torch._utils", "_flatten_dense_tensors")(tensors)  # type: ignore[no-any-return]

@@ -266,7 +266,10 @@ class KFACPreconditioner:
                 for h in self.handlers:
                     h.discard_committed()
             token = handler.capture_input(x)
-            output.register_hook(lambda g: handler.capture_output_grad(g, token))
+            # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
+            # spatial tile: the tiled handler expects the tile's own part)
+            with torch._C.DisableTorchFunctionSubclass():
+                output.register_hook(lambda g: handler.capture_output_grad(g, token))
 
         return hook
 

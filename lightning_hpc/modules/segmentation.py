@@ -5,8 +5,9 @@ spatial parallelism (each rank holds a tile) the tiles' losses add up to the los
 the summed weight gradients equal the serial ones.  The divisor comes from the strategy:
 ``trainer.strategy.global_pixel_count(local_target)`` when the strategy defines it (the spatial strategy returns
 the pixel count of the full samples of this rank's sample group), else ``local_target.numel()`` (every rank holds
-whole samples).  Metrics are torchmetrics' binary IoU (Jaccard) and F1, whose confusion counts are summed over
-all ranks at compute time, so they are exact for tiles too.
+whole samples).  Metrics are torchmetrics' binary IoU (Jaccard) and F1, fed as on one process; under the
+spatial strategy each rank counts its own tile and the counts are summed over all ranks at compute time
+(:mod:`lightning_hpc.spatial.metrics`), so they are exact for tiles too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from torch import nn
 from torchmetrics.classification import BinaryF1Score, BinaryJaccardIndex
 
 from lightning_hpc.modules.classification import with_step_scheduler
-from lightning_hpc.spatial.dispatch import local_tile
 
 __all__ = ["SegmentationModule", "pixel_loss_sum"]
 
@@ -84,8 +84,7 @@ class SegmentationModule(pl.LightningModule):
         logits = self(x)
         loss = self.loss(logits, target)
         self._log_loss("train/loss", logits, target, loss, sync=False)
-        # confusion counts per tile, summed over all ranks at compute (no gather of the split activation)
-        self.train_iou(local_tile(torch.sigmoid(logits.detach())), local_tile(target).int())
+        self.train_iou(torch.sigmoid(logits.detach()), target.int())
         self.log("train/iou", self.train_iou, on_step=False, on_epoch=True)
         return loss
 
@@ -93,7 +92,7 @@ class SegmentationModule(pl.LightningModule):
         x, target = batch
         logits = self(x)
         self._log_loss("val/loss", logits, target, self.loss(logits, target), sync=True)
-        probs, labels = local_tile(torch.sigmoid(logits)), local_tile(target).int()
+        probs, labels = torch.sigmoid(logits), target.int()
         self.val_iou(probs, labels)
         self.val_f1(probs, labels)
         self.log("val/iou", self.val_iou, prog_bar=True)

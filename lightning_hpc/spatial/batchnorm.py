@@ -17,6 +17,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lightning_hpc.spatial.layer import SpatialLayer
 from lightning_hpc.spatial.tiling import SpatialGrid
@@ -58,6 +59,7 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         return y, mean64, var64, n
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, dy, _dmean, _dvar, _dn):  # type: ignore[override]
         x, weight, mean, var = ctx.saved_tensors
         dx, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(

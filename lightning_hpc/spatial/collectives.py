@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 __all__ = ["all_reduce_replicated"]
 
@@ -22,6 +23,7 @@ class _AllReduceReplicated(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad, None
 

@@ -33,6 +33,7 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.halo_exchange import (
@@ -214,6 +215,7 @@ class _TileConv2d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight, *blocks = ctx.saved_tensors
         plan, conv = ctx.plan, ctx.conv
@@ -278,6 +280,7 @@ class _HaloConv2d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, grad_out):  # type: ignore[override]
         x, weight, *blocks = ctx.saved_tensors
         plan, conv, native = ctx.plan, ctx.conv, ctx.native

@@ -47,8 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
+from lightning_hpc._compat import enable_torch_function
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.halo_exchange import PartitionError
@@ -118,17 +120,35 @@ class ParameterUseCheck(TorchFunctionMode):
     gradient is a partial sum over tiles (:attr:`DispatchState.tile_params`) that is also used on replicated
     values would get that part counted once per tile: :meth:`raise_if_mixed` refuses it."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
         super().__init__()
         self.replicated: dict[int, tuple[nn.Parameter, str, str]] = {}
+        self.names = names or {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _STATE.depth == 0 and not any(issubclass(t, SpatialTensor) for t in types):
+        if func is torch.autograd.grad:
+            self._refuse_tile_parameter_grad(args, kwargs)
+            return func(*args, **kwargs)
+        # only uses that give the parameter a gradient: not under no_grad (an optimizer's update), not a read of
+        # or a write of an attribute (``p.grad``, ``p.grad = None``)
+        if (_STATE.depth == 0 and torch.is_grad_enabled() and getattr(func, "__name__", None) not in ("__get__", "__set__", "__delete__")
+                and not any(issubclass(t, SpatialTensor) for t in types)):
             for t in _flat(args, kwargs):
                 if isinstance(t, nn.Parameter) and id(t) not in self.replicated:
                     self.replicated[id(t)] = (t, _op_name(func), _STATE.where())
         return func(*args, **kwargs)
+
+    def _refuse_tile_parameter_grad(self, args, kwargs) -> None:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+        for t in (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs):
+            if isinstance(t, nn.Parameter) and id(t) in _STATE.tile_params:
+                raise SpatialDispatchError(
+                    f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "
+                    f"{_STATE.where()} would return this tile's part of its gradient (the strategy sums the tiles "
+                    f"after the backward pass). Read the reduced gradients (p.grad) after self.manual_backward(loss) "
+                    f"or in on_before_optimizer_step instead, or train this module with spatial_parts=(1, 1)"
+                )
 
     def raise_if_mixed(self, named: dict[int, str]) -> None:
         for pid in _STATE.tile_params:
@@ -154,6 +174,7 @@ class _CompleteGrad(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         g = g.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
@@ -177,6 +198,7 @@ class _ScatterTile(torch.autograd.Function):
         return x[_tile_index(x.shape, hdim, wdim, grid)].clone()
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         grid, hdim, wdim = ctx.args
         full = g.new_zeros(ctx.shape)
@@ -208,6 +230,7 @@ class _Gather(torch.autograd.Function):
         return _gather_raw(local, grid, gshape, hdim, wdim)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         grid, gshape, hdim, wdim = ctx.args
         return g[_tile_index(gshape, hdim, wdim, grid)].contiguous(), None, None, None, None
@@ -391,7 +414,7 @@ __itruediv__ __div__ __rdiv__ __floordiv__ __rfloordiv__ __mod__ __rmod__ __pow_
 __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __rand__ __ror__ __rxor__ add_ sub_ mul_ div_ true_divide_
 masked_fill_ lerp_ addcmul_ addcdiv_ copy_ maximum minimum type_as heaviside""".split()
 _ELEMENTWISE = set(_resolve(" ".join(_UNARY + _BINARY)))
-_NO_TENSOR_OUT = set(_resolve("backward register_hook retain_grad register_post_accumulate_grad_hook"))
+_NO_TENSOR_OUT = set(_resolve("backward retain_grad register_post_accumulate_grad_hook"))
 _META = set(_resolve("dim ndimension is_contiguous is_floating_point is_complex element_size get_device data_ptr "
                      "is_signed storage_offset"))
 
@@ -437,6 +460,10 @@ def _property(func, args, kwargs):
         return torch.Size(t._gshape)
     if name in ("data",):
         return _wrap_like(_plain(t).data, t)
+    if name == "grad":  # a retained gradient is this tile's part: reductions over it stay global
+        with torch._C.DisableTorchFunctionSubclass():
+            g = func(*args, **kwargs)
+        return g if g is None or isinstance(g, SpatialTensor) else SpatialTensor.wrap(g, *_layout(t))
     if name in ("T", "mT", "H", "mH", "real", "imag"):
         return _fallback(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
@@ -882,6 +909,31 @@ def _reduce(func, args, kwargs):
     return total
 
 
+@_handles(torch.norm, torch.Tensor.norm, torch.linalg.vector_norm)
+def _norm(func, args, kwargs):
+    """Vector p-norms (``p`` finite, ``"fro"`` = 2) as ``sum(|x|^p)^(1/p)``: the sum is the global reduction
+    above, so a gradient norm taken in a hook or a logged activation norm is one process's value."""
+    x = args[0]
+    if not isinstance(x, SpatialTensor) or len(args) > 4:
+        return NotImplemented
+    kw = dict(kwargs)
+    p = args[1] if len(args) > 1 else kw.pop("ord" if func is torch.linalg.vector_norm else "p", 2)
+    dim = args[2] if len(args) > 2 else kw.pop("dim", None)
+    keepdim = args[3] if len(args) > 3 else kw.pop("keepdim", False)
+    dtype = kw.pop("dtype", None)
+    if kw:
+        return NotImplemented  # out=: left to the general path
+    p = 2.0 if p == "fro" else p
+    if not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
+        return NotImplemented  # inf / 0 / nuclear norms: gathered
+    v = x if dtype is None else x.to(dtype)
+    powered = v.abs() ** p
+    total = powered.sum() if dim is None else powered.sum(dim=dim, keepdim=keepdim)
+    if isinstance(total, SpatialTensor):
+        return NotImplemented  # along unsplit dimensions only
+    return total ** (1.0 / p)
+
+
 def _reduction_arg(args, kwargs, pos: int, legacy: tuple[int, int] | None) -> str | None:
     if legacy is not None:
         for p, key in zip(legacy, ("size_average", "reduce")):
@@ -1185,6 +1237,47 @@ def _dropout(func, args, kwargs):
 
 
 @contextlib.contextmanager
+@_handles(torch.Tensor.register_hook)
+def _register_hook(func, args, kwargs):
+    """A gradient hook on a split activation sees the tile's part of the gradient as a :class:`SpatialTensor`, so
+    a norm or a mean it takes is global (one process's value), and what it returns replaces the tile's part."""
+    t, hook = args[0], (args[1] if len(args) > 1 else kwargs["hook"])
+    if not isinstance(t, SpatialTensor):
+        return NotImplemented
+    layout = _layout(t)
+
+    def on_tile(grad: torch.Tensor):
+        # also when the hook fires inside torch.autograd.grad below, which runs with subclass dispatch off
+        with enable_torch_function():
+            out = hook(SpatialTensor.wrap(grad, *layout))
+        return _plain(out) if isinstance(out, SpatialTensor) else out
+
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.register_hook(t, on_tile)
+
+
+@_handles(torch.autograd.grad)
+def _autograd_grad(func, args, kwargs):
+    """``torch.autograd.grad`` with split activations among the inputs: each gradient is the tile's part of one
+    process's gradient, returned split like its input.  Differentiating twice (``create_graph=True``) would
+    differentiate the halo exchanges and collectives, whose backward is not itself differentiable: refused."""
+    kw = dict(kwargs)
+    outputs = args[0] if args else kw.pop("outputs")
+    inputs = args[1] if len(args) > 1 else kw.pop("inputs")
+    ins = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if kw.get("create_graph"):
+        raise SpatialDispatchError(
+            f"spatial: torch.autograd.grad(create_graph=True) in {_STATE.where()} differentiates through split "
+            f"activations twice (a gradient penalty on them); the tile exchanges have no second derivative here. "
+            f"Compute the penalty on a gathered tensor (lightning_hpc.spatial.dispatch.gather_tensor), or train this "
+            f"module with spatial_parts=(1, 1) or strategy='ddp'"
+        )
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = torch.autograd.grad(outputs, ins, **kw)
+    return tuple(SpatialTensor.wrap(g, *_layout(i)) if isinstance(i, SpatialTensor) and g is not None else g
+                 for g, i in zip(grads, ins))
+
+
 def on_unsupported(mode: str):
     """Temporarily set what happens to ops without a tiled form: ``"gather"`` (default) or ``"error"``."""
     if mode not in ("gather", "error"):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.tiling import SpatialGrid
@@ -266,6 +267,7 @@ class _HaloStart(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return ctx.exchange.finish_backward(grad), None
 
@@ -280,6 +282,7 @@ class _HaloFinish(torch.autograd.Function):
         return (x.view_as(x), *bufs)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, grad_x, *grads):  # type: ignore[override]
         ctx.exchange.post_backward(list(grads))
         return grad_x, None
@@ -345,6 +348,7 @@ class _OwnSlices(torch.autograd.Function):
         return tuple(x[:, :, r0:r1, c0:c1] for (r0, r1, c0, c1) in boxes)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, *grads):  # type: ignore[override]
         out = None
         for (r0, r1, c0, c1), g in zip(ctx.boxes, grads):

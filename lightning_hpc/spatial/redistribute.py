@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds, block_range
 from lightning_hpc.spatial.tiling import SpatialGrid
@@ -64,6 +65,7 @@ class _SpatialToSample(torch.autograd.Function):
         return _to_sample(x.contiguous(), grid, n, h, w)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         return _to_spatial(g.contiguous(), *ctx.args), None, None, None, None
 
@@ -75,6 +77,7 @@ class _SampleToSpatial(torch.autograd.Function):
         return _to_spatial(x.contiguous(), grid, n, h, w)
 
     @staticmethod
+    @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         return _to_sample(g.contiguous(), *ctx.args), None, None, None, None
 

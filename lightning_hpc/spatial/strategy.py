@@ -40,6 +40,7 @@ from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.metrics import count_once_per_pixel
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -65,7 +66,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             path (tiles aligned to the stride, e.g. even extents) both settings measured the same step time on
             CPU/gloo; on the fallback paths the overlapped one splits each convolution in five and measured 0.83x
             (docs/spatial.md).  Default off; turn it on where halo messages are slow relative to compute.
-        batchnorm: ``"aggregated"`` (statistics over the whole sample, equal to the serial layer) or ``"local"``.
+        batchnorm: ``"aggregated"``, the only value: batch norm on a split activation takes its statistics over
+            the whole sample, as one process does (tile-local statistics would train differently; the plain-torch
+            :func:`~lightning_hpc.spatial.convert.convert_model` keeps ``batchnorm="local"`` for experiments).
         input_shape: (C, H, W) of one sample, to validate the partition at setup (else taken from the data
             module's ``input_shape`` attribute when it has one, else checked at the first forward).
         timeout: collective timeout (no hangs).
@@ -115,6 +118,12 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             self._parts_setting: tuple[int, int] | str | None = "auto"
         else:
             self._parts_setting = None if spatial_parts is None else parse_parts(spatial_parts)
+        if batchnorm != "aggregated":
+            raise ValueError(
+                f"batchnorm={batchnorm!r}: under the spatial strategy batch norm on a split activation always takes its "
+                f"statistics over the whole sample (equal to one process); tile-local statistics would train "
+                f"differently. Use batchnorm='aggregated' (the default)"
+            )
         if on_unsupported not in ("gather", "error"):
             raise ValueError(f"on_unsupported={on_unsupported!r}: choose 'gather' or 'error'")
         self.on_unsupported = on_unsupported
@@ -192,7 +201,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 f"{parts[0] * parts[1]} (ranks per sample); use devices x num_nodes = sample groups x ph x pw, "
                 f"or change spatial_parts"
             )
-        self.layout = create_hybrid_layout(parts, timeout=self._timeout)
+        self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
         _RUNS[0] += 1
         self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
@@ -234,6 +243,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         st.warned.clear()
         self._hooks = st.module_hooks(module)
+        if self.layout.grid.size > 1:
+            count_once_per_pixel(module, self.layout)
         self._converted = True
 
     @override
@@ -246,7 +257,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             out = closure()
-            self.reduce_gradients()
+            assert self.lightning_module is not None
+            if self.lightning_module.automatic_optimization:  # manual: already global after each backward
+                self.reduce_gradients()
             return out
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
@@ -260,13 +273,34 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             return super().training_step(*args, **kwargs)
         # first step: also record the parameters used on replicated values (a parameter used on tiles and on
         # replicated values cannot have its gradient reduced exactly: refused before the first optimizer step)
-        check = ParameterUseCheck()
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        check = ParameterUseCheck(names)
         with check:
             out = super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        check.raise_if_mixed({id(p): n for n, p in self.lightning_module.named_parameters()})
+        check.raise_if_mixed(names)
         self._params_checked = True
         return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Under manual optimization gradients are global when ``manual_backward`` returns, as under DDP, so
+        ``self.clip_gradients`` or any read of ``.grad`` before ``step()`` sees one process's gradient.  Only the
+        gradient of this backward pass is reduced (the reduction sums tiles: reducing an already global gradient
+        again would count it once per tile); automatic optimization reduces once per optimizer step."""
+        module = self.lightning_module
+        if module is None or module.automatic_optimization or self.layout is None or self.world_size == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        params = [p for p in module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.reduce_gradients()
+        for p, g in zip(params, earlier):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        return loss
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lightning_hpc.distributed.groups import default_timeout
+from lightning_hpc.distributed.groups import default_timeout, mesh_2d
 from lightning_hpc.distributed.partition import block_bounds
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts"]
@@ -100,20 +100,25 @@ def tile_slices(h: int, w: int, parts: tuple[int, int], index: tuple[int, int]) 
 @dataclass
 class HybridLayout:
     """Hybrid sample x spatial layout (section III-A): ``num_sample_groups`` groups of ``ph * pw`` contiguous
-    ranks; this rank is in sample group ``sample_index`` and holds tile ``grid.index`` of that group's samples."""
+    ranks; this rank is in sample group ``sample_index`` and holds tile ``grid.index`` of that group's samples.
+    ``replica_group`` joins the ranks that hold the same tile in every sample group (a value replicated over a
+    spatial group is counted once when reduced over it); ``None`` outside torch.distributed."""
 
     grid: SpatialGrid
     num_sample_groups: int
     sample_index: int
+    replica_group: dist.ProcessGroup | None = None
 
     @property
     def world_size(self) -> int:
         return self.num_sample_groups * self.grid.size
 
 
-def create_hybrid_layout(parts: tuple[int, int], timeout: datetime.timedelta | None = None) -> HybridLayout:
+def create_hybrid_layout(parts: tuple[int, int], timeout: datetime.timedelta | None = None,
+                         device_type: str = "cpu") -> HybridLayout:
     """Split the world into sample groups of ``ph * pw`` contiguous ranks (contiguous ranks share a node, so
-    halo exchanges stay on-node where possible).  Must be called by every rank."""
+    halo exchanges stay on-node where possible): a ``("sample", "tile")`` DeviceMesh whose groups inherit
+    ``timeout`` (by default the world's).  Must be called by every rank."""
     ph, pw = parts
     size = ph * pw
     if not dist.is_initialized():
@@ -126,13 +131,9 @@ def create_hybrid_layout(parts: tuple[int, int], timeout: datetime.timedelta | N
             f"world size {world} is not divisible by spatial_parts={ph}x{pw}={size} (ranks per sample); "
             f"use a world size that is a multiple of {size} (sample groups x ph x pw), or change spatial_parts"
         )
-    timeout = timeout or default_timeout()
-    mine = None
-    for g in range(world // size):
-        ranks = list(range(g * size, (g + 1) * size))
-        # every rank must take part in creating every group
-        pg = dist.new_group(ranks, timeout=timeout) if size > 1 else None
-        if rank in ranks:
-            mine = SpatialGrid(parts=(ph, pw), ranks=ranks, group=pg, local_rank=rank - g * size)
-    assert mine is not None
-    return HybridLayout(grid=mine, num_sample_groups=world // size, sample_index=rank // size)
+    mesh = mesh_2d(world // size, size, ("sample", "tile"), device_type=device_type, timeout=timeout or default_timeout())
+    group = mesh.get_group("tile") if size > 1 else None
+    grid = SpatialGrid(parts=(ph, pw), ranks=[int(r) for r in mesh["tile"].mesh.tolist()], group=group,
+                       local_rank=rank % size)
+    return HybridLayout(grid=grid, num_sample_groups=world // size, sample_index=rank // size,
+                        replica_group=mesh.get_group("sample"))
