@@ -51,7 +51,10 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         n = float(counts.sum())
         mean64 = (stats[:, :c] * counts).sum(0) / n
         var64 = ((stats[:, c : 2 * c] + (stats[:, :c] - mean64) ** 2) * counts).sum(0) / n
-        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        # the native kernel's mixed mode (bf16/fp16 input under autocast, float32 affine parameters) wants the
+        # statistics in the parameters' dtype, as the serial layer passes its running statistics
+        stat_dtype = weight.dtype if weight is not None else x.dtype
+        mean, var = mean64.to(stat_dtype), var64.to(stat_dtype)
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.n, ctx.eps, ctx.group, ctx.has_bias = n, eps, group, bias is not None

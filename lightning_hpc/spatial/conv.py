@@ -372,6 +372,13 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
     def tile_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: int, w: int) -> torch.Tensor:
         """This layer's convolution of the plain tile ``x`` of an ``h x w`` input with ``weight`` and ``bias``
         (the module's own, or those of a functional ``F.conv2d`` call dispatched by :mod:`dispatch`)."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # as autocast casts a convolution's operands (bf16-mixed / 16-mixed): the custom autograd functions
+            # below then save and differentiate in the same dtype the serial layer computes in
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                return self.tile_forward(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), h, w)
         plan = self.halo_plan(h, w)
         if self.pointwise:
             self._record(x, (plan.rows.n_out, plan.cols.n_out))
