@@ -74,6 +74,8 @@ def process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.ti
     if not dist.is_initialized():
         return None
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return None
     for device in getattr(pg, "_device_types", []) or []:
         try:
             timeout = pg._get_backend(device).options._timeout
@@ -130,7 +132,7 @@ def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
     """Make Lightning's script launcher build the command of its child ranks under Hydra with ``command``
     (same signature as Lightning's ``_hydra_subprocess_cmd``).  Lightning has no public hook for it."""
     for name in ("lightning.fabric.strategies.launchers.subprocess_script", "lightning.pytorch.strategies.launchers.subprocess_script"):
-        module = importlib.import_module(name)
+        module: Any = importlib.import_module(name)  # its private attribute is replaced below
         if not hasattr(module, "_hydra_subprocess_cmd"):
             raise CompatError(f"{name} has no _hydra_subprocess_cmd: this Lightning version changed its launcher")
         module._hydra_subprocess_cmd = command

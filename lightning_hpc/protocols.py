@@ -24,13 +24,19 @@ __all__ = ["StrategyContract", "CommunicationBackendAware", "TiledConvolution", 
 class StrategyContract:
     """Mixin of every lightning_hpc strategy: the facts other components may ask it (defaults shown)."""
 
-    #: why K-FAC cannot precondition under this strategy (``None``: it can); the callback refuses at setup
-    kfac_unsupported: str | None = None
+    @property
+    def kfac_unsupported(self) -> str | None:
+        """Why K-FAC cannot precondition under this strategy (``None``: it can); the callback refuses at setup."""
+        return None
+
     #: the strategy replaces layers in its own ``setup`` (after the callbacks' ``setup``): K-FAC registers its
     #: hooks in ``on_fit_start`` instead, on the replaced layers
     replaces_layers_in_setup: bool = False
-    #: a note the K-FAC callback prints once (e.g. which layers it leaves to the optimizer under this strategy)
-    kfac_note: str | None = None
+
+    @property
+    def kfac_note(self) -> str | None:
+        """A note the K-FAC callback prints once (e.g. which layers it leaves to the optimizer under this strategy)."""
+        return None
 
     @property
     def data_parallel_size(self) -> int:

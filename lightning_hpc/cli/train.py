@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from hydra.utils import instantiate
@@ -37,14 +37,15 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     optimizer = instantiate(cfg.optimizer) if cfg.get("optimizer") else None
     # scheduler=none leaves only the recipe's schedule numbers (no _target_): no scheduler then.
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") and cfg.scheduler.get("_target_") else None
-    task = OmegaConf.to_container(cfg.task, resolve=True) if cfg.get("task") else {}
+    # a config mapping converts to a dict (of keyword arguments: str keys)
+    task = cast(dict[str, Any], OmegaConf.to_container(cfg.task, resolve=True)) if cfg.get("task") else {}
     module_target = task.pop("_target_", None)
     if module_target is not None:
         module = instantiate({"_target_": module_target, **task}, model=model, optimizer=optimizer, scheduler=scheduler)
     else:
         module = ImageClassifier(model=model, optimizer=optimizer, scheduler=scheduler, **task)
     plugins = []
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     precision = cfg.get("precision")
     if isinstance(precision, (str, int)):
         trainer_kwargs["precision"] = precision

@@ -74,8 +74,8 @@ class Cifar10DataModule(pl.LightningDataModule):
                 "set data.root=/path/to/cifar-10-batches-py (the python version) for the real data set"
             )
             n_train, n_val = self.synthetic_sizes
-            self.train_set = SyntheticImages(n_train, (3, 32, 32), 10, self.seed)
-            self.val_set = SyntheticImages(n_val, (3, 32, 32), 10, self.seed + 1)
+            self.train_set: SyntheticImages | Cifar10 = SyntheticImages(n_train, (3, 32, 32), 10, self.seed)
+            self.val_set: SyntheticImages | Cifar10 = SyntheticImages(n_val, (3, 32, 32), 10, self.seed + 1)
             self.val_set.templates = self.train_set.templates
             return
         root = require_dir(self.root, "data.root")

@@ -55,7 +55,7 @@ class RandomResizedCrop:
 
     def __call__(self, img: Image.Image) -> Image.Image:
         left, top, w, h = random_resized_crop_box(img.width, img.height, self.scale, self.ratio, self.rng)
-        return img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
+        return img.resize((self.size, self.size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
 
 
 class Resize:
@@ -70,7 +70,7 @@ class Resize:
             nw, nh = self.size, int(self.size * h / w)
         else:
             nw, nh = int(self.size * w / h), self.size
-        return img.resize((nw, nh), Image.BILINEAR)
+        return img.resize((nw, nh), Image.Resampling.BILINEAR)
 
 
 class CenterCrop:
@@ -88,7 +88,7 @@ class RandomHorizontalFlip:
         self.p, self.rng = p, rng or random.Random()
 
     def __call__(self, img: Image.Image) -> Image.Image:
-        return img.transpose(Image.FLIP_LEFT_RIGHT) if self.rng.random() < self.p else img
+        return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if self.rng.random() < self.p else img
 
 
 class ToNormalizedTensor:

@@ -191,7 +191,7 @@ def _backend_options(device_type: str, timeout: datetime.timedelta) -> tuple[str
     pairs = dict(p.split(":", 1) for p in spec.split(",")) if ":" in spec else {device_type: spec}
     name = pairs.get(device_type)
     if name == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options (runtime class)
     elif name == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         opts = dist.ProcessGroupNCCL.Options()
     else:

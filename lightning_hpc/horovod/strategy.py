@@ -181,7 +181,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         # the optimizer whose step (and hence whose closure's backward) is running: its gradients are
         # synchronised right after that backward (see post_backward)
         self._stepping_optimizer: Optimizer | None = None
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # a function attribute, untyped
 
     # ---- Horovod start-up -------------------------------------------------------------------------------
     def _init_horovod(self) -> ModuleType:
@@ -250,7 +250,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
     def set_world_ranks(self) -> None:
         """Called by the Trainer once ``devices``/``num_nodes`` are known: check them against Horovod."""
         self._check_launch_matches_trainer()
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # a function attribute, untyped
 
     def _check_launch_matches_trainer(self) -> None:
         """Horovod's launcher decides the processes; ``devices``/``num_nodes`` must describe the same launch.
@@ -324,7 +324,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             for optimizer in self.optimizers:
                 # gradients are synchronised explicitly right after backward (post_backward), because
                 # Lightning runs backward inside optimizer.step(closure)
-                self._exit_stack.enter_context(optimizer.skip_synchronize())
+                self._exit_stack.enter_context(optimizer.skip_synchronize())  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's (Horovod is untyped)
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -440,7 +440,7 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         k = self.lightning_module.trainer.accumulate_grad_batches
         for optimizer in self.optimizers:
             if getattr(optimizer, "backward_passes_per_step", k) != k:
-                optimizer.set_backward_passes_per_step(k)
+                optimizer.set_backward_passes_per_step(k)  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's (Horovod is untyped)
 
     @override
     def optimizer_step(

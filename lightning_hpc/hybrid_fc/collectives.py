@@ -14,7 +14,7 @@ non-root (so the total over ranks is the traffic on the wire).  Padding is count
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,9 @@ def pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 class _Pending:
     """An asynchronous collective plus the post-processing that makes its result usable."""
 
-    def __init__(self, work: Any, finish: Any) -> None:
-        self._work, self._finish, self._result, self._done = work, finish, None, False
+    def __init__(self, work: Any, finish: Callable[[], torch.Tensor]) -> None:
+        self._work, self._finish, self._done = work, finish, False
+        self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if not self._done:
@@ -74,6 +75,7 @@ class _Pending:
                 self._work.wait()
             self._result = self._finish()
             self._done = True
+        assert self._result is not None  # set by finish() above
         return self._result
 
 

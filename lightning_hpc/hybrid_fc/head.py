@@ -241,6 +241,7 @@ class HybridHead(nn.Module):
             else:
                 g_rows = torch.zeros_like(rows)
             torch.autograd.backward(rows, g_rows)
+            assert xj.grad is not None  # rows depend on xj, so the backward above filled its gradient
             reverse.append((j, ex.reverse(j, xj.grad, async_op=True)))
             if not ex.overlap:
                 reverse[-1][1].wait()

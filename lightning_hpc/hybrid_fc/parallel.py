@@ -53,6 +53,8 @@ class _TrunkThenHead(nn.Module):
     """Replaces an ``nn.Sequential`` whose last children are the head: runs the trunk children, then the hybrid
     head.  Trunk children and the head's shards keep their original names, so ``state_dict`` keys are unchanged."""
 
+    hybrid_head: HybridHead  # set in __init__ without registering it as a child
+
     def __init__(self, seq: nn.Sequential, start: int, head: HybridHead) -> None:
         super().__init__()
         names = list(seq._modules)
@@ -164,7 +166,9 @@ def parallelize_head(
     meta = has_meta_head(model, head)
     if not meta:
         _broadcast_head(spec, group)
-    before, linears, between = [], [], []
+    before: list[nn.Module] = []
+    linears: list[nn.Linear] = []
+    between: list[list[nn.Module]] = []
     for _, m in spec.modules:
         if isinstance(m, nn.Linear):
             linears.append(m)

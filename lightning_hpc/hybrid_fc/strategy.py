@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # device tensors); a meta-built one before, since a meta tensor cannot be moved: its shards (and any other
         # meta tensor) are allocated on the root device directly.
         inner = self._search_root()
+        assert self.lightning_module is not None
         if not self._parallelized and has_meta_head(inner, self.head):
             self._parallelize(device=self.root_device)
             materialize_meta(self.lightning_module, self.root_device)
@@ -179,7 +180,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
-        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]
             lambda: head_parameters(self._search_root())
         )
         if self.fc_update == "per_subbatch" and self.optimizers:
@@ -221,7 +222,10 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         if not isinstance(batch, (tuple, list)) or len(batch) < 2:
             raise ValueError("fc_update='per_subbatch' needs (inputs, targets) batches")
         head = find_hybrid_head(self._search_root())
-        with head.subbatch_update(batch[1], self.lightning_module.loss, self._head_optimizer.step):
+        assert self.lightning_module is not None
+        # found callable in _parallelize; nn.Module's __getattr__ types it as a tensor or module
+        loss_fn = cast(Callable[[torch.Tensor, torch.Tensor], torch.Tensor], self.lightning_module.loss)
+        with head.subbatch_update(batch[1], loss_fn, self._head_optimizer.step):
             return super().training_step(*args, **kwargs)
 
     @override
@@ -247,9 +251,11 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        assert self.lightning_module is not None
         return full_optimizer_state(optimizer, self.lightning_module, rank0_only=True, cpu=True)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
         states = [shard_optimizer_state(s, o, self.lightning_module) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

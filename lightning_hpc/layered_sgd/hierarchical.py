@@ -221,6 +221,7 @@ class HierarchicalAllreduce:
         for item in inflight:
             if item.job is not None:
                 inter += self._wait_job(item.job)
+                assert item.job.result is not None  # _wait_job returns only once the result is set
                 if item.job.result is not item.buffer:
                     item.buffer.copy_(item.job.result, non_blocking=False)
             else:

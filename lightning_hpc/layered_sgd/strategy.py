@@ -243,7 +243,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
         if trainer.state.fn == "fit" and self._flush_callback is None:
             self._flush_callback = _FlushBeforeReaders(self)
-            trainer.callbacks.insert(0, self._flush_callback)
+            trainer.callbacks.insert(0, self._flush_callback)  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
 
     def _sync_from_rank0(self, with_parameters: bool) -> None:
         """Start from rank 0's parameters/buffers, as DistributedDataParallel does at construction."""
@@ -313,11 +313,13 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         return True
 
     def _step_progress(self) -> Any:
+        assert self.lightning_module is not None
         return automatic_optimizer_step_progress(self.lightning_module.trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.flush()  # no-op when the callback already flushed; guards custom loops
+        assert self.lightning_module is not None
         if self.broadcast_buffers and self.comm is not None and any(True for _ in self.lightning_module.buffers()):
             self._sync_from_rank0(with_parameters=False)
         return super().training_step(*args, **kwargs)
@@ -331,6 +333,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self.update.no_sync():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
         if not self.lightning_module.automatic_optimization:
             # As DDP does: gradients are global when manual_backward returns.  Averaging the accumulated
             # gradient after each backward pass is exact: mean_r(avg(g_1) + g_2^r) = avg(g_1) + avg(g_2).
@@ -404,8 +407,8 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             self.allreduce.close()
         if self._flush_callback is not None and self.lightning_module is not None:
             trainer = self.lightning_module._trainer
-            if trainer is not None and self._flush_callback in trainer.callbacks:
-                trainer.callbacks.remove(self._flush_callback)
+            if trainer is not None and self._flush_callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
+                trainer.callbacks.remove(self._flush_callback)  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
         self._flush_callback = None
         super().teardown()
 

@@ -15,6 +15,7 @@ Configurations of the paper (section IV):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -168,7 +169,7 @@ def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, 
                 was_training = block.training
                 block.eval()  # no running-statistics updates from a shape check
                 try:
-                    v = block.branch(u)
+                    v = cast(nn.Module, block.branch)(u)  # checked above: a module
                 finally:
                     block.train(was_training)
                 if v.shape != u.shape:

@@ -96,7 +96,7 @@ class ImageClassifier(pl.LightningModule):
     def global_batch_size(self) -> int:
         """Samples per optimizer step over all ranks (per-rank batch x data-parallel ranks x accumulation)."""
         trainer = self.trainer
-        per_rank = getattr(trainer.datamodule, "batch_size", None) or 1
+        per_rank = getattr(trainer.datamodule, "batch_size", None) or 1  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
         dp = data_parallel_size(trainer.strategy)
         return int(per_rank * dp * trainer.accumulate_grad_batches)
 

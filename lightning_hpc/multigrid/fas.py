@@ -79,6 +79,7 @@ def fas_cycle(
         if tol is not None and norm <= tol:
             return norm
     n_coarse = coarse.n
+    assert coarse.g is not None  # every coarse level carries its right-hand side (workspaces)
     coarse.u.copy_(lv.u[:: c])  # injection of the states, ghost point included
     # S_H = L_H(U_H) + R_H at the coarse points 1..n/c (Eq. 24): g_H = R + U_H - Phi_H(U_H^{k-1})
     coarse.g[1:] = r + lv.u[c::c] - prop(level + 1, slice(0, n_coarse, 1), lv.u[0 : lv.n : c])

@@ -22,7 +22,7 @@ __all__ = ["Propagator", "ForwardPropagator"]
 class Propagator(Protocol):
     hierarchy: Hierarchy
 
-    def __call__(self, level: int, steps: slice, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, level: int, steps: slice, x: torch.Tensor, /) -> torch.Tensor: ...  # the adjoint names x lam
 
     def gathered(self, chain: LayerChain) -> Propagator:
         """The same operator on the coarsest level of every rank of ``chain`` as one level (collective)."""

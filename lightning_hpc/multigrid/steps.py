@@ -140,14 +140,14 @@ class StepStack:
     def adjoint_step(self, layers: slice, h: torch.Tensor, u: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
         """``lam[i] + h[i] (dF/du at u[i])^T lam[i]``: the transpose of the linearised step, for the adjoint."""
         params, buffers = self._select(layers)
-        _, pullback = vjp(lambda x: self._batched(params, buffers, x), u)
+        pullback = vjp(lambda x: self._batched(params, buffers, x), u)[1]  # (output, pullback)
         (g,) = pullback(lam)
         return lam + self._scale(h, lam) * g
 
     def param_grads(self, layers: slice, h: torch.Tensor, u: torch.Tensor, lam_next: torch.Tensor) -> dict[str, torch.Tensor]:
         """``dL/dtheta_n = h_n (dF/dtheta at u_n)^T lam_{n+1}`` for every selected layer, stacked."""
         params, buffers = self._select(layers)
-        _, pullback = vjp(lambda p: self._batched(p, buffers, u), params)
+        pullback = vjp(lambda p: self._batched(p, buffers, u), params)[1]
         (grads,) = pullback(self._scale(h, lam_next) * lam_next)
         return grads
 

@@ -133,6 +133,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     # -- model setup (instead of DDP wrapping) ------------------------------------------------------------
     def _find_trunk(self) -> tuple[nn.Module, str, nn.Module]:
         module = self.lightning_module
+        assert module is not None
         root = getattr(module, "model", module)
         *path, name = self.trunk.split(".")
         parent = root
@@ -162,6 +163,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._check_sizes()
         self._check_precision()
         parent, name, trunk = self._find_trunk()
+        assert self.lightning_module is not None  # _find_trunk checked it
         levels = self.options.levels if self.mode == "mg" else 1
         n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
         check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
@@ -210,7 +212,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
         # norm counts the replicated parameters once and every rank's steps once
-        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]
             lambda: list(sharded.parameters()) if (sharded := self._sharded()) is not None else [],
             lambda: self.layer_group,
         )
@@ -218,6 +220,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self.lightning_module is not None
         average_gradients(list(self.lightning_module.parameters()), self.data_group)
 
     @override
@@ -226,6 +229,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         out = super().training_step(*args, **kwargs)
         if self.log_residuals and isinstance(self.block, MultigridODEBlock):
             module = self.lightning_module
+            assert module is not None
             for i, value in enumerate(self.block.forward_history):
                 module.log(f"multigrid/forward_residual_{i}", value, on_step=True, on_epoch=False)
             for i, value in enumerate(previous_backward):
@@ -243,6 +247,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         sharded = self._sharded()
         if sharded is None:
             return super().lightning_module_state_dict()
+        assert self.lightning_module is not None
         return full_model_state_dict(self.lightning_module, dst=sharded.chain.first_rank)
 
     @override

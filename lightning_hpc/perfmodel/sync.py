@@ -146,6 +146,7 @@ def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds:
     def sendrecv() -> None:
         if partner is not None:
             for work in [dist.irecv(recv, partner), dist.isend(small, partner)]:
+                assert work is not None  # None only for a rank outside the group; this is the world group
                 work.wait()
 
     def busy(sync):

@@ -250,8 +250,8 @@ class LagrangianMesh:
         gz0, gz1, gr0, gr1 = float(grid[0][0]), float(grid[0][-1]), float(grid[1][0]), float(grid[1][-1])
         gz = 2 * (z - gz0) / (gz1 - gz0) - 1
         gr = 2 * (r - gr0) / (gr1 - gr0) - 1
-        grid = torch.stack([gz, gr], dim=-1).float().unsqueeze(0)
-        out = F.grid_sample(field.unsqueeze(0), grid, mode="bilinear", padding_mode="border", align_corners=True)[0]
+        points = torch.stack([gz, gr], dim=-1).float().unsqueeze(0)
+        out = F.grid_sample(field.unsqueeze(0), points, mode="bilinear", padding_mode="border", align_corners=True)[0]
         return out[0].double(), out[1].double()
 
     def vortical_velocity(self, z: torch.Tensor, r: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
