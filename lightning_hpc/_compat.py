@@ -25,7 +25,6 @@ __all__ = [
     "unflatten_dense_tensors",
     "process_group_timeout",
     "ddp_ignore_parameters",
-    "sync_module_states",
     "set_num_threads_if_needed",
     "optimizers_to_device",
     "automatic_optimizer_step_progress",
@@ -100,11 +99,6 @@ def ddp_ignore_parameters(module: nn.Module, names: Iterable[str]) -> None:
 
 
 # ---- Lightning -----------------------------------------------------------------------------------------------
-def sync_module_states(module: nn.Module) -> None:
-    """Broadcast rank 0's parameters and buffers to every rank (Lightning's own DDP start-equal)."""
-    _private("lightning.pytorch.overrides.distributed", "_sync_module_states")(module)
-
-
 def set_num_threads_if_needed(num_processes: int) -> None:
     """Give each of ``num_processes`` ranks on a node its share of the cores, as Lightning's launchers do for
     DDP (``OMP_NUM_THREADS`` wins)."""

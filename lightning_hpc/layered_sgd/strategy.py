@@ -52,6 +52,7 @@ from lightning_hpc.distributed.groups import (
     hosts_layout,
     local_world_size_from_env,
 )
+from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.horovod.environment import HorovodEnvironment
 from lightning_hpc.layered_sgd.hierarchical import (
     HierarchicalAllreduce,
@@ -250,11 +251,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         assert self.comm is not None and self.lightning_module is not None
         if self.comm.world_size == 1:
             return
-        module = self.lightning_module
-        tensors = list(module.buffers()) + (list(module.parameters()) if with_parameters else [])
-        with torch.no_grad():
-            for t in tensors:
-                self.comm.broadcast(t.data, src=0)
+        start_equal(module_state_tensors(self.lightning_module, parameters=with_parameters), comm=self.comm)
 
     # ------------------------------------------------------------------ the postponed step
     @override

@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
 from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups
@@ -171,10 +172,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             device_type = self.root_device.type
             self.data_group, self.layer_group, self._data_index, self._layer_index = layer_data_groups(self.layer_parallel_size, device_type)
             # no DDP wrapper broadcasts the initial weights: do it here so every replica starts equal
-            with torch.no_grad():
-                for t in self.lightning_module.state_dict().values():
-                    if isinstance(t, torch.Tensor):
-                        dist.broadcast(t, 0)
+            start_equal(module_state_tensors(self.lightning_module))
         layer_group = self.layer_group if self.layer_parallel_size > 1 else None
         if self.mode == "mg":
             self.block = MultigridODEBlock(trunk, self.options, group=layer_group)

@@ -33,8 +33,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hpc._compat import sync_module_states
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
@@ -251,7 +251,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def configure_ddp(self) -> None:
         # no DDP wrapper: gradients need a sum over tiles and a mean over samples (reduce_gradients); start equal
         assert self.model is not None
-        sync_module_states(self.model)
+        start_equal(module_state_tensors(self.model))
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -32,19 +32,21 @@ def make_data():
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, batch_norm: bool = True) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(C, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        norm = nn.BatchNorm2d(6) if batch_norm else nn.Identity()
+        self.body = nn.Sequential(nn.Conv2d(C, 6, 3, padding=1), norm, nn.ReLU())
         self.head = nn.Conv2d(6, CLASSES, 3, padding=1)
 
 
 class Observing(pl.LightningModule):
     """Reads gradients of a split activation, normalises them in a hook, and counts with torchmetrics."""
 
-    def __init__(self, manual: bool = False, penalty: str | None = None) -> None:
+    def __init__(self, manual: bool = False, penalty: str | None = None, batch_norm: bool = True, hook: bool = True) -> None:
         super().__init__()
+        self.hook = hook
         torch.manual_seed(0)
-        self.model = Net()
+        self.model = Net(batch_norm)
         self.automatic_optimization = not manual
         self.penalty = penalty
         self.confusion = MulticlassConfusionMatrix(CLASSES)  # fed split logits: unnormalised pixel counts
@@ -62,7 +64,8 @@ class Observing(pl.LightningModule):
         if self.penalty == "input":
             x = x.clone().requires_grad_(True)
         h = self.model.body(x)
-        h.register_hook(self._normalise)
+        if self.hook:
+            h.register_hook(self._normalise)
         out = self.model.head(h)
         loss = F.cross_entropy(out, y)
         (dl_dh,) = torch.autograd.grad(loss, h, retain_graph=True)
@@ -96,19 +99,21 @@ class Observing(pl.LightningModule):
 
 
 class Data(pl.LightningDataModule):
-    def __init__(self) -> None:
+    def __init__(self, batch_size: int = BATCH, order: list[int] | None = None) -> None:
         super().__init__()
-        self.tile = None
+        self.tile, self.batch_size, self.order = None, batch_size, order
 
     def set_spatial_tile(self, tile_index, parts) -> None:
         self.tile = (tuple(tile_index), tuple(parts))
 
     def train_dataloader(self):
         x, y = make_data()
+        if self.order is not None:
+            x, y = x[self.order], y[self.order]
         if self.tile is not None:
             rs, cs = tile_slices(H, W, self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
-        return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
 
 
 def _trainer(**kw) -> pl.Trainer:
@@ -204,3 +209,30 @@ def test_bf16_mixed_equals_one_process_within_its_rounding():
         worst = max(float((p - q).abs().max()) for p, q in zip(res["params"], bf16["params"]))
         assert worst < 0.25 * rounding, f"spatial bf16-mixed differs from one process by {worst:.3g} (bf16 vs fp32: {rounding:.3g})"
         assert torch.equal(res["final"]["confusion"].sum(), bf16["final"]["confusion"].sum())
+
+
+def _fit_sample_groups(rank, world):
+    module = Observing(batch_norm=False, hook=False)
+    # Lightning's sampler over the 2 sample groups (shuffle=False, as the loader): group g reads samples g, g+2
+    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=(2, 1)))
+    trainer.fit(module, datamodule=Data())
+    return _result(module, trainer)
+
+
+def test_two_sample_groups_of_two_tiles_equal_one_process_on_the_global_batch():
+    """4 ranks = 2 sample groups x 2x1 tiles: gradients averaged over sample groups, metrics fed replicated
+    values synchronised over the replica groups (one count per sample).  Reference: one process whose batch b
+    is the union of the two groups' batches b (no batch norm: its statistics are per sample group, as DDP's)."""
+    order = [0, 2, 1, 3]  # batch 0 of group 0 = samples (0, 2), of group 1 = (1, 3)
+    module = Observing(batch_norm=False, hook=False)  # a normalising hook would depend on the batch's size
+    trainer = _trainer(devices=1)
+    trainer.fit(module, datamodule=Data(batch_size=2 * BATCH, order=order))
+    ref = _result(module, trainer)
+    for rank, res in enumerate(run_in_processes(_fit_sample_groups, 4, timeout_s=900, collective_timeout_s=300)):
+        assert torch.equal(res["final"]["confusion"], ref["final"]["confusion"]), rank
+        # a replicated value counts once per sample group (not once per tile): the two groups' mean losses add
+        # up to twice the mean over their union
+        assert _close(float(res["final"]["loss_sum"]), 2 * float(ref["final"]["loss_sum"])), (rank, res["final"])
+        for p, r in zip(res["params"], ref["params"]):
+            assert (p - r).abs().max() <= 2 * TOL, f"rank {rank}: parameters differ by {(p - r).abs().max():.3g}"
+        assert _close(float(res["final"]["positive"]), float(ref["final"]["positive"])), rank
