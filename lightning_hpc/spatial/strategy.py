@@ -333,6 +333,15 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         state().module_stack.clear()
         return super().validation_step(*args, **kwargs)
 
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Predictions leave the strategy whole: every split tensor ``predict_step`` returns is gathered here,
+        while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
+        ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
+        state().module_stack.clear()
+        out = super().predict_step(*args, **kwargs)
+        return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
+
     def reduce_gradients(self) -> None:
         """Parameters used directly on tiles hold partial sums over the tiles (summed over the spatial group);
         every other parameter holds its complete gradient (averaged), as recorded by the op dispatch."""

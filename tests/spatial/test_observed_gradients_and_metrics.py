@@ -97,6 +97,9 @@ class Observing(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
+    def predict_step(self, batch, batch_idx):
+        return self.model.head(self.model.body(batch[0])).softmax(1)
+
 
 class Data(pl.LightningDataModule):
     def __init__(self, batch_size: int = BATCH, order: list[int] | None = None) -> None:
@@ -114,6 +117,8 @@ class Data(pl.LightningDataModule):
             rs, cs = tile_slices(H, W, self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
+
+    predict_dataloader = train_dataloader
 
 
 def _trainer(**kw) -> pl.Trainer:
@@ -236,3 +241,21 @@ def test_two_sample_groups_of_two_tiles_equal_one_process_on_the_global_batch():
         for p, r in zip(res["params"], ref["params"]):
             assert (p - r).abs().max() <= 2 * TOL, f"rank {rank}: parameters differ by {(p - r).abs().max():.3g}"
         assert _close(float(res["final"]["positive"]), float(ref["final"]["positive"])), rank
+
+
+def _predict(rank, world):
+    module = Observing()
+    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=(1, 2)))
+    out = trainer.predict(module, datamodule=Data())
+    return [(type(t).__name__, t.clone()) for t in out]
+
+
+def test_predictions_leave_the_strategy_whole():
+    """trainer.predict returns plain, whole predictions on every rank (a split tensor used by rank 0 alone after
+    predict would wait for its peers in a gather)."""
+    module = Observing()
+    ref = _trainer(devices=1).predict(module, datamodule=Data())
+    for res in run_in_processes(_predict, 2, timeout_s=300, collective_timeout_s=60):
+        assert [name for name, _ in res] == ["Tensor"] * len(ref)
+        for (_, got), want in zip(res, ref):
+            assert got.shape == want.shape and (got - want).abs().max() <= TOL
