@@ -136,6 +136,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.plan: Any = None
         self._converted = False
         self._slice_batches = False
+        self._warned_nothing_split = False
 
     # -- layout ------------------------------------------------------------------------------------------------
     @property
@@ -368,6 +369,14 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         grid = self.layout.grid
         images = [t for t in _tensors(batch) if t.dim() == 4 and not isinstance(t, SpatialTensor)]
         if not images:
+            if not self._warned_nothing_split and not any(isinstance(t, SpatialTensor) for t in _tensors(batch)):
+                self._warned_nothing_split = True
+                log.warning(
+                    "SpatialParallelStrategy: the batch holds no N x C x H x W tensor, so nothing is split: every rank "
+                    f"of a spatial group ({grid.size} ranks) computes the same thing on the same samples (correct, "
+                    "but no faster than one of them). Use strategy='ddp' for such data, or give the batch its images "
+                    "as N x C x H x W tensors"
+                )
             return batch
         hl, wl = images[0].shape[-2:]
         gh, gw = grid.global_extent(hl, wl, device=images[0].device)
