@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import netns, slurm
+from lightning_hpc.testing import simulated_nodes as netns
+from tests.cluster import slurm
 from tests.cluster.launch import node_env
 
 

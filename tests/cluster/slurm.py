@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.cluster.netns import SimNodes
+from lightning_hpc.testing.simulated_nodes import SimNodes
 
 __all__ = ["LocalSlurm", "unavailable_reason"]
 

@@ -3,7 +3,8 @@
 import shutil
 from unittest import mock
 
-from tests.cluster import netns, slurm
+from lightning_hpc.testing import simulated_nodes as netns
+from tests.cluster import slurm
 
 
 def test_not_root_is_named():

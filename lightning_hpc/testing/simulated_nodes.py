@@ -5,6 +5,7 @@ exists only inside the namespaces created here) and its own hostname (every comm
 namespace), so launchers see separate machines: torchrun's rendezvous, SLURM's slurmd, and the hostnames the
 ranks report all differ per node.  ``/etc/netns/<name>/hosts`` is mounted over ``/etc/hosts``
 in the node (done here by a bind mount in a private mount namespace), so the node names resolve on every node.
+:meth:`SimNode.shape_egress` limits a node's link rate (``tc tbf``).
 
 Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux).  :func:`unavailable_reason` says why not when one
 is missing; :class:`SimNodes` cleans up (processes, namespaces, hosts files) on exit, also after a failure, and
@@ -149,6 +150,17 @@ class SimNode:
             if ancestor not in services:
                 out.append(pid)
         return out
+
+    def shape_egress(self, rate_mbit: float | None, queue_ms: int = 500) -> None:
+        """Limit what this node sends on its link to ``rate_mbit`` (``tc tbf``; rate only, no delay: the kernels
+        this runs on often lack ``netem``); ``None`` removes the limit.  Shaping both nodes shapes both
+        directions.  ``queue_ms`` is the tbf queue (its ``latency``): how long a message may wait behind a bulk
+        transfer."""
+        _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", self.veth, "root", check=False)
+        if rate_mbit is not None:
+            burst_kb = max(32, int(rate_mbit * 1e6 / 8 / 100 / 1024))  # >= one 10 ms timer tick of data
+            _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", self.veth, "root", "tbf",
+                "rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency", f"{queue_ms}ms")
 
     def set_link(self, up: bool) -> None:
         _sh("ip", "-n", self.netns, "link", "set", self.veth, "up" if up else "down", check=False)
