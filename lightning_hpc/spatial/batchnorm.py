@@ -87,6 +87,7 @@ class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):
     def from_module(cls, bn: nn.BatchNorm2d, grid: SpatialGrid, *, name: str = "") -> SpatialBatchNorm2d:
         new = copy.copy(bn)  # shares weight, bias and the running-stat buffers
         new.__class__ = cls
+        assert isinstance(new, cls)
         new._init_spatial(grid, name)
         return new
 
@@ -111,8 +112,8 @@ class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        assert self.num_batches_tracked is not None  # a buffer whenever running statistics are tracked
+        self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         unbiased = var * (n / max(n - 1.0, 1.0))
         assert self.running_mean is not None and self.running_var is not None

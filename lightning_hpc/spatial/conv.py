@@ -315,6 +315,8 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
     """A Conv2d running on one spatial tile; shares its parameters with the layer it was made from."""
 
     overlap: bool
+    _wins: tuple[Window1d, Window1d]
+    _edge_cache: dict[tuple[int, int], list[tuple[Region, Region]] | None]
     #: K-FAC extension point (module docstring): set by K-FAC before a forward whose statistics it captures
     kfac_record_input: bool = False
     #: the halo- and border-padded input tile of the last recorded forward (detached), else None
@@ -327,7 +329,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         """Ranks whose tiles make up one sample: their K-FAC factors are partial sums over this many ranks."""
         return self.grid.size
 
-    def _record(self, padded: torch.Tensor, extent: tuple[int, int]) -> None:
+    def _record(self, padded: torch.Tensor, extent: tuple[int, ...]) -> None:
         if self.kfac_record_input:
             self.kfac_padded_input = padded.detach()
             self.kfac_output_extent = (int(extent[0]), int(extent[1]))
@@ -341,6 +343,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             )
         new = copy.copy(conv)  # shallow: the same Parameter objects, so optimizers stay valid
         new.__class__ = cls
+        assert isinstance(new, cls)
         new._init_spatial(grid, name)
         new.overlap = overlap
         new._wins = conv_windows(conv)
@@ -417,7 +420,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             ja = jb = oc
         # the input box of every output region: interior first, then the strips (top, bottom, left, right)
         regions = [(ia, ib, ja, jb), (oa, ia, oc, oe), (ib, ob, oc, oe), (ia, ib, oc, ja), (ia, ib, jb, oe)]
-        boxes = []
+        boxes: list[tuple[int, int, int, int] | None] = []
         for o0, o1, q0, q1 in regions:
             if o1 <= o0 or q1 <= q0:
                 boxes.append(None)
@@ -427,6 +430,7 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         owns = own_slices(xs, plan, [bx if bx is not None else (0, 0, 0, 0) for bx in boxes])
         outs: list[torch.Tensor | None] = [None] * 5
         if boxes[0] is not None:  # interior: only this tile's rows, computed while the halos travel
+            assert owns[0] is not None  # the interior's input box lies inside the tile
             outs[0] = self._conv(owns[0])
         halo = finish_halo_exchange(xs, exchange)
         if self.kfac_record_input:  # the whole padded input box of the output tile (a copy, capture steps only)
@@ -434,12 +438,13 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
             with torch.no_grad():
                 self._record(halo.box(r0, r1, c0, c1), (plan.rows.n_out, plan.cols.n_out))
         for k in range(1, 5):
-            if boxes[k] is not None:
-                outs[k] = self._conv(halo.box(*boxes[k], own=owns[k]))
+            box = boxes[k]
+            if box is not None:
+                outs[k] = self._conv(halo.box(*box, own=owns[k]))
         middle = [t for t in (outs[3], outs[0], outs[4]) if t is not None]
         rows = [outs[1], torch.cat(middle, dim=3) if len(middle) > 1 else (middle[0] if middle else None), outs[2]]
-        rows = [t for t in rows if t is not None]
-        return torch.cat(rows, dim=2) if len(rows) > 1 else rows[0]
+        present = [t for t in rows if t is not None]
+        return torch.cat(present, dim=2) if len(present) > 1 else present[0]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", spatial_parts={self.grid.parts}, overlap={self.overlap}"

@@ -14,6 +14,7 @@ else on a tile.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ _CONVERTERS = {
 }
 
 
-def _spatial_class(m: nn.Module) -> type | None:
+def _spatial_class(m: nn.Module) -> type[Any] | None:
     if isinstance(m, SpatialLayer):
         return None
     for base, cls in _CONVERTERS.items():
@@ -95,12 +96,12 @@ def validate_partition(model: nn.Module, input_shape: Sequence[int], parts: tupl
     """Raise :class:`PartitionError` for the first layer that cannot be split ``parts`` with a global input of
     ``input_shape`` = (C, H, W); returns the traced input shape of every leaf layer."""
     shapes = trace_input_shapes(model, input_shape)
-    probe = SpatialGrid(parts=tuple(parts), ranks=list(range(parts[0] * parts[1])), group=None, local_rank=0)
+    probe = SpatialGrid(parts=(parts[0], parts[1]), ranks=list(range(parts[0] * parts[1])), group=None, local_rank=0)
     for name, m in model.named_modules():
         if name not in shapes:
             continue
         shape = shapes[name]
-        cls = _spatial_class(m) or (type(m) if isinstance(m, SpatialLayer) else None)
+        cls: type[Any] | None = _spatial_class(m) or (type(m) if isinstance(m, SpatialLayer) else None)
         if dispatch and not isinstance(m, SpatialLayer) and cls is not None and not _convertible(m):
             continue
         if cls is None or len(shape) != 4:
@@ -206,7 +207,9 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     """``(tile, replicated)`` parameters: gradients of parameters used on tiles are partial sums over the
     spatial group (Eq. 2 restricted to a tile); those of layers after a global pooling (Linear heads) are
     complete on every rank."""
-    tile, replicated, seen = [], [], set()
+    tile: list[nn.Parameter] = []
+    replicated: list[nn.Parameter] = []
+    seen = set()
     for m in model.modules():
         target = replicated if isinstance(m, REPLICATED) else tile
         for p in m.parameters(recurse=False):

@@ -41,7 +41,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -260,7 +260,7 @@ class SpatialTensor(torch.Tensor):
         whole-tensor copy in backward)."""
         if fresh and type(local) is torch.Tensor:
             local.__class__ = SpatialTensor
-            t = local
+            t = cast(SpatialTensor, local)  # its class was just set
         else:
             with torch._C.DisableTorchFunctionSubclass():
                 t = local.as_subclass(SpatialTensor)

@@ -364,7 +364,8 @@ def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: list[tuple[int, int, int,
     """For global input boxes ``(r0, r1, c0, c1)``, the part of each inside this rank's tile (``None`` if
     empty), taken through one autograd node."""
     (a, b), (c, e) = plan.own
-    local, keep = [], []
+    local: list[tuple[int, int, int, int]] = []
+    keep: list[int | None] = []
     for r0, r1, c0, c1 in boxes:
         ra, rb, ca, cb = max(r0, a), min(r1, b), max(c0, c), min(c1, e)
         if rb > ra and cb > ca:

@@ -96,7 +96,7 @@ class SpatialLayer:
         allreduce)."""
         self._known_extent = (int(extent[0]), int(extent[1]))
         try:
-            return type(self).forward(self, x)
+            return type(self).forward(self, x)  # type: ignore[attr-defined]  # the nn.Module's it is mixed into
         finally:
             self._known_extent = None
 

@@ -10,6 +10,7 @@ supported (clear error at conversion).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +44,14 @@ def _check_pool(pool: nn.Module, name: str) -> None:
 class _SpatialPool(SpatialLayer):
     """Conversion and halo plan shared by the two pools; subclasses pool the extended tile."""
 
+    _wins: tuple[Window1d, Window1d]
+
     @classmethod
     def from_module(cls, pool: nn.MaxPool2d | nn.AvgPool2d, grid: SpatialGrid, *, name: str = ""):
         _check_pool(pool, name)
-        new = copy.copy(pool)
+        new: Any = copy.copy(pool)  # a torch pool whose class becomes cls (a subclass of it)
         new.__class__ = cls
+        assert isinstance(new, cls)
         new._init_spatial(grid, name)
         new._wins = pool_windows(pool)
         return new

@@ -186,6 +186,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             shape = self._input_shape()
             if shape is None:
                 raise ValueError("spatial_parts='auto' needs the input shape: pass input_shape=(C, H, W) to the strategy")
+            assert self.lightning_module is not None  # connected before setup_environment
             model = getattr(self.lightning_module, "model", self.lightning_module)
             # The strategy runs one split for the whole network, so ask the planner for the best uniform one.
             self.plan = plan_for_model(model, shape, world, uniform=True)
@@ -348,7 +349,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         every other parameter holds its complete gradient (averaged), as recorded by the op dispatch."""
         assert self.layout is not None and self.lightning_module is not None
         met = state().tile_params
-        tile, replicated = [], []
+        tile: list[torch.nn.Parameter] = []
+        replicated: list[torch.nn.Parameter] = []
         for p in self.lightning_module.parameters():
             (tile if id(p) in met else replicated).append(p)
         reduce_gradients(tile, replicated, self.layout.num_sample_groups)
@@ -438,5 +440,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
 def _tensors(batch: Any) -> list[Tensor]:
     found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, lambda t: found.append(t) or t)
+
+    def keep(t: Tensor) -> Tensor:
+        found.append(t)
+        return t
+
+    apply_to_collection(batch, Tensor, keep)
     return found

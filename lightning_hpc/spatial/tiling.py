@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,10 @@ from lightning_hpc.distributed.partition import block_bounds
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts"]
 
 
-def parse_parts(parts: object, *, setting: str = "spatial_parts") -> tuple[int, int]:
+def parse_parts(parts: Any, *, setting: str = "spatial_parts") -> tuple[int, int]:
     """``(ph, pw)`` from a pair (list, tuple, ListConfig) of positive ints; clear error otherwise."""
     try:
-        ph, pw = (int(p) for p in parts)  # type: ignore[union-attr]
+        ph, pw = (int(p) for p in parts)
     except (TypeError, ValueError):
         raise ValueError(f"{setting}={parts!r}: expected a pair (ph, pw) of positive integers, e.g. (2, 1)") from None
     if ph < 1 or pw < 1:

@@ -64,6 +64,7 @@ class SpatialUpsample(nn.Upsample, SpatialLayer):
             raise ValueError(f"Upsample '{name}': recompute_scale_factor=True is not supported spatially")
         new = copy.copy(up)
         new.__class__ = cls
+        assert isinstance(new, cls)
         new._init_spatial(grid, name)
         return new
 
@@ -74,6 +75,7 @@ class SpatialUpsample(nn.Upsample, SpatialLayer):
                 size = self.size if isinstance(self.size, int) else self.size[dim]
                 n_out, scale = int(size), n / int(size)
             else:
+                assert self.scale_factor is not None  # nn.Upsample has a size or a scale factor
                 sf = self.scale_factor if isinstance(self.scale_factor, (int, float)) else self.scale_factor[dim]
                 n_out, scale = int(math.floor(n * float(sf))), 1.0 / float(sf)
             if self.mode == "bilinear" and self.align_corners:

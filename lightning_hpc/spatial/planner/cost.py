@@ -159,7 +159,7 @@ class CostModel:
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
                 isinstance(layer.module, nn.Conv2d)
-                and tile_conv_applies(layer.module, *layer.in_shape[-2:], (d.h, d.w))
+                and tile_conv_applies(layer.module, layer.in_shape[-2], layer.in_shape[-1], (d.h, d.w))
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
                 # a convolution on stride-aligned tiles convolves the tile in place and copies only edge rows
@@ -213,5 +213,5 @@ def _fresh(module: nn.Module) -> nn.Module:
     if any(p.is_meta for p in clone.parameters()):
         clone = clone.to_empty(device="cpu")
     if hasattr(clone, "inplace"):
-        clone.inplace = False  # the timer needs the input to survive for backward
+        clone.inplace = False  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules; the timer needs the input to survive for backward
     return clone

@@ -112,8 +112,8 @@ def _line_paths_order(stages: list[Stage], weight: dict[str, float], fixed: set[
     sinks = [s.name for s in stages if children[s.name] == 0]
     end = max(sinks, key=lambda q: score[q])
     path = [end]
-    while prev[path[-1]] is not None:
-        path.append(prev[path[-1]])
+    while (before := prev[path[-1]]) is not None:
+        path.append(before)
     return path[::-1]
 
 
@@ -165,9 +165,11 @@ def brute_force_line(
     candidates: Sequence[Sequence[Any]],
     cost: Callable[[int, Any], float],
     shuffle: Callable[[int, Any, Any], float],
-) -> tuple[list[Any], float]:
-    """Exhaustive search over every assignment (reference for :func:`shortest_line_path`; small graphs only)."""
-    best, best_total = None, math.inf
+) -> tuple[list[Any] | None, float]:
+    """Exhaustive search over every assignment (reference for :func:`shortest_line_path`; small graphs only);
+    ``(None, inf)`` when a layer has no candidate."""
+    best: list[Any] | None = None
+    best_total = math.inf
     for combo in itertools.product(*candidates):
         total = sum(cost(i, d) for i, d in enumerate(combo)) + sum(
             shuffle(i, combo[i], combo[i + 1]) for i in range(len(combo) - 1)
