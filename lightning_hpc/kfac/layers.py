@@ -51,6 +51,8 @@ class LayerHandler:
     partition_size: int = 1
     #: the layer must be told before a capturing forward (see :meth:`prepare_capture`)
     records_input: bool = False
+    #: dtype the statistics are computed in: float32, or float64 with ``factor_dtype=float64``
+    stat_dtype: torch.dtype = torch.float32
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -269,13 +271,13 @@ class LinearHandler(LayerHandler):
         return self.module.out_features
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).float())
+        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).to(self.stat_dtype))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        return g.detach().reshape(-1, g.shape[-1]).float()
+        return g.detach().reshape(-1, g.shape[-1]).to(self.stat_dtype)
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        rows = x.detach().reshape(-1, x.shape[-1]).to(self.stat_dtype)
         gram, colsum = sym_gram(rows, colsum=self.has_bias)
         return self._fold_bias(gram, colsum, rows.shape[0]), rows.shape[0]
 
@@ -314,7 +316,7 @@ class Conv2dHandler(LayerHandler):
         as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
         """
         m = self.module
-        x = x.detach().float()
+        x = x.detach().to(self.stat_dtype)
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
         x = self._pad(x)
@@ -335,7 +337,7 @@ class Conv2dHandler(LayerHandler):
         return self._with_bias(win.permute(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().float()
+        g = g.detach().to(self.stat_dtype)
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
@@ -360,7 +362,7 @@ class Conv2dHandler(LayerHandler):
         return self._fold_bias(gram, colsum, n * oh * ow), n * oh * ow
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().float()
+        g = g.detach().to(self.stat_dtype)
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return sym_gram(g, k_dims=1)[0]
