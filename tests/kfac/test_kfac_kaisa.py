@@ -5,6 +5,8 @@ of its gradient-worker group; the bytes every rank hands to the collectives equa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,3 +189,47 @@ def test_one_process_accepts_fraction_one_and_refuses_others():
     assert pre.grad_worker_fraction == 1.0 and pre.grid.grad_workers == 1
     with pytest.raises(ValueError, match="grad_worker_fraction=0.5 on 1 ranks"):
         KFACPreconditioner(model, grad_worker_fraction=0.5, announce=False)
+
+
+def test_communication_plan_hand_computed():
+    """Two layers, A/G sides (3, 2) and (5, 4), 2 ranks, float32, eigen (n + n^2 elements per decomposition)."""
+    dims = [(3, 2), (5, 4)]
+    mem = communication_plan(dims, 2, "layer_wise", 0.5)  # MEM-OPT: layer 0 on rank 0, layer 1 on rank 1
+    comm = communication_plan(dims, 2, "layer_wise", 1.0)  # COMM-OPT: every rank holds both layers
+    factors = (9 + 4 + 25 + 16) * 4  # every rank holds every running factor
+    triangles = (6 + 3 + 15 + 10) * 4 + 2 * 4  # upper triangles + one "hooks fired" flag per layer
+    r0, r1 = mem["ranks"]
+    assert (mem["grad_workers"], mem["worker_groups"], comm["grad_workers"], comm["worker_groups"]) == (1, 2, 2, 1)
+    assert r0["factors_bytes"] == r1["factors_bytes"] == factors == 216
+    assert r0["decompositions_bytes"] == (3 + 9 + 2 + 4) * 4 == 72 and r1["decompositions_bytes"] == (5 + 25 + 4 + 16) * 4 == 200
+    assert (r0["memory_bytes"], r1["memory_bytes"], mem["max_memory_bytes"]) == (288, 416, 416)
+    assert r0["factor_allreduce_bytes"] == r1["factor_allreduce_bytes"] == triangles == 144
+    assert r0["decomposition_broadcast_bytes"] == r1["decomposition_broadcast_bytes"] == 0
+    assert r0["gradient_broadcast_bytes"] == r1["gradient_broadcast_bytes"] == (2 * 3 + 4 * 5) * 4 == 104
+    assert r0["bytes_per_step"] == pytest.approx(144 / 10 + 104)
+    for r in comm["ranks"]:
+        assert r["decompositions_bytes"] == 272 and r["memory_bytes"] == 488
+        assert r["decomposition_broadcast_bytes"] == 272 and r["gradient_broadcast_bytes"] == 0
+        assert r["bytes_per_step"] == pytest.approx(144 / 10 + 272 / 100)
+    full = communication_plan(dims, 2, "layer_wise", 1.0, symmetric_allreduce=False, compute_method="inverse", inverse_bytes=2)
+    assert full["ranks"][0]["factor_allreduce_bytes"] == factors + 8
+    assert full["ranks"][0]["decompositions_bytes"] == (9 + 4 + 25 + 16) * 2  # bf16 inverses
+    single = communication_plan(dims, 1, "balanced", None)["ranks"][0]
+    assert single["factor_allreduce_bytes"] == single["decomposition_broadcast_bytes"] == single["gradient_broadcast_bytes"] == 0
+
+
+def test_plan_kfac_reports_every_fraction(capsys):
+    from lightning_hpc.kfac import plan as plan_mod
+
+    assert plan_mod.main(["--model", "cifar_resnet20", "--world-size", "4", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    kaisa = p["grad_worker_fractions"]
+    assert [k["grad_worker_fraction"] for k in kaisa] == [0.25, 0.5, 1.0]
+    memory = [k["max_memory_bytes"] for k in kaisa]
+    assert memory[0] < memory[1] < memory[2]  # more gradient workers: more decompositions per rank
+    assert [k["ranks"][0]["gradient_broadcast_bytes"] > 0 for k in kaisa] == [True, True, False]
+    assert plan_mod.main(["--model", "cifar_resnet20", "--world-size", "8", "--grad-worker-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "grad_worker_fraction (KAISA)" in out and "\n      0.5        4 " in out
+    with pytest.raises(SystemExit):
+        plan_mod.main(["--world-size", "4", "--grad-worker-fraction", "0.3"])
