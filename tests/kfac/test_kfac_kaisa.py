@@ -55,14 +55,15 @@ class ByteCounter(TorchDistributedCommunicator):
         return super().broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def _train(rank: int, world_size: int, placement: str, fraction: float | None, dtype_name: str, steps: int = STEPS) -> dict:
+def _train(rank: int, world_size: int, placement: str, fraction: float | None, dtype_name: str, steps: int = STEPS, **kw) -> dict:
     dtype = DTYPES[dtype_name]
     model = _model(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     comm = ByteCounter()
     pre = KFACPreconditioner(
         model, optimizer=opt, factor_update_freq=2, inv_update_freq=4, damping=0.05, kl_clip=0.01, placement=placement,
-        grad_worker_fraction=fraction, decomposition_dtype=dtype_name, factor_dtype=dtype_name, communicator=comm, announce=False,
+        grad_worker_fraction=fraction, decomposition_dtype=dtype_name, communicator=comm, announce=False,
+        **{"factor_dtype": dtype_name, **kw},
     )  # fmt: skip
     per_rank = GLOBAL_BATCH // world_size
     traffic, held = [], []
@@ -89,6 +90,7 @@ def _train(rank: int, world_size: int, placement: str, fraction: float | None, d
         "columns": pre.layer_columns(),
         "names": [h.name for h in pre.handlers],
         "fraction": pre.grad_worker_fraction,
+        "stored": sorted({str(v.dtype) for d in pre.decompositions.values() for v in d.values()}),
     }
 
 
@@ -233,3 +235,28 @@ def test_plan_kfac_reports_every_fraction(capsys):
     assert "grad_worker_fraction (KAISA)" in out and "\n      0.5        4 " in out
     with pytest.raises(SystemExit):
         plan_mod.main(["--world-size", "4", "--grad-worker-fraction", "0.3"])
+
+
+def _run_half_storage(rank: int, world_size: int) -> dict:
+    return {f: _train(rank, world_size, "balanced", f, "float32", factor_dtype="bfloat16", inverse_dtype="bfloat16") for f in (0.5, 1.0)}
+
+
+def test_half_precision_storage_over_the_collectives():
+    """bfloat16 factors and decompositions on 2 ranks: the decompositions travel in bfloat16 (half plan-kfac's
+    float32 bytes), every rank ends with the same parameters, and they stay close to one process with the same
+    storage (not bitwise: float32 factor averages that differ in the last bit may round to different bfloat16)."""
+    ref = _train(0, 1, "balanced", None, "float32", factor_dtype="bfloat16", inverse_dtype="bfloat16")
+    results = run_in_processes(_run_half_storage, 2, timeout_s=300, collective_timeout_s=120)
+    model = _model(torch.float32)
+    dims = [(m.weight[0].numel() + 1, m.weight.shape[0]) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    for fraction in (0.5, 1.0):
+        for rank, out in enumerate(results):
+            mine = out[fraction]
+            assert mine["stored"] == ["torch.bfloat16"]
+            _close(mine["params"], results[0][fraction]["params"], 0, f"rank {rank} vs rank 0, fraction {fraction}")
+            _close(mine["params"], ref["params"], 2e-2, f"rank {rank} vs one process, fraction {fraction}")
+            r = communication_plan(dims, 2, "balanced", fraction, inverse_bytes=2, factor_bytes=2)["ranks"][rank]
+            assert mine["traffic"][0] == (r["factor_allreduce_bytes"], r["decomposition_broadcast_bytes"] + r["gradient_broadcast_bytes"])
+            if fraction == 1.0:
+                full = communication_plan(dims, 2, "balanced", fraction)["ranks"][rank]
+                assert 2 * r["decomposition_broadcast_bytes"] == full["decomposition_broadcast_bytes"] > 0
