@@ -27,6 +27,7 @@ Statistics are accumulated as raw sums while the micro-batches run and normalise
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,16 @@ class LayerHandler:
     records_input: bool = False
     #: dtype the statistics are computed in: float32, or float64 with ``factor_dtype=float64``
     stat_dtype: torch.dtype = torch.float32
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The layer's weight parameter (typed: ``nn.Module.__getattr__`` is not)."""
+        return cast(torch.Tensor, self.module.weight)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The layer's bias parameter; only used when :attr:`has_bias`."""
+        return cast(torch.Tensor, self.module.bias)
 
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
@@ -111,7 +122,7 @@ class LayerHandler:
         grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
         if self.g_sum is None:
             return False
-        grad = self.module.weight.grad
+        grad = self.weight.grad
         return grad is None or not bool(grad.any())
 
     def prepare_capture(self, capturing: bool) -> None:
@@ -217,12 +228,12 @@ class LayerHandler:
     # -- gradients ---------------------------------------------------------------------------------------
     def grad_matrix(self) -> torch.Tensor | None:
         """``[dW | db]`` as a ``(g_dim, a_dim)`` matrix, or None when the weight has no gradient."""
-        w = self.module.weight
+        w = self.weight
         if w.grad is None:
             return None
         mat = w.grad.reshape(w.shape[0], -1)
         if self.has_bias:
-            b = self.module.bias
+            b = self.bias
             bgrad = b.grad if b.grad is not None else torch.zeros_like(b)
             mat = torch.cat([mat, bgrad.reshape(-1, 1)], dim=1)
         return mat
@@ -230,12 +241,12 @@ class LayerHandler:
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` in place (dtype of the gradient kept)."""
-        w = self.module.weight
+        w = self.weight
         assert w.grad is not None
         n_w = mat.shape[1] - (1 if self.has_bias else 0)
         w.grad.copy_(mat[:, :n_w].reshape_as(w.grad))
         if self.has_bias:
-            b = self.module.bias
+            b = self.bias
             if b.grad is None:
                 b.grad = torch.zeros_like(b)
             b.grad.copy_(mat[:, n_w].reshape_as(b.grad))
@@ -391,16 +402,16 @@ class TiledConv2dHandler(Conv2dHandler):
 
     @property
     def partition_size(self) -> int:  # type: ignore[override]
-        return int(self.module.kfac_partition_size)  # type: ignore[attr-defined]
+        return int(cast(Any, self.module).kfac_partition_size)
 
     def prepare_capture(self, capturing: bool) -> None:
-        self.module.kfac_record_input = capturing  # type: ignore[attr-defined]
+        cast(Any, self.module).kfac_record_input = capturing
 
     def captured_input(self, inputs: tuple) -> torch.Tensor | None:
-        m = self.module
-        x = m.kfac_padded_input  # type: ignore[attr-defined]
-        m.kfac_padded_input = None  # type: ignore[attr-defined]
-        m.kfac_record_input = False  # type: ignore[attr-defined]
+        m = cast(Any, self.module)  # the TiledConvolution protocol's attributes
+        x: torch.Tensor | None = m.kfac_padded_input
+        m.kfac_padded_input = None
+        m.kfac_record_input = False
         return x
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -408,7 +419,7 @@ class TiledConv2dHandler(Conv2dHandler):
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         gram, _ = super().input_gram(x)
-        oh, ow = self.module.kfac_output_extent  # type: ignore[attr-defined]
+        oh, ow = cast(Any, self.module).kfac_output_extent
         n = x.shape[0] if x.dim() == 4 else 1
         return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
 

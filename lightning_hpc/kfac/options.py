@@ -151,7 +151,7 @@ class KFACOptions:
         elif factor_update_freq is None:
             inv = self.inv_update_freq
             valid = isinstance(inv, int) and not isinstance(inv, bool) and inv > 0
-            factor_update_freq = max(1, inv // 10) if valid else 1  # the schedule reports a bad inv_update_freq
+            factor_update_freq = max(1, inv // 10) if valid and isinstance(inv, int) else 1  # the schedule reports a bad inv_update_freq
         return KFACSchedule(
             damping=self.damping,
             factor_update_freq=factor_update_freq,

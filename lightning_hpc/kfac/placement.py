@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "PLACEMENTS",
@@ -207,8 +208,8 @@ def assign_factors(layer_dims: Sequence[tuple[int, int]], world_size: int, place
 
 def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]) -> dict:
     """Per-rank factors, element counts (sum n^2) and costs (sum n^3), with max / mean / lower-bound cost."""
-    ranks = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
-    costs = []
+    ranks: list[dict[str, Any]] = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
+    costs: list[int] = []
     for i, (na, ng) in enumerate(layer_dims):
         for kind, n in (("A", na), ("G", ng)):
             r = assignment[(i, kind)]

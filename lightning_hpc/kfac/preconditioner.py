@@ -447,7 +447,7 @@ class KFACPreconditioner:
 
     def _comm_device(self) -> torch.device:
         # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
-        return self.handlers[0].module.weight.device
+        return self.handlers[0].weight.device
 
     # decompositions -------------------------------------------------------------------------------------
     def _layout(self) -> tuple[list[int], dict[tuple[int, str], int]]:
