@@ -75,7 +75,7 @@ class KFACOptions:
         skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
         decomposition_dtype: ``"float32"`` / ``"float64"`` (or the torch dtypes): the dtype decompositions and
             preconditioning are computed in.
-        factor_dtype: storage dtype of the running factors (KAISA, SC21 section 3: half-precision factors):
+        factor_dtype: storage dtype of the running factors (the storage option kfac-pytorch 0.4 also offers):
             None = float32 (the default, unchanged); ``"bfloat16"`` / ``"float16"`` halve their memory (the
             statistics are still computed and all-reduced in float32, the running average is updated in float32
             and rounded once per factor update); ``"float64"`` computes and stores the statistics in float64.

@@ -1,4 +1,4 @@
-"""Storage dtypes (``factor_dtype``, ``inverse_dtype``; KAISA, SC21 section 3): the accuracy each costs, measured
+"""Storage dtypes (``factor_dtype``, ``inverse_dtype``): the accuracy each costs, measured
 against the dense solve ``(A (x) G + gamma I)^-1 vec(grad)`` with float64 running factors, and the default
 unchanged (bitwise the preconditioner without the options)."""
 
