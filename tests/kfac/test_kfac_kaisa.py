@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
+from lightning_hpc.distributed.groups import group_timeout
 from lightning_hpc.kfac import PLACEMENTS, KFACOptions, KFACPreconditioner
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
 from lightning_hpc.kfac.plan import communication_plan
@@ -91,6 +92,8 @@ def _train(rank: int, world_size: int, placement: str, fraction: float | None, d
         "names": [h.name for h in pre.handlers],
         "fraction": pre.grad_worker_fraction,
         "stored": sorted({str(v.dtype) for d in pre.decompositions.values() for v in d.values()}),
+        # HYBRID-OPT's own groups (None: the world, or unused) and the timeout they were created with
+        "group_timeouts": [None if g is None else group_timeout(g).total_seconds() for g in (pre._column_group, pre._row_group)],
     }
 
 
@@ -141,6 +144,9 @@ def test_every_fraction_and_placement_equals_one_process(world_size):
             assert mine["traffic"] == want, (what, rank, mine["traffic"], want)
             assert (r["gradient_broadcast_bytes"] == 0) == (fraction == 1.0)
             assert (r["decomposition_broadcast_bytes"] == 0) == (fraction == 1 / world_size)
+            # groups of their own only in between, with the world's timeout (run_in_processes: 120 s), not torch's 30 min
+            hybrid = 1 / world_size < fraction < 1
+            assert mine["group_timeouts"] == ([120.0, 120.0] if hybrid else [None, None]), (what, mine["group_timeouts"])
 
 
 def test_mem_opt_is_layer_wise_and_comm_opt_is_the_placement():
