@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,10 +55,12 @@ def broadcast_by_owner(
     local: dict[Hashable, dict[str, torch.Tensor]],
     dtype: torch.dtype,
     device: torch.device,
+    group: Any = None,
 ) -> dict[Hashable, dict[str, torch.Tensor]]:
-    """Every rank gets every owner's tensors: ``items[owner]`` lists ``(key, {name: shape})`` in a fixed order
-    (the same on every rank); the owner's own values are ``local[key][name]``. One flat broadcast per owner,
-    all in flight at once; returns ``{key: {name: tensor}}`` (fresh tensors) for all items."""
+    """Every rank of ``group`` (None: the world) gets every owner's tensors: ``items[owner]`` lists
+    ``(key, {name: shape})`` in a fixed order (the same on every rank of the group; owners are global ranks in
+    the group); the owner's own values are ``local[key][name]``. One flat broadcast per owner, all in flight at
+    once; returns ``{key: {name: tensor}}`` (fresh tensors) for all items."""
     pending = []
     for owner, entries in sorted(items.items()):
         total = sum(math.prod(s) for _, shapes in entries for s in shapes.values())
@@ -65,7 +68,7 @@ def broadcast_by_owner(
             flat = torch.cat([local[key][k].reshape(-1).to(device=device, dtype=dtype) for key, shapes in entries for k in shapes])
         else:
             flat = torch.empty(total, dtype=dtype, device=device)
-        pending.append((entries, flat, comm.broadcast(flat, src=owner, async_op=True)))
+        pending.append((entries, flat, comm.broadcast(flat, src=owner, group=group, async_op=True)))
     out: dict[Hashable, dict[str, torch.Tensor]] = {}
     for entries, flat, handle in pending:
         handle.wait()

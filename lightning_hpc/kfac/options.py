@@ -18,12 +18,23 @@ from typing import Any
 import torch
 
 from lightning_hpc.kfac.methods import COMPUTE_METHODS
-from lightning_hpc.kfac.placement import check_placement
+from lightning_hpc.kfac.placement import check_grad_worker_fraction, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
 
 __all__ = ["KFACOptions", "compile_skip_patterns"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: storage dtypes accepted by ``factor_dtype`` / ``inverse_dtype``
+_STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _storage_dtype(name: str, value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None:
+        return None
+    dtype = _STORAGE_DTYPES.get(value) if isinstance(value, str) else value
+    if dtype not in _STORAGE_DTYPES.values():
+        raise ValueError(f"K-FAC {name} must be None or one of {tuple(_STORAGE_DTYPES)} (or the torch dtypes), got {value!r}")
+    return dtype
 
 
 def compile_skip_patterns(skip_layers: str | Sequence[str] | None) -> list[re.Pattern[str]]:
@@ -56,8 +67,22 @@ class KFACOptions:
         kl_clip: kappa of Eq 18; None or 0 disables the scaling.
         compute_method: ``"eigen"`` (Eq 13-15) or ``"inverse"`` (Eq 11-12), see :mod:`.methods`.
         placement: ``"balanced"``, ``"round_robin"`` or ``"layer_wise"``, see :mod:`.placement`.
+        grad_worker_fraction: KAISA's gradient-worker fraction (SC21, section 3, HYBRID-OPT): the fraction of
+            ranks that hold each layer's decompositions and compute its preconditioned gradient, in (0, 1];
+            ``world_size * fraction`` must be an integer dividing the world size (checked when the world is
+            known). ``1 / world`` = MEM-OPT, ``1`` = COMM-OPT; None = the placement's default (``layer_wise``:
+            ``1 / world``, the others: 1). See :class:`~.placement.GradWorkerGrid`.
         skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
-        decomposition_dtype: ``"float32"`` / ``"float64"`` (or the torch dtypes).
+        decomposition_dtype: ``"float32"`` / ``"float64"`` (or the torch dtypes): the dtype decompositions and
+            preconditioning are computed in.
+        factor_dtype: storage dtype of the running factors (the storage option kfac-pytorch 0.4 also offers):
+            None = float32 (the default, unchanged); ``"bfloat16"`` / ``"float16"`` halve their memory (the
+            statistics are still computed and all-reduced in float32, the running average is updated in float32
+            and rounded once per factor update); ``"float64"`` computes and stores the statistics in float64.
+        inverse_dtype: storage dtype of the decompositions (and of their broadcasts): None = the
+            ``decomposition_dtype`` (unchanged); ``"bfloat16"`` / ``"float16"`` halve their memory and broadcast
+            bytes. Decompositions are still computed in ``decomposition_dtype`` and preconditioning upcasts them to
+            it; must not be wider than ``decomposition_dtype``.
         batch_averaged: the loss is a mean over the step's samples (see :mod:`.layers`).
         bucket_cap_mb: size of the fused factor-allreduce buffers.
         conv_input_sample_fraction: fraction of each batch's samples whose patches form a Conv2d's A, in (0, 1].
@@ -80,8 +105,11 @@ class KFACOptions:
     kl_clip: float | Callable[[int], float] | None = 0.001
     compute_method: str = "eigen"
     placement: str = "balanced"
+    grad_worker_fraction: float | None = None
     skip_layers: str | Sequence[str] | None = None
     decomposition_dtype: torch.dtype | str = "float32"
+    factor_dtype: torch.dtype | str | None = None
+    inverse_dtype: torch.dtype | str | None = None
     batch_averaged: bool = True
     bucket_cap_mb: float = 25.0
     conv_input_sample_fraction: float = 1.0
@@ -102,7 +130,10 @@ class KFACOptions:
         if self.compute_method not in COMPUTE_METHODS:
             raise ValueError(f"K-FAC compute_method must be one of {tuple(COMPUTE_METHODS)}, got {self.compute_method!r}")
         check_placement(self.placement)
+        check_grad_worker_fraction(self.grad_worker_fraction)
         self.torch_decomposition_dtype  # noqa: B018 - validates the dtype
+        self.torch_factor_dtype  # noqa: B018 - validates the dtype
+        self.torch_inverse_dtype  # noqa: B018 - validates the dtype
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         f = self.conv_input_sample_fraction
@@ -120,7 +151,7 @@ class KFACOptions:
         elif factor_update_freq is None:
             inv = self.inv_update_freq
             valid = isinstance(inv, int) and not isinstance(inv, bool) and inv > 0
-            factor_update_freq = max(1, inv // 10) if valid else 1  # the schedule reports a bad inv_update_freq
+            factor_update_freq = max(1, inv // 10) if valid and isinstance(inv, int) else 1  # the schedule reports a bad inv_update_freq
         return KFACSchedule(
             damping=self.damping,
             factor_update_freq=factor_update_freq,
@@ -137,6 +168,22 @@ class KFACOptions:
         if dtype not in (torch.float32, torch.float64):
             raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
         return dtype  # type: ignore[return-value]
+
+    @property
+    def torch_factor_dtype(self) -> torch.dtype:
+        """Storage dtype of the running factors (float32 unless ``factor_dtype`` says otherwise)."""
+        return _storage_dtype("factor_dtype", self.factor_dtype) or torch.float32
+
+    @property
+    def torch_inverse_dtype(self) -> torch.dtype:
+        """Storage dtype of the decompositions (the decomposition dtype unless ``inverse_dtype`` says otherwise)."""
+        compute = self.torch_decomposition_dtype
+        dtype = _storage_dtype("inverse_dtype", self.inverse_dtype) or compute
+        if dtype.itemsize > compute.itemsize:
+            raise ValueError(f"K-FAC inverse_dtype={self.inverse_dtype!r} is wider than decomposition_dtype={self.decomposition_dtype!r}: "
+                             "storing decompositions in more precision than they are computed in gains nothing; use "
+                             "decomposition_dtype='float64' or a narrower inverse_dtype")  # fmt: skip
+        return dtype
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -17,6 +17,20 @@ Policies
     in decreasing cost, each to the currently least loaded rank. LPT is within 4/3 of the optimum in the worst
     case; on the model zoo it lands within 5% of the lower bound ``max(largest factor, total / world)``
     (checked by the tests and by ``bench/kfac_placement.py``).
+
+Gradient workers (KAISA)
+------------------------
+``grad_worker_fraction`` (KAISA, Pauloski et al., SC21, section 3: HYBRID-OPT) is the fraction of ranks that hold
+each layer's decompositions and compute its preconditioned gradient. :class:`GradWorkerGrid` lays the ranks out
+as ``grad_workers`` rows of ``num_groups = world / grad_workers`` contiguous ranks: a *column* (ranks ``c, c + C,
+c + 2C, ...``) is a gradient-worker group, a *row* a broadcast group. Each layer belongs to one column
+(:meth:`Placement.assign_layers`); its factors are decomposed by members of that column
+(:meth:`Placement.assign` over the column's layers and ranks), the decompositions are broadcast within the
+column, and every row receives the layer's preconditioned gradient from its member in that column. A fraction of
+``1 / world`` is MEM-OPT (one worker per layer: ``layer_wise``'s K-FAC-lw), ``1`` is COMM-OPT (every rank holds
+every decomposition: the SC20 scheme), values in between are HYBRID-OPT. Rows are contiguous ranks (usually one
+node), so the per-step gradient broadcasts stay inside a node and only the rarer decomposition broadcasts cross
+nodes.
 """
 
 from __future__ import annotations
@@ -24,16 +38,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "PLACEMENTS",
     "BalancedPlacement",
     "Factor",
+    "GradWorkerGrid",
     "LayerWisePlacement",
     "Placement",
     "RoundRobinPlacement",
     "assign_factors",
+    "check_grad_worker_fraction",
     "check_placement",
+    "grad_workers_for",
     "make_placement",
     "placement_summary",
 ]  # fmt: skip
@@ -62,6 +80,83 @@ def check_placement(placement: str) -> str:
     if placement not in PLACEMENTS:
         raise ValueError(f"K-FAC placement must be one of {PLACEMENTS}, got {placement!r}")
     return placement
+
+
+def check_grad_worker_fraction(fraction: float | None) -> float | None:
+    """``fraction`` if it is None (the placement's default) or a number in (0, 1]; ``ValueError`` otherwise."""
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+        raise ValueError(
+            f"K-FAC grad_worker_fraction must be in (0, 1] (1 / world size = MEM-OPT, 1 = COMM-OPT) or None (the "
+            f"placement's default), got {fraction!r}"
+        )
+    return float(fraction)
+
+
+def grad_workers_for(fraction: float, world_size: int) -> int:
+    """The number of gradient workers per layer, ``world_size * fraction``, which must be an integer that divides
+    ``world_size`` (``ValueError`` listing the valid fractions otherwise)."""
+    check_grad_worker_fraction(fraction)
+    workers = round(world_size * fraction)
+    if abs(world_size * fraction - workers) > 1e-9 * max(1, world_size) or workers < 1 or world_size % workers != 0:
+        valid = ", ".join(f"{d}/{world_size}" for d in range(1, world_size + 1) if world_size % d == 0)
+        raise ValueError(
+            f"K-FAC grad_worker_fraction={fraction!r} on {world_size} ranks gives {world_size * fraction:g} gradient "
+            f"workers per layer: world_size * grad_worker_fraction must be an integer that divides the world size "
+            f"(valid fractions for {world_size} ranks: {valid})"
+        )
+    return workers
+
+
+@dataclass(frozen=True)
+class GradWorkerGrid:
+    """The KAISA layout of ``world_size`` ranks for ``grad_workers`` gradient workers per layer.
+
+    ``num_groups`` (C) columns of ``grad_workers`` ranks each: column ``c`` = ranks ``c, c + C, ...`` (a gradient
+    worker group); ``grad_workers`` rows of C contiguous ranks: row ``j`` = ranks ``j C .. j C + C - 1`` (a
+    broadcast group: each row member of a layer's column sends that layer's preconditioned gradient to the row).
+    """
+
+    world_size: int
+    grad_workers: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.grad_workers < 1 or self.world_size % self.grad_workers != 0:
+            raise ValueError(f"{self.grad_workers} gradient workers do not divide a world of {self.world_size} ranks")
+
+    @property
+    def num_groups(self) -> int:
+        """Number of gradient-worker groups (columns), ``world_size / grad_workers``."""
+        return self.world_size // self.grad_workers
+
+    def column_of(self, rank: int) -> int:
+        return rank % self.num_groups
+
+    def row_of(self, rank: int) -> int:
+        return rank // self.num_groups
+
+    def column(self, c: int) -> tuple[int, ...]:
+        """The ranks of gradient-worker group ``c``, ascending."""
+        return tuple(range(c, self.world_size, self.num_groups))
+
+    def row(self, j: int) -> tuple[int, ...]:
+        """The ranks of broadcast group ``j``, ascending."""
+        return tuple(range(j * self.num_groups, (j + 1) * self.num_groups))
+
+    def source(self, column: int, rank: int) -> int:
+        """The member of ``column`` in ``rank``'s row: it sends that column's preconditioned gradients to ``rank``."""
+        return self.row_of(rank) * self.num_groups + column
+
+    @property
+    def shares_decompositions(self) -> bool:
+        """Decompositions are broadcast within columns (more than one worker per layer)."""
+        return self.grad_workers > 1
+
+    @property
+    def broadcasts_gradients(self) -> bool:
+        """Preconditioned gradients are broadcast within rows (some ranks are not workers of some layers)."""
+        return self.num_groups > 1
 
 
 def _round_robin(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
@@ -113,8 +208,8 @@ def assign_factors(layer_dims: Sequence[tuple[int, int]], world_size: int, place
 
 def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]) -> dict:
     """Per-rank factors, element counts (sum n^2) and costs (sum n^3), with max / mean / lower-bound cost."""
-    ranks = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
-    costs = []
+    ranks: list[dict[str, Any]] = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
+    costs: list[int] = []
     for i, (na, ng) in enumerate(layer_dims):
         for kind, n in (("A", na), ("G", ng)):
             r = assignment[(i, kind)]
@@ -139,17 +234,42 @@ def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, as
 
 class Placement:
     """A placement policy as an object (cf. kfac-pytorch's ``WorkAssignment``): which rank decomposes each
-    factor, and whether that rank also preconditions the layer's gradient and broadcasts the result
-    (:attr:`owner_preconditions`, K-FAC-lw) instead of broadcasting the decompositions to every rank."""
+    factor and, with a gradient-worker fraction below 1 (KAISA), which group of ranks each layer belongs to.
+    :attr:`owner_preconditions` says whether the policy's default fraction is ``1 / world`` (K-FAC-lw: the
+    owner preconditions and broadcasts the result) rather than 1 (decompositions broadcast to every rank)."""
 
     name: str = ""
-    #: the factor owner preconditions the layer and broadcasts the preconditioned gradient every step; the
-    #: decompositions stay on their owner (sharded across ranks)
+    #: the default gradient-worker fraction is 1 / world (MEM-OPT) instead of 1 (COMM-OPT)
     owner_preconditions: bool = False
 
     def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
         """``(layer index, "A"|"G") -> rank``; deterministic, so every rank computes it without communicating."""
         raise NotImplementedError
+
+    def assign_layers(self, layer_dims: Sequence[tuple[int, int]], num_groups: int) -> list[int]:
+        """The gradient-worker group (column) of each layer: ``i mod num_groups`` (model order); the balanced
+        policy overrides it with LPT on the layers' decomposition cost ``n_A^3 + n_G^3``."""
+        return [i % num_groups for i in range(len(layer_dims))]
+
+    def default_grad_workers(self, world_size: int) -> int:
+        return 1 if self.owner_preconditions else world_size
+
+    def assign_grid(self, layer_dims: Sequence[tuple[int, int]], grid: GradWorkerGrid) -> tuple[list[int], dict[tuple[int, str], int]]:
+        """``(column of each layer, (layer, "A"|"G") -> rank)`` for the KAISA grid: layers go to columns by
+        :meth:`assign_layers`, and each column's factors to its ranks by :meth:`assign` over the column's layers.
+        With one column (fraction 1) this is :meth:`assign` over the world; with one rank per column (MEM-OPT) a
+        layer's factors both go to its column's rank."""
+        if grid.num_groups == 1:
+            return [0] * len(layer_dims), self.assign(layer_dims, grid.world_size)
+        columns = self.assign_layers(layer_dims, grid.num_groups)
+        out: dict[tuple[int, str], int] = {}
+        for c in range(grid.num_groups):
+            members = grid.column(c)
+            layers = [i for i, col in enumerate(columns) if col == c]
+            local = self.assign([layer_dims[i] for i in layers], grid.grad_workers) if layers else {}
+            for (j, kind), r in local.items():
+                out[(layers[j], kind)] = members[r]
+        return columns, out
 
 
 class RoundRobinPlacement(Placement):
@@ -172,6 +292,17 @@ class BalancedPlacement(Placement):
 
     def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
         return _balanced(layer_dims, world_size)
+
+    def assign_layers(self, layer_dims: Sequence[tuple[int, int]], num_groups: int) -> list[int]:
+        # LPT on whole layers (both factors of a layer must live in one column), ties in model order
+        order = sorted(range(len(layer_dims)), key=lambda i: (-(layer_dims[i][0] ** 3 + layer_dims[i][1] ** 3), i))
+        heap = [(0, c) for c in range(num_groups)]
+        out = [0] * len(layer_dims)
+        for i in order:
+            load, c = heapq.heappop(heap)
+            out[i] = c
+            heapq.heappush(heap, (load + layer_dims[i][0] ** 3 + layer_dims[i][1] ** 3, c))
+        return out
 
 
 _POLICIES: dict[str, type[Placement]] = {"round_robin": RoundRobinPlacement, "layer_wise": LayerWisePlacement, "balanced": BalancedPlacement}

@@ -18,12 +18,16 @@ Per optimizer step (Algorithm 1):
    Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
-   ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with every rank by one broadcast per
-   owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped inverses (Eq 11).
-3. Every step, each layer's gradient is preconditioned locally (``layer_wise``: by the owner, who broadcasts
-   the result, as K-FAC-lw does), scaled by the KL-clip factor of Eq 18 and written back into ``.grad``.
+   ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with the layer's gradient workers by
+   one broadcast per owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped
+   inverses (Eq 11).
+3. Every step, each layer's gradient is preconditioned by its gradient workers (KAISA's ``grad_worker_fraction``,
+   SC21 section 3: all ranks at fraction 1, the default except under ``layer_wise``; one owner at ``1 / world``,
+   K-FAC-lw), who broadcast the result to the other ranks of their broadcast group; it is then scaled by the
+   KL-clip factor of Eq 18 and written back into ``.grad``.
 
-Steps that update neither factors nor decompositions communicate nothing (except under ``layer_wise``).
+Steps that update neither factors nor decompositions communicate nothing when every rank is a gradient worker
+of every layer (``grad_worker_fraction=1``).
 All collectives go through a :class:`~lightning_hpc.distributed.comm.Communicator`, so the Horovod backend
 can be swapped in.
 """
@@ -49,7 +53,7 @@ from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
-from lightning_hpc.kfac.placement import make_placement
+from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
 from lightning_hpc.kfac.schedules import value_at
 
 __all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
@@ -109,8 +113,18 @@ class KFACPreconditioner:
         self.placement = options.placement
         self.placement_policy = make_placement(options.placement)
         self.decomposition_dtype: torch.dtype = options.torch_decomposition_dtype
+        #: storage dtypes of the running factors and of the decompositions (options factor_dtype / inverse_dtype)
+        self.factor_dtype: torch.dtype = options.torch_factor_dtype
+        self.inverse_dtype: torch.dtype = options.torch_inverse_dtype
         self.batch_averaged = options.batch_averaged
         self.comm = communicator or TorchDistributedCommunicator()
+        world = self.comm.world_size
+        fraction = options.grad_worker_fraction
+        #: KAISA's layout: gradient-worker groups (columns) and broadcast groups (rows) of the world
+        self.grid = GradWorkerGrid(world, self.placement_policy.default_grad_workers(world) if fraction is None
+                                   else grad_workers_for(fraction, world))  # fmt: skip
+        #: the fraction in effect (the placement's default when the option is None)
+        self.grad_worker_fraction = self.grid.grad_workers / world
         self.bucket_cap_bytes = int(options.bucket_cap_mb * 2**20)
         self.grad_scaler = grad_scaler
         #: factor-update steps whose statistics were dropped for being non-finite
@@ -121,6 +135,9 @@ class KFACPreconditioner:
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
         self.layer_report = find_layers(model, patterns)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
+        if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)
+            for h in self.handlers:
+                h.stat_dtype = torch.float64
         if not self.handlers:
             raise ValueError(
                 "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
@@ -143,8 +160,22 @@ class KFACPreconditioner:
         self.subsample_generator: torch.Generator | None = None
         if self.conv_input_sample_fraction < 1.0:
             self._enable_subsampling(int(options.subsample_seed))
+        self._layout_cache: tuple[list[int], dict[tuple[int, str], int]] | None = None
+        self._column_group, self._row_group = self._make_groups()
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
         self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
+
+    def _make_groups(self) -> tuple[Any, Any]:
+        """This rank's gradient-worker group and broadcast group (``None``: the whole world or unused). Under
+        HYBRID-OPT every rank creates every column group, then every row group, in the same order (group
+        creation is collective); the communicator gives them the world's timeout."""
+        grid = self.grid
+        if grid.world_size == 1 or not (grid.shares_decompositions and grid.broadcasts_gradients):
+            return None, None
+        rank = self.comm.rank
+        columns = [self.comm.new_group(grid.column(c)) for c in range(grid.num_groups)]
+        rows = [self.comm.new_group(grid.row(j)) for j in range(grid.grad_workers)]
+        return columns[grid.column_of(rank)], rows[grid.row_of(rank)]
 
     @property
     def skipped_modules(self) -> list[tuple[str, str, str]]:
@@ -340,14 +371,11 @@ class KFACPreconditioner:
         )
 
     def _missing_decompositions(self) -> bool:
-        """Layers with factors but no decomposition on the rank that must hold it (hooks that fired late, a
-        checkpoint restored under multi-rank layer_wise): decomposed at once rather than at the next interval.
-        Every rank reaches the same answer, because factors and shared decompositions are identical."""
-        if self.placement_policy.owner_preconditions and self.comm.world_size > 1:
-            owners = self.assignment()
-            mine = [h for i, h in enumerate(self.handlers) if owners[(i, "A")] == self.comm.rank]
-        else:
-            mine = self.handlers
+        """Layers with factors but no decomposition on a rank that must hold it (hooks that fired late, a
+        checkpoint restored with a gradient-worker fraction below 1): decomposed at once rather than at the next
+        interval. Every rank reaches the same answer, because factors and shared decompositions are identical
+        and a layer's gradient workers hold the same decompositions."""
+        mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
         return any(h.name in self.factors and h.name not in self.decompositions for h in mine)
 
     # factors ----------------------------------------------------------------------------------------------
@@ -405,11 +433,15 @@ class KFACPreconditioner:
         decay = self.current_factor_decay()
         for name, (a, g) in batch.items():
             if name not in self.factors:
-                self.factors[name] = {"A": a.clone(), "G": g.clone()}
-            else:
+                self.factors[name] = {"A": a.to(self.factor_dtype, copy=True), "G": g.to(self.factor_dtype, copy=True)}
+            elif a.dtype == self.factor_dtype:
                 running = self.factors[name]
                 running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
                 running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
+            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
+                running = self.factors[name]
+                for k, new in (("A", a), ("G", g)):
+                    running[k].copy_(running[k].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
 
     @staticmethod
     def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -418,13 +450,26 @@ class KFACPreconditioner:
 
     def _comm_device(self) -> torch.device:
         # NCCL needs CUDA tensors; gloo takes CPU ones. The layers' device is the right one in both cases.
-        return self.handlers[0].module.weight.device
+        return self.handlers[0].weight.device
 
     # decompositions -------------------------------------------------------------------------------------
+    def _layout(self) -> tuple[list[int], dict[tuple[int, str], int]]:
+        if self._layout_cache is None:  # deterministic in the layer shapes and the grid: computed once
+            dims = [(h.a_dim, h.g_dim) for h in self.handlers]
+            self._layout_cache = self.placement_policy.assign_grid(dims, self.grid)
+        return self._layout_cache
+
     def assignment(self) -> dict[tuple[int, str], int]:
-        """``(layer index, "A"|"G") -> rank`` for the current world size (recomputed on every update)."""
-        dims = [(h.a_dim, h.g_dim) for h in self.handlers]
-        return self.placement_policy.assign(dims, self.comm.world_size)
+        """``(layer index, "A"|"G") -> rank`` that decomposes each factor (within the layer's worker group)."""
+        return self._layout()[1]
+
+    def layer_columns(self) -> list[int]:
+        """The gradient-worker group (column of :attr:`grid`) of each layer."""
+        return self._layout()[0]
+
+    def _is_worker(self, i: int) -> bool:
+        """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
+        return self.grid.column_of(self.comm.rank) == self.layer_columns()[i]
 
     def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
         return self.method.decompose(factor, self.damping, self.decomposition_dtype, name)
@@ -438,13 +483,13 @@ class KFACPreconditioner:
         results: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         work: list[tuple[int, LayerHandler, str]] = []
         for i, h in enumerate(self.handlers):
-            if h.name not in self.factors:
-                continue
+            if h.name not in self.factors or not self._is_worker(i):
+                continue  # only the layers of this rank's gradient-worker group
             for kind in ("A", "G"):
                 work.append((owners[(i, kind)], h, kind))
         # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it.
         for owner, h, kind in work:
-            if owner != rank and world > 1:
+            if owner != rank:
                 continue
             res = self._decompose(self.factors[h.name][kind], f"{h.name}.{kind}")
             if res is None:  # keep the previous decomposition; broadcast it so all ranks stay identical
@@ -454,9 +499,10 @@ class KFACPreconditioner:
                 else:
                     n = self.factors[h.name][kind].shape[0]
                     res = self._fallback_identity(n, self.factors[h.name][kind].device)
-            results[(h.name, kind)] = res
-        if world > 1 and not self.placement_policy.owner_preconditions:
-            results = self._share(work, results)
+            results[(h.name, kind)] = {k: v.to(self.inverse_dtype) for k, v in res.items()}  # storage dtype
+        if world > 1 and self.grid.shares_decompositions:
+            # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
+            results = self._share(work, results, self._column_group)
         for (name, kind), res in results.items():
             entry = self.decompositions.setdefault(name, {})
             for k, v in res.items():
@@ -466,16 +512,21 @@ class KFACPreconditioner:
         # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
         return self.method.identity(n, self.damping, self.decomposition_dtype, device)
 
-    def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]]) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-        """One broadcast per owning rank of all its decompositions, all in flight at once (paper: allgather)."""
+    def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
+               group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
+        """One broadcast per owning rank of all its decompositions within ``group`` (None: the world), all in
+        flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
             items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0])))
-        return broadcast_by_owner(self.comm, items, results, self.decomposition_dtype, self._comm_device())  # type: ignore[arg-type, return-value]
+        return broadcast_by_owner(self.comm, items, results, self.inverse_dtype, self._comm_device(), group)  # type: ignore[arg-type, return-value]
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        return self.method.precondition(grad, self.decompositions[h.name], self.damping)
+        d = self.decompositions[h.name]
+        if self.inverse_dtype != self.decomposition_dtype:  # narrower storage: computed in the decomposition dtype
+            d = {k: v.to(self.decomposition_dtype) for k, v in d.items()}
+        return self.method.precondition(grad, d, self.damping)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -497,8 +548,8 @@ class KFACPreconditioner:
             if g is not None and h.name in self.factors:
                 grads[h.name] = g
         precond: dict[str, torch.Tensor] = {}
-        if self.placement_policy.owner_preconditions and world > 1:
-            precond = self._precondition_layer_wise(grads)
+        if world > 1 and self.grid.broadcasts_gradients:
+            precond = self._precondition_by_workers(grads)
         else:
             for h in self.handlers:
                 if h.name in grads and h.name in self.decompositions:
@@ -536,42 +587,47 @@ class KFACPreconditioner:
                 p = precond[h.name]
                 h.set_grad_matrix(p * nu if nu != 1.0 else p)
 
-    def _precondition_layer_wise(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """K-FAC-lw: the owner of a layer preconditions it and broadcasts the result (one buffer per owner)."""
-        owners = self.assignment()
+    def _precondition_by_workers(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """KAISA (SC21 section 3; K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
+        layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source)."""
+        columns = self.layer_columns()
+        rank = self.comm.rank
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         local: dict[Hashable, dict[str, torch.Tensor]] = {}
         for i, h in enumerate(self.handlers):
             # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
             if h.name not in grads:
                 continue
-            owner = owners[(i, "A")]
-            items.setdefault(owner, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
-            if owner == self.comm.rank:
+            source = self.grid.source(columns[i], rank)
+            items.setdefault(source, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
+            if source == rank:
                 if h.name in self.decompositions:
                     local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
                 else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
                     local[h.name] = {"p": grads[h.name]}
-        out = broadcast_by_owner(self.comm, items, local, self.decomposition_dtype, self._comm_device())
+        out = broadcast_by_owner(self.comm, items, local, self.decomposition_dtype, self._comm_device(), self._row_group)
         return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
 
     # -- checkpointing -----------------------------------------------------------------------------------
-    def _layer_wise_sharded(self) -> bool:
-        """Under multi-rank ``layer_wise`` each rank holds only the decompositions of the layers it owns."""
-        return self.placement_policy.owner_preconditions and self.comm.world_size > 1
+    def _sharded(self) -> bool:
+        """With a gradient-worker fraction below 1 (e.g. multi-rank ``layer_wise``) each rank holds only the
+        decompositions of the layers of its gradient-worker group."""
+        return self.grid.broadcasts_gradients and self.comm.world_size > 1
 
     def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
-        owners = self.assignment()
-        rank = self.comm.rank
         return {h.name: self.decompositions[h.name] for i, h in enumerate(self.handlers)
-                if owners[(i, "A")] == rank and h.name in self.decompositions}  # fmt: skip
+                if self._is_worker(i) and h.name in self.decompositions}  # fmt: skip
 
     def _gather_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every layer's decompositions on every rank (collective): under multi-rank ``layer_wise`` the owners
-        broadcast theirs (one buffer per owner, as :meth:`_share`), so a checkpoint written by rank 0 lets every
-        rank resume with the decompositions it had, instead of recomputing them from newer factors."""
+        """Every layer's decompositions on every rank (collective): when they are sharded the owners broadcast
+        theirs (one buffer per owner, as :meth:`_share`), so a checkpoint written by rank 0 lets every rank
+        resume with the decompositions it had, instead of recomputing them from newer factors."""
         owned = self._owned_decompositions()
-        present = torch.tensor([1.0 if h.name in owned else 0.0 for h in self.handlers], device=self._comm_device())
+        owners_a = self.assignment()
+        rank = self.comm.rank
+        # counted once per layer: by the rank that decomposes its A (a member of its worker group)
+        present = torch.tensor([1.0 if h.name in owned and owners_a[(i, "A")] == rank else 0.0 for i, h in enumerate(self.handlers)],
+                               device=self._comm_device())  # fmt: skip
         self.comm.allreduce(present, op="sum").wait()  # which layers have a decomposition on their owner
         owners = self.assignment()
         work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if present[i].item() > 0 for kind in ("A", "G")]
@@ -586,10 +642,11 @@ class KFACPreconditioner:
     def state_dict(self) -> dict[str, Any]:
         """Counters, running factors and every layer's decompositions, so a resumed run continues bitwise.
 
-        Under multi-rank ``layer_wise`` the decompositions are sharded across ranks; this method then gathers
-        them and is a collective: call it on every rank (Lightning's checkpointing does), before rank 0 writes.
+        With a gradient-worker fraction below 1 (multi-rank ``layer_wise`` by default) the decompositions are
+        sharded across ranks; this method then gathers them and is a collective: call it on every rank
+        (Lightning's checkpointing does), before rank 0 writes.
         """
-        decompositions = self._gather_decompositions() if self._layer_wise_sharded() else self.decompositions
+        decompositions = self._gather_decompositions() if self._sharded() else self.decompositions
         extra = {} if self.subsample_generator is None else {"subsample_rng": self.subsample_generator.get_state()}
         return {
             **extra,
@@ -601,8 +658,8 @@ class KFACPreconditioner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). Under multi-rank
-        ``layer_wise`` each rank keeps only its own layers' decompositions; decompositions missing from an older
+        """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). With a gradient-worker
+        fraction below 1 each rank keeps only its worker group's decompositions; decompositions missing from an older
         checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
         names = {h.name: h for h in self.handlers}
         unknown = sorted(set(state.get("factors", {})) - set(names))
@@ -612,11 +669,11 @@ class KFACPreconditioner:
         self.epoch = int(state.get("epoch", 0))
         if self.subsample_generator is not None and "subsample_rng" in state:
             self.subsample_generator.set_state(state["subsample_rng"])
-        self.factors = {n: {k: v.to(names[n].module.weight.device) for k, v in f.items()} for n, f in state["factors"].items()}
+        self.factors = {n: {k: v.to(names[n].module.weight.device, self.factor_dtype) for k, v in f.items()} for n, f in state["factors"].items()}
         self.decompositions = {}
         if state.get("compute_method", self.compute_method) == self.compute_method:
             for n, d in state.get("decompositions", {}).items():
                 if n in names:
-                    self.decompositions[n] = {k: v.to(names[n].module.weight.device) for k, v in d.items()}
-        if self._layer_wise_sharded():
+                    self.decompositions[n] = {k: v.to(names[n].module.weight.device, self.inverse_dtype) for k, v in d.items()}
+        if self._sharded():
             self.decompositions = self._owned_decompositions()

@@ -81,6 +81,19 @@ def test_plan_kfac_table_and_errors(capsys):
         plan_mod.main(["--placement", "random"])
 
 
+def test_kaisa_and_storage_options_compose_to_the_callback():
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    cfg = _compose("resnet_cifar", "callbacks=kfac", "callbacks.kfac.grad_worker_fraction=0.5",
+                   "callbacks.kfac.factor_dtype=bfloat16", "callbacks.kfac.inverse_dtype=float16")  # fmt: skip
+    kfac = instantiate(cfg.callbacks.kfac)
+    assert kfac.options.grad_worker_fraction == 0.5
+    assert kfac.options.torch_factor_dtype == torch.bfloat16 and kfac.options.torch_inverse_dtype == torch.float16
+    with pytest.raises(InstantiationException, match=r"grad_worker_fraction must be in \(0, 1\]"):  # before training
+        instantiate(_compose("resnet_cifar", "callbacks=kfac", "callbacks.kfac.grad_worker_fraction=1.5").callbacks.kfac)
+
+
 def test_kfac_fp16_precision_option_composes_to_the_plugin():
     cfg = _compose("resnet_imagenet", "callbacks=kfac", "precision=kfac_16-mixed")
     assert cfg.precision._target_ == "lightning_hpc.KFACMixedPrecision" and cfg.precision.precision == "16-mixed"

@@ -156,6 +156,21 @@ def test_fp16_without_kfac_plugin_fails_at_setup():
     assert trainer.global_step == 0
 
 
+def test_grad_worker_fraction_that_does_not_fit_the_world_fails_at_setup():
+    """The world size is known at setup: a fraction it cannot realise is refused before the first step; fraction 1
+    on one process trains (bfloat16 storage options travel with it)."""
+    trainer = _trainer(1, [_kfac(grad_worker_fraction=0.5)])
+    with pytest.raises(ValueError, match="grad_worker_fraction=0.5 on 1 ranks"):
+        trainer.fit(_module(), _loader(), _loader(16))
+    assert trainer.global_step == 0
+    kfac = _kfac(grad_worker_fraction=1.0, factor_dtype="bfloat16", inverse_dtype="bfloat16")
+    _trainer(1, [kfac], limit_train_batches=2).fit(_module(), _loader(), _loader(16))
+    pre = kfac.preconditioner
+    assert pre.steps == 2 and pre.grad_worker_fraction == 1.0
+    assert {v.dtype for f in pre.factors.values() for v in f.values()} == {torch.bfloat16}
+    assert {v.dtype for d in pre.decompositions.values() for v in d.values()} == {torch.bfloat16}
+
+
 def test_fp16_statistics_are_unscaled():
     runs = {}
     for prec in ("32", "16"):

@@ -50,6 +50,11 @@ def test_hydra_config_defaults_are_the_options_defaults():
         ({"skip_layers": "("}, "skip_layers"),
         ({"conv_input_sample_fraction": 0.0}, "conv_input_sample_fraction"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"grad_worker_fraction": 0.0}, "grad_worker_fraction"),
+        ({"grad_worker_fraction": 2}, "grad_worker_fraction"),
+        ({"factor_dtype": "int8"}, "factor_dtype"),
+        ({"inverse_dtype": "float64"}, "inverse_dtype"),
+        ({"inverse_dtype": torch.int32}, "inverse_dtype"),
     ],
 )
 def test_options_validate_once_for_every_entry_point(kwargs, match):
