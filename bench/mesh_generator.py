@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     report = Report("mesh_generator")
-    report.meta.update(note="shared 2-core machine (other agents running), 1 torch thread; medians over samples")
+    report.meta.update(note="2-core machine shared with other jobs, 1 torch thread; medians over samples")
     for size in [int(s) for s in args.sizes.split(",")]:
         times, positives = [], []
         for index in range(args.samples):
