@@ -20,7 +20,7 @@ The loss of an optimizer step is assumed to be the mean over its ``B`` samples (
 ``ds = B * grad_output`` and ``G = B * sum grad_output grad_output^T``. With ``batch_averaged=False`` (a summed
 loss) ``ds = grad_output`` and ``G = 1/B * sum grad_output grad_output^T``.
 
-Statistics are accumulated as raw sums while the micro-batches run and normalised once in
+Factors are formed in float32, or in float64 for a float64 model (:func:`stat_dtype`).  Statistics are accumulated as raw sums while the micro-batches run and normalised once in
 :meth:`LayerHandler.batch_factors`, so an accumulated step covers all of its micro-batches exactly.
 """
 
@@ -38,6 +38,12 @@ __all__ = ["SUPPORTED", "Conv2dHandler", "LayerHandler", "LinearHandler", "Tiled
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+def stat_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype factor statistics are formed in: float32, or the tensor's own when it is wider (a float64 model
+    gets float64 factors, so its K-FAC steps do not depend on how the batch is split over ranks)."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 class LayerHandler:
@@ -161,7 +167,7 @@ class LayerHandler:
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> int:
         """Compute the input statistics of one call; returns the token :meth:`capture_output_grad` commits."""
-        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
+        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
         if not self._in_forward:  # first call since the last backward pass: a new forward pass
@@ -269,13 +275,13 @@ class LinearHandler(LayerHandler):
         return self.module.out_features
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).float())
+        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).to(stat_dtype(x)))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        return g.detach().reshape(-1, g.shape[-1]).float()
+        return g.detach().reshape(-1, g.shape[-1]).to(stat_dtype(g))
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        rows = x.detach().reshape(-1, x.shape[-1]).to(stat_dtype(x))
         gram, colsum = sym_gram(rows, colsum=self.has_bias)
         return self._fold_bias(gram, colsum, rows.shape[0]), rows.shape[0]
 
@@ -314,7 +320,7 @@ class Conv2dHandler(LayerHandler):
         as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
         """
         m = self.module
-        x = x.detach().float()
+        x = x.detach().to(stat_dtype(x))
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
         x = self._pad(x)
@@ -335,7 +341,7 @@ class Conv2dHandler(LayerHandler):
         return self._with_bias(win.permute(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().float()
+        g = g.detach().to(stat_dtype(g))
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
@@ -360,7 +366,7 @@ class Conv2dHandler(LayerHandler):
         return self._fold_bias(gram, colsum, n * oh * ow), n * oh * ow
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().float()
+        g = g.detach().to(stat_dtype(g))
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return sym_gram(g, k_dims=1)[0]
