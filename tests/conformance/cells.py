@@ -40,7 +40,7 @@ EXACT = [
     *[("hybrid_fc", f) for f in ["sgd_step_lr", "adam", "validate_test", "resume", "resume_2_to_1", "early_stopping",
                                   "torchmetrics"]],
     *[("multigrid_pm", f"odenet_{f}") for f in ["sgd_step_lr", "adam", "validate_test", "fit_predict", "resume",
-                                                 "early_stopping", "torchmetrics", "frozen_parameters"]],
+                                                 "early_stopping", "torchmetrics", "frozen_parameters", "manual_clip"]],
     *[(k, f) for k in ("kfac_ddp", "kfac_layered_sgd") for f in [*_FEATURES, "clip_norm", "accumulate_2"]],
     ("kfac_layered_sgd", "unused_parameter"),
     *[("horovod", f) for f in ["sgd_step_lr", "adam", "clip_norm", "validate_test", "fit_predict", "resume",

@@ -314,6 +314,7 @@ CASES: dict[str, Case] = {
     "odenet_early_stopping": Case(ode_net, {**EPOCH2, "max_epochs": 6}, flow="early_stop"),
     "odenet_torchmetrics": Case(lambda: ode_net(torchmetrics=True), flow="fit_eval"),
     "odenet_frozen_parameters": Case(lambda: frozen(ode_net())),
+    "odenet_manual_clip": Case(lambda: ode_net(manual_clip=True)),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
 CASES["odenet_bf16_mixed"].dtype = torch.float32
