@@ -28,8 +28,10 @@ TOL64 = 1e-9
 TOL32 = 1e-6
 
 
-def _ids(cells):
-    return [f"{c[0]}-{c[1]}" for c in cells]
+def _params(cells):
+    """Cells as pytest params, the horovod ones marked ``horovod`` like the rest of the Horovod tests."""
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=[pytest.mark.horovod] if c[0] == "horovod" else [])
+            for c in cells]
 
 
 def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -81,7 +83,7 @@ def _predictions(files, what: str) -> dict[int, torch.Tensor]:
     return merged
 
 
-@pytest.mark.parametrize(("strategy", "case"), EXACT, ids=_ids(EXACT))
+@pytest.mark.parametrize(("strategy", "case"), _params(EXACT))
 def test_two_processes_equal_one(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = _run(runs, strategy, case)
@@ -94,7 +96,7 @@ def test_two_processes_equal_one(strategy, case, runs):
     _same_observations(got, ref, what, dp)
 
 
-@pytest.mark.parametrize(("strategy", "case"), EQUAL_DDP, ids=_ids(EQUAL_DDP))
+@pytest.mark.parametrize(("strategy", "case"), _params(EQUAL_DDP))
 def test_equal_ddp(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
@@ -107,7 +109,7 @@ def test_equal_ddp(strategy, case, runs):
     assert worst < tol, f"{what}: final parameters differ from DDP by {worst:.3g}"
 
 
-@pytest.mark.parametrize(("strategy", "case"), BOUNDED, ids=_ids(BOUNDED))
+@pytest.mark.parametrize(("strategy", "case"), _params(BOUNDED))
 def test_bounded(strategy, case, runs):
     """bf16-mixed (float32 module, SGD lr 0.05): each rank rounds its half-batch activations and gradients to bf16
     where one process rounds the whole batch's, so the 2-process weights differ from one bf16 process by
@@ -129,7 +131,7 @@ def test_bounded(strategy, case, runs):
     )
 
 
-@pytest.mark.parametrize(("strategy", "case", "message"), REFUSED, ids=_ids(REFUSED))
+@pytest.mark.parametrize(("strategy", "case", "message"), _params(REFUSED))
 def test_refused_before_training_with_the_fix_named(strategy, case, message, runs):
     got = _run(runs, strategy, case)
     assert got.error is not None, f"{strategy} x {case}: expected a refusal, it trained"
@@ -139,7 +141,7 @@ def test_refused_before_training_with_the_fix_named(strategy, case, message, run
     assert not (got.path / "final.ckpt").exists(), "the refusal came after training ended"
 
 
-@pytest.mark.parametrize(("strategy", "case", "message"), ERRORS, ids=_ids(ERRORS))
+@pytest.mark.parametrize(("strategy", "case", "message"), _params(ERRORS))
 def test_error_names_this_strategys_fix(strategy, case, message, runs):
     got = runs.two(strategy, case)
     assert got.error is not None and re.search(message, got.error, re.S), got.error or got.log
