@@ -103,8 +103,7 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "Not yet in the suite (no claim is made for them here): 16-mixed with the K-FAC plugin; bf16-mixed under "
         "KFAC (K-FAC's preconditioner amplifies the per-rank bf16 rounding: the 2-process weights differ from one "
         "bf16 process by ~70% of bf16's own effect, against 5% without K-FAC, so no bound separates a defect from "
-        "rounding there); resume onto another number of processes under "
-        "`horovod` (it needs a second `horovodrun`); the multigrid strategy's mode 'mg' beyond its refusals (it "
+        "rounding there); the multigrid strategy's mode 'mg' beyond its refusals (it "
         "solves the trunk iteratively, so it is not exact by design: tested against its own tolerances in "
         "`tests/multigrid/`); stock DDP with a GAN or an unused parameter (DDP's own error, after the first step: "
         "`find_unused_parameters=True` is DDP's fix); and the `spatial` strategy (tested in `tests/spatial/`).",

@@ -20,7 +20,7 @@ class Runs:
                 env: dict[str, str] | None = None) -> str:
         if key not in self.logs:
             self.logs[key] = launch(devices, self.root / outdir, items, data_parallel, horovod=horovod, env_extra=env,
-                                    log_name=f"{key}.log")
+                                    log_name=f"{key}.log", processes=devices)
         return self.logs[key]
 
     def two(self, strategy: str, case: str) -> CaseResult:
@@ -47,12 +47,14 @@ class Runs:
     def resumed_on_one(self, strategy: str, case: str) -> CaseResult:
         """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its
         first epoch (all strategies in one launch)."""
-        items = [f"{s}:{c}" for s, c in ALL_CELLS if c.endswith("_2_to_1") and s != "horovod"]
+        horovod = strategy == "horovod"  # one process under horovodrun -np 1
+        items = [f"{s}:{c}" for s, c in ALL_CELLS if c.endswith("_2_to_1") and (s == "horovod") == horovod]
         for item in items:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs
-        log = self._ensure("resumed_on_one", "resumed_on_one", 1, items, 2, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
-        return read(self.root / "resumed_on_one", strategy, case, log, 1)
+        key = "resumed_on_one_horovod" if horovod else "resumed_on_one"
+        log = self._ensure(key, key, 1, items, 2, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
+        return read(self.root / key, strategy, case, log, 1)
 
 
 def _reference_case(case: str) -> str:

@@ -48,7 +48,8 @@ class CaseResult:
 
 
 def launch(devices: int, outdir: Path, items: list[str], data_parallel: int = 2, horovod: bool = False,
-           env_extra: dict[str, str] | None = None, timeout: float = 900, log_name: str = "launch.log") -> str:
+           env_extra: dict[str, str] | None = None, timeout: float = 900, log_name: str = "launch.log",
+           processes: int = 2) -> str:
     """Run ``items`` (``strategy:case``) in one process group; returns the combined output."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "HOROVOD_"))}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
@@ -58,7 +59,7 @@ def launch(devices: int, outdir: Path, items: list[str], data_parallel: int = 2,
         sys.path.insert(0, str(REPO / "tests" / "horovod"))
         from hvd_launch import horovodrun_command
 
-        cmd = [*horovodrun_command(2), *cmd]
+        cmd = [*horovodrun_command(processes), *cmd]
         env.update(HOROVOD_STALL_CHECK_TIME_SECONDS="60", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="120")
     proc = subprocess.run(cmd, cwd=outdir, env=env, capture_output=True, text=True, timeout=timeout)
     log = f"exit code {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-8000:]}"
