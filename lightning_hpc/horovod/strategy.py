@@ -14,6 +14,10 @@ Lightning 2.x's :class:`~lightning.pytorch.strategies.ParallelStrategy`:
   as a gradient is ready, fused into large buffers by Horovod's background thread); its tensor fusion
   (``fusion_threshold_mb``, ``cycle_time_ms``), compression (``compression="fp16"``), grouped allreduce
   (``num_groups``) and ``gradient_predivide_factor`` are exposed;
+* manual optimization: gradients are averaged when ``manual_backward`` returns, as under DDP, so
+  ``self.clip_gradients`` and any read of ``.grad`` before ``opt.step()`` see the global gradient; a parameter that
+  got no gradient on any rank keeps ``grad=None`` (Horovod would reduce a zero gradient, which weight decay and
+  momentum turn into a step one process never takes);
 * ``accumulate_grad_batches`` becomes Horovod's ``backward_passes_per_step`` (gradients accumulate locally and are
   allreduced once per optimizer step, as with DDP's ``no_sync``);
 * initial parameters (and buffers) and any existing optimizer state are broadcast from rank 0;
@@ -72,6 +76,13 @@ def horovod_gather_all_tensors(result: Tensor, group: Any = None) -> list[Tensor
 
     Pads every dimension to the largest size over ranks, allgathers once, trims each rank's piece back.
     """
+    # Lightning validates under torch.inference_mode when torch.distributed is not initialised (as under Horovod);
+    # Horovod's allgather resizes its output on its own thread, which an inference tensor refuses
+    with torch.inference_mode(False):
+        return _gather_all_tensors(result.clone() if result.is_inference() else result, group)
+
+
+def _gather_all_tensors(result: Tensor, group: Any) -> list[Tensor]:
     hvd = import_horovod()
     process_set = hvd.global_process_set if group is None else group
     result = result.contiguous()
@@ -327,6 +338,10 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
                 self._exit_stack.enter_context(optimizer.skip_synchronize())  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's (Horovod is untyped)
         self.setup_precision_plugin()
         if fitting:
+            for lightning_optimizer in self._lightning_optimizers:
+                # Horovod's zero_grad calls super(self.__class__, self): on the LightningOptimizer that
+                # self.optimizers() returns (a subclass of the Horovod class) it recursed without end
+                lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad  # type: ignore[attr-defined]  # set on the instance: LightningOptimizer proxies zero_grad via __getattr__
             optimizers_to_device(self.optimizers, self.root_device)
             if self._broadcast_optimizer_state:
                 for optimizer in self.optimizers:
@@ -452,9 +467,10 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
     ) -> Any:
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         manual = self.lightning_module is not None and not self.lightning_module.automatic_optimization
-        if manual and hasattr(inner, "synchronize"):
-            # manual optimization: the user already ran backward; the closure does no backward
-            inner.synchronize()
+        if manual and getattr(inner, "_handles", None):
+            # manual optimization: the user already ran backward (post_backward made its gradients global); the
+            # closure does no backward.  Only reductions still pending (none, normally) are completed here.
+            self._synchronize(inner)
         self._stepping_optimizer = None if manual else inner
         try:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -471,7 +487,28 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         """
         optimizer = self._stepping_optimizer
         if optimizer is not None and hasattr(optimizer, "synchronize"):
-            optimizer.synchronize()
+            self._synchronize(optimizer)
+        elif self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            # manual optimization: as under DDP, gradients are global when manual_backward returns, so
+            # self.clip_gradients and any read of .grad before opt.step() see the average over the ranks.  Each
+            # optimizer whose parameters this backward reached completes its reductions.
+            for opt in self.optimizers:
+                inner = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+                if getattr(inner, "_handles", None):
+                    self._synchronize(inner)
+
+    def _synchronize(self, optimizer: Any) -> None:
+        """``optimizer.synchronize()``, except that a parameter that got no gradient on any rank keeps
+        ``grad=None``: Horovod reduces a zero gradient for it, which weight decay and momentum would turn into a
+        step a single process never takes (one process's optimizer skips it)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        absent = torch.tensor([float(p.grad is None) for p in params], dtype=torch.float64)
+        optimizer.synchronize()
+        if self.world_size > 1 and params:
+            absent = self._hvd.allreduce(absent, op=self._hvd.Sum, name=collective_name("allreduce"))
+        for p, count in zip(params, absent.tolist()):
+            if count == self.world_size:
+                p.grad = None
 
     # ---- collectives used by Lightning (logging, callbacks, checkpointing) ------------------------------
     @override
@@ -509,6 +546,9 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         if self.world_size == 1:
             return tensor.unsqueeze(0)
         process_set = self._hvd.global_process_set if group is None else group
+        if tensor.is_inference():  # validate / test / predict: see horovod_gather_all_tensors
+            with torch.inference_mode(False):
+                return self.all_gather(tensor.clone(), group, sync_grads=False)
         with torch.set_grad_enabled(sync_grads and torch.is_grad_enabled()):
             name = collective_name("allgather", process_set)
             return self._hvd.allgather(tensor.contiguous().unsqueeze(0), name=name, process_set=process_set)

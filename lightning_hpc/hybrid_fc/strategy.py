@@ -160,7 +160,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             raise ValueError(
                 f"strategy='hybrid_fc': {type(module).__name__} has no trainable parameter outside the fully-connected "
                 "head, so there is no data-parallel trunk (only parameter-free layers such as Flatten before the "
-                "head); this strategy pairs a data-parallel trunk with the model-parallel head: use strategy='ddp'"
+                "head, or only frozen ones, requires_grad=False); this strategy pairs a data-parallel trunk with the "
+                "model-parallel head: use strategy='ddp'"
             )
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         ddp_ignore_parameters(module, ignore)

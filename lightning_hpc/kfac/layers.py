@@ -20,7 +20,7 @@ The loss of an optimizer step is assumed to be the mean over its ``B`` samples (
 ``ds = B * grad_output`` and ``G = B * sum grad_output grad_output^T``. With ``batch_averaged=False`` (a summed
 loss) ``ds = grad_output`` and ``G = 1/B * sum grad_output grad_output^T``.
 
-Statistics are accumulated as raw sums while the micro-batches run and normalised once in
+Factors are formed in float32, or in float64 for a float64 model (:func:`stat_dtype`).  Statistics are accumulated as raw sums while the micro-batches run and normalised once in
 :meth:`LayerHandler.batch_factors`, so an accumulated step covers all of its micro-batches exactly.
 """
 
@@ -41,6 +41,12 @@ __all__ = ["SUPPORTED", "Conv2dHandler", "LayerHandler", "LinearHandler", "Tiled
 SUPPORTED = (nn.Linear, nn.Conv2d)
 
 
+def stat_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype factor statistics are formed in: float32, or the tensor's own when it is wider (a float64 model
+    gets float64 factors, so its K-FAC steps do not depend on how the batch is split over ranks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 class LayerHandler:
     """Factor statistics and gradient reshaping for one layer.
 
@@ -52,8 +58,13 @@ class LayerHandler:
     partition_size: int = 1
     #: the layer must be told before a capturing forward (see :meth:`prepare_capture`)
     records_input: bool = False
-    #: dtype the statistics are computed in: float32, or float64 with ``factor_dtype=float64``
+    #: least dtype the statistics are computed in: float32, or float64 with ``factor_dtype=float64``
     stat_dtype: torch.dtype = torch.float32
+
+    def dtype_for(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype this layer's statistics of ``t`` are formed in: :attr:`stat_dtype`, or ``t``'s own when it
+        is wider (:func:`stat_dtype`: a float64 model gets float64 factors)."""
+        return torch.promote_types(stat_dtype(t), self.stat_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -174,7 +185,7 @@ class LayerHandler:
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> int:
         """Compute the input statistics of one call; returns the token :meth:`capture_output_grad` commits."""
-        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 always.
+        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
         if not self._in_forward:  # first call since the last backward pass: a new forward pass
@@ -282,13 +293,13 @@ class LinearHandler(LayerHandler):
         return self.module.out_features
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).to(self.stat_dtype))
+        return self._with_bias(x.detach().reshape(-1, x.shape[-1]).to(self.dtype_for(x)))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        return g.detach().reshape(-1, g.shape[-1]).to(self.stat_dtype)
+        return g.detach().reshape(-1, g.shape[-1]).to(self.dtype_for(g))
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        rows = x.detach().reshape(-1, x.shape[-1]).to(self.stat_dtype)
+        rows = x.detach().reshape(-1, x.shape[-1]).to(self.dtype_for(x))
         gram, colsum = sym_gram(rows, colsum=self.has_bias)
         return self._fold_bias(gram, colsum, rows.shape[0]), rows.shape[0]
 
@@ -327,7 +338,7 @@ class Conv2dHandler(LayerHandler):
         as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
         """
         m = self.module
-        x = x.detach().to(self.stat_dtype)
+        x = x.detach().to(self.dtype_for(x))
         if x.dim() == 3:  # unbatched input
             x = x.unsqueeze(0)
         x = self._pad(x)
@@ -348,7 +359,7 @@ class Conv2dHandler(LayerHandler):
         return self._with_bias(win.permute(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, c * kh * kw))
 
     def output_rows(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().to(self.stat_dtype)
+        g = g.detach().to(self.dtype_for(g))
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1])
@@ -373,7 +384,7 @@ class Conv2dHandler(LayerHandler):
         return self._fold_bias(gram, colsum, n * oh * ow), n * oh * ow
 
     def output_gram(self, g: torch.Tensor) -> torch.Tensor:
-        g = g.detach().to(self.stat_dtype)
+        g = g.detach().to(self.dtype_for(g))
         if g.dim() == 3:
             g = g.unsqueeze(0)
         return sym_gram(g, k_dims=1)[0]

@@ -1,30 +1,55 @@
-"""One Trainer.fit of a conformance case, as a user would write it (launched by test_*.py; Lightning starts the
-other ranks itself).  ``python run_case.py CASE STRATEGY DEVICES OUT.ckpt``: the final checkpoint goes to OUT.
+"""Conformance cases, each as a user would write it, run one after another in one process group (launched by
+the tests; Lightning starts the other ranks itself, ``horovodrun`` starts them for ``horovod``).
+
+    python run_case.py DEVICES OUTDIR DATA_PARALLEL STRATEGY:CASE [STRATEGY:CASE ...]
+
+Each item runs its case (``Trainer.fit`` and whatever the case does after it) under that strategy and writes,
+under ``OUTDIR/STRATEGY/CASE/``: ``final.ckpt`` (the final checkpoint), ``result_rank<r>.json`` (optimizer steps
+taken, the epoch and step it ended at, the metrics of validate / test and the error, if one was raised) and, for
+predicting cases, ``pred_rank<r>.pt``.  A case that raises (a refusal) is recorded and the next case runs: our
+refusals are raised on every rank alike.
 
 The data are sharded by Lightning's own DistributedSampler (which shuffles training data with seed 0); with
-``devices=1`` the loader's batches are, step by step, the union of what the ranks see: the reference.
+``DEVICES=1`` the training batches are, step by step and epoch by epoch, the union of what the
+``DATA_PARALLEL`` ranks see: the reference.  Validation / test / predict data are sharded by Lightning's
+samplers too; one process sees them all.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
 torch.set_num_threads(1)
 WORLD, B, N, CLIP = 2, 4, 64, 0.05
 STEPS = 4
+N_EVAL, N_PREDICT = 32, 45  # validation / test data (equal shards); predict data (unequal shards: 23 + 22)
 
 
-def images() -> TensorDataset:
+def images(n: int = N, seed: int = 3, dtype: torch.dtype = torch.float64) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 2, 6, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
+
+
+def vectors(n: int = N, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Like Lightning's ``RandomDataset(32, n)`` (a batch is one tensor), float64: the demo modules' input."""
     g = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randn(N, 2, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (N,), generator=g))
+    return torch.randn(n, 32, generator=g, dtype=dtype)
 
 
 class Backbone(nn.Module):
@@ -38,13 +63,20 @@ class Backbone(nn.Module):
 
 
 class UserCNN(pl.LightningModule):
-    """A user's classifier: the model at ``self.model``, a plain mean cross-entropy, SGD with momentum."""
+    """A user's classifier: the model at ``self.model``, a plain mean cross-entropy, SGD with momentum and weight
+    decay; validation / test log the mean loss with ``sync_dist=True`` (and accuracy as a torchmetrics object when
+    asked), predict returns the logits with the sample index."""
 
-    def __init__(self, manual_clip: bool = False) -> None:
+    def __init__(self, manual_clip: bool = False, optimizer: str = "sgd", torchmetrics: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = nn.Sequential(Backbone(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
         self.automatic_optimization = not manual_clip
+        self.optimizer = optimizer
+        if torchmetrics:
+            import torchmetrics as tm
+
+            self.val_acc = tm.Accuracy(task="multiclass", num_classes=3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -61,15 +93,41 @@ class UserCNN(pl.LightningModule):
             opt.step()
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        if hasattr(self, "val_acc"):
+            self.val_acc(logits, y)
+            self.log("val_acc", self.val_acc)  # the metric object: torchmetrics syncs its state itself
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, _, index = batch
+        return index, self(x)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=0.01, weight_decay=1e-2)
+        if self.optimizer == "adam":
+            return torch.optim.Adam(params, lr=0.01)
+        # bf16: a smaller lr, so the bound compares one step's rounding rather than its growth over the steps
+        opt = torch.optim.SGD(params, lr=0.05 if self.optimizer == "sgd_bf16" else 0.5, momentum=0.9, weight_decay=1e-3)
+        if self.optimizer == "sgd_step_lr":  # the lr changes every optimizer step
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
 
 
 class AdamCNN(UserCNN):
     """The same module trained with AdamW (adaptive: any gradient difference is amplified, not averaged away)."""
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=1e-2)
+    def __init__(self) -> None:
+        super().__init__(optimizer="adamw")
 
 
 class BackboneClassifier(UserCNN):
@@ -86,11 +144,81 @@ class BackboneClassifier(UserCNN):
         return self.classifier(self.backbone(x))
 
 
+class UserGAN(pl.LightningModule):
+    """A GAN as Lightning's docs write one: manual optimization, two optimizers (generator, discriminator), each
+    stepped after its own ``manual_backward``.  The latent code is taken from the batch (random noise would differ
+    between the ranks and one process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 72)).double()
+        self.discriminator = nn.Sequential(nn.Linear(72, 16), nn.ReLU(), nn.Linear(16, 1)).double()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        real = batch[0].flatten(1)
+        z = real[:, :8]
+        g_opt, d_opt = self.optimizers()
+        fake = self.generator(z)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), torch.ones(len(z), 1, dtype=z.dtype))
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        ones, zeros = torch.ones(len(z), 1, dtype=z.dtype), torch.zeros(len(z), 1, dtype=z.dtype)
+        d_loss = 0.5 * (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+                        + F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros))
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-2, betas=(0.5, 0.999))]
+
+
 def boring_model() -> pl.LightningModule:
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     torch.manual_seed(0)
     return BoringModel()
+
+
+def boring_model_double() -> pl.LightningModule:
+    """Lightning's ``BoringModel`` unchanged but for float64 (its own data: ``RandomDataset(32, 64)``)."""
+    return boring_model().double()
+
+
+def demo_model() -> pl.LightningModule:
+    """Lightning's ``DemoModel`` (Linear + ReLU, loss ``output.sum()``, Adam), float64."""
+    from lightning.pytorch.demos.boring_classes import DemoModel
+
+    torch.manual_seed(0)
+    return DemoModel().double()
+
+
+def lightning_transformer() -> pl.LightningModule:
+    """Lightning's ``LightningTransformer`` as its docs use it (float32, dropout 0.2), vocabulary of the synthetic
+    WikiText2 file :func:`wikitext` writes (its ``prepare_data``, which downloads the real one, is a no-op)."""
+    from lightning.pytorch.demos import LightningTransformer, WikiText2
+
+    torch.manual_seed(0)
+    module = LightningTransformer(vocab_size=WikiText2(download=False).vocab_size)
+    module.prepare_data = lambda: None  # it downloads WikiText2; the suite writes a file of that format instead
+    return module
+
+
+def wikitext() -> None:
+    """``./data/wikitext-2.txt`` with deterministic synthetic text, so ``WikiText2`` (and the module's
+    ``prepare_data``) find it and download nothing."""
+    path = Path("data") / "wikitext-2.txt"
+    if path.exists():
+        return
+    path.parent.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    words = [f"w{i}" for i in torch.randint(0, 24, (18 * 35 + 40,), generator=g).tolist()]
+    path.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)) + "\n")
 
 
 def flatten_linear() -> UserCNN:
@@ -100,14 +228,26 @@ def flatten_linear() -> UserCNN:
     return module
 
 
-def ode_net() -> UserCNN:
+def ode_net(**kwargs: Any) -> UserCNN:
     """A user's module holding a deep ODE-ResNet (the form the multigrid strategy trains) at ``self.model``."""
     from lightning_hpc.models import ode_resnet
 
-    module = UserCNN()
+    module = UserCNN(**kwargs)
     torch.manual_seed(0)
     module.model = ode_resnet(in_channels=2, num_classes=3, input_size=(6, 6), width=4, num_steps=8).double()
     return module
+
+
+def frozen(module: UserCNN) -> UserCNN:
+    """The first layer frozen (``requires_grad=False``, e.g. a pretrained stem), the optimizer given only the
+    trainable parameters."""
+    for p in next(m for m in module.model.modules() if isinstance(m, nn.Conv2d)).parameters():
+        p.requires_grad_(False)
+    return module
+
+
+def float32(module: pl.LightningModule) -> pl.LightningModule:
+    return module.float()
 
 
 class UnusedTrunkParameter(UserCNN):
@@ -118,66 +258,223 @@ class UnusedTrunkParameter(UserCNN):
         self.model[0].unused = nn.Conv2d(4, 4, 1).double()
 
 
-CASES = {
-    # name: (module factory, Trainer kwargs)
-    "clip_norm": (lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
-    "clip_value": (lambda: UserCNN(), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
-    "manual_clip": (lambda: UserCNN(manual_clip=True), {}),
-    "backbone_classifier": (BackboneClassifier, {}),
-    "boring_model": (boring_model, {}),  # Lightning's own demo module, with its own data
-    "flatten_linear": (flatten_linear, {}),
-    "odenet": (ode_net, {}),
-    "predict": (UserCNN, {}),
-    "adamw": (AdamCNN, {}),
-    "accumulate_2": (lambda: UserCNN(), {"accumulate_grad_batches": 2}),
-    "unused_parameter": (UnusedTrunkParameter, {}),  # trainer.predict with Lightning's own (unpadded) predict sampler
-    "odenet_bf16_mixed": (ode_net, {"precision": "bf16-mixed"}),
-    "odenet_clip_norm": (ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
+@dataclass
+class Case:
+    module: Callable[[], pl.LightningModule]
+    trainer: dict[str, Any] = field(default_factory=dict)
+    #: fit; fit_eval (fit, then validate and test); fit_predict (fit, then predict); predict (predict only);
+    #: resume (fit one epoch, checkpoint, fit a second epoch from it); resume_from (the second half of resume from
+    #: another run's checkpoint, e.g. on another number of processes); early_stop (validation every epoch)
+    flow: str = "fit"
+    #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2)
+    data: str = "images"
+    dtype: torch.dtype = torch.float64
+
+
+EPOCH2 = {"limit_train_batches": 2, "max_epochs": 2, "max_steps": -1}  # two short epochs (resume, early stopping)
+
+CASES: dict[str, Case] = {
+    "clip_norm": Case(lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
+    "clip_value": Case(lambda: UserCNN(), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "manual_clip": Case(lambda: UserCNN(manual_clip=True)),
+    "backbone_classifier": Case(BackboneClassifier),
+    "boring_model": Case(boring_model, data="boring"),  # Lightning's own demo module, with its own data
+    "flatten_linear": Case(flatten_linear),
+    "odenet": Case(ode_net),
+    "predict": Case(UserCNN, flow="predict"),  # trainer.predict with Lightning's own (unpadded) predict sampler
+    "adamw": Case(AdamCNN),
+    "accumulate_2": Case(lambda: UserCNN(), {"accumulate_grad_batches": 2}),
+    "unused_parameter": Case(UnusedTrunkParameter),
+    "odenet_bf16_mixed": Case(ode_net, {"precision": "bf16-mixed"}),
+    "odenet_clip_norm": Case(ode_net, {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
+    # --- Lightning features on a user's CNN
+    "sgd_step_lr": Case(lambda: UserCNN(optimizer="sgd_step_lr")),
+    "adam": Case(lambda: UserCNN(optimizer="adam")),
+    "two_optimizers_gan": Case(UserGAN),
+    "bf16_mixed": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"}, dtype=torch.float32),
+    "fp32_for_bf16": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32),  # the bound's yardstick (reference)
+    "validate_test": Case(UserCNN, flow="fit_eval"),
+    "fit_predict": Case(UserCNN, flow="fit_predict"),
+    "resume": Case(lambda: UserCNN(optimizer="sgd_step_lr"), EPOCH2, flow="resume"),
+    "resume_2_to_1": Case(lambda: UserCNN(optimizer="sgd_step_lr"), EPOCH2, flow="resume_from"),
+    "early_stopping": Case(UserCNN, {**EPOCH2, "max_epochs": 6}, flow="early_stop"),
+    "torchmetrics": Case(lambda: UserCNN(torchmetrics=True), flow="fit_eval"),
+    "frozen_parameters": Case(lambda: frozen(UserCNN())),
+    # --- Lightning's own demo modules
+    "boring_model_f64": Case(boring_model_double, data="vectors"),
+    "demo_model": Case(demo_model, data="vectors"),
+    "lightning_transformer": Case(lightning_transformer, {"max_steps": 3}, data="transformer", dtype=torch.float32),
+    # --- the same features on the ODE-ResNet the multigrid strategy trains
+    "odenet_sgd_step_lr": Case(lambda: ode_net(optimizer="sgd_step_lr")),
+    "odenet_adam": Case(lambda: ode_net(optimizer="adam")),
+    "odenet_validate_test": Case(ode_net, flow="fit_eval"),
+    "odenet_fit_predict": Case(ode_net, flow="fit_predict"),
+    "odenet_resume": Case(lambda: ode_net(optimizer="sgd_step_lr"), EPOCH2, flow="resume"),
+    "odenet_resume_2_to_1": Case(lambda: ode_net(optimizer="sgd_step_lr"), EPOCH2, flow="resume_from"),
+    "odenet_early_stopping": Case(ode_net, {**EPOCH2, "max_epochs": 6}, flow="early_stop"),
+    "odenet_torchmetrics": Case(lambda: ode_net(torchmetrics=True), flow="fit_eval"),
+    "odenet_frozen_parameters": Case(lambda: frozen(ode_net())),
+    "odenet_manual_clip": Case(lambda: ode_net(manual_clip=True)),
+    "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
+CASES["odenet_bf16_mixed"].dtype = torch.float32
+CASES["odenet_bf16_mixed"].module = lambda: float32(ode_net(optimizer="sgd_bf16"))
+
+#: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions
+KFAC_OPTIONS = {"factor_update_freq": 1, "inv_update_freq": 2, "damping": 0.01, "kl_clip": 0.01, "decomposition_dtype": "float64"}
 
 
 class ReportSteps(pl.Callback):
-    """Prints a line at every optimizer step, so a test can tell a refusal before the first step from a failure
-    during training."""
+    """Counts the optimizer steps of each rank, so a test can tell a refusal before the first
+    step from a failure during training."""
+
+    def __init__(self) -> None:
+        self.steps = 0
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object) -> None:
-        print(f"OPTIMIZER STEP {trainer.global_step} on rank {trainer.global_rank}", flush=True)
+        self.steps += 1
 
 
-def build_strategy(name: str) -> object:
-    """A strategy by name; ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk,
-    serial evaluation: exact)."""
+def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
+    """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
+    callback; ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk, serial
+    evaluation: exact); ``hybrid_fc_find_unused``: the strategy with the fix its unused-parameter error names."""
+    if name.startswith("kfac_"):
+        from lightning_hpc import KFAC
+
+        strategy, callbacks = build_strategy(name[len("kfac_"):])
+        return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
     if name == "hybrid_fc_find_unused":
         from lightning_hpc import HybridParallelStrategy
 
-        return HybridParallelStrategy(find_unused_parameters=True)
+        return HybridParallelStrategy(find_unused_parameters=True), []
     if name == "multigrid_pm":
         from lightning_hpc import MultigridStrategy
 
-        return MultigridStrategy(mode="pm", log_residuals=False)
-    return name
+        return MultigridStrategy(mode="pm", log_residuals=False), []
+    if name == "horovod":
+        from lightning_hpc import HorovodStrategy
+
+        return HorovodStrategy(), []
+    return name, []
 
 
-def main(case: str, strategy: str, devices: int, out: str, data_parallel: int = WORLD) -> None:
-    factory, kwargs = CASES[case]
-    module = factory()
-    data = images()
-    if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
-        shards = [list(DistributedSampler(data, data_parallel, r, shuffle=True, seed=0)) for r in range(data_parallel)]
-        batches = [[i for shard in shards for i in shard[b * B : (b + 1) * B]] for b in range(len(shards[0]) // B)]
-        loader = DataLoader(data, batch_sampler=batches)
+class UnionBatches(Sampler[list[int]]):
+    """One process's batches: batch b of epoch e is the union of batch b of every data-parallel rank under
+    Lightning's ``DistributedSampler(shuffle=True, seed=0)`` at epoch e (Lightning calls ``sampler.set_epoch``)."""
+
+    def __init__(self, n: int, ranks: int, batch: int) -> None:
+        self.n, self.ranks, self.batch = n, ranks, batch
+        self.sampler = self  # Lightning looks for set_epoch on batch_sampler.sampler
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _shards(self) -> list[list[int]]:
+        shards = []
+        for r in range(self.ranks):
+            s = DistributedSampler(range(self.n), self.ranks, r, shuffle=True, seed=0)
+            s.set_epoch(self.epoch)
+            shards.append(list(s))
+        return shards
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shards = self._shards()
+        for b in range(len(self)):
+            yield [i for shard in shards for i in shard[b * self.batch : (b + 1) * self.batch]]
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.ranks) // self.batch
+
+
+def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
+    if case.data == "transformer":
+        from lightning.pytorch.demos import WikiText2
+
+        data: Any = WikiText2(download=False)
+        batch = 2
     else:
-        loader = DataLoader(data, batch_size=B)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=build_strategy(strategy), max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ReportSteps()],
-        **kwargs,
-    )
-    if case == "predict":
-        trainer.predict(module, loader)
-        return
-    trainer.fit(module, None if case == "boring_model" else loader)
-    trainer.save_checkpoint(out)
+        data = vectors() if case.data == "vectors" else images(dtype=case.dtype)
+        batch = B
+    if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
+        return DataLoader(data, batch_sampler=UnionBatches(len(data), data_parallel, batch))
+    return DataLoader(data, batch_size=batch)
+
+
+def eval_loader(case: Case, n: int, with_index: bool = False, seed: int = 4) -> DataLoader:
+    data = images(n, seed=seed, dtype=case.dtype)
+    if with_index:
+        data = TensorDataset(*data.tensors, torch.arange(n))
+    return DataLoader(data, batch_size=B)  # Lightning shards it (its samplers); one process sees it all
+
+
+def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_parallel: int) -> None:
+    case = CASES[case_name]
+    out.mkdir(parents=True, exist_ok=True)
+    if case.data == "transformer":
+        wikitext()
+    steps = ReportSteps()
+    result: dict[str, Any] = {"rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))}
+
+    def trainer(**extra: Any) -> pl.Trainer:
+        strategy, callbacks = build_strategy(strategy_name)
+        kwargs = {"max_steps": STEPS, **case.trainer, **extra}
+        return pl.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],
+            num_sanity_val_steps=0, use_distributed_sampler=devices > 1, **kwargs,
+        )
+
+    t: pl.Trainer | None = None
+    try:
+        module = case.module()
+        loader = None if case.data == "boring" else train_loader(case, devices, data_parallel)
+        if case.flow == "predict":
+            t = trainer()
+            t.predict(module, eval_loader(case, N_PREDICT, with_index=True))
+        elif case.flow in ("resume", "resume_from"):
+            mid = out / "epoch1.ckpt"
+            if case.flow == "resume_from":  # the first epoch ran in another process group (see the tests)
+                mid = Path(os.environ["CONFORMANCE_RESUME_FROM"]) / strategy_name / case_name.replace("_2_to_1", "") / "epoch1.ckpt"
+            else:
+                t = trainer(max_epochs=1)
+                t.fit(module, loader)
+                t.save_checkpoint(mid)
+                module = case.module()
+            t = trainer()
+            t.fit(module, train_loader(case, devices, data_parallel), ckpt_path=mid)
+        elif case.flow == "early_stop":
+            from lightning.pytorch.callbacks import EarlyStopping
+
+            stop = EarlyStopping(monitor="val_loss", min_delta=0.02, patience=0, mode="min")
+            t = trainer(callbacks=[stop])
+            t.fit(module, loader, eval_loader(case, N_EVAL // 2))
+        else:
+            t = trainer()
+            t.fit(module, loader)
+        if case.flow == "fit_eval":
+            result["validate"] = t.validate(module, eval_loader(case, N_EVAL))
+            result["test"] = t.test(module, eval_loader(case, N_EVAL, seed=5))
+        if case.flow == "fit_predict":
+            preds = t.predict(module, eval_loader(case, N_PREDICT, with_index=True))
+            torch.save(preds, out / f"pred_rank{t.global_rank}.pt")
+        if case.flow != "predict":
+            t.save_checkpoint(out / "final.ckpt")
+        result.update(global_step=t.global_step, epoch=t.current_epoch)
+    except Exception as e:  # a refusal: recorded, and the next case runs
+        result["error"] = "".join(traceback.format_exception(e))
+        print(f"CASE {strategy_name}:{case_name} raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    result["steps"] = steps.steps
+    rank = t.global_rank if t is not None else result["rank"]
+    (out / f"result_rank{rank}.json").write_text(json.dumps(result, default=str))
+
+
+def main(devices: int, outdir: str, data_parallel: int, items: list[str]) -> None:
+    for item in items:
+        strategy, case = item.split(":")
+        run_one(strategy, case, devices, Path(outdir) / strategy / case, data_parallel)
+        print(f"CASE {item} DONE", flush=True)
 
 
 if __name__ == "__main__":
@@ -185,4 +482,4 @@ if __name__ == "__main__":
     from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 
     destroy_process_group_at_exit()
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:]))
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:])

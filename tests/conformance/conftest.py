@@ -1,0 +1,76 @@
+"""Launches shared by the conformance tests: every cell of one strategy runs in one 2-process launch, every
+one-process reference of one kind in one launch (see ``launch.py``); launches run once per session, when a
+test first needs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cells import ALL_CELLS, BOUNDED, DATA_PARALLEL, ERRORS, EXACT, REFERENCE_DDP, kfac_reference
+from launch import CaseResult, horovod_importable, launch, read
+
+
+class Runs:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.logs: dict[str, str] = {}
+
+    def _ensure(self, key: str, outdir: str, devices: int, items: list[str], data_parallel: int, horovod: bool = False,
+                env: dict[str, str] | None = None) -> str:
+        if key not in self.logs:
+            self.logs[key] = launch(devices, self.root / outdir, items, data_parallel, horovod=horovod, env_extra=env,
+                                    log_name=f"{key}.log", processes=devices)
+        return self.logs[key]
+
+    def two(self, strategy: str, case: str) -> CaseResult:
+        """The case under ``strategy`` on 2 processes (the launch runs every cell of that strategy)."""
+        if strategy == "horovod" and not horovod_importable():
+            print("horovod.torch is not importable: build it with scripts/install-horovod.sh")
+            pytest.skip("horovod.torch is not importable (scripts/install-horovod.sh builds it)")
+        cases = sorted({c for s, c in ALL_CELLS + [e[:2] for e in ERRORS] if s == strategy and not c.endswith("_2_to_1")}
+                       | {c for s, c in REFERENCE_DDP if s == strategy}, key=_refusals_last(strategy))
+        log = self._ensure(f"two_{strategy}", "two", 2, [f"{strategy}:{c}" for c in cases],
+                           DATA_PARALLEL.get(strategy, 2), horovod=strategy == "horovod")
+        return read(self.root / "two", strategy, case, log, 2)
+
+    def one(self, case: str, data_parallel: int, kfac: bool = False) -> CaseResult:
+        """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
+        strategy = "kfac_auto" if kfac else "auto"
+        cells = EXACT + BOUNDED + [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
+                        and kfac_reference(s) == kfac})
+        key = f"one_{strategy}_dp{data_parallel}"
+        log = self._ensure(key, key, 1, [f"{strategy}:{c}" for c in cases], data_parallel)
+        return read(self.root / key, strategy, case, log, 1)
+
+    def resumed_on_one(self, strategy: str, case: str) -> CaseResult:
+        """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its
+        first epoch (all strategies in one launch)."""
+        horovod = strategy == "horovod"  # one process under horovodrun -np 1
+        items = [f"{s}:{c}" for s, c in ALL_CELLS if c.endswith("_2_to_1") and (s == "horovod") == horovod]
+        for item in items:
+            s, c = item.split(":")
+            self.two(s, _reference_case(c))  # the first epochs
+        key = "resumed_on_one_horovod" if horovod else "resumed_on_one"
+        log = self._ensure(key, key, 1, items, 2, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
+        return read(self.root / key, strategy, case, log, 1)
+
+
+def _reference_case(case: str) -> str:
+    return case.replace("_2_to_1", "")
+
+
+def _refusals_last(strategy: str):
+    """Cases that raise run after those that train (an error during training, ERRORS, last of all)."""
+    from cells import REFUSED
+
+    refused = {c for s, c, _ in REFUSED if s == strategy}
+    failing = {c for s, c, _ in ERRORS if s == strategy}
+    return lambda case: (case in failing, case in refused, case)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Runs:
+    root = tmp_path_factory.mktemp("conformance")
+    return Runs(root)
