@@ -106,7 +106,16 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "rounding there); the multigrid strategy's mode 'mg' beyond its refusals (it "
         "solves the trunk iteratively, so it is not exact by design: tested against its own tolerances in "
         "`tests/multigrid/`); stock DDP with a GAN or an unused parameter (DDP's own error, after the first step: "
-        "`find_unused_parameters=True` is DDP's fix); and the `spatial` strategy (tested in `tests/spatial/`).",
+        "`find_unused_parameters=True` is DDP's fix).",
+        "",
+        "The `spatial` strategy has its own conformance tests in `tests/spatial/` (its inputs are images split "
+        "over ranks, not the matrix's modules): `test_conformance.py` (U-Nets with pad-to-skip and centre crops, "
+        "transposed convolutions, subclasses and parametrizations, padding modes, SE blocks, per-pixel Linear, "
+        "attention over positions, dropout, Flatten + Linear heads, at 2x1, 1x2 and uneven tiles: exact or refused), "
+        "`test_observed_gradients_and_metrics.py` (hooks, `torch.autograd.grad`, manual optimization with "
+        "`clip_gradients`, torchmetrics sums and confusion matrices, bf16-mixed bounded, 2 sample groups x 2 tiles, "
+        "`trainer.predict`) and `test_lightning_features.py` (Lightning's sampler, a step scheduler, synced "
+        "validation, torchmetrics, EarlyStopping, ModelCheckpoint, resuming the checkpoint on one process).",
         "",
     ]
     OUT.write_text("\n".join(lines))
