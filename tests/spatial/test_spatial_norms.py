@@ -132,3 +132,107 @@ def _bf16(rank: int, world: int) -> list[str]:
 def test_norms_bf16_autocast():
     for fails in run_in_processes(_bf16, 2, timeout_s=300):
         assert not fails, "\n".join(fails)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# through Trainer.fit: a user model with the three normalisations equals one process, with nothing gathered
+# ------------------------------------------------------------------------------------------------------------
+class NormNet(nn.Module):
+    """GroupNorm, InstanceNorm2d (affine, running statistics) and LayerNorm([C, H, W]) between convolutions."""
+
+    def __init__(self) -> None:
+        from test_conformance import CLASSES
+        from test_conformance import C as CIN
+        from test_conformance import H as HT
+        from test_conformance import W as WT
+
+        super().__init__()
+        self.conv1 = nn.Conv2d(CIN, 6, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 6)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
+        self.ln = nn.LayerNorm([6, HT, WT])
+        self.out = nn.Conv2d(6, CLASSES, 1)
+
+    def forward(self, x):
+        f = torch.relu(self.gn(self.conv1(x)))
+        f = torch.relu(self.inorm(self.conv2(f)))
+        return self.out(self.ln(f))
+
+
+def _serial_fit() -> dict:
+    from test_conformance import BATCH, compute_loss, make_data
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, seg, _ = make_data()
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first, loss = None, None
+    for xb, yb in DataLoader(TensorDataset(x, seg), batch_size=BATCH, shuffle=False):
+        opt.zero_grad()
+        loss = compute_loss(model, xb, yb)
+        loss.backward()
+        if first is None:
+            first = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    return {"loss": float(loss), "grads": first, "params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.clone() for b in model.buffers()], "out": out}
+
+
+def _spatial_fit(rank: int, world: int, parts) -> dict:
+    import warnings
+
+    import lightning.pytorch as pl
+    from test_conformance import TileData, UserModule, make_data
+
+    from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+    from lightning_hpc.spatial.tiling import tile_slices
+
+    x, seg, _ = make_data()
+    torch.manual_seed(0)
+    module = UserModule(NormNet())
+    strategy = SpatialParallelStrategy(spatial_parts=parts)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=TileData(x, seg))
+    grid = strategy.layout.grid
+    module.eval()
+    rs, cs = tile_slices(x.shape[-2], x.shape[-1], parts, grid.index)
+    with torch.no_grad():
+        out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3)).full()
+    return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
+            "params": [p.detach().clone() for p in module.model.parameters()],
+            "buffers": [b.clone() for b in module.model.buffers()], "out": out.clone(), "gathers": state().gathers,
+            "warnings": [str(w.message) for w in caught if "spatial:" in str(w.message)]}
+
+
+def _check_fit(res: dict, ref: dict, what: str, tol: float = 1e-5) -> None:
+    assert not res["warnings"], f"{what}: {res['warnings']}"  # nothing gathered, so nothing to warn about
+    assert res["gathers"] == 0, what
+    assert abs(res["loss"] - ref["loss"]) <= tol * max(1.0, abs(ref["loss"])), (what, res["loss"], ref["loss"])
+    for kind in ("grads", "params", "buffers"):
+        assert len(res[kind]) == len(ref[kind]), (what, kind)
+        for k, (a, b) in enumerate(zip(res[kind], ref[kind])):
+            assert max_err(a, b) <= tol, f"{what}: {kind} {k} differs by {max_err(a, b)}"
+    assert max_err(res["out"], ref["out"]) <= tol, f"{what}: outputs differ by {max_err(res['out'], ref['out'])}"
+
+
+@pytest.mark.parametrize("parts", PARTS, ids=["2x1", "1x2"])
+def test_trainer_fit_with_norms_equals_one_process(parts):
+    ref = _serial_fit()
+    for res in run_in_processes(_spatial_fit, 2, parts, timeout_s=300, collective_timeout_s=120):
+        _check_fit(res, ref, f"{parts[0]}x{parts[1]}")
+
+
+@pytest.mark.slow
+def test_trainer_fit_with_norms_equals_one_process_2x2():
+    ref = _serial_fit()
+    for res in run_in_processes(_spatial_fit, 4, (2, 2), timeout_s=900, collective_timeout_s=300):
+        _check_fit(res, ref, "2x2", tol=5e-5)
