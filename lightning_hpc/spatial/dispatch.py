@@ -14,7 +14,9 @@ process computes.  ``__torch_function__`` routes each op:
   dimensions, ``permute``/``transpose``), type and device conversions;
 * **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d``
   (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`), ``F.interpolate``
-  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``;
+  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``, ``F.group_norm``/``F.instance_norm``/
+  ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
+  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
@@ -22,7 +24,7 @@ process computes.  ``__torch_function__`` routes each op:
 * **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
   from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
 * **anything else** (flips, rolls, non-zero padding modes, crops and ``F.pad`` on split dimensions, views that
-  merge split dimensions, ``GroupNorm``, softmax over positions, ...): the split operands are gathered, the op
+  merge split dimensions, softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
   split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
   are always refused.
@@ -1230,6 +1232,36 @@ def _conv2d(func, args, kwargs):
     bias = _replicated_operand(bias, x._grid) if bias is not None else None
     out = kern.tile_forward(_plain(x), weight, bias, h, w)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], plan.rows.n_out, plan.cols.n_out))
+
+
+@_handles(torch.conv_transpose2d)
+def _conv_transpose2d(func, args, kwargs):
+    """Halo exchange of the input rows each output tile reads, then the local kernel (:mod:`convtranspose`)."""
+    from lightning_hpc.spatial.convtranspose import TransposedWindow1d, tile_conv_transpose2d, transposed_plan
+
+    x = args[0] if args else kwargs["input"]
+    weight = _arg(args, kwargs, 1, "weight")
+    bias = _arg(args, kwargs, 2, "bias")
+    if not _nchw(x) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor) or weight.dim() != 4:
+        return NotImplemented
+    stride, padding, out_pad = (_tuple2(_arg(args, kwargs, 3, "stride", 1)), _tuple2(_arg(args, kwargs, 4, "padding", 0)),
+                                _tuple2(_arg(args, kwargs, 5, "output_padding", 0)))
+    groups, dilation = int(_arg(args, kwargs, 6, "groups", 1)), _tuple2(_arg(args, kwargs, 7, "dilation", 1))
+    if x._gshape[1] != weight.shape[0]:
+        return NotImplemented  # the serial op's error, from the gathered call
+    wh, ww = (TransposedWindow1d(int(weight.shape[2 + k]), int(stride[k]), int(padding[k]), int(dilation[k]), int(out_pad[k]))
+              for k in (0, 1))
+    if not (wh.exact_on_tiles and ww.exact_on_tiles):
+        return NotImplemented  # stride larger than the kernel's span: gathered
+    h, w = x._gshape[2], x._gshape[3]
+    try:
+        plan = _cached(("convT", id(x._grid), h, w, wh, ww), lambda: transposed_plan(x._grid, h, w, wh, ww))
+    except PartitionError:
+        return NotImplemented  # a tile smaller than its halo: gathered (exact)
+    weight = _replicated_operand(weight, x._grid)
+    bias = _replicated_operand(bias, x._grid) if bias is not None else None
+    out = tile_conv_transpose2d(_plain(x), weight, bias, plan, wh, ww, groups)
+    return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, plan.rows.n_out, plan.cols.n_out))
 
 
 def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad):

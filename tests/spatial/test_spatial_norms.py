@@ -66,16 +66,16 @@ def _compare(ref: nn.Module, x: torch.Tensor, grid, step: int) -> dict[str, floa
     return errs
 
 
-def _norms(rank: int, world: int, dtypes, sabotage: str = "") -> list[str]:
+def _norms(rank: int, world: int, dtypes, sabotage: str = "", parts_list=tuple(PARTS)) -> list[str]:
     if sabotage == "local_statistics":  # what the check must catch: tile-local statistics
         groupnorm._combine = lambda mean, var, m, group: (mean.double(), var.double(), float(m))
     elif sabotage == "local_backward":  # and a backward without the sums over the group
         groupnorm._sum_over_group = lambda sums, group: sums * dist.get_world_size(group)
     fails: list[str] = []
-    for parts in PARTS:
+    for parts in parts_list:
         grid = create_hybrid_layout(parts).grid
         for dtype in dtypes:
-            tol = TOLS[dtype]
+            tol = TOLS[dtype] * (5 if grid.size > 2 and dtype == torch.float32 else 1)
             for name, layer in _layers().items():
                 ref = _init(layer, dtype)
                 with on_unsupported("error"):  # a gather would raise: these ops must be tiled
@@ -97,6 +97,12 @@ def _norms(rank: int, world: int, dtypes, sabotage: str = "") -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_norms_equal_serial(dtype):
     for fails in run_in_processes(_norms, 2, [dtype], timeout_s=300):
+        assert not fails, "\n".join(fails)
+
+
+def test_norms_equal_serial_2x2():
+    """4 ranks, uneven tiles in both dimensions (float64: the algorithm, not the summation order)."""
+    for fails in run_in_processes(_norms, 4, [torch.float64], "", [(2, 2)], timeout_s=600, collective_timeout_s=300):
         assert not fails, "\n".join(fails)
 
 
