@@ -84,3 +84,28 @@ def test_conv_transpose_equals_serial_2x2():
 def test_conv_transpose_check_detects_missing_halo():
     for fails in run_in_processes(_convt, 2, [torch.float64], True, timeout_s=300):
         assert len(fails) >= len(CONFIGS), fails
+
+
+def _bf16(rank: int, world: int) -> list[str]:
+    """bf16 autocast: the tiled result has the serial op's dtype and is close to it; backward runs."""
+    fails: list[str] = []
+    grid = create_hybrid_layout((2, 1)).grid
+    torch.manual_seed(0)
+    ref = nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+    x = torch.randn(2, 4, 7, 5, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
+        yr = ref(x)
+        xt = tile_of(x, grid).clone().requires_grad_(True)
+        ys = ref(split_tensor(xt, grid, x.shape, 2, 3))
+        ys.float().sum().backward()
+    if ys.dtype != yr.dtype:
+        fails.append(f"dtype {ys.dtype} != serial {yr.dtype}")
+    err = max_err(ys.full().float(), yr.float())
+    if not err <= 2e-2 or xt.grad is None or not torch.isfinite(xt.grad).all() or ref.weight.grad is None:
+        fails.append(f"bf16 error {err}")
+    return fails
+
+
+def test_conv_transpose_bf16_autocast():
+    for fails in run_in_processes(_bf16, 2, timeout_s=300):
+        assert not fails, "\n".join(fails)
