@@ -14,7 +14,9 @@ process computes.  ``__torch_function__`` routes each op:
   dimensions, ``permute``/``transpose``), type and device conversions;
 * **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d``
   (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`), ``F.interpolate``
-  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``;
+  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``, ``F.group_norm``/``F.instance_norm``/
+  ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
+  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
@@ -22,7 +24,7 @@ process computes.  ``__torch_function__`` routes each op:
 * **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
   from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
 * **anything else** (flips, rolls, non-zero padding modes, crops and ``F.pad`` on split dimensions, views that
-  merge split dimensions, ``GroupNorm``, softmax over positions, ...): the split operands are gathered, the op
+  merge split dimensions, softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
   split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
   are always refused.
@@ -702,17 +704,142 @@ def _linear(func, args, kwargs):
 def _layer_norm(func, args, kwargs):
     x = args[0]
     shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = len(shape)
-    if not isinstance(x, SpatialTensor) or any(d >= x.dim() - n for d in x.split_dims):
+    if not isinstance(x, SpatialTensor):
         return NotImplemented
     w = args[2] if len(args) > 2 else kwargs.get("weight")
     b = args[3] if len(args) > 3 else kwargs.get("bias")
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
     if any(isinstance(t, SpatialTensor) for t in (w, b)):
         return NotImplemented
+    d0 = x.dim() - n
+    inside = [d >= d0 for d in x.split_dims]
+    if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
+        return NotImplemented  # split dims both normalised and not, or a wrong shape: gathered (the serial error)
     w = _replicated_operand(w, x._grid) if w is not None else None
     b = _replicated_operand(b, x._grid) if b is not None else None
-    return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
+    if not any(inside) or x._grid.group is None:
+        return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
+    # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
+    # element-wise affine parameters cut to this tile (their gradients are tile parts, summed by the strategy)
+    idx = [slice(None)] * n
+    for d in x.split_dims:
+        idx[d - d0] = _tile_index(x._gshape, x._hdim, x._wdim, x._grid)[d]
+    w = w[tuple(idx)] if w is not None else None
+    b = b[tuple(idx)] if b is not None else None
+    local = _plain(x)
+    out_dtype = _serial_norm_dtype("layer", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    rows = local.to(cdt).reshape(math.prod(local.shape[:d0]), -1)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
+    return _wrap_like(_affine(y, w, b, None, cdt).to(out_dtype), x)
+
+
+_NORM_DTYPES: dict[tuple, torch.dtype] = {}
+
+
+def _serial_norm_dtype(kind: str, x: torch.Tensor, w, b) -> torch.dtype:
+    """The dtype the serial ``F.group_norm`` / ``F.instance_norm`` / ``F.layer_norm`` returns for these operand
+    dtypes under the current autocast state of ``x``'s device (float32 for a bf16 input on some devices, the
+    input's dtype on others): found once per combination on a tiny input on the same device."""
+    dev = x.device.type
+    autocast = torch.is_autocast_enabled(dev)
+    key = (kind, dev, x.dtype, None if w is None else w.dtype, None if b is None else b.dtype, autocast,
+           torch.get_autocast_dtype(dev) if autocast else None)
+    dtype = _NORM_DTYPES.get(key)
+    if dtype is None:
+        shape = (2, 2, 2) if kind == "layer" else (2,)
+        pw, pb = (None if t is None else torch.ones(shape, dtype=t.dtype, device=x.device) for t in (w, b))
+        with torch.no_grad():
+            probe = torch.arange(8, dtype=x.dtype, device=x.device).reshape(1, 2, 2, 2)
+            if kind == "group":
+                out = F.group_norm(probe, 1, pw, pb)
+            elif kind == "instance":
+                out = F.instance_norm(probe, None, None, pw, pb)
+            else:
+                out = F.layer_norm(probe, shape, pw, pb)
+        dtype = _NORM_DTYPES[key] = out.dtype
+    return dtype
+
+
+def _norm_compute_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """Normalisation on a tile in float32 (float64 when the input or the result is float64): the serial kernels
+    accumulate reduced-precision inputs in float32 too."""
+    return torch.float64 if torch.float64 in (x.dtype, out_dtype) else torch.float32
+
+
+def _affine(y: torch.Tensor, w, b, view, dtype: torch.dtype) -> torch.Tensor:
+    if w is not None:
+        w = w.to(dtype)
+        y = y * (w.view(view) if view is not None else w)
+    if b is not None:
+        b = b.to(dtype)
+        y = y + (b.view(view) if view is not None else b)
+    return y
+
+
+def _norm_over_space(x) -> bool:
+    """N x C x spatial... with the split dimensions among the spatial ones (statistics over them)."""
+    return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._hdim, x._wdim) >= 2
+
+
+@_handles(F.group_norm)
+def _group_norm(func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    groups = _arg(args, kwargs, 1, "num_groups")
+    w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
+    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (w, b)) or x._gshape[1] % groups:
+        return NotImplemented
+    w = _replicated_operand(w, x._grid) if w is not None else None
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    local = _plain(x)
+    if not x.split_dims or x._grid.group is None:
+        return _wrap_like(F.group_norm(local, groups, w, b, eps), x)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    out_dtype = _serial_norm_dtype("group", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    rows = local.to(cdt).reshape(local.shape[0] * groups, -1)
+    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    return _wrap_like(_affine(y, w, b, view, cdt).to(out_dtype), x)
+
+
+@_handles(F.instance_norm)
+def _instance_norm(func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
+    w, b = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
+    use_input_stats, momentum = _arg(args, kwargs, 5, "use_input_stats", True), _arg(args, kwargs, 6, "momentum", 0.1)
+    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (rm, rv, w, b)):
+        return NotImplemented
+    w = _replicated_operand(w, x._grid) if w is not None else None
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    local = _plain(x)
+    if not use_input_stats or not x.split_dims or x._grid.group is None:  # running statistics: per element
+        return _wrap_like(F.instance_norm(local, rm, rv, w, b, use_input_stats, momentum, eps), x)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    out_dtype = _serial_norm_dtype("instance", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    n, c = local.shape[:2]
+    y, mean64, var64 = aggregated_row_norm(local.to(cdt).reshape(n * c, -1), eps, x._grid.group)
+    if rm is not None or rv is not None:
+        # as the serial op: each instance's statistics update the running ones with the momentum, averaged over
+        # the batch (the variance unbiased over the whole spatial extent)
+        count = math.prod(x._gshape[2:])
+        with torch.no_grad():
+            if rm is not None:
+                rm.mul_(1 - momentum).add_(mean64.view(n, c).mean(0).to(rm.dtype), alpha=momentum)
+            if rv is not None:
+                unbiased = var64 * (count / max(count - 1.0, 1.0))
+                rv.mul_(1 - momentum).add_(unbiased.view(n, c).mean(0).to(rv.dtype), alpha=momentum)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    return _wrap_like(_affine(y.reshape(local.shape), w, b, view, cdt).to(out_dtype), x)
 
 
 @_handles(F.prelu)
@@ -1107,6 +1234,36 @@ def _conv2d(func, args, kwargs):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], plan.rows.n_out, plan.cols.n_out))
 
 
+@_handles(torch.conv_transpose2d)
+def _conv_transpose2d(func, args, kwargs):
+    """Halo exchange of the input rows each output tile reads, then the local kernel (:mod:`convtranspose`)."""
+    from lightning_hpc.spatial.convtranspose import TransposedWindow1d, tile_conv_transpose2d, transposed_plan
+
+    x = args[0] if args else kwargs["input"]
+    weight = _arg(args, kwargs, 1, "weight")
+    bias = _arg(args, kwargs, 2, "bias")
+    if not _nchw(x) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor) or weight.dim() != 4:
+        return NotImplemented
+    stride, padding, out_pad = (_tuple2(_arg(args, kwargs, 3, "stride", 1)), _tuple2(_arg(args, kwargs, 4, "padding", 0)),
+                                _tuple2(_arg(args, kwargs, 5, "output_padding", 0)))
+    groups, dilation = int(_arg(args, kwargs, 6, "groups", 1)), _tuple2(_arg(args, kwargs, 7, "dilation", 1))
+    if x._gshape[1] != weight.shape[0]:
+        return NotImplemented  # the serial op's error, from the gathered call
+    wh, ww = (TransposedWindow1d(int(weight.shape[2 + k]), int(stride[k]), int(padding[k]), int(dilation[k]), int(out_pad[k]))
+              for k in (0, 1))
+    if not (wh.exact_on_tiles and ww.exact_on_tiles):
+        return NotImplemented  # stride larger than the kernel's span: gathered
+    h, w = x._gshape[2], x._gshape[3]
+    try:
+        plan = _cached(("convT", id(x._grid), h, w, wh, ww), lambda: transposed_plan(x._grid, h, w, wh, ww))
+    except PartitionError:
+        return NotImplemented  # a tile smaller than its halo: gathered (exact)
+    weight = _replicated_operand(weight, x._grid)
+    bias = _replicated_operand(bias, x._grid) if bias is not None else None
+    out = tile_conv_transpose2d(_plain(x), weight, bias, plan, wh, ww, groups)
+    return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, plan.rows.n_out, plan.cols.n_out))
+
+
 def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad):
     from lightning_hpc.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 
@@ -1236,7 +1393,6 @@ def _dropout(func, args, kwargs):
     return _wrap_like(local * mask, x)
 
 
-@contextlib.contextmanager
 @_handles(torch.Tensor.register_hook)
 def _register_hook(func, args, kwargs):
     """A gradient hook on a split activation sees the tile's part of the gradient as a :class:`SpatialTensor`, so
@@ -1278,6 +1434,7 @@ def _autograd_grad(func, args, kwargs):
                  for g, i in zip(grads, ins))
 
 
+@contextlib.contextmanager
 def on_unsupported(mode: str):
     """Temporarily set what happens to ops without a tiled form: ``"gather"`` (default) or ``"error"``."""
     if mode not in ("gather", "error"):
