@@ -125,3 +125,15 @@ def test_serial_layout_places_every_ranks_steps_between_the_replicated_parameter
         serial_layout([rank([0, 1]), [[("close.w", False), ("open.w", False)], []]])
     with pytest.raises(ValueError, match="different numbers of param groups"):
         serial_layout([rank([0, 1]), rank([2, 3])[:1]])
+
+
+@pytest.mark.slow
+def test_data_by_layer_mesh_checkpoint_resumes_on_one_process(tmp_path):
+    """4 processes as 2 (data) x 2 (layer): only the chain of rank 0 gathers; the checkpoint resumes on 1 process
+    with the optimizer state exact and the parameters of the uninterrupted run."""
+    runs = run_in_processes(fit_resume, 4, 2, "adamw", 2, str(tmp_path), timeout_s=900, collective_timeout_s=300)
+    final = _merge([r["params"] for r in runs])
+    epoch0 = _merge([r["epoch0"] for r in runs])
+    one = fit_resume(0, 1, 1, "adamw", 2, None, str(tmp_path / "epoch=0.ckpt"))
+    _assert_state_exact(one["start"], epoch0)
+    _assert_params(one["params"], final, exact=False)
