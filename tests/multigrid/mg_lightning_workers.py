@@ -141,11 +141,12 @@ def legacy_checkpoint(full_path: str, legacy_path: str, layer_parallel_size: int
     torch.save(ckpt, legacy_path)
 
 
-def save_then_resume(rank: int, world_size: int, kind: str, save_dir: str) -> dict:
+def save_then_resume(rank: int, world_size: int, kind: str, save_dir: str, plain_checkpoint: str) -> dict:
     """On 2 processes: the uninterrupted run (layer_parallel_size=2, 2 epochs, a checkpoint per epoch), then
     from its epoch-0 checkpoint (a) the resume with layer_parallel_size=2, (c) with layer_parallel_size=1 (data
-    parallel, both ranks on the same batches), and for SGD (d) the resume from the same checkpoint rewritten in
-    the per-layer-rank format of earlier versions (layer_parallel_size=2)."""
+    parallel, both ranks on the same batches), and for SGD (e) the resume from the same checkpoint rewritten in
+    the per-layer-rank format of earlier versions (layer_parallel_size=2); (f) the resume of a plain one-process
+    Trainer's checkpoint with layer_parallel_size=2."""
     import torch.distributed as dist
 
     out = {"full": fit_resume(rank, world_size, 2, kind, 2, save_dir)}
@@ -158,4 +159,5 @@ def save_then_resume(rank: int, world_size: int, kind: str, save_dir: str) -> di
             legacy_checkpoint(first, legacy, 2)
         dist.barrier()
         out["legacy"] = fit_resume(rank, world_size, 2, kind, 2, None, legacy)
+    out["from_plain"] = fit_resume(rank, world_size, 2, kind, 2, None, plain_checkpoint)
     return out

@@ -5,7 +5,8 @@ One 2-process run trains the 16-step ODE-ResNet with ``layer_parallel_size=2`` f
 exact multigrid solve), writing a checkpoint after each epoch.  From its epoch-0 checkpoint the second epoch is
 run again (a) on 2 processes with ``layer_parallel_size=2``, (b) on 1 process (``layer_parallel_size=1``), (c) on
 2 processes with ``layer_parallel_size=1`` (data parallel), (d) in a plain one-process Trainer without multigrid,
-and for SGD (e) from the same checkpoint rewritten in the per-layer-rank format of earlier versions.  The
+and for SGD (e) from the same checkpoint rewritten in the per-layer-rank format of earlier versions; (f) a
+plain one-process Trainer's epoch-0 checkpoint resumes on 2 processes with ``layer_parallel_size=2``.  The
 optimizer state right after the restore equals, parameter by parameter, the state the uninterrupted run had
 at the end of epoch 0 (bit for bit: momentum buffers, AdamW's exp_avg / exp_avg_sq / step), and the parameters
 after the second epoch equal the uninterrupted run's: bit for bit with the same layout, to float64 rounding
@@ -60,7 +61,9 @@ def _assert_params(got: dict, want: dict, exact: bool) -> None:
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_resume_on_other_layouts_equals_uninterrupted(tmp_path, kind):
-    runs = run_in_processes(save_then_resume, 2, kind, str(tmp_path), timeout_s=900, collective_timeout_s=300)
+    plain_run = fit_resume(0, 1, None, kind, 1, str(tmp_path / "plain"))  # epoch 0 in a plain Trainer
+    plain_checkpoint = str(tmp_path / "plain" / "epoch=0.ckpt")
+    runs = run_in_processes(save_then_resume, 2, kind, str(tmp_path), plain_checkpoint, timeout_s=900, collective_timeout_s=300)
     plain = ImageClassifier(ode_resnet(num_steps=NUM_STEPS, width=4)).double()
     names = [n for n, _ in plain.named_parameters()]
     trunk = [n for n in names if n.startswith("model.steps.")]
@@ -97,6 +100,10 @@ def test_resume_on_other_layouts_equals_uninterrupted(tmp_path, kind):
         assert one["global_step"] == runs[0]["full"]["global_step"] == 4
         _assert_state_exact(one["start"], epoch0)
         _assert_params(one["params"], final, exact=False)
+    # (f) a plain one-process Trainer's checkpoint resumes with layer_parallel_size=2 (its epoch 0 is the
+    # layer-parallel epoch 0 to rounding: exact solve)
+    _assert_state_exact(_merge([r["from_plain"]["start"] for r in runs]), plain_run["epoch0"])
+    _assert_params(_merge([r["from_plain"]["params"] for r in runs]), final, exact=False)
     # (e) the per-layer-rank format of earlier versions still resumes with its layer_parallel_size ...
     if kind == "sgd":
         _assert_state_exact(_merge([r["legacy"]["start"] for r in runs]), epoch0)
