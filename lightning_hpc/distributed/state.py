@@ -17,12 +17,16 @@ import torch.distributed as dist
 __all__ = ["gather_keyed_tensors"]
 
 
-def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None, dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
+def gather_keyed_tensors(
+    local: Mapping[str, torch.Tensor], group: dist.ProcessGroup | None, dst: int | None = None, device: torch.device | None = None
+) -> OrderedDict[str, torch.Tensor]:
     """Union of every rank's ``local`` tensors (disjoint keys), ordered by group rank, then by local order.
 
     Collective over ``group`` (``None``: this process alone, the dict is returned as is).  ``dst`` (a global
     rank of the group) receives the full dict and the other ranks get only their own tensors back (saves the
     memory of a full copy where only one rank writes the checkpoint); ``dst=None`` gives it to every rank.
+    ``device``: where the buffers travel and the received tensors are put (default: the device of this rank's
+    first tensor, or the host); every local tensor must be on it.
     """
     if group is None or dist.get_world_size(group) == 1:
         return OrderedDict(local)
@@ -31,7 +35,8 @@ def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessG
     if dst is not None and dst not in ranks:
         raise ValueError(f"dst={dst} is not a rank of the group {ranks}")
     tensors = OrderedDict((k, v.detach()) for k, v in local.items())
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    if device is None:
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     # shapes/dtypes first (small objects), so that non-owners can allocate the receive buffers
     metas: list[list[tuple[str, tuple[int, ...], torch.dtype]] | None] = [None] * len(ranks)
     dist.all_gather_object(metas, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], group=group)
@@ -39,8 +44,13 @@ def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessG
     for owner, meta in zip(ranks, metas):
         assert meta is not None
         wanted = dst is None or me == dst or me == owner
+        if not wanted:
+            continue  # a point-to-point transfer between two other ranks: nothing to allocate or receive here
         for dtype in dict.fromkeys(m[2] for m in meta):  # one buffer per dtype, in first-seen order
             items = [m for m in meta if m[2] == dtype]
+            if me == owner and dst == owner:  # the destination's own tensors: nothing travels
+                out.update((key, tensors[key]) for key, _, _ in items)
+                continue
             if me == owner:
                 flat = torch.cat([tensors[k].reshape(-1) for k, _, _ in items])
             else:
@@ -52,8 +62,6 @@ def gather_keyed_tensors(local: Mapping[str, torch.Tensor], group: dist.ProcessG
                     dist.send(flat, dst, group=group)
                 elif me == dst:
                     dist.recv(flat, owner, group=group)
-            if not wanted:
-                continue
             offset = 0
             for key, shape, _ in items:
                 n = math.prod(shape)

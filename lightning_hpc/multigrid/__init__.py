@@ -4,6 +4,7 @@ The solver is plain torch + torch.distributed (no Lightning); ``strategy.py`` is
 not imported here.
 """
 
+from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
 from lightning_hpc.multigrid.fas import fas_cycle, mgrit_solve
 from lightning_hpc.multigrid.function import (
     LayerParallelSolver,
@@ -28,4 +29,6 @@ __all__ = [
     "PartitionedODEBlock",
     "LayerShardedTrunk",
     "full_model_state_dict",
+    "full_optimizer_state",
+    "local_optimizer_state",
 ]

@@ -9,9 +9,9 @@ Translates Lightning hooks only; the algorithm lives in the plain-torch modules 
   rank's steps (sharded.py), before the optimizers are built: parameters, gradients and optimizer state of the
   trunk are 1/P per rank;
 * after backward, gradients are averaged over the data dimension (each layer rank owns its steps' gradients);
-* checkpoints hold the full model (the trunk gathered, serial key names: they load on any number of ranks or
-  into the plain model) and the optimizer state of every layer rank (resumable with the same
-  ``layer_parallel_size``);
+* checkpoints are what one process training the serial model would write: the full model (the trunk gathered,
+  serial key names) and the optimizer state in the serial layout (checkpoint.py), gathered onto global rank 0;
+  resuming re-shards both onto any ``layer_parallel_size`` (1 and a plain one-process Trainer included);
 * the per-cycle residual norms of the forward solve (and of the previous step's adjoint solve) are logged as
   ``multigrid/forward_residual_<cycle>`` and ``multigrid/backward_residual_<cycle>``.
 """
@@ -31,6 +31,7 @@ from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
+from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
 from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups
@@ -42,7 +43,7 @@ from lightning_hpc.protocols import StrategyContract
 __all__ = ["MultigridStrategy"]
 
 MODES = ("mg", "pm", "serial")
-#: key of the per-layer-rank optimizer states in a checkpoint's ``optimizer_states`` entries
+#: key of the per-layer-rank optimizer states in the ``optimizer_states`` entries of earlier versions' checkpoints
 LAYER_SHARDS = "multigrid_layer_shards"
 
 
@@ -238,41 +239,50 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         block = self.block
         return block if isinstance(block, LayerShardedTrunk) and block.chain.size > 1 else None
 
+    def _writes_checkpoint(self, sharded: LayerShardedTrunk) -> bool:
+        """Whether this rank's layer chain holds global rank 0, the rank that writes checkpoints (its chain's
+        first rank); the other chains need not gather anything."""
+        return 0 in sharded.chain.ranks
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model: the trunk gathered onto the first rank of each layer chain (global rank 0, which
-        writes the checkpoint, is the first rank of its chain), with the serial model's keys."""
+        """The full model, with the serial model's keys: the trunk gathered onto global rank 0 (collective over
+        its layer chain; the other chains keep their local state)."""
         sharded = self._sharded()
-        if sharded is None:
+        if sharded is None or not self._writes_checkpoint(sharded):
             return super().lightning_module_state_dict()
         assert self.lightning_module is not None
-        return full_model_state_dict(self.lightning_module, dst=sharded.chain.first_rank)
+        return full_model_state_dict(self.lightning_module, dst=0)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Every layer rank's optimizer state (each covers its own steps), collected on the chain's first rank."""
+        """The optimizer state as the serial model's optimizer would write it (state and param groups by serial
+        parameter index), gathered onto global rank 0 (checkpoint.py)."""
         sharded = self._sharded()
-        state = super().optimizer_state(optimizer)
-        if sharded is None:
-            return state
-        chain = sharded.chain
-        shards: list[Any] | None = [None] * chain.size if dist.get_rank() == chain.first_rank else None
-        dist.gather_object(state, shards, dst=chain.first_rank, group=sharded.group)
-        return {LAYER_SHARDS: shards, "layer_parallel_size": chain.size}
+        if sharded is None or not self._writes_checkpoint(sharded):
+            return super().optimizer_state(optimizer)
+        assert self.lightning_module is not None
+        return full_optimizer_state(optimizer, self.lightning_module, dst=0)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Each rank takes the entries of the parameters it holds from the full (serial-layout) optimizer state,
+        whatever ``layer_parallel_size`` wrote it (1 and plain one-process checkpoints included)."""
         states = list(checkpoint["optimizer_states"])
         sharded = self._sharded()
         size = sharded.chain.size if sharded is not None else 1
         for i, state in enumerate(states):
-            saved = state.get("layer_parallel_size", 1) if isinstance(state, dict) and LAYER_SHARDS in state else 1
-            if saved != size:
-                raise ValueError(
-                    f"the checkpoint's optimizer state was saved with layer_parallel_size={saved} (each layer rank "
-                    f"keeps the state of its own steps), this run has {size}: resume with layer_parallel_size={saved}, "
-                    "or load only the model weights (they are saved in full and load with any layer_parallel_size)"
-                )
-            if sharded is not None:
-                states[i] = state[LAYER_SHARDS][sharded.chain.index]
+            if isinstance(state, dict) and LAYER_SHARDS in state:  # the per-layer-rank format of earlier versions
+                saved = state.get("layer_parallel_size", 1)
+                if saved != size:
+                    raise ValueError(
+                        f"the checkpoint's optimizer state is in the per-layer-rank format of earlier versions, saved "
+                        f"with layer_parallel_size={saved}; this run has {size}. Resume with layer_parallel_size={saved} "
+                        "once and save a checkpoint (it is written in the full format, which resumes with any "
+                        "layer_parallel_size), or load only the model weights (saved in full, they load anywhere)"
+                    )
+                states[i] = state[LAYER_SHARDS][sharded.chain.index] if sharded is not None else state
+            elif sharded is not None:
+                assert self.lightning_module is not None
+                states[i] = local_optimizer_state(state, self.optimizers[i], self.lightning_module)
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

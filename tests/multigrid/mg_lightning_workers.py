@@ -38,3 +38,126 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
         "optimizer_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
         "momentum_numel": sum(s["momentum_buffer"].numel() for s in opt.state.values()),
     }
+
+
+# -- checkpoints: save with layer_parallel_size=2, resume on another layout ------------------------------------
+EXACT = dict(cfactor=4, levels=2, relaxation="F", forward_cycles=4, backward_cycles=4)  # N/c cycles: exact solve
+RESUME_BATCHES = 2  # optimizer steps per epoch
+
+
+def make_optimizer(kind: str):
+    """SGD with momentum (one param group), or AdamW with two param groups (decayed weights, undecayed biases)."""
+
+    def build(params):
+        params = list(params)
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        weights, biases = [p for p in params if p.ndim > 1], [p for p in params if p.ndim <= 1]
+        return torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+
+    return build
+
+
+def state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[str, dict[str, object]]:
+    """The optimizer's per-parameter state keyed by the parameter's name in the module (copies)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return {
+        names[id(p)]: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p in optimizer.state
+    }
+
+
+def fit_resume(rank: int, world_size: int, layer_parallel_size: int | None, kind: str, max_epochs: int, save_dir: str | None = None, resume_path: str | None = None) -> dict:
+    """Train the 16-step ODE-ResNet in float64 with an exact multigrid solve for ``max_epochs`` epochs of
+    ``RESUME_BATCHES`` fixed batches (``layer_parallel_size=None``: a plain Trainer, no multigrid), from
+    ``resume_path`` if given; with ``save_dir`` a checkpoint is written after every epoch.  Reports the local
+    parameters at the end, and the optimizer state by parameter name after the restore and after epoch 0."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import ImageClassifier, MultigridStrategy
+    from lightning_hpc.models import ode_resnet
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.start: dict | None = None
+            self.epoch0: dict | None = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = state_by_name(trainer.optimizers[0], pl_module)
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            if trainer.current_epoch == 0:
+                self.epoch0 = state_by_name(trainer.optimizers[0], pl_module)
+
+    torch.manual_seed(0)
+    # built in float64: Lightning loads a checkpoint's weights before "64-true" converts the module
+    module = ImageClassifier(ode_resnet(num_steps=NUM_STEPS, width=4), optimizer=make_optimizer(kind)).double()
+    loader = DataLoader(TensorDataset(*data(RESUME_BATCHES)), batch_size=BATCH, shuffle=False)
+    record = Record()
+    callbacks: list = [record]
+    if save_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    strategy = "auto" if layer_parallel_size is None else MultigridStrategy(layer_parallel_size=layer_parallel_size, **EXACT)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true", max_epochs=max_epochs,
+        logger=False, enable_checkpointing=save_dir is not None, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_path)
+    return {
+        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "start": record.start,
+        "epoch0": record.epoch0,
+        "global_step": trainer.global_step,
+    }
+
+
+def legacy_checkpoint(full_path: str, legacy_path: str, layer_parallel_size: int) -> None:
+    """Rewrite a full checkpoint in the per-layer-rank optimizer format of earlier versions (one optimizer
+    state dict per layer rank, each numbering its own parameters: opening, its steps, closing)."""
+    from lightning_hpc.models import ode_resnet
+
+    ckpt = torch.load(full_path, weights_only=False)
+    serial = ["model." + n for n, _ in ode_resnet(num_steps=NUM_STEPS, width=4).named_parameters()]
+    per_rank = NUM_STEPS // layer_parallel_size
+    shards = []
+    for r in range(layer_parallel_size):
+        local = [i for i, n in enumerate(serial) if not n.startswith("model.steps.") or int(n.split(".")[2]) // per_rank == r]
+        out = []
+        for full in ckpt["optimizer_states"]:
+            assert len(full["param_groups"]) == 1, "one param group only"
+            ids = [full["param_groups"][0]["params"][i] for i in local]
+            state = {k: full["state"][i] for k, i in enumerate(ids) if i in full["state"]}
+            out.append({"state": state, "param_groups": [{**full["param_groups"][0], "params": list(range(len(local)))}]})
+        shards.append(out)
+    ckpt["optimizer_states"] = [
+        {"multigrid_layer_shards": [shards[r][o] for r in range(layer_parallel_size)], "layer_parallel_size": layer_parallel_size}
+        for o in range(len(ckpt["optimizer_states"]))
+    ]
+    torch.save(ckpt, legacy_path)
+
+
+def save_then_resume(rank: int, world_size: int, kind: str, save_dir: str, plain_checkpoint: str) -> dict:
+    """On 2 processes: the uninterrupted run (layer_parallel_size=2, 2 epochs, a checkpoint per epoch), then
+    from its epoch-0 checkpoint (a) the resume with layer_parallel_size=2, (c) with layer_parallel_size=1 (data
+    parallel, both ranks on the same batches), and for SGD (e) the resume from the same checkpoint rewritten in
+    the per-layer-rank format of earlier versions (layer_parallel_size=2); (f) the resume of a plain one-process
+    Trainer's checkpoint with layer_parallel_size=2."""
+    import torch.distributed as dist
+
+    out = {"full": fit_resume(rank, world_size, 2, kind, 2, save_dir)}
+    first = f"{save_dir}/epoch=0.ckpt"
+    out["lp2"] = fit_resume(rank, world_size, 2, kind, 2, None, first)
+    out["lp1"] = fit_resume(rank, world_size, 1, kind, 2, None, first)
+    if kind == "sgd":
+        legacy = f"{save_dir}/legacy.ckpt"
+        if rank == 0:
+            legacy_checkpoint(first, legacy, 2)
+        dist.barrier()
+        out["legacy"] = fit_resume(rank, world_size, 2, kind, 2, None, legacy)
+    out["from_plain"] = fit_resume(rank, world_size, 2, kind, 2, None, plain_checkpoint)
+    return out

@@ -58,9 +58,8 @@ def test_digits_odenet_recipe_fast_dev_run(tmp_path):
 
 def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     """2 layer-parallel ranks through the Trainer: each rank's optimizer sees half of the residual steps; the
-    checkpoint holds the full model (= one process's, loads into the plain model) and resumes on 2 ranks
-    with the per-rank optimizer state; a different layer_parallel_size is refused with the numbers."""
-    import pytest
+    checkpoint holds the full model (= one process's, loads into the plain model) and resumes on 2 ranks and
+    on 1 (the optimizer state is full, in the serial layout: test_checkpoint_reshard.py checks it exactly)."""
     from mg_lightning_workers import NUM_STEPS, STEPS, fit
 
     from lightning_hpc.distributed import run_in_processes
@@ -87,5 +86,8 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     for key, value in b.items():
         assert torch.allclose(a[key], value, rtol=1e-5, atol=1e-6), key
     assert not torch.allclose(a["model.steps.15.branch.0.weight"], ck_two["state_dict"]["model.steps.15.branch.0.weight"])
-    with pytest.raises(ValueError, match="saved with layer_parallel_size=2.*resume with layer_parallel_size=2"):
-        fit(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)
+    # the 2-rank checkpoint resumed on 1 process = one process resuming its own checkpoint
+    fit(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)
+    c = torch.load(str(tmp_path / "x.ckpt"), weights_only=False)["state_dict"]
+    for key, value in b.items():
+        assert torch.allclose(c[key], value, rtol=1e-5, atol=1e-6), key
