@@ -40,7 +40,8 @@ EXACT = [
     *[("hybrid_fc", f) for f in ["sgd_step_lr", "adam", "validate_test", "resume", "resume_2_to_1", "early_stopping",
                                   "torchmetrics"]],
     *[("multigrid_pm", f"odenet_{f}") for f in ["sgd_step_lr", "adam", "validate_test", "fit_predict", "resume",
-                                                 "early_stopping", "torchmetrics", "frozen_parameters", "manual_clip"]],
+                                                 "resume_2_to_1", "early_stopping", "torchmetrics", "frozen_parameters",
+                                                 "manual_clip"]],
     *[(k, f) for k in ("kfac_ddp", "kfac_layered_sgd") for f in [*_FEATURES, "clip_norm", "accumulate_2"]],
     ("kfac_layered_sgd", "unused_parameter"),
     *[("horovod", f) for f in ["sgd_step_lr", "adam", "clip_norm", "validate_test", "fit_predict", "resume",
@@ -92,8 +93,6 @@ REFUSED = [
     ("multigrid_pm", "two_optimizers_gan", _MG_TRUNK.format("UserGAN")),
     ("multigrid_pm", "demo_model", _MG_TRUNK.format("DemoModel")),
     ("multigrid_pm", "lightning_transformer", _MG_TRUNK.format("Transformer")),
-    # each layer rank keeps the optimizer state of its own steps: 2 layer ranks cannot resume on 1
-    ("multigrid_pm", "odenet_resume_2_to_1", r"layer_parallel_size=2.*resume with layer_parallel_size=2"),
     # K-FAC's factors, step counter and KL clip belong to one optimizer step per training step
     ("kfac_ddp", "two_optimizers_gan", r"KFAC supports one optimizer.*parameter group per sub-network"),
     ("kfac_layered_sgd", "two_optimizers_gan", r"KFAC supports one optimizer.*parameter group per sub-network"),
