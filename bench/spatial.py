@@ -284,8 +284,8 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
             "activation_bytes": x.numel() * x.element_size()}
 
 
-def bench_dispatch(report: Report, repeats: int) -> None:
-    for model_name, size in (("small_cnn", 256), ("mesh", 512)):
+def bench_dispatch(report: Report, repeats: int, size_1k: int) -> None:
+    for model_name, size in (("small_cnn", 256), ("mesh", 512), ("mesh", size_1k)):
         res = run_in_processes(_dispatch_worker, 2, model_name, size, repeats, timeout_s=1800)
         t = res[0]["times"]
         plain, disp = statistics.median(t["plain"]), statistics.median(t["dispatch"])
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "scaling":
             bench_scaling(report, args.repeats, args.size_1k, args.rounds, args.overlap)
         elif name == "dispatch":
-            bench_dispatch(report, args.repeats)
+            bench_dispatch(report, args.repeats, args.size_1k)
         else:
             bench_overlap(report, args.repeats, args.size_1k)
         report.meta["loadavg_end"] = os.getloadavg()
