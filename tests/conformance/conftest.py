@@ -48,12 +48,15 @@ class Runs:
         """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its
         first epoch (all strategies in one launch)."""
         horovod = strategy == "horovod"  # one process under horovodrun -np 1
-        items = [f"{s}:{c}" for s, c in ALL_CELLS if c.endswith("_2_to_1") and (s == "horovod") == horovod]
+        # the one process reads the union of the data-parallel ranks' batches: one launch per data-parallel size
+        dp = DATA_PARALLEL.get(strategy, 2)
+        items = [f"{s}:{c}" for s, c in ALL_CELLS
+                 if c.endswith("_2_to_1") and (s == "horovod") == horovod and DATA_PARALLEL.get(s, 2) == dp]
         for item in items:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs
-        key = "resumed_on_one_horovod" if horovod else "resumed_on_one"
-        log = self._ensure(key, key, 1, items, 2, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
+        key = ("resumed_on_one_horovod" if horovod else "resumed_on_one") + f"_dp{dp}"
+        log = self._ensure(key, key, 1, items, dp, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
         return read(self.root / key, strategy, case, log, 1)
 
 
