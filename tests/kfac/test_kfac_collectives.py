@@ -4,8 +4,8 @@ factors and parameters as reducing the full matrices (2 gloo processes)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -43,9 +43,7 @@ def _run(rank: int, world_size: int) -> dict:
             x, y = torch.randn(8, 2, 5, 5, generator=g), torch.randint(0, 4, (8,), generator=g)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+            average_gradients_like_ddp(model)  # the strategy's gradient allreduce
             pre.step()
             opt.step()
         out[symmetric] = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -60,10 +60,7 @@ def _train(rank: int, world_size: int, placement: str, method: str) -> tuple[lis
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        if world_size > 1:
-            for p in model.parameters():  # the strategy's gradient allreduce (what DDP does)
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+        average_gradients_like_ddp(model)  # the strategy's gradient allreduce
         before = comm.calls
         pre.step()
         calls.append(comm.calls - before)

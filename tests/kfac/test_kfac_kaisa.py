@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -73,10 +73,7 @@ def _train(rank: int, world_size: int, placement: str, fraction: float | None, d
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        if world_size > 1:
-            for p in model.parameters():  # the strategy's gradient allreduce (what DDP does)
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+        average_gradients_like_ddp(model)  # the strategy's gradient allreduce
         a0, b0 = comm.allreduce_bytes, comm.broadcast_bytes
         pre.step()
         traffic.append((comm.allreduce_bytes - a0, comm.broadcast_bytes - b0))

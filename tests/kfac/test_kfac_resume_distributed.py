@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -34,9 +35,7 @@ def _steps(rank: int, world: int, model: nn.Module, opt: torch.optim.Optimizer, 
         x, y = torch.randn(BATCH, 1, 9, 9, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
-        for p in model.parameters():  # the strategy's gradient allreduce
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        average_gradients_like_ddp(model)  # the strategy's gradient allreduce
         pre.step()
         opt.step()
 

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
 from lightning_hpc.kfac import KFACPreconditioner
@@ -375,7 +376,6 @@ def _dead_unit_model() -> nn.Module:
 
 
 def _adam_run(rank: int, world_size: int) -> list:
-    import torch.distributed as dist
 
     model = _dead_unit_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -388,10 +388,7 @@ def _adam_run(rank: int, world_size: int) -> list:
         x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
-        if world_size > 1:
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world_size
+        average_gradients_like_ddp(model)  # the strategy's gradient allreduce
         pre.step()
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()]

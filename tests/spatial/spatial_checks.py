@@ -70,3 +70,27 @@ class TileDataModule(pl.LightningDataModule):
             rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
+
+
+def serial_sgd_fit(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, compute_loss, batch: int, *,
+                   step_seed: int | None = None) -> dict:
+    """One process's reference for the Trainer-level spatial tests: SGD (lr 0.1, momentum 0.9) over ``(x, y)`` in
+    order, in batches of ``batch``; ``step_seed``: ``torch.manual_seed(step_seed + step)`` before each step (so
+    dropout masks match the module's).  Returns the last loss, the first step's gradients, the final parameters
+    and buffers, and the eval-mode output on all of ``x``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first, loss = None, None
+    for step, (xb, yb) in enumerate(DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)):
+        if step_seed is not None:
+            torch.manual_seed(step_seed + step)
+        opt.zero_grad()
+        loss = compute_loss(model, xb, yb)
+        loss.backward()
+        if first is None:
+            first = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    return {"loss": float(loss), "grads": first, "params": [p.detach().clone() for p in model.parameters()],
+            "buffers": [b.clone() for b in model.buffers()], "out": out}

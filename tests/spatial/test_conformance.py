@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from spatial_checks import serial_sgd_fit
 from torch import nn
 from torch.nn.utils import parametrizations
 from torch.utils.data import DataLoader, TensorDataset
@@ -322,23 +323,7 @@ def target_for(name, seg, cls):
 
 def serial(name):
     x, seg, cls = make_data()
-    y = target_for(name, seg, cls)
-    model = build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    torch.manual_seed(1)
-    first, loss = None, None
-    for step, (xb, yb) in enumerate(DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)):
-        torch.manual_seed(100 + step)
-        opt.zero_grad()
-        loss = compute_loss(model, xb, yb)
-        loss.backward()
-        if first is None:
-            first = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        out = model(x)
-    return {"loss": float(loss), "grads": first, "params": [p.detach().clone() for p in model.parameters()], "out": out}
+    return serial_sgd_fit(build(name), x, target_for(name, seg, cls), compute_loss, BATCH, step_seed=100)
 
 
 def _fit(rank, world, parts, names, on_unsupported="gather"):

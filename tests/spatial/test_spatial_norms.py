@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from spatial_checks import max_err, tile_of
+from spatial_checks import max_err, serial_sgd_fit, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -168,25 +168,10 @@ class NormNet(nn.Module):
 
 def _serial_fit() -> dict:
     from test_conformance import BATCH, compute_loss, make_data
-    from torch.utils.data import DataLoader, TensorDataset
 
     x, seg, _ = make_data()
     torch.manual_seed(0)
-    model = NormNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    first, loss = None, None
-    for xb, yb in DataLoader(TensorDataset(x, seg), batch_size=BATCH, shuffle=False):
-        opt.zero_grad()
-        loss = compute_loss(model, xb, yb)
-        loss.backward()
-        if first is None:
-            first = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    model.eval()
-    with torch.no_grad():
-        out = model(x)
-    return {"loss": float(loss), "grads": first, "params": [p.detach().clone() for p in model.parameters()],
-            "buffers": [b.clone() for b in model.buffers()], "out": out}
+    return serial_sgd_fit(NormNet(), x, seg, compute_loss, BATCH)
 
 
 def _spatial_fit(rank: int, world: int, parts) -> dict:
