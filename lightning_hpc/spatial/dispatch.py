@@ -1138,10 +1138,12 @@ def _loss(func, args, kwargs):
             den = (weight.detach()[tgt_local.clamp(min=0) * valid] * valid).sum().double()
         else:
             den = valid.sum().double()
-    elif name in ("cross_entropy",):
-        den = torch.tensor(float(tgt_local.numel() // tgt_local.shape[1]), dtype=torch.float64)
     else:
-        den = torch.tensor(float(_plain(inp).numel()), dtype=torch.float64)
+        # every element counts: the global count follows from the global shape (no second all-reduce)
+        count = math.prod(inp._gshape)
+        if name == "cross_entropy":  # class probabilities as the target: the mean is over N x spatial
+            count //= inp._gshape[1]
+        return total / count
     den = den.reshape(1).to(local_sum.device)
     if ref._grid.group is not None:
         dist.all_reduce(den, group=ref._grid.group)
