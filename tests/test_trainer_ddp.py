@@ -6,6 +6,15 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_hpc import ImageClassifier
+from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+
+
+class _DestroyGroupAtExit(pl.Callback):
+    """Stock DDP leaves gloo's group alive; a spawned rank can then abort at interpreter exit after a finished
+    fit (pytorch#190489). Registered in every rank, as our own strategies do."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        destroy_process_group_at_exit()
 
 
 class _Data(pl.LightningDataModule):
@@ -36,6 +45,7 @@ def _fit(strategy, devices: int, batch_size: int) -> ImageClassifier:
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, limit_train_batches=4,
         logger=False, enable_checkpointing=False, use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[_DestroyGroupAtExit()],
     )
     trainer.fit(module, datamodule=_Data(batch_size))
     return module
