@@ -40,13 +40,7 @@ def _is_metric(m: nn.Module) -> bool:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
         return False
-    return isinstance(m, Metric) and not _is_collection(m)
-
-
-def _is_collection(m: nn.Module) -> bool:
-    from torchmetrics import MetricCollection
-
-    return isinstance(m, MetricCollection)
+    return isinstance(m, Metric)  # a MetricCollection is a container of Metrics, not one: its members are found
 
 
 def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tuple[tuple, dict[str, Any]]:
