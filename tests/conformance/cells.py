@@ -67,8 +67,22 @@ BOUNDED = [
     ("ddp", "bf16_mixed"), ("layered_sgd", "bf16_mixed"), ("hybrid_fc", "bf16_mixed"),
     ("multigrid_pm", "odenet_bf16_mixed"), ("horovod", "bf16_mixed"),
     # not KFAC: its preconditioner amplifies the per-rank bf16 rounding to ~70% of bf16's own effect (measured),
-    # so no bound that tells a defect from rounding holds there (see docs/compatibility.md)
+    # so no bound that tells a defect from rounding holds there; its bf16 cells are MICRO_BATCHES cells
 ]
+
+#: reduced precision, exact: final parameters equal one process that accumulates the data-parallel ranks' batches
+#: as micro-batches (``accumulate_grad_batches`` = ranks), so every micro-batch is rounded as its rank rounds it;
+#: what is left to differ is float32 summation order (test_matrix.test_equal_one_process_on_micro_batches).
+#: ``kfac_fp16_plugin``: 16-mixed with a grad scaler through ``KFACMixedPrecision``.
+MICRO_BATCHES = [
+    ("ddp", "bf16_mixed"), ("layered_sgd", "bf16_mixed"), ("horovod", "bf16_mixed"),
+    *[(k, c) for k in ("kfac_ddp", "kfac_layered_sgd") for c in ("bf16_mixed", "kfac_fp16_plugin")],
+]
+
+
+def micro_batch_reference(case: str) -> str:
+    """The one-process reference case of a MICRO_BATCHES cell."""
+    return f"{case}_micro_batches"
 
 _NO_TRUNK = r"searched the layers of {}.*found none.*strategy='ddp'"
 _MG_TRUNK = r"MultigridStrategy\(trunk='steps'\): the model \({}\) has no attribute 'steps'; set trunk="
@@ -104,7 +118,7 @@ ERRORS = [
     ("hybrid_fc", "unused_parameter", r"HybridParallelStrategy\(find_unused_parameters=True\)"),
 ]
 
-ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + [(s, c) for s, c, _ in REFUSED]
+ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + MICRO_BATCHES + [(s, c) for s, c, _ in REFUSED]
 
 
 def kfac_reference(strategy: str) -> bool:

@@ -7,7 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cells import ALL_CELLS, BOUNDED, DATA_PARALLEL, ERRORS, EXACT, REFERENCE_DDP, kfac_reference
+from cells import (
+    ALL_CELLS,
+    BOUNDED,
+    DATA_PARALLEL,
+    ERRORS,
+    EXACT,
+    MICRO_BATCHES,
+    REFERENCE_DDP,
+    kfac_reference,
+    micro_batch_reference,
+)
 from launch import CaseResult, horovod_importable, launch, read
 
 
@@ -38,6 +48,7 @@ class Runs:
         """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
         strategy = "kfac_auto" if kfac else "auto"
         cells = EXACT + BOUNDED + [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
                         and kfac_reference(s) == kfac})
         key = f"one_{strategy}_dp{data_parallel}"

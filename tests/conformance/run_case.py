@@ -269,6 +269,17 @@ class Case:
     #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2)
     data: str = "images"
     dtype: torch.dtype = torch.float64
+    #: the one-process reference accumulates the data-parallel ranks' batches as micro-batches (one optimizer step
+    #: per global batch, ``accumulate_grad_batches`` = ranks): each micro-batch is rounded as its rank rounds it
+    micro_batches: bool = False
+    #: Lightning plugins built per Trainer (e.g. K-FAC's mixed-precision plugin)
+    plugins: Callable[[], list[Any]] | None = None
+
+
+def _kfac_fp16_plugin() -> list[Any]:
+    from lightning_hpc import KFACMixedPrecision
+
+    return [KFACMixedPrecision("16-mixed", device="cpu")]
 
 
 EPOCH2 = {"limit_train_batches": 2, "max_epochs": 2, "max_steps": -1}  # two short epochs (resume, early stopping)
@@ -292,6 +303,14 @@ CASES: dict[str, Case] = {
     "adam": Case(lambda: UserCNN(optimizer="adam")),
     "two_optimizers_gan": Case(UserGAN),
     "bf16_mixed": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"}, dtype=torch.float32),
+    # the same on one process, accumulating the ranks' batches as micro-batches (the exact reference for bf16)
+    "bf16_mixed_micro_batches": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"},
+                                     dtype=torch.float32, micro_batches=True),
+    # 16-mixed with a grad scaler through K-FAC's precision plugin (float32 module)
+    "kfac_fp16_plugin": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32,
+                             plugins=_kfac_fp16_plugin),
+    "kfac_fp16_plugin_micro_batches": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32,
+                                           plugins=_kfac_fp16_plugin, micro_batches=True),
     "fp32_for_bf16": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32),  # the bound's yardstick (reference)
     "validate_test": Case(UserCNN, flow="fit_eval"),
     "fit_predict": Case(UserCNN, flow="fit_predict"),
@@ -361,10 +380,11 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
 
 class UnionBatches(Sampler[list[int]]):
     """One process's batches: batch b of epoch e is the union of batch b of every data-parallel rank under
-    Lightning's ``DistributedSampler(shuffle=True, seed=0)`` at epoch e (Lightning calls ``sampler.set_epoch``)."""
+    Lightning's ``DistributedSampler(shuffle=True, seed=0)`` at epoch e (Lightning calls ``sampler.set_epoch``).
+    With ``micro_batches``, the ranks' batches b come one after the other instead (for gradient accumulation)."""
 
-    def __init__(self, n: int, ranks: int, batch: int) -> None:
-        self.n, self.ranks, self.batch = n, ranks, batch
+    def __init__(self, n: int, ranks: int, batch: int, micro_batches: bool = False) -> None:
+        self.n, self.ranks, self.batch, self.micro_batches = n, ranks, batch, micro_batches
         self.sampler = self  # Lightning looks for set_epoch on batch_sampler.sampler
         self.epoch = 0
 
@@ -381,11 +401,15 @@ class UnionBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         shards = self._shards()
-        for b in range(len(self)):
-            yield [i for shard in shards for i in shard[b * self.batch : (b + 1) * self.batch]]
+        for b in range(math.ceil(self.n / self.ranks) // self.batch):
+            batches = [shard[b * self.batch : (b + 1) * self.batch] for shard in shards]
+            if self.micro_batches:
+                yield from batches
+            else:
+                yield [i for batch in batches for i in batch]
 
     def __len__(self) -> int:
-        return math.ceil(self.n / self.ranks) // self.batch
+        return math.ceil(self.n / self.ranks) // self.batch * (self.ranks if self.micro_batches else 1)
 
 
 def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
@@ -398,7 +422,7 @@ def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
         data = vectors() if case.data == "vectors" else images(dtype=case.dtype)
         batch = B
     if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
-        return DataLoader(data, batch_sampler=UnionBatches(len(data), data_parallel, batch))
+        return DataLoader(data, batch_sampler=UnionBatches(len(data), data_parallel, batch, case.micro_batches))
     return DataLoader(data, batch_size=batch)
 
 
@@ -420,6 +444,10 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
     def trainer(**extra: Any) -> pl.Trainer:
         strategy, callbacks = build_strategy(strategy_name)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
+        if case.plugins is not None:
+            kwargs["plugins"] = case.plugins()
+        if case.micro_batches and devices == 1:
+            kwargs["accumulate_grad_batches"] = data_parallel
         return pl.Trainer(
             accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],

@@ -10,6 +10,9 @@ Each cell is one of:
   on 1 from a 2-process checkpoint);
 * equal to DDP: for modules that make DDP itself differ from one process (a summed loss, dropout);
 * bounded: bf16-mixed, within a quarter of bf16's own effect (see :func:`test_bounded`);
+* exact on micro-batches: reduced precision (bf16-mixed; 16-mixed with K-FAC's plugin), equal to one process
+  that accumulates the ranks' batches as micro-batches, each rounded as its rank rounds it
+  (:func:`test_equal_one_process_on_micro_batches`);
 * refused: an error before the first optimizer step whose message names the fix.
 """
 
@@ -19,13 +22,27 @@ import re
 
 import pytest
 import torch
-from cells import BOUNDED, DATA_PARALLEL, EQUAL_DDP, ERRORS, EXACT, REFERENCE_DDP, REFUSED, kfac_reference
+from cells import (
+    BOUNDED,
+    DATA_PARALLEL,
+    EQUAL_DDP,
+    ERRORS,
+    EXACT,
+    MICRO_BATCHES,
+    REFERENCE_DDP,
+    REFUSED,
+    kfac_reference,
+    micro_batch_reference,
+)
 from launch import CaseResult
 
 #: float64 cells: a wrong reduction, a stale weight or a skipped step moves the weights by ~1e-2 or more
 TOL64 = 1e-9
 #: float32 cells (LightningTransformer) against DDP: the same float32 operations, equal to rounding
 TOL32 = 1e-6
+#: reduced precision against one process on the ranks' micro-batches: float32 summation order only (measured:
+#: 0 without K-FAC, 6e-8 with it; rounding the global batch at once instead: 1.2e-4, with K-FAC 4e-2)
+TOL_MICRO = 1e-6
 
 
 def _params(cells):
@@ -128,6 +145,28 @@ def test_bounded(strategy, case, runs):
     assert worst <= 0.25 * bf16_effect, (
         f"{what}: final parameters differ from one bf16-mixed process by {worst:.3g}, more than 25% of bf16's own "
         f"effect ({bf16_effect:.3g})"
+    )
+
+
+@pytest.mark.parametrize(("strategy", "case"), _params(MICRO_BATCHES))
+def test_equal_one_process_on_micro_batches(strategy, case, runs):
+    """Reduced precision with the rounding taken out: one process accumulating the ranks' batches as
+    micro-batches rounds each exactly as its rank does, so the 2-process weights must equal it up to float32
+    summation order (the gradient average, the factors' all-reduce).  A wrong reduction, a loss scale left in
+    K-FAC's G factor, or a skipped step moves them by far more; so does rounding the global batch at once (one
+    process on the global batch must be far outside the tolerance, or the test could not tell)."""
+    what = f"{strategy} x {case}"
+    got = runs.two(strategy, case)
+    _trained(got, what)
+    dp, kfac = DATA_PARALLEL.get(strategy, 2), kfac_reference(strategy)
+    ref = runs.one(micro_batch_reference(case), dp, kfac)
+    _trained(ref, f"one process x {micro_batch_reference(case)}")
+    rounding = _max_diff(runs.one(case, dp, kfac).params(), ref.params())
+    assert rounding > 10 * TOL_MICRO, f"{case}: the global batch's rounding ({rounding:.3g}) is too small to test"
+    worst = _max_diff(got.params(), ref.params())
+    assert worst < TOL_MICRO, (
+        f"{what}: final parameters differ from one process on micro-batches by {worst:.3g} (rounding the global "
+        f"batch at once: {rounding:.3g})"
     )
 
 
