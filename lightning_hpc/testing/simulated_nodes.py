@@ -28,9 +28,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SimNode", "SimNodes", "unavailable_reason", "remove_stale"]
+__all__ = ["INTERFACE", "SimNode", "SimNodes", "unavailable_reason", "remove_stale"]
 
 _PREFIX = "lhpc"
+#: the name of every node's network interface (inside its namespace)
+INTERFACE = "simnet0"
 _NAME_RE = re.compile(rf"^{_PREFIX}(\d+)n(\d+)$")
 
 
@@ -270,7 +272,7 @@ class SimNodes:
                 _sh("ip", "-n", node.netns, "link", "set", node.veth, "up")
         else:
             # A bridge in node 0's namespace joins one veth pair per node.
-            bridge = f"{hub.veth}br"
+            bridge = INTERFACE
             _sh("ip", "-n", hub.netns, "link", "add", bridge, "type", "bridge")
             _sh("ip", "-n", hub.netns, "addr", "add", f"{hub.address}/24", "dev", bridge)
             _sh("ip", "-n", hub.netns, "link", "set", bridge, "up")
@@ -283,6 +285,15 @@ class SimNodes:
                 _sh("ip", "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", node.veth)
                 _sh("ip", "-n", node.netns, "link", "set", node.veth, "up")
             hub.veth = bridge
+        # Every node's link gets the same name, as on a cluster whose nodes share an interface name (Horovod's
+        # launcher only uses interfaces that every host has under the same name).  Names are per namespace; the
+        # creation names above are unique because the pair is made from the root namespace.
+        for node in self.nodes:
+            if node.veth != INTERFACE:
+                for step in (["down"], ["name", INTERFACE], ["up"]):
+                    _sh("ip", "-n", node.netns, "link", "set", "dev", node.veth, *step)
+                    if step[0] == "name":
+                        node.veth = INTERFACE
         # Both ends up and reachable before anyone uses them.
         deadline = time.monotonic() + 10
         while True:

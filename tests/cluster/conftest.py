@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_hpc.testing import simulated_nodes as netns
-from tests.cluster import slurm
+from tests.cluster import slurm, ssh
 from tests.cluster.launch import node_env
 
 
@@ -39,6 +39,13 @@ def _announce(request, reason: str) -> None:
         print(line, file=sys.stderr)
 
 
+def _skip_if(request, reason: str | None) -> None:
+    """Skip the test, announcing the reason, when ``reason`` is set."""
+    if reason:
+        _announce(request, reason)
+        pytest.skip(reason)
+
+
 def _interrupt_on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -52,10 +59,7 @@ def tier_unavailable() -> str | None:
 
 @pytest.fixture(scope="session")
 def sim_nodes(request):
-    reason = tier_unavailable()
-    if reason:
-        _announce(request, reason)
-        pytest.skip(reason)
+    _skip_if(request, tier_unavailable())
     # A CI job cancelled with SIGTERM still runs the teardown (daemons stopped, namespaces deleted).
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
@@ -65,9 +69,14 @@ def sim_nodes(request):
 
 @pytest.fixture(scope="session")
 def local_slurm(request, sim_nodes, tmp_path_factory):
-    reason = slurm.unavailable_reason()
-    if reason:
-        _announce(request, reason)
-        pytest.skip(reason)
+    _skip_if(request, slurm.unavailable_reason())
     with slurm.LocalSlurm(sim_nodes, tmp_path_factory.mktemp("slurm"), env=node_env()) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def ssh_between_nodes(request, sim_nodes, tmp_path_factory):
+    """sshd on every simulated node and an ``ssh`` that reaches them (``horovodrun``'s remote start)."""
+    _skip_if(request, ssh.unavailable_reason())
+    with ssh.SshOnNodes(sim_nodes, tmp_path_factory.mktemp("ssh")) as s:
+        yield s

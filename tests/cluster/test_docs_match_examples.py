@@ -40,6 +40,7 @@ def test_every_shown_option_is_in_the_example_it_names():
         "--node-rank": "torchrun_static.sh",
         "srun --nodes": "srun.sh",
         "submitit_slurm": "submitit_sweep.sh",
+        "horovodrun --gloo": "horovodrun.sh",
     }
     checked = set()
     for block in _blocks():
