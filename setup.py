@@ -5,7 +5,8 @@ plain `pip install .` (lightning_hpc.cli.config_paths finds them in either place
 from setuptools import find_packages, setup
 
 setup(
-    packages=find_packages(include=["lightning_hpc", "lightning_hpc.*"]) + ["lightning_hpc.conf", "lightning_hpc.recipes"],
+    packages=find_packages(include=["lightning_hpc", "lightning_hpc.*"])
+    + ["lightning_hpc.conf", "lightning_hpc.recipes"],
     package_dir={"lightning_hpc.conf": "conf", "lightning_hpc.recipes": "recipes"},
     package_data={"lightning_hpc.conf": ["*.yaml", "*/*.yaml"], "lightning_hpc.recipes": ["*.yaml"]},
 )

@@ -75,13 +75,17 @@ class Report:
         self.rows.append(row)
         return row
 
-    def add_ratios(self, key: str, value: str, baseline: str, ratio_name: str | None = None, group_by: Sequence[str] = ()) -> None:
+    def add_ratios(
+        self, key: str, value: str, baseline: str, ratio_name: str | None = None, group_by: Sequence[str] = ()
+    ) -> None:
         """Add ``value / value[baseline]`` to each row; the baseline is the row whose ``key`` equals ``baseline``
         among rows with the same ``group_by`` values."""
         ratio_name = ratio_name or f"{value}_vs_{baseline}"
         for row in self.rows:
             group = tuple(row.get(g) for g in group_by)
-            base = next((r for r in self.rows if r.get(key) == baseline and tuple(r.get(g) for g in group_by) == group), None)
+            base = next(
+                (r for r in self.rows if r.get(key) == baseline and tuple(r.get(g) for g in group_by) == group), None
+            )
             if base is not None and base.get(value):
                 row[ratio_name] = row[value] / base[value]
 
@@ -105,7 +109,9 @@ class Report:
             writer.writerows(self.rows)
         return out / f"{self.name}.json"
 
-    def plot_bars(self, label: str, value: str, title: str | None = None, ylabel: str | None = None, out_dir: Path | None = None) -> Path | None:
+    def plot_bars(
+        self, label: str, value: str, title: str | None = None, ylabel: str | None = None, out_dir: Path | None = None
+    ) -> Path | None:
         """Bar chart of ``value`` per row labelled by ``label``; returns the PNG path (None without matplotlib)."""
         try:
             import matplotlib

@@ -82,7 +82,9 @@ def _ddp(model: nn.Module, counter: ByteCounter, k: int, ignore: list[str] = ())
     return ddp
 
 
-def build(method: str, k: int, num_classes: int, fc_width: int, counter: ByteCounter, fc_update: str = "per_step") -> tuple[nn.Module, nn.Module]:
+def build(
+    method: str, k: int, num_classes: int, fc_width: int, counter: ByteCounter, fc_update: str = "per_step"
+) -> tuple[nn.Module, nn.Module]:
     """(module to call, module whose parameters the optimizer gets) for ``ddp`` or a hybrid scheme
     (``"b"``, or ``"b-nooverlap"`` for the exchange without overlap).  Hybrid heads are built on the meta device,
     so only the shards are ever allocated."""
@@ -94,7 +96,15 @@ def build(method: str, k: int, num_classes: int, fc_width: int, counter: ByteCou
     with linear_layers_on_meta():
         model = alexnet_one_tower(num_classes=num_classes, fc_width=fc_width, dropout=0.0)
     group = dist.new_group(list(range(k)))
-    model = parallelize_head(model, head="classifier", scheme=scheme, fc_update=fc_update, group=group, counter=counter, overlap=variant != "nooverlap")
+    model = parallelize_head(
+        model,
+        head="classifier",
+        scheme=scheme,
+        fc_update=fc_update,
+        group=group,
+        counter=counter,
+        overlap=variant != "nooverlap",
+    )
     shard_ids = {id(p) for p in head_parameters(model)}
     ignore = [n for n, p in model.named_parameters() if id(p) in shard_ids]
     return _ddp(model, counter, k, ignore), model
@@ -103,10 +113,14 @@ def build(method: str, k: int, num_classes: int, fc_width: int, counter: ByteCou
 @functools.lru_cache
 def _trunk_params(num_classes: int, fc_width: int) -> int:
     with linear_layers_on_meta():
-        return sum(p.numel() for p in alexnet_one_tower(num_classes=num_classes, fc_width=fc_width).features.parameters())
+        return sum(
+            p.numel() for p in alexnet_one_tower(num_classes=num_classes, fc_width=fc_width).features.parameters()
+        )
 
 
-def analytic_bytes(k: int, b: int, num_classes: int = 1000, fc_width: int = 4096, d: int = 256 * 6 * 6, elem: int = 4) -> dict[str, float]:
+def analytic_bytes(
+    k: int, b: int, num_classes: int = 1000, fc_width: int = 4096, d: int = 256 * 6 * 6, elem: int = 4
+) -> dict[str, float]:
     """Bytes each rank receives per step (ring convention), one-tower AlexNet, b examples per rank.
 
     ``ddp``: all-reduce of every parameter, 2 (K-1)/K P.  ``trunk``: the same for the trunk's parameters only
@@ -140,7 +154,18 @@ def largest_batch_within(k: int, ratio: float, key: str, **kw) -> int:
     return b
 
 
-def step_worker(rank: int, k: int, methods: list[str], b: int, image: int, steps: int, warmup: int, rounds: int, num_classes: int, fc_width: int) -> dict:
+def step_worker(
+    rank: int,
+    k: int,
+    methods: list[str],
+    b: int,
+    image: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    num_classes: int,
+    fc_width: int,
+) -> dict:
     counter = ByteCounter()
     nets = {}
     for method in methods:
@@ -183,7 +208,9 @@ def step_worker(rank: int, k: int, methods: list[str], b: int, image: int, steps
 
 
 def part1(args: argparse.Namespace) -> None:
-    methods = args.methods or (["ddp", "a", "b", "c"] if not args.overlap else ["ddp", "b", "b-nooverlap", "c", "c-nooverlap"])
+    methods = args.methods or (
+        ["ddp", "a", "b", "c"] if not args.overlap else ["ddp", "b", "b-nooverlap", "c", "c-nooverlap"]
+    )
     if methods[0] != "ddp":
         raise ValueError("--methods must start with ddp (the baseline of every ratio)")
     report = Report(args.name)
@@ -195,11 +222,30 @@ def part1(args: argparse.Namespace) -> None:
     )
     for k in args.ranks:
         t0 = time.perf_counter()
-        out = run_in_processes(step_worker, k, methods, args.batch, args.image, args.steps, args.warmup, args.rounds, args.classes, args.fc_width, timeout_s=1800, collective_timeout_s=600)
+        out = run_in_processes(
+            step_worker,
+            k,
+            methods,
+            args.batch,
+            args.image,
+            args.steps,
+            args.warmup,
+            args.rounds,
+            args.classes,
+            args.fc_width,
+            timeout_s=1800,
+            collective_timeout_s=600,
+        )
         model = analytic_bytes(k, args.batch, args.classes, args.fc_width)
         # a step ends when the slowest rank finishes: max over ranks, per step and per round
         per_step = {m: [max(o[m]["times"][i] for o in out) for i in range(len(out[0][m]["times"]))] for m in methods}
-        per_round = {m: [statistics.median(max(o[m]["rounds"][r][i] for o in out) for i in range(args.steps)) for r in range(args.rounds)] for m in methods}
+        per_round = {
+            m: [
+                statistics.median(max(o[m]["rounds"][r][i] for o in out) for i in range(args.steps))
+                for r in range(args.rounds)
+            ]
+            for m in methods
+        }
         for m in methods:
             mean_bytes = statistics.fmean(o[m]["bytes"] for o in out)
             kinds: dict[str, float] = {}
@@ -217,18 +263,38 @@ def part1(args: argparse.Namespace) -> None:
                 params_per_rank_M=out[0][m]["params_local"] / 1e6,
                 **{f"mb_{kk}": v / MIB for kk, v in sorted(kinds.items())},
             )
-        print(f"K={k}: {len(methods)} methods x {args.rounds} rounds in {time.perf_counter() - t0:.0f}s; analytic bound of the paper's schemes "
-              f"{model['bound'] / MIB:.2f} MiB = {model['bound'] / model['ddp']:.3f}x DDP (trunk {model['trunk'] / MIB:.2f} + activations "
-              f"{model['activations'] / MIB:.2f}), head-internal {model['head_internal'] / MIB:.2f} MiB", flush=True)
+        print(
+            f"K={k}: {len(methods)} methods x {args.rounds} rounds in {time.perf_counter() - t0:.0f}s; analytic "
+            "bound of the paper's schemes "
+            f"{model['bound'] / MIB:.2f} MiB = {model['bound'] / model['ddp']:.3f}x DDP (trunk "
+            f"{model['trunk'] / MIB:.2f} + activations "
+            f"{model['activations'] / MIB:.2f}), head-internal {model['head_internal'] / MIB:.2f} MiB",
+            flush=True,
+        )
     report.add_ratios("method", "mbytes_per_step", "ddp", "bytes_vs_ddp", group_by=["K"])
     report.add_ratios("method", "bound_mb", "ddp", "bound_vs_ddp", group_by=["K"])
     for row in report.rows:  # bound ratio is against DDP's measured bytes
         ddp = next(r for r in report.rows if r["K"] == row["K"] and r["method"] == "ddp")
         row["bound_vs_ddp"] = None if row["bound_mb"] is None else row["bound_mb"] / ddp["mbytes_per_step"]
-    report.print(["label", "mbytes_per_step", "analytic_mb", "bytes_vs_ddp", "bound_vs_ddp", "step_s", "time_vs_ddp_median", "time_vs_ddp_min", "time_vs_ddp_max", "params_per_rank_M"])
+    report.print(
+        [
+            "label",
+            "mbytes_per_step",
+            "analytic_mb",
+            "bytes_vs_ddp",
+            "bound_vs_ddp",
+            "step_s",
+            "time_vs_ddp_median",
+            "time_vs_ddp_min",
+            "time_vs_ddp_max",
+            "params_per_rank_M",
+        ]
+    )
     report.write()
     if not args.overlap:
-        report.plot_bars("label", "bytes_vs_ddp", title="bytes per step relative to DDP (AlexNet one tower)", ylabel="x DDP")
+        report.plot_bars(
+            "label", "bytes_vs_ddp", title="bytes per step relative to DDP (AlexNet one tower)", ylabel="x DDP"
+        )
 
 
 def bytes_worker(rank: int, k: int, batches: list[int], methods: list[str]) -> dict:
@@ -249,10 +315,14 @@ def bytes_worker(rank: int, k: int, batches: list[int], methods: list[str]) -> d
 
 def bytes_sweep(args: argparse.Namespace) -> None:
     report = Report("hybrid_fc_bytes_sweep")
-    report.meta.update(note="bytes per rank per step (exact, counted at the collectives) vs the analytic model of analytic_bytes()")
+    report.meta.update(
+        note="bytes per rank per step (exact, counted at the collectives) vs the analytic model of analytic_bytes()"
+    )
     batches = args.sweep_batches
     for k in args.ranks:
-        out = run_in_processes(bytes_worker, k, batches, ["ddp", "a", "b", "c"], timeout_s=1800, collective_timeout_s=600)
+        out = run_in_processes(
+            bytes_worker, k, batches, ["ddp", "a", "b", "c"], timeout_s=1800, collective_timeout_s=600
+        )
         for b in batches:
             model = analytic_bytes(k, b)
             last = batches[-1]
@@ -274,8 +344,17 @@ def bytes_sweep(args: argparse.Namespace) -> None:
 def digits_model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
-        nn.Linear(32 * 16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(1),
+        nn.Linear(32 * 16, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
     )
 
 
@@ -327,7 +406,11 @@ def table_worker(rank: int, k: int, fc_update: str, b: int, epochs: int, lr: flo
 
 def part2(args: argparse.Namespace) -> None:
     report = Report("hybrid_fc_table1")
-    report.meta.update(note="digits (sklearn), conv trunk + 3 FC layers, scheme c, lr x K, shared 2-core CPU", batch_per_rank=args.table_batch, epochs=args.table_epochs)
+    report.meta.update(
+        note="digits (sklearn), conv trunk + 3 FC layers, scheme c, lr x K, shared 2-core CPU",
+        batch_per_rank=args.table_batch,
+        epochs=args.table_epochs,
+    )
     b = args.table_batch
     configs = [(1, "per_step")] + [(k, u) for k in (2, 4) for u in ("per_step", "per_subbatch")]
     for k, update in configs:
@@ -336,7 +419,14 @@ def part2(args: argparse.Namespace) -> None:
         else:
             out = run_in_processes(table_worker, k, update, b, args.table_epochs, args.table_lr, timeout_s=1800)
         n = b if update == "per_subbatch" else k * b
-        report.add(GPUs_or_ranks=k, batch_size=f"({k * b}, {n})", fc_update=update, cross_entropy=out[0]["ce"], top1_error=out[0]["err"], time_s=max(o["time"] for o in out))
+        report.add(
+            GPUs_or_ranks=k,
+            batch_size=f"({k * b}, {n})",
+            fc_update=update,
+            cross_entropy=out[0]["ce"],
+            top1_error=out[0]["err"],
+            time_s=max(o["time"] for o in out),
+        )
         print(report.rows[-1], flush=True)
     report.print()
     report.write()
@@ -353,7 +443,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--overlap", action="store_true", help="schemes b, c with and without overlap of the exchange")
-    p.add_argument("--methods", nargs="+", default=None, help="ddp first, then any of a, b, c, b-nooverlap, c-nooverlap, a-nooverlap")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        help="ddp first, then any of a, b, c, b-nooverlap, c-nooverlap, a-nooverlap",
+    )
     p.add_argument("--bytes-sweep", action="store_true", help="bytes only, over --sweep-batches")
     p.add_argument("--sweep-batches", type=int, nargs="+", default=[4, 16, 32, 51, 52, 64, 80, 81, 103, 104, 128])
     p.add_argument("--name", default="hybrid_fc", help="results file name under bench/results/")

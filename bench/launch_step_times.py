@@ -72,9 +72,20 @@ def worker(args: argparse.Namespace) -> None:
                               nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                               nn.Flatten(1), nn.Linear(64, 10))
     elif args.model == "fc":
-        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 16, 3, padding=1),
-                              nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1), nn.Linear(16 * 64, 512), nn.ReLU(),
-                              nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(1),
+            nn.Linear(16 * 64, 512),
+            nn.ReLU(),
+            nn.Linear(512, 512),
+            nn.ReLU(),
+            nn.Linear(512, 10),
+        )
     else:
         model = ode_resnet(in_channels=3, input_size=(size, size), width=16, num_steps=16)
     strategy: object = args.strategy
@@ -171,7 +182,9 @@ def main() -> None:
                 report.add(case=f"ddp ({model})", launcher=base_launcher, **baselines[model, base_launcher])
             out = Path(tmp, case.replace("@", "_"))
             out.mkdir()
-            row = report.add(case=case, launcher=launcher, **launch(strategy, model, launcher, args.steps, args.kfac, out))
+            row = report.add(
+                case=case, launcher=launcher, **launch(strategy, model, launcher, args.steps, args.kfac, out)
+            )
             row["vs_ddp"] = row["step_s"] / baselines[model, base_launcher]["step_s"]
     report.print(["case", "launcher", "threads", "step_s", "vs_ddp", "samples_per_rank", "shared_samples"])
     print("wrote", report.write())

@@ -376,7 +376,9 @@ def plot(report: Report, name: str) -> None:
     ax[0].set_xlabel("inter-node link (Mbit/s)")
     ax[0].set_ylabel("samples/s")
     ax[0].legend()
-    ratio = [next((r.get("vs_ddp") for r in shaped if r["link_mbit"] == lv and r["mode"] == "layered"), 0) for lv in links]
+    ratio = [
+        next((r.get("vs_ddp") for r in shaped if r["link_mbit"] == lv and r["mode"] == "layered"), 0) for lv in links
+    ]
     ax[1].bar([str(lv) for lv in links], ratio)
     ax[1].axhline(1.0, color="k", lw=0.8)
     ax[1].set_xlabel("inter-node link (Mbit/s)")

@@ -34,11 +34,18 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             positives.append(float(sample[TARGET].mean()))
         times.sort()
-        row = report.add(size=size, seconds_per_sample=times[len(times) // 2], min_s=times[0], mask_positive_pct=100 * sum(positives) / len(positives))
+        row = report.add(
+            size=size,
+            seconds_per_sample=times[len(times) // 2],
+            min_s=times[0],
+            mask_positive_pct=100 * sum(positives) / len(positives),
+        )
         print(row, flush=True)
     report.print()
     report.write()
-    report.plot_bars("size", "seconds_per_sample", title="mesh-tangling generator (1 thread, shared host)", ylabel="s / sample")
+    report.plot_bars(
+        "size", "seconds_per_sample", title="mesh-tangling generator (1 thread, shared host)", ylabel="s / sample"
+    )
 
 
 if __name__ == "__main__":

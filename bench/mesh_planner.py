@@ -62,7 +62,9 @@ def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, wa
     return times
 
 
-def _spatial_steps(rank: int, world_size: int, size: int, convs: int, parts: tuple[int, int], overlap: bool, steps: int, warmup: int) -> list[float]:
+def _spatial_steps(
+    rank: int, world_size: int, size: int, convs: int, parts: tuple[int, int], overlap: bool, steps: int, warmup: int
+) -> list[float]:
     """Hybrid sample x spatial training steps with the spatial layers (needs lightning_hpc.spatial's
     tiling/convert/gradients modules, i.e. the spatial branch merged)."""
     from lightning_hpc.spatial.convert import convert_model, split_parameters
@@ -110,10 +112,16 @@ def _sync(world: int, args: argparse.Namespace, report: Report, cache: dict):
         cache[world] = calibrate_sync(world, use_cache=False)  # under the current load, like alpha-beta
         report.meta[f"loaded_sync_{world}"] = cache[world].to_dict()
         c = cache[world]
-        print(f"loaded sync P={world}: chunk {1e3 * c.chunk_s:.2f} ms, allreduce {1e3 * c.allreduce_s:.3f} ms, all-gather "
-              f"{1e3 * c.allgather_s:.3f} ms, sendrecv {1e3 * c.sendrecv_s:.3f} ms (idle {1e3 * c.idle_allreduce_s:.3f} / "
-              f"{1e3 * c.idle_allgather_s:.3f} / {1e3 * c.idle_sendrecv_s:.3f} ms), "
-              f"{c.large_bytes >> 20} MiB allreduce {1e3 * c.large_allreduce_s:.2f} ms (overlapped {1e3 * c.large_overlapped_s:.2f} ms)", flush=True)
+        print(
+            f"loaded sync P={world}: chunk {1e3 * c.chunk_s:.2f} ms, allreduce {1e3 * c.allreduce_s:.3f} ms, "
+            "all-gather "
+            f"{1e3 * c.allgather_s:.3f} ms, sendrecv {1e3 * c.sendrecv_s:.3f} ms (idle "
+            f"{1e3 * c.idle_allreduce_s:.3f} / "
+            f"{1e3 * c.idle_allgather_s:.3f} / {1e3 * c.idle_sendrecv_s:.3f} ms), "
+            f"{c.large_bytes >> 20} MiB allreduce {1e3 * c.large_allreduce_s:.2f} ms (overlapped "
+            f"{1e3 * c.large_overlapped_s:.2f} ms)",
+            flush=True,
+        )
     return cache[world]
 
 
@@ -123,8 +131,12 @@ def _predict(world: int, batch: int, shape, args, ab, scale: float, sync, **kw) 
     with tempfile.TemporaryDirectory() as tmp:  # fresh layer times each round (same load as the run)
         timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"), warmup=2, repeats=5)
         model = mesh_fcn(convs_per_block=args.convs)
-        plan = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, sync=sync, **kw)
-        plain = plan_for_model(model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, **kw)
+        plan = plan_for_model(
+            model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, sync=sync, **kw
+        )
+        plain = plan_for_model(
+            model, shape, world, batch_size=batch, alpha_beta=ab, timer=timer, compute_scale=scale, **kw
+        )
     return plan.predicted_step_time, plain.predicted_step_time, plan.sync_points
 
 
@@ -136,12 +148,33 @@ def _spatial_rows(report: Report, args: argparse.Namespace, ab, cores: int, sync
         sync = _sync(world, args, report, syncs)
         want = (world // (parts[0] * parts[1]), *parts)
         for _ in range(args.rounds):
-            times = run_in_processes(_spatial_steps, world, args.size, args.convs, parts, args.overlap, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
+            times = run_in_processes(
+                _spatial_steps,
+                world,
+                args.size,
+                args.convs,
+                parts,
+                args.overlap,
+                args.steps,
+                args.warmup,
+                timeout_s=1500,
+                collective_timeout_s=600,
+            )[0]
             measured.append(statistics.median(times))
             scale = _scale(world, cores, args.contention)
             scales.append(scale)
-            pred, pred_ab, points = _predict(world, 1, shape, args, ab, scale, sync, restrict=lambda d: (d.n, d.h, d.w) == want,
-                                             gradient_reduction="single", overlap_halo=args.overlap)
+            pred, pred_ab, points = _predict(
+                world,
+                1,
+                shape,
+                args,
+                ab,
+                scale,
+                sync,
+                restrict=lambda d: (d.n, d.h, d.w) == want,
+                gradient_reduction="single",
+                overlap_halo=args.overlap,
+            )
             predicted.append(pred)
             plain.append(pred_ab)
         _row(report, world, 1, f"N1 x H{parts[0]} x W{parts[1]} (spatial)", measured, predicted, plain, scales, points)
@@ -153,8 +186,12 @@ def _row(report: Report, world: int, batch: int, label: str, measured, predicted
                error_pct=100 * (pred - meas) / meas, predicted_ab_s=pred_ab, error_ab_pct=100 * (pred_ab - meas) / meas,
                sync_points=points, measured_rounds=[round(m, 4) for m in measured],
                predicted_rounds=[round(p, 4) for p in predicted], compute_scale=statistics.median(scales))
-    print(f"{label} P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%; alpha-beta only "
-          f"{pred_ab:.3f}s, {100 * (pred_ab - meas) / meas:+.1f}%), {points} sync points", flush=True)
+    print(
+        f"{label} P={world}: measured {meas:.3f}s predicted {pred:.3f}s ({100 * (pred - meas) / meas:+.1f}%; "
+        "alpha-beta only "
+        f"{pred_ab:.3f}s, {100 * (pred_ab - meas) / meas:+.1f}%), {points} sync points",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -169,8 +206,12 @@ def main() -> None:
                     help="compute slowdown of concurrent ranks: measured (compute_contention) or processes / cores")
     ap.add_argument("--spatial", action="store_true", help="also measure spatial runs (needs the spatial layers)")
     ap.add_argument("--no-sync", action="store_true", help="skip the loaded-sync calibration (alpha-beta model only)")
-    ap.add_argument("--overlap", action="store_true", help="spatial runs with the interior/halo overlap of section IV-A "
-                    "(default: one convolution over the tile + halo box, the faster path on CPU)")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="spatial runs with the interior/halo overlap of section IV-A "
+        "(default: one convolution over the tile + halo box, the faster path on CPU)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -178,26 +219,67 @@ def main() -> None:
     shape = (18, args.size, args.size)
     report = Report("mesh_planner")
     syncs: dict = {}
-    report.meta.update(size=args.size, convs=args.convs, alpha=ab.alpha, beta=ab.beta, cores=cores,
-                       note="2-core machine, run under the exclusive benchmark lock; one torch thread per process", loadavg_start=os.getloadavg())
+    report.meta.update(
+        size=args.size,
+        convs=args.convs,
+        alpha=ab.alpha,
+        beta=ab.beta,
+        cores=cores,
+        note="2-core machine, run under the exclusive benchmark lock; one torch thread per process",
+        loadavg_start=os.getloadavg(),
+    )
     for world in [int(w) for w in args.worlds.split(",")]:
         measured, predicted, plain, scales = [], [], [], []
         sync = _sync(world, args, report, syncs)
         for _ in range(args.rounds):
-            times = run_in_processes(_ddp_steps, world, args.size, args.convs, args.steps, args.warmup, timeout_s=1500, collective_timeout_s=600)[0]
+            times = run_in_processes(
+                _ddp_steps,
+                world,
+                args.size,
+                args.convs,
+                args.steps,
+                args.warmup,
+                timeout_s=1500,
+                collective_timeout_s=600,
+            )[0]
             measured.append(statistics.median(times))
             scale = _scale(world, cores, args.contention)
             scales.append(scale)
-            pred, pred_ab, points = _predict(world, world, shape, args, ab, scale, sync, restrict=lambda d: d.h == 1 and d.w == 1,
-                                             gradient_reduction="bucketed")
+            pred, pred_ab, points = _predict(
+                world,
+                world,
+                shape,
+                args,
+                ab,
+                scale,
+                sync,
+                restrict=lambda d: d.h == 1 and d.w == 1,
+                gradient_reduction="bucketed",
+            )
             predicted.append(pred)
             plain.append(pred_ab)
         _row(report, world, world, f"N{world} x H1 x W1 (DDP)", measured, predicted, plain, scales, points)
     if args.spatial:
         _spatial_rows(report, args, ab, cores, syncs)
-    report.print(["processes", "distribution", "measured_s", "predicted_s", "error_pct", "predicted_ab_s", "error_ab_pct", "sync_points"])
+    report.print(
+        [
+            "processes",
+            "distribution",
+            "measured_s",
+            "predicted_s",
+            "error_pct",
+            "predicted_ab_s",
+            "error_ab_pct",
+            "sync_points",
+        ]
+    )
     report.write()
-    report.plot_bars("distribution", "error_pct", title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)", ylabel="(predicted - measured) / measured %")
+    report.plot_bars(
+        "distribution",
+        "error_pct",
+        title=f"planner error, mesh FCN 18x{args.size}^2 (DDP, CPU gloo)",
+        ylabel="(predicted - measured) / measured %",
+    )
 
 
 if __name__ == "__main__":

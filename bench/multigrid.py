@@ -33,7 +33,12 @@ from harness import Report, timeit  # noqa: E402
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.models import ode_resnet  # noqa: E402
 from lightning_hpc.models.ode_resnet import conv_branch  # noqa: E402
-from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, PartitionedODEBlock, SolveSettings  # noqa: E402
+from lightning_hpc.multigrid import (  # noqa: E402
+    MultigridODEBlock,
+    MultigridOptions,
+    PartitionedODEBlock,
+    SolveSettings,
+)
 from lightning_hpc.multigrid.cost import multigrid_step_time, partitioned_step_time  # noqa: E402
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, calibrate_local  # noqa: E402
 
@@ -88,7 +93,14 @@ def measure(method: str, depth: int, group, repeats: int, concurrent: bool = Tru
 def single_device(depths: list[int], repeats: int) -> Report:
     """MG (2 cycles) forward over serial forward on one process, the two timed alternately (same load)."""
     torch.set_num_threads(1)
-    report = Report("multigrid_single_device", meta={"model": f"ode_resnet width {WIDTH}, 8x8, batch {BATCH}, fp32", "mg": {**MG, "cycles": 2}, "timing": "interleaved serial/MG, medians"})
+    report = Report(
+        "multigrid_single_device",
+        meta={
+            "model": f"ode_resnet width {WIDTH}, 8x8, batch {BATCH}, fp32",
+            "mg": {**MG, "cycles": 2},
+            "timing": "interleaved serial/MG, medians",
+        },
+    )
     x = torch.randn(BATCH, 1, 8, 8)
     for depth in depths:
         serial, mg = build("serial", depth, None), build("mg", depth, None)
@@ -102,7 +114,9 @@ def single_device(depths: list[int], repeats: int) -> Report:
                     times[name].append(time.perf_counter() - t0)
         s_med, m_med = statistics.median(times["serial"]), statistics.median(times["mg"])
         pairwise = statistics.median(m / s for m, s in zip(times["mg"], times["serial"]))
-        report.add(depth=depth, serial_forward_s=s_med, mg_forward_s=m_med, ratio=m_med / s_med, pairwise_ratio=pairwise)
+        report.add(
+            depth=depth, serial_forward_s=s_med, mg_forward_s=m_med, ratio=m_med / s_med, pairwise_ratio=pairwise
+        )
         print(report.rows[-1], flush=True)
     return report
 
@@ -118,7 +132,14 @@ def _worker(rank: int, world_size: int, depths: list[int], repeats: int) -> list
 
 def measured(depths: list[int], repeats: int) -> Report:
     torch.set_num_threads(1)
-    report = Report("multigrid_measured", meta={"model": f"ode_resnet width {WIDTH}, 8x8, batch {BATCH}, fp32", "mg": {**MG, "cycles": 2}, "machine": "2 shared CPU cores (other jobs running): noisy"})
+    report = Report(
+        "multigrid_measured",
+        meta={
+            "model": f"ode_resnet width {WIDTH}, 8x8, batch {BATCH}, fp32",
+            "mg": {**MG, "cycles": 2},
+            "machine": "2 shared CPU cores (other jobs running): noisy",
+        },
+    )
     for depth in depths:
         for method in ("serial", "pm", "mg"):
             fwd, stp = measure(method, depth, None, repeats)
@@ -167,12 +188,28 @@ def fig7_layer_times(timer: LayerTimer, convs_per_block: int = 256) -> tuple[lis
         bwd.append(fc["backward"])
         fwd += [conv["forward"]] * convs_per_block
         bwd += [conv["backward"]] * convs_per_block
-    params = 16 * (FIG7_CHANNELS * FIG7_HW**2) ** 2 + 16 * FIG7_CHANNELS * FIG7_HW**2 + 4096 * (FIG7_CHANNELS**2 * 49 + FIG7_CHANNELS)
+    params = (
+        16 * (FIG7_CHANNELS * FIG7_HW**2) ** 2
+        + 16 * FIG7_CHANNELS * FIG7_HW**2
+        + 4096 * (FIG7_CHANNELS**2 * 49 + FIG7_CHANNELS)
+    )
     params += 1 * FIG7_CHANNELS * 49 + FIG7_CHANNELS + FIG7_CHANNELS * FIG7_HW**2 * 10 + 10
-    return fwd, bwd, {"conv_fwd_s": conv["forward"], "conv_bwd_s": conv["backward"], "fc_fwd_s": fc["forward"], "fc_bwd_s": fc["backward"], "params": params}
+    return (
+        fwd,
+        bwd,
+        {
+            "conv_fwd_s": conv["forward"],
+            "conv_bwd_s": conv["backward"],
+            "fc_fwd_s": fc["forward"],
+            "fc_bwd_s": fc["backward"],
+            "params": params,
+        },
+    )
 
 
-def v100_like(fwd: list[float], bwd: list[float], conv_flops: float, fc_flops: float, rate: float = 7e12) -> tuple[list[float], list[float]]:
+def v100_like(
+    fwd: list[float], bwd: list[float], conv_flops: float, fc_flops: float, rate: float = 7e12
+) -> tuple[list[float], list[float]]:
     """Scenario: the same layers at an effective ``rate`` FLOP/s (V100-class), backward = 2x forward."""
     period = len(fwd) // 16
     f = [(fc_flops if i % period == 0 else conv_flops) / rate for i in range(len(fwd))]
@@ -192,8 +229,17 @@ def projection(model_local: AlphaBeta) -> Report:
         fwd, bwd, info = fig7_layer_times(timer, convs)
         steps = len(fwd)
         scenarios[f"{steps} steps, measured CPU layers + local gloo"] = (fwd, bwd, model_local)
-        scenarios[f"{steps} steps, V100-like 7 TFLOP/s + 25 GbE"] = (*v100_like(fwd, bwd, conv_flops, fc_flops), ethernet)
-    meta = {"layer_info": info, "alpha_beta_local": model_local.to_dict(), "ethernet": ethernet.to_dict(), "mg": "F-relaxation, 2 forward + 2 adjoint cycles, best (cfactor, levels)", "message_bytes": message}
+        scenarios[f"{steps} steps, V100-like 7 TFLOP/s + 25 GbE"] = (
+            *v100_like(fwd, bwd, conv_flops, fc_flops),
+            ethernet,
+        )
+    meta = {
+        "layer_info": info,
+        "alpha_beta_local": model_local.to_dict(),
+        "ethernet": ethernet.to_dict(),
+        "mg": "F-relaxation, 2 forward + 2 adjoint cycles, best (cfactor, levels)",
+        "message_bytes": message,
+    }
     report = Report("multigrid_projection_fig7", meta=meta)
     # every hierarchy the depth allows (c^(levels-1) must divide it; 4,112 = 2^4 x 257 keeps >= 257 coarse
     # steps); the best one per device count is reported, as a user would tune cfactor / levels
@@ -208,8 +254,15 @@ def projection(model_local: AlphaBeta) -> Report:
             mg, c, lv = best
             pm = partitioned_step_time(f, b, p, message, net)
             report.add(
-                scenario=name, devices=p, cfactor=c, levels=lv, mg_step_s=mg["step"], pm_step_s=pm["step"],
-                mg_comm_fraction=mg["communication"] / mg["step"], speedup_mg_vs_pm=pm["step"] / mg["step"], paper_speedup=PAPER_SPEEDUP.get(p),
+                scenario=name,
+                devices=p,
+                cfactor=c,
+                levels=lv,
+                mg_step_s=mg["step"],
+                pm_step_s=pm["step"],
+                mg_comm_fraction=mg["communication"] / mg["step"],
+                speedup_mg_vs_pm=pm["step"] / mg["step"],
+                paper_speedup=PAPER_SPEEDUP.get(p),
             )
     return report
 
@@ -225,7 +278,13 @@ def plot(measured_report: Report, proj: Report) -> None:
         for procs, alpha in ((1, 1.0), (2, 0.5)):
             rows = [r for r in measured_report.rows if r["method"] == method and r["procs"] == procs]
             if rows:
-                axes[0].plot([r["depth"] for r in rows], [r["step_s"] for r in rows], style, alpha=alpha, label=f"{method} ({procs} proc)")
+                axes[0].plot(
+                    [r["depth"] for r in rows],
+                    [r["step_s"] for r in rows],
+                    style,
+                    alpha=alpha,
+                    label=f"{method} ({procs} proc)",
+                )
     axes[0].set_xscale("log", base=2)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("residual steps")
@@ -254,7 +313,9 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-measured", action="store_true")
-    parser.add_argument("--single-device", action="store_true", help="only the interleaved single-device MG/serial forward ratio")
+    parser.add_argument(
+        "--single-device", action="store_true", help="only the interleaved single-device MG/serial forward ratio"
+    )
     args = parser.parse_args()
     if args.single_device:
         rep = single_device(args.depths, max(args.repeats, 9))

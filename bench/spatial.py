@@ -92,7 +92,11 @@ def _allocator_peak(prof, path: str) -> tuple[int, int]:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.unlink(path)
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    totals = [
+        e["args"]["Total Allocated"]
+        for e in events
+        if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})
+    ]
     return (max([0, *totals]), totals[-1] if totals else 0)
 
 
@@ -129,9 +133,17 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     peak_rss = sampler.stop()
     alloc_peak, alloc_end = _allocator_peak(prof, f"/tmp/spatial_mem_{os.getpid()}.json")
     mib = 2.0**20
-    return {"alloc_peak_MiB": (held + alloc_peak) / mib, "step_alloc_peak_MiB": alloc_peak / mib, "held_before_MiB": held / mib,
-            "saved_MiB": saved_bytes / mib, "rss_growth_MiB": (peak_rss - before) / mib, "rss_peak_MiB": peak_rss / mib,
-            "rss_before_MiB": before / mib, "input_tile_MiB": x.numel() * 4 / mib, "step_s": step}
+    return {
+        "alloc_peak_MiB": (held + alloc_peak) / mib,
+        "step_alloc_peak_MiB": alloc_peak / mib,
+        "held_before_MiB": held / mib,
+        "saved_MiB": saved_bytes / mib,
+        "rss_growth_MiB": (peak_rss - before) / mib,
+        "rss_peak_MiB": peak_rss / mib,
+        "rss_before_MiB": before / mib,
+        "input_tile_MiB": x.numel() * 4 / mib,
+        "step_s": step,
+    }
 
 
 def bench_memory(report: Report, size: int = 2048, overlap: bool = False) -> None:
@@ -161,7 +173,9 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_model(3), grid, overlap=overlap is True or overlap == "alternate", input_shape=(18, size, size))
+    model = convert_model(
+        mesh_model(3), grid, overlap=overlap is True or overlap == "alternate", input_shape=(18, size, size)
+    )
     convs = [m for m in model.modules() if hasattr(m, "overlap")]
     tile_p, rep_p = split_parameters(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -197,7 +211,9 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
 
 
 def _steps(procs: int, parts, batch: int, size: int, overlap, repeats: int):
-    return run_in_processes(_train_worker, procs, parts, batch, size, overlap, repeats, timeout_s=1800, collective_timeout_s=900)[0]
+    return run_in_processes(
+        _train_worker, procs, parts, batch, size, overlap, repeats, timeout_s=1800, collective_timeout_s=900
+    )[0]
 
 
 def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 3, overlap: bool = False) -> None:
@@ -224,10 +240,26 @@ def bench_scaling(report: Report, repeats: int, size: int = 1024, rounds: int = 
 def bench_overlap(report: Report, repeats: int, size: int = 1024) -> None:
     times = _steps(2, (2, 1), 1, size, "alternate", repeats)
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap on", procs=2, step_s=on, step_s_min=min(times[True]),
-               steps=len(times[True]), speedup_vs_off=off / on)
-    report.add(bench="overlap_1k", N=1, config="spatial 2x1, overlap off", procs=2, step_s=off, step_s_min=min(times[False]),
-               steps=len(times[False]), speedup_vs_off=1.0)
+    report.add(
+        bench="overlap_1k",
+        N=1,
+        config="spatial 2x1, overlap on",
+        procs=2,
+        step_s=on,
+        step_s_min=min(times[True]),
+        steps=len(times[True]),
+        speedup_vs_off=off / on,
+    )
+    report.add(
+        bench="overlap_1k",
+        N=1,
+        config="spatial 2x1, overlap off",
+        procs=2,
+        step_s=off,
+        step_s_min=min(times[False]),
+        steps=len(times[False]),
+        speedup_vs_off=1.0,
+    )
     print(report.rows[-2:], flush=True)
 
 
@@ -303,13 +335,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-2k", type=int, default=2048)
     ap.add_argument("--size-1k", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3, help="scaling: interleaved rounds over the configurations")
-    ap.add_argument("--overlap", action="store_true", help="memory/scaling: halo overlapped with the interior convolution "
-                    "(section IV-A) instead of one convolution over the extended tile (the default, faster on CPU)")
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="memory/scaling: halo overlapped with the interior convolution "
+        "(section IV-A) instead of one convolution over the extended tile (the default, faster on CPU)",
+    )
     args = ap.parse_args(argv)
     which = args.only or ["memory", "scaling", "overlap"]
     for name in which:
-        report = Report(f"spatial_{name}", meta={"note": "2 CPU cores shared with other jobs; gloo; 1 thread per rank",
-                                                    "widths": DEFAULT_WIDTHS, "overlap": args.overlap, "loadavg_start": os.getloadavg()})
+        report = Report(
+            f"spatial_{name}",
+            meta={
+                "note": "2 CPU cores shared with other jobs; gloo; 1 thread per rank",
+                "widths": DEFAULT_WIDTHS,
+                "overlap": args.overlap,
+                "loadavg_start": os.getloadavg(),
+            },
+        )
         if name == "memory":
             bench_memory(report, args.size_2k, args.overlap)
         elif name == "scaling":

@@ -94,7 +94,9 @@ def ddp_ignore_parameters(module: nn.Module, names: Iterable[str]) -> None:
         DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None
     )
     if setter is None:
-        raise CompatError("torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is missing")
+        raise CompatError(
+            "torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is missing"
+        )
     setter(module, list(names))
 
 
@@ -125,7 +127,10 @@ def automatic_optimizer_step_progress(trainer: Any) -> Any:
 def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
     """Make Lightning's script launcher build the command of its child ranks under Hydra with ``command``
     (same signature as Lightning's ``_hydra_subprocess_cmd``).  Lightning has no public hook for it."""
-    for name in ("lightning.fabric.strategies.launchers.subprocess_script", "lightning.pytorch.strategies.launchers.subprocess_script"):
+    for name in (
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+    ):
         module: Any = importlib.import_module(name)  # its private attribute is replaced below
         if not hasattr(module, "_hydra_subprocess_cmd"):
             raise CompatError(f"{name} has no _hydra_subprocess_cmd: this Lightning version changed its launcher")

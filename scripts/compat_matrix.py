@@ -36,7 +36,9 @@ _RANK = {"FAILS": 3, "exact (micro-batches)": 2}
 
 def run_suite() -> Path:
     junit = Path(tempfile.mkdtemp()) / "conformance.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/conformance", f"--junitxml={junit}"], cwd=REPO, check=False)
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "tests/conformance", f"--junitxml={junit}"], cwd=REPO, check=False
+    )
     return junit
 
 
@@ -68,7 +70,8 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "process on the global batch (float64, 1e-9): the final parameters, and what the feature observes besides "
         "(validate / test metrics, predictions, the epoch EarlyStopping stopped at): **exact**. **= ddp**: equal to "
         "DDP, for modules that make DDP itself differ from one process (`demo_model` sums its loss, which DDP's "
-        "average halves; `lightning_transformer` draws dropout masks per rank; the `ddp` / `kfac_ddp` runs of these two modules are "
+        "average halves; `lightning_transformer` draws dropout masks per rank; the `ddp` / `kfac_ddp` runs of these "
+        "two modules are "
         "the references). **bounded**: bf16-mixed, within 25% "
         "of bf16's own effect (the distance between one process in bf16-mixed and in float32; measured 5%). "
         "**exact (micro-batches)**: reduced precision (`bf16_mixed`; `kfac_fp16_plugin`, 16-mixed with a grad "

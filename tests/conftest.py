@@ -9,7 +9,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 #: variables a launcher sets for its ranks; a child launched by a test must never inherit stale ones
-LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -13,9 +13,22 @@ from tests.conftest import read_metrics, run_dirs
 #: per-recipe overrides that keep a fast_dev_run cheap on 2 CPU cores (every recipe must be listed)
 FAST = {
     "digits": [],
-    "resnet_cifar": ["batch_size=8", "data.num_workers=0", "data.synthetic_train_size=64", "data.synthetic_val_size=16", "model.depth=20"],
+    "resnet_cifar": [
+        "batch_size=8",
+        "data.num_workers=0",
+        "data.synthetic_train_size=64",
+        "data.synthetic_val_size=16",
+        "model.depth=20",
+    ],
     "resnet_imagenet": ["data=synthetic", "batch_size=2", "model.depth=18", "data.train_size=8", "data.val_size=4"],
-    "alexnet_imagenet": ["batch_size=2", "model.fc_width=64", "data.train_size=8", "data.val_size=4", "trainer.accelerator=cpu", "trainer.devices=2"],
+    "alexnet_imagenet": [
+        "batch_size=2",
+        "model.fc_width=64",
+        "data.train_size=8",
+        "data.val_size=4",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+    ],
     "digits_odenet": [],
     # run (with their own size overrides) by the test named here
     "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
@@ -58,7 +71,13 @@ def test_overrides_take_effect_and_resume_continues(cli):
         lrs = {float(r["lr-SGD"]) for r in csv.DictReader(f) if r.get("lr-SGD")}
     assert lrs == {0.05}
     steps_two_epochs = m["global_step"]
-    cli("train", "trainer.max_epochs=3", "scheduler=none", "trainer.enable_progress_bar=false", f"ckpt_path={run}/checkpoints/last.ckpt")
+    cli(
+        "train",
+        "trainer.max_epochs=3",
+        "scheduler=none",
+        "trainer.enable_progress_bar=false",
+        f"ckpt_path={run}/checkpoints/last.ckpt",
+    )
     resumed = read_metrics(run_dirs(cli.cwd, "digits")[-1])
     assert resumed["epochs"] == 3 and resumed["global_step"] == steps_two_epochs * 3 // 2
 
@@ -73,7 +92,13 @@ def test_recipe_fast_dev_run(cli, recipe):
 
 
 def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job(cli):
-    proc = cli("train", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", "--multirun", "optimizer.lr=0.01,0.02")
+    proc = cli(
+        "train",
+        "trainer.fast_dev_run=true",
+        "trainer.enable_progress_bar=false",
+        "--multirun",
+        "optimizer.lr=0.01,0.02",
+    )
     assert proc.stdout.count("MEMBER: 2/2") == 2
     (sweep,) = (cli.cwd / "multirun" / "digits").iterdir()
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
@@ -84,7 +109,9 @@ def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job(cli):
 
 
 def test_missing_imagenet_folder_fails_before_training(cli, tmp_path):
-    proc = cli("train", "recipe=resnet_imagenet", f"data.root={tmp_path}/nope", "trainer.fast_dev_run=true", check=False)
+    proc = cli(
+        "train", "recipe=resnet_imagenet", f"data.root={tmp_path}/nope", "trainer.fast_dev_run=true", check=False
+    )
     assert proc.returncode != 0
     assert f"{tmp_path}/nope" in proc.stdout and "data=synthetic" in proc.stdout
     assert "Epoch 0" not in proc.stdout
@@ -96,4 +123,11 @@ def test_unknown_recipe(cli):
 
 
 def test_hydra_argv_keeps_overrides_in_one_run():
-    assert _hydra_argv(["--multirun", "a=1,2", "-cn", "x", "b=3"], ["s=1"]) == ["s=1", "a=1,2", "b=3", "--multirun", "-cn", "x"]
+    assert _hydra_argv(["--multirun", "a=1,2", "-cn", "x", "b=3"], ["s=1"]) == [
+        "s=1",
+        "a=1,2",
+        "b=3",
+        "--multirun",
+        "-cn",
+        "x",
+    ]

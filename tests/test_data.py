@@ -109,7 +109,9 @@ def test_cifar10_reader(tmp_path):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         with open(tmp_path / name, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, 4))}, f)
+            pickle.dump(
+                {b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8), b"labels": list(rng.integers(0, 10, 4))}, f
+            )
     dm = Cifar10DataModule(str(tmp_path), batch_size=2, num_workers=0)
     dm.setup()
     assert len(dm.train_set) == 20 and len(dm.val_set) == 4

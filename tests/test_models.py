@@ -17,7 +17,9 @@ def test_imagenet_resnet_parameter_counts_match_reference(depth):
     assert n_params(model) == REFERENCE_PARAMS[depth]
 
 
-@pytest.mark.parametrize("depth,expected", [(20, 269_722), (32, 464_154), (44, 658_586), (56, 853_018), (110, 1_727_962)])
+@pytest.mark.parametrize(
+    "depth,expected", [(20, 269_722), (32, 464_154), (44, 658_586), (56, 853_018), (110, 1_727_962)]
+)
 def test_cifar_resnet_parameter_counts(depth, expected):
     # He et al. (2016) Table 6: 0.27M, 0.46M, 0.66M, 0.85M, 1.7M (option-A shortcuts carry no parameters)
     assert n_params(cifar_resnet(depth)) == expected

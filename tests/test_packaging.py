@@ -13,7 +13,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_wheel_carries_configs_and_recipes(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(REPO),
+        ],
         check=True,
         capture_output=True,
         cwd=tmp_path,

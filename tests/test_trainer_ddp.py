@@ -1,4 +1,5 @@
-"""Trainer-level harness check: ImageClassifier under DDP with 2 CPU processes equals one process on the global batch."""
+"""Trainer-level harness check: ImageClassifier under DDP with 2 CPU processes equals one process on the global
+batch."""
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +44,16 @@ def _sgd(params):
 def _fit(strategy, devices: int, batch_size: int) -> ImageClassifier:
     module = ImageClassifier(_model(), optimizer=_sgd, num_classes=5)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, limit_train_batches=4,
-        logger=False, enable_checkpointing=False, use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=4,
+        logger=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[_DestroyGroupAtExit()],
     )
     trainer.fit(module, datamodule=_Data(batch_size))

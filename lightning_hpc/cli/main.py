@@ -38,7 +38,17 @@ def _split_recipe(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 #: Hydra flags that take a value (the value must stay next to its flag when arguments are reordered).
-_HYDRA_VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-i", "--info", "--experimental-rerun"}
+_HYDRA_VALUE_FLAGS = {
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "-i",
+    "--info",
+    "--experimental-rerun",
+}
 
 
 def _hydra_argv(args: Sequence[str], extra_overrides: Sequence[str]) -> list[str]:

@@ -6,4 +6,12 @@ from lightning_hpc.data.imagefolder import ImageFolder, ImageFolderDataModule
 from lightning_hpc.data.mesh_tangling import MeshTanglingDataModule
 from lightning_hpc.data.synthetic import SyntheticDataModule, SyntheticImages
 
-__all__ = ["Cifar10DataModule", "DigitsDataModule", "ImageFolder", "ImageFolderDataModule", "MeshTanglingDataModule", "SyntheticDataModule", "SyntheticImages"]
+__all__ = [
+    "Cifar10DataModule",
+    "DigitsDataModule",
+    "ImageFolder",
+    "ImageFolderDataModule",
+    "MeshTanglingDataModule",
+    "SyntheticDataModule",
+    "SyntheticImages",
+]

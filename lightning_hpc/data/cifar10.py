@@ -26,7 +26,10 @@ def _read_batches(root: Path, names: list[str]) -> tuple[torch.Tensor, torch.Ten
     for name in names:
         path = root / name
         if not path.exists():
-            raise FileNotFoundError(f"data.root: {str(path)!r} is missing; expected the CIFAR-10 python version (cifar-10-batches-py), or use data=synthetic")
+            raise FileNotFoundError(
+                f"data.root: {str(path)!r} is missing; expected the CIFAR-10 python version (cifar-10-batches-py), "
+                "or use data=synthetic"
+            )
         with open(path, "rb") as f:
             batch = pickle.load(f, encoding="bytes")
         xs.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
@@ -61,7 +64,15 @@ class Cifar10DataModule(pl.LightningDataModule):
     num_classes = 10
     input_shape = (3, 32, 32)
 
-    def __init__(self, root: str | None = None, batch_size: int = 128, num_workers: int = 2, synthetic_train_size: int = 50000, synthetic_val_size: int = 10000, seed: int = 0) -> None:
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: int = 128,
+        num_workers: int = 2,
+        synthetic_train_size: int = 50000,
+        synthetic_val_size: int = 10000,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.root, self.batch_size, self.num_workers, self.seed = root, batch_size, num_workers, seed
         self.synthetic_sizes = (synthetic_train_size, synthetic_val_size)

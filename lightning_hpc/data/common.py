@@ -14,7 +14,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def loader(dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool, drop_last: bool = False, **kwargs: Any) -> DataLoader:
+def loader(
+    dataset: Dataset, batch_size: int, num_workers: int, shuffle: bool, drop_last: bool = False, **kwargs: Any
+) -> DataLoader:
     """A DataLoader with worker processes and pinned memory where a GPU is present.
 
     Shuffling is requested here; under a distributed strategy Lightning replaces the sampler with a
@@ -38,7 +40,9 @@ def require_dir(path: str | None, setting: str) -> Path:
         raise FileNotFoundError(f"{setting} is not set; point it at your data directory, or use data=synthetic")
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise FileNotFoundError(f"{setting}: data directory {str(p)!r} does not exist; fix the path, or use data=synthetic")
+        raise FileNotFoundError(
+            f"{setting}: data directory {str(p)!r} does not exist; fix the path, or use data=synthetic"
+        )
     if not any(p.iterdir()):
         raise FileNotFoundError(f"{setting}: data directory {str(p)!r} is empty; fix the path, or use data=synthetic")
     return p

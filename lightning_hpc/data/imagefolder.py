@@ -24,11 +24,16 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".webp", ".tif", ".ti
 class ImageFolder(Dataset):
     """Samples ``(transform(image), class_index)``; classes are the sorted sub-directory names."""
 
-    def __init__(self, root: str | Path, transform: Callable[[Image.Image], torch.Tensor], classes: list[str] | None = None) -> None:
+    def __init__(
+        self, root: str | Path, transform: Callable[[Image.Image], torch.Tensor], classes: list[str] | None = None
+    ) -> None:
         self.root = Path(root)
         self.classes = classes or sorted(d.name for d in self.root.iterdir() if d.is_dir())
         if not self.classes:
-            raise FileNotFoundError(f"no class sub-directories in {str(self.root)!r}; expected root/<class>/<image> (ImageNet layout), or use data=synthetic")
+            raise FileNotFoundError(
+                f"no class sub-directories in {str(self.root)!r}; expected root/<class>/<image> (ImageNet layout), "
+                "or use data=synthetic"
+            )
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.samples = [
             (str(f), self.class_to_idx[c])
@@ -38,7 +43,9 @@ class ImageFolder(Dataset):
             if f.suffix.lower() in IMG_EXTENSIONS
         ]
         if not self.samples:
-            raise FileNotFoundError(f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(self.root)!r}; fix the path, or use data=synthetic")
+            raise FileNotFoundError(
+                f"no images ({', '.join(IMG_EXTENSIONS)}) under {str(self.root)!r}; fix the path, or use data=synthetic"
+            )
         self.transform = transform
 
     def __len__(self) -> int:
@@ -75,10 +82,19 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root = require_dir(self.root, "data.root")
         for split in (self.train_dir, self.val_dir):
             require_dir(str(root / split), f"data.root ({split} split)")
-        self.train_set = ImageFolder(root / self.train_dir, imagenet_train_transform(self.image_size, IMAGENET_MEAN, IMAGENET_STD))
-        self.val_set = ImageFolder(root / self.val_dir, imagenet_val_transform(self.image_size, self.resize_size, IMAGENET_MEAN, IMAGENET_STD), classes=self.train_set.classes)
+        self.train_set = ImageFolder(
+            root / self.train_dir, imagenet_train_transform(self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        )
+        self.val_set = ImageFolder(
+            root / self.val_dir,
+            imagenet_val_transform(self.image_size, self.resize_size, IMAGENET_MEAN, IMAGENET_STD),
+            classes=self.train_set.classes,
+        )
         if self.num_classes is not None and self.num_classes != len(self.train_set.classes):
-            raise ValueError(f"data.num_classes={self.num_classes} but {str(root / self.train_dir)!r} has {len(self.train_set.classes)} class folders")
+            raise ValueError(
+                f"data.num_classes={self.num_classes} but {str(root / self.train_dir)!r} has "
+                f"{len(self.train_set.classes)} class folders"
+            )
 
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True, drop_last=True)

@@ -19,7 +19,9 @@ __all__ = ["SyntheticImages", "SyntheticDataModule"]
 
 
 class SyntheticImages(Dataset):
-    def __init__(self, size: int, shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, seed: int = 0, noise: float = 1.0) -> None:
+    def __init__(
+        self, size: int, shape: Sequence[int] = (3, 32, 32), num_classes: int = 10, seed: int = 0, noise: float = 1.0
+    ) -> None:
         if size <= 0:
             raise ValueError(f"synthetic data size must be positive, got {size}")
         self.size, self.shape, self.num_classes, self.seed, self.noise = size, tuple(shape), num_classes, seed, noise
@@ -33,7 +35,9 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index + 1)
         label = int(torch.randint(self.num_classes, (1,), generator=g))
-        template = torch.nn.functional.interpolate(self.templates[label : label + 1], size=self.shape[1:], mode="nearest")[0]
+        template = torch.nn.functional.interpolate(
+            self.templates[label : label + 1], size=self.shape[1:], mode="nearest"
+        )[0]
         return template + self.noise * torch.randn(self.shape, generator=g), label
 
 

@@ -28,7 +28,9 @@ __all__ = [
 ]
 
 
-def random_resized_crop_box(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random) -> tuple[int, int, int, int]:
+def random_resized_crop_box(
+    width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float], rng: random.Random
+) -> tuple[int, int, int, int]:
     """(left, top, w, h) of a crop covering a random area fraction and aspect ratio of the image."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -50,7 +52,13 @@ def random_resized_crop_box(width: int, height: int, scale: tuple[float, float],
 
 
 class RandomResizedCrop:
-    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3), rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        rng: random.Random | None = None,
+    ) -> None:
         self.size, self.scale, self.ratio, self.rng = size, scale, ratio, rng or random.Random()
 
     def __call__(self, img: Image.Image) -> Image.Image:
@@ -113,9 +121,16 @@ class Compose:
         return x
 
 
-def imagenet_train_transform(size: int = 224, mean: Sequence[float] = (0.485, 0.456, 0.406), std: Sequence[float] = (0.229, 0.224, 0.225)) -> Compose:
+def imagenet_train_transform(
+    size: int = 224, mean: Sequence[float] = (0.485, 0.456, 0.406), std: Sequence[float] = (0.229, 0.224, 0.225)
+) -> Compose:
     return Compose([RandomResizedCrop(size), RandomHorizontalFlip(), ToNormalizedTensor(mean, std)])
 
 
-def imagenet_val_transform(size: int = 224, resize: int = 256, mean: Sequence[float] = (0.485, 0.456, 0.406), std: Sequence[float] = (0.229, 0.224, 0.225)) -> Compose:
+def imagenet_val_transform(
+    size: int = 224,
+    resize: int = 256,
+    mean: Sequence[float] = (0.485, 0.456, 0.406),
+    std: Sequence[float] = (0.229, 0.224, 0.225),
+) -> Compose:
     return Compose([Resize(resize), CenterCrop(size), ToNormalizedTensor(mean, std)])

@@ -173,7 +173,9 @@ class HorovodCommunicator(Communicator):
     def group_size(self, group: Any = None) -> int:
         return self._process_set(group).size()
 
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False) -> Handle:
+    def allreduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False
+    ) -> Handle:
         if op not in ("sum", "mean"):
             raise ValueError(f"allreduce op must be 'sum' or 'mean', got {op!r}")
         process_set = self._process_set(group)

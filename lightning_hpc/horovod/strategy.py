@@ -335,13 +335,15 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             for optimizer in self.optimizers:
                 # gradients are synchronised explicitly right after backward (post_backward), because
                 # Lightning runs backward inside optimizer.step(closure)
-                self._exit_stack.enter_context(optimizer.skip_synchronize())  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's (Horovod is untyped)
+                # hvd.DistributedOptimizer's (Horovod is untyped)
+                self._exit_stack.enter_context(optimizer.skip_synchronize())  # type: ignore[attr-defined]
         self.setup_precision_plugin()
         if fitting:
             for lightning_optimizer in self._lightning_optimizers:
                 # Horovod's zero_grad calls super(self.__class__, self): on the LightningOptimizer that
                 # self.optimizers() returns (a subclass of the Horovod class) it recursed without end
-                lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad  # type: ignore[attr-defined]  # set on the instance: LightningOptimizer proxies zero_grad via __getattr__
+                # set on the instance: LightningOptimizer proxies zero_grad via __getattr__
+                lightning_optimizer.zero_grad = lightning_optimizer._optimizer.zero_grad  # type: ignore[attr-defined]
             optimizers_to_device(self.optimizers, self.root_device)
             if self._broadcast_optimizer_state:
                 for optimizer in self.optimizers:
@@ -455,7 +457,8 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         k = self.lightning_module.trainer.accumulate_grad_batches
         for optimizer in self.optimizers:
             if getattr(optimizer, "backward_passes_per_step", k) != k:
-                optimizer.set_backward_passes_per_step(k)  # type: ignore[attr-defined]  # hvd.DistributedOptimizer's (Horovod is untyped)
+                # hvd.DistributedOptimizer's (Horovod is untyped)
+                optimizer.set_backward_passes_per_step(k)  # type: ignore[attr-defined]
 
     @override
     def optimizer_step(

@@ -58,4 +58,6 @@ def build_model(name: str, **kwargs):
         return small_cnn(**kwargs)
     if name == "ode_resnet":
         return ode_resnet(**kwargs)
-    raise ValueError(f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet")
+    raise ValueError(
+        f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet"
+    )

@@ -14,7 +14,9 @@ __all__ = ["AlexNetOneTower", "alexnet_one_tower"]
 
 
 class AlexNetOneTower(nn.Module):
-    def __init__(self, num_classes: int = 1000, in_channels: int = 3, dropout: float = 0.5, fc_width: int = 4096) -> None:
+    def __init__(
+        self, num_classes: int = 1000, in_channels: int = 3, dropout: float = 0.5, fc_width: int = 4096
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, 64, 11, stride=4, padding=2),
@@ -47,5 +49,7 @@ class AlexNetOneTower(nn.Module):
         return self.classifier(self.features(x))
 
 
-def alexnet_one_tower(num_classes: int = 1000, in_channels: int = 3, dropout: float = 0.5, fc_width: int = 4096) -> AlexNetOneTower:
+def alexnet_one_tower(
+    num_classes: int = 1000, in_channels: int = 3, dropout: float = 0.5, fc_width: int = 4096
+) -> AlexNetOneTower:
     return AlexNetOneTower(num_classes, in_channels, dropout, fc_width)

@@ -46,7 +46,9 @@ class MeshFCN(nn.Sequential):
         upsample_mode: str = "nearest",
     ) -> None:
         if convs_per_block < 1 or not widths or any(w < 1 for w in widths):
-            raise ValueError(f"mesh_fcn needs convs_per_block >= 1 and positive widths, got {convs_per_block}, {list(widths)}")
+            raise ValueError(
+                f"mesh_fcn needs convs_per_block >= 1 and positive widths, got {convs_per_block}, {list(widths)}"
+            )
         if upsample_mode not in ("nearest", "bilinear"):
             raise ValueError(f"mesh_fcn upsample_mode must be 'nearest' or 'bilinear', got {upsample_mode!r}")
         layers: dict[str, nn.Module] = {}
@@ -56,7 +58,9 @@ class MeshFCN(nn.Sequential):
             prev = width
         layers["predict"] = nn.Conv2d(prev, num_classes, kernel_size=1)
         factor = 2 ** len(widths)
-        layers["upsample"] = nn.Upsample(scale_factor=factor, mode=upsample_mode, **({"align_corners": False} if upsample_mode == "bilinear" else {}))
+        layers["upsample"] = nn.Upsample(
+            scale_factor=factor, mode=upsample_mode, **({"align_corners": False} if upsample_mode == "bilinear" else {})
+        )
         super().__init__()
         for name, module in layers.items():
             self.add_module(name, module)

@@ -20,7 +20,15 @@ from typing import cast
 import torch
 from torch import nn
 
-__all__ = ["ResidualStep", "conv_branch", "ODEResNet", "ode_resnet", "paper_inference_net", "residual_steps", "NotResidualError"]
+__all__ = [
+    "ResidualStep",
+    "conv_branch",
+    "ODEResNet",
+    "ode_resnet",
+    "paper_inference_net",
+    "residual_steps",
+    "NotResidualError",
+]
 
 
 class NotResidualError(ValueError):
@@ -48,7 +56,9 @@ def conv_branch(channels: int, kernel_size: int = 3, batch_norm: bool = False, b
     """F(u) = ReLU(BN(conv(u))) with 'same' padding so the state keeps its shape (a residual step needs it)."""
     if kernel_size % 2 != 1:
         raise ValueError(f"kernel_size must be odd so a residual conv keeps the state's shape, got {kernel_size}")
-    layers: list[nn.Module] = [nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, bias=bias and not batch_norm)]
+    layers: list[nn.Module] = [
+        nn.Conv2d(channels, channels, kernel_size, padding=kernel_size // 2, bias=bias and not batch_norm)
+    ]
     if batch_norm:
         layers.append(nn.BatchNorm2d(channels))
     layers.append(nn.ReLU())
@@ -101,7 +111,9 @@ def ode_resnet(
     pad = opening_kernel // 2 if opening_padding is None else opening_padding
     out_h, out_w = hh + 2 * pad - opening_kernel + 1, ww + 2 * pad - opening_kernel + 1
     if out_h < 1 or out_w < 1:
-        raise ValueError(f"opening conv {opening_kernel}x{opening_kernel}, padding {pad} leaves no output for input {hh}x{ww}")
+        raise ValueError(
+            f"opening conv {opening_kernel}x{opening_kernel}, padding {pad} leaves no output for input {hh}x{ww}"
+        )
     step = final_time / num_steps if h is None else h
     opening = nn.Sequential(nn.Conv2d(in_channels, width, opening_kernel, padding=pad), nn.ReLU())
     steps = nn.Sequential(*[ResidualStep(conv_branch(width, kernel_size, batch_norm), step) for _ in range(num_steps)])
@@ -113,14 +125,18 @@ def ode_resnet(
     return ODEResNet(opening, steps, nn.Sequential(*closing_layers))
 
 
-def paper_inference_net(num_steps: int = 4092, width: int = 50, num_classes: int = 10, input_size: int = 28, h: float = 1.0) -> ODEResNet:
+def paper_inference_net(
+    num_steps: int = 4092, width: int = 50, num_classes: int = 10, input_size: int = 28, h: float = 1.0
+) -> ODEResNet:
     """Section IV-C's network: 7x7 conv (50 channels, padding 1, ReLU), 4,092 residual 7x7 conv + ReLU steps,
     FC to 10 classes (softmax / cross-entropy in the loss).
 
     The paper states 3,248,524 parameters for this network; 50-channel 7x7 convs give ~122.5k parameters per
     step, so the paper's count cannot be reproduced from its text (see docs/multigrid.md).
     """
-    return ode_resnet(1, num_classes, input_size, width, num_steps, kernel_size=7, opening_kernel=7, opening_padding=1, h=h)
+    return ode_resnet(
+        1, num_classes, input_size, width, num_steps, kernel_size=7, opening_kernel=7, opening_padding=1, h=h
+    )
 
 
 def _describe(module: nn.Module) -> str:
@@ -128,7 +144,9 @@ def _describe(module: nn.Module) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, first_index: int = 0) -> list[ResidualStep]:
+def residual_steps(
+    steps: nn.Module, example_state: torch.Tensor | None = None, first_index: int = 0
+) -> list[ResidualStep]:
     """Check that ``steps`` is a sequence of residual steps ``u + h F(u)`` with equal state shapes.
 
     Accepts an ``nn.Sequential`` (or ``nn.ModuleList``) whose children are :class:`ResidualStep` (or any module
@@ -149,7 +167,8 @@ def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, 
         branch, h = getattr(block, "branch", None), getattr(block, "h", None)
         if not isinstance(branch, nn.Module) or not isinstance(h, (int, float)) or not h > 0:
             raise NotResidualError(
-                f"block {first_index + i} ({_describe(block)}) is not a residual step u + h F(u): multigrid needs every block of "
+                f"block {first_index + i} ({_describe(block)}) is not a residual step u + h F(u): multigrid needs "
+                "every block of "
                 "the trunk in forward-Euler form; wrap its residual branch as ResidualStep(branch, h)"
             )
         if type(block).forward is not ResidualStep.forward:
@@ -157,7 +176,8 @@ def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, 
             # only when its forward is provably that expression: ResidualStep's own (a subclass must not
             # override it).  Attributes named `branch` and `h` alone prove nothing about what forward computes.
             raise NotResidualError(
-                f"block {first_index + i} ({_describe(block)}) has `branch` and `h` but its own forward(), which the multigrid "
+                f"block {first_index + i} ({_describe(block)}) has `branch` and `h` but its own forward(), which "
+                "the multigrid "
                 "solver would never call (it evaluates u + h * branch(u) itself): if that forward computes exactly "
                 "u + h * branch(u), build the block as lightning_hpc.models.ResidualStep(branch, h); otherwise use "
                 "strategy='ddp'"
@@ -174,7 +194,8 @@ def residual_steps(steps: nn.Module, example_state: torch.Tensor | None = None, 
                     block.train(was_training)
                 if v.shape != u.shape:
                     raise NotResidualError(
-                        f"block {first_index + i} ({_describe(block)}) maps a state of shape {tuple(u.shape)} to {tuple(v.shape)}: "
+                        f"block {first_index + i} ({_describe(block)}) maps a state of shape {tuple(u.shape)} to "
+                        f"{tuple(v.shape)}: "
                         "every residual step must keep the state's shape (use 'same' padding, no stride, no "
                         "channel change inside the trunk; move shape changes to the opening or closing layers)"
                     )

@@ -85,7 +85,14 @@ class Bottleneck(nn.Module):
 class ResNet(nn.Module):
     """ImageNet ResNet: 7x7/2 stem, 3x3/2 max-pool, four stages, global average pool, FC."""
 
-    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int], num_classes: int = 1000, in_channels: int = 3, zero_init_residual: bool = False) -> None:
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: list[int],
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        zero_init_residual: bool = False,
+    ) -> None:
         super().__init__()
         self.inplanes = 64
         self.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
@@ -110,10 +117,14 @@ class ResNet(nn.Module):
                 if last is not None:
                     nn.init.zeros_(last.weight)
 
-    def _make_layer(self, block: type[BasicBlock] | type[Bottleneck], width: int, blocks: int, stride: int = 1) -> nn.Sequential:
+    def _make_layer(
+        self, block: type[BasicBlock] | type[Bottleneck], width: int, blocks: int, stride: int = 1
+    ) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != width * block.expansion:
-            downsample = nn.Sequential(conv1x1(self.inplanes, width * block.expansion, stride), nn.BatchNorm2d(width * block.expansion))
+            downsample = nn.Sequential(
+                conv1x1(self.inplanes, width * block.expansion, stride), nn.BatchNorm2d(width * block.expansion)
+            )
         layers = [block(self.inplanes, width, stride, downsample)]
         self.inplanes = width * block.expansion
         layers += [block(self.inplanes, width) for _ in range(1, blocks)]
@@ -139,7 +150,9 @@ def resnet(depth: int = 50, num_classes: int = 1000, in_channels: int = 3, zero_
     if depth not in IMAGENET_DEPTHS:
         raise ValueError(f"ImageNet ResNet depth must be one of {sorted(IMAGENET_DEPTHS)}, got {depth}")
     block, layers = IMAGENET_DEPTHS[depth]
-    return ResNet(block, layers, num_classes=num_classes, in_channels=in_channels, zero_init_residual=zero_init_residual)
+    return ResNet(
+        block, layers, num_classes=num_classes, in_channels=in_channels, zero_init_residual=zero_init_residual
+    )
 
 
 def _named(depth: int) -> Callable[..., ResNet]:

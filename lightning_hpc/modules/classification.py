@@ -19,7 +19,9 @@ __all__ = ["ImageClassifier", "classification_loss", "with_step_scheduler"]
 LOSSES = ("cross_entropy", "logistic")
 
 
-def classification_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "cross_entropy", label_smoothing: float = 0.0) -> torch.Tensor:
+def classification_loss(
+    logits: torch.Tensor, target: torch.Tensor, kind: str = "cross_entropy", label_smoothing: float = 0.0
+) -> torch.Tensor:
     """``cross_entropy`` (softmax) or ``logistic`` (independent sigmoid units per class, as the one-weird-trick
     paper's model uses); both with label smoothing."""
     if kind == "cross_entropy":
@@ -31,7 +33,9 @@ def classification_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = 
     raise ValueError(f"task.loss must be one of {LOSSES}, got {kind!r}")
 
 
-def with_step_scheduler(trainer: pl.Trainer, optimizer: torch.optim.Optimizer, scheduler_factory: Callable[..., Any] | None) -> Any:
+def with_step_scheduler(
+    trainer: pl.Trainer, optimizer: torch.optim.Optimizer, scheduler_factory: Callable[..., Any] | None
+) -> Any:
     """``configure_optimizers`` return value: the optimizer, plus the scheduler built by ``scheduler_factory``
     (called with ``steps_per_epoch``) and stepped every optimizer step."""
     if scheduler_factory is None:
@@ -96,7 +100,8 @@ class ImageClassifier(pl.LightningModule):
     def global_batch_size(self) -> int:
         """Samples per optimizer step over all ranks (per-rank batch x data-parallel ranks x accumulation)."""
         trainer = self.trainer
-        per_rank = getattr(trainer.datamodule, "batch_size", None) or 1  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
+        # set by Lightning, undeclared on Trainer
+        per_rank = getattr(trainer.datamodule, "batch_size", None) or 1  # type: ignore[attr-defined]
         dp = data_parallel_size(trainer.strategy)
         return int(per_rank * dp * trainer.accumulate_grad_batches)
 
@@ -105,6 +110,8 @@ class ImageClassifier(pl.LightningModule):
         if self.lr_scaling.rule != "none":
             batch = self.global_batch_size()
             for group in optimizer.param_groups:
-                group["lr"], group["weight_decay"] = scale_hparams(group["lr"], group.get("weight_decay", 0.0), batch, self.lr_scaling)
+                group["lr"], group["weight_decay"] = scale_hparams(
+                    group["lr"], group.get("weight_decay", 0.0), batch, self.lr_scaling
+                )
                 group["initial_lr"] = group["lr"]
         return with_step_scheduler(self.trainer, optimizer, self.scheduler_factory)

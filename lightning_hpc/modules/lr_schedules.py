@@ -10,7 +10,9 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = ["warmup_multistep_factor", "warmup_multistep"]
 
 
-def warmup_multistep_factor(step: int, steps_per_epoch: float, warmup_epochs: float, milestones: Sequence[float], gamma: float) -> float:
+def warmup_multistep_factor(
+    step: int, steps_per_epoch: float, warmup_epochs: float, milestones: Sequence[float], gamma: float
+) -> float:
     """Multiplier of the base lr at optimizer step ``step``: linear warm-up from ~0 over ``warmup_epochs``
     (Goyal et al., used by the K-FAC paper), then ``gamma`` at each milestone epoch passed."""
     epoch = step / max(steps_per_epoch, 1e-12)

@@ -8,4 +8,16 @@ from lightning_hpc.perfmodel.contention import compute_contention
 from lightning_hpc.perfmodel.layer_times import LayerTimer, time_callable
 from lightning_hpc.perfmodel.sync import SyncCost, calibrate_sync, measure_sync
 
-__all__ = ["alphabeta", "AlphaBeta", "calibrate", "calibrate_local", "fit_alpha_beta", "compute_contention", "LayerTimer", "time_callable", "SyncCost", "calibrate_sync", "measure_sync"]
+__all__ = [
+    "alphabeta",
+    "AlphaBeta",
+    "calibrate",
+    "calibrate_local",
+    "fit_alpha_beta",
+    "compute_contention",
+    "LayerTimer",
+    "time_callable",
+    "SyncCost",
+    "calibrate_sync",
+    "measure_sync",
+]

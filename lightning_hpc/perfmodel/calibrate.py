@@ -25,8 +25,8 @@ from lightning_hpc.perfmodel.alphabeta import AlphaBeta
 
 T = TypeVar("T")
 
-__all__ = ["cache_dir", "cached_measurement", "read_cache", "write_cache", "machine_fingerprint", "fit_alpha_beta", "pingpong",
-           "calibrate", "calibrate_local"]  # fmt: skip
+__all__ = ["cache_dir", "cached_measurement", "read_cache", "write_cache", "machine_fingerprint", "fit_alpha_beta",
+           "pingpong", "calibrate", "calibrate_local"]  # fmt: skip
 
 DEFAULT_SIZES = tuple(2**k for k in range(4, 23, 2))  # 16 B .. 4 MiB
 
@@ -45,7 +45,9 @@ def read_cache(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        warnings.warn(f"lightning_hpc: ignoring unreadable cache file {path} ({e}); measuring again", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"lightning_hpc: ignoring unreadable cache file {path} ({e}); measuring again", RuntimeWarning, stacklevel=2
+        )
         return None
     return data if isinstance(data, dict) else None
 
@@ -116,7 +118,9 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> AlphaBeta:
     return AlphaBeta(alpha=max(alpha, 0.0), beta=beta)
 
 
-def pingpong(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 20, warmup: int = 3) -> tuple[list[float], list[float]]:
+def pingpong(
+    sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 20, warmup: int = 3
+) -> tuple[list[float], list[float]]:
     """One-way time per message size between ranks 0 and 1 (other ranks idle). Collective: all ranks call it."""
     rank = dist.get_rank()
     times: list[float] = []
@@ -175,5 +179,8 @@ def calibrate_local(world_size: int = 2, use_cache: bool = True) -> AlphaBeta:
     from lightning_hpc.distributed.spawn import run_in_processes
 
     return cached_measurement(
-        _cache_key("gloo", world_size), AlphaBeta, lambda: AlphaBeta(**run_in_processes(_calibrate_worker, world_size)[0]), use_cache
+        _cache_key("gloo", world_size),
+        AlphaBeta,
+        lambda: AlphaBeta(**run_in_processes(_calibrate_worker, world_size)[0]),
+        use_cache,
     )

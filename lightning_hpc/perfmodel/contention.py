@@ -19,7 +19,9 @@ from lightning_hpc.perfmodel.layer_times import time_callable
 __all__ = ["compute_contention"]
 
 
-def _alone_and_together(rank: int, world_size: int, size: int, channels: int, repeats: int, rounds: int) -> list[tuple[float, float]]:
+def _alone_and_together(
+    rank: int, world_size: int, size: int, channels: int, repeats: int, rounds: int
+) -> list[tuple[float, float]]:
     torch.manual_seed(0)
     conv = nn.Conv2d(channels, channels, 3, padding=1)
     x = torch.randn(1, channels, size, size)
@@ -40,7 +42,9 @@ def _alone_and_together(rank: int, world_size: int, size: int, channels: int, re
     return out
 
 
-def compute_contention(world_size: int, size: int = 256, channels: int = 32, repeats: int = 3, rounds: int = 3) -> float:
+def compute_contention(
+    world_size: int, size: int = 256, channels: int = 32, repeats: int = 3, rounds: int = 3
+) -> float:
     """Time per convolution with ``world_size`` local processes running ``repeats`` of them at once, from a
     barrier until the slowest process is done (as a bulk-synchronous training step), over its time in one process
     while the others wait (>= 1; median over rounds).  Spawns ``world_size`` gloo

@@ -28,7 +28,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_callable(fn: Callable[[], object], warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+def time_callable(
+    fn: Callable[[], object], warmup: int = 2, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
     """Mean wall time in seconds of ``fn()`` after ``warmup`` untimed calls."""
     device = torch.device(device)
     for _ in range(warmup):
@@ -52,10 +54,15 @@ class LayerTimer:
         self._cache: dict[str, dict[str, float]] = read_cache(self.path) or {}
 
     def _key(self, module: nn.Module, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> str:
-        return f"{module!r}|{tuple(shape)}|{dtype}|{device}|threads={torch.get_num_threads()}|{machine_fingerprint(device)}"
+        threads = torch.get_num_threads()
+        return f"{module!r}|{tuple(shape)}|{dtype}|{device}|threads={threads}|{machine_fingerprint(device)}"
 
     def measure(
-        self, module: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self,
+        module: nn.Module,
+        input_shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ) -> dict[str, float]:
         """Return ``{"forward": s, "backward": s}`` (backward = input and weight gradients)."""
         device = torch.device(device)

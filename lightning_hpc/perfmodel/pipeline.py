@@ -26,7 +26,9 @@ def serial_pipeline_time(layer_times: Sequence[float], parts: int, message_bytes
     return sum(layer_times) + (parts - 1) * send_recv(message_bytes, model)
 
 
-def bulk_synchronous_time(per_rank_compute: Sequence[float], message_bytes: float, model: AlphaBeta, messages: int = 1) -> float:
+def bulk_synchronous_time(
+    per_rank_compute: Sequence[float], message_bytes: float, model: AlphaBeta, messages: int = 1
+) -> float:
     """A phase where every rank computes, then exchanges ``messages`` boundary messages with a neighbour:
     the slowest rank's compute plus the messages (neighbour exchanges of all ranks overlap)."""
     return max(per_rank_compute) + messages * send_recv(message_bytes, model)

@@ -125,7 +125,9 @@ def _chunk_side(chunk_s: float) -> int:
     return side
 
 
-def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds: int, small_bytes: int, large_bytes: int) -> dict[str, list[float]]:
+def _sync_worker(
+    rank: int, world_size: int, chunk_s: float, iters: int, rounds: int, small_bytes: int, large_bytes: int
+) -> dict[str, list[float]]:
     torch.manual_seed(rank)
     side = torch.tensor([_chunk_side(chunk_s) if rank == 0 else 0])
     dist.broadcast(side, 0)  # every rank computes the same chunk (rank 0's choice, sized while the others wait)
@@ -172,8 +174,15 @@ def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds:
             conv(x)
             work.wait()
 
-    variants = {"compute": compute, "allreduce": busy(allreduce), "allgather": busy(allgather), "sendrecv": busy(sendrecv),
-                "idle_allreduce": idle(allreduce), "idle_allgather": idle(allgather), "idle_sendrecv": idle(sendrecv)}
+    variants = {
+        "compute": compute,
+        "allreduce": busy(allreduce),
+        "allgather": busy(allgather),
+        "sendrecv": busy(sendrecv),
+        "idle_allreduce": idle(allreduce),
+        "idle_allgather": idle(allgather),
+        "idle_sendrecv": idle(sendrecv),
+    }
     if large is not None:
         variants |= {"large": busy(lambda: dist.all_reduce(large)), "overlapped": overlapped}
     out: dict[str, list[float]] = {k: [] for k in variants}
@@ -190,7 +199,9 @@ def _sync_worker(rank: int, world_size: int, chunk_s: float, iters: int, rounds:
     return out
 
 
-def _summarise(world_size: int, iters: int, small_bytes: int, large_bytes: int, times: dict[str, list[float]]) -> SyncCost:
+def _summarise(
+    world_size: int, iters: int, small_bytes: int, large_bytes: int, times: dict[str, list[float]]
+) -> SyncCost:
     med = {k: statistics.median(v) for k, v in times.items()}
     extra = lambda name: max((med[name] - med["compute"]) / iters, 0.0)  # noqa: E731
     return SyncCost(
@@ -215,7 +226,9 @@ def _check_args(world_size: int, chunk_s: float, iters: int, rounds: int, small_
     if chunk_s <= 0 or iters < 1 or rounds < 1 or small_bytes < 4 or large_bytes < 0 or 0 < large_bytes <= small_bytes:
         raise ValueError(
             "sync calibration needs chunk_s > 0, iters >= 1, rounds >= 1, small_bytes >= 4 and large_bytes = 0 or > "
-            f"small_bytes; got chunk_s={chunk_s}, iters={iters}, rounds={rounds}, small_bytes={small_bytes}, large_bytes={large_bytes}")
+            f"small_bytes; got chunk_s={chunk_s}, iters={iters}, rounds={rounds}, small_bytes={small_bytes}, "
+            f"large_bytes={large_bytes}"
+        )
 
 
 def measure_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, rounds: int = 5, small_bytes: int = 64,
@@ -227,12 +240,25 @@ def measure_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, rounds
         return SyncCost.none(1)
     from lightning_hpc.distributed.spawn import run_in_processes
 
-    per_rank = run_in_processes(_sync_worker, world_size, chunk_s, iters, rounds, small_bytes, large_bytes, timeout_s=900, collective_timeout_s=300)
+    per_rank = run_in_processes(
+        _sync_worker,
+        world_size,
+        chunk_s,
+        iters,
+        rounds,
+        small_bytes,
+        large_bytes,
+        timeout_s=900,
+        collective_timeout_s=300,
+    )
     return _summarise(world_size, iters, small_bytes, large_bytes, per_rank[0])  # barriers: every rank sees the same
 
 
 def _cache_path(world_size: int, chunk_s: float, iters: int, rounds: int, small_bytes: int, large_bytes: int) -> Path:
-    return cache_dir() / f"sync-v2-{socket.gethostname()}-gloo-{world_size}-{chunk_s * 1e3:g}ms-{iters}x{rounds}-{small_bytes}-{large_bytes}.json"
+    host = socket.gethostname()
+    return cache_dir() / (
+        f"sync-v2-{host}-gloo-{world_size}-{chunk_s * 1e3:g}ms-{iters}x{rounds}-{small_bytes}-{large_bytes}.json"
+    )
 
 
 def calibrate_sync(world_size: int, chunk_s: float = 1e-3, iters: int = 40, rounds: int = 5, small_bytes: int = 64,

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HorovodStrategy", "HybridParallelStrategy", "LayeredSGDStrategy", "MultigridStrategy", "SpatialParallelStrategy"]
+__all__ = [
+    "HorovodStrategy",
+    "HybridParallelStrategy",
+    "LayeredSGDStrategy",
+    "MultigridStrategy",
+    "SpatialParallelStrategy",
+]
 
 
 def __getattr__(name: str) -> Any:

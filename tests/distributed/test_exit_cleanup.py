@@ -2,7 +2,8 @@
 
 Each case runs a fresh interpreter that initialises a one-process gloo group, runs asynchronous collectives,
 and registers a probe ``atexit`` handler *before* creating a lightning_hpc communicator (which installs the
-library's handler, as every strategy does), so the probe runs after the library's handler (last-in first-out) and reports whether the group was still initialised at that point.
+library's handler, as every strategy does), so the probe runs after the library's handler (last-in first-out)
+and reports whether the group was still initialised at that point.
 """
 
 from __future__ import annotations

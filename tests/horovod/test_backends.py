@@ -29,7 +29,9 @@ import layered_trainer  # noqa: E402
 
 def _close(got, want, tol: float, what: str) -> None:
     for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            torch.as_tensor(a), torch.as_tensor(b), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}"
+        )
 
 
 def test_kfac_on_horovod_equals_kfac_on_torch_distributed(tmp_path):
@@ -48,7 +50,17 @@ def test_kfac_callback_follows_the_strategy(tmp_path):
     script = str(WORKERS / "train_digits.py")
     common = ["--kfac", "--batches", "4", "--epochs", "1", "--accumulate", "1"]
     procs = {
-        "horovod": start([*horovodrun_command(2), sys.executable, script, str(tmp_path / "horovod"), "--strategy", "horovod", *common]),
+        "horovod": start(
+            [
+                *horovodrun_command(2),
+                sys.executable,
+                script,
+                str(tmp_path / "horovod"),
+                "--strategy",
+                "horovod",
+                *common,
+            ]
+        ),
         "ddp": start([sys.executable, script, str(tmp_path / "ddp"), "--strategy", "ddp", *common]),
     }
     for proc in procs.values():
@@ -62,7 +74,9 @@ def test_kfac_callback_follows_the_strategy(tmp_path):
 
 
 def test_layered_sgd_on_horovod_process_sets_equals_synchronous_sgd(tmp_path):
-    run_checked([*horovodrun_command(4), sys.executable, str(WORKERS / "layered_case.py"), str(tmp_path)], timeout_s=300)
+    run_checked(
+        [*horovodrun_command(4), sys.executable, str(WORKERS / "layered_case.py"), str(tmp_path)], timeout_s=300
+    )
     serial = layered_case.serial()
     initial = [p.detach().numpy() for p in layered_case.model().parameters()]
     assert any(not torch.allclose(torch.as_tensor(s), torch.as_tensor(i)) for s, i in zip(serial, initial))
@@ -92,7 +106,9 @@ def _serial_layered_trainer() -> list[torch.Tensor]:
 
 
 def test_layered_sgd_strategy_under_horovodrun_picks_horovod_process_sets(tmp_path):
-    run_checked([*horovodrun_command(4), sys.executable, str(WORKERS / "layered_trainer.py"), str(tmp_path)], timeout_s=420)
+    run_checked(
+        [*horovodrun_command(4), sys.executable, str(WORKERS / "layered_trainer.py"), str(tmp_path)], timeout_s=420
+    )
     serial = _serial_layered_trainer()
     for rank in range(4):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

@@ -28,7 +28,19 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hvd_vs_ddp")
     common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
     procs = {
-        "horovod": start([*horovodrun_command(2), sys.executable, SCRIPT, str(root / "horovod"), "--strategy", "horovod", "--hvd-options", HVD_OPTIONS, *common]),
+        "horovod": start(
+            [
+                *horovodrun_command(2),
+                sys.executable,
+                SCRIPT,
+                str(root / "horovod"),
+                "--strategy",
+                "horovod",
+                "--hvd-options",
+                HVD_OPTIONS,
+                *common,
+            ]
+        ),
         # Lightning's own launcher starts the second DDP process
         "ddp": start([sys.executable, SCRIPT, str(root / "ddp"), "--strategy", "ddp", *common]),
     }

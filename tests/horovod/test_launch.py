@@ -37,7 +37,9 @@ def test_devices_and_num_nodes_must_match_the_launch():
         "    except ValueError as err:\n"
         "        print('ERROR:', err)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NO ERROR" not in out.stdout, out.stdout
     assert "devices=2 but Horovod started 1 process(es) on this node" in out.stdout, out.stdout

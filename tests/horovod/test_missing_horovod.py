@@ -51,5 +51,7 @@ def test_import_and_registration_never_import_horovod():
         "from lightning_hpc import HorovodStrategy\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -73,7 +73,16 @@ def probe() -> dict:
 
 def test_every_technique_has_a_core():
     names = core_modules()
-    for technique in ("kfac", "layered_sgd", "hybrid_fc", "spatial", "multigrid", "horovod", "distributed", "perfmodel"):
+    for technique in (
+        "kfac",
+        "layered_sgd",
+        "hybrid_fc",
+        "spatial",
+        "multigrid",
+        "horovod",
+        "distributed",
+        "perfmodel",
+    ):
         assert any(n.startswith(f"lightning_hpc.{technique}.") for n in names), technique
 
 

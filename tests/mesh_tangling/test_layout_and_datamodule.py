@@ -55,7 +55,9 @@ def _full_from_tiles(dm_factory, parts):
 
 @pytest.mark.parametrize("parts", [(2, 3), (1, 4)])
 def test_datamodule_tile_contract_disk(data_dir, sample0, parts):
-    factory = lambda: MeshTanglingDataModule(data_dir=str(data_dir), train_samples=1, val_samples=1, size=SIZE)  # noqa: E731
+    def factory():
+        return MeshTanglingDataModule(data_dir=str(data_dir), train_samples=1, val_samples=1, size=SIZE)
+
     x, y = _full_from_tiles(factory, parts)
     expected = normalize_channels(torch.from_numpy(np.stack([sample0[c] for c in CHANNELS])), 1.0 / SIZE**2)
     torch.testing.assert_close(x, expected, rtol=0, atol=0)

@@ -10,7 +10,13 @@ M = AlphaBeta(alpha=1e-5, beta=1e-9, gamma=0.0)
 
 
 def test_single_process_collectives_cost_nothing():
-    for fn in (alphabeta.broadcast, alphabeta.allreduce, alphabeta.allgather, alphabeta.reduce_scatter, alphabeta.alltoall):
+    for fn in (
+        alphabeta.broadcast,
+        alphabeta.allreduce,
+        alphabeta.allgather,
+        alphabeta.reduce_scatter,
+        alphabeta.alltoall,
+    ):
         assert fn(1e6, 1, M) == 0.0
 
 
@@ -63,7 +69,9 @@ def test_loaded_sync_calibration_is_measured_cached_and_reused(tmp_path, monkeyp
     assert cost.world_size == 2 and cost.chunk_s > 0 and cost.large_bytes == 4096
     # a real collective between two processes takes time
     assert cost.idle_allreduce_s > 0 and cost.idle_sendrecv_s > 0 and cost.idle_allgather_s > 0
-    assert min(cost.allreduce_s, cost.allgather_s, cost.sendrecv_s, cost.large_allreduce_s, cost.large_overlapped_s) >= 0
+    assert (
+        min(cost.allreduce_s, cost.allgather_s, cost.sendrecv_s, cost.large_allreduce_s, cost.large_overlapped_s) >= 0
+    )
     assert 0.0 <= cost.overlap_fraction <= 1.0
     [entry] = tmp_path.glob("sync-*-gloo-2-*.json")
 
@@ -78,7 +86,9 @@ def test_loaded_sync_calibration_is_measured_cached_and_reused(tmp_path, monkeyp
     assert calibrate_sync(1) == SyncCost.none(1)  # one process: nothing to synchronise, nothing measured
 
 
-@pytest.mark.parametrize("bad", [dict(world_size=0), dict(chunk_s=0.0), dict(iters=0), dict(small_bytes=2), dict(large_bytes=32)])
+@pytest.mark.parametrize(
+    "bad", [dict(world_size=0), dict(chunk_s=0.0), dict(iters=0), dict(small_bytes=2), dict(large_bytes=32)]
+)
 def test_loaded_sync_calibration_rejects_bad_settings(bad):
     from lightning_hpc.perfmodel import calibrate_sync, measure_sync
 
@@ -91,7 +101,9 @@ def test_loaded_sync_calibration_rejects_bad_settings(bad):
 def test_loaded_sync_wait_subtracts_the_alpha_beta_cost_of_the_calibration_message():
     from lightning_hpc.perfmodel import SyncCost
 
-    c = SyncCost(world_size=4, chunk_s=1e-3, allreduce_s=5e-3, sendrecv_s=3e-3, idle_allreduce_s=4e-3, idle_sendrecv_s=1e-3)
+    c = SyncCost(
+        world_size=4, chunk_s=1e-3, allreduce_s=5e-3, sendrecv_s=3e-3, idle_allreduce_s=4e-3, idle_sendrecv_s=1e-3
+    )
     assert c.wait("allreduce", M) == pytest.approx(5e-3 - alphabeta.allreduce(64, 4, M))
     assert c.wait("allreduce", M, group=2) == pytest.approx(5e-3 - alphabeta.allreduce(64, 2, M))
     assert c.wait("sendrecv", M) == pytest.approx(3e-3 - alphabeta.send_recv(64, M))
@@ -169,7 +181,9 @@ def test_calibrate_lets_rank0_decide_between_cache_and_measuring(tmp_path, cache
     Every rank gets rank 0's answer: its cached entry, or one shared measurement."""
     from lightning_hpc.distributed import run_in_processes
 
-    results = run_in_processes(_calibrate_with_rank_cache, 2, str(tmp_path), cached_ranks, timeout_s=120, collective_timeout_s=20)
+    results = run_in_processes(
+        _calibrate_with_rank_cache, 2, str(tmp_path), cached_ranks, timeout_s=120, collective_timeout_s=20
+    )
     assert results[0] == results[1]
     if cached_ranks == (0,):
         assert (results[0]["alpha"], results[0]["beta"]) == (1e-3, 7e-9)

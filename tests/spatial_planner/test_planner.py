@@ -56,14 +56,18 @@ def test_shortest_path_equals_brute_force(seed):
     ref_path, ref_total = brute_force_line(cands, lambda i, d: costs[(i, d)], shuffle)
     assert total == pytest.approx(ref_total)
     # the returned path really has that length
-    again = sum(costs[(i, d)] for i, d in enumerate(path)) + sum(shuffle(i, path[i], path[i + 1]) for i in range(layers - 1))
+    again = sum(costs[(i, d)] for i, d in enumerate(path)) + sum(
+        shuffle(i, path[i], path[i + 1]) for i in range(layers - 1)
+    )
     assert again == pytest.approx(total)
 
 
 def test_shuffle_cost_can_keep_a_worse_layer_choice():
     # Layer 1 alone prefers B, but switching costs more than it saves: the path stays on A.
     cost = {(0, "A"): 1.0, (0, "B"): 5.0, (1, "A"): 2.0, (1, "B"): 1.5}
-    path, total = shortest_line_path([["A", "B"], ["A", "B"]], lambda i, d: cost[(i, d)], lambda i, a, b: 0 if a == b else 1.0)
+    path, total = shortest_line_path(
+        [["A", "B"], ["A", "B"]], lambda i, d: cost[(i, d)], lambda i, a, b: 0 if a == b else 1.0
+    )
     assert path == ["A", "A"] and total == pytest.approx(3.0)
 
 
@@ -117,21 +121,33 @@ def test_planner_prefers_sample_parallelism_when_halos_are_expensive_and_spatial
     assert plan1.method == "shortest-path" and plan1.predicted_step_time > 0
     # pure sample parallelism at N=1 is impossible on 4 processes
     with pytest.raises(ValueError, match="restriction"):
-        plan_for_model(model, (3, 32, 32), 4, batch_size=1, alpha_beta=slow, timer=timer, restrict=lambda d: d.h == d.w == 1)
+        plan_for_model(
+            model, (3, 32, 32), 4, batch_size=1, alpha_beta=slow, timer=timer, restrict=lambda d: d.h == d.w == 1
+        )
 
 
 def test_predicted_time_adds_up_for_sample_parallelism():
     model, timer = _line_net(), FlopTimer()
     m = AlphaBeta(alpha=1e-4, beta=1e-8)
-    plan = plan_for_model(model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1)
+    plan = plan_for_model(
+        model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1
+    )
     assert plan.halo_time == 0 and plan.shuffle_time == 0
     compute = sum(c.compute for c in plan.stage_costs.values())
     assert plan.compute_time == pytest.approx(compute)
     hidden = plan.allreduce_time - plan.exposed_allreduce_time
     assert 0 <= hidden <= plan.allreduce_time
     assert plan.predicted_step_time == pytest.approx(compute + plan.exposed_allreduce_time + plan.optimizer_time)
-    fused = plan_for_model(model, (3, 16, 16), 2, batch_size=2, alpha_beta=m, timer=timer, restrict=lambda d: d.h == d.w == 1,
-                           gradient_reduction="single")
+    fused = plan_for_model(
+        model,
+        (3, 16, 16),
+        2,
+        batch_size=2,
+        alpha_beta=m,
+        timer=timer,
+        restrict=lambda d: d.h == d.w == 1,
+        gradient_reduction="single",
+    )
     nbytes = 4 * sum(p.numel() for p in model.parameters())
     assert fused.exposed_allreduce_time == pytest.approx(alphabeta.allreduce(nbytes, 2, m))  # nothing left to hide it
 
@@ -151,7 +167,9 @@ class _Residual(nn.Module):
 
 
 def test_longest_path_first_assigns_every_layer_of_a_branching_net():
-    plan = plan_for_model(_Residual(), (3, 16, 16), 4, batch_size=2, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
+    plan = plan_for_model(
+        _Residual(), (3, 16, 16), 4, batch_size=2, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer()
+    )
     assert plan.method == "longest-path-first"
     names = {"stem", "a", "b", "skip", "head", "add"}
     assert names <= set(plan.distributions)
@@ -201,7 +219,9 @@ def test_plan_spatial_cli_loaded_sync_reads_the_cached_calibration(tmp_path, mon
 
 
 def _plan_in_job(rank, world_size):
-    plan = plan_for_model(_line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer())
+    plan = plan_for_model(
+        _line_net(), (3, 32, 32), world_size, batch_size=1, alpha_beta=AlphaBeta(1e-6, 1e-10), timer=FlopTimer()
+    )
     return {name: str(d) for name, d in plan.distributions.items()}, plan.spatial_parts
 
 
@@ -271,7 +291,9 @@ def test_prediction_grows_by_the_sync_points_times_the_measured_cost():
     grad_ab = alphabeta.allreduce(nbytes, 4, m)
     assert small.exposed_allreduce_time == pytest.approx(max(grad_ab, 1e-3))
     # every non-gradient sync point adds the same measured extra: the difference is 6 x 2 ms + the allreduce's 2 ms
-    diff = (large.predicted_step_time - large.optimizer_time) - (small.predicted_step_time - small.optimizer_time)  # optimizer: timed
+    diff = (large.predicted_step_time - large.optimizer_time) - (
+        small.predicted_step_time - small.optimizer_time
+    )  # optimizer: timed
     assert diff == pytest.approx(6 * 2e-3 + 2e-3, rel=1e-6)
     assert large.sync_time - small.sync_time == pytest.approx(6 * 2e-3, rel=1e-6)
 
@@ -297,22 +319,38 @@ def test_loaded_gradient_allreduce_and_overlap():
     hides_all = dataclasses.replace(big, large_overlapped_s=0.0)
     assert hides_all.overlap_fraction == 1.0
     full = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **kw)
-    assert half.allreduce_time == pytest.approx(full.allreduce_time) and half.allreduce_time >= 4e-3  # 4 layers, >= 1 ms each
+    assert (
+        half.allreduce_time == pytest.approx(full.allreduce_time) and half.allreduce_time >= 4e-3
+    )  # 4 layers, >= 1 ms each
     assert full.exposed_allreduce_time < 0.5 * full.allreduce_time  # backward hides the early ones
     assert half.exposed_allreduce_time == pytest.approx(0.5 * half.allreduce_time)
     # DDP's buckets: this small model fills one bucket, ready only when backward is done: nothing hides it
-    ddp = plan_for_model(model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **(kw | {"gradient_reduction": "bucketed"}))
+    ddp = plan_for_model(
+        model, (3, 32, 32), 2, batch_size=2, sync=hides_all, **(kw | {"gradient_reduction": "bucketed"})
+    )
     assert ddp.exposed_allreduce_time == pytest.approx(ddp.allreduce_time) and ddp.sync_points == 1
 
 
 def test_ddp_buckets_follow_the_bucket_caps():
     from lightning_hpc.spatial import planner
 
-    big_net = nn.Sequential(nn.Conv2d(3, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1), nn.Conv2d(256, 256, 3, padding=1),
-                            nn.Conv2d(256, 256, 3, padding=1))
+    big_net = nn.Sequential(
+        nn.Conv2d(3, 256, 3, padding=1),
+        nn.Conv2d(256, 256, 3, padding=1),
+        nn.Conv2d(256, 256, 3, padding=1),
+        nn.Conv2d(256, 256, 3, padding=1),
+    )
     m = AlphaBeta(alpha=1.0, beta=0.0)  # every allreduce costs 1 s: the count of buckets shows in the time
-    plan = plan_for_model(big_net, (3, 8, 8), 2, batch_size=2, alpha_beta=m, timer=FlopTimer(), restrict=lambda d: d.h == d.w == 1,
-                          gradient_reduction="bucketed")
+    plan = plan_for_model(
+        big_net,
+        (3, 8, 8),
+        2,
+        batch_size=2,
+        alpha_beta=m,
+        timer=FlopTimer(),
+        restrict=lambda d: d.h == d.w == 1,
+        gradient_reduction="bucketed",
+    )
     sizes = [4 * sum(p.numel() for p in layer.parameters()) for layer in big_net][::-1]  # backward order
     buckets, acc, cap = 0, 0, planner.DDP_FIRST_BUCKET_BYTES
     for nbytes in sizes:
@@ -325,4 +363,12 @@ def test_ddp_buckets_follow_the_bucket_caps():
 
 def test_sync_calibration_must_match_the_world_size():
     with pytest.raises(ValueError, match="calibrate_sync\\(4\\)"):
-        plan_for_model(_line_net(), (3, 16, 16), 4, batch_size=4, alpha_beta=AlphaBeta(1e-5, 1e-9), timer=FlopTimer(), sync=_sync(2))
+        plan_for_model(
+            _line_net(),
+            (3, 16, 16),
+            4,
+            batch_size=4,
+            alpha_beta=AlphaBeta(1e-5, 1e-9),
+            timer=FlopTimer(),
+            sync=_sync(2),
+        )

@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix", default="", help="suffix of the channel directories (<channel><suffix>/)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="time steps before the snapshot")
     p.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD, help="steps the label looks ahead")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 avoids oversubscribing shared nodes)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 avoids oversubscribing shared nodes)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -60,7 +62,9 @@ def main(argv: Sequence[str]) -> int:
     )
     positives, t0 = 0.0, time.perf_counter()
     indices = range(args.start, args.start + args.samples)
-    for index in tqdm(indices, desc=f"mesh-data {args.size}x{args.size}", unit="sample", disable=args.quiet, file=sys.stderr):
+    for index in tqdm(
+        indices, desc=f"mesh-data {args.size}x{args.size}", unit="sample", disable=args.quiet, file=sys.stderr
+    ):
         sample = generate_sample(args.seed, index, args.size, args.steps, args.lookahead)
         write_sample(args.out, index, sample, args.suffix)
         positives += float(sample[TARGET].mean())

@@ -56,7 +56,9 @@ class MeshTanglingDataModule(pl.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if val_samples < 0 or (train_samples is not None and train_samples < 1):
-            raise ValueError(f"data.train_samples must be >= 1 and data.val_samples >= 0, got {train_samples}, {val_samples}")
+            raise ValueError(
+                f"data.train_samples must be >= 1 and data.val_samples >= 0, got {train_samples}, {val_samples}"
+            )
         self.data_dir, self.on_the_fly, self.size = data_dir, on_the_fly, size
         self.train_samples, self.val_samples, self.batch_size = train_samples, val_samples, batch_size
         self.seed, self.suffix, self.normalize = seed, suffix, normalize
@@ -91,7 +93,10 @@ class MeshTanglingDataModule(pl.LightningDataModule):
         if self.on_the_fly:
             total = (self.train_samples or 16) + self.val_samples
             return OnTheFlySource(self.size, self.seed, self.steps, self.lookahead), total
-        hint = f"generate it with `lightning-hpc mesh-data --size {self.size} --samples 16 --out DIR`, or set data.on_the_fly=true to generate samples on the fly"
+        hint = (
+            f"generate it with `lightning-hpc mesh-data --size {self.size} --samples 16 --out DIR`, or set "
+            "data.on_the_fly=true to generate samples on the fly"
+        )
         if not self.data_dir:
             raise FileNotFoundError(f"data.data_dir is not set; {hint}")
         root = Path(self.data_dir).expanduser()
@@ -99,7 +104,9 @@ class MeshTanglingDataModule(pl.LightningDataModule):
             raise FileNotFoundError(f"data.data_dir: mesh data directory {str(root)!r} does not exist; {hint}")
         available = count_samples(root, self.suffix)
         if available == 0:
-            raise FileNotFoundError(f"data.data_dir: no complete mesh sample (18 channels + mask, index 0000) in {str(root)!r}; {hint}")
+            raise FileNotFoundError(
+                f"data.data_dir: no complete mesh sample (18 channels + mask, index 0000) in {str(root)!r}; {hint}"
+            )
         return DiskSource(root, self.suffix), available
 
     def setup(self, stage: str | None = None) -> None:

@@ -83,7 +83,14 @@ class OnTheFlySource(MeshSource):
     is cut out of it: unlike :class:`DiskSource`, this mode does hold a full sample per process; the last
     ``cache`` samples are kept so that the tiles of one sample are not regenerated."""
 
-    def __init__(self, size: int | Sequence[int], seed: int = 0, steps: int = DEFAULT_STEPS, lookahead: int = DEFAULT_LOOKAHEAD, cache: int = 1) -> None:
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        seed: int = 0,
+        steps: int = DEFAULT_STEPS,
+        lookahead: int = DEFAULT_LOOKAHEAD,
+        cache: int = 1,
+    ) -> None:
         self.shape = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
         self.seed, self.steps, self.lookahead, self.cache = seed, steps, lookahead, cache
         self._cache: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()

@@ -23,7 +23,16 @@ import numpy as np
 
 from lightning_hpc.data.mesh_tangling.generator import CHANNELS, TARGET
 
-__all__ = ["channel_path", "write_sample", "read_tile", "write_meta", "read_meta", "sample_shape", "count_samples", "MAX_SAMPLES"]
+__all__ = [
+    "channel_path",
+    "write_sample",
+    "read_tile",
+    "write_meta",
+    "read_meta",
+    "sample_shape",
+    "count_samples",
+    "MAX_SAMPLES",
+]
 
 MAX_SAMPLES = 10_000  # 4-digit indices
 
@@ -34,7 +43,13 @@ def channel_path(root: str | os.PathLike, channel: str, index: int, suffix: str 
     return Path(root) / f"{channel}{suffix}" / f"{channel}{index:04d}.bin"
 
 
-def write_sample(root: str | os.PathLike, index: int, sample: dict[str, np.ndarray], suffix: str = "", channels: Iterable[str] = (*CHANNELS, TARGET)) -> None:
+def write_sample(
+    root: str | os.PathLike,
+    index: int,
+    sample: dict[str, np.ndarray],
+    suffix: str = "",
+    channels: Iterable[str] = (*CHANNELS, TARGET),
+) -> None:
     """Write every channel of ``sample`` as raw row-major float32."""
     for name in channels:
         path = channel_path(root, name, index, suffix)
@@ -93,7 +108,9 @@ def read_tile(
     path = channel_path(root, channel, index, suffix)
     expected = height * width * 4
     if path.stat().st_size != expected:
-        raise ValueError(f"{path} has {path.stat().st_size} bytes, expected {expected} for a {height} x {width} float32 image")
+        raise ValueError(
+            f"{path} has {path.stat().st_size} bytes, expected {expected} for a {height} x {width} float32 image"
+        )
     # Map only the rows of the tile (offset = first row), then copy the columns out of them.
     mm = np.memmap(path, dtype=np.float32, mode="r", offset=h0 * width * 4, shape=(h1 - h0, width))
     tile = np.array(mm[:, w0:w1])

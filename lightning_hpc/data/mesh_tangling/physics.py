@@ -69,13 +69,16 @@ class ShockBubble:
         angles = rng.uniform(0, 2 * math.pi, n_sec)
         # Roll-ups sit on the interface, slightly inside or outside it.
         rad = radius * (1 + rng.uniform(-0.04, 0.04, n_sec))
-        centers = tuple((float(center_z + r * math.cos(a)), float(center_r + r * math.sin(a))) for a, r in zip(angles, rad))
+        centers = tuple(
+            (float(center_z + r * math.cos(a)), float(center_r + r * math.sin(a))) for a, r in zip(angles, rad)
+        )
         cores = tuple(float(c) for c in rng.uniform(2.5, 6.0, n_sec))
         # The sheet strength scales with |sin(theta)|: roll-ups are strongest where the front meets the
         # interface obliquely.  Their spin (turns) is drawn around what tangles a core of that size.
         strength = np.abs(np.sin(angles)) * 0.7 + 0.3
         turns = tuple(
-            float(np.sign(math.sin(a) * atwood) * s * c * rng.uniform(0.8, 2.4)) for a, s, c in zip(angles, strength, cores)
+            float(np.sign(math.sin(a) * atwood) * s * c * rng.uniform(0.8, 2.4))
+            for a, s, c in zip(angles, strength, cores)
         )
         return cls(
             center_z=center_z,
@@ -104,7 +107,9 @@ class ShockBubble:
         return self.shock_start + self.shock_speed * t
 
 
-def _lamb_oseen(z: torch.Tensor, r: torch.Tensor, cz: torch.Tensor, cr: torch.Tensor, gamma: torch.Tensor, core: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _lamb_oseen(
+    z: torch.Tensor, r: torch.Tensor, cz: torch.Tensor, cr: torch.Tensor, gamma: torch.Tensor, core: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Velocity of Lamb-Oseen vortices (circulation ``gamma``, core ``core``) at points; sums over vortices.
 
     ``z, r``: (...,) points; ``cz, cr, gamma``: (K,) vortices.
@@ -129,7 +134,9 @@ class LagrangianMesh:
     SHEET_Z_RANGE = (-0.8, 2.2)
     SHEET_R_RANGE = (-1.0, 2.0)
 
-    def __init__(self, problem: ShockBubble, height: int, width: int, dt: float = 0.0125, primary_grid: float = 1 / 128) -> None:
+    def __init__(
+        self, problem: ShockBubble, height: int, width: int, dt: float = 0.0125, primary_grid: float = 1 / 128
+    ) -> None:
         if height < 2 or width < 2:
             raise ValueError(f"mesh must have at least 2 x 2 cells, got {height} x {width}")
         self.p, self.height, self.width, self.dt = problem, height, width, dt
@@ -158,7 +165,9 @@ class LagrangianMesh:
         self._fine = self._grid(self.h, self.Z_RANGE, self.R_RANGE)
 
     @staticmethod
-    def _grid(spacing: float, z_range: tuple[float, float], r_range: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grid(
+        spacing: float, z_range: tuple[float, float], r_range: tuple[float, float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         nz = int(math.ceil((z_range[1] - z_range[0]) / spacing))
         nr = int(math.ceil((r_range[1] - r_range[0]) / spacing))
         gz = z_range[0] + spacing * torch.arange(nz + 1, dtype=torch.float64)
@@ -216,7 +225,9 @@ class LagrangianMesh:
         kr = (2 * math.pi * torch.fft.fftfreq(nr, d, dtype=torch.float64)).unsqueeze(1)
         kz = 2 * math.pi * torch.fft.rfftfreq(nz, d, dtype=torch.float64)
         k2 = kr**2 + kz**2
-        psi_hat = omega_hat * torch.exp(-k2 * self.p.primary_core**2 / 4) / torch.where(k2 == 0, torch.ones_like(k2), k2)
+        psi_hat = (
+            omega_hat * torch.exp(-k2 * self.p.primary_core**2 / 4) / torch.where(k2 == 0, torch.ones_like(k2), k2)
+        )
         psi_hat[0, 0] = 0
         u = torch.fft.irfft2(1j * kr * psi_hat, s=(nr, nz))
         v = torch.fft.irfft2(-1j * kz * psi_hat, s=(nr, nz))
@@ -245,7 +256,9 @@ class LagrangianMesh:
         return field
 
     @staticmethod
-    def _sample(field: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor], z: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        field: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor], z: torch.Tensor, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Bilinear interpolation of a (2, nr, nz) field on ``grid`` (its z and r nodes) at points."""
         gz0, gz1, gr0, gr1 = float(grid[0][0]), float(grid[0][-1]), float(grid[1][0]), float(grid[1][-1])
         gz = 2 * (z - gz0) / (gz1 - gz0) - 1

@@ -111,7 +111,9 @@ def quad_quality(nodes: torch.Tensor) -> dict[str, torch.Tensor]:
     aspect = _cap(lengths.amax(0) * lengths.sum(0) / (4 * area).clamp_min(_TINY), area <= 0)
     # With corner nodes included, the minimum of the bilinear map's det J is min(alpha)/4 and the area is
     # sum(alpha)/4, so Verdict's distortion (min det J * master area 4 / area) is jacobian / area.
-    distortion = torch.where(area.abs() > _TINY, jac / torch.where(area.abs() > _TINY, area, torch.ones_like(area)), torch.zeros_like(area))
+    distortion = torch.where(
+        area.abs() > _TINY, jac / torch.where(area.abs() > _TINY, area, torch.ones_like(area)), torch.zeros_like(area)
+    )
 
     # Interior angle at corner k between -L_{k-1} and L_k; reflex (> 180 deg) where alpha_k < 0.
     angles = torch.remainder(torch.atan2(alpha, -dots), 2 * math.pi) * (180.0 / math.pi)

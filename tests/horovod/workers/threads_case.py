@@ -22,7 +22,9 @@ class Report(Callback):
 
 
 ds = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))
-model = ImageClassifier(torch.nn.Sequential(torch.nn.Linear(4, 2)), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=2)
+model = ImageClassifier(
+    torch.nn.Sequential(torch.nn.Linear(4, 2)), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=2
+)
 trainer = pl.Trainer(strategy="horovod", accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()])
 trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=2))

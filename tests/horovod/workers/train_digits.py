@@ -85,7 +85,9 @@ def main() -> None:
     )
     data = RecordingDigits(batch_size=16)
     io = CountingCheckpointIO()
-    callbacks: list[pl.Callback] = [pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)]
+    callbacks: list[pl.Callback] = [
+        pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)
+    ]
     kfac = None
     if args.kfac:
         from lightning_hpc import KFAC
