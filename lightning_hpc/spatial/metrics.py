@@ -16,12 +16,15 @@ Under spatial parallelism a value reaches a metric in one of two forms, and each
 
 :func:`count_once_per_pixel` wraps the ``update`` of each metric of a module; a metric decides its form at its
 first update and a later update in the other form is refused (its states could not be synchronised exactly).
-Metrics held outside the LightningModule (e.g. in a callback) are not seen and keep torchmetrics' all-rank sum.
+The strategy wraps the metrics of the LightningModule and those held by the Trainer's callbacks (as attributes,
+or in lists and dicts of them) when it sets up; a metric created later (e.g. at the first batch) is not seen and
+keeps torchmetrics' all-rank sum.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,7 +33,7 @@ from torch import nn
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
 from lightning_hpc.spatial.tiling import HybridLayout
 
-__all__ = ["count_once_per_pixel"]
+__all__ = ["count_once_per_pixel", "metrics_in"]
 
 _MARK = "_lightning_hpc_spatial_update"
 
@@ -57,12 +60,30 @@ def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tup
     return tuple(tile(a) for a in args), {k: tile(v) for k, v in kwargs.items()}
 
 
-def count_once_per_pixel(module: nn.Module, layout: HybridLayout) -> int:
-    """Wrap the ``update`` of every torchmetrics ``Metric`` in ``module`` (see the module docstring); returns how
-    many were wrapped.  Idempotent."""
+def metrics_in(holder: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(name, metric)`` for every torchmetrics ``Metric`` of ``holder``: the modules of an ``nn.Module``, or,
+    for any other object (a Lightning ``Callback``), its attributes that are metrics, modules holding metrics,
+    or lists / tuples / dicts of them."""
+    if isinstance(holder, nn.Module):
+        for name, m in holder.named_modules(prefix=prefix):
+            if _is_metric(m):
+                yield name, m
+        return
+    for attr, value in vars(holder).items():
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+            else [(None, value)]
+        for key, item in items:
+            if isinstance(item, nn.Module):
+                yield from metrics_in(item, f"{prefix}{attr}" + ("" if key is None else f"[{key!r}]"))
+
+
+def count_once_per_pixel(holder: Any, layout: HybridLayout, prefix: str = "") -> int:
+    """Wrap the ``update`` of every torchmetrics ``Metric`` of ``holder`` (a module, or an object such as a
+    callback holding metrics: :func:`metrics_in`; see the module docstring); returns how many were wrapped.
+    Idempotent."""
     wrapped = 0
-    for name, metric in module.named_modules():
-        if not _is_metric(metric) or getattr(metric, _MARK, None) is not None:
+    for name, metric in metrics_in(holder, prefix):
+        if getattr(metric, _MARK, None) is not None:
             continue
         update = metric.update
         mode: dict[str, str] = {}

@@ -247,6 +247,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         if self.layout.grid.size > 1:
             count_once_per_pixel(module, self.layout)
+            trainer = module._trainer
+            # the Trainer's callbacks are set by Lightning's callback connector (undeclared on the class)
+            callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+            for callback in callbacks:  # metrics a callback holds
+                count_once_per_pixel(callback, self.layout, prefix=f"{type(callback).__name__}.")
         self._converted = True
 
     @override
