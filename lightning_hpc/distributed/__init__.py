@@ -6,7 +6,9 @@ from lightning_hpc.distributed.comm import (
     get_communicator,
 )
 from lightning_hpc.distributed.groups import (
+    MeshDim,
     NodeGroups,
+    build_mesh,
     check_divisible,
     default_timeout,
     mesh_2d,
@@ -22,7 +24,9 @@ __all__ = [
     "Communicator",
     "TorchDistributedCommunicator",
     "get_communicator",
+    "MeshDim",
     "NodeGroups",
+    "build_mesh",
     "check_divisible",
     "default_timeout",
     "mesh_2d",

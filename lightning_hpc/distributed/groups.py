@@ -9,6 +9,7 @@ every rank to take part in creating every group).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ __all__ = [
     "gather_hostnames",
     "hosts_layout",
     "local_world_size_from_env",
+    "MeshDim",
+    "build_mesh",
+    "mesh_ranks",
+    "mesh_sizes",
     "mesh_2d",
     "group_timeout",
     "new_group",
@@ -154,68 +159,163 @@ def node_groups(
     leader_backend: str | None = "gloo",
     timeout: datetime.timedelta | None = None,
     layout: Sequence[Sequence[int]] | None = None,
+    device_type: str = "cpu",
 ) -> NodeGroups:
     """Create the node hierarchy: one group per node and one group of node leaders.
 
     ``layout`` lists the ranks of each node (default: contiguous blocks of ``group_size``); each group is led by
-    its lowest rank.  ``intra_backend`` defaults to the world backend (NCCL on GPUs); the leader group defaults
-    to gloo so the inter-node step can be driven from a CPU thread, as the layered-SGD paper's CPU
-    communicators are.
+    its lowest rank.  ``intra_backend`` defaults to the world backend for ``device_type`` (NCCL on GPUs); the
+    leader group defaults to gloo so the inter-node step can be driven from a CPU thread, as the layered-SGD
+    paper's CPU communicators are.
+
+    The groups are a ``("node", "local")`` DeviceMesh (:func:`build_mesh`) with one row per node, in any rank
+    placement (hosts need not hold contiguous ranks): ``"local"`` is this rank's node group and ``"node"`` on a
+    leader (the first column) the leader group.  The other columns' ``"node"`` groups join the i-th ranks of
+    every node; layered SGD does not use them.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = check_layout(layout, world) if layout is not None else contiguous_layout(world, group_size)
-    timeout = timeout or default_timeout()
-    mine, index = None, -1
-    for g, ranks in enumerate(groups):
-        pg = dist.new_group(ranks, backend=intra_backend, timeout=timeout)
-        if rank in ranks:
-            mine, index = pg, g
-    leader_ranks = [ranks[0] for ranks in groups]
-    leaders = dist.new_group(leader_ranks, backend=leader_backend, timeout=timeout)
-    assert mine is not None
+    index = next(g for g, ranks in enumerate(groups) if rank in ranks)
+    dims = [MeshDim("node", len(groups), backend=leader_backend),
+            MeshDim("local", len(groups[0]), backend=intra_backend)]
+    mesh = build_mesh(dims, device_type=device_type, timeout=timeout or default_timeout(), ranks=groups)
+    leader = groups[index][0]
     return NodeGroups(
         group_size=len(groups[0]),
         num_groups=len(groups),
         group_index=index,
-        leader_rank=groups[index][0],
-        intra=mine,
-        leaders=leaders if rank in leader_ranks else None,
+        leader_rank=leader,
+        intra=mesh.get_group("local"),
+        leaders=mesh.get_group("node") if rank == leader else None,
         members=tuple(groups[index]),
     )
 
 
-def _backend_options(device_type: str, timeout: datetime.timedelta) -> tuple[str, Any] | None:
-    """(backend name, options carrying ``timeout``) of the world's backend for ``device_type``, for a
-    DeviceMesh's ``backend_override``; None for a backend whose options we cannot build."""
-    spec = str(dist.get_backend())  # "gloo", "nccl" or "cpu:gloo,cuda:nccl"
+def _world_backend(device_type: str) -> str | None:
+    """The world's backend for ``device_type``: ``"gloo"`` from ``"cpu:gloo,cuda:nccl"``; a single backend
+    (``"nccl"``) serves every device type."""
+    spec = str(dist.get_backend())
     pairs = dict(p.split(":", 1) for p in spec.split(",")) if ":" in spec else {device_type: spec}
-    name = pairs.get(device_type)
+    return pairs.get(device_type)
+
+
+def _backend_config(device_type: str, backend: str | None, timeout: datetime.timedelta) -> tuple[str | None, Any]:
+    """(backend, options carrying ``timeout``) for one dimension of a DeviceMesh (its ``backend_override``).
+
+    ``backend`` defaults to the world's for ``device_type``.  A backend whose options type we do not know
+    (neither gloo nor NCCL) gets ``(name, None)``: its groups are still the mesh's own (never the world group),
+    with torch's default timeout."""
+    name = backend or _world_backend(device_type)
     if name == "gloo":
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options (runtime class)
     elif name == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         opts = dist.ProcessGroupNCCL.Options()
     else:
-        return None
+        return name, None
     opts._timeout = timeout
     return name, opts
 
 
-def mesh_2d(outer: int, inner: int, names: tuple[str, str], device_type: str = "cpu", timeout: datetime.timedelta | None = None):
-    """A 2-D DeviceMesh of shape ``(outer, inner)``; ``outer * inner`` must equal the world size.
+@dataclass(frozen=True)
+class MeshDim:
+    """One named dimension of a strategy's topology.
 
-    Rank r sits at ``(r // inner, r % inner)``: the inner dimension holds contiguous ranks (same node).
-    Its groups get ``timeout``, by default the world group's (the strategy's): torch would give a mesh's groups
-    its 30-minute default, so a stuck peer would hang a collective on them that long.
+    ``size=-1`` takes the ranks the other dimensions leave (the data-parallel replicas, as torchtitan's
+    ``ParallelDims(dp_shard=-1)``).  ``setting`` is what the user changes to change the size, written as it is
+    named in errors (``"spatial_parts=2x2"``, ``"layer_parallel_size=4"``); ``what`` says what one group of this
+    dimension is.  ``backend``: the dimension's groups' backend (default: the world's for the mesh's device).
     """
-    from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    if outer * inner != world:
+    name: str
+    size: int = -1
+    setting: str = ""
+    what: str = ""
+    backend: str | None = None
+
+
+def _setting_name(dim: MeshDim) -> str:
+    return (dim.setting or dim.name).split("=", 1)[0]
+
+
+def mesh_sizes(world_size: int, dims: Sequence[MeshDim]) -> tuple[int, ...]:
+    """The size of every dimension, ``-1`` resolved; raises ValueError naming the setting to change when
+    the dimensions do not fit ``world_size`` ranks."""
+    if not dims or len({d.name for d in dims}) != len(dims):
+        raise ValueError(f"a mesh needs distinct dimension names, got {[d.name for d in dims]}")
+    free = [d for d in dims if d.size == -1]
+    if len(free) > 1:
+        names = [d.name for d in free]
+        raise ValueError(f"only one mesh dimension may take the remaining ranks (size -1), got {names}")
+    for d in dims:
+        if d.size != -1 and d.size <= 0:
+            raise ValueError(f"{d.setting or f'{d.name}={d.size}'}: must be a positive integer")
+    fixed = [d for d in dims if d.size != -1]
+    product = math.prod(d.size for d in fixed)
+    if free:
+        if world_size % product != 0:
+            shown = " x ".join(d.setting or f"{d.name}={d.size}" for d in fixed)
+            what = "; ".join(d.what for d in fixed if d.what)
+            change = " or ".join(_setting_name(d) for d in fixed)
+            raise ValueError(
+                f"world size {world_size} is not divisible by {shown}{f' ({what})' if what else ''}; "
+                f"use a world size that is a multiple of {product}, or change {change}"
+            )
+        return tuple(world_size // product if d.size == -1 else d.size for d in dims)
+    if product != world_size:
         raise ValueError(
-            f"a {names[0]} x {names[1]} mesh of {outer} x {inner} = {outer * inner} ranks does not match "
-            f"world size {world}; choose sizes whose product is {world}"
+            f"a {' x '.join(d.name for d in dims)} mesh of {' x '.join(str(d.size) for d in dims)} = {product} ranks "
+            f"does not match world size {world_size}; choose sizes whose product is {world_size} "
+            f"(change {' or '.join(_setting_name(d) for d in dims)})"
         )
-    timeout = timeout or group_timeout()
-    override = _backend_options(device_type, timeout) if timeout is not None else None
-    return init_device_mesh(device_type, (outer, inner), mesh_dim_names=names,
-                            backend_override={names[0]: override, names[1]: override} if override else None)  # fmt: skip
+    return tuple(d.size for d in dims)
+
+
+def mesh_ranks(world_size: int, dims: Sequence[MeshDim], ranks: Any = None) -> Any:
+    """The mesh tensor: global ranks laid out in the dimensions' shape.  Default: row-major blocks (the last
+    dimension holds contiguous ranks, i.e. one node); ``ranks`` gives any other placement (e.g. one row per
+    host, :func:`hosts_layout`), checked to hold every rank once in the dimensions' shape."""
+    import torch
+
+    sizes = mesh_sizes(world_size, dims)
+    if ranks is None:
+        return torch.arange(world_size, dtype=torch.int).reshape(sizes)
+    mesh = torch.as_tensor(ranks, dtype=torch.int)
+    if tuple(mesh.shape) != sizes or sorted(mesh.flatten().tolist()) != list(range(world_size)):
+        raise ValueError(
+            f"the rank layout {mesh.tolist()} does not place ranks 0..{world_size - 1} once each on a "
+            f"{' x '.join(d.name for d in dims)} mesh of shape {sizes}"
+        )
+    return mesh
+
+
+def build_mesh(
+    dims: Sequence[MeshDim],
+    *,
+    device_type: str = "cpu",
+    timeout: datetime.timedelta | None = None,
+    ranks: Any = None,
+):
+    """The one builder of a strategy's topology: validates ``dims`` against the world (:func:`mesh_sizes`) and
+    returns a DeviceMesh with those dimension names, whose groups ``mesh.get_group(name)`` are the strategy's
+    named process groups.  Collective: every rank of the world calls it with the same arguments.
+
+    ``ranks`` places the ranks (default: row-major blocks, see :func:`mesh_ranks`); non-contiguous placements
+    are fine.  Every dimension's groups get ``timeout``, by default the world group's (the strategy's): torch
+    would give them its 30-minute default, so a stuck peer would hang a collective on them that long.  They are
+    always the mesh's own groups, even a dimension spanning the whole world (torch would hand out the world
+    group there, and collectives on it would interleave with DDP's).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = mesh_ranks(dist.get_world_size(), dims, ranks)
+    timeout = timeout or group_timeout() or default_timeout()
+    override = tuple(_backend_config(device_type, d.backend, timeout) for d in dims)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=tuple(d.name for d in dims), backend_override=override)
+
+
+def mesh_2d(
+    outer: int, inner: int, names: tuple[str, str], device_type: str = "cpu", timeout: datetime.timedelta | None = None
+):
+    """A 2-D DeviceMesh of shape ``(outer, inner)`` (:func:`build_mesh`); ``outer * inner`` must equal the
+    world size.  Rank r sits at ``(r // inner, r % inner)``: the inner dimension holds contiguous ranks."""
+    return build_mesh([MeshDim(names[0], outer), MeshDim(names[1], inner)], device_type=device_type, timeout=timeout)

@@ -3,14 +3,18 @@
 Saving gathers every shard (and every optimizer state tensor shaped like a shard: momentum, Adam moments) into the
 full tensor under the unsharded model's key; loading slices full tensors back into this rank's shard
 (``ShardedLinear._load_from_state_dict`` for the weights, :func:`shard_optimizer_state` for the optimizer).  A
-full checkpoint therefore loads into K' ranks for any K', or into the plain single-device model.
+full checkpoint therefore loads into K' ranks for any K', or into the plain single-device model.  This module
+knows which tensors are shards and along which dimension; the transport is the shared one,
+:func:`lightning_hpc.distributed.state.gather_keyed_tensors` (shards are its *split* keys).
 
-Memory of saving.  ``rank0_only=False`` all-gathers: every rank ends with the full head (fine for small heads and
-tests).  ``rank0_only=True, cpu=True`` (what :class:`HybridParallelStrategy` uses) gathers one tensor at a time to
-rank 0 and moves it to host memory at once: on rank 0 the device holds its shards plus, transiently, about two
-copies of the largest single head tensor (K padded blocks and the concatenation); the host holds the full
-checkpoint; every other rank holds only its shards plus one padded block.  So a head that does not fit one
-device's memory is saved as long as its largest layer fits twice and the whole model fits rank 0's host memory.
+Memory of saving.  ``rank0_only=False`` gathers to every rank: every rank ends with the full head (fine for small
+heads and tests).  ``rank0_only=True, cpu=True`` (what :class:`HybridParallelStrategy` uses) sends every rank's
+shards to rank 0 in flat buckets of at most ``DEFAULT_BUCKET_BYTES`` (32 MiB; a larger shard travels alone), one
+bucket at a time, each received shard moved to host memory at once: on rank 0 the device holds its shards plus,
+transiently, one bucket; the host holds the full checkpoint plus, while it concatenates, one more copy of one full
+tensor; every other rank holds its shards plus the bucket it is sending.  So a head that does not fit one
+device's memory is saved as long as one bucket (or the largest shard) fits beside the shards and the whole model
+fits rank 0's host memory.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_hpc.distributed.state import gather_keyed_tensors, take_slice
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
 __all__ = ["full_state_dict", "full_optimizer_state", "shard_optimizer_state"]
@@ -30,38 +36,41 @@ def _shards(module: nn.Module) -> list[tuple[str, ShardedLinear]]:
     return [(n, m) for n, m in module.named_modules() if isinstance(m, ShardedLinear)]
 
 
-def _head_comm(module: nn.Module) -> Any:
+def _head_group(module: nn.Module) -> Any:
     from lightning_hpc.hybrid_fc.parallel import find_hybrid_head
 
-    return find_hybrid_head(module).comm
+    group = find_hybrid_head(module).comm.group
+    return dist.group.WORLD if group is None and dist.is_initialized() else group
 
 
-def _gather(comm: Any, shard: ShardedLinear, name: str, value: torch.Tensor, rank0_only: bool, cpu: bool) -> torch.Tensor:
-    """Full tensor of a shard-shaped ``value``; with ``rank0_only`` only group rank 0 gets it (others keep
-    ``value``)."""
-    sizes, dim = shard.shard_sizes(name)
-    value = value.detach().contiguous()
-    if rank0_only:
-        full = comm.gather(value, sizes, dim=dim, dst=0, count=False)
-        if full is None:
-            return value
-    else:
-        full = comm.all_gather(value, sizes, dim=dim).clone()
-    return full.cpu() if cpu else full
+def _gather(module: nn.Module, shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]], rank0_only: bool,
+            cpu: bool) -> dict[str, torch.Tensor]:
+    """The full tensors of shard-shaped tensors (key -> (shard, parameter name, this rank's tensor)); with
+    ``rank0_only`` only group rank 0 gets them (the other ranks get their own tensors back).  Collective."""
+    group = _head_group(module)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {key: value.detach().cpu() if cpu else value.detach() for key, (_, _, value) in shards.items()}
+    local = {key: value.detach().contiguous() for key, (_, _, value) in shards.items()}
+    split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
+    dst = dist.get_global_rank(group, 0)
+    full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,
+                                out_device="cpu" if cpu else None)
+    if rank0_only and dist.get_rank() != dst:
+        return {}
+    for key, (shard, pname, _) in shards.items():
+        assert tuple(full[key].shape) == shard.full_shape(pname), (key, tuple(full[key].shape))
+    return dict(full)
 
 
 def full_state_dict(module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every head shard replaced by the full tensor (collective: call on all ranks).
 
-    ``rank0_only``: gather to group rank 0 only, one tensor at a time (the other ranks' dict keeps the shards);
-    ``cpu``: move each gathered tensor to host memory right away (see the module docstring for the peaks)."""
+    ``rank0_only``: gather to group rank 0 only (the other ranks' dict keeps the shards); ``cpu``: move each
+    gathered tensor to host memory as it arrives (see the module docstring for the peaks)."""
     state = module.state_dict(prefix=prefix)
-    comm = _head_comm(module)
-    for name, shard in _shards(module):
-        for pname in ("weight", "bias"):
-            key = f"{prefix}{name}.{pname}"
-            if key in state:
-                state[key] = _gather(comm, shard, pname, state[key], rank0_only, cpu)
+    shards = {f"{prefix}{name}.{pname}": (shard, pname, state[f"{prefix}{name}.{pname}"])
+              for name, shard in _shards(module) for pname in ("weight", "bias") if f"{prefix}{name}.{pname}" in state}
+    state.update(_gather(module, shards, rank0_only, cpu))
     return state
 
 
@@ -81,16 +90,17 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, ra
     """``optimizer.state_dict()`` with the head shards' state tensors gathered to full shape (collective;
     ``rank0_only``/``cpu`` as in :func:`full_state_dict`)."""
     sd = optimizer.state_dict()
-    comm = _head_comm(module)
     index = _param_index(optimizer, module)
     state = dict(sd["state"])
+    shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]] = {}
     for i, (shard, pname) in sorted(index.items()):
-        entry = dict(state.get(i, {}))
         shard_shape = tuple(getattr(shard, pname).shape)
-        for key, value in sorted(entry.items()):
+        for key, value in sorted(state.get(i, {}).items()):
             if torch.is_tensor(value) and tuple(value.shape) == shard_shape:
-                entry[key] = _gather(comm, shard, pname, value, rank0_only, cpu)
-        state[i] = entry
+                shards[f"{i}/{key}"] = (shard, pname, value)
+    for skey, value in _gather(module, shards, rank0_only, cpu).items():
+        index_text, key = skey.split("/", 1)
+        state[int(index_text)] = {**state[int(index_text)], key: value}
     return {**sd, "state": state}
 
 
@@ -105,7 +115,8 @@ def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Opt
         full = shard.full_shape(pname)
         for key, value in entry.items():
             if torch.is_tensor(value) and tuple(value.shape) == full:
-                entry[key] = shard.slice_full(pname, value).clone()
+                sizes, dim = shard.shard_sizes(pname)
+                entry[key] = take_slice(value, dim, sizes, shard.rank)
         state[i] = entry
     sd["state"] = state
     return sd

@@ -17,6 +17,7 @@ memory, and restored after setup from a memory-mapped file, so only each rank's 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, cast
@@ -30,7 +31,7 @@ from typing_extensions import override
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
-from lightning_hpc.distributed.groups import new_group
+from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
     SCHEMES,
@@ -138,6 +139,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
+    def _head_group(self, device: torch.device | None) -> dist.ProcessGroup:
+        """The head's group: the ``"head"`` dimension of a 1-D mesh over the world (one head shard per rank)."""
+        dims = [MeshDim("head", what="ranks sharing the fully-connected head")]
+        timeout = self._timeout if isinstance(self._timeout, datetime.timedelta) else None
+        return build_mesh(dims, device_type=(device or self.root_device).type, timeout=timeout).get_group("head")
+
     def _parallelize(self, device: torch.device | None = None) -> None:
         if self._parallelized:
             return
@@ -151,7 +158,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             )
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
         # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
-        group = new_group(list(range(dist.get_world_size())), timeout=self._timeout) if dist.is_initialized() else None
+        group = self._head_group(device) if dist.is_initialized() else None
         root = parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device)
         if self.model_attr is not None:  # a new root only when the searched module itself held the head
             setattr(module, self.model_attr, root)

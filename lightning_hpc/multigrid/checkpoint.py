@@ -11,7 +11,8 @@ order with the trunk parameters of every rank in place: between two consecutive 
 group, the trunk parameters of rank 0, then those of rank 1, ... (for an optimizer built from
 ``model.parameters()``, or any filter of it, that is the serial model's order, since rank r holds the r-th block
 of steps).  Only the trunk parameters' state travels (the replicated parameters' state is the same on every
-rank), to one rank, one flat buffer per (rank, dtype) (:func:`~lightning_hpc.distributed.state.gather_keyed_tensors`).
+rank), to one rank, in flat per-dtype buckets, the transport every full-state checkpoint uses
+(:func:`~lightning_hpc.distributed.state.gather_keyed_tensors`; the trunk tensors are its *owned* keys).
 
 :func:`local_optimizer_state` is the inverse: each rank takes, from a full (or serial) optimizer state dict, the
 entries of the parameters it holds, renumbered in its own order, for any number of layer ranks.

@@ -100,12 +100,12 @@ def layer_data_groups(layer_parallel_size: int, device_type: str = "cpu") -> tup
     node, where the boundary exchanges are cheapest); ranks with the same l hold the same layers and average
     their gradients over the data dimension.  Collective: every rank calls it.
     """
-    from lightning_hpc.distributed.groups import check_divisible, mesh_2d
+    from lightning_hpc.distributed.groups import MeshDim, build_mesh
 
-    world = dist.get_world_size()
-    check_divisible(world, layer_parallel_size, what="ranks of one layer-parallel chain", setting="layer_parallel_size")
-    # the mesh's groups get the world's (the strategy's) timeout, so a dead peer ends the run after that timeout
-    mesh = mesh_2d(world // layer_parallel_size, layer_parallel_size, ("data", "layer"), device_type=device_type)
+    # validated (an error naming layer_parallel_size); the groups get the world's (the strategy's) timeout
+    layer = MeshDim("layer", layer_parallel_size, setting=f"layer_parallel_size={layer_parallel_size}",
+                    what="ranks of one layer-parallel chain")
+    mesh = build_mesh([MeshDim("data"), layer], device_type=device_type)
     rank = dist.get_rank()
     return mesh.get_group("data"), mesh.get_group("layer"), rank // layer_parallel_size, rank % layer_parallel_size
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hpc.distributed.groups import default_timeout, mesh_2d
+from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeout
 from lightning_hpc.distributed.partition import block_bounds
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts"]
@@ -127,12 +127,9 @@ def create_hybrid_layout(parts: tuple[int, int], timeout: datetime.timedelta | N
             raise RuntimeError(f"spatial_parts={parts} needs torch.distributed to be initialised with {size} ranks per sample")
         return HybridLayout(SpatialGrid.single(), 1, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size != 0:
-        raise ValueError(
-            f"world size {world} is not divisible by spatial_parts={ph}x{pw}={size} (ranks per sample); "
-            f"use a world size that is a multiple of {size} (sample groups x ph x pw), or change spatial_parts"
-        )
-    mesh = mesh_2d(world // size, size, ("sample", "tile"), device_type=device_type, timeout=timeout or default_timeout())
+    tile = MeshDim("tile", size, setting=f"spatial_parts={ph}x{pw}={size}", what="ranks per sample")
+    dims = [MeshDim("sample"), tile]
+    mesh = build_mesh(dims, device_type=device_type, timeout=timeout or default_timeout())
     group = mesh.get_group("tile") if size > 1 else None
     grid = SpatialGrid(parts=(ph, pw), ranks=[int(r) for r in mesh["tile"].mesh.tolist()], group=group,
                        local_rank=rank % size)

@@ -468,3 +468,25 @@ def overlap_events(rank: int, k: int, scheme: str, overlap: bool) -> dict:
     mine = slice(rank * B, (rank + 1) * B)
     F.cross_entropy(model(x[mine]), y[mine]).backward()
     return {"events": events, "separate_groups": head.xcomm.group is not head.comm.group}
+
+
+def checkpoint_from_hybrid_rank0(rank: int, k: int, path: str, steps: int) -> dict:
+    """As :func:`checkpoint_from_hybrid`, saving as the strategy does (gathered to rank 0 into host memory) in
+    buckets of 256 bytes (several messages per rank, some shards alone in a bucket)."""
+    from lightning_hpc.distributed import state as state_module
+
+    state_module.DEFAULT_BUCKET_BYTES = 256
+    model = parallelize_head(small_model(), scheme="b")
+    opt = sgd(model.parameters())
+    shards = {}
+    for step in range(steps + 1):
+        if step == steps:
+            state = {"model": full_state_dict(model, rank0_only=True, cpu=True),
+                     "optimizer": full_optimizer_state(opt, model, rank0_only=True, cpu=True)}
+            shards = {key: tuple(v.shape) for key, v in state["model"].items()}
+            if rank == 0:
+                assert all(v.device.type == "cpu" for v in state["model"].values())
+                torch.save(state, path)
+            dist.barrier()
+        hybrid_sgd_step(model, opt, rank, k, step)
+    return {"state": _numpy(full_state_dict(model)), "saved_shapes": shards}
