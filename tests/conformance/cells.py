@@ -1,7 +1,8 @@
 """The conformance matrix: which (strategy, case) cells the suite runs and what each must show.
 
 Strategies (``run_case.build_strategy``): ``ddp`` (checks the harness), ``layered_sgd``, ``hybrid_fc``
-(``hybrid_fc_find_unused``: with the fix its unused-parameter error names), ``multigrid`` (mode 'mg') and
+(``hybrid_fc_find_unused``: with the fix its unused-parameter error names), ``multigrid`` (mode 'mg', 2 layer
+ranks, the approximate solve of ``run_case.MG_OPTIONS``; ``multigrid_cycles<k>``: the same with k cycles) and
 ``multigrid_pm`` (the partitioned model: layer-sharded trunk, both ranks see the same samples), ``horovod``
 (under ``horovodrun``; skipped when ``horovod.torch`` is not importable), ``kfac_ddp`` / ``kfac_layered_sgd``
 (the KFAC callback under that strategy; reference: KFAC on one process on the global batch).
@@ -70,6 +71,17 @@ BOUNDED = [
     # so no bound that tells a defect from rounding holds there; its bf16 cells are MICRO_BATCHES cells
 ]
 
+#: mode 'mg' (an iterative solve of the trunk's forward and adjoint, approximate by design: 2 cycles of two-level
+#: MGRIT, run_case.MG_OPTIONS) on the ODE-ResNet: within MG_BOUND x the distance the solve's truncation alone
+#: causes from one process on the global batch, and equal to one process running the same solve (see
+#: test_matrix.test_bounded_multigrid)
+BOUNDED_MG = [("multigrid", f"odenet{f}") for f in ["", "_sgd_step_lr", "_adam", "_clip_norm", "_validate_test",
+                                                     "_fit_predict", "_resume", "_resume_2_to_1", "_early_stopping",
+                                                     "_torchmetrics", "_frozen_parameters", "_manual_clip"]]
+#: the controls of BOUNDED_MG, on one process: one more cycle (must come closer to the serial result), N/c = 4
+#: cycles (two-level MGRIT with F-relaxation is then exact), one cycle fewer (must break the bound)
+MG_MORE_CYCLES, MG_EXACT_CYCLES, MG_FEWER_CYCLES = "multigrid_cycles3", "multigrid_cycles4", "multigrid_cycles1"
+
 #: reduced precision, exact: final parameters equal one process that accumulates the data-parallel ranks' batches
 #: as micro-batches (``accumulate_grad_batches`` = ranks), so every micro-batch is rounded as its rank rounds it;
 #: what is left to differ is float32 summation order (test_matrix.test_equal_one_process_on_micro_batches).
@@ -118,7 +130,7 @@ ERRORS = [
     ("hybrid_fc", "unused_parameter", r"HybridParallelStrategy\(find_unused_parameters=True\)"),
 ]
 
-ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + MICRO_BATCHES + [(s, c) for s, c, _ in REFUSED]
+ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + BOUNDED_MG + MICRO_BATCHES + [(s, c) for s, c, _ in REFUSED]
 
 
 def kfac_reference(strategy: str) -> bool:

@@ -10,9 +10,13 @@ import pytest
 from cells import (
     ALL_CELLS,
     BOUNDED,
+    BOUNDED_MG,
     DATA_PARALLEL,
     ERRORS,
     EXACT,
+    MG_EXACT_CYCLES,
+    MG_FEWER_CYCLES,
+    MG_MORE_CYCLES,
     MICRO_BATCHES,
     REFERENCE_DDP,
     kfac_reference,
@@ -47,13 +51,22 @@ class Runs:
     def one(self, case: str, data_parallel: int, kfac: bool = False) -> CaseResult:
         """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
         strategy = "kfac_auto" if kfac else "auto"
-        cells = EXACT + BOUNDED + [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cells = EXACT + BOUNDED + BOUNDED_MG + [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
                         and kfac_reference(s) == kfac})
         key = f"one_{strategy}_dp{data_parallel}"
         log = self._ensure(key, key, 1, [f"{strategy}:{c}" for c in cases], data_parallel)
         return read(self.root / key, strategy, case, log, 1)
+
+    def one_multigrid(self, strategy: str, case: str) -> CaseResult:
+        """The case under mode 'mg' (``strategy``: the bounded cells' solve, or a control's number of cycles) on
+        one process, which holds every step: the multigrid solve with nothing distributed (all in one launch)."""
+        cases = sorted({_reference_case(c) for _, c in BOUNDED_MG})
+        items = [f"{s}:{c}" for c in cases for s in ("multigrid", MG_MORE_CYCLES, MG_EXACT_CYCLES)]
+        items.append(f"{MG_FEWER_CYCLES}:odenet")
+        log = self._ensure("one_multigrid", "one_multigrid", 1, items, DATA_PARALLEL["multigrid"])
+        return read(self.root / "one_multigrid", strategy, case, log, 1)
 
     def resumed_on_one(self, strategy: str, case: str) -> CaseResult:
         """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its

@@ -339,6 +339,13 @@ CASES: dict[str, Case] = {
 CASES["odenet_bf16_mixed"].dtype = torch.float32
 CASES["odenet_bf16_mixed"].module = lambda: float32(ode_net(optimizer="sgd_bf16"))
 
+#: mode 'mg' as the bounded cells run it on the 8-step ODE-ResNet: two levels, coarsening factor 2 (4 coarse
+#: steps), F-relaxation, ``MG_CYCLES`` (2, the strategy's default) forward and adjoint cycles: an approximation;
+#: ``multigrid_cycles<k>`` is the same solve with k cycles; k = N/c = 4 is exact (two-level MGRIT with F-relaxation
+#: makes one more coarse interval exact per cycle)
+MG_OPTIONS = {"cfactor": 2, "levels": 2, "relaxation": "F"}
+MG_CYCLES = 2
+
 #: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions
 KFAC_OPTIONS = {"factor_update_freq": 1, "inv_update_freq": 2, "damping": 0.01, "kl_clip": 0.01, "decomposition_dtype": "float64"}
 
@@ -356,7 +363,8 @@ class ReportSteps(pl.Callback):
 
 def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
     """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
-    callback; ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk, serial
+    callback; ``multigrid``: mode 'mg' with ``MG_OPTIONS`` and ``MG_CYCLES`` cycles (``multigrid_cycles<k>``: k
+    cycles); ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk, serial
     evaluation: exact); ``hybrid_fc_find_unused``: the strategy with the fix its unused-parameter error names."""
     if name.startswith("kfac_"):
         from lightning_hpc import KFAC
@@ -367,6 +375,12 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         from lightning_hpc import HybridParallelStrategy
 
         return HybridParallelStrategy(find_unused_parameters=True), []
+    if name == "multigrid" or name.startswith("multigrid_cycles"):
+        from lightning_hpc import MultigridStrategy
+
+        cycles = int(name[len("multigrid_cycles"):]) if name != "multigrid" else MG_CYCLES
+        return MultigridStrategy(mode="mg", **MG_OPTIONS, forward_cycles=cycles, backward_cycles=cycles,
+                                 log_residuals=False), []
     if name == "multigrid_pm":
         from lightning_hpc import MultigridStrategy
 
