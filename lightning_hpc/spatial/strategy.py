@@ -75,6 +75,12 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         on_unsupported: what an op on a split activation without a tiled form does: ``"gather"`` (default; the
             whole activation is gathered and the op computed exactly, with a one-time warning naming the op, the
             module and the bytes) or ``"error"`` (refused before the first optimizer step).
+        check_parameter_use: when to check that no parameter is used both on split activations and on
+            replicated values (its gradient could not be reduced exactly): ``"every_step"`` (default: a forward
+            that takes other branches later, e.g. by a data-dependent condition, is refused at the step that first
+            mixes the uses, before that step's update; one more Python call per torch op of the training step) or
+            ``"first_step"`` (a forward whose branches never change is fully checked then; a later branch that
+            mixes the uses would train silently differently).
         Remaining arguments go to :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -98,6 +104,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         on_unsupported: str = "gather",
+        check_parameter_use: str = "every_step",
         **kwargs: Any,
     ) -> None:
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
@@ -127,6 +134,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if on_unsupported not in ("gather", "error"):
             raise ValueError(f"on_unsupported={on_unsupported!r}: choose 'gather' or 'error'")
         self.on_unsupported = on_unsupported
+        if check_parameter_use not in ("first_step", "every_step"):
+            raise ValueError(f"check_parameter_use={check_parameter_use!r}: choose 'first_step' or 'every_step'")
+        self.check_parameter_use = check_parameter_use
         self._hooks: list[Any] = []
         self._params_checked = False
         self.overlap = bool(overlap)
@@ -276,10 +286,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         st = state()
         st.module_stack.clear()
         st.on_unsupported = self.on_unsupported
-        if self._params_checked or self.layout is None or self.layout.grid.size == 1:
+        checked = self._params_checked and self.check_parameter_use == "first_step"
+        if checked or self.layout is None or self.layout.grid.size == 1:
             return super().training_step(*args, **kwargs)
-        # first step: also record the parameters used on replicated values (a parameter used on tiles and on
-        # replicated values cannot have its gradient reduced exactly: refused before the first optimizer step)
+        # every step (or the first): also record the parameters used on replicated values (a parameter used on
+        # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         check = ParameterUseCheck(names)
