@@ -29,7 +29,9 @@ def _local_power(grads: list[torch.Tensor], norm_type: float, device: torch.devi
         return torch.zeros((), dtype=torch.float64, device=device)
     if math.isinf(norm_type):
         return torch.stack([g.detach().abs().max().to(torch.float64) for g in grads]).max()
-    return torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) ** norm_type for g in grads]).sum()
+    return torch.stack(
+        [torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) ** norm_type for g in grads]
+    ).sum()
 
 
 @torch.no_grad()
@@ -81,7 +83,10 @@ def clip_by_global_norm(
         params = [p for g in optimizer.param_groups for p in g["params"]]
         shard_ids = {id(p) for p in sharded()}
         clip_grad_norm_(
-            [p for p in params if id(p) not in shard_ids], [p for p in params if id(p) in shard_ids], float(clip_val), group()
+            [p for p in params if id(p) not in shard_ids],
+            [p for p in params if id(p) in shard_ids],
+            float(clip_val),
+            group(),
         )
 
     return clip

@@ -54,7 +54,9 @@ class Communicator(ABC):
     def group_size(self, group: Any = None) -> int: ...
 
     @abstractmethod
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False) -> Handle: ...
+    def allreduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False
+    ) -> Handle: ...
 
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Handle:
@@ -64,7 +66,9 @@ class Communicator(ABC):
     def allgather(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         """Gather equally shaped tensors from every rank of the group, ordered by group rank."""
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False) -> Handle:
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False
+    ) -> Handle:
         """Reduce onto global rank ``dst``; only ``dst``'s tensor is guaranteed to hold the result.
 
         The default is an allreduce (correct on every rank, more traffic); backends with a real reduce override it.
@@ -107,7 +111,9 @@ class TorchDistributedCommunicator(Communicator):
     def group_size(self, group: Any = None) -> int:
         return dist.get_world_size(group) if dist.is_initialized() else 1
 
-    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False) -> Handle:
+    def allreduce(
+        self, tensor: torch.Tensor, op: ReduceOp = "mean", group: Any = None, async_op: bool = False
+    ) -> Handle:
         n = self.group_size(group)
         if n == 1:
             return CompletedHandle()
@@ -119,7 +125,9 @@ class TorchDistributedCommunicator(Communicator):
             handle.wait()
         return handle
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False) -> Handle:
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp = "sum", group: Any = None, async_op: bool = False
+    ) -> Handle:
         n = self.group_size(group)
         if n == 1:
             return CompletedHandle()

@@ -207,7 +207,8 @@ def _backend_config(device_type: str, backend: str | None, timeout: datetime.tim
     with torch's default timeout."""
     name = backend or _world_backend(device_type)
     if name == "gloo":
-        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options (runtime class)
+        # torch's stub lacks _Options (runtime class)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     elif name == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         opts = dist.ProcessGroupNCCL.Options()
     else:

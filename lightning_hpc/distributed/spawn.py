@@ -127,7 +127,9 @@ def run_in_processes(
                         rank, ok, value = results.get(timeout=2.0)
                     except queue.Empty:
                         codes = {r: procs[r].exitcode for r in dead}
-                        raise DistributedRunError(f"{fn.__name__}: ranks died without a result, exit codes {codes}") from None
+                        raise DistributedRunError(
+                            f"{fn.__name__}: ranks died without a result, exit codes {codes}"
+                        ) from None
                 else:
                     continue
             if not ok:

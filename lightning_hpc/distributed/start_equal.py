@@ -35,7 +35,9 @@ def module_state_tensors(module: torch.nn.Module, *, parameters: bool = True, bu
 
 
 @torch.no_grad()
-def start_equal(tensors: Iterable[torch.Tensor], comm: Communicator | None = None, src: int = 0, group: object = None) -> None:
+def start_equal(
+    tensors: Iterable[torch.Tensor], comm: Communicator | None = None, src: int = 0, group: object = None
+) -> None:
     """Overwrite ``tensors`` in place with rank ``src``'s values (collective: every rank of ``group`` calls it
     with tensors of the same shapes and dtypes, in the same order).  ``comm`` defaults to torch.distributed."""
     tensors = list(tensors)

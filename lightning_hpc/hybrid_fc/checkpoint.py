@@ -62,7 +62,9 @@ def _gather(module: nn.Module, shards: dict[str, tuple[ShardedLinear, str, torch
     return dict(full)
 
 
-def full_state_dict(module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False
+) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every head shard replaced by the full tensor (collective: call on all ranks).
 
     ``rank0_only``: gather to group rank 0 only (the other ranks' dict keeps the shards); ``cpu``: move each
@@ -76,7 +78,9 @@ def full_state_dict(module: nn.Module, prefix: str = "", rank0_only: bool = Fals
 
 def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[int, tuple[ShardedLinear, str]]:
     """Optimizer state index -> (shard, parameter name) for the head's shards."""
-    owner = {id(getattr(s, p)): (s, p) for _, s in _shards(module) for p in ("weight", "bias") if getattr(s, p) is not None}
+    owner = {
+        id(getattr(s, p)): (s, p) for _, s in _shards(module) for p in ("weight", "bias") if getattr(s, p) is not None
+    }
     out, i = {}, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -86,7 +90,9 @@ def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[in
     return out
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, rank0_only: bool = False, cpu: bool = False) -> dict[str, Any]:
+def full_optimizer_state(
+    optimizer: torch.optim.Optimizer, module: nn.Module, rank0_only: bool = False, cpu: bool = False
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` with the head shards' state tensors gathered to full shape (collective;
     ``rank0_only``/``cpu`` as in :func:`full_state_dict`)."""
     sd = optimizer.state_dict()
@@ -104,7 +110,9 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, ra
     return {**sd, "state": state}
 
 
-def shard_optimizer_state(state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+def shard_optimizer_state(
+    state_dict: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module
+) -> dict[str, Any]:
     """Inverse of :func:`full_optimizer_state`: slice full-shape state tensors to this rank's shards."""
     sd = copy.copy(state_dict)
     state = dict(sd["state"])

@@ -131,7 +131,9 @@ class HeadComm:
         return pending if async_op else pending.wait()
 
     # -- all-to-all of blocks between two dimensions -------------------------------------------------------
-    def all_to_all(self, x: torch.Tensor, split_dim: int, split_sizes: Sequence[int], cat_dim: int, cat_sizes: Sequence[int]) -> torch.Tensor:
+    def all_to_all(
+        self, x: torch.Tensor, split_dim: int, split_sizes: Sequence[int], cat_dim: int, cat_sizes: Sequence[int]
+    ) -> torch.Tensor:
         """Send block ``r`` of ``x`` along ``split_dim`` (sizes ``split_sizes``) to rank ``r`` and concatenate the
         blocks received along ``cat_dim``.
 
@@ -176,7 +178,9 @@ class HeadComm:
         pending = _Pending(work, lambda: x)
         return pending if async_op else pending.wait()
 
-    def gather(self, x: torch.Tensor, sizes: Sequence[int], dim: int, dst: int, count: bool = True) -> torch.Tensor | None:
+    def gather(
+        self, x: torch.Tensor, sizes: Sequence[int], dim: int, dst: int, count: bool = True
+    ) -> torch.Tensor | None:
         """Concatenate every rank's block (``sizes[r]`` entries along ``dim``) on group rank ``dst``; other ranks
         get ``None``.  ``dst`` holds K padded blocks plus the result while it assembles (about twice the full
         tensor); every other rank only its padded block."""
@@ -198,7 +202,9 @@ class HeadComm:
         out = self.gather(x, sizes, 1, dst)
         return x.new_empty((0, sum(sizes))) if out is None else out
 
-    def scatter_columns(self, x: torch.Tensor | None, sizes: Sequence[int], rows: int, src: int, like: torch.Tensor) -> torch.Tensor:
+    def scatter_columns(
+        self, x: torch.Tensor | None, sizes: Sequence[int], rows: int, src: int, like: torch.Tensor
+    ) -> torch.Tensor:
         """Inverse of :meth:`gather_columns`: ``src`` splits its ``(rows, C)`` tensor into column blocks and rank
         ``r`` receives block ``r`` (``like`` gives dtype and device)."""
         if self.k == 1:

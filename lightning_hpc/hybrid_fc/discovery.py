@@ -71,15 +71,23 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
             sub = model.get_submodule(head)
         except AttributeError as e:
             names = [n for n, _ in model.named_children()]
-            raise HeadNotFoundError(f"head={head!r}: the model has no such submodule (top-level children: {names})") from e
+            raise HeadNotFoundError(
+                f"head={head!r}: the model has no such submodule (top-level children: {names})"
+            ) from e
         if isinstance(sub, nn.Linear):
             parent_name, _, child = head.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             if not isinstance(parent, nn.Sequential) or list(parent._modules)[-1] != child:
-                raise HeadNotFoundError(f"head={head!r} is a single nn.Linear that is not the last layer of an nn.Sequential; wrap the head in an nn.Sequential")
+                raise HeadNotFoundError(
+                    f"head={head!r} is a single nn.Linear that is not the last layer of an nn.Sequential; wrap the "
+                    "head in an nn.Sequential"
+                )
             return HeadSpec(parent, parent_name, len(parent) - 1, [(child, sub)])
         if not isinstance(sub, nn.Sequential):
-            raise HeadNotFoundError(f"head={head!r} is a {type(sub).__name__}; the hybrid head must be an nn.Sequential of linear and element-wise layers")
+            raise HeadNotFoundError(
+                f"head={head!r} is a {type(sub).__name__}; the hybrid head must be an nn.Sequential of linear and "
+                "element-wise layers"
+            )
         modules = list(sub.named_children())
         _check_head_modules(modules, f"head={head!r}")
         return HeadSpec(sub, head, 0, modules)
@@ -97,7 +105,8 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
     if last_trunk is None:
         linears = [n for n, m in leaves if isinstance(m, nn.Linear)]
         raise HeadNotFoundError(
-            f"strategy='hybrid_fc' searched the layers of {type(model).__name__} in registration order for a convolution, "
+            f"strategy='hybrid_fc' searched the layers of {type(model).__name__} in registration order for a "
+            "convolution, "
             f"pooling or flatten layer that ends a data-parallel trunk and found none (its nn.Linear layers: "
             f"{linears or 'none'}). A model that is only fully connected has no trunk to run data parallel, which is "
             "what this strategy pairs with the model-parallel head: use strategy='ddp' for it, or name the head "
@@ -105,20 +114,27 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
         )
     tail = leaves[last_trunk + 1 :]
     if not tail:
-        raise HeadNotFoundError(f"{type(model).__name__} ends with {type(leaves[last_trunk][1]).__name__}: no fully-connected head follows the last conv/pool/flatten; "
-                                "strategy='hybrid_fc' shards an nn.Linear head: give the model one (or name it with head='<submodule>'), "
-                                "or train a model without a fully-connected head with strategy='ddp'")
+        raise HeadNotFoundError(
+            f"{type(model).__name__} ends with {type(leaves[last_trunk][1]).__name__}: no fully-connected head "
+            "follows the last conv/pool/flatten; "
+            "strategy='hybrid_fc' shards an nn.Linear head: give the model one (or name it with head='<submodule>'), "
+            "or train a model without a fully-connected head with strategy='ddp'"
+        )
     _check_head_modules(tail, f"the layers after {leaves[last_trunk][0]!r}")
     parent_names = {n.rpartition(".")[0] for n, _ in tail}
     if len(parent_names) != 1:
         raise HeadNotFoundError(
-            f"the fully-connected layers after {leaves[last_trunk][0]!r} live in different submodules ({sorted(parent_names)}); "
+            f"the fully-connected layers after {leaves[last_trunk][0]!r} live in different submodules "
+            f"({sorted(parent_names)}); "
             "put the head in one nn.Sequential or name it with head=..."
         )
     parent_name = parent_names.pop()
     parent = model.get_submodule(parent_name) if parent_name else model
     if not isinstance(parent, nn.Sequential):
-        raise HeadNotFoundError(f"the head's layers sit in a {type(parent).__name__} ({parent_name or 'the model'}), not an nn.Sequential; name the head with head=...")
+        raise HeadNotFoundError(
+            f"the head's layers sit in a {type(parent).__name__} ({parent_name or 'the model'}), not an "
+            "nn.Sequential; name the head with head=..."
+        )
     children = list(parent._modules)
     names = [n.rpartition(".")[2] for n, _ in tail]
     start = len(children) - len(names)

@@ -46,7 +46,9 @@ class _ReduceScatter(Function):
     logits to the rows' owners."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: HeadComm, sizes: Sequence[int], dim: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, comm: HeadComm, sizes: Sequence[int], dim: int
+    ) -> torch.Tensor:
         ctx.comm, ctx.sizes, ctx.dim = comm, list(sizes), dim
         return comm.reduce_scatter(x, sizes, dim=dim)
 
@@ -59,7 +61,9 @@ class _RowsToOwnersFromCol(Function):
     """Class-sharded logits (n, C/K) of a row-blocked sub-batch -> each owner's rows with all classes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int], class_sizes: Sequence[int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx, x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int], class_sizes: Sequence[int]
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.comm, ctx.row_sizes, ctx.class_sizes = comm, list(row_sizes), list(class_sizes)
         return comm.all_to_all(x, 0, row_sizes, 1, class_sizes)
 
@@ -72,7 +76,9 @@ class _ToRootFromCol(Function):
     """Scheme b: class blocks of the sub-batch owned by ``root`` are gathered there; others get (0, C)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: HeadComm, class_sizes: Sequence[int], root: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, comm: HeadComm, class_sizes: Sequence[int], root: int
+    ) -> torch.Tensor:
         ctx.comm, ctx.class_sizes, ctx.root, ctx.rows = comm, list(class_sizes), root, x.shape[0]
         ctx.like = x
         return comm.gather_columns(x, class_sizes, root)
@@ -122,7 +128,9 @@ def reduce_scatter_neurons(x: torch.Tensor, comm: HeadComm, sizes: Sequence[int]
     return _ReduceScatter.apply(x, comm, sizes, 1)
 
 
-def rows_to_owners_from_col(x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int], class_sizes: Sequence[int]) -> torch.Tensor:
+def rows_to_owners_from_col(
+    x: torch.Tensor, comm: HeadComm, row_sizes: Sequence[int], class_sizes: Sequence[int]
+) -> torch.Tensor:
     return _RowsToOwnersFromCol.apply(x, comm, row_sizes, class_sizes)
 
 

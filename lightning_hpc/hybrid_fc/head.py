@@ -61,7 +61,9 @@ class _InjectGrad(Function):
     accumulation and loss scaling divide or multiply the loss)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, logits: torch.Tensor, grad_x: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx, x: torch.Tensor, logits: torch.Tensor, grad_x: torch.Tensor, grad_logits: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(grad_x, grad_logits)
         return logits.clone()
 
@@ -123,13 +125,17 @@ class HybridHead(nn.Module):
         if fc_update == "per_subbatch" and scheme == "a":
             raise ValueError(
                 "fc_update='per_subbatch' updates the head after each of the K sub-batches of schemes 'b' and 'c' "
-                "(section 4.2); scheme 'a' has a single sub-batch of K x b examples. Use scheme='b' or 'c', or fc_update='per_step'"
+                "(section 4.2); scheme 'a' has a single sub-batch of K x b examples. Use scheme='b' or 'c', or "
+                "fc_update='per_step'"
             )
         self.scheme, self.fc_update = scheme, fc_update
         widths = [linears[0].in_features] + [lin.out_features for lin in linears]
         for i in range(1, len(linears)):
             if linears[i].in_features != linears[i - 1].out_features:
-                raise ValueError(f"head linear {i} expects {linears[i].in_features} inputs but linear {i - 1} gives {linears[i - 1].out_features}")
+                raise ValueError(
+                    f"head linear {i} expects {linears[i].in_features} inputs but linear {i - 1} gives "
+                    f"{linears[i - 1].out_features}"
+                )
         self.layouts = list(layouts) if layouts is not None else plan_layout(widths, self.k)
         if len(self.layouts) != len(linears):
             raise ValueError(f"layouts has {len(self.layouts)} entries for {len(linears)} linear layers")
@@ -182,7 +188,8 @@ class HybridHead(nn.Module):
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             raise ValueError(
-                f"the hybrid head expects flattened trunk activations of shape (batch, features), got {tuple(x.shape)}; "
+                "the hybrid head expects flattened trunk activations of shape (batch, features), got "
+                f"{tuple(x.shape)}; "
                 "the head must start after the model's flatten"
             )
         if x.shape[1] != self.widths[0]:
@@ -202,7 +209,8 @@ class HybridHead(nn.Module):
             if self._subbatch is None:
                 raise RuntimeError(
                     "fc_update='per_subbatch' updates the head inside the training forward and needs the targets, loss "
-                    "and head optimizer: wrap the forward in `with head.subbatch_update(targets, loss_fn, head_optimizer.step):` "
+                    "and head optimizer: wrap the forward in `with head.subbatch_update(targets, loss_fn, "
+                    "head_optimizer.step):` "
                     "(HybridParallelStrategy does this), or call it under torch.no_grad()/eval() for inference"
                 )
             return self._forward_per_subbatch(x, self._subbatch)
@@ -260,7 +268,12 @@ class HybridHead(nn.Module):
         return _InjectGrad.apply(x, logits, grad_x, g_ref)
 
     @contextlib.contextmanager
-    def subbatch_update(self, targets: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], step: Callable[[], None]) -> Iterator[None]:
+    def subbatch_update(
+        self,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        step: Callable[[], None],
+    ) -> Iterator[None]:
         """Within this block a training forward updates the head after every sub-batch (fc_update="per_subbatch").
 
         ``loss_fn(logits, targets)`` must be a mean over the examples (as ``ImageClassifier.loss``); ``step()``

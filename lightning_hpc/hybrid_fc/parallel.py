@@ -39,7 +39,9 @@ def linear_layers_on_meta() -> Iterator[None]:
     ``reset_parameters()`` (not with a custom initialisation the model's ``__init__`` applied to them)."""
     original = nn.Linear.__init__
 
-    def init(self: nn.Linear, in_features: int, out_features: int, bias: bool = True, device: Any = None, dtype: Any = None) -> None:
+    def init(
+        self: nn.Linear, in_features: int, out_features: int, bias: bool = True, device: Any = None, dtype: Any = None
+    ) -> None:
         original(self, in_features, out_features, bias, device="meta", dtype=dtype)
 
     nn.Linear.__init__ = init  # type: ignore[method-assign]
@@ -114,7 +116,8 @@ def materialize_meta(module: nn.Module, device: torch.device | str, group: Any =
         reset = getattr(m, "reset_parameters", None)
         if not callable(reset):
             raise ValueError(
-                f"{name or type(module).__name__} ({type(m).__name__}) was built on the meta device and has no reset_parameters(), "
+                f"{name or type(module).__name__} ({type(m).__name__}) was built on the meta device and has no "
+                "reset_parameters(), "
                 "so it cannot be initialised; build it on a real device (only the head needs the meta device)"
             )
         m.to_empty(device=device, recurse=False)
@@ -179,8 +182,19 @@ def parallelize_head(
     if spec.whole_parent and not spec.parent_name:
         raise ValueError("the whole model is the head; there is no trunk to run data-parallel")
     hybrid = HybridHead(
-        linears, between, before, names, scheme=scheme, fc_update=fc_update, group=group, counter=counter, layouts=layouts,
-        exchange_group=_same_ranks_group(group) if overlap else None, device=device, head_init=head_init, overlap=overlap,
+        linears,
+        between,
+        before,
+        names,
+        scheme=scheme,
+        fc_update=fc_update,
+        group=group,
+        counter=counter,
+        layouts=layouts,
+        exchange_group=_same_ranks_group(group) if overlap else None,
+        device=device,
+        head_init=head_init,
+        overlap=overlap,
     )
     if spec.whole_parent:
         parent_name, _, attr = spec.parent_name.rpartition(".")

@@ -53,7 +53,11 @@ class ShardedLinear(nn.Module):
             dev = torch.device("cpu") if device is None else torch.device(device)
             # Allocate the shard only: the meta tensors carry shape and dtype, no storage.
             self.weight = nn.Parameter(torch.empty(self._slice_weight(w).shape, dtype=w.dtype, device=dev))
-            self.bias = None if linear.bias is None else nn.Parameter(torch.empty(self._slice_bias(linear.bias).shape, dtype=w.dtype, device=dev))
+            self.bias = (
+                None
+                if linear.bias is None
+                else nn.Parameter(torch.empty(self._slice_bias(linear.bias).shape, dtype=w.dtype, device=dev))
+            )
             (init or ShardedLinear.reset_parameters)(self)
         else:
             self.weight = nn.Parameter(self._slice_weight(w).clone())
@@ -124,12 +128,20 @@ class ShardedLinear(nn.Module):
         return y
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):  # type: ignore[override]
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):  # type: ignore[override]
         for name in ("weight", "bias"):
             key = prefix + name
-            if key in state_dict and getattr(self, name) is not None and tuple(state_dict[key].shape) == self.full_shape(name):
+            if (
+                key in state_dict
+                and getattr(self, name) is not None
+                and tuple(state_dict[key].shape) == self.full_shape(name)
+            ):
                 state_dict[key] = self.slice_full(name, state_dict[key])
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, layout={self.layout}, rank {self.rank} of {self.k}"

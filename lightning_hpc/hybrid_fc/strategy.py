@@ -88,7 +88,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         if fc_update not in FC_UPDATES:
             raise ValueError(f"strategy.fc_update must be one of {FC_UPDATES}, got {fc_update!r}")
         if fc_update == "per_subbatch" and scheme == "a":
-            raise ValueError("strategy.fc_update='per_subbatch' needs scheme 'b' or 'c' (scheme 'a' has a single sub-batch)")
+            raise ValueError(
+                "strategy.fc_update='per_subbatch' needs scheme 'b' or 'c' (scheme 'a' has a single sub-batch)"
+            )
         kwargs.setdefault("find_unused_parameters", False)
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(**kwargs)
@@ -105,7 +107,10 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``Trainer.init_module()`` / ``configure_model``: linear layers on the meta device (the head is then
         allocated shard by shard at setup), everything else as DDP does; ``empty_init=False`` turns it off."""
-        with super().tensor_init_context(empty_init), (linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext()):
+        with (
+            super().tensor_init_context(empty_init),
+            linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext(),
+        ):
             yield
 
     @override
@@ -153,13 +158,16 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         inner = self._search_root()
         if self.fc_update == "per_subbatch" and not callable(getattr(module, "loss", None)):
             raise ValueError(
-                f"fc_update='per_subbatch' updates the head inside the forward, so it needs {type(module).__name__}.loss(logits, target) "
+                "fc_update='per_subbatch' updates the head inside the forward, so it needs "
+                f"{type(module).__name__}.loss(logits, target) "
                 "(as lightning_hpc.ImageClassifier has); use fc_update='per_step' for other modules"
             )
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
         # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
         group = self._head_group(device) if dist.is_initialized() else None
-        root = parallelize_head(inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device)
+        root = parallelize_head(
+            inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device
+        )
         if self.model_attr is not None:  # a new root only when the searched module itself held the head
             setattr(module, self.model_attr, root)
         shard_ids = {id(p) for p in head_parameters(self._search_root())}
@@ -265,5 +273,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
-        states = [shard_optimizer_state(s, o, self.lightning_module) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
+        states = [
+            shard_optimizer_state(s, o, self.lightning_module)
+            for o, s in zip(self.optimizers, checkpoint["optimizer_states"])
+        ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})

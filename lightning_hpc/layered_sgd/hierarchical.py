@@ -297,7 +297,9 @@ class HierarchicalAllreduce:
         try:
             return op()
         except Exception as e:
-            raise LayeredCommTimeout(f"layered SGD: {what} could not be started on {self.groups.describe()}: {e}") from e
+            raise LayeredCommTimeout(
+                f"layered SGD: {what} could not be started on {self.groups.describe()}: {e}"
+            ) from e
 
     def _wait(self, handle: Any, what: str) -> None:
         try:

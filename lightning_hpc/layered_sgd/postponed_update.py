@@ -162,7 +162,8 @@ class PostponedUpdate:
         b = self._bucket_of[i]
         if b < self._next:
             raise RuntimeError(
-                f"layered SGD: the gradient of parameter #{i} (shape {tuple(self.params[i].shape)}) was accumulated again after its bucket had been "
+                f"layered SGD: the gradient of parameter #{i} (shape {tuple(self.params[i].shape)}) was accumulated "
+                "again after its bucket had been "
                 "sent for reduction. For gradient accumulation run the backward passes of all micro-batches but "
                 "the last under `PostponedUpdate.no_sync()` (Lightning's accumulate_grad_batches does this)."
             )

@@ -73,7 +73,9 @@ class _FlushBeforeReaders(Callback):
         self._strategy = strategy
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._strategy.flush()
 
     @override
@@ -241,10 +243,13 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
                 )
         # The scheduler of step t steps before the postponed optimizer step of step t (the update still uses
         # step t's lr, see PostponedUpdate), which makes torch warn about the order on the first step.
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+        )
         if trainer.state.fn == "fit" and self._flush_callback is None:
             self._flush_callback = _FlushBeforeReaders(self)
-            trainer.callbacks.insert(0, self._flush_callback)  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
+            # set by Lightning, undeclared on Trainer
+            trainer.callbacks.insert(0, self._flush_callback)  # type: ignore[attr-defined]
 
     def _sync_from_rank0(self, with_parameters: bool) -> None:
         """Start from rank 0's parameters/buffers, as DistributedDataParallel does at construction."""
@@ -271,7 +276,9 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             # the user's code between manual_backward and step() -- clip_gradients, reading .grad -- sees what
             # DDP would show; the step itself runs at once.
             closure_result = closure()
-            return self.precision_plugin.optimizer_step(optimizer, model=model, closure=lambda: closure_result, **kwargs)
+            return self.precision_plugin.optimizer_step(
+                optimizer, model=model, closure=lambda: closure_result, **kwargs
+            )
         self._reduce_in_backward = True
         try:
             closure_result = closure()
@@ -404,8 +411,10 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             self.allreduce.close()
         if self._flush_callback is not None and self.lightning_module is not None:
             trainer = self.lightning_module._trainer
-            if trainer is not None and self._flush_callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
-                trainer.callbacks.remove(self._flush_callback)  # type: ignore[attr-defined]  # set by Lightning, undeclared on Trainer
+            # set by Lightning, undeclared on Trainer
+            if trainer is not None and self._flush_callback in trainer.callbacks:  # type: ignore[attr-defined]
+                # set by Lightning, undeclared on Trainer
+                trainer.callbacks.remove(self._flush_callback)  # type: ignore[attr-defined]
         self._flush_callback = None
         super().teardown()
 

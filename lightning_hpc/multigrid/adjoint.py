@@ -37,9 +37,13 @@ class AdjointPropagator:
         n_level = self.hierarchy.sizes[level]
         ks = range(n_level)[steps]
         stride = steps.step or 1
-        forward_steps = slice(n_level - 1 - ks[-1], n_level - ks[0], stride)  # ascending: tensors have no negative strides
+        forward_steps = slice(
+            n_level - 1 - ks[-1], n_level - ks[0], stride
+        )  # ascending: tensors have no negative strides
         layers = self.hierarchy.layer_slice(level, forward_steps)
-        out = self.stack.adjoint_step(layers, self.hierarchy.step_sizes[level][forward_steps], self.states[layers], lam.flip(0))
+        out = self.stack.adjoint_step(
+            layers, self.hierarchy.step_sizes[level][forward_steps], self.states[layers], lam.flip(0)
+        )
         return out.flip(0)
 
     def gathered(self, chain: LayerChain) -> AdjointPropagator:
@@ -47,7 +51,9 @@ class AdjointPropagator:
         states they are linearised at, gathered in layer order (collective)."""
         layers = self.hierarchy.coarsest_layers()
         states = torch.cat(chain.all_gather(self.states[layers], forward_order=True))
-        return AdjointPropagator(self.stack.gathered(layers, chain), self.hierarchy.gathered_coarsest(chain, self.stack.device), states)
+        return AdjointPropagator(
+            self.stack.gathered(layers, chain), self.hierarchy.gathered_coarsest(chain, self.stack.device), states
+        )
 
 
 def parameter_gradients(stack: StepStack, states: torch.Tensor, lam: torch.Tensor) -> dict[str, torch.Tensor]:

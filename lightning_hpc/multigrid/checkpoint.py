@@ -47,7 +47,9 @@ def layer_group(module: nn.Module) -> dist.ProcessGroup | None:
         return None
     ranks = {tuple(t.chain.ranks) for t in trunks}
     if len(ranks) > 1:
-        raise ValueError(f"the model's layer-sharded trunks are split over different groups {sorted(ranks)}; one group is supported")
+        raise ValueError(
+            f"the model's layer-sharded trunks are split over different groups {sorted(ranks)}; one group is supported"
+        )
     return trunks[0].group
 
 
@@ -105,7 +107,9 @@ def serial_layout(per_rank: Sequence[Names]) -> list[list[str]]:
     return layout
 
 
-def _layouts(optimizer: torch.optim.Optimizer, module: nn.Module, group: dist.ProcessGroup) -> tuple[Names, list[list[str]]]:
+def _layouts(
+    optimizer: torch.optim.Optimizer, module: nn.Module, group: dist.ProcessGroup
+) -> tuple[Names, list[list[str]]]:
     """This rank's names and the serial layout (from every rank of ``group``)."""
     mine = optimizer_parameter_names(optimizer, module)
     per_rank: list[Names | None] = [None] * dist.get_world_size(group)
@@ -168,7 +172,10 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, ds
             if torch.is_tensor(value) and host:
                 value = value.cpu()
             state.setdefault(serial[name], {})[key] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [serial[n] for n in names]} for g, names in zip(local["param_groups"], layout)]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [serial[n] for n in names]}
+        for g, names in zip(local["param_groups"], layout)
+    ]
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 

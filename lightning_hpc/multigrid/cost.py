@@ -128,7 +128,9 @@ def multigrid_step_time(
     }
 
 
-def partitioned_step_time(forward_times: Sequence[float], backward_times: Sequence[float], parts: int, message_bytes: float, model: AlphaBeta) -> dict[str, float]:
+def partitioned_step_time(
+    forward_times: Sequence[float], backward_times: Sequence[float], parts: int, message_bytes: float, model: AlphaBeta
+) -> dict[str, float]:
     """The partitioned-model baseline: serial forward and backward through the ranks."""
     fwd = serial_pipeline_time(forward_times, parts, message_bytes, model)
     bwd = serial_pipeline_time(backward_times, parts, message_bytes, model)

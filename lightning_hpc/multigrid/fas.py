@@ -42,7 +42,13 @@ def make_levels(u: torch.Tensor, cfactor: int, levels: int) -> list[Level]:
     out = [Level(0, u, None)]
     for level in range(1, levels):
         m = n // cfactor**level
-        out.append(Level(level, torch.empty((m + 1, *u.shape[1:]), dtype=u.dtype, device=u.device), torch.zeros((m + 1, *u.shape[1:]), dtype=u.dtype, device=u.device)))
+        out.append(
+            Level(
+                level,
+                torch.empty((m + 1, *u.shape[1:]), dtype=u.dtype, device=u.device),
+                torch.zeros((m + 1, *u.shape[1:]), dtype=u.dtype, device=u.device),
+            )
+        )
     return out
 
 
@@ -123,7 +129,15 @@ def mgrit_solve(
     for cycle in range(settings.cycles):
         last = cycle == settings.cycles - 1
         norm = fas_cycle(
-            prop, ws, 0, chain, relaxation, settings.tol, relaxed=cycle > 0, final_relax=need_all_points or not last, coarse_solve=coarse_solve
+            prop,
+            ws,
+            0,
+            chain,
+            relaxation,
+            settings.tol,
+            relaxed=cycle > 0,
+            final_relax=need_all_points or not last,
+            coarse_solve=coarse_solve,
         )
         assert norm is not None
         history.append(norm)

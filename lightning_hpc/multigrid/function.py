@@ -29,14 +29,22 @@ class LayerParallelSolver:
     layer-parallel process group (None: one process holds all steps).
     """
 
-    def __init__(self, local: Sequence[ResidualStep], partition: LayerPartition, options: MultigridOptions, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        local: Sequence[ResidualStep],
+        partition: LayerPartition,
+        options: MultigridOptions,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if len(local) != partition.local_steps:
             raise ValueError(f"rank {partition.rank} owns {partition.local_steps} steps but was given {len(local)}")
         self.options = options
         self.chain = LayerChain(group)
         self.adjoint_chain = LayerChain(group, reverse=True)
         self.partition = partition
-        self.stack = StepStack([s.branch for s in local], [s.h for s in local], options.concurrent, first_index=self.partition.start)
+        self.stack = StepStack(
+            [s.branch for s in local], [s.h for s in local], options.concurrent, first_index=self.partition.start
+        )
         self.hierarchy = Hierarchy(self.stack.h, options.cfactor, options.levels)
         #: parameters of the local steps, in the order the gradients come back (step-major, then by name)
         self.local_params = [dict(s.branch.named_parameters())[name] for s in local for name in self.stack.param_names]
@@ -57,7 +65,13 @@ class LayerParallelSolver:
         need_states = need_states or (training and self.stack.has_batch_norm)
         prop = ForwardPropagator(self.stack, self.hierarchy)
         self.forward_history = mgrit_solve(
-            prop, u, self.options.relaxation, self.options.forward, self.chain, need_states, self.options.coarse_gather_threshold
+            prop,
+            u,
+            self.options.relaxation,
+            self.options.forward,
+            self.chain,
+            need_states,
+            self.options.coarse_gather_threshold,
         )
         self.stack.update_running_stats(u[: self.local_steps])
         return u
@@ -72,7 +86,12 @@ class LayerParallelSolver:
         lam = grad_out.detach().unsqueeze(0).repeat(n + 1, *([1] * grad_out.dim())).contiguous()
         prop = AdjointPropagator(self.stack, self.hierarchy, states)
         self.backward_history = mgrit_solve(
-            prop, lam, self.options.relaxation, self.options.backward, self.adjoint_chain, coarse_gather_threshold=self.options.coarse_gather_threshold
+            prop,
+            lam,
+            self.options.relaxation,
+            self.options.backward,
+            self.adjoint_chain,
+            coarse_gather_threshold=self.options.coarse_gather_threshold,
         )
         stacked = parameter_gradients(self.stack, states, lam)
         grads = [stacked[name][i] for i in range(n) for name in self.stack.param_names]
@@ -84,7 +103,9 @@ class MultigridFunction(torch.autograd.Function):
     """u_N = MG-solve(u_0; theta) with the adjoint multigrid solve as its backward."""
 
     @staticmethod
-    def forward(ctx, solver: LayerParallelSolver, training: bool, need_states: bool, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx, solver: LayerParallelSolver, training: bool, need_states: bool, u0: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
         states = solver.solve_states(u0, training, need_states)
         ctx.solver, ctx.states = solver, states
         return solver.output(states)
@@ -106,7 +127,9 @@ class MultigridODEBlock(LayerShardedTrunk):
     local steps' entries.  With no group it holds every step (one process).
     """
 
-    def __init__(self, steps: nn.Module, options: MultigridOptions | None = None, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, steps: nn.Module, options: MultigridOptions | None = None, group: dist.ProcessGroup | None = None
+    ) -> None:
         options = options or MultigridOptions()
         super().__init__(steps, group, options.cfactor, options.levels)
         self.options = options
@@ -127,5 +150,7 @@ class MultigridODEBlock(LayerShardedTrunk):
         if not self._shape_checked:  # local steps only: each rank checks its own share once
             residual_steps(nn.Sequential(*self.local_blocks), u0[:1].detach(), first_index=self.partition.start)
             self._shape_checked = True
-        need_states = torch.is_grad_enabled() and (u0.requires_grad or any(p.requires_grad for p in self.solver.local_params))
+        need_states = torch.is_grad_enabled() and (
+            u0.requires_grad or any(p.requires_grad for p in self.solver.local_params)
+        )
         return MultigridFunction.apply(self.solver, self.training, need_states, u0, *self.solver.local_params)

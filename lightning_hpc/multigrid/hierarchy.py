@@ -29,7 +29,9 @@ class Hierarchy:
     def __init__(self, h: torch.Tensor, cfactor: int, levels: int) -> None:
         n = h.numel()
         if n % cfactor ** (levels - 1):
-            raise ValueError(f"{n} local steps do not divide into blocks of cfactor^(levels-1) = {cfactor ** (levels - 1)}")
+            raise ValueError(
+                f"{n} local steps do not divide into blocks of cfactor^(levels-1) = {cfactor ** (levels - 1)}"
+            )
         self.cfactor, self.levels = cfactor, levels
         self.sizes = [n // cfactor**level for level in range(levels)]
         self.step_sizes = [h.reshape(self.sizes[level], cfactor**level).sum(1) for level in range(levels)]

@@ -56,7 +56,10 @@ class MultigridOptions:
 
     def __post_init__(self) -> None:
         if self.coarse_gather_threshold < 0:
-            raise ValueError(f"coarse_gather_threshold must be >= 0 (0: never gather the coarsest level), got {self.coarse_gather_threshold}")
+            raise ValueError(
+                "coarse_gather_threshold must be >= 0 (0: never gather the coarsest level), got "
+                f"{self.coarse_gather_threshold}"
+            )
         if self.cfactor < 2:
             raise ValueError(f"cfactor must be >= 2 (every c-th layer is a coarse layer), got {self.cfactor}")
         if self.levels < 1:

@@ -93,7 +93,9 @@ class LayerChain:
         return tensor
 
 
-def layer_data_groups(layer_parallel_size: int, device_type: str = "cpu") -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
+def layer_data_groups(
+    layer_parallel_size: int, device_type: str = "cpu"
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
     """The 2-D mesh data x layer: (data group, layer group, data index, layer index) of this rank.
 
     Ranks r = d * P + l: the P ranks of one layer chain are contiguous (same node when P divides the ranks per

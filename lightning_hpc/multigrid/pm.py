@@ -16,7 +16,9 @@ __all__ = ["PartitionedODEBlock"]
 
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: PartitionedODEBlock, u0: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, block: PartitionedODEBlock, u0: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         x = u0.detach().clone()
         block.chain.recv_prev(x)
         with torch.enable_grad():

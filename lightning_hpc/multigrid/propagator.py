@@ -39,4 +39,7 @@ class ForwardPropagator:
         return self.stack.step(self.hierarchy.layer_slice(level, steps), self.hierarchy.step_sizes[level][steps], x)
 
     def gathered(self, chain: LayerChain) -> ForwardPropagator:
-        return ForwardPropagator(self.stack.gathered(self.hierarchy.coarsest_layers(), chain), self.hierarchy.gathered_coarsest(chain, self.stack.device))
+        return ForwardPropagator(
+            self.stack.gathered(self.hierarchy.coarsest_layers(), chain),
+            self.hierarchy.gathered_coarsest(chain, self.stack.device),
+        )

@@ -35,7 +35,11 @@ class LayerShardedTrunk(nn.Sequential):
 
     def __init__(self, steps: nn.Module, group: dist.ProcessGroup | None, cfactor: int, levels: int) -> None:
         blocks = residual_steps(steps)
-        names = [name for name, _ in steps.named_children()] if isinstance(steps, nn.Sequential) else [str(i) for i in range(len(blocks))]
+        names = (
+            [name for name, _ in steps.named_children()]
+            if isinstance(steps, nn.Sequential)
+            else [str(i) for i in range(len(blocks))]
+        )
         super().__init__()
         self.group = group
         self.chain = LayerChain(group)

@@ -59,7 +59,9 @@ class StepStack:
     stack.  Call :meth:`refresh` before each pass (weights change between optimizer steps).
     """
 
-    def __init__(self, branches: Sequence[nn.Module], h: Sequence[float], concurrent: bool = True, first_index: int = 0) -> None:
+    def __init__(
+        self, branches: Sequence[nn.Module], h: Sequence[float], concurrent: bool = True, first_index: int = 0
+    ) -> None:
         self.branches = list(branches)
         if not self.branches:
             raise ValueError("no residual steps to stack")
@@ -95,8 +97,14 @@ class StepStack:
         self.training = training
         self._template.train(training)  # eval: BN normalises with the running statistics passed as buffers
         with torch.no_grad():
-            self.params = {k: torch.stack([getattr(*refs[i]).detach() for refs in self._param_refs]) for i, k in enumerate(self.param_names)}
-            self.buffers = {k: torch.stack([getattr(*refs[i]) for refs in self._buffer_refs]) for i, k in enumerate(self.buffer_names)}
+            self.params = {
+                k: torch.stack([getattr(*refs[i]).detach() for refs in self._param_refs])
+                for i, k in enumerate(self.param_names)
+            }
+            self.buffers = {
+                k: torch.stack([getattr(*refs[i]) for refs in self._buffer_refs])
+                for i, k in enumerate(self.buffer_names)
+            }
 
     @property
     def device(self) -> torch.device:
@@ -112,16 +120,23 @@ class StepStack:
         return view
 
     # -- one branch, functional --------------------------------------------------------------------------
-    def _branch(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+    def _branch(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor
+    ) -> torch.Tensor:
         if self.training and self.has_batch_norm:
             return functional_call(self._template_batch_stats, params, (u,))
         return functional_call(self._template, (params, buffers), (u,))
 
-    def _batched(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+    def _batched(
+        self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], u: torch.Tensor
+    ) -> torch.Tensor:
         if self.concurrent and u.shape[0] > 1:  # one step (the coarsest solve): a plain call, no vmap overhead
             return vmap(self._branch)(params, buffers, u)
         return torch.stack(
-            [self._branch({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in buffers.items()}, u[i]) for i in range(u.shape[0])]
+            [
+                self._branch({k: v[i] for k, v in params.items()}, {k: v[i] for k, v in buffers.items()}, u[i])
+                for i in range(u.shape[0])
+            ]
         )
 
     def _select(self, layers: slice) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -144,7 +159,9 @@ class StepStack:
         (g,) = pullback(lam)
         return lam + self._scale(h, lam) * g
 
-    def param_grads(self, layers: slice, h: torch.Tensor, u: torch.Tensor, lam_next: torch.Tensor) -> dict[str, torch.Tensor]:
+    def param_grads(
+        self, layers: slice, h: torch.Tensor, u: torch.Tensor, lam_next: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """``dL/dtheta_n = h_n (dF/dtheta at u_n)^T lam_{n+1}`` for every selected layer, stacked."""
         params, buffers = self._select(layers)
         pullback = vjp(lambda p: self._batched(p, buffers, u), params)[1]
@@ -162,7 +179,11 @@ class StepStack:
                 vmap(lambda p, b, x: functional_call(template, (p, b), (x,)))(self.params, buffers, u)
             else:
                 for i in range(u.shape[0]):
-                    functional_call(template, ({k: v[i] for k, v in self.params.items()}, {k: v[i] for k, v in buffers.items()}), (u[i],))
+                    functional_call(
+                        template,
+                        ({k: v[i] for k, v in self.params.items()}, {k: v[i] for k, v in buffers.items()}),
+                        (u[i],),
+                    )
             for i, branch in enumerate(self.branches):
                 named = dict(branch.named_buffers())
                 for k in self.buffer_names:

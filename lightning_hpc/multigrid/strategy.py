@@ -157,7 +157,10 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 f"use a world size that is a multiple of {self.layer_parallel_size}, or change layer_parallel_size"
             )
         if self.mode == "serial" and self.layer_parallel_size != 1:
-            raise ValueError(f"mode='serial' runs every layer on every rank: set layer_parallel_size=1 (got {self.layer_parallel_size})")
+            raise ValueError(
+                "mode='serial' runs every layer on every rank: set layer_parallel_size=1 (got "
+                f"{self.layer_parallel_size})"
+            )
 
     def _wrap_model(self) -> None:
         if self.block is not None:
@@ -171,7 +174,9 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             device_type = self.root_device.type
-            self.data_group, self.layer_group, self._data_index, self._layer_index = layer_data_groups(self.layer_parallel_size, device_type)
+            self.data_group, self.layer_group, self._data_index, self._layer_index = layer_data_groups(
+                self.layer_parallel_size, device_type
+            )
             # no DDP wrapper broadcasts the initial weights: do it here so every replica starts equal
             start_equal(module_state_tensors(self.lightning_module))
         layer_group = self.layer_group if self.layer_parallel_size > 1 else None
@@ -196,7 +201,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         precision = str(getattr(self.precision_plugin, "precision", "32-true"))
         if self.mode == "mg" and precision.endswith("-mixed"):
             raise ValueError(
-                f"strategy='multigrid' with mode='mg' does not support precision={precision!r} (autocast does not reach "
+                f"strategy='multigrid' with mode='mg' does not support precision={precision!r} (autocast does not "
+                "reach "
                 "the multigrid solver's batched steps); use precision='32-true' (or '64-true', 'bf16-true'), or "
                 "mode='pm' / 'serial', which run under autocast"
             )
@@ -277,7 +283,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 if saved != size:
                     raise ValueError(
                         f"the checkpoint's optimizer state is in the per-layer-rank format of earlier versions, saved "
-                        f"with layer_parallel_size={saved}; this run has {size}. Resume with layer_parallel_size={saved} "
+                        f"with layer_parallel_size={saved}; this run has {size}. Resume with "
+                        f"layer_parallel_size={saved} "
                         "once and save a checkpoint (it is written in the full format, which resumes with any "
                         "layer_parallel_size), or load only the model weights (saved in full, they load anywhere)"
                     )

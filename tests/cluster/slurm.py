@@ -159,7 +159,9 @@ class LocalSlurm:
                     raise RuntimeError(f"local SLURM: a daemon exited (rc {p.returncode}) while waiting for {what}; "
                                        f"logs:\n{self.logs()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"local SLURM: timed out after {timeout:.0f}s waiting for {what}; logs:\n{self.logs()}")
+                raise RuntimeError(
+                    f"local SLURM: timed out after {timeout:.0f}s waiting for {what}; logs:\n{self.logs()}"
+                )
             time.sleep(0.5)
 
     def logs(self, tail: int = 40) -> str:

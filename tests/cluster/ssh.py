@@ -1,10 +1,9 @@
 """Passwordless ssh between the simulated nodes, as ``horovodrun`` needs it to start remote ranks.
 
-Each node runs its own ``sshd`` (in its network namespace, on :data:`PORT`) that accepts one key made for the
-test; :attr:`SshOnNodes.bin_dir` holds an ``ssh`` that uses that key and skips host-key checks (what a cluster's
-``~/.ssh/config`` does), to be put first on ``PATH`` of the launcher; it logs every call to :attr:`calls`.  Nothing outside a temporary folder is
-read or written (no ``~/.ssh``).
-"""
+Each node runs its own ``sshd`` (in its network namespace, on :data:`PORT`) that accepts one key made for the test;
+:attr:`SshOnNodes.bin_dir` holds an ``ssh`` that uses that key and skips host-key checks (what a cluster's
+``~/.ssh/config`` does), to be put first on ``PATH`` of the launcher; it logs every call to :attr:`calls`. Nothing
+outside a temporary folder is read or written (no ``~/.ssh``)."""
 
 from __future__ import annotations
 
@@ -56,8 +55,11 @@ class SshOnNodes:
         wrapper.chmod(0o755)
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         for node in self.nodes:
-            node.popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stdout=open(d / f"sshd.{node.hostname}.log", "w"),
-                       service=True)
+            node.popen(
+                [SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
+                stdout=open(d / f"sshd.{node.hostname}.log", "w"),
+                service=True,
+            )
         self._wait_ready()
         return self
 

@@ -1,8 +1,9 @@
 """Horovod across two simulated nodes: ``examples/cluster/horovodrun.sh`` (``horovodrun --gloo -H node0:2,node1:2``,
 remote ranks started over ssh) trains the digits recipe under ``strategy=horovod`` to the parameters of the same
 script on one node with 4 processes, up to float rounding: not bitwise, since Horovod's Gloo all-reduce sums the
-ranks' gradients in an order that depends on how the ranks sit on hosts (measured: 1.5e-8 at most).  The ssh calls are checked too: the training command must have been started
-on node 1 (a launch that put every rank on node 0 would fail)."""
+ranks' gradients in an order that depends on how the ranks sit on hosts (measured: 1.5e-8 at most). The ssh calls
+are checked too: the training command must have been started on node 1 (a launch that put every rank on node 0 would
+fail)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ from tests.cluster.test_multinode import JOB_TIMEOUT, SHORT, _check_ok, _final_s
 
 @pytest.fixture(scope="module")
 def horovod_importable():
-    pytest.importorskip("horovod.torch", reason="horovod.torch is not importable (scripts/install-horovod.sh builds it)")
+    pytest.importorskip(
+        "horovod.torch", reason="horovod.torch is not importable (scripts/install-horovod.sh builds it)"
+    )
 
 
 def _horovodrun(nodes, ssh, workdir: Path, job: str, hosts: list[str], nproc: int) -> Path:
     log = workdir / f"{job}.log"
     env = node_env(HOSTS=",".join(hosts), NPROC=str(nproc), JOB_ID=job, SSH_PORT=str(PORT))
     env["PATH"] = f"{ssh.bin_dir}:{env['PATH']}"
-    proc = nodes[0].popen(["bash", str(EXAMPLES / "horovodrun.sh"), *SHORT], env=env, cwd=workdir, stdout=open(log, "w"))
+    proc = nodes[0].popen(
+        ["bash", str(EXAMPLES / "horovodrun.sh"), *SHORT], env=env, cwd=workdir, stdout=open(log, "w")
+    )
     _check_ok(_wait_all([proc], [log], JOB_TIMEOUT), [log])
     return log
 

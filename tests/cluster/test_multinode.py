@@ -59,7 +59,9 @@ def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[
     out = sorted(set(a) ^ set(b))
     for name in sorted(set(a) & set(b)):
         if a[name].shape != b[name].shape or not torch.equal(a[name], b[name]):
-            diff = (a[name].double() - b[name].double()).abs().max().item() if a[name].shape == b[name].shape else "shape"
+            diff = (
+                (a[name].double() - b[name].double()).abs().max().item() if a[name].shape == b[name].shape else "shape"
+            )
             out.append(f"{name} (max |diff| {diff})")
     return out
 
@@ -80,7 +82,9 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -
 
 def _check_ok(rcs: list[int], logs: list[Path]) -> None:
     if any(rcs):
-        tails = "\n".join(f"== {log} (rc {rc})\n{log.read_text(errors='replace')[-4000:]}" for rc, log in zip(rcs, logs))
+        tails = "\n".join(
+            f"== {log} (rc {rc})\n{log.read_text(errors='replace')[-4000:]}" for rc, log in zip(rcs, logs)
+        )
         raise AssertionError(f"launch failed: {rcs}\n{tails}")
 
 
@@ -116,9 +120,23 @@ def reference(sim_nodes, workdir):
             job = f"ref-{strategy}"
             log = workdir / f"{job}.log"
             proc = sim_nodes[0].popen(
-                ["torchrun", "--standalone", "--nproc-per-node=4", "-m", "lightning_hpc", "train", "recipe=digits",
-                 "trainer.devices=4", "trainer.num_nodes=1", f"hydra.run.dir=outputs/{job}", *_args(strategy, *REFERENCE_EXTRA.get(strategy, []))],
-                env=node_env(), cwd=workdir, stdout=open(log, "w"))
+                [
+                    "torchrun",
+                    "--standalone",
+                    "--nproc-per-node=4",
+                    "-m",
+                    "lightning_hpc",
+                    "train",
+                    "recipe=digits",
+                    "trainer.devices=4",
+                    "trainer.num_nodes=1",
+                    f"hydra.run.dir=outputs/{job}",
+                    *_args(strategy, *REFERENCE_EXTRA.get(strategy, [])),
+                ],
+                env=node_env(),
+                cwd=workdir,
+                stdout=open(log, "w"),
+            )
             _check_ok(_wait_all([proc], [log], JOB_TIMEOUT), [log])
             _REFERENCES[strategy] = _final_state(workdir / "outputs" / job)
         return _REFERENCES[strategy]
@@ -197,7 +215,9 @@ def test_sbatch_script(local_slurm, workdir, reference):
 
 
 def test_submitit_sweep_two_values(local_slurm, workdir, reference):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]' for the submitit launcher")
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher", reason="pip install -e '.[slurm]' for the submitit launcher"
+    )
     sweep = workdir / "sweep"
     log = workdir / "submitit.log"
     proc = local_slurm.popen(["bash", str(EXAMPLES / "submitit_sweep.sh"), *_args("ddp"), f"hydra.sweep.dir={sweep}"],

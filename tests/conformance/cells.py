@@ -107,7 +107,11 @@ REFUSED = [
     # Flatten + Linear: the head is found, but nothing before it trains
     ("hybrid_fc", "flatten_linear", r"no trainable parameter outside the fully-connected head.*strategy='ddp'"),
     # a frozen trunk (fine-tuning only the head): no data-parallel part left
-    ("hybrid_fc", "frozen_parameters", r"no trainable parameter outside the fully-connected head.*frozen.*strategy='ddp'"),
+    (
+        "hybrid_fc",
+        "frozen_parameters",
+        r"no trainable parameter outside the fully-connected head.*frozen.*strategy='ddp'",
+    ),
     # Lightning's predict sampler gives ranks unequal batches; the sharded head needs every rank in each batch
     ("hybrid_fc", "predict", r"cannot run trainer.predict on several processes.*Trainer\(devices=1\)"),
     # autocast does not reach multigrid's batched (vmapped) steps: it crashed with a dtype mismatch

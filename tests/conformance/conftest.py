@@ -42,8 +42,11 @@ class Runs:
         if strategy == "horovod" and not horovod_importable():
             print("horovod.torch is not importable: build it with scripts/install-horovod.sh")
             pytest.skip("horovod.torch is not importable (scripts/install-horovod.sh builds it)")
-        cases = sorted({c for s, c in ALL_CELLS + [e[:2] for e in ERRORS] if s == strategy and not c.endswith("_2_to_1")}
-                       | {c for s, c in REFERENCE_DDP if s == strategy}, key=_refusals_last(strategy))
+        cases = sorted(
+            {c for s, c in ALL_CELLS + [e[:2] for e in ERRORS] if s == strategy and not c.endswith("_2_to_1")}
+            | {c for s, c in REFERENCE_DDP if s == strategy},
+            key=_refusals_last(strategy),
+        )
         log = self._ensure(f"two_{strategy}", "two", 2, [f"{strategy}:{c}" for c in cases],
                            DATA_PARALLEL.get(strategy, 2), horovod=strategy == "horovod")
         return read(self.root / "two", strategy, case, log, 2)
@@ -80,7 +83,9 @@ class Runs:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs
         key = ("resumed_on_one_horovod" if horovod else "resumed_on_one") + f"_dp{dp}"
-        log = self._ensure(key, key, 1, items, dp, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
+        log = self._ensure(
+            key, key, 1, items, dp, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")}
+        )
         return read(self.root / key, strategy, case, log, 1)
 
 

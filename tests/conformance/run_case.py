@@ -302,16 +302,29 @@ CASES: dict[str, Case] = {
     "sgd_step_lr": Case(lambda: UserCNN(optimizer="sgd_step_lr")),
     "adam": Case(lambda: UserCNN(optimizer="adam")),
     "two_optimizers_gan": Case(UserGAN),
-    "bf16_mixed": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"}, dtype=torch.float32),
+    "bf16_mixed": Case(
+        lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"}, dtype=torch.float32
+    ),
     # the same on one process, accumulating the ranks' batches as micro-batches (the exact reference for bf16)
-    "bf16_mixed_micro_batches": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), {"precision": "bf16-mixed"},
-                                     dtype=torch.float32, micro_batches=True),
+    "bf16_mixed_micro_batches": Case(
+        lambda: float32(UserCNN(optimizer="sgd_bf16")),
+        {"precision": "bf16-mixed"},
+        dtype=torch.float32,
+        micro_batches=True,
+    ),
     # 16-mixed with a grad scaler through K-FAC's precision plugin (float32 module)
-    "kfac_fp16_plugin": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32,
-                             plugins=_kfac_fp16_plugin),
-    "kfac_fp16_plugin_micro_batches": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32,
-                                           plugins=_kfac_fp16_plugin, micro_batches=True),
-    "fp32_for_bf16": Case(lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32),  # the bound's yardstick (reference)
+    "kfac_fp16_plugin": Case(
+        lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32, plugins=_kfac_fp16_plugin
+    ),
+    "kfac_fp16_plugin_micro_batches": Case(
+        lambda: float32(UserCNN(optimizer="sgd_bf16")),
+        dtype=torch.float32,
+        plugins=_kfac_fp16_plugin,
+        micro_batches=True,
+    ),
+    "fp32_for_bf16": Case(
+        lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32
+    ),  # the bound's yardstick (reference)
     "validate_test": Case(UserCNN, flow="fit_eval"),
     "fit_predict": Case(UserCNN, flow="fit_predict"),
     "resume": Case(lambda: UserCNN(optimizer="sgd_step_lr"), EPOCH2, flow="resume"),
@@ -347,7 +360,13 @@ MG_OPTIONS = {"cfactor": 2, "levels": 2, "relaxation": "F"}
 MG_CYCLES = 2
 
 #: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions
-KFAC_OPTIONS = {"factor_update_freq": 1, "inv_update_freq": 2, "damping": 0.01, "kl_clip": 0.01, "decomposition_dtype": "float64"}
+KFAC_OPTIONS = {
+    "factor_update_freq": 1,
+    "inv_update_freq": 2,
+    "damping": 0.01,
+    "kl_clip": 0.01,
+    "decomposition_dtype": "float64",
+}
 
 
 class ReportSteps(pl.Callback):
@@ -463,9 +482,17 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
         if case.micro_batches and devices == 1:
             kwargs["accumulate_grad_batches"] = data_parallel
         return pl.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],
-            num_sanity_val_steps=0, use_distributed_sampler=devices > 1, **kwargs,
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],
+            num_sanity_val_steps=0,
+            use_distributed_sampler=devices > 1,
+            **kwargs,
         )
 
     t: pl.Trainer | None = None
@@ -478,7 +505,12 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
         elif case.flow in ("resume", "resume_from"):
             mid = out / "epoch1.ckpt"
             if case.flow == "resume_from":  # the first epoch ran in another process group (see the tests)
-                mid = Path(os.environ["CONFORMANCE_RESUME_FROM"]) / strategy_name / case_name.replace("_2_to_1", "") / "epoch1.ckpt"
+                mid = (
+                    Path(os.environ["CONFORMANCE_RESUME_FROM"])
+                    / strategy_name
+                    / case_name.replace("_2_to_1", "")
+                    / "epoch1.ckpt"
+                )
             else:
                 t = trainer(max_epochs=1)
                 t.fit(module, loader)

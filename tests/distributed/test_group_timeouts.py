@@ -1,11 +1,10 @@
 """Sub-groups fail as fast as the world's collective timeout (the strategy's ``timeout``), not after 30 minutes.
 
-torch gives ``new_group`` (and a DeviceMesh's groups, unless ``backend_override`` carries options) its own
-30-minute default whatever timeout the world was initialised with; the hybrid_fc head group and the multigrid data x layer mesh were built that way, so a rank
-stuck outside a collective hung the job for 30 minutes (measured with hybrid_fc: killed by the outer 300 s
-limit, while ddp/layered_sgd/spatial ended 8 s after their 20 s timeout; an all_reduce on such a group with
-a stuck peer waited 8.0 s, until the peer exited, under a 2 s world timeout).
-"""
+torch gives ``new_group`` (and a DeviceMesh's groups, unless ``backend_override`` carries options) its own 30-minute
+default whatever timeout the world was initialised with; the hybrid_fc head group and the multigrid data x layer
+mesh were built that way, so a rank stuck outside a collective hung the job for 30 minutes (measured with hybrid_fc:
+killed by the outer 300 s limit, while ddp/layered_sgd/spatial ended 8 s after their 20 s timeout; an all_reduce on
+such a group with a stuck peer waited 8.0 s, until the peer exited, under a 2 s world timeout)."""
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator

@@ -251,7 +251,9 @@ def memory_and_errors(rank: int, k: int) -> dict:
     hybrid_sgd_step(model, opt, rank, k, 0)
     head = head_parameters(model)
     head_ids = {id(p) for p in head}
-    head_state = sum(v.numel() for p, s in opt.state.items() if id(p) in head_ids for v in s.values() if torch.is_tensor(v))
+    head_state = sum(
+        v.numel() for p, s in opt.state.items() if id(p) in head_ids for v in s.values() if torch.is_tensor(v)
+    )
     err = ""
     try:
         model(batch(0, k)[0][:2])  # 2 examples per rank cannot be cut into 4 slices
@@ -335,7 +337,9 @@ def serial_kfac_trunk_params(k: int, steps: int) -> dict[str, torch.Tensor]:
     return ref.state_dict()
 
 
-def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False) -> dict:
+def lightning_equivalence(
+    rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False
+) -> dict:
     """Train through Lightning's Trainer with HybridParallelStrategy (and the KFAC callback when ``kfac``);
     return the full parameters afterwards."""
     import lightning.pytorch as pl
@@ -350,15 +354,26 @@ def lightning_equivalence(rank: int, k: int, scheme: str, fc_update: str, steps:
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     module = ImageClassifier(small_model(), optimizer=sgd, num_classes=10)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update),
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=k,
+        strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
         callbacks=[KFAC(**KFAC_OPTIONS)] if kfac else None,
     )
     trainer.fit(module, train_dataloaders=loader)
     trainer.save_checkpoint(ckpt_path)
     find_hybrid_head(module.model)  # raises if the head was not sharded
-    return {"state": _numpy(full_state_dict(module.model)), "head_local": sum(p.numel() for p in head_parameters(module.model))}
+    return {
+        "state": _numpy(full_state_dict(module.model)),
+        "head_local": sum(p.numel() for p in head_parameters(module.model)),
+    }
 
 
 def serial_sequence(k: int, steps: int, fc_update: str, scheme: str) -> dict:
@@ -417,9 +432,18 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     tracking = Tracking()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(scheme="c"), callbacks=[tracking, LoadInitial()],
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=k,
+        strategy=HybridParallelStrategy(scheme="c"),
+        callbacks=[tracking, LoadInitial()],
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
     )
     if how == "init_module":
         with trainer.init_module(empty_init=True):

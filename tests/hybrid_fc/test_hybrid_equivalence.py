@@ -15,12 +15,21 @@ STEPS = 3
 def test_per_step_equals_single_process_on_concatenated_batch(k):
     # auto layout (col, col, row) for every scheme, plus forced layouts that cover the other transitions
     # (row -> row reduce-scatter, row first layer, col output delivered by all-to-all / gather).
-    configs = [("a", None), ("b", None), ("c", None), ("c", ["row", "row", "col"]), ("b", ["row", "col", "col"]), ("a", ["col", "row", "col"])]
+    configs = [
+        ("a", None),
+        ("b", None),
+        ("c", None),
+        ("c", ["row", "row", "col"]),
+        ("b", ["row", "col", "col"]),
+        ("a", ["col", "row", "col"]),
+    ]
     results = run_in_processes(run_configs, k, "per_step_equivalence", configs, STEPS, timeout_s=300)
     for rank_results in results:
         for (scheme, layouts), worst in zip(configs, rank_results):
             for what in ("logits", "loss", "params", "input_grad"):
-                assert worst[what] < TOL, f"K={k} scheme={scheme} layouts={layouts}: {what} differs by {worst[what]:.3g}"
+                assert worst[what] < TOL, (
+                    f"K={k} scheme={scheme} layouts={layouts}: {what} differs by {worst[what]:.3g}"
+                )
 
 
 @pytest.mark.parametrize("k", [2, 4])

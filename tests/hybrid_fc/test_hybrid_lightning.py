@@ -64,11 +64,19 @@ def test_head_discovery():
 @pytest.mark.parametrize(
     "model,head,match",
     [
-        (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), None, r"searched the layers of Sequential .* found none .*\[.0., .2.\]"),
+        (
+            nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+            None,
+            r"searched the layers of Sequential .* found none .*\[.0., .2.\]",
+        ),
         (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(1), nn.Linear(8, 2), nn.BatchNorm1d(2)), None, "cannot shard"),
         (nn.Sequential(nn.Flatten(1), nn.Linear(8, 2)), "head", "no such submodule"),
         (alexnet_one_tower(num_classes=10, fc_width=32), "features", "cannot shard"),
-        (nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Conv2d(2, 2, 3)), None, "no fully-connected head.*give the model one.*strategy='ddp'"),
+        (
+            nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Conv2d(2, 2, 3)),
+            None,
+            "no fully-connected head.*give the model one.*strategy='ddp'",
+        ),
     ],
 )
 def test_bad_models_get_clear_errors(model, head, match):

@@ -38,6 +38,8 @@ def test_checkpoint_round_trip_4_ranks_1_rank_4_ranks(tmp_path):
     # ... and back: the plain checkpoint loads on 4 ranks (sharded on load) and the next step matches serial.
     back = run_in_processes(checkpoint_into_hybrid, K, serial_path, steps + 1, timeout_s=240)
     reference, _ = serial_continue(serial_path, K, steps + 1)
-    assert sum(r["head_local"] for r in back) == sum(serial_state[k].size for k in serial_state if k.split(".")[0] in {"4", "6", "8"})
+    assert sum(r["head_local"] for r in back) == sum(
+        serial_state[k].size for k in serial_state if k.split(".")[0] in {"4", "6", "8"}
+    )
     for key, value in reference.items():
         assert np.allclose(value, back[0]["state"][key], atol=1e-5, rtol=0), key

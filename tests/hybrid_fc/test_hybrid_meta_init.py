@@ -26,9 +26,13 @@ LARGEST_FULL_BYTES = max(o * i for o, i in HEAD_WEIGHT_SHAPES) * 4
 def _assert_sharded_only(out: list[dict], k: int, where: str) -> None:
     assert sum(o["head_numel"] for o in out) == FULL_HEAD_NUMEL, where
     for o in out:
-        assert o["full_head_shapes_seen"] == [], f"{where}: a full-size head tensor was allocated: {o['full_head_shapes_seen']}"
+        assert o["full_head_shapes_seen"] == [], (
+            f"{where}: a full-size head tensor was allocated: {o['full_head_shapes_seen']}"
+        )
         # no tensor of any size beyond the largest full head weight ever had storage
-        assert o["max_storage_bytes"] < LARGEST_FULL_BYTES, f"{where}: a {o['max_storage_bytes']}-byte storage was allocated"
+        assert o["max_storage_bytes"] < LARGEST_FULL_BYTES, (
+            f"{where}: a {o['max_storage_bytes']}-byte storage was allocated"
+        )
         # each rank's head storage is its shards only: 1/K of the head (up to the uneven neuron blocks)
         assert o["head_storage_bytes"] == 4 * o["head_numel"], where
         assert abs(o["head_numel"] - FULL_HEAD_NUMEL / k) <= 64, f"{where}: {o['head_numel']} of {FULL_HEAD_NUMEL}"
@@ -50,7 +54,9 @@ def test_meta_built_head_allocates_only_shards_and_trains_like_serial(k):
         for key, (max_ratio, std_ratio) in per_rank[0]["meta"]["init"].items():
             assert max_ratio <= 1.0, f"{where}: {key} exceeds the serial init bound ({max_ratio:.3f})"
             if key.endswith("weight"):
-                assert max_ratio > 0.9 and abs(std_ratio - 1) < 0.2, f"{where}: {key} max/bound {max_ratio:.3f}, std ratio {std_ratio:.3f}"
+                assert max_ratio > 0.9 and abs(std_ratio - 1) < 0.2, (
+                    f"{where}: {key} max/bound {max_ratio:.3f}, std ratio {std_ratio:.3f}"
+                )
 
 
 @pytest.mark.parametrize("how", ["configure_model", "init_module"])

@@ -80,8 +80,10 @@ def runs(tmp_path_factory):
                 p.kill()
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{log[-5000:]}"
-    return {name: torch.load(out / f"{name}.pt", weights_only=False)
-            for name in ("layered", "ddp", "layered_accum", "layered_resumed", "ddp_resumed", "layered_kfac", "ddp_kfac")} | {"dir": out}
+    return {
+        name: torch.load(out / f"{name}.pt", weights_only=False)
+        for name in ("layered", "ddp", "layered_accum", "layered_resumed", "ddp_resumed", "layered_kfac", "ddp_kfac")
+    } | {"dir": out}
 
 
 def test_parameters_equal_serial_and_ddp(runs):
@@ -125,7 +127,9 @@ def test_mid_epoch_checkpoint_and_resume(runs):
     # The checkpoint holds the weights after step 3 (the postponed update was flushed) and DDP's momentum.
     torch.testing.assert_close(ts.flat(layered["state_dict"].values()), params[3], **TOL)
     for key, state in layered["optimizer_states"][0]["state"].items():
-        torch.testing.assert_close(state["momentum_buffer"], ddp["optimizer_states"][0]["state"][key]["momentum_buffer"], **TOL)
+        torch.testing.assert_close(
+            state["momentum_buffer"], ddp["optimizer_states"][0]["state"][key]["momentum_buffer"], **TOL
+        )
     assert layered["lr_schedulers"] == ddp["lr_schedulers"]
     # Resuming continues exactly as DDP resumed from its own step-3 checkpoint does.
     torch.testing.assert_close(runs["layered_resumed"]["final"], runs["ddp_resumed"]["final"], **TOL)

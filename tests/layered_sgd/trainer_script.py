@@ -83,7 +83,16 @@ def main(out: Path) -> None:
     def fit(name: str, strategy, resume: str | None = None, kfac: bool = False, **trainer_kwargs):
         module, grads, after = Module(), GradRecorder(), GradRecorder()
         # K-FAC runs between the two recorders: `grads` sees the averaged gradient, `after` the preconditioned one.
-        extra = [KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=None, decomposition_dtype="float64"), after] if kfac else []
+        extra = (
+            [
+                KFAC(
+                    factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=None, decomposition_dtype="float64"
+                ),
+                after,
+            ]
+            if kfac
+            else []
+        )
         ckpt = ModelCheckpoint(dirpath=out / f"{name}_ckpt", every_n_train_steps=3, save_top_k=-1)
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -102,7 +111,12 @@ def main(out: Path) -> None:
         trainer.fit(module, ckpt_path=resume)
         if trainer.global_rank == 0:
             torch.save(
-                {"final": flat(module.parameters()), "grads": grads.seen, "val": module.val_seen, "after_kfac": after.seen},
+                {
+                    "final": flat(module.parameters()),
+                    "grads": grads.seen,
+                    "val": module.val_seen,
+                    "after_kfac": after.seen,
+                },
                 out / f"{name}.pt",
             )
 

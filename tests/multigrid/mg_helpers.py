@@ -20,7 +20,9 @@ def make_net(num_steps: int = 32, width: int = 4, seed: int = 0, batch_norm: boo
     return net, x
 
 
-def options(levels: int, cfactor: int, cycles: int, relaxation: str = "FCF", tol=None, bwd_cycles=None, concurrent=True) -> MultigridOptions:
+def options(
+    levels: int, cfactor: int, cycles: int, relaxation: str = "FCF", tol=None, bwd_cycles=None, concurrent=True
+) -> MultigridOptions:
     return MultigridOptions(
         cfactor=cfactor,
         levels=levels,

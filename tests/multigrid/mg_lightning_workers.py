@@ -23,12 +23,22 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
     from lightning_hpc.models import ode_resnet
 
     torch.manual_seed(0)
-    module = ImageClassifier(ode_resnet(num_steps=NUM_STEPS, width=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    module = ImageClassifier(
+        ode_resnet(num_steps=NUM_STEPS, width=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    )
     loader = DataLoader(TensorDataset(*data(max_steps)), batch_size=BATCH, shuffle=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=MultigridStrategy(layer_parallel_size=world_size, **STRATEGY),
-        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=MultigridStrategy(layer_parallel_size=world_size, **STRATEGY),
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_path)
     trainer.save_checkpoint(save_path)
@@ -53,7 +63,9 @@ def make_optimizer(kind: str):
         if kind == "sgd":
             return torch.optim.SGD(params, lr=0.1, momentum=0.9)
         weights, biases = [p for p in params if p.ndim > 1], [p for p in params if p.ndim <= 1]
-        return torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(
+            [{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1
+        )
 
     return build
 
@@ -69,7 +81,15 @@ def state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> 
     }
 
 
-def fit_resume(rank: int, world_size: int, layer_parallel_size: int | None, kind: str, max_epochs: int, save_dir: str | None = None, resume_path: str | None = None) -> dict:
+def fit_resume(
+    rank: int,
+    world_size: int,
+    layer_parallel_size: int | None,
+    kind: str,
+    max_epochs: int,
+    save_dir: str | None = None,
+    resume_path: str | None = None,
+) -> dict:
     """Train the 16-step ODE-ResNet in float64 with an exact multigrid solve for ``max_epochs`` epochs of
     ``RESUME_BATCHES`` fixed batches (``layer_parallel_size=None``: a plain Trainer, no multigrid), from
     ``resume_path`` if given; with ``save_dir`` a checkpoint is written after every epoch.  Reports the local
@@ -101,7 +121,9 @@ def fit_resume(rank: int, world_size: int, layer_parallel_size: int | None, kind
     callbacks: list = [record]
     if save_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
-    strategy = "auto" if layer_parallel_size is None else MultigridStrategy(layer_parallel_size=layer_parallel_size, **EXACT)
+    strategy = (
+        "auto" if layer_parallel_size is None else MultigridStrategy(layer_parallel_size=layer_parallel_size, **EXACT)
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true", max_epochs=max_epochs,
         logger=False, enable_checkpointing=save_dir is not None, callbacks=callbacks, enable_progress_bar=False,
@@ -126,16 +148,23 @@ def legacy_checkpoint(full_path: str, legacy_path: str, layer_parallel_size: int
     per_rank = NUM_STEPS // layer_parallel_size
     shards = []
     for r in range(layer_parallel_size):
-        local = [i for i, n in enumerate(serial) if not n.startswith("model.steps.") or int(n.split(".")[2]) // per_rank == r]
+        local = [
+            i for i, n in enumerate(serial) if not n.startswith("model.steps.") or int(n.split(".")[2]) // per_rank == r
+        ]
         out = []
         for full in ckpt["optimizer_states"]:
             assert len(full["param_groups"]) == 1, "one param group only"
             ids = [full["param_groups"][0]["params"][i] for i in local]
             state = {k: full["state"][i] for k, i in enumerate(ids) if i in full["state"]}
-            out.append({"state": state, "param_groups": [{**full["param_groups"][0], "params": list(range(len(local)))}]})
+            out.append(
+                {"state": state, "param_groups": [{**full["param_groups"][0], "params": list(range(len(local)))}]}
+            )
         shards.append(out)
     ckpt["optimizer_states"] = [
-        {"multigrid_layer_shards": [shards[r][o] for r in range(layer_parallel_size)], "layer_parallel_size": layer_parallel_size}
+        {
+            "multigrid_layer_shards": [shards[r][o] for r in range(layer_parallel_size)],
+            "layer_parallel_size": layer_parallel_size,
+        }
         for o in range(len(ckpt["optimizer_states"]))
     ]
     torch.save(ckpt, legacy_path)

@@ -63,7 +63,9 @@ def _assert_params(got: dict, want: dict, exact: bool) -> None:
 def test_resume_on_other_layouts_equals_uninterrupted(tmp_path, kind):
     plain_run = fit_resume(0, 1, None, kind, 1, str(tmp_path / "plain"))  # epoch 0 in a plain Trainer
     plain_checkpoint = str(tmp_path / "plain" / "epoch=0.ckpt")
-    runs = run_in_processes(save_then_resume, 2, kind, str(tmp_path), plain_checkpoint, timeout_s=900, collective_timeout_s=300)
+    runs = run_in_processes(
+        save_then_resume, 2, kind, str(tmp_path), plain_checkpoint, timeout_s=900, collective_timeout_s=300
+    )
     plain = ImageClassifier(ode_resnet(num_steps=NUM_STEPS, width=4)).double()
     names = [n for n, _ in plain.named_parameters()]
     trunk = [n for n in names if n.startswith("model.steps.")]
@@ -84,7 +86,9 @@ def test_resume_on_other_layouts_equals_uninterrupted(tmp_path, kind):
     assert [len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"]] == [
         len(g["params"]) for g in serial_optimizer.state_dict()["param_groups"]
     ]
-    assert not torch.equal(ckpt["state_dict"]["model.steps.15.branch.0.weight"], final["model.steps.15.branch.0.weight"])
+    assert not torch.equal(
+        ckpt["state_dict"]["model.steps.15.branch.0.weight"], final["model.steps.15.branch.0.weight"]
+    )
 
     # (a) 2 processes, layer_parallel_size=2: the same computation, bit for bit
     _assert_state_exact(_merge([r["lp2"]["start"] for r in runs]), epoch0)
@@ -109,7 +113,9 @@ def test_resume_on_other_layouts_equals_uninterrupted(tmp_path, kind):
         _assert_state_exact(_merge([r["legacy"]["start"] for r in runs]), epoch0)
         _assert_params(_merge([r["legacy"]["params"] for r in runs]), final, exact=True)
         # ... and is refused with another one, naming what to do
-        with pytest.raises(ValueError, match="earlier versions, saved with layer_parallel_size=2.*Resume with layer_parallel_size=2"):
+        with pytest.raises(
+            ValueError, match="earlier versions, saved with layer_parallel_size=2.*Resume with layer_parallel_size=2"
+        ):
             fit_resume(0, 1, 1, kind, 2, None, str(tmp_path / "legacy.ckpt"))
 
 

@@ -38,14 +38,30 @@ def _layer_parallel_worker(rank, world_size):
             opts = dataclasses.replace(options(levels, cfactor, cycles, relaxation), coarse_gather_threshold=threshold)
             out, gx, _, block = multigrid_run(net, x, opts, group=dist.group.WORLD)
             owned = sorted({int(n.split(".")[0]) for n, _ in block.named_parameters()})
-            results.append(dict(out=out.numpy(), gx=gx.numpy(), steps=_local_grads(block), fwd=block.forward_history, bwd=block.backward_history, owned=owned))
+            results.append(
+                dict(
+                    out=out.numpy(),
+                    gx=gx.numpy(),
+                    steps=_local_grads(block),
+                    fwd=block.forward_history,
+                    bwd=block.backward_history,
+                    owned=owned,
+                )
+            )
     # partitioned-model baseline: serial evaluation over the same partition
     net, x = make_net(32)
     net.steps = PartitionedODEBlock(net.steps, group=dist.group.WORLD)
     xx = x.clone().requires_grad_()
     logits = net(xx)
     (logits * torch.linspace(-1, 1, logits.numel(), dtype=logits.dtype).view_as(logits)).sum().backward()
-    results.append(dict(out=logits.detach().numpy(), gx=xx.grad.numpy(), steps=_local_grads(net.steps), numel=sum(p.numel() for p in net.steps.parameters())))
+    results.append(
+        dict(
+            out=logits.detach().numpy(),
+            gx=xx.grad.numpy(),
+            steps=_local_grads(net.steps),
+            numel=sum(p.numel() for p in net.steps.parameters()),
+        )
+    )
     return results
 
 
@@ -87,7 +103,10 @@ def _training_worker(rank, world_size, ckpt_path):
 
 
 def _worker(rank, world_size, ckpt_path):
-    out = {"layer_parallel": _layer_parallel_worker(rank, world_size), "training": _training_worker(rank, world_size, ckpt_path)}
+    out = {
+        "layer_parallel": _layer_parallel_worker(rank, world_size),
+        "training": _training_worker(rank, world_size, ckpt_path),
+    }
     if world_size == 4:  # one spawn for both 4-process checks (process start-up dominates here)
         out["mesh"] = _mesh_worker(rank, world_size)
     return out
@@ -203,7 +222,10 @@ def check_mesh(runs):
     net.steps = MultigridODEBlock(net.steps, options(3, 2, 2, "FCF"))
     (net(x) * torch.linspace(-1, 1, 10, dtype=torch.float64).view(1, 10)).sum(1).mean().backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-    merged = [_merge([runs[2 * d]["grads"], {k: v for k, v in runs[2 * d + 1]["grads"].items() if k.startswith("steps.")}]) for d in range(2)]
+    merged = [
+        _merge([runs[2 * d]["grads"], {k: v for k, v in runs[2 * d + 1]["grads"].items() if k.startswith("steps.")}])
+        for d in range(2)
+    ]
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     y = torch.arange(6)
     for _ in range(TRAIN_STEPS):

@@ -11,7 +11,10 @@ from lightning_hpc.multigrid.strategy import MultigridStrategy
 
 
 def test_steps_not_divisible_by_ranks_and_blocks():
-    with pytest.raises(ValueError, match=r"30 residual steps cannot be split into 4 layer-parallel rank\(s\) x blocks of .* multiple of 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"30 residual steps cannot be split into 4 layer-parallel rank\(s\) x blocks of .* multiple of 16",
+    ):
         check_layer_partition(30, 4, 2, 3)
     with pytest.raises(ValueError, match="multiple of 8. Use 32 or 40 steps"):
         MultigridODEBlock(ode_resnet(num_steps=36).steps, MultigridOptions(cfactor=8, levels=2))
@@ -48,14 +51,18 @@ def test_model_not_in_residual_form():
 
 
 def test_shape_changing_step_fails_at_first_forward():
-    trunk = nn.Sequential(ResidualStep(nn.Conv2d(2, 2, 3, padding=1), 0.1), ResidualStep(nn.Conv2d(2, 2, 3, padding=1, stride=2), 0.1))
+    trunk = nn.Sequential(
+        ResidualStep(nn.Conv2d(2, 2, 3, padding=1), 0.1), ResidualStep(nn.Conv2d(2, 2, 3, padding=1, stride=2), 0.1)
+    )
     block = MultigridODEBlock(trunk, MultigridOptions(cfactor=2, levels=2))
     with pytest.raises(NotResidualError, match="block 1 .* maps a state of shape"):
         block(torch.randn(1, 2, 8, 8))
 
 
 def test_heterogeneous_branches_cannot_be_stacked():
-    trunk = nn.Sequential(ResidualStep(nn.Conv2d(2, 2, 3, padding=1), 0.1), ResidualStep(nn.Conv2d(2, 2, 5, padding=2), 0.1))
+    trunk = nn.Sequential(
+        ResidualStep(nn.Conv2d(2, 2, 3, padding=1), 0.1), ResidualStep(nn.Conv2d(2, 2, 5, padding=2), 0.1)
+    )
     with pytest.raises(ValueError, match="residual step 1 has a branch of different structure than step 0"):
         MultigridODEBlock(trunk, MultigridOptions(cfactor=2, levels=2))
 
@@ -76,9 +83,25 @@ def test_strategy_missing_trunk_and_indivisible_depth():
     from lightning_hpc.data import DigitsDataModule
 
     model = ImageClassifier(ode_resnet(num_steps=6))
-    trainer = pl.Trainer(strategy=MultigridStrategy(trunk="blocks"), accelerator="cpu", devices=1, fast_dev_run=True, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=MultigridStrategy(trunk="blocks"),
+        accelerator="cpu",
+        devices=1,
+        fast_dev_run=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match=r"no attribute 'blocks'.*ODEResNet calls it 'steps'"):
         trainer.fit(model, datamodule=DigitsDataModule(batch_size=8))
-    trainer = pl.Trainer(strategy=MultigridStrategy(cfactor=4), accelerator="cpu", devices=1, fast_dev_run=True, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=MultigridStrategy(cfactor=4),
+        accelerator="cpu",
+        devices=1,
+        fast_dev_run=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match="6 residual steps cannot be split .* multiple of 4"):
         trainer.fit(ImageClassifier(ode_resnet(num_steps=6)), datamodule=DigitsDataModule(batch_size=8))

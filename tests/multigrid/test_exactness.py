@@ -15,7 +15,9 @@ def _compare(net, x, opts):
     errors = {
         "output": rel(out, ref[0]),
         "input_grad": rel(gx, ref[1]),
-        "param_grad": rel(torch.cat([grads[n].flatten() for n in ref[2]]), torch.cat([ref[2][n].flatten() for n in ref[2]])),
+        "param_grad": rel(
+            torch.cat([grads[n].flatten() for n in ref[2]]), torch.cat([ref[2][n].flatten() for n in ref[2]])
+        ),
     }
     return errors, block
 

@@ -33,6 +33,8 @@ def test_kfac_with_layer_parallel_multigrid_fails_before_training(mode):
         callbacks=[KFAC(factor_update_freq=1, inv_update_freq=1)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
-    with pytest.raises(ValueError, match=rf"KFAC does not support strategy='multigrid' with mode='{mode}'.*Remove the KFAC callback"):
+    with pytest.raises(
+        ValueError, match=rf"KFAC does not support strategy='multigrid' with mode='{mode}'.*Remove the KFAC callback"
+    ):
         trainer.fit(module, train_dataloaders=loader)
     assert _Counting.steps_run == 0

@@ -29,7 +29,16 @@ def test_fit_logs_residuals_and_matches_serial_step():
     serial = ImageClassifier(__import__("copy").deepcopy(net))
     module = ImageClassifier(net)
     strategy = MultigridStrategy(cfactor=4, levels=2, forward_cycles=4, backward_cycles=4)  # 4 = N/c: exact
-    common = dict(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    common = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer = pl.Trainer(strategy=strategy, **common)
     pl.seed_everything(0)
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=16))
@@ -49,8 +58,20 @@ def test_fit_logs_residuals_and_matches_serial_step():
 def test_digits_odenet_recipe_fast_dev_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_hpc", "train", "recipe=digits_odenet", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "lightning_hpc",
+            "train",
+            "recipe=digits_odenet",
+            "trainer.fast_dev_run=true",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "multigrid/forward_residual_1" in proc.stdout
@@ -82,10 +103,15 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     again_two, again_one = str(tmp_path / "two_b.ckpt"), str(tmp_path / "one_b.ckpt")
     run_in_processes(fit, 2, STEPS + 1, again_two, two, timeout_s=400, collective_timeout_s=200)
     fit(0, 1, STEPS + 1, again_one, one)
-    a, b = torch.load(again_two, weights_only=False)["state_dict"], torch.load(again_one, weights_only=False)["state_dict"]
+    a, b = (
+        torch.load(again_two, weights_only=False)["state_dict"],
+        torch.load(again_one, weights_only=False)["state_dict"],
+    )
     for key, value in b.items():
         assert torch.allclose(a[key], value, rtol=1e-5, atol=1e-6), key
-    assert not torch.allclose(a["model.steps.15.branch.0.weight"], ck_two["state_dict"]["model.steps.15.branch.0.weight"])
+    assert not torch.allclose(
+        a["model.steps.15.branch.0.weight"], ck_two["state_dict"]["model.steps.15.branch.0.weight"]
+    )
     # the 2-rank checkpoint resumed on 1 process = one process resuming its own checkpoint
     fit(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)
     c = torch.load(str(tmp_path / "x.ckpt"), weights_only=False)["state_dict"]
