@@ -10,6 +10,8 @@ Every process runs ONE torch thread (``run_in_processes`` sets it), the 1-proces
             before it (parameters, buffers, input tile, target).  Also reported: the bytes autograd saves for
             backward (saved-tensor hooks), the peak RSS growth during the step (sampled every 5 ms, minus the
             RSS just before it) and the raw peak RSS (includes the ~300 MiB python + torch + gloo footprint).
+            Twice: plain tiles with a loss written with the global pixel count, and op dispatch (SpatialTensor
+            input and target, an unchanged mean loss), as the strategy runs a user's module.
 2. scaling: strong scaling of the 1K mesh model (one training step: forward, per-pixel loss, backward,
             gradient reduction, SGD) at mini-batch N = 1 and 2 on 1 and 2 processes, Table I style:
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
@@ -100,13 +102,15 @@ def _allocator_peak(prof, path: str) -> tuple[int, int]:
     return (max([0, *totals]), totals[-1] if totals else 0)
 
 
-def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap: bool):
+def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap: bool, dispatch: bool = False):
     from torch.profiler import ProfilerActivity, profile
+
+    from lightning_hpc.spatial.dispatch import split_tensor
 
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_model(convs), grid, overlap=overlap, input_shape=(18, size, size))
+    model = convert_model(mesh_model(convs), grid, overlap=overlap, input_shape=(18, size, size), dispatch=dispatch)
     # each rank creates only its own tile (as the tile reader does): no rank ever holds the whole sample
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
     x = torch.randn(1, 18, h1 - h0, w1 - w0)
@@ -126,7 +130,11 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
+            if dispatch:  # as the strategy runs it: split activations, the user's unchanged mean loss
+                xs, ys = (split_tensor(t, grid, (1, t.shape[1], size, size), 2, 3) for t in (x, y))
+                loss = F.binary_cross_entropy_with_logits(model(xs), ys)
+            else:
+                loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
         saved_bytes = sum(saved.values())
         loss.backward()
     step = time.perf_counter() - t0
@@ -146,12 +154,14 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     }
 
 
-def bench_memory(report: Report, size: int = 2048, overlap: bool = False) -> None:
+def bench_memory(report: Report, size: int = 2048, overlap: bool = False, dispatch: bool = False) -> None:
     for procs, parts in ((1, (1, 1)), (2, (2, 1)), (4, (2, 2))):
-        res = run_in_processes(_memory_worker, procs, parts, size, 5, overlap, timeout_s=1800, collective_timeout_s=900)
+        res = run_in_processes(
+            _memory_worker, procs, parts, size, 5, overlap, dispatch, timeout_s=1800, collective_timeout_s=900
+        )
         worst = max(res, key=lambda r: r["alloc_peak_MiB"])
         report.add(
-            bench="memory_2k", procs=procs, tiles=f"{parts[0]}x{parts[1]}",
+            bench="memory_2k_dispatch" if dispatch else "memory_2k", procs=procs, tiles=f"{parts[0]}x{parts[1]}",
             alloc_peak_MiB=worst["alloc_peak_MiB"], held_before_MiB=worst["held_before_MiB"],
             step_alloc_peak_MiB=max(r["step_alloc_peak_MiB"] for r in res),
             saved_MiB_max_rank=max(r["saved_MiB"] for r in res),
@@ -355,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == "memory":
             bench_memory(report, args.size_2k, args.overlap)
+            bench_memory(report, args.size_2k, args.overlap, dispatch=True)
         elif name == "scaling":
             bench_scaling(report, args.repeats, args.size_1k, args.rounds, args.overlap)
         elif name == "dispatch":
