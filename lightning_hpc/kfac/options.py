@@ -67,7 +67,7 @@ class KFACOptions:
         kl_clip: kappa of Eq 18; None or 0 disables the scaling.
         compute_method: ``"eigen"`` (Eq 13-15) or ``"inverse"`` (Eq 11-12), see :mod:`.methods`.
         placement: ``"balanced"``, ``"round_robin"`` or ``"layer_wise"``, see :mod:`.placement`.
-        grad_worker_fraction: KAISA's gradient-worker fraction (SC21, section 3, HYBRID-OPT): the fraction of
+        grad_worker_fraction: KAISA's gradient-worker fraction (SC21, HYBRID-OPT): the fraction of
             ranks that hold each layer's decompositions and compute its preconditioned gradient, in (0, 1];
             ``world_size * fraction`` must be an integer dividing the world size (checked when the world is
             known). ``1 / world`` = MEM-OPT, ``1`` = COMM-OPT; None = the placement's default (``layer_wise``:

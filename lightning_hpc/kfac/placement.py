@@ -20,7 +20,7 @@ Policies
 
 Gradient workers (KAISA)
 ------------------------
-``grad_worker_fraction`` (KAISA, Pauloski et al., SC21, section 3: HYBRID-OPT) is the fraction of ranks that hold
+``grad_worker_fraction`` (KAISA, Pauloski et al., SC21, arXiv:2107.01739: HYBRID-OPT) is the fraction of ranks that hold
 each layer's decompositions and compute its preconditioned gradient. :class:`GradWorkerGrid` lays the ranks out
 as ``grad_workers`` rows of ``num_groups = world / grad_workers`` contiguous ranks: a *column* (ranks ``c, c + C,
 c + 2C, ...``) is a gradient-worker group, a *row* a broadcast group. Each layer belongs to one column

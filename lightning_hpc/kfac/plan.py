@@ -8,7 +8,7 @@ The model is built on the meta device (no memory, no weights); its Linear / Conv
 element counts (``n^2``: memory and broadcast payload) and of their costs (``n^3``: decomposition work), then the
 max, mean and lower-bound cost (``max(largest factor, total / world)``), the quantities of section VI-C4.
 
-Then, for every valid ``grad_worker_fraction`` (KAISA, SC21 section 3; or the ``--grad-worker-fraction`` values
+Then, for every valid ``grad_worker_fraction`` (KAISA, SC21; or the ``--grad-worker-fraction`` values
 given), the per-rank memory of the running factors plus the decompositions the rank holds, and the bytes each
 rank hands to collectives per step kind (:func:`communication_plan`, computed from the layer shapes).
 """
@@ -73,7 +73,7 @@ def communication_plan(
     factor_update_freq: int = 10,
     inv_update_freq: int = 100,
 ) -> dict[str, Any]:
-    """Per-rank memory and communication of K-FAC with a gradient-worker fraction (KAISA, SC21 section 3), from
+    """Per-rank memory and communication of K-FAC with a gradient-worker fraction (KAISA, SC21), from
     the layers' factor sides ``layer_dims[i] = (n_A, n_G)`` alone (the preconditioner's own assignment rule).
 
     Memory (bytes, per rank): ``factors_bytes`` -- every layer's running A and G (``n^2`` elements of

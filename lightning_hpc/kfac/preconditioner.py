@@ -22,7 +22,7 @@ Per optimizer step (Algorithm 1):
    one broadcast per owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped
    inverses (Eq 11).
 3. Every step, each layer's gradient is preconditioned by its gradient workers (KAISA's ``grad_worker_fraction``,
-   SC21 section 3: all ranks at fraction 1, the default except under ``layer_wise``; one owner at ``1 / world``,
+   SC21, arXiv:2107.01739: all ranks at fraction 1, the default except under ``layer_wise``; one owner at ``1 / world``,
    K-FAC-lw), who broadcast the result to the other ranks of their broadcast group; it is then scaled by the
    KL-clip factor of Eq 18 and written back into ``.grad``.
 
@@ -588,7 +588,7 @@ class KFACPreconditioner:
                 h.set_grad_matrix(p * nu if nu != 1.0 else p)
 
     def _precondition_by_workers(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """KAISA (SC21 section 3; K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
+        """KAISA (SC21; K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
         layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source)."""
         columns = self.layer_columns()
         rank = self.comm.rank
