@@ -12,11 +12,11 @@ process computes.  ``__torch_function__`` routes each op:
   this tile), ops along dimensions that are not split (softmax/log_softmax, ``F.linear`` on the last dimension,
   ``F.layer_norm`` over unsplit dimensions, ``F.prelu``, ``cat``/``chunk``/``split``/indexing over unsplit
   dimensions, ``permute``/``transpose``), type and device conversions;
-* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d``
-  (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`), ``F.interpolate``
-  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``, ``F.group_norm``/``F.instance_norm``/
-  ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
-  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`);
+* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d`` incl.
+  ``ceil_mode`` (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
+  ``F.interpolate`` nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``,
+  ``F.group_norm``/``F.instance_norm``/``F.layer_norm`` over the split dimensions (statistics over the whole
+  sample, :mod:`groupnorm`), ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
@@ -1266,15 +1266,17 @@ def _conv_transpose2d(func, args, kwargs):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, plan.rows.n_out, plan.cols.n_out))
 
 
-def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad):
+def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad, ceil_mode):
     from lightning_hpc.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 
     def make():
         if kind == "max":
-            return SpatialMaxPool2d.from_module(nn.MaxPool2d(k, s, p, d), grid, name="F.max_pool2d")
-        return SpatialAvgPool2d.from_module(nn.AvgPool2d(k, s, p, count_include_pad=count_include_pad), grid, name="F.avg_pool2d")
+            pool = nn.MaxPool2d(k, s, p, d, ceil_mode=ceil_mode)
+            return SpatialMaxPool2d.from_module(pool, grid, name="F.max_pool2d")
+        pool = nn.AvgPool2d(k, s, p, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+        return SpatialAvgPool2d.from_module(pool, grid, name="F.avg_pool2d")
 
-    return _cached(("pool", grid_id, kind, k, s, p, d, count_include_pad), make)
+    return _cached(("pool", grid_id, kind, k, s, p, d, count_include_pad, ceil_mode), make)
 
 
 @_handles(F.max_pool2d, torch.max_pool2d, getattr(F, "_max_pool2d", None))
@@ -1285,9 +1287,10 @@ def _max_pool(func, args, kwargs):
     k = _arg(args, kwargs, 1, "kernel_size")
     s = _arg(args, kwargs, 2, "stride", None) or k
     p, d = _arg(args, kwargs, 3, "padding", 0), _arg(args, kwargs, 4, "dilation", 1)
-    if _arg(args, kwargs, 5, "ceil_mode", False) or _arg(args, kwargs, 6, "return_indices", False):
+    if _arg(args, kwargs, 6, "return_indices", False):
         return NotImplemented
-    kern = _pool_kernel(id(x._grid), x._grid, "max", _tuple2(k), _tuple2(s), _tuple2(p), _tuple2(d), True)
+    ceil = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+    kern = _pool_kernel(id(x._grid), x._grid, "max", _tuple2(k), _tuple2(s), _tuple2(p), _tuple2(d), True, ceil)
     return _run_layer(kern, x, "F.max_pool2d")
 
 
@@ -1299,10 +1302,10 @@ def _avg_pool(func, args, kwargs):
     k = _arg(args, kwargs, 1, "kernel_size")
     s = _arg(args, kwargs, 2, "stride", None) or k
     p = _arg(args, kwargs, 3, "padding", 0)
-    if _arg(args, kwargs, 4, "ceil_mode", False) or _arg(args, kwargs, 6, "divisor_override", None) is not None:
+    if _arg(args, kwargs, 6, "divisor_override", None) is not None:
         return NotImplemented
-    cip = _arg(args, kwargs, 5, "count_include_pad", True)
-    kern = _pool_kernel(id(x._grid), x._grid, "avg", _tuple2(k), _tuple2(s), _tuple2(p), (1, 1), bool(cip))
+    cip, ceil = _arg(args, kwargs, 5, "count_include_pad", True), bool(_arg(args, kwargs, 4, "ceil_mode", False))
+    kern = _pool_kernel(id(x._grid), x._grid, "avg", _tuple2(k), _tuple2(s), _tuple2(p), (1, 1), bool(cip), ceil)
     return _run_layer(kern, x, "F.avg_pool2d")
 
 

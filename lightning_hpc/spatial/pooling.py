@@ -2,9 +2,12 @@
 
 Same halo machinery as the convolution: the tile is extended by exactly the rows/columns its pooling windows
 reach (kernel > stride overlaps neighbouring tiles, e.g. ResNet's 3x3/s2 max-pool), padded with -inf (max) or
-0 (average) at the image border, then pooled with padding 0.  ``count_include_pad=False`` divides by the number
-of real (non-padding) elements, counted the same way on a mask.  ``ceil_mode`` and ``return_indices`` are not
-supported (clear error at conversion).
+0 (average) at the image border, then pooled with padding 0.  ``ceil_mode=True`` adds a last, partly
+out-of-range window along a dimension; it reads only the last tile's rows (plus the -inf / 0 beyond the
+image), so the same halo plan with the ceil-mode output count covers it.  Average pooling divides each window's
+sum by the count PyTorch uses: the window clipped to the padded extent ``[-p, n + p)`` (``count_include_pad``)
+or to the image ``[0, n)``, per dimension.  ``return_indices`` and ``divisor_override`` are not supported
+(clear error at conversion).
 """
 
 from __future__ import annotations
@@ -29,12 +32,19 @@ def pool_windows(pool: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window1d, Window1d]
     s = _pair(pool.stride if pool.stride is not None else pool.kernel_size)
     p = _pair(pool.padding)
     d = _pair(getattr(pool, "dilation", 1))
-    return Window1d(k[0], s[0], p[0], d[0]), Window1d(k[1], s[1], p[1], d[1])
+    ceil = bool(pool.ceil_mode)
+    return Window1d(k[0], s[0], p[0], d[0], ceil), Window1d(k[1], s[1], p[1], d[1], ceil)
+
+
+def _divisors(win: Window1d, o0: int, o1: int, n: int, count_include_pad: bool) -> list[int]:
+    """Per output ``[o0, o1)`` along one dimension of extent ``n``: the element count PyTorch's average pooling
+    divides by, the window clipped to ``[-p, n + p)`` (``count_include_pad``) or to ``[0, n)``."""
+    lo, hi = (-win.padding, n + win.padding) if count_include_pad else (0, n)
+    starts = [o * win.stride - win.padding for o in range(o0, o1)]
+    return [min(a + win.kernel, hi) - max(a, lo) for a in starts]
 
 
 def _check_pool(pool: nn.Module, name: str) -> None:
-    if getattr(pool, "ceil_mode", False):
-        raise ValueError(f"{type(pool).__name__} '{name}': ceil_mode=True is not supported by the spatial layers; use ceil_mode=False")
     if getattr(pool, "return_indices", False):
         raise ValueError(f"MaxPool2d '{name}': return_indices=True is not supported by the spatial layers")
     if getattr(pool, "divisor_override", None) is not None:
@@ -82,11 +92,15 @@ class SpatialAvgPool2d(_SpatialPool, nn.AvgPool2d):
         xp = halo_exchange(x, plan, pad_value=0.0)
         wh, ww = self._wins
         k, s = (wh.kernel, ww.kernel), (wh.stride, ww.stride)
-        y = F.avg_pool2d(xp, k, s, 0)
-        pads = plan.pads
-        if not self.count_include_pad and any(pads):
-            (r0, r1), (c0, c1) = plan.need_clamped
-            ones = xp.new_ones(1, 1, r1 - r0, c1 - c0)
-            frac = F.avg_pool2d(F.pad(ones, pads), k, s, 0)
-            y = y / frac
-        return y
+        if not any(plan.pads):  # every window lies inside the image: the plain average
+            return F.avg_pool2d(xp, k, s, 0)
+        (oa, ob), (oc, oe) = plan.out
+        h, w = plan.rows.n, plan.cols.n
+        rows = _divisors(wh, oa, ob, h, self.count_include_pad)
+        cols = _divisors(ww, oc, oe, w, self.count_include_pad)
+        if all(c == wh.kernel for c in rows) and all(c == ww.kernel for c in cols):
+            return F.avg_pool2d(xp, k, s, 0)
+        # the window sums, divided by PyTorch's counts (the padding and beyond-image entries of the box are 0)
+        counts = xp.new_tensor(rows)[:, None] * xp.new_tensor(cols)
+        return F.avg_pool2d(xp, k, s, 0, divisor_override=1) / counts
+
