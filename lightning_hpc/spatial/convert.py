@@ -41,7 +41,7 @@ __all__ = [
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
     nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Identity, nn.Dropout, nn.Softmax,
-    nn.LogSoftmax,
+    nn.LogSoftmax, nn.Softmax2d,
 )
 #: layers that only make sense after a global pooling (input already replicated over the spatial group)
 REPLICATED: tuple[type[nn.Module], ...] = (nn.Linear, nn.Flatten)
