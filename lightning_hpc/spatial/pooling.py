@@ -132,7 +132,8 @@ def adaptive_avg_pool_tile(x: torch.Tensor, group, extent: tuple[int, int], orig
     (h, w), (h0, w0), (kh, kw) = extent, origin, size
     ah, nh = _adaptive_windows(h, kh, h0, h0 + x.shape[2], cdt, x.device)
     aw, nw = _adaptive_windows(w, kw, w0, w0 + x.shape[3], cdt, x.device)
-    partial = torch.einsum("ih,nchw,jw->ncij", ah, x.to(cdt), aw)
+    with torch.autocast(x.device.type, enabled=False):  # autocast would run the sums as a bf16 matrix product
+        partial = torch.einsum("ih,nchw,jw->ncij", ah, x.to(cdt), aw)
     total = all_reduce_replicated(partial, group)
     counts = torch.tensor(nh, dtype=cdt, device=x.device)[:, None] * torch.tensor(nw, dtype=cdt, device=x.device)
     return (total / counts).to(x.dtype)

@@ -52,7 +52,8 @@ def _cases():
     cases = []
     for mode in ("reflect", "replicate", "circular"):
         cases += [
-            (f"Conv2d(3, padding=1, padding_mode={mode})", nn.Conv2d(4, 5, 3, padding=1, padding_mode=mode), (13, 11), 4),
+            (f"Conv2d(3, padding=1, padding_mode={mode})", nn.Conv2d(4, 5, 3, padding=1, padding_mode=mode),
+             (13, 11), 4),
             (f"Conv2d(5, stride=2, padding=2, padding_mode={mode})",
              nn.Conv2d(4, 3, 5, stride=2, padding=2, padding_mode=mode), (13, 11), 4),
             # asymmetric padding wider than a tile (tiles of 3 to 7 rows): the mirrored rows come from other tiles
@@ -155,6 +156,32 @@ def test_check_detects_a_wrong_border():
         for name in reflect:
             assert any(f.startswith(name + " ") for f in fails), f"{name} not caught: {fails}"
         assert all("reflect" in f.split(" (")[0].lower() for f in fails), fails
+
+
+def _bf16(rank: int, world: int) -> list[str]:
+    """Under bf16 autocast the tiled ops give the serial op's dtype and value (the adaptive average's sums stay in
+    float32 as the serial kernel's do)."""
+    fails: list[str] = []
+    grid = create_hybrid_layout((2, 1)).grid
+    torch.manual_seed(1)
+    cases = {name: (m, hw, c) for name, m, hw, c in _cases()}
+    for name in ("Conv2d(3, padding=1, padding_mode=reflect)", "AdaptiveAvgPool2d((3, 5))",
+                 "AvgPool2d(3, 2, 1, ceil_mode)", "PixelShuffle(2) after a conv", "AdaptiveMaxPool2d(4) after a conv"):
+        module, (h, w), c = cases[name]
+        x = torch.randn(3, c, h, w, generator=torch.Generator().manual_seed(7))
+        with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
+            yr = module(x)
+            ys = copy.deepcopy(module)(split_tensor(tile_of(x, grid).clone(), grid, x.shape, 2, 3))
+        ys = ys.full() if isinstance(ys, SpatialTensor) else ys
+        tol = 1e-5 if yr.dtype == torch.float32 else 2e-2
+        if ys.dtype != yr.dtype or not max_err(ys.float(), yr.float()) <= tol:
+            fails.append(f"{name}: {ys.dtype} vs serial {yr.dtype}, error {max_err(ys.float(), yr.float())}")
+    return fails
+
+
+def test_tiled_ops_bf16_autocast():
+    for fails in run_in_processes(_bf16, 2, timeout_s=300):
+        assert not fails, "\n".join(fails)
 
 
 # ------------------------------------------------------------------------------------------------------------
