@@ -41,7 +41,7 @@ __all__ = [
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
     nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Identity, nn.Dropout, nn.Softmax,
-    nn.LogSoftmax,
+    nn.LogSoftmax, nn.Softmax2d,
 )
 #: layers that only make sense after a global pooling (input already replicated over the spatial group)
 REPLICATED: tuple[type[nn.Module], ...] = (nn.Linear, nn.Flatten)
@@ -151,7 +151,7 @@ def convert_model(
             continue
         cls = _spatial_class(m)
         if dispatch and cls is not None and not _convertible(m):
-            continue  # left to the op dispatch (e.g. padding_mode='reflect', ceil_mode=True)
+            continue  # left to the op dispatch (e.g. padding_mode='reflect', return_indices=True)
         if cls is None:
             if dispatch or isinstance(m, allowed) or not _is_layer(m):
                 continue
@@ -184,7 +184,7 @@ def _convertible(m: nn.Module) -> bool:
         return m.padding_mode == "zeros" and not (isinstance(m.padding, str) and m.padding == "same" and
                                                    any(d * (k - 1) % 2 for d, k in zip(m.dilation, m.kernel_size)))
     if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
-        return not (m.ceil_mode or getattr(m, "return_indices", False) or getattr(m, "divisor_override", None) is not None)
+        return not (getattr(m, "return_indices", False) or getattr(m, "divisor_override", None) is not None)
     if isinstance(m, nn.Upsample):
         return m.mode in ("nearest", "bilinear") and not getattr(m, "recompute_scale_factor", None)
     if isinstance(m, nn.AdaptiveAvgPool2d):

@@ -12,19 +12,21 @@ process computes.  ``__torch_function__`` routes each op:
   this tile), ops along dimensions that are not split (softmax/log_softmax, ``F.linear`` on the last dimension,
   ``F.layer_norm`` over unsplit dimensions, ``F.prelu``, ``cat``/``chunk``/``split``/indexing over unsplit
   dimensions, ``permute``/``transpose``), type and device conversions;
-* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d``
-  (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`), ``F.interpolate``
-  nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d(x, 1)``, ``F.group_norm``/``F.instance_norm``/
+* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d`` incl.
+  ``ceil_mode`` (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
+  ``F.interpolate`` nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d`` / ``F.adaptive_max_pool2d``
+  (window sums / maxima over the group, replicated result), ``F.group_norm``/``F.instance_norm``/
   ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
-  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`);
+  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` reflect/replicate/circular and
+  ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows moved between tiles, :mod:`remap`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
   global count, so an unchanged mean loss equals one process's loss;
 * **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
   from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
-* **anything else** (flips, rolls, non-zero padding modes, crops and ``F.pad`` on split dimensions, views that
-  merge split dimensions, softmax over positions, ...): the split operands are gathered, the op
+* **anything else** (flips, rolls, crops and constant ``F.pad`` on split dimensions, views that merge split
+  dimensions, softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
   split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
   are always refused.
@@ -1266,15 +1268,17 @@ def _conv_transpose2d(func, args, kwargs):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, plan.rows.n_out, plan.cols.n_out))
 
 
-def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad):
+def _pool_kernel(grid_id: int, grid: SpatialGrid, kind: str, k, s, p, d, count_include_pad, ceil_mode):
     from lightning_hpc.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
 
     def make():
         if kind == "max":
-            return SpatialMaxPool2d.from_module(nn.MaxPool2d(k, s, p, d), grid, name="F.max_pool2d")
-        return SpatialAvgPool2d.from_module(nn.AvgPool2d(k, s, p, count_include_pad=count_include_pad), grid, name="F.avg_pool2d")
+            pool = nn.MaxPool2d(k, s, p, d, ceil_mode=ceil_mode)
+            return SpatialMaxPool2d.from_module(pool, grid, name="F.max_pool2d")
+        pool = nn.AvgPool2d(k, s, p, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+        return SpatialAvgPool2d.from_module(pool, grid, name="F.avg_pool2d")
 
-    return _cached(("pool", grid_id, kind, k, s, p, d, count_include_pad), make)
+    return _cached(("pool", grid_id, kind, k, s, p, d, count_include_pad, ceil_mode), make)
 
 
 @_handles(F.max_pool2d, torch.max_pool2d, getattr(F, "_max_pool2d", None))
@@ -1285,9 +1289,10 @@ def _max_pool(func, args, kwargs):
     k = _arg(args, kwargs, 1, "kernel_size")
     s = _arg(args, kwargs, 2, "stride", None) or k
     p, d = _arg(args, kwargs, 3, "padding", 0), _arg(args, kwargs, 4, "dilation", 1)
-    if _arg(args, kwargs, 5, "ceil_mode", False) or _arg(args, kwargs, 6, "return_indices", False):
+    if _arg(args, kwargs, 6, "return_indices", False):
         return NotImplemented
-    kern = _pool_kernel(id(x._grid), x._grid, "max", _tuple2(k), _tuple2(s), _tuple2(p), _tuple2(d), True)
+    ceil = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+    kern = _pool_kernel(id(x._grid), x._grid, "max", _tuple2(k), _tuple2(s), _tuple2(p), _tuple2(d), True, ceil)
     return _run_layer(kern, x, "F.max_pool2d")
 
 
@@ -1299,10 +1304,10 @@ def _avg_pool(func, args, kwargs):
     k = _arg(args, kwargs, 1, "kernel_size")
     s = _arg(args, kwargs, 2, "stride", None) or k
     p = _arg(args, kwargs, 3, "padding", 0)
-    if _arg(args, kwargs, 4, "ceil_mode", False) or _arg(args, kwargs, 6, "divisor_override", None) is not None:
+    if _arg(args, kwargs, 6, "divisor_override", None) is not None:
         return NotImplemented
-    cip = _arg(args, kwargs, 5, "count_include_pad", True)
-    kern = _pool_kernel(id(x._grid), x._grid, "avg", _tuple2(k), _tuple2(s), _tuple2(p), (1, 1), bool(cip))
+    cip, ceil = _arg(args, kwargs, 5, "count_include_pad", True), bool(_arg(args, kwargs, 4, "ceil_mode", False))
+    kern = _pool_kernel(id(x._grid), x._grid, "avg", _tuple2(k), _tuple2(s), _tuple2(p), (1, 1), bool(cip), ceil)
     return _run_layer(kern, x, "F.avg_pool2d")
 
 
@@ -1337,11 +1342,103 @@ def _interpolate(func, args, kwargs):
 
 @_handles(F.adaptive_avg_pool2d, torch._C._nn.adaptive_avg_pool2d)
 def _adaptive_avg(func, args, kwargs):
+    """Size 1: the global mean.  Size ``(kh, kw)``: each window's partial sum on each tile, summed over the
+    spatial group (:func:`pooling.adaptive_avg_pool_tile`); the result is replicated, like the global mean."""
     x = args[0] if args else kwargs["input"]
-    size = _arg(args, kwargs, 1, "output_size")
-    if not _nchw(x) or size not in (1, (1, 1), [1, 1]):
+    if _nchw(x) and _arg(args, kwargs, 1, "output_size") in (1, (1, 1), [1, 1]):
+        return _reduce(torch.mean, (x, (2, 3), True), {})
+    from lightning_hpc.spatial.pooling import adaptive_avg_pool_tile
+
+    call = _adaptive_call(args, kwargs)
+    return NotImplemented if call is None else adaptive_avg_pool_tile(*call)
+
+
+def _adaptive_call(args, kwargs):
+    """``(tile, group, (H, W), tile origin, (kh, kw))`` of an adaptive pooling of a split N x C x H x W input, or
+    None (an output size of None, keep the input's extent, or an invalid one: gathered, the serial op's error)."""
+    x = args[0] if args else kwargs["input"]
+    kh, kw = _tuple2(_arg(args, kwargs, 1, "output_size"))
+    if not _nchw(x) or not all(isinstance(k, int) and k > 0 for k in (kh, kw)):
+        return None
+    h, w = x._gshape[2], x._gshape[3]
+    (h0, _), (w0, _) = x._grid.tile_bounds(h, w)
+    return _plain(x), x._grid.group, (h, w), (h0, w0), (kh, kw)
+
+
+@_handles(F.adaptive_max_pool2d, F.adaptive_max_pool2d_with_indices, getattr(F, "_adaptive_max_pool2d", None))
+def _adaptive_max(func, args, kwargs):
+    """Each window's maximum over the spatial group, with the serial op's indices (the first maximum in row-major
+    order); replicated like the average (:func:`pooling.adaptive_max_pool_tile`)."""
+    from lightning_hpc.spatial.pooling import adaptive_max_pool_tile
+
+    call = _adaptive_call(args, kwargs)
+    if call is None:
         return NotImplemented
-    return _reduce(torch.mean, (x, (2, 3), True), {})
+    out, idx = adaptive_max_pool_tile(*call)
+    with_indices = func is F.adaptive_max_pool2d_with_indices or _arg(args, kwargs, 2, "return_indices", False)
+    return (out, idx) if with_indices else out
+
+
+def _remap2d(x: SpatialTensor, local: torch.Tensor, maps) -> torch.Tensor:
+    """:func:`remap.remap` of the tile ``local`` along H, then W: ``maps`` holds per dimension
+    ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is)."""
+    from lightning_hpc.spatial.remap import remap
+
+    for axis, m in enumerate(maps):
+        if m is not None:
+            local = remap(local, x._grid, axis, 2 + axis, *m)
+    return local
+
+
+@_handles(F.pad, torch._C._nn.pad)
+def _pad(func, args, kwargs):
+    """``F.pad`` of H and W with mode reflect / replicate / circular (the padding of ``nn.Conv2d`` with those
+    ``padding_mode``s): rows moved and mirrored between tiles (:mod:`remap`), the output blocked over the padded
+    extent.  Constant padding of split dimensions and padding of other dimensions are gathered."""
+    from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
+
+    x = args[0] if args else kwargs["input"]
+    pad, mode = _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "mode", "constant")
+    if not _nchw(x) or mode not in PAD_MODES or len(pad) != 4:
+        return NotImplemented  # (a non-constant padding of a 4-D input pads H and W: 4 numbers)
+    (wl, wr, ht, hb), maps, gshape = (int(p) for p in pad), [], list(x._gshape)
+    for axis, (lo, hi) in enumerate(((ht, hb), (wl, wr))):
+        n = x._gshape[2 + axis]
+        src = pad_source(n, lo, hi, mode)
+        if src is None or n + lo + hi < x._grid.parts[axis]:
+            return NotImplemented  # a padding F.pad refuses, or fewer rows than parts: gathered
+        parts = x._grid.parts[axis]
+        maps.append((blocked(n, parts), blocked(len(src), parts), src) if lo or hi else None)
+        gshape[2 + axis] = len(src)
+    return _wrap_like(_remap2d(x, _plain(x), maps), x, gshape)
+
+
+@_handles(torch.pixel_shuffle)
+def _pixel_shuffle(func, args, kwargs):
+    """Local on each tile (its rows become ``r`` times as many), then re-blocked over the ``r``-times extent."""
+    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "upscale_factor"))
+    if not _nchw(x) or x._gshape[1] % (r * r):
+        return NotImplemented
+    from lightning_hpc.spatial.remap import blocked
+
+    local = torch.pixel_shuffle(_plain(x), r)
+    maps = [(blocked(n, p, r), blocked(n * r, p), range(n * r)) for n, p in zip(x._gshape[2:], x._grid.parts)]
+    gshape = (x._gshape[0], x._gshape[1] // (r * r), x._gshape[2] * r, x._gshape[3] * r)
+    return _wrap_like(_remap2d(x, local, maps), x, gshape)
+
+
+@_handles(torch.pixel_unshuffle)
+def _pixel_unshuffle(func, args, kwargs):
+    """Re-blocked so every tile holds ``r`` times the rows of its output tile (:mod:`remap`), then local."""
+    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "downscale_factor"))
+    if not _nchw(x) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
+        return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
+    from lightning_hpc.spatial.remap import blocked
+
+    maps = [(blocked(n, p), blocked(n // r, p, r), range(n)) for n, p in zip(x._gshape[2:], x._grid.parts)]
+    local = _remap2d(x, _plain(x), maps)
+    gshape = (x._gshape[0], x._gshape[1] * r * r, x._gshape[2] // r, x._gshape[3] // r)
+    return _wrap_like(torch.pixel_unshuffle(local, r), x, gshape)
 
 
 @_handles(F.batch_norm)

@@ -52,19 +52,26 @@ class PartitionError(ValueError):
 @dataclass(frozen=True)
 class Window1d:
     """A sliding window along one dimension: output index ``o`` reads inputs
-    ``o*stride - padding + dilation*t`` for ``t = 0..kernel-1`` (convolution and pooling, ceil_mode=False)."""
+    ``o*stride - padding + dilation*t`` for ``t = 0..kernel-1`` (convolution and pooling).  ``ceil_mode``
+    (pooling): the output count rounds up, so the last window may reach past the padded extent ``n + padding``
+    (PyTorch's ``pooling_output_shape``: a window may not start beyond it)."""
 
     kernel: int
     stride: int = 1
     padding: int = 0
     dilation: int = 1
+    ceil_mode: bool = False
 
     @property
     def span(self) -> int:
         return self.dilation * (self.kernel - 1) + 1
 
     def out_size(self, n: int) -> int:
-        return (n + 2 * self.padding - self.span) // self.stride + 1
+        if not self.ceil_mode:
+            return (n + 2 * self.padding - self.span) // self.stride + 1
+        out = -(-(n + 2 * self.padding - self.span) // self.stride) + 1
+        # the last window must start inside the input or its left padding
+        return out - 1 if (out - 1) * self.stride >= n + self.padding else out
 
     def needed(self, o0: int, o1: int, n: int) -> Range:
         """Global input range ``[lo, hi)`` read by outputs ``[o0, o1)``; may reach into the zero padding."""

@@ -394,6 +394,9 @@ def test_idioms_equal_one_process(parts, serial_refs):
     assert "F.pad in module 'model'" in warned and "bytes per rank" in warned, warned
     # transposed convolution, group and instance norm have tiled forms: never gathered
     assert "conv_transpose2d" not in warned and "group_norm" not in warned and "instance_norm" not in warned, warned
+    # so have reflect/circular padding and max pooling with ceil_mode
+    assert not results[0]["subclass_parametrization_padding_modes"]["warnings"], warned
+    assert "max_pool2d" not in " ".join(results[0]["coords_strides_norms"]["warnings"]), warned
 
 
 def test_refusals_name_op_and_module():

@@ -166,15 +166,16 @@ class NormNet(nn.Module):
         return self.out(self.ln(f))
 
 
-def _serial_fit() -> dict:
+def _serial_fit(make=NormNet, target: str = "seg") -> dict:
+    """One process's run of ``make()`` on the conformance data, with the segmentation or the class targets."""
     from test_conformance import BATCH, compute_loss, make_data
 
-    x, seg, _ = make_data()
+    x, seg, cls = make_data()
     torch.manual_seed(0)
-    return serial_sgd_fit(NormNet(), x, seg, compute_loss, BATCH)
+    return serial_sgd_fit(make(), x, seg if target == "seg" else cls, compute_loss, BATCH)
 
 
-def _spatial_fit(rank: int, world: int, parts) -> dict:
+def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg") -> dict:
     import warnings
 
     import lightning.pytorch as pl
@@ -183,21 +184,22 @@ def _spatial_fit(rank: int, world: int, parts) -> dict:
     from lightning_hpc.spatial.strategy import SpatialParallelStrategy
     from lightning_hpc.spatial.tiling import tile_slices
 
-    x, seg, _ = make_data()
+    x, seg, cls = make_data()
     torch.manual_seed(0)
-    module = UserModule(NormNet())
+    module = UserModule(make())
     strategy = SpatialParallelStrategy(spatial_parts=parts)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, datamodule=TileData(x, seg))
+        trainer.fit(module, datamodule=TileData(x, seg if target == "seg" else cls))
     grid = strategy.layout.grid
     module.eval()
     rs, cs = tile_slices(x.shape[-2], x.shape[-1], parts, grid.index)
     with torch.no_grad():
-        out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3)).full()
+        out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3))
+        out = out.full() if hasattr(out, "full") else out  # a classifier's output is replicated
     return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
             "params": [p.detach().clone() for p in module.model.parameters()],
             "buffers": [b.clone() for b in module.model.buffers()], "out": out.clone(), "gathers": state().gathers,

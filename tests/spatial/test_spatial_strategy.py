@@ -13,6 +13,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.pooling import SpatialMaxPool2d
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
 
@@ -118,8 +119,10 @@ def test_unsupported_layers_fail_clearly():
         convert_model(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), grid)
     with pytest.raises(ValueError, match="padding_mode='reflect'"):
         convert_model(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect")), grid)
-    with pytest.raises(ValueError, match="ceil_mode"):
-        convert_model(nn.Sequential(nn.MaxPool2d(2, ceil_mode=True)), grid)
+    with pytest.raises(ValueError, match="return_indices"):
+        convert_model(nn.Sequential(nn.MaxPool2d(2, return_indices=True)), grid)
+    # ceil_mode pooling has a tiled form now (tests/spatial/test_spatial_tiled_ops.py)
+    assert isinstance(convert_model(nn.Sequential(nn.MaxPool2d(2, ceil_mode=True)), grid)[0], SpatialMaxPool2d)
 
 
 def test_bad_settings_fail_clearly():
