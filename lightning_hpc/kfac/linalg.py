@@ -140,8 +140,17 @@ def _lines(x: torch.Tensor, pad: int) -> tuple[torch.Tensor, int]:
 
 
 def _corr(buf: torch.Tensor, a: int, b: int, length: int) -> torch.Tensor:
-    """``sum_i buf[:, a + i] buf[:, b + i]^T`` over ``i < length``: one matrix product of two windows."""
-    return buf[:, a : a + length] @ buf[:, b : b + length].t()
+    """``sum_i buf[:, a + i] buf[:, b + i]^T`` over ``i < length``: one matrix product of two windows; for
+    ``a == b`` made exactly symmetric (upper triangle mirrored), so that every block of the Gram built from these
+    products is the exact transpose of its mirror block."""
+    prod = buf[:, a : a + length] @ buf[:, b : b + length].t()
+    return _mirror_upper(prod) if a == b else prod
+
+
+def _mirror_upper(m: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix with ``m``'s upper triangle."""
+    upper = m.triu()
+    return upper + upper.triu(1).t()
 
 
 def _toeplitz(blocks: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
@@ -182,7 +191,7 @@ def conv_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], padding: tupl
     rows by 1-D correlations of whole image rows, the columns by those of image columns, and the corners where
     both overlap added back. About ``(2 kh - 1)(2 kw - 1) / (kh kw)^2`` of the products of a plain Gram
     (13/81 for 3x3), or 0.32 of a symmetric one; equal to it up to the summation order of floating point.
-    The result is made exactly symmetric (upper triangle mirrored)."""
+    The result is exactly symmetric."""
     n, c, h, w = x.shape
     kh, kw = kernel_size
     top, bottom, left, right = padding
@@ -213,9 +222,11 @@ def conv_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], padding: tupl
         view[:, :, lo:hi, :, :, lo:hi] -= _toeplitz(blocks, *_pair_index(hi - lo)).permute(0, 2, 1, 3, 5, 4)
     for (eh, lh, hh), (ew, lw, hw) in itertools.product(rows_out_ext, cols_out_ext):  # subtracted twice above
         patch = x[:, :, eh + lh : eh + hh, ew + lw : ew + hw].reshape(n, -1)
-        view[:, lh:hh, lw:hw, :, lh:hh, lw:hw] += (patch.t() @ patch).view(c, hh - lh, hw - lw, c, hh - lh, hw - lw)
-    upper = full.triu()
-    return upper + upper.triu(1).t()
+        corner = _mirror_upper(patch.t() @ patch)
+        view[:, lh:hh, lw:hw, :, lh:hh, lw:hw] += corner.view(c, hh - lh, hw - lw, c, hh - lh, hw - lw)
+    # Exactly symmetric without a final pass: blocks (u, v) and (v, u) are built from exact transposes by the
+    # same element-wise operations, and the diagonal blocks from exactly symmetric products.
+    return full
 
 
 def _diff_index(k: int) -> torch.Tensor:
