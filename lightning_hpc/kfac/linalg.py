@@ -35,7 +35,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     _scipy_blas = None
 
 __all__ = [
-    "JITTERS", "conv_patch_gram", "precondition_eigen", "precondition_inverse", "safe_damped_inverse", "safe_eigh", "sym_gram",
+    "JITTERS",
+    "conv_patch_gram",
+    "precondition_eigen",
+    "precondition_inverse",
+    "safe_damped_inverse",
+    "safe_eigh",
+    "sym_gram",
 ]
 
 #: elements of the chunk buffer :func:`sym_gram` copies rows into (2 MiB in float32: it stays in the L2/L3 cache)
