@@ -15,11 +15,14 @@ never stops because of one bad factor.
 The Kronecker factors themselves are Gram matrices ``sum a a^T`` over many rows (``N T`` rows of ``C kh kw``
 columns for a convolution's A, about 9x the layer's forward FLOPs): :func:`sym_gram` computes them with half the
 FLOPs (BLAS ``syrk``, upper triangle only) from cache-sized chunks, which is what keeps K-FAC's factor steps cheap.
+For stride-1 zero-padded convolutions (most of a ResNet), :func:`conv_patch_gram` computes A from the
+``(2 kh - 1)(2 kw - 1)`` shifted channel correlations of the input instead, a third of syrk's FLOPs for 3x3.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -31,7 +34,15 @@ try:  # optional: BLAS syrk on CPU (scipy comes with the `digits` extra through 
 except ImportError:  # pragma: no cover - depends on the environment
     _scipy_blas = None
 
-__all__ = ["JITTERS", "precondition_eigen", "precondition_inverse", "safe_damped_inverse", "safe_eigh", "sym_gram"]
+__all__ = [
+    "JITTERS",
+    "conv_patch_gram",
+    "precondition_eigen",
+    "precondition_inverse",
+    "safe_damped_inverse",
+    "safe_eigh",
+    "sym_gram",
+]
 
 #: elements of the chunk buffer :func:`sym_gram` copies rows into (2 MiB in float32: it stays in the L2/L3 cache)
 GRAM_CHUNK_ELEMENTS = 1 << 19
@@ -114,6 +125,127 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
         # adding the transposed strict lower triangle mirrors it (one tril, one add).
         acc += acc.tril(-1).t()
     return acc, sums
+
+
+def _lines(x: torch.Tensor, pad: int) -> tuple[torch.Tensor, int]:
+    """``x`` of shape ``(N, C, L, M)`` as a flat ``(C, L * N * (M + pad) + pad)`` buffer: line ``l`` of every
+    sample in turn, each followed by ``pad`` zeros, and ``pad`` zeros at the end. Returns the buffer and the
+    length of one line of all samples, ``N (M + pad)``.
+
+    A column shift by ``|d| <= pad`` of an element then lands on the same sample's element of the same line or
+    on a zero, never on another sample or line, so the 1-D correlations of whole lines are single matrix
+    products of two windows of the buffer (:func:`_corr`)."""
+    n, c, lines, m = x.shape
+    line = n * (m + pad)
+    buf = x.new_empty(c, lines * line + pad)
+    body = buf[:, : lines * line].view(c, lines, n, m + pad)
+    body[..., :m].copy_(x.permute(1, 2, 0, 3))
+    body[..., m:].zero_()
+    buf[:, lines * line :].zero_()
+    return buf, line
+
+
+def _corr(buf: torch.Tensor, a: int, b: int, length: int) -> torch.Tensor:
+    """``sum_i buf[:, a + i] buf[:, b + i]^T`` over ``i < length``: one matrix product of two windows; for
+    ``a == b`` made exactly symmetric (upper triangle mirrored), so that every block of the Gram built from these
+    products is the exact transpose of its mirror block."""
+    prod = buf[:, a : a + length] @ buf[:, b : b + length].t()
+    return _mirror_upper(prod) if a == b else prod
+
+
+def _mirror_upper(m: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix with ``m``'s upper triangle."""
+    upper = m.triu()
+    return upper + upper.triu(1).t()
+
+
+def _toeplitz(blocks: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+    """The ``(C, nh, kw, C, nh, kw)`` tensor whose block ``[(u_h, u_w), (v_h, v_w)]`` is
+    ``blocks[ia[u_h, v_h], ib[u_h, v_h], v_w - u_w + kw - 1]`` for ``blocks`` of shape ``(., ., 2 kw - 1, C, C)``
+    (a block-Toeplitz structure along the kernel's width)."""
+    dw = _diff_index((blocks.shape[2] + 1) // 2)
+    full = blocks[ia[:, None, :, None], ib[:, None, :, None], dw[None, :, None, :]]  # (nh, kw, nh, kw, C, C)
+    return full.permute(4, 0, 1, 5, 2, 3)
+
+
+def _line_pair_blocks(buf: torch.Tensor, line: int, rows: range, kw: int) -> torch.Tensor:
+    """``R[i, j, d + kw - 1] = sum_{n, q} x[rows[i], q] x[rows[j], q + d]^T`` (channels by channels) for
+    ``|d| < kw``: the 1-D correlations of two whole lines (of all samples) of a :func:`_lines` buffer."""
+    nr, c = len(rows), buf.shape[0]
+    out = buf.new_empty(nr, nr, 2 * kw - 1, c, c)
+    for (i, a), (j, b) in itertools.product(enumerate(rows), repeat=2):
+        for d in range(0 if j >= i else 1, kw):  # the others are transposes: R[j, i, -d] = R[i, j, d]^T
+            prod = _corr(buf, a * line, b * line + d, line)
+            out[i, j, kw - 1 + d] = prod
+            out[j, i, kw - 1 - d] = prod.t()
+    return out
+
+
+def conv_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], padding: tuple[int, int, int, int]) -> torch.Tensor:
+    """``sum_n sum_p a_{n,p} a_{n,p}^T`` over the zero-padded ``kh x kw`` patches ``a`` (ordered channel, row,
+    column, as ``weight.view(out, -1)``) at every output position ``p`` of a stride-1, undilated convolution of
+    ``x`` (``(N, C, H, W)``), with ``padding = (top, bottom, left, right)``, each at most ``k - 1``: the sum
+    behind ``A = a a^T`` of Eq 5 for a convolution (KFC's expansion operator; normalised by the handler),
+    without forming the patches.
+
+    Patch entries at kernel offsets ``u`` and ``v`` multiply input pixels ``d = v - u`` apart, so over the
+    extended grid of every window that touches the image the block ``(u, v)`` is the channel correlation
+    ``S(d) = sum_q x_q x_{q+d}^T`` of the whole image: ``(2 kh - 1)(2 kw - 1)`` of them, half of them transposes of
+    the others, each one matrix product of two shifted windows of a row-padded copy of ``x`` (1-2 times the
+    input, instead of the ``kh kw`` times of the unfolded patches). The windows of the extended grid that are
+    not output positions (border rows and columns, where ``padding < k - 1``) are then subtracted exactly: the
+    rows by 1-D correlations of whole image rows, the columns by those of image columns, and the corners where
+    both overlap added back. About ``(2 kh - 1)(2 kw - 1) / (kh kw)^2`` of the products of a plain Gram
+    (13/81 for 3x3), or 0.32 of a symmetric one; equal to it up to the summation order of floating point.
+    The result is exactly symmetric."""
+    n, c, h, w = x.shape
+    kh, kw = kernel_size
+    top, bottom, left, right = padding
+    buf, line = _lines(x, kw - 1)  # lines are image rows
+    # S(dh, dw) = sum_q x_q x_{q + (dh, dw)}^T for dh >= 0 (dw >= 0 at dh = 0); S(-d) = S(d)^T
+    s = x.new_zeros(2 * kh - 1, 2 * kw - 1, c, c)
+    for dh in range(min(kh, h)):
+        for dw in range(1 - kw if dh else 0, kw):
+            prod = _corr(buf, 0, dh * line + dw, (h - dh) * line)
+            s[kh - 1 + dh, kw - 1 + dw] = prod
+            s[kh - 1 - dh, kw - 1 - dw] = prod.t()
+    k = c * kh * kw
+    full = _toeplitz(s.unsqueeze(1), _diff_index(kh), torch.zeros(kh, kh, dtype=torch.long)).reshape(k, k)
+    # Windows of the extended grid (window origin e in [1 - k, size) relative to the image) that are not output
+    # positions (origin in [-pad_before, size + pad_after - k + 1)): their patches are nonzero at the offsets u
+    # with 0 <= e + u < size only.
+    rows_out = range(-top, h + bottom - kh + 1)
+    cols_out = range(-left, w + right - kw + 1)
+    rows_out_ext = [(e, max(0, -e), min(kh, h - e)) for e in range(1 - kh, h) if e not in rows_out]
+    cols_out_ext = [(e, max(0, -e), min(kw, w - e)) for e in range(1 - kw, w) if e not in cols_out]
+    view = full.view(c, kh, kw, c, kh, kw)
+    for e, lo, hi in rows_out_ext:  # whole extended rows of windows: 1-D correlations of image rows
+        blocks = _line_pair_blocks(buf, line, range(e + lo, e + hi), kw)
+        view[:, lo:hi, :, :, lo:hi, :] -= _toeplitz(blocks, *_pair_index(hi - lo))
+    for e, lo, hi in cols_out_ext:  # whole extended columns: the same on the transposed image
+        tbuf, tline = _lines(x[:, :, :, e + lo : e + hi].transpose(2, 3), kh - 1)
+        blocks = _line_pair_blocks(tbuf, tline, range(hi - lo), kh)
+        view[:, :, lo:hi, :, :, lo:hi] -= _toeplitz(blocks, *_pair_index(hi - lo)).permute(0, 2, 1, 3, 5, 4)
+    for (eh, lh, hh), (ew, lw, hw) in itertools.product(rows_out_ext, cols_out_ext):  # subtracted twice above
+        patch = x[:, :, eh + lh : eh + hh, ew + lw : ew + hw].reshape(n, -1)
+        corner = _mirror_upper(patch.t() @ patch)
+        view[:, lh:hh, lw:hw, :, lh:hh, lw:hw] += corner.view(c, hh - lh, hw - lw, c, hh - lh, hw - lw)
+    # Exactly symmetric without a final pass: blocks (u, v) and (v, u) are built from exact transposes by the
+    # same element-wise operations, and the diagonal blocks from exactly symmetric products.
+    return full
+
+
+def _diff_index(k: int) -> torch.Tensor:
+    """``[u, v] -> v - u + k - 1``: the index of the offset difference in a ``2 k - 1`` stack."""
+    i = torch.arange(k)
+    return i[None, :] - i[:, None] + k - 1
+
+
+def _pair_index(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([u, v] -> u, [u, v] -> v)`` for ``u, v < k``."""
+    i = torch.arange(k)
+    return i[:, None].expand(k, k), i[None, :].expand(k, k)
+
 
 #: relative diagonal jitter tried after the float64 retry (times mean |diag|)
 JITTERS = (1e-6, 1e-4, 1e-2)
