@@ -41,7 +41,15 @@ from lightning_hpc.models import small_cnn
 
 STAGES = ("lr", "kfac", "lr2", "final")
 #: K-FAC settings a configuration names (the tuned ones and the optional A-subsampling variant, off at 1.0)
-KFAC_KEYS = ("damping", "kl_clip", "factor_update_freq", "inv_update_freq", "factor_decay", "conv_input_sample_fraction", "compute_method")
+KFAC_KEYS = (
+    "damping",
+    "kl_clip",
+    "factor_update_freq",
+    "inv_update_freq",
+    "factor_decay",
+    "conv_input_sample_fraction",
+    "compute_method",
+)
 
 
 def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: argparse.Namespace) -> dict:
@@ -82,7 +90,12 @@ def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: ar
             if step % eval_every == 0 or step % steps_per_epoch == 0:
                 acc = evaluate()
                 if acc >= args.target:
-                    return {"epochs": round(step / steps_per_epoch, 3), "seconds": train_time, "cpu_seconds": cpu_time, "final_acc": acc}
+                    return {
+                        "epochs": round(step / steps_per_epoch, 3),
+                        "seconds": train_time,
+                        "cpu_seconds": cpu_time,
+                        "final_acc": acc,
+                    }
     return {"epochs": None, "seconds": None, "cpu_seconds": None, "final_acc": acc}
 
 
@@ -91,7 +104,9 @@ def _median(values: list[float | None]) -> float:
     return statistics.median(math.inf if v is None else v for v in values)
 
 
-def evaluate_config(method: str, lr: float, kfac: dict, seeds: list[int], max_epochs: int, args: argparse.Namespace) -> dict:
+def evaluate_config(
+    method: str, lr: float, kfac: dict, seeds: list[int], max_epochs: int, args: argparse.Namespace
+) -> dict:
     runs = [run(method, s, lr, kfac, max_epochs, args) for s in seeds]
     return {
         "method": method,
@@ -129,10 +144,27 @@ def main() -> None:
     ap.add_argument("--dampings", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03])
     ap.add_argument("--kl-clips", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--intervals", nargs="+", default=["1:5", "1:10", "5:20"], help="factor:decomposition intervals")
-    ap.add_argument("--factor-decays", type=float, nargs="+", default=[0.95], help="running-average weights xi (Eq 16-17) of the kfac stage")
-    ap.add_argument("--compute-methods", nargs="+", default=["eigen"], choices=("eigen", "inverse"), help="Eq 13-15 or Eq 11-12 (kfac stage)")
-    ap.add_argument("--sample-fractions", type=float, nargs="+", default=[1.0],
-                    help="conv_input_sample_fraction values of the kfac stage (optional variant; 1.0 = the default KFC factors)")
+    ap.add_argument(
+        "--factor-decays",
+        type=float,
+        nargs="+",
+        default=[0.95],
+        help="running-average weights xi (Eq 16-17) of the kfac stage",
+    )
+    ap.add_argument(
+        "--compute-methods",
+        nargs="+",
+        default=["eigen"],
+        choices=("eigen", "inverse"),
+        help="Eq 13-15 or Eq 11-12 (kfac stage)",
+    )
+    ap.add_argument(
+        "--sample-fractions",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="conv_input_sample_fraction values of the kfac stage (optional variant; 1.0 = the default KFC factors)",
+    )
     ap.add_argument("--sgd-lr", type=float, default=0.05, help="used when the lr stage is skipped")
     ap.add_argument("--kfac-lr", type=float, default=0.05, help="used when the lr / lr2 stages are skipped")
     ap.add_argument("--damping", type=float, default=0.003)
@@ -141,22 +173,40 @@ def main() -> None:
     ap.add_argument("--decomp-every", type=int, default=10)
     ap.add_argument("--factor-decay", type=float, default=0.95)
     ap.add_argument("--compute-method", default="eigen", choices=("eigen", "inverse"))
-    ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
-    ap.add_argument("--select", choices=("epochs", "time"), default="epochs",
-                    help="tuning choice: lowest median epochs, or lowest median CPU time among the K-FAC settings whose median "
-                         "epochs are <= --epoch-ratio x SGD's tuned median epochs (SGD: lowest time over its lr grid)")
+    ap.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=1.0,
+        help="conv_input_sample_fraction (optional variant; 1.0 = default)",
+    )
+    ap.add_argument(
+        "--select",
+        choices=("epochs", "time"),
+        default="epochs",
+        help="tuning choice: lowest median epochs, or lowest median CPU time among the K-FAC settings whose median "
+        "epochs are <= --epoch-ratio x SGD's tuned median epochs (SGD: lowest time over its lr grid)",
+    )
     ap.add_argument("--epoch-ratio", type=float, default=0.6)
-    ap.add_argument("--sgd-tuned-epochs", type=float, default=None, help="SGD's tuned median epochs when the lr stage is skipped")
+    ap.add_argument(
+        "--sgd-tuned-epochs", type=float, default=None, help="SGD's tuned median epochs when the lr stage is skipped"
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _b128), so runs do not overwrite each other")
-    ap.add_argument("--evals-per-epoch", type=int, default=12, help="validation checks per epoch (fractional epochs to target)")
+    ap.add_argument(
+        "--tag", default="", help="suffix of the result files (e.g. _b128), so runs do not overwrite each other"
+    )
+    ap.add_argument(
+        "--evals-per-epoch", type=int, default=12, help="validation checks per epoch (fractional epochs to target)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sgd_lr, kfac_lr = args.sgd_lr, args.kfac_lr
-    kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every, "inv_update_freq": args.decomp_every,
-            "factor_decay": args.factor_decay, "conv_input_sample_fraction": args.sample_fraction, "compute_method": args.compute_method}  # fmt: skip
+    kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every,
+            "inv_update_freq": args.decomp_every, "factor_decay": args.factor_decay,
+            "conv_input_sample_fraction": args.sample_fraction, "compute_method": args.compute_method}  # fmt: skip
     tuned = [s for s in STAGES[:-1] if s in args.stages]
-    sweep = Report("kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)) + args.tag)
+    sweep = Report(
+        "kfac_convergence_sweep" + ("" if len(tuned) == len(STAGES) - 1 else "_" + "_".join(tuned)) + args.tag
+    )
     sweep.meta.update(vars(args))
 
     def tune(stage: str, method: str, lr: float, opts: dict) -> dict:
@@ -174,11 +224,19 @@ def main() -> None:
     cap = args.epoch_ratio * sgd_epochs if sgd_epochs is not None else math.inf
     if "kfac" in args.stages:
         rows = []
-        grid = itertools.product(args.dampings, args.kl_clips, args.intervals, args.factor_decays, args.sample_fractions, args.compute_methods)
+        grid = itertools.product(
+            args.dampings,
+            args.kl_clips,
+            args.intervals,
+            args.factor_decays,
+            args.sample_fractions,
+            args.compute_methods,
+        )
         for damping, kl_clip, iv, decay, fraction, method in grid:
             f, d = (int(v) for v in iv.split(":"))
-            opts = {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d, "factor_decay": decay,
-                    "conv_input_sample_fraction": fraction, "compute_method": method}  # fmt: skip
+            opts = {"damping": damping, "kl_clip": kl_clip, "factor_update_freq": f, "inv_update_freq": d,
+                    "factor_decay": decay, "conv_input_sample_fraction": fraction,
+                    "compute_method": method}  # fmt: skip
             rows.append(tune("kfac", "kfac", kfac_lr, opts))
         best = _best(rows, args.select, cap)
         kfac = {k: best[k] for k in kfac}
@@ -192,7 +250,7 @@ def main() -> None:
 
     report = Report("kfac_convergence" + args.tag)
     report.meta.update(vars(args), chosen_sgd_lr=sgd_lr, chosen_kfac_lr=kfac_lr, chosen_kfac=kfac,
-                       note="shared 2-core machine: wall times are noisy; CPU time (one thread) is the step's own work")  # fmt: skip
+                       note="shared 2-core machine: wall times are noisy; CPU time (one thread) is the step's own work")
     for method, lr, opts in (("sgd", sgd_lr, {}), ("kfac", kfac_lr, kfac)):
         row = report.add(**evaluate_config(method, lr, opts, args.seeds, args.max_epochs, args))
         print(row, flush=True)
@@ -201,7 +259,12 @@ def main() -> None:
     report.add_ratios("method", "median_cpu_seconds", "sgd", ratio_name="cpu_time_vs_sgd")
     report.print()
     report.write()
-    report.plot_bars("method", "median_epochs", title=f"Epochs to {args.target:.0%} val acc (digits CNN, median of {len(args.seeds)} seeds)", ylabel="epochs")
+    report.plot_bars(
+        "method",
+        "median_epochs",
+        title=f"Epochs to {args.target:.0%} val acc (digits CNN, median of {len(args.seeds)} seeds)",
+        ylabel="epochs",
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """K-FAC overhead: amortized time per optimizer step with K-FAC over plain SGD (ResNet-32, batch 128, CPU).
 
-Four kinds of optimizer step are timed in the same process (median of ``--repeats`` x ``--rounds`` after warm-up; process CPU time with one thread, since wall time on a
+Four kinds of optimizer step are timed in the same process (median of ``--repeats`` x ``--rounds`` after warm-up;
+process CPU time with one thread, since wall time on a
 loaded shared machine mostly measures the other jobs; wall time is reported too):
 
 * ``sgd``: forward, backward, ``SGD.step`` (the baseline);
@@ -47,16 +48,36 @@ def main() -> None:
     default_threads = torch.get_num_threads()
     counts = [default_threads if c.strip() == "default" else int(c) for c in args.threads.split(",")]
     report = Report("kfac_overhead" + args.tag)
-    report.meta.update(model=f"cifar_resnet{args.depth}", batch=args.batch, threads=counts, default_threads=default_threads,
-                       repeats=args.repeats * args.rounds)  # fmt: skip
+    report.meta.update(
+        model=f"cifar_resnet{args.depth}",
+        batch=args.batch,
+        threads=counts,
+        default_threads=default_threads,
+        repeats=args.repeats * args.rounds,
+    )
     for threads in dict.fromkeys(counts):
         t, t_wall = measure(args, threads)
         ratio_on = "cpu_s_per_step" if threads == 1 else "wall_s_per_step"
         for k, v in t.items():
-            report.add(threads=threads, config=k, factor_every=None, decomp_every=None, cpu_s_per_step=v, wall_s_per_step=t_wall[k], ratio_on=ratio_on)
+            report.add(
+                threads=threads,
+                config=k,
+                factor_every=None,
+                decomp_every=None,
+                cpu_s_per_step=v,
+                wall_s_per_step=t_wall[k],
+                ratio_on=ratio_on,
+            )
         for f, d in ((10, 100), (1, 10), (1, 100), (10, 1000)):
-            report.add(threads=threads, config=f"kfac_f{f}_d{d}", factor_every=f, decomp_every=d, cpu_s_per_step=amortized(t, f, d),
-                       wall_s_per_step=amortized(t_wall, f, d), ratio_on=ratio_on)  # fmt: skip
+            report.add(
+                threads=threads,
+                config=f"kfac_f{f}_d{d}",
+                factor_every=f,
+                decomp_every=d,
+                cpu_s_per_step=amortized(t, f, d),
+                wall_s_per_step=amortized(t_wall, f, d),
+                ratio_on=ratio_on,
+            )
     report.add_ratios("config", "cpu_s_per_step", "sgd", ratio_name="cpu_vs_sgd", group_by=["threads"])
     report.add_ratios("config", "wall_s_per_step", "sgd", ratio_name="wall_vs_sgd", group_by=["threads"])
     for row in report.rows:  # the ratio that measures the step's own work at this thread count
@@ -67,7 +88,9 @@ def main() -> None:
 
 def amortized(times: dict[str, float], f: int, d: int) -> float:
     """Mean step time for factors every ``f`` and decompositions every ``d`` steps (d a multiple of f)."""
-    return (times["kfac_factors_decomp"] + (d // f - 1) * times["kfac_factors"] + (d - d // f) * times["kfac_precondition"]) / d
+    return (
+        times["kfac_factors_decomp"] + (d // f - 1) * times["kfac_factors"] + (d - d // f) * times["kfac_precondition"]
+    ) / d
 
 
 def measure(args: argparse.Namespace, threads: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -49,16 +49,33 @@ def main() -> None:
                     max_over_mean=p["max_over_mean"], max_over_lower_bound=p["max_over_lower_bound"],
                     max_numel=max(r["numel"] for r in p["ranks"]), min_numel=min(r["numel"] for r in p["ranks"]),
                 )  # fmt: skip
-    report.add_ratios("placement", "max_cost", "round_robin", ratio_name="max_cost_vs_round_robin", group_by=("model", "world"))
+    report.add_ratios(
+        "placement", "max_cost", "round_robin", ratio_name="max_cost_vs_round_robin", group_by=("model", "world")
+    )
     if args.check_model:
         torch.set_num_threads(1)
         slope, times = eigh_exponent()
-        report.meta.update(eigh_fitted_exponent=slope, eigh_times=times, note="eigh timed on a shared 2-core machine (noisy)")
+        report.meta.update(
+            eigh_fitted_exponent=slope, eigh_times=times, note="eigh timed on a shared 2-core machine (noisy)"
+        )
         print(f"eigh time ~ n^{slope:.2f} on this machine: {[(n, round(t, 4)) for n, t in times]}")
-    report.print(["model", "world", "placement", "max_over_mean", "max_over_lower_bound", "max_cost_vs_round_robin", "min_numel", "max_numel"])
+    report.print(
+        [
+            "model",
+            "world",
+            "placement",
+            "max_over_mean",
+            "max_over_lower_bound",
+            "max_cost_vs_round_robin",
+            "min_numel",
+            "max_numel",
+        ]
+    )
     report.write()
     balanced_vs_rr = Report("kfac_placement_plot", rows=[r for r in report.rows if r["placement"] != "layer_wise"])
-    balanced_vs_rr.plot_bars("label", "max_over_mean", title="K-FAC decomposition: max / mean per-rank cost (n^3)", ylabel="max / mean")
+    balanced_vs_rr.plot_bars(
+        "label", "max_over_mean", title="K-FAC decomposition: max / mean per-rank cost (n^3)", ylabel="max / mean"
+    )
 
 
 if __name__ == "__main__":

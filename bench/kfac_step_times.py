@@ -1,10 +1,12 @@
 """Per-step cost of SGD and SGD + K-FAC on the digits CNN of ``kfac_convergence.py`` (same model, batch, settings).
 
-Fresh model per seed, one epoch each, one thread (``--threads`` for more, the same for both); prints the median training-step time of SGD, of K-FAC steps
+Fresh model per seed, one epoch each, one thread (``--threads`` for more, the same for both); prints the median
+training-step time of SGD, of K-FAC steps
 that update only the factors and of steps that also decompose them, and the amortized K-FAC step over SGD.
 Explains the wall-time ratio of the convergence benchmark: epochs x steps per epoch x this cost.
 
-    python bench/kfac_step_times.py [--damping 0.003 --kl-clip 0.001 --factor-every 1 --decomp-every 5] [--sample-fraction 1.0]
+    python bench/kfac_step_times.py [--damping 0.003 --kl-clip 0.001 --factor-every 1 --decomp-every 5]
+    [--sample-fraction 1.0]
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ def main() -> None:
     ap.add_argument("--factor-every", type=int, default=1)
     ap.add_argument("--decomp-every", type=int, default=5)
     ap.add_argument("--factor-decay", type=float, default=0.95)
-    ap.add_argument("--sample-fraction", type=float, default=1.0, help="conv_input_sample_fraction (optional variant; 1.0 = default)")
+    ap.add_argument(
+        "--sample-fraction",
+        type=float,
+        default=1.0,
+        help="conv_input_sample_fraction (optional variant; 1.0 = default)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the same for both methods)")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
@@ -47,10 +54,23 @@ def main() -> None:
             opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
             pre = None
             if method == "kfac":
-                pre = KFACPreconditioner(model, optimizer=opt, damping=args.damping, kl_clip=args.kl_clip,
-                                         factor_update_freq=args.factor_every, inv_update_freq=args.decomp_every,
-                                         factor_decay=args.factor_decay, conv_input_sample_fraction=args.sample_fraction)  # fmt: skip
-            loader = DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed))
+                pre = KFACPreconditioner(
+                    model,
+                    optimizer=opt,
+                    damping=args.damping,
+                    kl_clip=args.kl_clip,
+                    factor_update_freq=args.factor_every,
+                    inv_update_freq=args.decomp_every,
+                    factor_decay=args.factor_decay,
+                    conv_input_sample_fraction=args.sample_fraction,
+                )
+            loader = DataLoader(
+                train,
+                batch_size=args.batch,
+                shuffle=True,
+                drop_last=True,
+                generator=torch.Generator().manual_seed(seed),
+            )
             for x, y in loader:
                 decomp = pre is not None and pre.is_inv_update_step
                 t0 = time.perf_counter()
@@ -66,7 +86,9 @@ def main() -> None:
                     times["kfac_all"].append(ms)
                     times["kfac_decomposition_step" if decomp else "kfac_factor_step"].append(ms)
     report = Report("kfac_step_times" + args.tag)
-    report.meta.update(vars(args), note=f"{args.threads} thread(s), digits CNN (small_cnn), one epoch per seed, first steps included")
+    report.meta.update(
+        vars(args), note=f"{args.threads} thread(s), digits CNN (small_cnn), one epoch per seed, first steps included"
+    )
     for name, ts in times.items():
         report.add(step=name, steps=len(ts), median_ms=statistics.median(ts), mean_ms=statistics.fmean(ts))
     report.add_ratios("step", "median_ms", "sgd", ratio_name="median_vs_sgd")

@@ -39,15 +39,20 @@ __all__ = ["KFAC"]
 class KFAC(Callback):
     """K-FAC gradient preconditioning for any optimizer (SC20). Options as
     :class:`~lightning_hpc.kfac.options.KFACOptions` (an instance, and/or its fields as keywords: the Hydra
-    config ``conf/callbacks/kfac.yaml`` passes them so); ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend, Horovod under
+    config ``conf/callbacks/kfac.yaml`` passes them so); ``communicator`` may also be a backend name: ``"auto"``
+    (default: the strategy's backend, Horovod under
     ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise at
     construction, a precision without the K-FAC plugin at setup: both before training starts."""
 
-    def __init__(self, options: KFACOptions | None = None, communicator: str | Communicator = "auto", **overrides: Any) -> None:
+    def __init__(
+        self, options: KFACOptions | None = None, communicator: str | Communicator = "auto", **overrides: Any
+    ) -> None:
         try:
             self.options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
         except TypeError as e:  # an unknown keyword
-            raise ValueError(f"KFAC: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
+            raise ValueError(
+                f"KFAC: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})"
+            ) from e
         if isinstance(communicator, str) and communicator not in BACKENDS:
             raise ValueError(f"KFAC communicator must be one of {BACKENDS} or a Communicator, got {communicator!r}")
         self.communicator = communicator
@@ -129,7 +134,9 @@ class KFAC(Callback):
             self.preconditioner.set_epoch(trainer.current_epoch)
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         pre = self.preconditioner
         if pre is None:
             return

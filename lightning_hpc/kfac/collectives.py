@@ -29,7 +29,11 @@ def buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[tuple[list[
     size = 0
     out = []
     for t in tensors:
-        if bucket and (size + t.numel() * t.element_size() > cap_bytes or t.dtype != bucket[0].dtype or t.device != bucket[0].device):
+        if bucket and (
+            size + t.numel() * t.element_size() > cap_bytes
+            or t.dtype != bucket[0].dtype
+            or t.device != bucket[0].device
+        ):
             out.append((bucket, torch.cat([x.reshape(-1) for x in bucket])))
             bucket, size = [], 0
         bucket.append(t)
@@ -41,7 +45,9 @@ def buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[tuple[list[
 
 def allreduce_mean(comm: Communicator, tensors: Sequence[torch.Tensor], cap_bytes: int) -> None:
     """Average ``tensors`` across ranks in place: fused into buckets, all in flight at once."""
-    for bucket, flat, handle in [(b, f, comm.allreduce(f, op="mean", async_op=True)) for b, f in buckets(tensors, cap_bytes)]:
+    for bucket, flat, handle in [
+        (b, f, comm.allreduce(f, op="mean", async_op=True)) for b, f in buckets(tensors, cap_bytes)
+    ]:
         handle.wait()
         offset = 0
         for t in bucket:
@@ -65,7 +71,9 @@ def broadcast_by_owner(
     for owner, entries in sorted(items.items()):
         total = sum(math.prod(s) for _, shapes in entries for s in shapes.values())
         if owner == comm.rank:
-            flat = torch.cat([local[key][k].reshape(-1).to(device=device, dtype=dtype) for key, shapes in entries for k in shapes])
+            flat = torch.cat(
+                [local[key][k].reshape(-1).to(device=device, dtype=dtype) for key, shapes in entries for k in shapes]
+            )
         else:
             flat = torch.empty(total, dtype=dtype, device=device)
         pending.append((entries, flat, comm.broadcast(flat, src=owner, group=group, async_op=True)))

@@ -25,7 +25,9 @@ from lightning_hpc.kfac.layers import (
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
 
 
-def skip_reason(name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]) -> str | None:
+def skip_reason(
+    name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]
+) -> str | None:
     """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is."""
     if isinstance(module, nn.Conv2d) and module.groups != 1:
         return f"grouped convolution (groups={module.groups}) is not supported"

@@ -20,7 +20,8 @@ The loss of an optimizer step is assumed to be the mean over its ``B`` samples (
 ``ds = B * grad_output`` and ``G = B * sum grad_output grad_output^T``. With ``batch_averaged=False`` (a summed
 loss) ``ds = grad_output`` and ``G = 1/B * sum grad_output grad_output^T``.
 
-Factors are formed in float32, or in float64 for a float64 model (:func:`stat_dtype`).  Statistics are accumulated as raw sums while the micro-batches run and normalised once in
+Factors are formed in float32, or in float64 for a float64 model (:func:`stat_dtype`).  Statistics are accumulated
+as raw sums while the micro-batches run and normalised once in
 :meth:`LayerHandler.batch_factors`, so an accumulated step covers all of its micro-batches exactly.
 """
 
@@ -35,7 +36,15 @@ from torch import nn
 
 from lightning_hpc.kfac.linalg import conv_patch_gram, sym_gram
 
-__all__ = ["SUPPORTED", "Conv2dHandler", "LayerHandler", "LinearHandler", "TiledConv2dHandler", "linear_batch_dim", "make_handler"]
+__all__ = [
+    "SUPPORTED",
+    "Conv2dHandler",
+    "LayerHandler",
+    "LinearHandler",
+    "TiledConv2dHandler",
+    "linear_batch_dim",
+    "make_handler",
+]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (nn.Linear, nn.Conv2d)

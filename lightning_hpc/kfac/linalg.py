@@ -63,7 +63,11 @@ def _single_thread_blas() -> None:
     try:
         from threadpoolctl import ThreadpoolController
 
-        libs = [lib for lib in ThreadpoolController().lib_controllers if lib.filepath and "scipy" in lib.filepath and lib.user_api == "blas"]
+        libs = [
+            lib
+            for lib in ThreadpoolController().lib_controllers
+            if lib.filepath and "scipy" in lib.filepath and lib.user_api == "blas"
+        ]
     except Exception:  # threadpoolctl missing or unable to inspect the process: leave BLAS as it is
         return
     for lib in libs:
@@ -75,7 +79,7 @@ def _syrk_applies(t: torch.Tensor) -> bool:
     (with several, torch's own multi-threaded product is faster and does not fight a second pool; see
     :func:`_single_thread_blas`)."""
     return (t.device.type == "cpu" and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
-            and torch.get_num_threads() == 1)  # fmt: skip
+            and torch.get_num_threads() == 1)
 
 
 def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,7 +90,8 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
     Chunks of samples are copied into one cache-sized ``(K, chunk * P)`` buffer (the only copy; ``t`` may be a
     strided window view of a convolution input) and accumulated. On CPU with scipy and one torch thread, BLAS
     ``ssyrk``/``dsyrk`` computes only the upper triangle (half the FLOPs of a matrix product); elsewhere (CUDA,
-    no scipy, several torch threads) a plain ``addmm``. Rows that fit one chunk with ``k < SYRK_MIN_DIM`` take one copy and one matrix product instead
+    no scipy, several torch threads) a plain ``addmm``. Rows that fit one chunk with ``k < SYRK_MIN_DIM`` take one
+    copy and one matrix product instead
     (syrk's call and mirroring cost more than the FLOPs it saves there). All are the exact sums, up to the
     summation order of floating point.
     """
@@ -259,8 +264,14 @@ def _jitter_scale(x: torch.Tensor) -> float:
     return float(x.diagonal().abs().mean().clamp_min(1e-12))
 
 
-def _with_fallbacks(factor: torch.Tensor, dtype: torch.dtype, what: str, name: str, kept: str,
-                    solve: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...] | None:
+def _with_fallbacks(
+    factor: torch.Tensor,
+    dtype: torch.dtype,
+    what: str,
+    name: str,
+    kept: str,
+    solve: Callable[[torch.Tensor, float], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...] | None:
     """Run ``solve(symmetric factor, jitter)`` in ``dtype``, then float64, then float64 with growing diagonal
     jitter (:data:`JITTERS`, relative to mean |diag|) until it returns finite tensors; None (with a warning
     naming what is ``kept``) if every attempt fails, so training goes on with the previous result."""
@@ -279,9 +290,15 @@ def _with_fallbacks(factor: torch.Tensor, dtype: torch.dtype, what: str, name: s
         if not _finite(*out):
             continue
         if i > 0:
-            warnings.warn(f"K-FAC: {what} of factor {name!r} needed the fallback ({dt}, jitter {jitter:g})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"K-FAC: {what} of factor {name!r} needed the fallback ({dt}, jitter {jitter:g})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return out
-    warnings.warn(f"K-FAC: {what} of factor {name!r} failed even with jitter; keeping {kept}", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"K-FAC: {what} of factor {name!r} failed even with jitter; keeping {kept}", RuntimeWarning, stacklevel=3
+    )
     return None
 
 
@@ -289,7 +306,9 @@ def _eye(y: torch.Tensor) -> torch.Tensor:
     return torch.eye(y.shape[0], dtype=y.dtype, device=y.device)
 
 
-def safe_eigh(factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = "") -> tuple[torch.Tensor, torch.Tensor] | None:
+def safe_eigh(
+    factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: str = ""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(eigenvalues, eigenvectors)`` of a symmetric PSD factor in ``dtype``; negative round-off eigenvalues are
     clamped to 0 (the factor is PSD by construction). Falls back to float64, then jitter; None if all fail."""
 
@@ -300,7 +319,9 @@ def safe_eigh(factor: torch.Tensor, dtype: torch.dtype = torch.float32, name: st
     return None if res is None else (res[0].clamp_min(0).to(dtype), res[1].to(dtype))
 
 
-def safe_damped_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype = torch.float32, name: str = "") -> torch.Tensor | None:
+def safe_damped_inverse(
+    factor: torch.Tensor, damping: float, dtype: torch.dtype = torch.float32, name: str = ""
+) -> torch.Tensor | None:
     """``(factor + damping I)^-1`` in ``dtype`` with the same float64 / jitter fallbacks as :func:`safe_eigh`."""
 
     def solve(y: torch.Tensor, shift: float) -> tuple[torch.Tensor]:
@@ -310,7 +331,9 @@ def safe_damped_inverse(factor: torch.Tensor, damping: float, dtype: torch.dtype
     return None if res is None else res[0].to(dtype)
 
 
-def precondition_eigen(grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
+def precondition_eigen(
+    grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float
+) -> torch.Tensor:
     """Eq 13-15 on a ``(g_dim, a_dim)`` gradient matrix; computed in the decomposition dtype."""
     g = grad.to(qa.dtype)
     v1 = qg.t() @ g @ qa

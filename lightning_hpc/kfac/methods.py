@@ -36,7 +36,9 @@ class ComputeMethod(ABC):
         """Names and shapes of the tensors that make up the decomposition of an ``n x n`` factor."""
 
     @abstractmethod
-    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+    def decompose(
+        self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str
+    ) -> dict[str, torch.Tensor] | None:
         """The decomposition in ``dtype`` (row-major tensors), or None if every fallback failed."""
 
     @abstractmethod
@@ -56,7 +58,9 @@ class EigenMethod(ComputeMethod):
     def result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
         return {"d": (n,), "q": (n, n)}
 
-    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+    def decompose(
+        self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str
+    ) -> dict[str, torch.Tensor] | None:
         # Row-major copies: LAPACK returns column-major matrices, and the broadcast or a checkpoint hands other
         # ranks / resumed runs row-major ones; the products of Eq 13-15 must see one layout to round alike.
         res = safe_eigh(factor, dtype, name)
@@ -77,7 +81,9 @@ class InverseMethod(ComputeMethod):
     def result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
         return {"inv": (n, n)}
 
-    def decompose(self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str) -> dict[str, torch.Tensor] | None:
+    def decompose(
+        self, factor: torch.Tensor, damping: float, dtype: torch.dtype, name: str
+    ) -> dict[str, torch.Tensor] | None:
         inv = safe_damped_inverse(factor, damping, dtype, name)
         return None if inv is None else {"inv": inv.contiguous()}
 

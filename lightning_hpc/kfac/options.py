@@ -25,7 +25,12 @@ __all__ = ["KFACOptions", "compile_skip_patterns"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: storage dtypes accepted by ``factor_dtype`` / ``inverse_dtype``
-_STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+_STORAGE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 def _storage_dtype(name: str, value: torch.dtype | str | None) -> torch.dtype | None:
@@ -33,7 +38,9 @@ def _storage_dtype(name: str, value: torch.dtype | str | None) -> torch.dtype | 
         return None
     dtype = _STORAGE_DTYPES.get(value) if isinstance(value, str) else value
     if dtype not in _STORAGE_DTYPES.values():
-        raise ValueError(f"K-FAC {name} must be None or one of {tuple(_STORAGE_DTYPES)} (or the torch dtypes), got {value!r}")
+        raise ValueError(
+            f"K-FAC {name} must be None or one of {tuple(_STORAGE_DTYPES)} (or the torch dtypes), got {value!r}"
+        )
     return dtype
 
 
@@ -128,7 +135,9 @@ class KFACOptions:
         if self.kl_clip is not None and not callable(self.kl_clip) and not self.kl_clip >= 0:
             raise ValueError(f"K-FAC kl_clip must be >= 0 or None (disabled), got {self.kl_clip}")
         if self.compute_method not in COMPUTE_METHODS:
-            raise ValueError(f"K-FAC compute_method must be one of {tuple(COMPUTE_METHODS)}, got {self.compute_method!r}")
+            raise ValueError(
+                f"K-FAC compute_method must be one of {tuple(COMPUTE_METHODS)}, got {self.compute_method!r}"
+            )
         check_placement(self.placement)
         check_grad_worker_fraction(self.grad_worker_fraction)
         self.torch_decomposition_dtype  # noqa: B018 - validates the dtype
@@ -138,7 +147,9 @@ class KFACOptions:
             raise ValueError(f"K-FAC bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         f = self.conv_input_sample_fraction
         if isinstance(f, bool) or not 0.0 < f <= 1.0:
-            raise ValueError(f"K-FAC conv_input_sample_fraction must be in (0, 1] (1 = every sample, the default), got {f!r}")
+            raise ValueError(
+                f"K-FAC conv_input_sample_fraction must be in (0, 1] (1 = every sample, the default), got {f!r}"
+            )
         compile_skip_patterns(self.skip_layers)
 
     @property
@@ -151,7 +162,9 @@ class KFACOptions:
         elif factor_update_freq is None:
             inv = self.inv_update_freq
             valid = isinstance(inv, int) and not isinstance(inv, bool) and inv > 0
-            factor_update_freq = max(1, inv // 10) if valid and isinstance(inv, int) else 1  # the schedule reports a bad inv_update_freq
+            factor_update_freq = (
+                max(1, inv // 10) if valid and isinstance(inv, int) else 1
+            )  # the schedule reports a bad inv_update_freq
         return KFACSchedule(
             damping=self.damping,
             factor_update_freq=factor_update_freq,
@@ -164,7 +177,11 @@ class KFACOptions:
 
     @property
     def torch_decomposition_dtype(self) -> torch.dtype:
-        dtype = _DTYPES.get(self.decomposition_dtype, self.decomposition_dtype) if isinstance(self.decomposition_dtype, str) else self.decomposition_dtype
+        dtype = (
+            _DTYPES.get(self.decomposition_dtype, self.decomposition_dtype)
+            if isinstance(self.decomposition_dtype, str)
+            else self.decomposition_dtype
+        )
         if dtype not in (torch.float32, torch.float64):
             raise ValueError("K-FAC decomposition_dtype must be torch.float32 or torch.float64 ('float32' / 'float64')")
         return dtype  # type: ignore[return-value]
@@ -180,9 +197,12 @@ class KFACOptions:
         compute = self.torch_decomposition_dtype
         dtype = _storage_dtype("inverse_dtype", self.inverse_dtype) or compute
         if dtype.itemsize > compute.itemsize:
-            raise ValueError(f"K-FAC inverse_dtype={self.inverse_dtype!r} is wider than decomposition_dtype={self.decomposition_dtype!r}: "
-                             "storing decompositions in more precision than they are computed in gains nothing; use "
-                             "decomposition_dtype='float64' or a narrower inverse_dtype")  # fmt: skip
+            raise ValueError(
+                f"K-FAC inverse_dtype={self.inverse_dtype!r} is wider than "
+                f"decomposition_dtype={self.decomposition_dtype!r}: "
+                "storing decompositions in more precision than they are computed in gains nothing; use "
+                "decomposition_dtype='float64' or a narrower inverse_dtype"
+            )
         return dtype
 
     @classmethod

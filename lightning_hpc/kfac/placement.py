@@ -195,7 +195,9 @@ def _balanced(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tu
     return out
 
 
-def assign_factors(layer_dims: Sequence[tuple[int, int]], world_size: int, placement: str = "balanced") -> dict[tuple[int, str], int]:
+def assign_factors(
+    layer_dims: Sequence[tuple[int, int]], world_size: int, placement: str = "balanced"
+) -> dict[tuple[int, str], int]:
     """Map ``(layer index, "A"|"G") -> rank`` for layers with factor sides ``layer_dims[i] = (n_A, n_G)``.
 
     Deterministic: every rank computes the same map without communicating.
@@ -206,7 +208,9 @@ def assign_factors(layer_dims: Sequence[tuple[int, int]], world_size: int, place
     return policy.assign(layer_dims, world_size)
 
 
-def placement_summary(layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]) -> dict:
+def placement_summary(
+    layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]
+) -> dict:
     """Per-rank factors, element counts (sum n^2) and costs (sum n^3), with max / mean / lower-bound cost."""
     ranks: list[dict[str, Any]] = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
     costs: list[int] = []
@@ -254,7 +258,9 @@ class Placement:
     def default_grad_workers(self, world_size: int) -> int:
         return 1 if self.owner_preconditions else world_size
 
-    def assign_grid(self, layer_dims: Sequence[tuple[int, int]], grid: GradWorkerGrid) -> tuple[list[int], dict[tuple[int, str], int]]:
+    def assign_grid(
+        self, layer_dims: Sequence[tuple[int, int]], grid: GradWorkerGrid
+    ) -> tuple[list[int], dict[tuple[int, str], int]]:
         """``(column of each layer, (layer, "A"|"G") -> rank)`` for the KAISA grid: layers go to columns by
         :meth:`assign_layers`, and each column's factors to its ranks by :meth:`assign` over the column's layers.
         With one column (fraction 1) this is :meth:`assign` over the world; with one rank per column (MEM-OPT) a
@@ -305,7 +311,11 @@ class BalancedPlacement(Placement):
         return out
 
 
-_POLICIES: dict[str, type[Placement]] = {"round_robin": RoundRobinPlacement, "layer_wise": LayerWisePlacement, "balanced": BalancedPlacement}
+_POLICIES: dict[str, type[Placement]] = {
+    "round_robin": RoundRobinPlacement,
+    "layer_wise": LayerWisePlacement,
+    "balanced": BalancedPlacement,
+}
 
 
 def make_placement(placement: str) -> Placement:

@@ -92,7 +92,11 @@ def communication_plan(
     """
     world = world_size
     policy = make_placement(placement)
-    workers = policy.default_grad_workers(world) if grad_worker_fraction is None else grad_workers_for(grad_worker_fraction, world)
+    workers = (
+        policy.default_grad_workers(world)
+        if grad_worker_fraction is None
+        else grad_workers_for(grad_worker_fraction, world)
+    )
     grid = GradWorkerGrid(world, workers)
     columns, _ = policy.assign_grid(layer_dims, grid)
     method = make_method(compute_method)
@@ -107,7 +111,9 @@ def communication_plan(
     if world > 1:
         packed = sum((n * (n + 1) // 2 if symmetric_allreduce else n * n) for dims in layer_dims for n in dims)
         allreduce = packed * element_bytes + 4 * len(layer_dims)
-    gradients = sum(na * ng for na, ng in layer_dims) * decomposition_bytes if world > 1 and grid.broadcasts_gradients else 0
+    gradients = (
+        sum(na * ng for na, ng in layer_dims) * decomposition_bytes if world > 1 and grid.broadcasts_gradients else 0
+    )
     ranks = []
     for r in range(world):
         mine = [dims for dims, c in zip(layer_dims, columns) if c == grid.column_of(r)]
@@ -123,7 +129,7 @@ def communication_plan(
             "decomposition_broadcast_bytes": shared,
             "gradient_broadcast_bytes": gradients,
             "bytes_per_step": allreduce / factor_update_freq + shared / inv_update_freq + gradients,
-        })  # fmt: skip
+        })
     return {
         "world_size": world,
         "placement": placement,
@@ -139,12 +145,17 @@ def communication_plan(
     }
 
 
-def plan(model_name: str, world_size: int, placement: str, fractions: Sequence[float] | None = None, **comm_options: Any) -> dict[str, Any]:
+def plan(
+    model_name: str, world_size: int, placement: str, fractions: Sequence[float] | None = None, **comm_options: Any
+) -> dict[str, Any]:
     names, dims = model_factor_dims(model_name)
     summary = placement_summary(dims, world_size, assign_factors(dims, world_size, placement))
     for r in summary["ranks"]:  # "12A" -> "layer1.0.conv2.A"
         r["factors"] = [f"{names[int(f[:-1])]}.{f[-1]}" for f in r["factors"]]
-    kaisa = [communication_plan(dims, world_size, placement, f, **comm_options) for f in (fractions or valid_fractions(world_size))]
+    kaisa = [
+        communication_plan(dims, world_size, placement, f, **comm_options)
+        for f in (fractions or valid_fractions(world_size))
+    ]
     return {"model": model_name, "placement": placement, "layers": len(dims), **summary, "grad_worker_fractions": kaisa}
 
 
@@ -176,20 +187,26 @@ def _table(p: dict[str, Any]) -> str:
         ranks = k["ranks"]
         lines.append(
             f"{k['grad_worker_fraction']:>9.4g} {k['grad_workers']:>8} {_mib(k['max_memory_bytes']):>11} "
-            f"{_mib(min(r['memory_bytes'] for r in ranks)):>11} {_mib(max(r['factor_allreduce_bytes'] for r in ranks)):>12} "
+            f"{_mib(min(r['memory_bytes'] for r in ranks)):>11} "
+            f"{_mib(max(r['factor_allreduce_bytes'] for r in ranks)):>12} "
             f"{_mib(max(r['decomposition_broadcast_bytes'] for r in ranks)):>12} "
             f"{_mib(max(r['gradient_broadcast_bytes'] for r in ranks)):>11} {_mib(k['max_bytes_per_step']):>9}"
         )
     if p["grad_worker_fractions"]:
         k = p["grad_worker_fractions"][0]
-        lines.append(f"(per step: factor step / {k['factor_update_freq']} + decomposition step / {k['inv_update_freq']} + every step; "
-                     f"compute method {k['compute_method']}; max over ranks)")  # fmt: skip
+        lines.append(
+            f"(per step: factor step / {k['factor_update_freq']} + decomposition step / {k['inv_update_freq']} "
+            "+ every step; "
+            f"compute method {k['compute_method']}; max over ranks)"
+        )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-hpc plan-kfac", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet50", help="model-zoo name: resnet18..152, cifar_resnet20..110, alexnet, small_cnn")
+    parser.add_argument(
+        "--model", default="resnet50", help="model-zoo name: resnet18..152, cifar_resnet20..110, alexnet, small_cnn"
+    )
     parser.add_argument("--world-size", type=int, default=16, help="number of data-parallel ranks")
     parser.add_argument("--placement", default="balanced", choices=PLACEMENTS)
     parser.add_argument("--grad-worker-fraction", type=float, action="append", default=None, metavar="F",
@@ -204,8 +221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.factor_update_freq < 1 or args.inv_update_freq < 1:
         parser.error("--factor-update-freq and --inv-update-freq must be >= 1")
     try:
-        p = plan(args.model, args.world_size, args.placement, args.grad_worker_fraction, compute_method=args.compute_method,
-                 factor_update_freq=args.factor_update_freq, inv_update_freq=args.inv_update_freq)  # fmt: skip
+        p = plan(
+            args.model,
+            args.world_size,
+            args.placement,
+            args.grad_worker_fraction,
+            compute_method=args.compute_method,
+            factor_update_freq=args.factor_update_freq,
+            inv_update_freq=args.inv_update_freq,
+        )
     except ValueError as e:
         parser.error(str(e))
     print(json.dumps(p, indent=2) if args.json else _table(p))

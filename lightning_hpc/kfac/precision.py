@@ -30,7 +30,9 @@ class KFACMixedPrecision(MixedPrecision):
     ``precision=`` argument), or ``precision=kfac_16-mixed`` in the Hydra recipes.
     """
 
-    def __init__(self, precision: str = "16-mixed", device: str = "cuda", scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(
+        self, precision: str = "16-mixed", device: str = "cuda", scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         super().__init__(precision, device, scaler)  # type: ignore[arg-type]
         self.kfac_grad_scale = 1.0
         self.kfac_found_inf = False
@@ -55,5 +57,7 @@ class KFACMixedPrecision(MixedPrecision):
         if per_device:
             return any(float(v) > 0 for v in per_device.values())
         return any(
-            p.grad is not None and not bool(torch.isfinite(p.grad).all()) for group in optimizer.param_groups for p in group["params"]
+            p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            for group in optimizer.param_groups
+            for p in group["params"]
         )

@@ -100,7 +100,10 @@ class KFACPreconditioner:
         try:
             options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
         except TypeError as e:  # an unknown keyword
-            raise ValueError(f"KFACPreconditioner: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})") from e
+            raise ValueError(
+                f"KFACPreconditioner: {e} (options are the fields of KFACOptions: "
+                f"{', '.join(KFACOptions.field_names())})"
+            ) from e
         self.options = options
         self.schedule = options.schedule
         #: xi of Eq 16-17 and kappa of Eq 18: constants or callables of the step (see :meth:`current_factor_decay`)
@@ -122,7 +125,7 @@ class KFACPreconditioner:
         fraction = options.grad_worker_fraction
         #: KAISA's layout: gradient-worker groups (columns) and broadcast groups (rows) of the world
         self.grid = GradWorkerGrid(world, self.placement_policy.default_grad_workers(world) if fraction is None
-                                   else grad_workers_for(fraction, world))  # fmt: skip
+                                   else grad_workers_for(fraction, world))
         #: the fraction in effect (the placement's default when the option is None)
         self.grad_worker_fraction = self.grid.grad_workers / world
         self.bucket_cap_bytes = int(options.bucket_cap_mb * 2**20)
@@ -163,7 +166,9 @@ class KFACPreconditioner:
         self._layout_cache: tuple[list[int], dict[tuple[int, str], int]] | None = None
         self._column_group, self._row_group = self._make_groups()
         self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
-        self._hooks += [h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input]
+        self._hooks += [
+            h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input
+        ]
 
     def _make_groups(self) -> tuple[Any, Any]:
         """This rank's gradient-worker group and broadcast group (``None``: the whole world or unused). Under
@@ -357,7 +362,11 @@ class KFACPreconditioner:
 
     def _note_shared_layers(self) -> None:
         """One note, the first time, for layers called more than once per forward pass."""
-        shared = [(h.name, h.max_calls_per_forward) for h in self.handlers if h.max_calls_per_forward > 1 and f"calls:{h.name}" not in self._warned]
+        shared = [
+            (h.name, h.max_calls_per_forward)
+            for h in self.handlers
+            if h.max_calls_per_forward > 1 and f"calls:{h.name}" not in self._warned
+        ]
         if not shared:
             return
         self._warned.update(f"calls:{name}" for name, _ in shared)
@@ -518,8 +527,12 @@ class KFACPreconditioner:
         flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0])))
-        return broadcast_by_owner(self.comm, items, results, self.inverse_dtype, self._comm_device(), group)  # type: ignore[arg-type, return-value]
+            items.setdefault(owner, []).append(
+                ((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0]))
+            )
+        return broadcast_by_owner(  # type: ignore[return-value]
+            self.comm, items, results, self.inverse_dtype, self._comm_device(), group  # type: ignore[arg-type]
+        )
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
@@ -573,7 +586,7 @@ class KFACPreconditioner:
                 layer_lr = self._layer_lr(h, lr)
                 if layer_lr is None:
                     where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
-                             if self.optimizer is not None else "")  # fmt: skip
+                             if self.optimizer is not None else "")
                     raise ValueError(
                         f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
                         "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
@@ -605,7 +618,9 @@ class KFACPreconditioner:
                     local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
                 else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
                     local[h.name] = {"p": grads[h.name]}
-        out = broadcast_by_owner(self.comm, items, local, self.decomposition_dtype, self._comm_device(), self._row_group)
+        out = broadcast_by_owner(
+            self.comm, items, local, self.decomposition_dtype, self._comm_device(), self._row_group
+        )
         return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
 
     # -- checkpointing -----------------------------------------------------------------------------------
@@ -626,11 +641,18 @@ class KFACPreconditioner:
         owners_a = self.assignment()
         rank = self.comm.rank
         # counted once per layer: by the rank that decomposes its A (a member of its worker group)
-        present = torch.tensor([1.0 if h.name in owned and owners_a[(i, "A")] == rank else 0.0 for i, h in enumerate(self.handlers)],
-                               device=self._comm_device())  # fmt: skip
+        present = torch.tensor(
+            [1.0 if h.name in owned and owners_a[(i, "A")] == rank else 0.0 for i, h in enumerate(self.handlers)],
+            device=self._comm_device(),
+        )
         self.comm.allreduce(present, op="sum").wait()  # which layers have a decomposition on their owner
         owners = self.assignment()
-        work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if present[i].item() > 0 for kind in ("A", "G")]
+        work = [
+            (owners[(i, kind)], h, kind)
+            for i, h in enumerate(self.handlers)
+            if present[i].item() > 0
+            for kind in ("A", "G")
+        ]
         mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(1)}
                 for owner, h, kind in work if owner == self.comm.rank}  # fmt: skip
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -669,11 +691,16 @@ class KFACPreconditioner:
         self.epoch = int(state.get("epoch", 0))
         if self.subsample_generator is not None and "subsample_rng" in state:
             self.subsample_generator.set_state(state["subsample_rng"])
-        self.factors = {n: {k: v.to(names[n].module.weight.device, self.factor_dtype) for k, v in f.items()} for n, f in state["factors"].items()}
+        self.factors = {
+            n: {k: v.to(names[n].module.weight.device, self.factor_dtype) for k, v in f.items()}
+            for n, f in state["factors"].items()
+        }
         self.decompositions = {}
         if state.get("compute_method", self.compute_method) == self.compute_method:
             for n, d in state.get("decompositions", {}).items():
                 if n in names:
-                    self.decompositions[n] = {k: v.to(names[n].module.weight.device, self.inverse_dtype) for k, v in d.items()}
+                    self.decompositions[n] = {
+                        k: v.to(names[n].module.weight.device, self.inverse_dtype) for k, v in d.items()
+                    }
         if self._sharded():
             self.decompositions = self._owned_decompositions()

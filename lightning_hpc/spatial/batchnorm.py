@@ -6,7 +6,8 @@ tile's mean, variance and count over the spatial group in one message and combin
 al.'s pairwise update), so the normalisation, the gradients and the running
 statistics (unbiased variance over the whole N x H x W) equal those of the unpartitioned layer on the same
 samples.  Backward allreduces the two per-channel sums of the output gradient (the adjoint of the statistics'
-allreduce); weight and bias gradients stay tile-local partial sums, summed over the group by the strategy.  ``mode="local"`` keeps plain ``nn.BatchNorm2d`` on each tile (cheaper, not equal to the serial
+allreduce); weight and bias gradients stay tile-local partial sums, summed over the group by the strategy.
+``mode="local"`` keeps plain ``nn.BatchNorm2d`` on each tile (cheaper, not equal to the serial
 layer).  In eval mode the running statistics are used and nothing is communicated.
 """
 
@@ -30,7 +31,8 @@ BN_MODES = ("aggregated", "local")
 class _AggregatedBatchNorm(torch.autograd.Function):
     """Batch norm whose statistics cover the whole spatial group, built on PyTorch's fused kernels.
 
-    Forward: per-tile mean and (biased) variance in one pass (the native statistics kernel), one all-gather of ``(mean, var, count)``
+    Forward: per-tile mean and (biased) variance in one pass (the native statistics kernel), one all-gather of
+    ``(mean, var, count)``
     per channel over the group, combined in float64 with Chan et al.'s pairwise update (no ``E[x^2] - E[x]^2``
     cancellation), then the native inference kernel normalises with the group statistics (one pass).  Saves
     only the input (like the native layer).  Backward: the native inference backward gives ``dy * gain`` and the
@@ -43,7 +45,13 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         c = x.shape[1]
         # the native (Welford) statistics kernel of batch norm: one pass, several times faster than var_mean
         mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
-        local = torch.cat([mean_l.double(), var_l.double(), torch.tensor([float(x.numel() // c)], dtype=torch.float64, device=x.device)])
+        local = torch.cat(
+            [
+                mean_l.double(),
+                var_l.double(),
+                torch.tensor([float(x.numel() // c)], dtype=torch.float64, device=x.device),
+            ]
+        )
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, local, group=group)
         stats = torch.stack(parts)  # (ranks, 2C + 1)

@@ -70,7 +70,9 @@ def conv_windows(conv: nn.Conv2d) -> tuple[Window1d, Window1d]:
         else:  # "same" (stride 1 only in torch): symmetric when the dilated kernel is odd
             spans = [d[i] * (k[i] - 1) for i in range(2)]
             if any(sp % 2 for sp in spans):
-                raise ValueError(f"{conv}: padding='same' with an even kernel span is asymmetric; not supported spatially")
+                raise ValueError(
+                    f"{conv}: padding='same' with an even kernel span is asymmetric; not supported spatially"
+                )
             p = (spans[0] // 2, spans[1] // 2)
     else:
         p = _pair(conv.padding)
@@ -81,13 +83,15 @@ def native_padding(plan: HaloPlan, windows: tuple[Window1d, Window1d], grid_part
     """Per dimension, the zero padding the native convolution applies itself: along a dimension that is not
     split (one part) the tile is the whole image, so the box spans it and the convolution pads it exactly as the
     serial layer does (no padding strips to fill, whole-row copies)."""
-    return tuple(win.padding if parts == 1 else 0 for win, parts in zip(windows, grid_parts))  # type: ignore[return-value]
+    pads = tuple(win.padding if parts == 1 else 0 for win, parts in zip(windows, grid_parts))
+    return pads  # type: ignore[return-value]
 
 
 def _box_ranges(plan: HaloPlan, native: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
     """Global row and column range of the box: the needed range, or the whole image along a dimension the
     convolution pads natively."""
-    return tuple((0, dim.n) if p else need for need, p, dim in zip(plan.need, native, (plan.rows, plan.cols)))  # type: ignore[return-value]
+    ranges = tuple((0, dim.n) if p else need for need, p, dim in zip(plan.need, native, (plan.rows, plan.cols)))
+    return ranges  # type: ignore[return-value]
 
 
 def _own_part(plan: HaloPlan, box: tuple[tuple[int, int], tuple[int, int]]) -> tuple[int, int, int, int]:
@@ -145,7 +149,10 @@ def edge_regions(plan: HaloPlan, windows: tuple[Window1d, Window1d]) -> list[tup
     only the image border's zero padding, on a border tile) is then already right; the rest, at most a few
     rows/columns along each split edge, read the neighbours' rows and are recomputed from small boxes
     (top and bottom strips over the whole width, left and right strips over the rows in between)."""
-    ranges = [_tile_outputs(win, own, out, dim.n) for dim, win, own, out in zip((plan.rows, plan.cols), windows, plan.own, plan.out)]
+    ranges = [
+        _tile_outputs(win, own, out, dim.n)
+        for dim, win, own, out in zip((plan.rows, plan.cols), windows, plan.own, plan.out)
+    ]
     if None in ranges:
         return None
     (oa, ia, ib, ob), (oc, ja, jb, oe) = ranges  # type: ignore[misc]
@@ -155,7 +162,9 @@ def edge_regions(plan: HaloPlan, windows: tuple[Window1d, Window1d]) -> list[tup
             for (o0, o1, q0, q1) in regions if o1 > o0 and q1 > q0]
 
 
-def _tile_outputs(win: Window1d, own: tuple[int, int], out: tuple[int, int], n: int) -> tuple[int, int, int, int] | None:
+def _tile_outputs(
+    win: Window1d, own: tuple[int, int], out: tuple[int, int], n: int
+) -> tuple[int, int, int, int] | None:
     """Along one dimension of extent ``n``: for a tile owning input ``[a, b)`` and output ``[oa, ob)``, the output
     ranges ``(oa, ia, ib, ob)`` whose ``[ia, ib)`` the tile's own convolution already gets right (see
     :func:`edge_regions`), or ``None`` when the tile cannot be convolved in place."""
@@ -209,7 +218,9 @@ class _TileConv2d(torch.autograd.Function):
         halo = Halo.from_blocks(x, blocks, plan)
         (oa, _), (oc, _) = plan.out
         for (o0, o1, q0, q1), box in regions:
-            y[:, :, o0 - oa : o1 - oa, q0 - oc : q1 - oc] = F.conv2d(halo.box(*box), weight, bias, conv.stride, 0, conv.dilation, conv.groups)
+            y[:, :, o0 - oa : o1 - oa, q0 - oc : q1 - oc] = F.conv2d(
+                halo.box(*box), weight, bias, conv.stride, 0, conv.dilation, conv.groups
+            )
         ctx.save_for_backward(x, weight, *blocks)
         ctx.exchange, ctx.plan, ctx.conv, ctx.regions, ctx.has_bias = exchange, plan, conv, regions, bias is not None
         return y
@@ -234,7 +245,9 @@ class _TileConv2d(torch.autograd.Function):
             for (_, _, (br0, br1), (bc0, bc1)), hg in zip(plan.recvs, halo_grads):  # box part on each received block
                 ra, rb, ca, cb = max(br0, r0), min(br1, r1), max(bc0, c0), min(bc1, c1)
                 if rb > ra and cb > ca:
-                    hg[:, :, ra - br0 : rb - br0, ca - bc0 : cb - bc0] += grad_box[:, :, ra - r0 : rb - r0, ca - c0 : cb - c0]
+                    hg[:, :, ra - br0 : rb - br0, ca - bc0 : cb - bc0] += grad_box[
+                        :, :, ra - r0 : rb - r0, ca - c0 : cb - c0
+                    ]
         ex = ctx.exchange
         if need_x:  # every rank of the group agrees (same layer), so either all exchange or none does
             ex.post_backward(halo_grads)
@@ -287,25 +300,43 @@ class _HaloConv2d(torch.autograd.Function):
         need_x, need_w, need_b = _grad_mask(ctx)
         box = extended_box(x, blocks, plan, native=native)
         grad_box, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            grad_out, box, weight, [weight.shape[0]] if ctx.has_bias else None, conv.stride, list(native), conv.dilation,
-            False, [0, 0], conv.groups, [need_x, need_w, need_b])
+            grad_out,
+            box,
+            weight,
+            [weight.shape[0]] if ctx.has_bias else None,
+            conv.stride,
+            list(native),
+            conv.dilation,
+            False,
+            [0, 0],
+            conv.groups,
+            [need_x, need_w, need_b],
+        )
         del box
         grad_x = None
         if need_x:  # every rank of the group agrees (same layer), so either all exchange or none does
             box_ranges = _box_ranges(plan, native)
             (rlo, _), (clo, _) = box_ranges
             ex = ctx.exchange
-            ex.post_backward([grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo] for (_, _, (r0, r1), (c0, c1)) in plan.recvs])
+            ex.post_backward(
+                [grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo] for (_, _, (r0, r1), (c0, c1)) in plan.recvs]
+            )
             (a, b), (c, e) = plan.own
             r0, r1, c0, c1 = _own_part(plan, box_ranges)
             if (r0, r1, c0, c1) == (a, b, c, e):
                 grad_x = grad_box[:, :, a - rlo : b - rlo, c - clo : e - clo]
             else:  # rows/columns of the tile no output window reads (strided kernels, uneven tiles): zero gradient
                 grad_x = x.new_empty(x.shape)
-                for sl in ((slice(None), slice(None), slice(0, r0 - a)), (slice(None), slice(None), slice(r1 - a, None)),
-                           (slice(None), slice(None), slice(None), slice(0, c0 - c)), (slice(None), slice(None), slice(None), slice(c1 - c, None))):
+                for sl in (
+                    (slice(None), slice(None), slice(0, r0 - a)),
+                    (slice(None), slice(None), slice(r1 - a, None)),
+                    (slice(None), slice(None), slice(None), slice(0, c0 - c)),
+                    (slice(None), slice(None), slice(None), slice(c1 - c, None)),
+                ):
                     grad_x[sl].zero_()
-                grad_x[:, :, r0 - a : r1 - a, c0 - c : c1 - c] = grad_box[:, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo]
+                grad_x[:, :, r0 - a : r1 - a, c0 - c : c1 - c] = grad_box[
+                    :, :, r0 - rlo : r1 - rlo, c0 - clo : c1 - clo
+                ]
             del grad_box
             grad_x = ex.finish_backward(grad_x, inplace=True)
         return grad_x, grad_w if need_w else None, grad_b, None, None
@@ -372,7 +403,9 @@ class SpatialConv2d(nn.Conv2d, SpatialLayer):
         h, w = self.global_input_extent(x)
         return self.tile_forward(x, self.weight, self.bias, h, w)
 
-    def tile_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: int, w: int) -> torch.Tensor:
+    def tile_forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h: int, w: int
+    ) -> torch.Tensor:
         """This layer's convolution of the plain tile ``x`` of an ``h x w`` input with ``weight`` and ``bias``
         (the module's own, or those of a functional ``F.conv2d`` call dispatched by :mod:`dispatch`)."""
         device = x.device.type

@@ -78,7 +78,9 @@ def trace_input_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str
                 if args and isinstance(args[0], torch.Tensor):
                     shapes.setdefault(name, tuple(args[0].shape))
             handles.append(m.register_forward_pre_hook(hook))
-    state = {k: torch.empty_like(v, device="meta") for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+    state = {
+        k: torch.empty_like(v, device="meta") for k, v in list(model.named_parameters()) + list(model.named_buffers())
+    }
     modes = {m: m.training for m in model.modules()}
     model.eval()  # shapes do not depend on the mode; training-mode batch norm with momentum=None reads a counter
     try:
@@ -92,7 +94,9 @@ def trace_input_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str
     return shapes
 
 
-def validate_partition(model: nn.Module, input_shape: Sequence[int], parts: tuple[int, int], *, dispatch: bool = False) -> dict[str, tuple[int, ...]]:
+def validate_partition(
+    model: nn.Module, input_shape: Sequence[int], parts: tuple[int, int], *, dispatch: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Raise :class:`PartitionError` for the first layer that cannot be split ``parts`` with a global input of
     ``input_shape`` = (C, H, W); returns the traced input shape of every leaf layer."""
     shapes = trace_input_shapes(model, input_shape)

@@ -20,7 +20,9 @@ from torch.autograd.function import once_differentiable
 __all__ = ["aggregated_row_norm"]
 
 
-def _combine(local_mean: torch.Tensor, local_var: torch.Tensor, m: int, group) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _combine(
+    local_mean: torch.Tensor, local_var: torch.Tensor, m: int, group
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Whole-row mean and biased variance (float64) from every tile's ``(mean, var, count)``: one all-gather."""
     r = local_mean.numel()
     local = torch.cat([local_mean.double(), local_var.double(),
@@ -71,7 +73,9 @@ class _AggregatedRowNorm(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _dvar):  # type: ignore[override]
         x, mean, rstd = ctx.saved_tensors
         x_hat = (x - mean) * rstd
-        sums = _sum_over_group(torch.stack([dy.sum(1, dtype=torch.float64), (dy * x_hat).sum(1, dtype=torch.float64)]), ctx.group)
+        sums = _sum_over_group(
+            torch.stack([dy.sum(1, dtype=torch.float64), (dy * x_hat).sum(1, dtype=torch.float64)]), ctx.group
+        )
         s_dy = (sums[0] / ctx.n).to(x.dtype).unsqueeze(1)
         s_dyxhat = (sums[1] / ctx.n).to(x.dtype).unsqueeze(1)
         dx = (dy - s_dy - x_hat * s_dyxhat) * rstd

@@ -298,12 +298,15 @@ class _HaloFinish(torch.autograd.Function):
 class Halo:
     """A tile plus its received halo blocks; :meth:`box` assembles any global input box from them."""
 
-    def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan) -> None:
+    def __init__(
+        self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan
+    ) -> None:
         self.x, self.blocks, self.plan = x, blocks, plan
 
     @classmethod
     def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> Halo:
-        """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives them)."""
+        """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives
+        them)."""
         blocks = {}
         for (peer, d, r, c), buf in zip(plan.recvs, bufs):
             di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)

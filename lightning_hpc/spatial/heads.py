@@ -34,7 +34,9 @@ class SpatialGlobalAvgPool2d(nn.Module, SpatialLayer):
     def from_module(cls, pool: nn.AdaptiveAvgPool2d, grid: SpatialGrid, *, name: str = "") -> SpatialGlobalAvgPool2d:
         size = pool.output_size
         if size not in (1, (1, 1), [1, 1]):
-            raise ValueError(f"AdaptiveAvgPool2d '{name}': only output_size=1 (global pooling) is supported spatially, got {size}")
+            raise ValueError(
+                f"AdaptiveAvgPool2d '{name}': only output_size=1 (global pooling) is supported spatially, got {size}"
+            )
         return cls(grid, name)
 
     def windows(self, h: int, w: int):

@@ -89,7 +89,9 @@ class SpatialLayer:
     def _serial_input(self, x: torch.Tensor) -> bool:
         """Whether this call runs the serial layer: one tile per sample, or (under op dispatch) an input that is
         not split (e.g. a BatchNorm after a global pooling)."""
-        return self.grid.size == 1 or (getattr(self, "spatial_dispatch", False) and getattr(self, "_known_extent", None) is None)
+        return self.grid.size == 1 or (
+            getattr(self, "spatial_dispatch", False) and getattr(self, "_known_extent", None) is None
+        )
 
     def tile_call(self, x: torch.Tensor, extent: tuple[int, int]) -> torch.Tensor:
         """Run this layer on the plain tile ``x`` of an input whose global (H, W) is ``extent`` (no extent
@@ -107,7 +109,8 @@ class SpatialLayer:
 
         if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3):
             raise SpatialDispatchError(
-                f"spatial: {type(self).__name__} {self.describe()} got an input split along dims {(x._hdim, x._wdim)} of a "
+                f"spatial: {type(self).__name__} {self.describe()} got an input split along dims "
+                f"{(x._hdim, x._wdim)} of a "
                 f"{x.dim()}-D tensor; it needs N x C x H x W split over H and W"
             )
         st = state()

@@ -39,14 +39,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-only", action="store_true", help="pure sample (data) parallelism")
     p.add_argument("--overlap-halo", action="store_true", help="model halo exchanges hidden behind interior compute")
     p.add_argument("--local-bn", action="store_true", help="tile-local batch norm (no statistics allreduce)")
-    p.add_argument("--gradient-reduction", choices=("per-layer", "single", "bucketed"), default="per-layer",
-                   help="per-layer allreduces overlapped with backward (paper), one fused allreduce after it, or DDP's buckets")
+    p.add_argument(
+        "--gradient-reduction",
+        choices=("per-layer", "single", "bucketed"),
+        default="per-layer",
+        help="per-layer allreduces overlapped with backward (paper), one fused allreduce after it, or DDP's buckets",
+    )
     p.add_argument("--loaded-sync", action="store_true",
                    help="measure (once, cached) what a synchronisation costs between --world-size busy local processes "
                         "and charge it at every synchronisation point (for ranks sharing this machine's cores)")
     p.add_argument("--alpha", type=float, default=None, help="latency in seconds (skips calibration with --beta)")
     p.add_argument("--beta", type=float, default=None, help="inverse bandwidth in seconds per byte")
-    p.add_argument("--cores", type=int, default=None, help="cores the processes share (scales compute when oversubscribed)")
+    p.add_argument(
+        "--cores", type=int, default=None, help="cores the processes share (scales compute when oversubscribed)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process when timing layers")
     return p
 

@@ -86,7 +86,10 @@ def spatial_to_sample(x_tile: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
     """Tiles of ``N`` samples -> whole samples ``block_range(N, P, k)`` on group rank ``k`` (needs ``N >= P``)."""
     n = x_tile.shape[0]
     if n < grid.size:
-        raise ValueError(f"spatial_to_sample: {n} samples cannot be spread over {grid.size} ranks; use a batch of at least {grid.size}")
+        raise ValueError(
+            f"spatial_to_sample: {n} samples cannot be spread over {grid.size} ranks; use a batch of at least "
+            f"{grid.size}"
+        )
     if grid.size == 1:
         return x_tile
     h, w = grid.global_extent(x_tile.shape[-2], x_tile.shape[-1], device=x_tile.device)

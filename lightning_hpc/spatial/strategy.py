@@ -51,7 +51,13 @@ from lightning_hpc.spatial.tiling import (
 __all__ = ["SpatialParallelStrategy"]
 
 _RUNS = [0]  # counts setups, the same on every rank: keys of one run's failure message in the store
-_COMM_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError", "Timed out")
+_COMM_FAILURE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "Timed out",
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +133,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             self._parts_setting = None if spatial_parts is None else parse_parts(spatial_parts)
         if batchnorm != "aggregated":
             raise ValueError(
-                f"batchnorm={batchnorm!r}: under the spatial strategy batch norm on a split activation always takes its "
+                f"batchnorm={batchnorm!r}: under the spatial strategy batch norm on a split activation always takes "
+                "its "
                 f"statistics over the whole sample (equal to one process); tile-local statistics would train "
                 f"differently. Use batchnorm='aggregated' (the default)"
             )
@@ -195,7 +202,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 ) from e
             shape = self._input_shape()
             if shape is None:
-                raise ValueError("spatial_parts='auto' needs the input shape: pass input_shape=(C, H, W) to the strategy")
+                raise ValueError(
+                    "spatial_parts='auto' needs the input shape: pass input_shape=(C, H, W) to the strategy"
+                )
             assert self.lightning_module is not None  # connected before setup_environment
             model = getattr(self.lightning_module, "model", self.lightning_module)
             # The strategy runs one split for the whole network, so ask the planner for the best uniform one.
@@ -245,9 +254,12 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
             except PartitionError:
                 raise
-            except Exception as e:  # noqa: BLE001 - the shape trace is an early check only; the first step checks every op
-                log.warning(f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
-                            f"{str(e)[:200]}); partitions are checked at the first training step instead")
+            # the shape trace is an early check only; the first step checks every op
+            except Exception as e:  # noqa: BLE001
+                log.warning(
+                    f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
+                    f"{str(e)[:200]}); partitions are checked at the first training step instead"
+                )
         # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
         # the split activation itself (lightning_hpc.spatial.dispatch)
         convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)

@@ -85,7 +85,9 @@ class SpatialGrid:
         dist.all_reduce(t, group=self.group)
         return int(t[0]), int(t[1])
 
-    def tile_bounds(self, h: int, w: int, index: tuple[int, int] | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    def tile_bounds(
+        self, h: int, w: int, index: tuple[int, int] | None = None
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((h0, h1), (w0, w1))`` of tile ``index`` (default: this rank's) of an ``h x w`` extent."""
         i, j = self.index if index is None else index
         return block_bounds(h, self.parts[0])[i], block_bounds(w, self.parts[1])[j]
@@ -124,7 +126,9 @@ def create_hybrid_layout(parts: tuple[int, int], timeout: datetime.timedelta | N
     size = ph * pw
     if not dist.is_initialized():
         if size != 1:
-            raise RuntimeError(f"spatial_parts={parts} needs torch.distributed to be initialised with {size} ranks per sample")
+            raise RuntimeError(
+                f"spatial_parts={parts} needs torch.distributed to be initialised with {size} ranks per sample"
+            )
         return HybridLayout(SpatialGrid.single(), 1, 0)
     world, rank = dist.get_world_size(), dist.get_rank()
     tile = MeshDim("tile", size, setting=f"spatial_parts={ph}x{pw}={size}", what="ranks per sample")

@@ -37,7 +37,8 @@ class Interp1d:
         return self.n_out
 
     def sources(self, o0: int, o1: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Global source indices i0, i1 and weight of i1 for outputs ``[o0, o1)`` (float32 like PyTorch's CPU kernel)."""
+        """Global source indices i0, i1 and weight of i1 for outputs ``[o0, o1)`` (float32 like PyTorch's CPU
+        kernel)."""
         o = torch.arange(o0, o1, device=device, dtype=torch.float32)
         if self.mode == "nearest":
             i0 = torch.clamp(torch.floor(o * torch.tensor(self.scale, dtype=torch.float32)).long(), max=self.n_in - 1)
@@ -59,7 +60,9 @@ class SpatialUpsample(nn.Upsample, SpatialLayer):
     @classmethod
     def from_module(cls, up: nn.Upsample, grid: SpatialGrid, *, name: str = "") -> SpatialUpsample:
         if up.mode not in ("nearest", "bilinear"):
-            raise ValueError(f"Upsample '{name}': mode={up.mode!r} is not supported spatially; use 'nearest' or 'bilinear'")
+            raise ValueError(
+                f"Upsample '{name}': mode={up.mode!r} is not supported spatially; use 'nearest' or 'bilinear'"
+            )
         if getattr(up, "recompute_scale_factor", None):
             raise ValueError(f"Upsample '{name}': recompute_scale_factor=True is not supported spatially")
         new = copy.copy(up)

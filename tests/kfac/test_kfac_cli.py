@@ -15,7 +15,11 @@ from lightning_hpc.kfac import plan as plan_mod
 
 def _compose(recipe: str, *overrides: str):
     with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-        return compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{conf_dir()}]", *overrides], return_hydra_config=True)
+        return compose(
+            config_name=recipe,
+            overrides=[f"hydra.searchpath=[file://{conf_dir()}]", *overrides],
+            return_hydra_config=True,
+        )
 
 
 @pytest.mark.parametrize(
@@ -35,16 +39,24 @@ def test_recipes_pick_the_kfac_schedule(recipe, epochs, milestones, damping, inv
 
 def test_resnet_cifar_kfac_fast_dev_run(cli):
     cli(
-        "train", "recipe=resnet_cifar", "callbacks=kfac", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
-        "batch_size=8", "data.num_workers=0", "data.synthetic_train_size=64", "data.synthetic_val_size=16", "model.depth=20",
-    )  # fmt: skip
+        "train",
+        "recipe=resnet_cifar",
+        "callbacks=kfac",
+        "trainer.fast_dev_run=true",
+        "trainer.enable_progress_bar=false",
+        "batch_size=8",
+        "data.num_workers=0",
+        "data.synthetic_train_size=64",
+        "data.synthetic_val_size=16",
+        "model.depth=20",
+    )
 
 
 def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli):
     proc = cli(
         "train", "callbacks=kfac", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
         "callbacks.kfac.inv_update_freq=5", "callbacks.kfac.damping=0.003",
-    )  # fmt: skip
+    )
     assert "MEMBER: 2/2" in proc.stdout
     (run,) = sorted((cli.cwd / "outputs" / "digits").iterdir())
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -86,12 +98,14 @@ def test_kaisa_and_storage_options_compose_to_the_callback():
     from hydra.utils import instantiate
 
     cfg = _compose("resnet_cifar", "callbacks=kfac", "callbacks.kfac.grad_worker_fraction=0.5",
-                   "callbacks.kfac.factor_dtype=bfloat16", "callbacks.kfac.inverse_dtype=float16")  # fmt: skip
+                   "callbacks.kfac.factor_dtype=bfloat16", "callbacks.kfac.inverse_dtype=float16")
     kfac = instantiate(cfg.callbacks.kfac)
     assert kfac.options.grad_worker_fraction == 0.5
     assert kfac.options.torch_factor_dtype == torch.bfloat16 and kfac.options.torch_inverse_dtype == torch.float16
     with pytest.raises(InstantiationException, match=r"grad_worker_fraction must be in \(0, 1\]"):  # before training
-        instantiate(_compose("resnet_cifar", "callbacks=kfac", "callbacks.kfac.grad_worker_fraction=1.5").callbacks.kfac)
+        instantiate(
+            _compose("resnet_cifar", "callbacks=kfac", "callbacks.kfac.grad_worker_fraction=1.5").callbacks.kfac
+        )
 
 
 def test_kfac_fp16_precision_option_composes_to_the_plugin():

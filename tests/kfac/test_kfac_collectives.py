@@ -27,7 +27,9 @@ class ByteCounter(TorchDistributedCommunicator):
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 5 * 5, 12), nn.ReLU(), nn.Linear(12, 4))
+    return nn.Sequential(
+        nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 5 * 5, 12), nn.ReLU(), nn.Linear(12, 4)
+    )
 
 
 def _run(rank: int, world_size: int) -> dict:
@@ -36,8 +38,17 @@ def _run(rank: int, world_size: int) -> dict:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         comm = ByteCounter()
-        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.05, kl_clip=0.01,
-                                 communicator=comm, symmetric_allreduce=symmetric, announce=False)  # fmt: skip
+        pre = KFACPreconditioner(
+            model,
+            optimizer=opt,
+            factor_update_freq=1,
+            inv_update_freq=2,
+            damping=0.05,
+            kl_clip=0.01,
+            communicator=comm,
+            symmetric_allreduce=symmetric,
+            announce=False,
+        )
         for step in range(4):
             g = torch.Generator().manual_seed(step * 10 + rank)
             x, y = torch.randn(8, 2, 5, 5, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -65,6 +76,11 @@ def test_upper_triangle_allreduce_halves_the_bytes_and_changes_nothing():
         assert sym_bytes < 0.56 * full_bytes
         for name in full_factors:
             for k in ("A", "G"):
-                torch.testing.assert_close(torch.from_numpy(sym_factors[name][k]), torch.from_numpy(full_factors[name][k]), rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(
+                    torch.from_numpy(sym_factors[name][k]),
+                    torch.from_numpy(full_factors[name][k]),
+                    rtol=1e-6,
+                    atol=1e-7,
+                )
         for a, b in zip(sym_params, full_params):
             torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-6)

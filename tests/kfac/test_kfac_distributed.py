@@ -91,7 +91,9 @@ def test_parameters_equal_single_process_for_every_placement(world_size, methods
     results = run_in_processes(_run_all, world_size, methods, timeout_s=300, collective_timeout_s=120)
     for (placement, method), (params, calls) in results[0].items():
         for got, want in zip(params, refs[method]):
-            torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{placement}/{method}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(got), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{placement}/{method}: {m}"
+            )
         for other in results[1:]:  # every rank holds the same parameters
             for a, b in zip(other[(placement, method)][0], params):
                 torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=0, atol=1e-6)

@@ -32,7 +32,7 @@ def _model(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(2, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 8, 3, stride=2), nn.ReLU(),
         nn.Flatten(), nn.Linear(8 * 3 * 3, 12), nn.ReLU(), nn.Linear(12, 9), nn.ReLU(), nn.Linear(9, 5),
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
 
 
 def _data(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,9 @@ class ByteCounter(TorchDistributedCommunicator):
         return super().broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def _train(rank: int, world_size: int, placement: str, fraction: float | None, dtype_name: str, steps: int = STEPS, **kw) -> dict:
+def _train(
+    rank: int, world_size: int, placement: str, fraction: float | None, dtype_name: str, steps: int = STEPS, **kw
+) -> dict:
     dtype = DTYPES[dtype_name]
     model = _model(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -65,7 +67,7 @@ def _train(rank: int, world_size: int, placement: str, fraction: float | None, d
         model, optimizer=opt, factor_update_freq=2, inv_update_freq=4, damping=0.05, kl_clip=0.01, placement=placement,
         grad_worker_fraction=fraction, decomposition_dtype=dtype_name, communicator=comm, announce=False,
         **{"factor_dtype": dtype_name, **kw},
-    )  # fmt: skip
+    )
     per_rank = GLOBAL_BATCH // world_size
     traffic, held = [], []
     for step in range(steps):
@@ -90,17 +92,26 @@ def _train(rank: int, world_size: int, placement: str, fraction: float | None, d
         "fraction": pre.grad_worker_fraction,
         "stored": sorted({str(v.dtype) for d in pre.decompositions.values() for v in d.values()}),
         # HYBRID-OPT's own groups (None: the world, or unused) and the timeout they were created with
-        "group_timeouts": [None if g is None else group_timeout(g).total_seconds() for g in (pre._column_group, pre._row_group)],
+        "group_timeouts": [
+            None if g is None else group_timeout(g).total_seconds() for g in (pre._column_group, pre._row_group)
+        ],
     }
 
 
 def _run_all(rank: int, world_size: int) -> dict:
-    return {(pl, f, d): _train(rank, world_size, pl, f, d) for pl in PLACEMENTS for f in FRACTIONS[world_size] for d in DTYPES}
+    return {
+        (pl, f, d): _train(rank, world_size, pl, f, d)
+        for pl in PLACEMENTS
+        for f in FRACTIONS[world_size]
+        for d in DTYPES
+    }
 
 
 def _close(got, want, tol, what):
     for a, b in zip(got, want):
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(a), torch.from_numpy(b), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}"
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -114,7 +125,12 @@ def test_every_fraction_and_placement_equals_one_process(world_size):
         for rank, out in enumerate(results):
             mine = out[(placement, fraction, dtype_name)]
             _close(mine["params"], refs[dtype_name]["params"], TOL[dtype_name], f"{what}, rank {rank}, parameters")
-            _close(mine["precond"], refs[dtype_name]["precond"], TOL[dtype_name], f"{what}, rank {rank}, preconditioned gradients")
+            _close(
+                mine["precond"],
+                refs[dtype_name]["precond"],
+                TOL[dtype_name],
+                f"{what}, rank {rank}, preconditioned gradients",
+            )
             # each rank holds the decompositions of its gradient-worker group's layers, and only those
             grid = GradWorkerGrid(world_size, grad_workers_for(fraction, world_size))
             want_held = sorted(n for n, c in zip(mine["names"], mine["columns"]) if c == grid.column_of(rank))
@@ -126,9 +142,15 @@ def test_every_fraction_and_placement_equals_one_process(world_size):
             # bytes per step kind: plan-kfac's per-rank figures (float32 and float64 elements alike)
             if dims is None:
                 model = _model(torch.float32)
-                dims = [(m.weight[0].numel() + 1, m.weight.shape[0]) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+                dims = [
+                    (m.weight[0].numel() + 1, m.weight.shape[0])
+                    for m in model.modules()
+                    if isinstance(m, (nn.Conv2d, nn.Linear))
+                ]
             size = 8 if dtype_name == "float64" else 4
-            plan = communication_plan(dims, world_size, placement, fraction, element_bytes=size, decomposition_bytes=size)
+            plan = communication_plan(
+                dims, world_size, placement, fraction, element_bytes=size, decomposition_bytes=size
+            )
             r = plan["ranks"][rank]
             # steps 0 and 4: factors + decompositions + gradients; step 2: factors + gradients; 1, 3: gradients
             want = [
@@ -141,9 +163,13 @@ def test_every_fraction_and_placement_equals_one_process(world_size):
             assert mine["traffic"] == want, (what, rank, mine["traffic"], want)
             assert (r["gradient_broadcast_bytes"] == 0) == (fraction == 1.0)
             assert (r["decomposition_broadcast_bytes"] == 0) == (fraction == 1 / world_size)
-            # groups of their own only in between, with the world's timeout (run_in_processes: 120 s), not torch's 30 min
+            # groups of their own only in between, with the world's timeout (run_in_processes: 120 s), not torch's 30
+            # min
             hybrid = 1 / world_size < fraction < 1
-            assert mine["group_timeouts"] == ([120.0, 120.0] if hybrid else [None, None]), (what, mine["group_timeouts"])
+            assert mine["group_timeouts"] == ([120.0, 120.0] if hybrid else [None, None]), (
+                what,
+                mine["group_timeouts"],
+            )
 
 
 def test_mem_opt_is_layer_wise_and_comm_opt_is_the_placement():
@@ -176,7 +202,7 @@ def test_grid_groups():
     "fraction,world,match",
     [(0.0, 4, "in \\(0, 1\\]"), (1.5, 4, "in \\(0, 1\\]"), (-0.5, 2, "in \\(0, 1\\]"), (True, 2, "in \\(0, 1\\]"),
      (0.3, 4, "1/4, 2/4, 4/4"), (0.75, 4, "integer that divides"), (0.5, 3, "1/3, 3/3"), (1 / 3, 6, None)],
-)  # fmt: skip
+)
 def test_fraction_is_validated_up_front(fraction, world, match):
     if match is None:
         assert grad_workers_for(fraction, world) == 2  # 1/3 of 6 ranks despite the rounding of 1/3
@@ -206,7 +232,10 @@ def test_communication_plan_hand_computed():
     r0, r1 = mem["ranks"]
     assert (mem["grad_workers"], mem["worker_groups"], comm["grad_workers"], comm["worker_groups"]) == (1, 2, 2, 1)
     assert r0["factors_bytes"] == r1["factors_bytes"] == factors == 216
-    assert r0["decompositions_bytes"] == (3 + 9 + 2 + 4) * 4 == 72 and r1["decompositions_bytes"] == (5 + 25 + 4 + 16) * 4 == 200
+    assert (
+        r0["decompositions_bytes"] == (3 + 9 + 2 + 4) * 4 == 72
+        and r1["decompositions_bytes"] == (5 + 25 + 4 + 16) * 4 == 200
+    )
     assert (r0["memory_bytes"], r1["memory_bytes"], mem["max_memory_bytes"]) == (288, 416, 416)
     assert r0["factor_allreduce_bytes"] == r1["factor_allreduce_bytes"] == triangles == 144
     assert r0["decomposition_broadcast_bytes"] == r1["decomposition_broadcast_bytes"] == 0
@@ -216,11 +245,18 @@ def test_communication_plan_hand_computed():
         assert r["decompositions_bytes"] == 272 and r["memory_bytes"] == 488
         assert r["decomposition_broadcast_bytes"] == 272 and r["gradient_broadcast_bytes"] == 0
         assert r["bytes_per_step"] == pytest.approx(144 / 10 + 272 / 100)
-    full = communication_plan(dims, 2, "layer_wise", 1.0, symmetric_allreduce=False, compute_method="inverse", inverse_bytes=2)
+    full = communication_plan(
+        dims, 2, "layer_wise", 1.0, symmetric_allreduce=False, compute_method="inverse", inverse_bytes=2
+    )
     assert full["ranks"][0]["factor_allreduce_bytes"] == factors + 8
     assert full["ranks"][0]["decompositions_bytes"] == (9 + 4 + 25 + 16) * 2  # bf16 inverses
     single = communication_plan(dims, 1, "balanced", None)["ranks"][0]
-    assert single["factor_allreduce_bytes"] == single["decomposition_broadcast_bytes"] == single["gradient_broadcast_bytes"] == 0
+    assert (
+        single["factor_allreduce_bytes"]
+        == single["decomposition_broadcast_bytes"]
+        == single["gradient_broadcast_bytes"]
+        == 0
+    )
 
 
 def test_plan_kfac_reports_every_fraction(capsys):
@@ -241,7 +277,10 @@ def test_plan_kfac_reports_every_fraction(capsys):
 
 
 def _run_half_storage(rank: int, world_size: int) -> dict:
-    return {f: _train(rank, world_size, "balanced", f, "float32", factor_dtype="bfloat16", inverse_dtype="bfloat16") for f in (0.5, 1.0)}
+    return {
+        f: _train(rank, world_size, "balanced", f, "float32", factor_dtype="bfloat16", inverse_dtype="bfloat16")
+        for f in (0.5, 1.0)
+    }
 
 
 def test_half_precision_storage_over_the_collectives():
@@ -251,7 +290,9 @@ def test_half_precision_storage_over_the_collectives():
     ref = _train(0, 1, "balanced", None, "float32", factor_dtype="bfloat16", inverse_dtype="bfloat16")
     results = run_in_processes(_run_half_storage, 2, timeout_s=300, collective_timeout_s=120)
     model = _model(torch.float32)
-    dims = [(m.weight[0].numel() + 1, m.weight.shape[0]) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    dims = [
+        (m.weight[0].numel() + 1, m.weight.shape[0]) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))
+    ]
     for fraction in (0.5, 1.0):
         for rank, out in enumerate(results):
             mine = out[fraction]
@@ -259,7 +300,10 @@ def test_half_precision_storage_over_the_collectives():
             _close(mine["params"], results[0][fraction]["params"], 0, f"rank {rank} vs rank 0, fraction {fraction}")
             _close(mine["params"], ref["params"], 2e-2, f"rank {rank} vs one process, fraction {fraction}")
             r = communication_plan(dims, 2, "balanced", fraction, inverse_bytes=2, factor_bytes=2)["ranks"][rank]
-            assert mine["traffic"][0] == (r["factor_allreduce_bytes"], r["decomposition_broadcast_bytes"] + r["gradient_broadcast_bytes"])
+            assert mine["traffic"][0] == (
+                r["factor_allreduce_bytes"],
+                r["decomposition_broadcast_bytes"] + r["gradient_broadcast_bytes"],
+            )
             if fraction == 1.0:
                 full = communication_plan(dims, 2, "balanced", fraction)["ranks"][rank]
                 assert 2 * r["decomposition_broadcast_bytes"] == full["decomposition_broadcast_bytes"] > 0

@@ -48,7 +48,14 @@ def _trainer(max_epochs: int, callbacks: list, **kw) -> pl.Trainer:
 
 
 def _kfac(**kw) -> KFAC:
-    opts = dict(factor_update_freq=1, inv_update_freq=3, damping=0.03, damping_decay_epochs=[1], damping_decay_rate=0.5, kl_clip=0.01)
+    opts = dict(
+        factor_update_freq=1,
+        inv_update_freq=3,
+        damping=0.03,
+        damping_decay_epochs=[1],
+        damping_decay_rate=0.5,
+        kl_clip=0.01,
+    )
     opts.update(kw)
     return KFAC(**opts)
 
@@ -182,14 +189,18 @@ def test_fp16_statistics_are_unscaled():
     assert runs["16"].scales[0] >= 2.0**10  # the backward pass really ran on a scaled loss
     for name, f in runs["32"].factors[0].items():
         for k in ("A", "G"):
-            torch.testing.assert_close(runs["16"].factors[0][name][k], f[k], rtol=2e-2, atol=2e-3 * f[k].abs().max().item())
+            torch.testing.assert_close(
+                runs["16"].factors[0][name][k], f[k], rtol=2e-2, atol=2e-3 * f[k].abs().max().item()
+            )
 
 
 def test_fp16_overflow_step_leaves_factors_unchanged():
     kfac = _kfac()
     rec = Record(kfac)
     module = _module()
-    _trainer(1, [kfac, rec], plugins=[KFACMixedPrecision("16-mixed", "cpu")]).fit(module, _loader(huge_batch=2), _loader(16))
+    _trainer(1, [kfac, rec], plugins=[KFACMixedPrecision("16-mixed", "cpu")]).fit(
+        module, _loader(huge_batch=2), _loader(16)
+    )
     assert rec.scales[2] < rec.scales[1], "the overflow step was not skipped by the grad scaler"
     for name in rec.factors[1]:
         for k in ("A", "G"):
@@ -253,7 +264,14 @@ def test_schedules_follow_epochs():
 def test_accumulate_grad_batches_covers_every_micro_batch():
     def net() -> nn.Module:  # no BatchNorm: micro-batches must see the same function as the full batch
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(54, 5))
+        return nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(4, 6, 3, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(54, 5),
+        )
 
     results = []
     for batch, accumulate in ((16, 1), (8, 2)):

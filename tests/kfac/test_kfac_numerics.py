@@ -166,7 +166,14 @@ def test_running_average_eq16_17():
 
 
 def _cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 5),
+    )
 
 
 def test_accumulating_two_micro_batches_equals_one_double_batch():
@@ -174,7 +181,10 @@ def test_accumulating_two_micro_batches_equals_one_double_batch():
     base = _cnn()
     models = [copy.deepcopy(base), copy.deepcopy(base)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
-    pres = [KFACPreconditioner(m, optimizer=o, inv_update_freq=2, factor_update_freq=1, damping=0.03, kl_clip=0.01) for m, o in zip(models, opts)]
+    pres = [
+        KFACPreconditioner(m, optimizer=o, inv_update_freq=2, factor_update_freq=1, damping=0.03, kl_clip=0.01)
+        for m, o in zip(models, opts)
+    ]
     for step in range(5):
         x, y = torch.randn(16, 2, 7, 7), torch.randint(0, 5, (16,))
         opts[0].zero_grad()
@@ -318,7 +328,7 @@ def test_kfac_step_is_not_slowed_by_a_second_blas_pool():
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                              nn.Conv2d(32, 64, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))  # fmt: skip
+                              nn.Conv2d(32, 64, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=5)
         x, y = torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,))
@@ -344,7 +354,9 @@ def _subsample_run(fraction: float, steps: int = 3, seed: int = 7):
     torch.manual_seed(seed)
     model = _cnn().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    pre = KFACPreconditioner(model, optimizer=opt, inv_update_freq=2, damping=0.03, kl_clip=0.01, conv_input_sample_fraction=fraction)
+    pre = KFACPreconditioner(
+        model, optimizer=opt, inv_update_freq=2, damping=0.03, kl_clip=0.01, conv_input_sample_fraction=fraction
+    )
     data = [(torch.randn(8, 2, 7, 7, dtype=torch.float64), torch.randint(0, 5, (8,))) for _ in range(steps)]
     for x, y in data:
         opt.zero_grad()

@@ -76,8 +76,17 @@ def test_unknown_option_is_a_clear_error():
 def test_options_object_and_keywords_are_the_same_preconditioner():
     opts = KFACOptions(damping=0.02, inv_update_freq=7, compute_method="inverse", placement="layer_wise")
     a = KFACPreconditioner(nn.Linear(3, 2), opts)
-    b = KFACPreconditioner(nn.Linear(3, 2), damping=0.02, inv_update_freq=7, compute_method="inverse", placement="layer_wise")
-    c = KFACPreconditioner(nn.Linear(3, 2), KFACOptions(damping=0.5), damping=0.02, inv_update_freq=7, compute_method="inverse", placement="layer_wise")
+    b = KFACPreconditioner(
+        nn.Linear(3, 2), damping=0.02, inv_update_freq=7, compute_method="inverse", placement="layer_wise"
+    )
+    c = KFACPreconditioner(
+        nn.Linear(3, 2),
+        KFACOptions(damping=0.5),
+        damping=0.02,
+        inv_update_freq=7,
+        compute_method="inverse",
+        placement="layer_wise",
+    )
     assert a.options == b.options == c.options
     assert isinstance(a.method, InverseMethod) and isinstance(KFACPreconditioner(nn.Linear(3, 2)).method, EigenMethod)
     assert isinstance(a.placement_policy, Placement) and a.placement_policy.owner_preconditions
@@ -118,12 +127,18 @@ def test_constant_callables_equal_constants():
 
 
 def test_callables_follow_the_step():
-    pre, _, decomposed = _train(steps=5, damping=lambda s: 0.1 if s < 2 else 0.01, inv_update_freq=lambda s: 1 if s < 2 else 3,
-                                factor_update_freq=1, compute_method="inverse", kl_clip=None)  # fmt: skip
+    pre, _, decomposed = _train(
+        steps=5,
+        damping=lambda s: 0.1 if s < 2 else 0.01,
+        inv_update_freq=lambda s: 1 if s < 2 else 3,
+        factor_update_freq=1,
+        compute_method="inverse",
+        kl_clip=None,
+    )
     assert decomposed == [0, 1, 3]  # every step until step 2, then every third step
     # the inverses of step 3 carry step 3's damping (Eq 11), from the factors as they were then
     pre2, _, _ = _train(steps=4, damping=lambda s: 0.1 if s < 2 else 0.01, inv_update_freq=lambda s: 1 if s < 2 else 3,
-                        factor_update_freq=1, compute_method="inverse", kl_clip=None)  # fmt: skip
+                        factor_update_freq=1, compute_method="inverse", kl_clip=None)
     a = pre2.factors["0"]["A"].double()
     want = torch.linalg.inv(0.5 * (a + a.t()) + 0.01 * torch.eye(a.shape[0], dtype=torch.float64))
     torch.testing.assert_close(pre2.decompositions["0"]["inv_A"].double(), want, rtol=1e-4, atol=1e-5)

@@ -86,5 +86,13 @@ def test_core_modules_do_not_import_lightning():
     assert len(core) >= 6
     for path in core:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), f"{path.name} imports {names}"
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names), (
+                f"{path.name} imports {names}"
+            )

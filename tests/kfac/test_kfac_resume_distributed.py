@@ -20,16 +20,22 @@ TOTAL, STOP = 9, 6  # decompositions at steps 0 and 4; the factors updated at st
 BATCH = 8  # per rank
 
 
-def _fresh(placement: str, method: str, fraction: float | None = None) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
+def _fresh(
+    placement: str, method: str, fraction: float | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]:
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 5, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 3 * 3, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.Tanh(), nn.Conv2d(4, 5, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 3 * 3, 3)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=4, damping=0.03, kl_clip=0.01,
                              placement=placement, compute_method=method, grad_worker_fraction=fraction)  # fmt: skip
     return model, opt, pre
 
 
-def _steps(rank: int, world: int, model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner, steps: range) -> None:
+def _steps(
+    rank: int, world: int, model: nn.Module, opt: torch.optim.Optimizer, pre: KFACPreconditioner, steps: range
+) -> None:
     for step in steps:
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(BATCH, 1, 9, 9, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
@@ -83,4 +89,7 @@ def test_multi_rank_resume_is_bitwise_for_every_placement(tmp_path, world, cases
     assert len(results[0]) == len(cases)
     for rank, res in enumerate(results):
         for (placement, method, fraction), (equal, diff) in res.items():
-            assert equal, f"rank {rank}, {placement}/{method}/{fraction}: resumed parameters differ from uninterrupted by up to {diff:g}"
+            assert equal, (
+                f"rank {rank}, {placement}/{method}/{fraction}: resumed parameters differ from uninterrupted by up "
+                f"to {diff:g}"
+            )

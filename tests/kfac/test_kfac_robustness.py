@@ -193,7 +193,8 @@ def test_layer_called_twice_counts_samples_once_per_forward():
     torch.testing.assert_close(twice.fc.weight.grad, stacked.fc.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-# -- sequence-first inputs -----------------------------------------------------------------------------------------------
+# -- sequence-first inputs
+# -----------------------------------------------------------------------------------------------
 def test_sequence_first_transformer_layer_equals_batch_first():
     """``TransformerEncoderLayer(batch_first=False)`` feeds its Linears ``(T, N, d)``: N is the sample dimension,
     so the factors equal those of the batch-first layer on the transposed input."""
@@ -249,7 +250,7 @@ def test_setup_says_which_modules_are_left_to_the_optimizer_and_why():
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
         nn.Linear(4, 3), nn.Linear(3, 2), nn.Embedding(3, 2),
-    )  # fmt: skip
+    )
     model[5].requires_grad_(False)
     with pytest.warns(UserWarning) as caught:
         pre = KFACPreconditioner(model, skip_layers=["^4$"])
@@ -308,7 +309,7 @@ def test_callback_skipped_non_finite_batch_leaves_no_statistics(precision):
         trainer = pl.Trainer(
             max_epochs=1, accelerator="cpu", devices=1, callbacks=[kfac], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, precision=precision,
-        )  # fmt: skip
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module, loader)
@@ -348,16 +349,21 @@ def test_callback_refuses_two_optimizers_before_any_step():
             opt_d.step()
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(self.discriminator.parameters(), lr=0.1)
+            return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(
+                self.discriminator.parameters(), lr=0.1
+            )
 
     module = Gan()
     before = [p.clone() for p in module.parameters()]
     trainer = pl.Trainer(
         max_steps=2, accelerator="cpu", devices=1, callbacks=[KFAC(kl_clip=0.01)], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    )
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 6)), batch_size=4)
-    with pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"), warnings.catch_warnings():
+    with (
+        pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         trainer.fit(module, data)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # refused before any step
@@ -381,7 +387,9 @@ def _adam_run(rank: int, world_size: int) -> list:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01)
+        pre = KFACPreconditioner(
+            model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01
+        )
     per = 16 // world_size
     for step in range(6):
         g = torch.Generator().manual_seed(step)
@@ -399,7 +407,9 @@ def test_adam_zero_gradient_rows_stay_exact_for_one_and_two_processes():
 
     start = [p.detach().clone() for p in _dead_unit_model().parameters()]
     one = [torch.from_numpy(p) for p in _adam_run(0, 1)]
-    two = [[torch.from_numpy(p) for p in r] for r in run_in_processes(_adam_run, 2, timeout_s=180, collective_timeout_s=60)]
+    two = [
+        [torch.from_numpy(p) for p in r] for r in run_in_processes(_adam_run, 2, timeout_s=180, collective_timeout_s=60)
+    ]
     for params in (one, two[0], two[1]):
         w0, b0, w2 = params[0], params[1], params[2]
         assert torch.equal(w0[DEAD], start[0][DEAD]) and torch.equal(b0[DEAD], start[1][DEAD])  # dead rows untouched

@@ -83,7 +83,9 @@ def test_storage_dtype_accuracy_against_the_dense_solve(name, method):
     assert _relative_error(got, want) < 1e-7
     # the default: float32 statistics, factors and decompositions (measured 0.3e-5 .. 1.8e-5)
     pre, _, got = _run(name, compute_method=method)
-    assert pre.factors[""]["A"].dtype == torch.float32 and all(v.dtype == torch.float32 for v in pre.decompositions[""].values())
+    assert pre.factors[""]["A"].dtype == torch.float32 and all(
+        v.dtype == torch.float32 for v in pre.decompositions[""].values()
+    )
     base = _relative_error(got, want)
     assert base < 5e-5
 

@@ -27,7 +27,9 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(1.0, float(b.abs().max())))
 
 
-def compare_layer(ref: torch.nn.Module, make, x_full: torch.Tensor, grid, *, seed: int = 0, grad_sum_group=True) -> dict[str, float]:
+def compare_layer(
+    ref: torch.nn.Module, make, x_full: torch.Tensor, grid, *, seed: int = 0, grad_sum_group=True
+) -> dict[str, float]:
     """Run ``ref`` on the whole input and ``make(copy of ref)`` on this rank's tile; return the max abs
     differences of output tile, input-gradient tile and (group-summed) parameter gradients."""
     ref = copy.deepcopy(ref)

@@ -310,8 +310,19 @@ class TileData(pl.LightningDataModule):
 
 
 def build(name):
-    cls, _ = IDIOMS.get(name, (None, None)) if name in IDIOMS else ({"inplace_edit": InPlaceEdit, "flip": Flip, "wrong_channels": WrongChannels,
-                                                        "shared_across_pool": SharedAcrossPool}[name], "seg")
+    cls, _ = (
+        IDIOMS.get(name, (None, None))
+        if name in IDIOMS
+        else (
+            {
+                "inplace_edit": InPlaceEdit,
+                "flip": Flip,
+                "wrong_channels": WrongChannels,
+                "shared_across_pool": SharedAcrossPool,
+            }[name],
+            "seg",
+        )
+    )
     torch.manual_seed(0)
     return cls()
 
@@ -335,9 +346,18 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
         y = target_for(name, seg, cls)
         module = UserModule(build(name))
         strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported=on_unsupported)
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, use_distributed_sampler=False)  # one spatial group: same order as the serial loop
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=STEPS,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )  # one spatial group: same order as the serial loop
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -416,7 +436,10 @@ def test_refusals_name_op_and_module():
     strict = run_in_processes(_fit, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
     for res in strict:
         err = res["flip"]["error"]
-        assert "torch.flip in module 'model' (Flip)" in err and "on_unsupported" not in err.split("SpatialDispatchError")[0], err
+        assert (
+            "torch.flip in module 'model' (Flip)" in err
+            and "on_unsupported" not in err.split("SpatialDispatchError")[0]
+        ), err
         assert res["flip"]["steps"] == 0
 
 

@@ -42,7 +42,9 @@ class Net(nn.Module):
 class Observing(pl.LightningModule):
     """Reads gradients of a split activation, normalises them in a hook, and counts with torchmetrics."""
 
-    def __init__(self, manual: bool = False, penalty: str | None = None, batch_norm: bool = True, hook: bool = True) -> None:
+    def __init__(
+        self, manual: bool = False, penalty: str | None = None, batch_norm: bool = True, hook: bool = True
+    ) -> None:
         super().__init__()
         self.hook = hook
         torch.manual_seed(0)
@@ -133,7 +135,9 @@ def _result(module: Observing, trainer: pl.Trainer) -> dict:
 
 def _fit(rank, world, parts, manual, penalty=None):
     module = Observing(manual=manual, penalty=penalty)
-    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts), use_distributed_sampler=False)
+    trainer = _trainer(
+        devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts), use_distributed_sampler=False
+    )
     try:
         trainer.fit(module, datamodule=Data())
     except Exception as e:  # noqa: BLE001 - the refusal is the result
@@ -166,7 +170,12 @@ def test_observed_gradients_and_metrics_equal_one_process(parts, manual):
         assert torch.equal(res["final"]["confusion"], ref["final"]["confusion"]), what
         assert int(ref["final"]["confusion"].sum()) == N * H * W
         for key in ("positive", "loss_sum"):
-            assert _close(float(res["final"][key]), float(ref["final"][key])), (what, key, res["final"][key], ref["final"][key])
+            assert _close(float(res["final"][key]), float(ref["final"][key])), (
+                what,
+                key,
+                res["final"][key],
+                ref["final"][key],
+            )
         assert _close(res["loss"], ref["loss"]), what
         for k, (p, r) in enumerate(zip(res["params"], ref["params"])):
             assert (p - r).abs().max() <= TOL, f"{what}: parameter {k} differs by {(p - r).abs().max():.3g}"
@@ -191,8 +200,12 @@ def test_tile_local_batch_norm_is_refused_by_the_strategy():
 
 def _fit_precision(rank, world, parts, precision):
     module = Observing()
-    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts), use_distributed_sampler=False,
-                       precision=precision)
+    trainer = _trainer(
+        devices=world,
+        strategy=SpatialParallelStrategy(spatial_parts=parts),
+        use_distributed_sampler=False,
+        precision=precision,
+    )
     trainer.fit(module, datamodule=Data())
     return _result(module, trainer)
 
@@ -212,7 +225,9 @@ def test_bf16_mixed_equals_one_process_within_its_rounding():
     assert rounding > 1e-4, "bf16-mixed did not change the result: autocast was not active"
     for res in run_in_processes(_fit_precision, 2, (2, 1), "bf16-mixed", timeout_s=300, collective_timeout_s=60):
         worst = max(float((p - q).abs().max()) for p, q in zip(res["params"], bf16["params"]))
-        assert worst < 0.25 * rounding, f"spatial bf16-mixed differs from one process by {worst:.3g} (bf16 vs fp32: {rounding:.3g})"
+        assert worst < 0.25 * rounding, (
+            f"spatial bf16-mixed differs from one process by {worst:.3g} (bf16 vs fp32: {rounding:.3g})"
+        )
         assert torch.equal(res["final"]["confusion"].sum(), bf16["final"]["confusion"].sum())
 
 

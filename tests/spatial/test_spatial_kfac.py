@@ -33,7 +33,9 @@ from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile
 TOL = 1e-5
 BATCH, C, H, W = 4, 3, 13, 11  # 13 and 11 split unevenly over 2 and 4; strided layers make odd extents
 STEPS = 3
-KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01, decomposition_dtype=torch.float64)
+KFAC_OPTIONS = dict(
+    factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01, decomposition_dtype=torch.float64
+)
 
 
 def seg_net() -> nn.Module:
@@ -163,7 +165,11 @@ def _check(results):
 
 # both convolution paths: one conv over tile + halo (overlap=False, the default) and the overlapped pieces
 CONFIGS_2 = [((2, 1), "balanced", False), ((1, 2), "round_robin", True)]
-CONFIGS_4 = [((2, 2), "balanced", False), ((4, 1), "layer_wise", True), ((2, 1), "round_robin", False)]  # last: 2 sample groups
+CONFIGS_4 = [
+    ((2, 2), "balanced", False),
+    ((4, 1), "layer_wise", True),
+    ((2, 1), "round_robin", False),
+]  # last: 2 sample groups
 
 
 def test_kfac_factors_and_steps_2_processes():

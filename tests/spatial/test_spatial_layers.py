@@ -54,7 +54,9 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             for overlap in (True, False):
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
-                errs = compare_layer(conv, lambda m: SpatialConv2d.from_module(m, grid, overlap=overlap), x, grid, seed=idx)
+                errs = compare_layer(
+                    conv, lambda m: SpatialConv2d.from_module(m, grid, overlap=overlap), x, grid, seed=idx
+                )
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
                 if bad:
                     failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
@@ -62,7 +64,10 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             if kind == "max":
                 pool, make = nn.MaxPool2d(k, s, p), (lambda m: SpatialMaxPool2d.from_module(m, grid))
             else:
-                pool, make = nn.AvgPool2d(k, s, p, count_include_pad=cip), (lambda m: SpatialAvgPool2d.from_module(m, grid))
+                pool, make = (
+                    nn.AvgPool2d(k, s, p, count_include_pad=cip),
+                    (lambda m: SpatialAvgPool2d.from_module(m, grid)),
+                )
             errs = compare_layer(pool, make, x, grid, seed=100 + idx)
             bad = {key: v for key, v in errs.items() if not v <= TOL}
             if bad:
@@ -80,7 +85,9 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
 )
 def test_conv_and_pool_match_serial(world, parts_list):
     # 19 x 17 does not divide by 2 or 4: uneven tiles everywhere
-    results = run_in_processes(_layer_matrix, world, parts_list, (2, 3, 19, 17), timeout_s=300, collective_timeout_s=120)
+    results = run_in_processes(
+        _layer_matrix, world, parts_list, (2, 3, 19, 17), timeout_s=300, collective_timeout_s=120
+    )
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
 
@@ -102,7 +109,13 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
                 made = []
-                errs = compare_layer(conv, lambda m: made.append(SpatialConv2d.from_module(m, grid, overlap=overlap)) or made[-1], x, grid, seed=idx)
+                errs = compare_layer(
+                    conv,
+                    lambda m: made.append(SpatialConv2d.from_module(m, grid, overlap=overlap)) or made[-1],
+                    x,
+                    grid,
+                    seed=idx,
+                )
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
                 took = list(made[0]._edge_cache.values())
                 if took != [] and any(r is None for r in took) or (took == [] and (k, s, p) != (1, 1, 0)):
@@ -116,7 +129,9 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
 
 @pytest.mark.parametrize("world,parts_list", [(2, [(2, 1), (1, 2)]), (4, [(2, 2)])])
 def test_tile_conv_without_box_matches_serial(world, parts_list):
-    results = run_in_processes(_tile_conv_matrix, world, parts_list, (2, 3, 24, 20), timeout_s=300, collective_timeout_s=120)
+    results = run_in_processes(
+        _tile_conv_matrix, world, parts_list, (2, 3, 24, 20), timeout_s=300, collective_timeout_s=120
+    )
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
 

@@ -121,7 +121,9 @@ def _resnet(rank: int, world: int, parts, shape):
     (yt * g).sum().backward()
     reduce_gradients(*split_parameters(sp), layout.num_sample_groups)
     errs = {"out": max_err(yt, yr), "dx": max_err(xt.grad, tile_of(xr.grad, layout.grid))}
-    worst = max((max_err(ps.grad, pr.grad), n) for (n, pr), (_, ps) in zip(ref.named_parameters(), sp.named_parameters()))
+    worst = max(
+        (max_err(ps.grad, pr.grad), n) for (n, pr), (_, ps) in zip(ref.named_parameters(), sp.named_parameters())
+    )
     errs["worst_param_grad"] = worst[0]
     errs["worst_param"] = worst[1]
     return errs

@@ -80,7 +80,11 @@ def _norms(rank: int, world: int, dtypes, sabotage: str = "", parts_list=tuple(P
                 ref = _init(layer, dtype)
                 with on_unsupported("error"):  # a gather would raise: these ops must be tiled
                     for step in range(3):
-                        x = torch.randn(N, C, H, W, generator=torch.Generator().manual_seed(step), dtype=dtype) * (step + 1) + 3.0
+                        x = (
+                            torch.randn(N, C, H, W, generator=torch.Generator().manual_seed(step), dtype=dtype)
+                            * (step + 1)
+                            + 3.0
+                        )
                         errs = _compare(ref, x, grid, step)
                         bad = {k: v for k, v in errs.items() if not v <= tol}
                         if bad:

@@ -41,7 +41,10 @@ def _ops(rank: int, world: int, parts_list) -> list[str]:
             ref, sp = bn, SpatialBatchNorm2d.from_module(__import__("copy").deepcopy(bn), grid)
             for step in range(3):
                 xs = x * (step + 1)
-                check(f"{parts} bn momentum={momentum} step {step}", compare_layer(ref, lambda m: SpatialBatchNorm2d.from_module(m, grid), xs, grid, seed=step))
+                check(
+                    f"{parts} bn momentum={momentum} step {step}",
+                    compare_layer(ref, lambda m: SpatialBatchNorm2d.from_module(m, grid), xs, grid, seed=step),
+                )
                 with torch.no_grad():
                     ref(xs)  # compare_layer worked on copies: advance the reference and the spatial layer once
                     sp(tile_of(xs, grid))
@@ -57,10 +60,15 @@ def _ops(rank: int, world: int, parts_list) -> list[str]:
         for kw in (dict(scale_factor=2, mode="nearest"), dict(scale_factor=2, mode="bilinear"),
                    dict(scale_factor=4, mode="bilinear"), dict(size=(29, 23), mode="bilinear", align_corners=True),
                    dict(scale_factor=3, mode="nearest")):
-            check(f"{parts} upsample {kw}", compare_layer(nn.Upsample(**kw), lambda m: SpatialUpsample.from_module(m, grid), x, grid))
+            check(
+                f"{parts} upsample {kw}",
+                compare_layer(nn.Upsample(**kw), lambda m: SpatialUpsample.from_module(m, grid), x, grid),
+            )
 
         # global average pool + Linear head: replicated output, head grads complete, conv grads summed
-        head = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))
+        head = nn.Sequential(
+            nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5)
+        )
 
         def make_head(m):
             m[0] = SpatialConv2d.from_module(m[0], grid)
@@ -114,9 +122,14 @@ def _ops(rank: int, world: int, parts_list) -> list[str]:
             ext = halo_exchange(xt, plan)
             y = torch.randn(ext.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + rank))
             (ext * y).sum().backward()
-            dots = torch.tensor([(ext.detach() * y).sum().item(), (xt.detach() * xt.grad).sum().item()], dtype=torch.float64)
+            dots = torch.tensor(
+                [(ext.detach() * y).sum().item(), (xt.detach() * xt.grad).sum().item()], dtype=torch.float64
+            )
             dist.all_reduce(dots, group=grid.group)
-            check(f"{parts} halo adjoint k{k} s{s} p{p} d{d}", {"adjoint": abs(float(dots[0] - dots[1])) / max(1.0, abs(float(dots[0])))})
+            check(
+                f"{parts} halo adjoint k{k} s{s} p{p} d{d}",
+                {"adjoint": abs(float(dots[0] - dots[1])) / max(1.0, abs(float(dots[0])))},
+            )
             if not abs(float(dots[0] - dots[1])) <= 1e-10 * max(1.0, abs(float(dots[0]))):
                 fails.append(f"rank {rank} {parts} halo adjoint k{k}: {dots.tolist()}")
     return fails

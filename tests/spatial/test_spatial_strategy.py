@@ -103,13 +103,18 @@ def test_partition_error_names_layer_size_and_largest_partition():
 
     model = resnet50(num_classes=10)
     validate_partition(model, (3, 64, 48), (2, 2))  # fine
-    with pytest.raises(PartitionError, match=r"layer 'layer4\.0\.conv2'.*input 4x3.*largest partition that works for this layer is 2x1"):
+    with pytest.raises(
+        PartitionError, match=r"layer 'layer4\.0\.conv2'.*input 4x3.*largest partition that works for this layer is 2x1"
+    ):
         validate_partition(model, (3, 64, 48), (4, 1))
 
 
 def test_tile_smaller_than_halo_is_rejected():
     model = nn.Sequential(nn.Conv2d(1, 1, 7, padding=3))  # 6 rows over 3 tiles: 2 rows each, halo of 3
-    with pytest.raises(PartitionError, match=r"layer '0'.*input 6x40.*smaller than the halo.*largest partition that works for this layer is 2x1"):
+    with pytest.raises(
+        PartitionError,
+        match=r"layer '0'.*input 6x40.*smaller than the halo.*largest partition that works for this layer is 2x1",
+    ):
         validate_partition(model, (1, 6, 40), (3, 1))
 
 

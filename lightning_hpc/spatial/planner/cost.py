@@ -213,5 +213,6 @@ def _fresh(module: nn.Module) -> nn.Module:
     if any(p.is_meta for p in clone.parameters()):
         clone = clone.to_empty(device="cpu")
     if hasattr(clone, "inplace"):
-        clone.inplace = False  # type: ignore[assignment]  # torch types Module.__setattr__ for tensors/modules; the timer needs the input to survive for backward
+        # torch types Module.__setattr__ for tensors/modules; the timer needs the input to survive for backward
+        clone.inplace = False  # type: ignore[assignment]
     return clone
