@@ -1,0 +1,74 @@
+"""Op dispatch on spatially split activations: every op on a tile either has an exact tiled form, is computed
+exactly on the gathered whole activation (with a one-time warning naming the op, the module and the bytes),
+or is refused with an error naming the op, the module and what to do.  Nothing runs tile-local by accident.
+
+:class:`SpatialTensor` is a ``torch.Tensor`` subclass holding one tile of an activation blocked over the
+spatial grid along two of its dimensions (``hdim``, ``wdim``; :func:`lightning_hpc.distributed.partition.
+block_bounds` over each).  Like DTensor's ``Shard`` placements it reports the *global* shape (``x.shape``,
+``x.size()``), so user code that derives sizes, paddings, crops or coordinates from shapes computes what one
+process computes.  ``__torch_function__`` routes each op:
+
+* **local**: element-wise ops (with broadcasting; a plain operand that spans the whole split extent is cut to
+  this tile), ops along dimensions that are not split (softmax/log_softmax, ``F.linear`` on the last dimension,
+  ``F.layer_norm`` over unsplit dimensions, ``F.prelu``, ``cat``/``chunk``/``split``/indexing over unsplit
+  dimensions, ``permute``/``transpose``), type and device conversions;
+* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d`` incl.
+  ``ceil_mode`` (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
+  ``F.interpolate`` nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d`` / ``F.adaptive_max_pool2d``
+  (window sums / maxima over the group, replicated result), ``F.group_norm``/``F.instance_norm``/
+  ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
+  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` reflect/replicate/circular and
+  ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows moved between tiles, :mod:`remap`);
+* **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
+  ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
+  ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
+  global count, so an unchanged mean loss equals one process's loss;
+* **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
+  from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
+* **anything else** (flips, rolls, crops and constant ``F.pad`` on split dimensions, views that merge split
+  dimensions, softmax over positions, ...): the split operands are gathered, the op
+  runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
+  split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
+  are always refused.
+
+Gradient convention: the gradient of a tile is that tile's part; the gradient of a plain (replicated) tensor is
+complete on every rank.  Ops where a replicated tensor that needs a gradient meets a tile (a squeeze-and-
+excitation gate, a weight computed by a parametrization) all-reduce that gradient (:class:`_CompleteGrad`);
+leaf parameters used directly by a tile op are recorded (:attr:`DispatchState.tile_params`): their gradients
+are partial sums over the tiles and the strategy sums them over the spatial group.  A parameter used both on
+tiles and on replicated values is refused (:meth:`DispatchState.check_parameters`).
+
+Modules: :mod:`.tensor` (the split tensor, making and gathering one), :mod:`.state` (policy, module names, counters),
+:mod:`.parameter_check` (parameters used on tiles and on replicated values), :mod:`.autograd` (the gradient
+convention's Functions), :mod:`.calls` (reading an op call), :mod:`.registry` (the handler table and the
+dispatch entry), the handlers by op family (:mod:`.elementwise`, :mod:`.metadata`, :mod:`.creation`,
+:mod:`.local`, :mod:`.shape`, :mod:`.reductions`, :mod:`.losses`, :mod:`.norms`, :mod:`.kernels`,
+:mod:`.relayout`, :mod:`.backward`) and the gather path (:mod:`.fallback`).
+"""
+
+from __future__ import annotations
+
+# the handler modules register their ops with the registry on import
+from lightning_hpc.spatial.dispatch import (  # noqa: F401
+    backward,
+    creation,
+    elementwise,
+    kernels,
+    local,
+    losses,
+    metadata,
+    norms,
+    reductions,
+    relayout,
+    shape,
+)
+from lightning_hpc.spatial.dispatch.autograd import _tile_index as _tile_index
+from lightning_hpc.spatial.dispatch.parameter_check import ParameterUseCheck as ParameterUseCheck
+from lightning_hpc.spatial.dispatch.state import DispatchState, SpatialDispatchError, state
+from lightning_hpc.spatial.dispatch.state import on_unsupported as on_unsupported
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, gather_tensor, local_tile, split_tensor
+from lightning_hpc.spatial.dispatch.tensor import _plain as _plain
+
+__all__ = [
+    "SpatialTensor", "SpatialDispatchError", "DispatchState", "split_tensor", "gather_tensor", "local_tile", "state",
+]

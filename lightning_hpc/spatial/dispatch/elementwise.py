@@ -1,0 +1,102 @@
+"""Element-wise ops on tiles, with broadcasting: a plain operand that is size 1 (or absent) along the split
+dimensions is used as it is, one that spans the whole split extent is cut to this tile; anything else, or
+split operands laid out differently, goes to the gather path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name
+from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
+
+
+def _align_operand(t, out_ndim: int, ref: SpatialTensor, hdim: int, wdim: int):
+    """A plain operand of an element-wise op: ``"broadcast"`` (size 1 or absent along both split dims), ``"full"``
+    (spans the whole split extents: cut to this tile) or ``None`` (anything else)."""
+    off = out_ndim - t.dim()
+    sizes = []
+    for d in (hdim, wdim):
+        k = d - off
+        sizes.append(1 if k < 0 else t.shape[k])
+    gh, gw = ref._gshape[ref._hdim], ref._gshape[ref._wdim]
+    ph, pw = ref._grid.parts
+    ok_h = sizes[0] == 1 or ph == 1 and sizes[0] == gh
+    ok_w = sizes[1] == 1 or pw == 1 and sizes[1] == gw
+    if ok_h and ok_w:
+        return "broadcast"
+    if sizes[0] == gh and sizes[1] == gw and hdim - off >= 0 and wdim - off >= 0:
+        return "full"
+    return None
+
+
+def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = True):
+    """Local operands for an op whose output is laid out like the broadcast of its operands, or None."""
+    ref = spatial[0]
+    tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
+    out_ndim = max(t.dim() for t in tensors)
+    hdim, wdim = ref._hdim + out_ndim - ref.dim(), ref._wdim + out_ndim - ref.dim()
+    for s in spatial:
+        off = out_ndim - s.dim()
+        if s._grid is not ref._grid or s._hdim + off != hdim or s._wdim + off != wdim or \
+                s._gshape[s._hdim] != ref._gshape[ref._hdim] or s._gshape[s._wdim] != ref._gshape[ref._wdim]:
+            return None
+
+    def local_of(a):
+        if isinstance(a, SpatialTensor):
+            return _plain(a)
+        if isinstance(a, torch.Tensor):
+            kind = _align_operand(a, out_ndim, ref, hdim, wdim)
+            if kind is None:
+                raise _NotLocal
+            if kind == "full":
+                off = out_ndim - a.dim()
+                if a.requires_grad and ref._grid.group is not None:
+                    return _ScatterTile.apply(a, ref._grid, hdim - off, wdim - off)
+                return a[_tile_index(a.shape, hdim - off, wdim - off, ref._grid)]
+            return _replicated_operand(a, ref._grid)
+        if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
+            return type(a)(local_of(v) for v in a)
+        return a
+
+    try:
+        largs = [local_of(a) for a in args]
+        lkw = {k: local_of(v) for k, v in kwargs.items()}
+    except _NotLocal:
+        return None
+    gshapes = []
+    for t in tensors:
+        gshapes.append(t._gshape if isinstance(t, SpatialTensor) else tuple(t.shape))
+    try:
+        gshape = tuple(torch.broadcast_shapes(*gshapes))
+    except RuntimeError:
+        return None
+    return largs, lkw, gshape, hdim, wdim
+
+
+class _NotLocal(Exception):
+    pass
+
+
+def _elementwise(func, args, kwargs):
+    spatial = _spatials(args, kwargs)
+    loc = _localize(args, kwargs, spatial)
+    if loc is None:
+        return NotImplemented
+    largs, lkw, gshape, hdim, wdim = loc
+    if _is_inplace(func) and not isinstance(args[0], SpatialTensor):
+        return NotImplemented  # a replicated tensor updated from tiles: gather (fallback refuses in-place)
+    if getattr(func, "__name__", "") == "copy_" and not isinstance(args[1], SpatialTensor):
+        return NotImplemented
+    if _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(func, args, kwargs)):
+        # on the SpatialTensor itself, not on an alias of it (see SpatialTensor.wrap)
+        with torch._C.DisableTorchFunctionSubclass():
+            func(args[0], *largs[1:], **lkw)
+        return args[0]
+    out = func(*largs, **lkw)
+    if isinstance(out, torch.Tensor) and out.dim() == len(gshape):
+        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, hdim, wdim, fresh=True)
+    raise SpatialDispatchError(
+        f"spatial: internal error: {_op_name(func)} in {_STATE.where()} gave an unexpected result")

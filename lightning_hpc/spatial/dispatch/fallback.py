@@ -1,0 +1,82 @@
+"""The gather path for ops without a tiled form (flips, rolls, crops and constant ``F.pad`` on split dimensions,
+views that merge split dimensions, softmax over positions, ...): the split operands are gathered, the op runs
+on the whole activation exactly as on one process, and a result with the same number of dimensions is split
+again, with a one-time warning naming the op, the module and the bytes.  With ``on_unsupported="error"`` this
+raises instead.  In-place ops that cannot be done on a tile are always refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, _op_name
+from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _spatials
+
+
+def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, inplace: bool = False) -> None:
+    """Refuse, or warn once before gathering."""
+    op, where = _op_name(func), _STATE.where()
+    nbytes = sum(_nbytes(t, t._gshape) for t in spatial)
+    if inplace or _STATE.on_unsupported == "error":
+        raise SpatialDispatchError(
+            f"spatial: {op} in {where} {reason}; it would compute something different on a tile than on the whole "
+            f"sample. {fix}"
+        )
+    key = (op, where)
+    if key not in _STATE.warned:
+        _STATE.warned.add(key)
+        warnings.warn(
+            f"spatial: {op} in {where} {reason}: gathering the whole activation ({nbytes} bytes per rank per call, "
+            f"{len(spatial)} all-gather(s)) and computing it exactly as one process does. {fix}",
+            stacklevel=3,
+        )
+
+
+def _fallback(func, args, kwargs):
+    spatial = _spatials(args, kwargs)
+    if not spatial:
+        return func(*args, **kwargs)
+    name = getattr(func, "__name__", "")
+    if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
+            kwargs.get("out") is not None:
+        _unsupported(func, "changes a split activation in place in a way that has no tiled form",
+                     "Write it out of place (e.g. y = torch.cat(...) or y = x.clone() then edit y) so it can be "
+                     "computed exactly", spatial, inplace=True)
+    _unsupported(func, "has no tiled form",
+                 "To avoid the gather, use an op with a tiled form (see docs/spatial.md) or pass "
+                 "on_unsupported='error' to see every such op", spatial)
+    _STATE.gathers += len(spatial)
+    _STATE.gathered_bytes += sum(_nbytes(t, t._gshape) for t in spatial)
+    ref = spatial[0]
+
+    def full_of(a):
+        if isinstance(a, SpatialTensor):
+            return a.full()
+        if isinstance(a, (list, tuple)) and any(isinstance(v, SpatialTensor) for v in a):
+            return type(a)(full_of(v) for v in a)
+        return a
+
+    out = func(*[full_of(a) for a in args], **{k: full_of(v) for k, v in kwargs.items()})
+    del name
+    return _resplit(out, ref)
+
+
+def _resplit(out, ref: SpatialTensor):
+    """Split a result computed on whole activations again when it still has the reference's dimensions."""
+    if isinstance(out, torch.Tensor) and not isinstance(out, SpatialTensor):
+        ph, pw = ref._grid.parts
+        if out.dim() == ref.dim() and out.shape[ref._hdim] >= ph and out.shape[ref._wdim] >= pw and \
+                (out.is_floating_point() or not out.requires_grad):
+            if out.requires_grad and ref._grid.group is not None:
+                local = _ScatterTile.apply(out, ref._grid, ref._hdim, ref._wdim)
+            else:
+                local = out[_tile_index(out.shape, ref._hdim, ref._wdim, ref._grid)]
+            return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._hdim, ref._wdim, fresh=True)
+        return out
+    if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
+        return type(out)(_resplit(o, ref) for o in out)
+    return out

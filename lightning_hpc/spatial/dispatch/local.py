@@ -1,0 +1,48 @@
+"""Ops along dimensions that are not split, computed on the tile as they are: softmax/log_softmax, ``F.linear``
+on the last dimension, ``F.prelu``.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand
+from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+
+
+@_handles(*_resolve("softmax log_softmax"))
+def _softmax(func, args, kwargs):
+    x = args[0]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None or _norm_dim(dim, x.dim()) in x.split_dims:
+        return NotImplemented
+    rest = [_plain(a) if isinstance(a, SpatialTensor) else a for a in args]
+    return _wrap_like(func(*rest, **kwargs), x)
+
+
+@_handles(F.linear)
+def _linear(func, args, kwargs):
+    x = args[0]
+    params = list(args[1:]) + list(kwargs.values())
+    if not isinstance(x, SpatialTensor) or (x.dim() - 1) in x.split_dims or \
+            any(isinstance(p, SpatialTensor) for p in params):
+        return NotImplemented
+    w = args[1] if len(args) > 1 else kwargs["weight"]
+    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    w = _replicated_operand(w, x._grid)
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    out = F.linear(_plain(x), w, b)
+    gshape = tuple(x._gshape[:-1]) + (out.shape[-1],)
+    return _wrap_like(out, x, gshape)
+
+
+@_handles(F.prelu)
+def _prelu(func, args, kwargs):
+    x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+    if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or x._hdim == 1 or x._wdim == 1:
+        return NotImplemented
+    return _wrap_like(F.prelu(_plain(x), _replicated_operand(w, x._grid)), x)

@@ -1,0 +1,187 @@
+"""Normalisation layers on tiles: ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
+``F.group_norm``/``F.instance_norm``/``F.layer_norm`` over the split dimensions (statistics over the whole
+sample, :mod:`groupnorm`, in the dtype the serial op returns), and ``F.layer_norm`` over unsplit dimensions
+(local).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
+from lightning_hpc.spatial.dispatch.calls import _arg
+from lightning_hpc.spatial.dispatch.registry import _handles
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+
+
+@_handles(F.layer_norm)
+def _layer_norm(func, args, kwargs):
+    x = args[0]
+    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = len(shape)
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    b = args[3] if len(args) > 3 else kwargs.get("bias")
+    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    if any(isinstance(t, SpatialTensor) for t in (w, b)):
+        return NotImplemented
+    d0 = x.dim() - n
+    inside = [d >= d0 for d in x.split_dims]
+    if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
+        return NotImplemented  # split dims both normalised and not, or a wrong shape: gathered (the serial error)
+    w = _replicated_operand(w, x._grid) if w is not None else None
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    if not any(inside) or x._grid.group is None:
+        return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
+    # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
+    # element-wise affine parameters cut to this tile (their gradients are tile parts, summed by the strategy)
+    idx = [slice(None)] * n
+    for d in x.split_dims:
+        idx[d - d0] = _tile_index(x._gshape, x._hdim, x._wdim, x._grid)[d]
+    w = w[tuple(idx)] if w is not None else None
+    b = b[tuple(idx)] if b is not None else None
+    local = _plain(x)
+    out_dtype = _serial_norm_dtype("layer", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    rows = local.to(cdt).reshape(math.prod(local.shape[:d0]), -1)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
+    return _wrap_like(_affine(y, w, b, None, cdt).to(out_dtype), x)
+
+
+_NORM_DTYPES: dict[tuple, torch.dtype] = {}
+
+
+def _serial_norm_dtype(kind: str, x: torch.Tensor, w, b) -> torch.dtype:
+    """The dtype the serial ``F.group_norm`` / ``F.instance_norm`` / ``F.layer_norm`` returns for these operand
+    dtypes under the current autocast state of ``x``'s device (float32 for a bf16 input on some devices, the
+    input's dtype on others): found once per combination on a tiny input on the same device."""
+    dev = x.device.type
+    autocast = torch.is_autocast_enabled(dev)
+    key = (kind, dev, x.dtype, None if w is None else w.dtype, None if b is None else b.dtype, autocast,
+           torch.get_autocast_dtype(dev) if autocast else None)
+    dtype = _NORM_DTYPES.get(key)
+    if dtype is None:
+        shape = (2, 2, 2) if kind == "layer" else (2,)
+        pw, pb = (None if t is None else torch.ones(shape, dtype=t.dtype, device=x.device) for t in (w, b))
+        with torch.no_grad():
+            probe = torch.arange(8, dtype=x.dtype, device=x.device).reshape(1, 2, 2, 2)
+            if kind == "group":
+                out = F.group_norm(probe, 1, pw, pb)
+            elif kind == "instance":
+                out = F.instance_norm(probe, None, None, pw, pb)
+            else:
+                out = F.layer_norm(probe, shape, pw, pb)
+        dtype = _NORM_DTYPES[key] = out.dtype
+    return dtype
+
+
+def _norm_compute_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
+    """Normalisation on a tile in float32 (float64 when the input or the result is float64): the serial kernels
+    accumulate reduced-precision inputs in float32 too."""
+    return torch.float64 if torch.float64 in (x.dtype, out_dtype) else torch.float32
+
+
+def _affine(y: torch.Tensor, w, b, view, dtype: torch.dtype) -> torch.Tensor:
+    if w is not None:
+        w = w.to(dtype)
+        y = y * (w.view(view) if view is not None else w)
+    if b is not None:
+        b = b.to(dtype)
+        y = y + (b.view(view) if view is not None else b)
+    return y
+
+
+def _norm_over_space(x) -> bool:
+    """N x C x spatial... with the split dimensions among the spatial ones (statistics over them)."""
+    return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._hdim, x._wdim) >= 2
+
+
+@_handles(F.group_norm)
+def _group_norm(func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    groups = _arg(args, kwargs, 1, "num_groups")
+    w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
+    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (w, b)) or x._gshape[1] % groups:
+        return NotImplemented
+    w = _replicated_operand(w, x._grid) if w is not None else None
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    local = _plain(x)
+    if not x.split_dims or x._grid.group is None:
+        return _wrap_like(F.group_norm(local, groups, w, b, eps), x)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    out_dtype = _serial_norm_dtype("group", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    rows = local.to(cdt).reshape(local.shape[0] * groups, -1)
+    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    return _wrap_like(_affine(y, w, b, view, cdt).to(out_dtype), x)
+
+
+@_handles(F.instance_norm)
+def _instance_norm(func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
+    w, b = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
+    use_input_stats, momentum = _arg(args, kwargs, 5, "use_input_stats", True), _arg(args, kwargs, 6, "momentum", 0.1)
+    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (rm, rv, w, b)):
+        return NotImplemented
+    w = _replicated_operand(w, x._grid) if w is not None else None
+    b = _replicated_operand(b, x._grid) if b is not None else None
+    local = _plain(x)
+    if not use_input_stats or not x.split_dims or x._grid.group is None:  # running statistics: per element
+        return _wrap_like(F.instance_norm(local, rm, rv, w, b, use_input_stats, momentum, eps), x)
+    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
+
+    out_dtype = _serial_norm_dtype("instance", local, w, b)
+    cdt = _norm_compute_dtype(local, out_dtype)
+    n, c = local.shape[:2]
+    y, mean64, var64 = aggregated_row_norm(local.to(cdt).reshape(n * c, -1), eps, x._grid.group)
+    if rm is not None or rv is not None:
+        # as the serial op: each instance's statistics update the running ones with the momentum, averaged over
+        # the batch (the variance unbiased over the whole spatial extent)
+        count = math.prod(x._gshape[2:])
+        with torch.no_grad():
+            if rm is not None:
+                rm.mul_(1 - momentum).add_(mean64.view(n, c).mean(0).to(rm.dtype), alpha=momentum)
+            if rv is not None:
+                unbiased = var64 * (count / max(count - 1.0, 1.0))
+                rv.mul_(1 - momentum).add_(unbiased.view(n, c).mean(0).to(rv.dtype), alpha=momentum)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    return _wrap_like(_affine(y.reshape(local.shape), w, b, view, cdt).to(out_dtype), x)
+
+
+@_handles(F.batch_norm)
+def _batch_norm(func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    if not isinstance(x, SpatialTensor) or x.dim() < 3 or 1 in (x._hdim, x._wdim) or x._hdim == 0 or x._wdim == 0:
+        return NotImplemented
+    rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
+    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
+    training, momentum = _arg(args, kwargs, 5, "training", False), _arg(args, kwargs, 6, "momentum", 0.1)
+    eps = _arg(args, kwargs, 7, "eps", 1e-5)
+    if any(isinstance(t, SpatialTensor) for t in (rm, rv, weight, bias)):
+        return NotImplemented
+    weight = _replicated_operand(weight, x._grid) if weight is not None else None
+    bias = _replicated_operand(bias, x._grid) if bias is not None else None
+    local = _plain(x)
+    if not training or x._grid.group is None:
+        return _wrap_like(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x)
+    from lightning_hpc.spatial.batchnorm import _AggregatedBatchNorm
+
+    moved = local if x.dim() == 4 else local
+    y, mean64, var64, n = _AggregatedBatchNorm.apply(moved, weight, bias, eps, x._grid.group)
+    if rm is not None and rv is not None:
+        with torch.no_grad():
+            unbiased = var64 * (n / max(n - 1.0, 1.0))
+            rm.mul_(1 - momentum).add_(mean64.to(rm.dtype), alpha=momentum)
+            rv.mul_(1 - momentum).add_(unbiased.to(rv.dtype), alpha=momentum)
+    return _wrap_like(y, x)

@@ -1,0 +1,64 @@
+"""The check that a parameter used on tiles is not also used on replicated values.
+
+A leaf parameter used directly by a tile op gets a gradient that is a partial sum over the tiles, which the
+strategy sums over the spatial group; a use of the same parameter on a value replicated over the group would
+have its part counted once per tile.  :class:`ParameterUseCheck` records the replicated uses and refuses the mix
+(and ``torch.autograd.grad`` with respect to such a parameter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_hpc.spatial.dispatch.calls import _flat, _op_name
+from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
+
+
+class ParameterUseCheck(TorchFunctionMode):
+    """Records parameters used by ops outside the tile dispatch (on replicated values).  A parameter whose
+    gradient is a partial sum over tiles (:attr:`DispatchState.tile_params`) that is also used on replicated
+    values would get that part counted once per tile: :meth:`raise_if_mixed` refuses it."""
+
+    def __init__(self, names: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.replicated: dict[int, tuple[nn.Parameter, str, str]] = {}
+        self.names = names or {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.autograd.grad:
+            self._refuse_tile_parameter_grad(args, kwargs)
+            return func(*args, **kwargs)
+        # only uses that give the parameter a gradient: not under no_grad (an optimizer's update), not a read of
+        # or a write of an attribute (``p.grad``, ``p.grad = None``)
+        if (_STATE.depth == 0 and torch.is_grad_enabled()
+                and getattr(func, "__name__", None) not in ("__get__", "__set__", "__delete__")
+                and not any(issubclass(t, SpatialTensor) for t in types)):
+            for t in _flat(args, kwargs):
+                if isinstance(t, nn.Parameter) and id(t) not in self.replicated:
+                    self.replicated[id(t)] = (t, _op_name(func), _STATE.where())
+        return func(*args, **kwargs)
+
+    def _refuse_tile_parameter_grad(self, args, kwargs) -> None:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+        for t in (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs):
+            if isinstance(t, nn.Parameter) and id(t) in _STATE.tile_params:
+                raise SpatialDispatchError(
+                    f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "
+                    f"{_STATE.where()} would return this tile's part of its gradient (the strategy sums the tiles "
+                    f"after the backward pass). Read the reduced gradients (p.grad) after self.manual_backward(loss) "
+                    f"or in on_before_optimizer_step instead, or train this module with spatial_parts=(1, 1)"
+                )
+
+    def raise_if_mixed(self, named: dict[int, str]) -> None:
+        for pid in _STATE.tile_params:
+            if pid in self.replicated:
+                _, op, where = self.replicated[pid]
+                raise SpatialDispatchError(
+                    f"spatial: parameter '{named.get(pid, '?')}' is used on split activations and, by {op} in {where}, "
+                    f"on a value replicated over the spatial group; its gradient cannot be reduced exactly. Use "
+                    f"separate parameters for the two uses, or spatial_parts=(1, 1)"
+                )

@@ -1,0 +1,85 @@
+"""Global reductions: ``sum``/``mean``/``nansum`` over the split dimensions are summed over the spatial group
+(and divided by the global count), so a mean equals one process's; vector p-norms follow from the sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_hpc.spatial.collectives import all_reduce_replicated
+from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+
+
+@_handles(*_resolve("sum mean nansum"))
+def _reduce(func, args, kwargs):
+    x = args[0]
+    if not isinstance(x, SpatialTensor) or any(isinstance(a, SpatialTensor) for a in args[1:]):
+        return NotImplemented
+    kw = dict(kwargs)
+    dim = args[1] if len(args) > 1 else kw.pop("dim", kw.pop("axis", None))
+    keepdim = args[2] if len(args) > 2 else kw.pop("keepdim", False)
+    if len(args) > 3:
+        return NotImplemented
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        dims = list(range(x.dim()))
+        dim_arg = None
+    else:
+        dims = [_norm_dim(d, x.dim()) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        dim_arg = dims
+    name = func.__name__
+    local = _plain(x)
+    split = set(x.split_dims)
+    if not split & set(dims):  # along unsplit dimensions only: stays split
+        out = func(local, dim=dims if dim_arg is not None else None, keepdim=keepdim, **kw) \
+            if dim_arg is not None else None
+        if out is None:
+            return NotImplemented
+        g, hd, wd = [], x._hdim, x._wdim
+        for d in range(x.dim()):
+            if d in dims:
+                if keepdim:
+                    g.append(1)
+            else:
+                g.append(x._gshape[d])
+        if not keepdim:
+            hd -= sum(1 for d in dims if d < x._hdim)
+            wd -= sum(1 for d in dims if d < x._wdim)
+        return _wrap_like(out, x, g, hd, wd)
+    if not split <= set(dims):
+        return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
+    summed = (torch.nansum if name == "nansum" else torch.sum)(local, dim=dims, keepdim=keepdim, **kw) \
+        if dim_arg is not None else (torch.nansum if name == "nansum" else torch.sum)(local, **kw)
+    total = all_reduce_replicated(summed, x._grid.group)
+    if name == "mean":
+        count = math.prod(x._gshape[d] for d in dims)
+        total = total / count
+    return total
+
+
+@_handles(torch.norm, torch.Tensor.norm, torch.linalg.vector_norm)
+def _norm(func, args, kwargs):
+    """Vector p-norms (``p`` finite, ``"fro"`` = 2) as ``sum(|x|^p)^(1/p)``: the sum is the global reduction
+    above, so a gradient norm taken in a hook or a logged activation norm is one process's value."""
+    x = args[0]
+    if not isinstance(x, SpatialTensor) or len(args) > 4:
+        return NotImplemented
+    kw = dict(kwargs)
+    p = args[1] if len(args) > 1 else kw.pop("ord" if func is torch.linalg.vector_norm else "p", 2)
+    dim = args[2] if len(args) > 2 else kw.pop("dim", None)
+    keepdim = args[3] if len(args) > 3 else kw.pop("keepdim", False)
+    dtype = kw.pop("dtype", None)
+    if kw:
+        return NotImplemented  # out=: left to the general path
+    p = 2.0 if p == "fro" else p
+    if not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
+        return NotImplemented  # inf / 0 / nuclear norms: gathered
+    v = x if dtype is None else x.to(dtype)
+    powered = v.abs() ** p
+    total = powered.sum() if dim is None else powered.sum(dim=dim, keepdim=keepdim)
+    if isinstance(total, SpatialTensor):
+        return NotImplemented  # along unsplit dimensions only
+    return total ** (1.0 / p)

@@ -1,0 +1,108 @@
+"""The handler table and the dispatch entry.
+
+Handler modules register a function for the torch ops they compute on tiles with :func:`_handles`;
+:func:`_dispatch` (called by :meth:`SpatialTensor.__torch_function__`) runs the registered handler, or routes
+attribute reads (``x.shape``, ``x.grad``), metadata queries, hook registrations and the element-wise ops
+(:mod:`.elementwise`); whatever is left, or what a handler declines (``NotImplemented``), goes to the gather
+path (:mod:`.fallback`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_hpc.spatial.dispatch.elementwise import _elementwise
+from lightning_hpc.spatial.dispatch.fallback import _fallback
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
+
+_HANDLERS: dict[Any, Any] = {}
+
+
+def _handles(*funcs):
+    def deco(fn):
+        for f in funcs:
+            if f is not None:
+                _HANDLERS[f] = fn
+        return fn
+    return deco
+
+
+def _resolve(names: str) -> list[Any]:
+    out = []
+    for name in names.split():
+        for ns in (torch, torch.Tensor, F, torch._C._nn, torch.special):
+            f = getattr(ns, name, None)
+            if f is not None and callable(f):
+                out.append(f)
+    return out
+
+
+_UNARY = """abs absolute neg negative exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sigmoid tanh relu relu6 gelu silu
+mish elu selu celu leaky_relu hardswish hardsigmoid hardtanh softplus softsign tanhshrink logsigmoid sin cos tan
+asin acos atan sinh cosh asinh acosh atanh square reciprocal clamp clip clamp_min clamp_max sign sgn floor ceil
+round trunc frac erf erfc erfinv nan_to_num isnan isinf isfinite logical_not bitwise_not threshold hardshrink
+softshrink rrelu_ positive float double half bfloat16 int long bool to type contiguous clone detach
+requires_grad_ __neg__ __abs__ __invert__ __pos__ relu_ sigmoid_ tanh_ exp_ log_ sqrt_ abs_ neg_ clamp_ clip_
+clamp_min_ clamp_max_ hardtanh_ leaky_relu_ elu_ selu_ celu_ threshold_ nan_to_num_ zero_ fill_ detach_
+square_ reciprocal_ floor_ ceil_ round_ trunc_ sign_ erf_ gelu_ silu_ mish_ hardswish_ hardsigmoid_ pow_
+xlogy_ cpu cuda""".split()
+
+
+_BINARY = """add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power maximum
+minimum fmax fmin eq ne lt le gt ge greater less greater_equal less_equal not_equal logical_and logical_or
+logical_xor bitwise_and bitwise_or bitwise_xor atan2 hypot copysign xlogy where lerp addcmul addcdiv masked_fill
+rsub __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__
+__itruediv__ __div__ __rdiv__ __floordiv__ __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __ipow__ __eq__ __ne__
+__lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __rand__ __ror__ __rxor__ add_ sub_ mul_ div_ true_divide_
+masked_fill_ lerp_ addcmul_ addcdiv_ copy_ maximum minimum type_as heaviside""".split()
+
+
+_ELEMENTWISE = set(_resolve(" ".join(_UNARY + _BINARY)))
+
+
+_NO_TENSOR_OUT = set(_resolve("backward retain_grad register_post_accumulate_grad_hook"))
+
+
+_META = set(_resolve("dim ndimension is_contiguous is_floating_point is_complex element_size get_device data_ptr "
+                     "is_signed storage_offset"))
+
+
+def _dispatch(func, args, kwargs):
+    handler = _HANDLERS.get(func)
+    if handler is not None:
+        out = handler(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    elif getattr(func, "__name__", None) == "__get__":
+        return _property(func, args, kwargs)
+    elif func in _META:
+        return func(*[_plain(a) if isinstance(a, SpatialTensor) else a for a in args], **kwargs)
+    elif func in _NO_TENSOR_OUT:  # on the tensor itself (a hook on an alias would never fire)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    elif func in _ELEMENTWISE:
+        out = _elementwise(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return _fallback(func, args, kwargs)
+
+
+def _property(func, args, kwargs):
+    owner = getattr(func, "__self__", None)
+    name = getattr(owner, "__name__", "")
+    t = args[0]
+    if name == "shape":
+        return torch.Size(t._gshape)
+    if name in ("data",):
+        return _wrap_like(_plain(t).data, t)
+    if name == "grad":  # a retained gradient is this tile's part: reductions over it stay global
+        with torch._C.DisableTorchFunctionSubclass():
+            g = func(*args, **kwargs)
+        return g if g is None or isinstance(g, SpatialTensor) else SpatialTensor.wrap(g, *_layout(t))
+    if name in ("T", "mT", "H", "mH", "real", "imag"):
+        return _fallback(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)

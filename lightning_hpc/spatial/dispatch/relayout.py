@@ -1,0 +1,74 @@
+"""Ops that move rows between tiles (:mod:`remap`): ``F.pad`` reflect/replicate/circular of H and W and
+``F.pixel_shuffle``/``F.pixel_unshuffle``, the output blocked over its own extent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_hpc.spatial.dispatch.calls import _arg
+from lightning_hpc.spatial.dispatch.registry import _handles
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nchw, _plain, _wrap_like
+
+
+def _remap2d(x: SpatialTensor, local: torch.Tensor, maps) -> torch.Tensor:
+    """:func:`remap.remap` of the tile ``local`` along H, then W: ``maps`` holds per dimension
+    ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is)."""
+    from lightning_hpc.spatial.remap import remap
+
+    for axis, m in enumerate(maps):
+        if m is not None:
+            local = remap(local, x._grid, axis, 2 + axis, *m)
+    return local
+
+
+@_handles(F.pad, torch._C._nn.pad)
+def _pad(func, args, kwargs):
+    """``F.pad`` of H and W with mode reflect / replicate / circular (the padding of ``nn.Conv2d`` with those
+    ``padding_mode``s): rows moved and mirrored between tiles (:mod:`remap`), the output blocked over the padded
+    extent.  Constant padding of split dimensions and padding of other dimensions are gathered."""
+    from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
+
+    x = args[0] if args else kwargs["input"]
+    pad, mode = _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "mode", "constant")
+    if not _nchw(x) or mode not in PAD_MODES or len(pad) != 4:
+        return NotImplemented  # (a non-constant padding of a 4-D input pads H and W: 4 numbers)
+    (wl, wr, ht, hb), maps, gshape = (int(p) for p in pad), [], list(x._gshape)
+    for axis, (lo, hi) in enumerate(((ht, hb), (wl, wr))):
+        n = x._gshape[2 + axis]
+        src = pad_source(n, lo, hi, mode)
+        if src is None or n + lo + hi < x._grid.parts[axis]:
+            return NotImplemented  # a padding F.pad refuses, or fewer rows than parts: gathered
+        parts = x._grid.parts[axis]
+        maps.append((blocked(n, parts), blocked(len(src), parts), src) if lo or hi else None)
+        gshape[2 + axis] = len(src)
+    return _wrap_like(_remap2d(x, _plain(x), maps), x, gshape)
+
+
+@_handles(torch.pixel_shuffle)
+def _pixel_shuffle(func, args, kwargs):
+    """Local on each tile (its rows become ``r`` times as many), then re-blocked over the ``r``-times extent."""
+    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "upscale_factor"))
+    if not _nchw(x) or x._gshape[1] % (r * r):
+        return NotImplemented
+    from lightning_hpc.spatial.remap import blocked
+
+    local = torch.pixel_shuffle(_plain(x), r)
+    maps = [(blocked(n, p, r), blocked(n * r, p), range(n * r)) for n, p in zip(x._gshape[2:], x._grid.parts)]
+    gshape = (x._gshape[0], x._gshape[1] // (r * r), x._gshape[2] * r, x._gshape[3] * r)
+    return _wrap_like(_remap2d(x, local, maps), x, gshape)
+
+
+@_handles(torch.pixel_unshuffle)
+def _pixel_unshuffle(func, args, kwargs):
+    """Re-blocked so every tile holds ``r`` times the rows of its output tile (:mod:`remap`), then local."""
+    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "downscale_factor"))
+    if not _nchw(x) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
+        return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
+    from lightning_hpc.spatial.remap import blocked
+
+    maps = [(blocked(n, p), blocked(n // r, p, r), range(n)) for n, p in zip(x._gshape[2:], x._grid.parts)]
+    local = _remap2d(x, _plain(x), maps)
+    gshape = (x._gshape[0], x._gshape[1] * r * r, x._gshape[2] // r, x._gshape[3] // r)
+    return _wrap_like(torch.pixel_unshuffle(local, r), x, gshape)

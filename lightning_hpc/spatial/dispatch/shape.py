@@ -1,0 +1,155 @@
+"""Shape ops that keep the split dimensions whole: ``cat``/``chunk``/``split``/``unbind`` and indexing over
+unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``.  Those that cut or merge split dimensions go to
+the gather path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.elementwise import _align_operand
+from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+
+
+@_handles(*_resolve("cat concat concatenate"))
+def _cat(func, args, kwargs):
+    tensors = list(args[0] if args else kwargs["tensors"])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    spatial = [t for t in tensors if isinstance(t, SpatialTensor)]
+    ref = spatial[0]
+    dim = _norm_dim(dim, ref.dim())
+    if dim in (ref._hdim, ref._wdim):
+        return NotImplemented
+    locs = []
+    for t in tensors:
+        if isinstance(t, SpatialTensor):
+            if t._grid is not ref._grid or (t._hdim, t._wdim) != (ref._hdim, ref._wdim) or t.dim() != ref.dim() or \
+                    (t._gshape[t._hdim], t._gshape[t._wdim]) != (ref._gshape[ref._hdim], ref._gshape[ref._wdim]):
+                return NotImplemented
+            locs.append(_plain(t))
+        else:
+            if t.dim() != ref.dim():
+                return NotImplemented
+            kind = _align_operand(t, ref.dim(), ref, ref._hdim, ref._wdim)
+            if kind != "full" and not (kind == "broadcast" and not ref.split_dims):
+                if kind == "broadcast" and t.shape[ref._hdim] == ref._gshape[ref._hdim] and \
+                        t.shape[ref._wdim] == ref._gshape[ref._wdim]:
+                    kind = "full"
+                else:
+                    return NotImplemented
+            if t.requires_grad and ref._grid.group is not None:
+                locs.append(_ScatterTile.apply(t, ref._grid, ref._hdim, ref._wdim))
+            else:
+                locs.append(t[_tile_index(t.shape, ref._hdim, ref._wdim, ref._grid)])
+    out = torch.cat(locs, dim)
+    gshape = list(ref._gshape)
+    gshape[dim] = out.shape[dim]
+    return _wrap_like(out, ref, gshape)
+
+
+@_handles(*_resolve("chunk split tensor_split unbind"))
+def _chunk(func, args, kwargs):
+    x = args[0]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    name = func.__name__
+    if name == "unbind":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    else:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim = _norm_dim(dim, x.dim())
+    if dim in (x._hdim, x._wdim):
+        return NotImplemented
+    parts = func(_plain(x), *args[1:], **kwargs)
+    out = []
+    for p in parts:
+        if name == "unbind":
+            hd, wd = (x._hdim - (dim < x._hdim), x._wdim - (dim < x._wdim))
+            g = list(x._gshape)
+            del g[dim]
+            out.append(_wrap_like(p, x, g, hd, wd))
+        else:
+            g = list(x._gshape)
+            g[dim] = p.shape[dim]
+            out.append(_wrap_like(p, x, g))
+    return tuple(out)
+
+
+@_handles(torch.Tensor.permute, torch.permute)
+def _permute(func, args, kwargs):
+    x = args[0]
+    dims = args[1:] if len(args) > 1 else kwargs["dims"]
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    dims = [_norm_dim(d, x.dim()) for d in dims]
+    out = _plain(x).permute(dims)
+    return _wrap_like(out, x, [x._gshape[d] for d in dims], dims.index(x._hdim), dims.index(x._wdim))
+
+
+@_handles(*_resolve("transpose swapaxes swapdims"))
+def _transpose(func, args, kwargs):
+    x = args[0]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    d0, d1 = (_norm_dim(d, x.dim()) for d in args[1:3])
+    perm = list(range(x.dim()))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _permute(func, (x, perm), {})
+
+
+@_handles(*_resolve("unsqueeze"))
+def _unsqueeze(func, args, kwargs):
+    x = args[0]
+    d = args[1] if len(args) > 1 else kwargs["dim"]
+    d = d % (x.dim() + 1)
+    g = list(x._gshape)
+    g.insert(d, 1)
+    return _wrap_like(_plain(x).unsqueeze(d), x, g, x._hdim + (d <= x._hdim), x._wdim + (d <= x._wdim))
+
+
+@_handles(torch.Tensor.__getitem__)
+def _getitem(func, args, kwargs):
+    x, idx = args[0], args[1]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items):
+        return NotImplemented
+    n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if items.count(Ellipsis) > 1:
+        return NotImplemented
+    expanded: list[Any] = []
+    for i in items:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.dim() - n_real))
+        else:
+            expanded.append(i)
+    while sum(1 for i in expanded if i is not None) < x.dim():
+        expanded.append(slice(None))
+    src, out_dim, hd, wd, g = 0, 0, None, None, []
+    split = x.split_dims
+    for i in expanded:
+        if i is None:
+            g.append(1)
+            out_dim += 1
+            continue
+        if src in split and i != slice(None):
+            return NotImplemented
+        if isinstance(i, int):
+            if src in (x._hdim, x._wdim):
+                return NotImplemented
+        else:
+            if src == x._hdim:
+                hd = out_dim
+            if src == x._wdim:
+                wd = out_dim
+            g.append(len(range(*i.indices(x._gshape[src]))))
+            out_dim += 1
+        src += 1
+    out = _plain(x)[tuple(expanded)]
+    return _wrap_like(out, x, g, hd, wd)

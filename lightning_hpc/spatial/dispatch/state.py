@@ -1,0 +1,77 @@
+"""The dispatcher's per-process state: the policy for ops without a tiled form (:func:`on_unsupported`), the
+active module names for messages, the warnings already given, the gather counters and the leaf parameters met
+on tiles (:attr:`DispatchState.tile_params`), and the error every refusal raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+
+class SpatialDispatchError(RuntimeError):
+    """An op on a spatially split activation that cannot be computed exactly (or gathering was disabled)."""
+
+
+class DispatchState:
+    """Per-process state: the active module names (for messages), the warnings already given, the policy for
+    ops without a tiled form and the parameters met on tiles."""
+
+    def __init__(self) -> None:
+        self.on_unsupported = "gather"
+        self.module_stack: list[tuple[str, str]] = []
+        self.warned: set[tuple[str, str]] = set()
+        self.tile_params: dict[int, nn.Parameter] = {}
+        self.depth = 0  # > 0 inside a handler: the ops it runs on local tensors are ours
+        self.gathers = 0
+        self.gathered_bytes = 0
+
+    def where(self) -> str:
+        if not self.module_stack:
+            return "the LightningModule's step (outside any module)"
+        name, cls = self.module_stack[-1]
+        return f"module '{name}' ({cls})"
+
+    def module_hooks(self, root: nn.Module, prefix: str = "") -> list[Any]:
+        """Hooks keeping :attr:`module_stack` (the module names in error and warning messages)."""
+        handles = []
+        for name, m in root.named_modules(prefix=prefix):
+            entry = (name or type(m).__name__, type(m).__name__)
+
+            def pre(mod, args, entry=entry):
+                self.module_stack.append(entry)
+
+            def post(mod, args, out, entry=entry):
+                if self.module_stack and self.module_stack[-1] == entry:
+                    self.module_stack.pop()
+
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post, always_call=True))
+        return handles
+
+    def note_params(self, tensors: Sequence[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, nn.Parameter):
+                self.tile_params[id(t)] = t
+
+
+_STATE = DispatchState()
+
+
+def state() -> DispatchState:
+    return _STATE
+
+
+@contextlib.contextmanager
+def on_unsupported(mode: str):
+    """Temporarily set what happens to ops without a tiled form: ``"gather"`` (default) or ``"error"``."""
+    if mode not in ("gather", "error"):
+        raise ValueError(f"on_unsupported={mode!r}: choose 'gather' or 'error'")
+    old, _STATE.on_unsupported = _STATE.on_unsupported, mode
+    try:
+        yield
+    finally:
+        _STATE.on_unsupported = old

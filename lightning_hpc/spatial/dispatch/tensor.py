@@ -1,0 +1,121 @@
+"""The split activation: :class:`SpatialTensor` holds one tile of an activation blocked over the spatial grid
+along two of its dimensions (``hdim``, ``wdim``; :func:`lightning_hpc.distributed.partition.block_bounds` over
+each).  Like DTensor's ``Shard`` placements it reports the *global* shape (``x.shape``, ``x.size()``), so user
+code that derives sizes, paddings, crops or coordinates from shapes computes what one process computes.  Its
+``__torch_function__`` hands every op to :func:`registry._dispatch`.
+
+Also the functions that make, cut and gather split tensors (:func:`split_tensor`, :func:`gather_tensor`,
+:func:`local_tile`) and wrap a handler's local result with its global layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+
+from lightning_hpc.spatial.dispatch.autograd import _Gather
+from lightning_hpc.spatial.dispatch.calls import _flat
+from lightning_hpc.spatial.dispatch.state import _STATE
+from lightning_hpc.spatial.tiling import SpatialGrid
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
+class SpatialTensor(torch.Tensor):
+    """One tile of an activation split over ``grid`` along ``hdim`` and ``wdim`` (see the package docstring of
+    :mod:`lightning_hpc.spatial.dispatch`)."""
+
+    _grid: SpatialGrid
+    _gshape: tuple[int, ...]
+    _hdim: int
+    _wdim: int
+
+    @staticmethod
+    def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int, *,
+             fresh: bool = False) -> SpatialTensor:
+        """``fresh``: ``local`` is a new result nobody else holds; it becomes the SpatialTensor itself (no alias
+        view, so a later in-place op on it is not an in-place op on a view, which autograd would answer with a
+        whole-tensor copy in backward)."""
+        if fresh and type(local) is torch.Tensor:
+            local.__class__ = SpatialTensor
+            t = cast(SpatialTensor, local)  # its class was just set
+        else:
+            with torch._C.DisableTorchFunctionSubclass():
+                t = local.as_subclass(SpatialTensor)
+        hdim, wdim = hdim % local.dim(), wdim % local.dim()
+        t._grid, t._gshape, t._hdim, t._wdim = grid, tuple(int(s) for s in gshape), hdim, wdim
+        return t
+
+    def local(self) -> torch.Tensor:
+        """This rank's tile as a plain tensor (same autograd graph)."""
+        return _plain(self)
+
+    def full(self) -> torch.Tensor:
+        """The whole activation on every rank (one all-gather; differentiable)."""
+        return _Gather.apply(_plain(self), self._grid, self._gshape, self._hdim, self._wdim)
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        """The dimensions actually divided among ranks (a dimension with one part is whole on every rank)."""
+        return tuple(d for d, p in ((self._hdim, self._grid.parts[0]), (self._wdim, self._grid.parts[1])) if p > 1)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return (f"SpatialTensor(global shape {tuple(self._gshape)}, split dims {(self._hdim, self._wdim)} over "
+                f"{self._grid.parts}, tile={_plain(self)!r})")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _STATE.depth += 1
+        try:
+            return registry._dispatch(func, args, kwargs)
+        finally:
+            _STATE.depth -= 1
+
+
+def split_tensor(full_or_tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int = -2,
+                 wdim: int = -1) -> SpatialTensor:
+    """Wrap this rank's tile (already cut) of a tensor of global shape ``gshape``."""
+    return SpatialTensor.wrap(full_or_tile, grid, gshape, hdim, wdim)
+
+
+def gather_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered) for a split one, else ``t``."""
+    return t.full() if isinstance(t, SpatialTensor) else t
+
+
+def local_tile(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tile as a plain tensor for a split one, else ``t``: for statistics whose per-rank counts are
+    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered."""
+    return t.local() if isinstance(t, SpatialTensor) else t
+
+
+def _spatials(args, kwargs) -> list[SpatialTensor]:
+    return [t for t in _flat(args, kwargs) if isinstance(t, SpatialTensor)]
+
+
+def _layout(t: SpatialTensor):
+    return (t._grid, t._gshape, t._hdim, t._wdim)
+
+
+def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, hdim=None, wdim=None) -> SpatialTensor:
+    return SpatialTensor.wrap(local, ref._grid, ref._gshape if gshape is None else gshape,
+                              ref._hdim if hdim is None else hdim, ref._wdim if wdim is None else wdim, fresh=True)
+
+
+def _nbytes(t: torch.Tensor, shape) -> int:
+    return int(math.prod(shape)) * t.element_size()
+
+
+def _nchw(x) -> bool:
+    return isinstance(x, SpatialTensor) and x.dim() == 4 and (x._hdim, x._wdim) == (2, 3)
+
+
+# the handler modules import the tensor type: the table is imported once it exists
+from lightning_hpc.spatial.dispatch import registry  # noqa: E402
