@@ -44,7 +44,14 @@ def main() -> None:
     ap.add_argument("--threads", default="1,default", help="comma-separated thread counts; 'default' = torch's default")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all step kinds (noise control)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _threads2)")
+    ap.add_argument("--unfold-a", action="store_true",
+                    help="compute every convolution's A from the unfolded patches (the path before the shifted "
+                    "channel correlations), for a comparison on the same machine")
     args = ap.parse_args()
+    if args.unfold_a:
+        import lightning_hpc.kfac.layers as kfac_layers
+
+        kfac_layers.SHIFTED_GRAM_MIN_WORK = 1 << 62  # no layer has that much work: every A from the patches
     default_threads = torch.get_num_threads()
     counts = [default_threads if c.strip() == "default" else int(c) for c in args.threads.split(",")]
     report = Report("kfac_overhead" + args.tag)
@@ -54,6 +61,7 @@ def main() -> None:
         threads=counts,
         default_threads=default_threads,
         repeats=args.repeats * args.rounds,
+        conv_a="unfolded patches" if args.unfold_a else "shifted channel correlations where they apply",
     )
     for threads in dict.fromkeys(counts):
         t, t_wall = measure(args, threads)
