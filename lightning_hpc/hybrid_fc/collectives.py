@@ -178,9 +178,7 @@ class HeadComm:
         pending = _Pending(work, lambda: x)
         return pending if async_op else pending.wait()
 
-    def gather(
-        self, x: torch.Tensor, sizes: Sequence[int], dim: int, dst: int, count: bool = True
-    ) -> torch.Tensor | None:
+    def gather(self, x: torch.Tensor, sizes: Sequence[int], dim: int, dst: int) -> torch.Tensor | None:
         """Concatenate every rank's block (``sizes[r]`` entries along ``dim``) on group rank ``dst``; other ranks
         get ``None``.  ``dst`` holds K padded blocks plus the result while it assembles (about twice the full
         tensor); every other rank only its padded block."""
@@ -189,8 +187,7 @@ class HeadComm:
         m = max(sizes)
         xm = pad_dim(x, dim, m).contiguous()
         if self.rank != dst:
-            if count:
-                self.counter.add("gather", xm.numel() * xm.element_size())
+            self.counter.add("gather", xm.numel() * xm.element_size())
             dist.gather(xm, None, dst=self.global_rank(dst), group=self.group)
             return None
         bufs = [torch.empty_like(xm) for _ in range(self.k)]
