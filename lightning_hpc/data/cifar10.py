@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from lightning_hpc.data.common import loader, require_dir
 from lightning_hpc.data.synthetic import SyntheticImages
@@ -77,6 +78,7 @@ class Cifar10DataModule(pl.LightningDataModule):
         self.root, self.batch_size, self.num_workers, self.seed = root, batch_size, num_workers, seed
         self.synthetic_sizes = (synthetic_train_size, synthetic_val_size)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.root is None:
             # Say so: `recipe=resnet_cifar` alone reads like CIFAR-10 training, and its accuracy would mislead.
@@ -93,8 +95,10 @@ class Cifar10DataModule(pl.LightningDataModule):
         self.train_set = Cifar10(*_read_batches(root, [f"data_batch_{i}" for i in range(1, 6)]), train=True)
         self.val_set = Cifar10(*_read_batches(root, ["test_batch"]), train=False)
 
+    @override
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True, drop_last=True)
 
+    @override
     def val_dataloader(self):
         return loader(self.val_set, self.batch_size, self.num_workers, shuffle=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import TensorDataset
+from typing_extensions import override
 
 from lightning_hpc.data.common import loader
 
@@ -38,11 +39,14 @@ class DigitsDataModule(pl.LightningDataModule):
         super().__init__()
         self.batch_size, self.val_fraction, self.num_workers, self.seed = batch_size, val_fraction, num_workers, seed
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         self.train_set, self.val_set = load_digits_tensors(self.val_fraction, self.seed)
 
+    @override
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True)
 
+    @override
     def val_dataloader(self):
         return loader(self.val_set, self.batch_size, self.num_workers, shuffle=False)

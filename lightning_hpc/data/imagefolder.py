@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from lightning_hpc.data.common import IMAGENET_MEAN, IMAGENET_STD, loader, require_dir
 from lightning_hpc.data.transforms import (
@@ -78,6 +79,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.num_classes = num_classes
         self.input_shape = (3, image_size, image_size)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         root = require_dir(self.root, "data.root")
         for split in (self.train_dir, self.val_dir):
@@ -96,8 +98,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 f"{len(self.train_set.classes)} class folders"
             )
 
+    @override
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True, drop_last=True)
 
+    @override
     def val_dataloader(self):
         return loader(self.val_set, self.batch_size, self.num_workers, shuffle=False)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 from lightning_hpc.data.common import loader
 
@@ -59,13 +60,16 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.train_size, self.val_size, self.batch_size = train_size, val_size, batch_size
         self.num_workers, self.seed, self.noise = num_workers, seed, noise
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         self.train_set = SyntheticImages(self.train_size, self.shape, self.num_classes, self.seed, self.noise)
         self.val_set = SyntheticImages(self.val_size, self.shape, self.num_classes, self.seed + 1, self.noise)
         self.val_set.templates = self.train_set.templates  # same classes, fresh noise
 
+    @override
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True)
 
+    @override
     def val_dataloader(self):
         return loader(self.val_set, self.batch_size, self.num_workers, shuffle=False)

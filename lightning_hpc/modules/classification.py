@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from lightning_hpc.modules.lr_scaling import ScalingRule, scale_hparams
 from lightning_hpc.protocols import data_parallel_size
@@ -73,12 +74,14 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes, top_k=1)
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes))
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return classification_loss(logits, y, self.loss_kind, self.label_smoothing)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
@@ -88,6 +91,7 @@ class ImageClassifier(pl.LightningModule):
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
@@ -105,6 +109,7 @@ class ImageClassifier(pl.LightningModule):
         dp = data_parallel_size(trainer.strategy)
         return int(per_rank * dp * trainer.accumulate_grad_batches)
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())
         if self.lr_scaling.rule != "none":

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import BinaryF1Score, BinaryJaccardIndex
+from typing_extensions import override
 
 from lightning_hpc.modules.classification import with_step_scheduler
 
@@ -60,6 +61,7 @@ class SegmentationModule(pl.LightningModule):
         self.val_iou = BinaryJaccardIndex(threshold=threshold)
         self.val_f1 = BinaryF1Score(threshold=threshold)
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
@@ -79,6 +81,7 @@ class SegmentationModule(pl.LightningModule):
         local_mean = loss.detach() * (self.total_pixels(target) / target.numel())
         self.log(name, local_mean, prog_bar=True, sync_dist=sync, batch_size=target.shape[0])
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, target = batch
         logits = self(x)
@@ -88,6 +91,7 @@ class SegmentationModule(pl.LightningModule):
         self.log("train/iou", self.train_iou, on_step=False, on_epoch=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, target = batch
         logits = self(x)
@@ -98,5 +102,6 @@ class SegmentationModule(pl.LightningModule):
         self.log("val/iou", self.val_iou, prog_bar=True)
         self.log("val/f1", self.val_f1)
 
+    @override
     def configure_optimizers(self) -> Any:
         return with_step_scheduler(self.trainer, self.optimizer_factory(self.parameters()), self.scheduler_factory)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_hpc.data.common import loader
 from lightning_hpc.data.mesh_tangling.dataset import (
@@ -109,6 +110,7 @@ class MeshTanglingDataModule(pl.LightningDataModule):
             )
         return DiskSource(root, self.suffix), available
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.source is not None:
             return
@@ -125,8 +127,10 @@ class MeshTanglingDataModule(pl.LightningDataModule):
         if self.tile is not None:
             self.set_spatial_tile(*self.tile)
 
+    @override
     def train_dataloader(self):
         return loader(self.train_set, self.batch_size, self.num_workers, shuffle=True)
 
+    @override
     def val_dataloader(self):
         return loader(self.val_set, self.batch_size, self.num_workers, shuffle=False)
