@@ -76,6 +76,20 @@ def full_state_dict(
     return state
 
 
+def gather_full_shards(head: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
+    """The full weight and bias of each of ``head``'s shards (a :class:`~lightning_hpc.hybrid_fc.HybridHead`), keyed
+    by (layer index, parameter name), on every rank (collective: call on all ranks of the head's group)."""
+    shards = {
+        (i, pname): (shard, pname, getattr(shard, pname))
+        for i, shard in enumerate(head.shards)  # type: ignore[arg-type]
+        for pname in ("weight", "bias")
+        if getattr(shard, pname) is not None
+    }
+    by_key = {f"{i}.{pname}": entry for (i, pname), entry in shards.items()}
+    full = _gather(head, by_key, rank0_only=False, cpu=False)
+    return {(i, pname): full[f"{i}.{pname}"] for i, pname in shards}
+
+
 def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[int, tuple[ShardedLinear, str]]:
     """Optimizer state index -> (shard, parameter name) for the head's shards."""
     owner = {

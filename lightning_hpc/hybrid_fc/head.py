@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Function
+from torch.nn import functional as F
 
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
 from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons
@@ -159,6 +160,8 @@ class HybridHead(nn.Module):
                 idx += 1
         self.exchange = make_exchange(scheme, self.comm, self.xcomm, overlap)
         self._subbatch: SubbatchContext | None = None
+        #: full (weight, bias) of every linear while :meth:`whole_head_inference` is open (else None)
+        self._whole: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # -- the sharded layers on one replicated sub-batch --------------------------------------------------
     def _layers(self, x: torch.Tensor, grad_scale: float) -> torch.Tensor:
@@ -205,6 +208,8 @@ class HybridHead(nn.Module):
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._pre(x)
+        if self._whole is not None:
+            return self._forward_whole(x)
         if self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch":
             if self._subbatch is None:
                 raise RuntimeError(
@@ -266,6 +271,35 @@ class HybridHead(nn.Module):
         with torch.enable_grad():
             (g_ref,) = torch.autograd.grad(ctx.loss_fn(logits_ref, ctx.targets), logits_ref)
         return _InjectGrad.apply(x, logits, grad_x, g_ref)
+
+    def _forward_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The unsharded head on this rank's rows alone: no collective, so ranks may run different batch sizes and
+        different numbers of batches (Lightning's predict sampler)."""
+        h = x
+        assert self._whole is not None
+        for i, (weight, bias) in enumerate(self._whole):
+            h = F.linear(h, weight, bias)
+            if i < len(self._whole) - 1:
+                for op in self.between[i]:
+                    h = op(h)
+        return self._post(h)
+
+    @contextlib.contextmanager
+    def whole_head_inference(self) -> Iterator[int]:
+        """Within this block every rank holds the full head (all-gathered once on entry: collective, call on every
+        rank of the head's group) and the forward computes it locally, with no exchange: inference on unequal
+        per-rank batches, e.g. ``trainer.predict`` with Lightning's unpadded predict sampler, where the sharded
+        forward would need every rank in each batch.  The result equals the sharded head's (the same products on
+        whole rows instead of blocks of them).  Costs the full head's memory on each rank while open; yields its
+        size in bytes."""
+        from lightning_hpc.hybrid_fc.checkpoint import gather_full_shards
+
+        full = gather_full_shards(self)
+        self._whole = [(full[(i, "weight")], full.get((i, "bias"))) for i in range(len(self.shards))]
+        try:
+            yield sum(t.numel() * t.element_size() for t in full.values())
+        finally:
+            self._whole = None
 
     @contextlib.contextmanager
     def subbatch_update(

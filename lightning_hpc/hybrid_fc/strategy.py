@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
@@ -50,6 +51,12 @@ from lightning_hpc.hybrid_fc import (
 from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["HybridParallelStrategy"]
+
+_UNUSED_FIX = (
+    "If that is intentional, keep strategy='hybrid_fc' and enable DDP's detection of unused parameters: "
+    "HybridParallelStrategy(find_unused_parameters=True), or strategy.find_unused_parameters=true with Hydra "
+    "('ddp_find_unused_parameters_true' would replace this strategy by plain DDP)."
+)
 
 
 class HybridParallelStrategy(StrategyContract, DDPStrategy):
@@ -100,6 +107,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self.byte_counter = ByteCounter()
         self._parallelized = False
         self._head_optimizer: HeadOptimizer | None = None
+        self._whole_head: contextlib.ExitStack | None = None
+        self._unused_checked = False
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,15 +193,6 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if str(trainer.state.fn) in ("predict", "TrainerFn.PREDICTING") and self.world_size > 1:
-            # Lightning's predict sampler gives ranks unequal numbers of samples and batches (no padding, so no
-            # duplicated predictions), but every rank must take part in each batch of the sharded head
-            raise ValueError(
-                "strategy='hybrid_fc' cannot run trainer.predict on several processes: Lightning's predict sampler "
-                "gives the ranks unequal batches, and every rank must take part in each batch of the sharded head. "
-                "Checkpoints hold the full, unsharded model: predict with Trainer(devices=1) (or strategy='ddp') "
-                "after loading it, e.g. trainer.predict(module, dataloaders, ckpt_path=...)"
-            )
         super().setup(trainer)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
@@ -203,6 +203,54 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._search_root()))
+
+    @override
+    def on_predict_start(self) -> None:
+        # Lightning's predict sampler gives the ranks unequal numbers of samples and batches (no padding, so no
+        # duplicated predictions); the sharded forward needs every rank in each batch, so predict runs the whole
+        # head on each rank instead (gathered once here, dropped at the end)
+        super().on_predict_start()
+        if self.world_size > 1 and self._parallelized:
+            self._whole_head = contextlib.ExitStack()
+            size = self._whole_head.enter_context(find_hybrid_head(self._search_root()).whole_head_inference())
+            rank_zero_info(
+                f"strategy='hybrid_fc': trainer.predict runs the whole fully-connected head on every rank "
+                f"({size / 2**20:.1f} MiB gathered once), so the ranks' unequal predict batches need no exchange"
+            )
+
+    @override
+    def on_predict_end(self) -> None:
+        if self._whole_head is not None:
+            self._whole_head.close()
+            self._whole_head = None
+        super().on_predict_end()
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def checked_closure() -> Any:
+            result = closure()
+            self._refuse_unused_trunk_parameters()
+            return result
+
+        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
+
+    def _refuse_unused_trunk_parameters(self) -> None:
+        """Before the first optimizer step: a trainable trunk parameter that got no gradient left DDP's bucket
+        holding it unreduced (its other gradients local, the step silently different), and DDP itself complains
+        only at the next forward, after the step.  Refuse here instead, naming the parameter and the fix."""
+        if self._unused_checked or getattr(self, "_ddp_kwargs", {}).get("find_unused_parameters", False):
+            return
+        module = self.lightning_module
+        assert module is not None
+        shard_ids = {id(p) for p in head_parameters(self._search_root())}
+        unused = [n for n, p in module.named_parameters()
+                  if p.requires_grad and p.grad is None and id(p) not in shard_ids]
+        self._unused_checked = True
+        if unused:
+            raise RuntimeError(
+                f"strategy='hybrid_fc': trunk parameter(s) {unused[:5]} of {type(module).__name__} took no part in "
+                "the loss returned by training_step, so DDP left their bucket unreduced. " + _UNUSED_FIX
+            )
 
     @property
     def kfac_note(self) -> str | None:
@@ -250,10 +298,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().on_exception(exception)
         if unused:  # Lightning's DDP advice names DDP's own strategy strings, which would drop the sharded head
             exception.args = (
-                "A parameter of the data-parallel trunk took no part in the loss returned by training_step. If that "
-                "is intentional, keep strategy='hybrid_fc' and enable DDP's detection of unused parameters: "
-                "HybridParallelStrategy(find_unused_parameters=True), or strategy.find_unused_parameters=true with "
-                "Hydra ('ddp_find_unused_parameters_true' would replace this strategy by plain DDP).",
+                "A parameter of the data-parallel trunk took no part in the loss returned by training_step. "
+                + _UNUSED_FIX,
             )
 
     # -- checkpoints: full, unsharded ------------------------------------------------------------------------

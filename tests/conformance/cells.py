@@ -1,83 +1,221 @@
-"""The conformance matrix: which (strategy, case) cells the suite runs and what each must show.
+"""The conformance matrix: every (strategy, feature) cell, what it must show, or why it does not apply.
 
-Strategies (``run_case.build_strategy``): ``ddp`` (checks the harness), ``layered_sgd``, ``hybrid_fc``
-(``hybrid_fc_find_unused``: with the fix its unused-parameter error names), ``multigrid`` (mode 'mg', 2 layer
-ranks, the approximate solve of ``run_case.MG_OPTIONS``; ``multigrid_cycles<k>``: the same with k cycles) and
-``multigrid_pm`` (the partitioned model: layer-sharded trunk, both ranks see the same samples), ``horovod``
-(under ``horovodrun``; skipped when ``horovod.torch`` is not importable), ``kfac_ddp`` / ``kfac_layered_sgd``
-(the KFAC callback under that strategy; reference: KFAC on one process on the global batch).
+Columns (``run_case.build_strategy``): ``ddp`` (Lightning's own DDPStrategy: the harness, and the reference of
+the ``= ddp`` cells), ``layered_sgd``, ``horovod`` (under ``horovodrun``; skipped when ``horovod.torch`` is not
+importable), ``hybrid_fc``, ``multigrid_pm`` (the partitioned model: layer-sharded trunk, both ranks see the same
+samples), ``multigrid`` (mode 'mg', 2 layer ranks, the approximate solve of ``run_case.MG_OPTIONS``;
+``multigrid_cycles<k>``: the same with k cycles), and the ``KFAC`` callback under ``ddp``, ``layered_sgd`` and
+``horovod`` (``kfac_<strategy>``; reference: KFAC on one process on the global batch).  A column may run a cell
+with the fix its own error names (``<column>_find_unused``: ``find_unused_parameters=True``): the matrix shows
+both results.
+
+Rows (``FEATURES``) are Lightning features on a user's CNN and Lightning's own demo modules.  The multigrid
+columns train the deep ODE-ResNet their strategy is for: a feature ``f`` runs as case ``odenet_f`` there (``sgd``:
+``odenet``); the modules that are not ODE-ResNets run as they are (and are refused with the fix).
+
+Every cell of ``COLUMNS`` x ``FEATURES`` is in ``MATRIX``: a verdict tested by ``test_matrix.py``, or
+``NotApplicable`` with the reason the documentation prints (``test_matrix.test_every_cell_has_a_verdict``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+COLUMNS = ("ddp", "layered_sgd", "horovod", "hybrid_fc", "multigrid_pm", "multigrid", "kfac_ddp", "kfac_layered_sgd",
+           "kfac_horovod")
+
+FEATURES = (
+    "sgd", "sgd_step_lr", "adam", "adamw", "clip_norm", "clip_value", "accumulate_2", "manual_clip",
+    "two_optimizers_gan", "bf16_mixed", "kfac_fp16_plugin", "validate_test", "torchmetrics", "fit_predict", "predict",
+    "resume", "resume_2_to_1", "early_stopping", "frozen_parameters", "unused_parameter", "backbone_classifier",
+    "flatten_linear", "boring_model", "boring_model_f64", "demo_model", "lightning_transformer",
+)
+
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
 DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1}
 
-_FEATURES = ["sgd_step_lr", "adam", "validate_test", "fit_predict", "resume", "resume_2_to_1", "early_stopping",
-             "torchmetrics", "frozen_parameters", "boring_model_f64"]
+#: features that are modules of their own (not the user's CNN with a Lightning feature): the multigrid columns run
+#: them as they are
+_OWN_MODULES = {"two_optimizers_gan", "backbone_classifier", "flatten_linear", "boring_model", "boring_model_f64",
+                "demo_model", "lightning_transformer"}
+
+
+def case_of(column: str, feature: str) -> str:
+    """The case (``run_case.CASES``) a column runs for a feature."""
+    if column.startswith("multigrid") and feature not in _OWN_MODULES:
+        return "odenet" if feature == "sgd" else f"odenet_{feature}"
+    return feature
+
+
+@dataclass(frozen=True)
+class Exact:
+    """Final parameters (and what the feature observes) equal one process on the global batch."""
+
+
+@dataclass(frozen=True)
+class EqualDDP:
+    """Equal to ``reference`` on 2 processes: modules that make DDP itself differ from one process (Lightning's
+    DemoModel sums its loss, which DDP's mean halves; LightningTransformer draws dropout masks per rank)."""
+
+    reference: str
+
+
+@dataclass(frozen=True)
+class Bounded:
+    """bf16-mixed: within a quarter of bf16's own effect on one process (``test_matrix.test_bounded``); with
+    ``micro_batches`` also exact against one process on the ranks' micro-batches."""
+
+    micro_batches: bool = True
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """Reduced precision, exact against one process that accumulates the ranks' batches as micro-batches only
+    (K-FAC amplifies the per-rank rounding: no bound against the global batch tells a defect from rounding)."""
+
+
+@dataclass(frozen=True)
+class BoundedMG:
+    """Mode 'mg' (approximate by design): within ``MG_BOUND`` x its own truncation of one process on the global
+    batch, and equal to one process running the same solve (``test_matrix.test_bounded_multigrid``)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An error before the first optimizer step whose message matches ``message`` (it names the fix); with
+    ``fixed``: the column ``<column>_find_unused`` (the fix applied) is exact."""
+
+    message: str
+    fixed: bool = False
+
+
+@dataclass(frozen=True)
+class NotApplicable:
+    """No test: ``why`` is printed in docs/compatibility.md."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class ExactWithFix:
+    """The column as the user runs it raises the underlying library's own error (not ours) naming the fix; with the
+    fix (``<column>_find_unused``) it is exact."""
+
+    why: str
+
+
+Verdict = Exact | EqualDDP | Bounded | MicroBatches | BoundedMG | Refused | NotApplicable | ExactWithFix
+
+_NO_TRUNK = r"searched the layers of {}.*found none.*strategy='ddp'"
+_MG_TRUNK = r"MultigridStrategy\(trunk='steps'\): the model \({}\) has no attribute 'steps'; set trunk="
+_KFAC_ONE_OPT = r"KFAC supports one optimizer.*parameter group per sub-network"
+_KFAC_PLUGIN = NotApplicable("`KFACMixedPrecision` is K-FAC's precision plugin: it needs the KFAC callback")
+_DDP_REFERENCE = NotApplicable("the reference of this row's `= ddp` cells")
+_DDP_UNUSED = ExactWithFix("DDP's own error at the second step names `find_unused_parameters=True`")
+_MG_MODULES = {"BoringModel": ("boring_model", "boring_model_f64"), "DemoModel": ("demo_model",),
+               "Transformer": ("lightning_transformer",), "UserGAN": ("two_optimizers_gan",),
+               "Sequential": ("flatten_linear",), "Backbone": ("backbone_classifier",)}
+
+
+def _data_parallel(column: str, kfac_reference_ddp: str) -> dict[str, Verdict]:
+    cells: dict[str, Verdict] = {f: Exact() for f in FEATURES}
+    cells["bf16_mixed"] = Bounded()
+    cells["kfac_fp16_plugin"] = _KFAC_PLUGIN
+    for f in ("demo_model", "lightning_transformer"):
+        cells[f] = _DDP_REFERENCE if column == "ddp" else EqualDDP(kfac_reference_ddp)
+    if column == "ddp":
+        cells["two_optimizers_gan"] = cells["unused_parameter"] = _DDP_UNUSED
+    return cells
+
+
+def _kfac(column: str) -> dict[str, Verdict]:
+    cells = _data_parallel(column, "kfac_ddp")
+    cells.update(bf16_mixed=MicroBatches(), kfac_fp16_plugin=MicroBatches(),
+                 two_optimizers_gan=Refused(_KFAC_ONE_OPT))
+    if column == "kfac_ddp":
+        cells.update(demo_model=_DDP_REFERENCE, lightning_transformer=_DDP_REFERENCE, unused_parameter=_DDP_UNUSED)
+    return cells
+
+
+def _hybrid_fc() -> dict[str, Verdict]:
+    cells: dict[str, Verdict] = {f: Exact() for f in FEATURES}
+    no_trunk = r"no trainable parameter outside the fully-connected head.*strategy='ddp'"
+    cells.update(
+        bf16_mixed=Bounded(micro_batches=False),
+        kfac_fp16_plugin=_KFAC_PLUGIN,
+        # Lightning's BoringModel is one nn.Linear: no data-parallel trunk for hybrid_fc to pair with its head
+        boring_model=Refused(_NO_TRUNK.format("BoringModel")),
+        boring_model_f64=Refused(_NO_TRUNK.format("BoringModel")),
+        demo_model=Refused(_NO_TRUNK.format("DemoModel")),
+        lightning_transformer=Refused(_NO_TRUNK.format("LightningTransformer")),
+        two_optimizers_gan=Refused(_NO_TRUNK.format("UserGAN")),
+        # Flatten + Linear: the head is found, but nothing before it trains; a frozen trunk: nothing data-parallel
+        flatten_linear=Refused(no_trunk),
+        frozen_parameters=Refused(no_trunk.replace(".*strategy", ".*frozen.*strategy")),
+        unused_parameter=Refused(r"took no part in the loss.*HybridParallelStrategy\(find_unused_parameters=True\)",
+                                 fixed=True),
+    )
+    return cells
+
+
+def _multigrid(column: str) -> dict[str, Verdict]:
+    mode_mg = column == "multigrid"
+    cells: dict[str, Verdict] = {f: BoundedMG() if mode_mg else Exact() for f in FEATURES}
+    cells["kfac_fp16_plugin"] = _KFAC_PLUGIN
+    cells["bf16_mixed"] = (
+        # autocast does not reach mode 'mg''s batched (vmapped) steps: it crashed with a dtype mismatch
+        Refused(r"mode='mg' does not support precision='bf16-mixed'.*'32-true'.*mode='pm'") if mode_mg
+        else Bounded(micro_batches=False)
+    )
+    for name, features in _MG_MODULES.items():
+        for f in features:
+            cells[f] = Refused(_MG_TRUNK.format(name))
+    return cells
+
+
+MATRIX: dict[tuple[str, str], Verdict] = {
+    (column, feature): verdict
+    for column, cells in (
+        ("ddp", _data_parallel("ddp", "ddp")),
+        ("layered_sgd", _data_parallel("layered_sgd", "ddp")),
+        ("horovod", _data_parallel("horovod", "ddp")),
+        ("hybrid_fc", _hybrid_fc()),
+        ("multigrid_pm", _multigrid("multigrid_pm")),
+        ("multigrid", _multigrid("multigrid")),
+        ("kfac_ddp", _kfac("kfac_ddp")),
+        ("kfac_layered_sgd", _kfac("kfac_layered_sgd")),
+        ("kfac_horovod", _kfac("kfac_horovod")),
+    )
+    for feature, verdict in cells.items()
+}
+
+
+def _cells(kind: type) -> list[tuple[str, str]]:
+    return [(s, case_of(s, f)) for (s, f), v in MATRIX.items() if isinstance(v, kind)]
+
+
+def _fixed_column(column: str) -> str:
+    return f"{column}_find_unused"
+
 
 #: final parameters (and logged metrics, predictions, stopping epoch) equal one process on the global batch
-EXACT = [
-    ("layered_sgd", "clip_norm"),
-    ("ddp", "clip_norm"),  # the harness itself: DDP is exact here
-    ("hybrid_fc", "clip_norm"),
-    ("hybrid_fc", "clip_value"),
-    ("layered_sgd", "manual_clip"),
-    ("ddp", "manual_clip"),
-    ("hybrid_fc", "backbone_classifier"),
-    ("hybrid_fc", "adamw"),
-    ("layered_sgd", "adamw"),
-    ("hybrid_fc", "accumulate_2"),
-    ("layered_sgd", "accumulate_2"),
-    ("hybrid_fc_find_unused", "unused_parameter"),  # the fix the error message names
-    ("multigrid_pm", "odenet"),  # the trunk's steps are split over the 2 ranks; both see the same samples
-    ("multigrid_pm", "odenet_clip_norm"),
-    *[("ddp", f) for f in _FEATURES],
-    *[("layered_sgd", f) for f in _FEATURES],
-    ("layered_sgd", "two_optimizers_gan"),
-    ("hybrid_fc", "manual_clip"),
-    ("kfac_layered_sgd", "manual_clip"),
-    ("layered_sgd", "unused_parameter"),
-    *[("hybrid_fc", f) for f in ["sgd_step_lr", "adam", "validate_test", "resume", "resume_2_to_1", "early_stopping",
-                                  "torchmetrics"]],
-    *[("multigrid_pm", f"odenet_{f}") for f in ["sgd_step_lr", "adam", "validate_test", "fit_predict", "resume",
-                                                 "resume_2_to_1", "early_stopping", "torchmetrics", "frozen_parameters",
-                                                 "manual_clip"]],
-    *[(k, f) for k in ("kfac_ddp", "kfac_layered_sgd") for f in [*_FEATURES, "clip_norm", "accumulate_2"]],
-    ("kfac_layered_sgd", "unused_parameter"),
-    *[("horovod", f) for f in ["sgd_step_lr", "adam", "clip_norm", "validate_test", "fit_predict", "resume",
-                               "early_stopping", "torchmetrics", "frozen_parameters", "boring_model_f64",
-                               "unused_parameter", "two_optimizers_gan", "manual_clip", "accumulate_2",
-                               "resume_2_to_1"]],
+EXACT = _cells(Exact) + [
+    (_fixed_column(s), case_of(s, f)) for (s, f), v in MATRIX.items()
+    if isinstance(v, ExactWithFix) or (isinstance(v, Refused) and v.fixed)
 ]
 
-#: modules that make DDP itself differ from one process (Lightning's DemoModel sums its loss, which DDP's mean
-#: halves; LightningTransformer draws dropout masks per rank): final parameters equal DDP's (strategy -> the DDP
-#: launch it is compared with)
-REFERENCE_DDP = {
-    ("ddp", "demo_model"): "ddp", ("ddp", "lightning_transformer"): "ddp",
-    ("layered_sgd", "demo_model"): "ddp", ("layered_sgd", "lightning_transformer"): "ddp",
-    ("horovod", "demo_model"): "ddp", ("horovod", "lightning_transformer"): "ddp",
-    ("kfac_ddp", "demo_model"): "kfac_ddp", ("kfac_ddp", "lightning_transformer"): "kfac_ddp",
-    ("kfac_layered_sgd", "demo_model"): "kfac_ddp", ("kfac_layered_sgd", "lightning_transformer"): "kfac_ddp",
-}
-EQUAL_DDP = [cell for cell in REFERENCE_DDP if cell[0] not in ("ddp", "kfac_ddp")]
+#: strategy x case -> the 2-process launch it is compared with
+REFERENCE_DDP = {(s, case_of(s, f)): v.reference for (s, f), v in MATRIX.items() if isinstance(v, EqualDDP)}
+EQUAL_DDP = list(REFERENCE_DDP)
 
 #: bf16-mixed: within a quarter of bf16's own effect on one process (see test_matrix.test_bounded)
-BOUNDED = [
-    ("ddp", "bf16_mixed"), ("layered_sgd", "bf16_mixed"), ("hybrid_fc", "bf16_mixed"),
-    ("multigrid_pm", "odenet_bf16_mixed"), ("horovod", "bf16_mixed"),
-    # not KFAC: its preconditioner amplifies the per-rank bf16 rounding to ~70% of bf16's own effect (measured),
-    # so no bound that tells a defect from rounding holds there; its bf16 cells are MICRO_BATCHES cells
-]
+BOUNDED = _cells(Bounded)
 
 #: mode 'mg' (an iterative solve of the trunk's forward and adjoint, approximate by design: 2 cycles of two-level
 #: MGRIT, run_case.MG_OPTIONS) on the ODE-ResNet: within MG_BOUND x the distance the solve's truncation alone
 #: causes from one process on the global batch, and equal to one process running the same solve (see
 #: test_matrix.test_bounded_multigrid)
-BOUNDED_MG = [("multigrid", f"odenet{f}") for f in ["", "_sgd_step_lr", "_adam", "_clip_norm", "_validate_test",
-                                                     "_fit_predict", "_resume", "_resume_2_to_1", "_early_stopping",
-                                                     "_torchmetrics", "_frozen_parameters", "_manual_clip"]]
+BOUNDED_MG = _cells(BoundedMG)
 #: the controls of BOUNDED_MG, on one process: one more cycle (must come closer to the serial result), N/c = 4
 #: cycles (two-level MGRIT with F-relaxation is then exact), one cycle fewer (must break the bound)
 MG_MORE_CYCLES, MG_EXACT_CYCLES, MG_FEWER_CYCLES = "multigrid_cycles3", "multigrid_cycles4", "multigrid_cycles1"
@@ -86,56 +224,29 @@ MG_MORE_CYCLES, MG_EXACT_CYCLES, MG_FEWER_CYCLES = "multigrid_cycles3", "multigr
 #: as micro-batches (``accumulate_grad_batches`` = ranks), so every micro-batch is rounded as its rank rounds it;
 #: what is left to differ is float32 summation order (test_matrix.test_equal_one_process_on_micro_batches).
 #: ``kfac_fp16_plugin``: 16-mixed with a grad scaler through ``KFACMixedPrecision``.
-MICRO_BATCHES = [
-    ("ddp", "bf16_mixed"), ("layered_sgd", "bf16_mixed"), ("horovod", "bf16_mixed"),
-    *[(k, c) for k in ("kfac_ddp", "kfac_layered_sgd") for c in ("bf16_mixed", "kfac_fp16_plugin")],
+MICRO_BATCHES = _cells(MicroBatches) + [
+    (s, case_of(s, f)) for (s, f), v in MATRIX.items() if isinstance(v, Bounded) and v.micro_batches
 ]
+
+#: (strategy, case, the message, a regular expression)
+REFUSED = [(s, case_of(s, f), v.message) for (s, f), v in MATRIX.items() if isinstance(v, Refused)]
+
+#: errors during training (not cells of the matrix) whose message must name this strategy's fix: none left (the
+#: strategies refuse before the first optimizer step)
+ERRORS: list[tuple[str, str, str]] = []
+
+ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + BOUNDED_MG + MICRO_BATCHES + [(s, c) for s, c, _ in REFUSED]
 
 
 def micro_batch_reference(case: str) -> str:
     """The one-process reference case of a MICRO_BATCHES cell."""
     return f"{case}_micro_batches"
 
-_NO_TRUNK = r"searched the layers of {}.*found none.*strategy='ddp'"
-_MG_TRUNK = r"MultigridStrategy\(trunk='steps'\): the model \({}\) has no attribute 'steps'; set trunk="
-REFUSED = [
-    # Lightning's BoringModel is one nn.Linear: no data-parallel trunk for hybrid_fc to pair with its head
-    ("hybrid_fc", "boring_model", _NO_TRUNK.format("BoringModel")),
-    ("hybrid_fc", "demo_model", _NO_TRUNK.format("DemoModel")),
-    ("hybrid_fc", "lightning_transformer", _NO_TRUNK.format("LightningTransformer")),
-    ("hybrid_fc", "two_optimizers_gan", _NO_TRUNK.format("UserGAN")),
-    # Flatten + Linear: the head is found, but nothing before it trains
-    ("hybrid_fc", "flatten_linear", r"no trainable parameter outside the fully-connected head.*strategy='ddp'"),
-    # a frozen trunk (fine-tuning only the head): no data-parallel part left
-    (
-        "hybrid_fc",
-        "frozen_parameters",
-        r"no trainable parameter outside the fully-connected head.*frozen.*strategy='ddp'",
-    ),
-    # Lightning's predict sampler gives ranks unequal batches; the sharded head needs every rank in each batch
-    ("hybrid_fc", "predict", r"cannot run trainer.predict on several processes.*Trainer\(devices=1\)"),
-    # autocast does not reach multigrid's batched (vmapped) steps: it crashed with a dtype mismatch
-    ("multigrid", "odenet_bf16_mixed", r"mode='mg' does not support precision='bf16-mixed'.*'32-true'.*mode='pm'"),
-    ("multigrid", "boring_model_f64", _MG_TRUNK.format("BoringModel")),
-    ("multigrid", "demo_model", _MG_TRUNK.format("DemoModel")),
-    ("multigrid", "lightning_transformer", _MG_TRUNK.format("Transformer")),
-    ("multigrid_pm", "boring_model_f64", _MG_TRUNK.format("BoringModel")),
-    ("multigrid_pm", "two_optimizers_gan", _MG_TRUNK.format("UserGAN")),
-    ("multigrid_pm", "demo_model", _MG_TRUNK.format("DemoModel")),
-    ("multigrid_pm", "lightning_transformer", _MG_TRUNK.format("Transformer")),
-    # K-FAC's factors, step counter and KL clip belong to one optimizer step per training step
-    ("kfac_ddp", "two_optimizers_gan", r"KFAC supports one optimizer.*parameter group per sub-network"),
-    ("kfac_layered_sgd", "two_optimizers_gan", r"KFAC supports one optimizer.*parameter group per sub-network"),
-]
-
-#: errors during training (not cells of the matrix) whose message must name this strategy's fix
-ERRORS = [
-    # DDP's reducer finds the unused parameter at the second step; Lightning's advice would name DDP's strategies
-    ("hybrid_fc", "unused_parameter", r"HybridParallelStrategy\(find_unused_parameters=True\)"),
-]
-
-ALL_CELLS = EXACT + EQUAL_DDP + BOUNDED + BOUNDED_MG + MICRO_BATCHES + [(s, c) for s, c, _ in REFUSED]
-
 
 def kfac_reference(strategy: str) -> bool:
     return strategy.startswith("kfac_")
+
+
+def under_horovodrun(strategy: str) -> bool:
+    """Cells of this strategy run under ``horovodrun`` (and are skipped where Horovod is not installed)."""
+    return strategy.removesuffix("_find_unused").endswith("horovod")

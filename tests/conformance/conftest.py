@@ -21,6 +21,7 @@ from cells import (
     REFERENCE_DDP,
     kfac_reference,
     micro_batch_reference,
+    under_horovodrun,
 )
 from launch import CaseResult, horovod_importable, launch, read
 
@@ -39,16 +40,16 @@ class Runs:
 
     def two(self, strategy: str, case: str) -> CaseResult:
         """The case under ``strategy`` on 2 processes (the launch runs every cell of that strategy)."""
-        if strategy == "horovod" and not horovod_importable():
+        if under_horovodrun(strategy) and not horovod_importable():
             print("horovod.torch is not importable: build it with scripts/install-horovod.sh")
             pytest.skip("horovod.torch is not importable (scripts/install-horovod.sh builds it)")
         cases = sorted(
             {c for s, c in ALL_CELLS + [e[:2] for e in ERRORS] if s == strategy and not c.endswith("_2_to_1")}
-            | {c for s, c in REFERENCE_DDP if s == strategy},
+            | {c for (s, c), reference in REFERENCE_DDP.items() if strategy in (s, reference)},
             key=_refusals_last(strategy),
         )
         log = self._ensure(f"two_{strategy}", "two", 2, [f"{strategy}:{c}" for c in cases],
-                           DATA_PARALLEL.get(strategy, 2), horovod=strategy == "horovod")
+                           DATA_PARALLEL.get(strategy, 2), horovod=under_horovodrun(strategy))
         return read(self.root / "two", strategy, case, log, 2)
 
     def one(self, case: str, data_parallel: int, kfac: bool = False) -> CaseResult:
@@ -74,11 +75,11 @@ class Runs:
     def resumed_on_one(self, strategy: str, case: str) -> CaseResult:
         """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its
         first epoch (all strategies in one launch)."""
-        horovod = strategy == "horovod"  # one process under horovodrun -np 1
+        horovod = under_horovodrun(strategy)  # one process under horovodrun -np 1
         # the one process reads the union of the data-parallel ranks' batches: one launch per data-parallel size
         dp = DATA_PARALLEL.get(strategy, 2)
         items = [f"{s}:{c}" for s, c in ALL_CELLS
-                 if c.endswith("_2_to_1") and (s == "horovod") == horovod and DATA_PARALLEL.get(s, 2) == dp]
+                 if c.endswith("_2_to_1") and under_horovodrun(s) == horovod and DATA_PARALLEL.get(s, 2) == dp]
         for item in items:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs

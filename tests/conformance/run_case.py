@@ -250,6 +250,13 @@ def float32(module: pl.LightningModule) -> pl.LightningModule:
     return module.float()
 
 
+def ode_net_unused() -> UserCNN:
+    """The ODE-ResNet with a layer in its opening that takes no part in the loss."""
+    module = ode_net()
+    module.model.opening.unused = nn.Conv2d(2, 2, 1).double()
+    return module
+
+
 class UnusedTrunkParameter(UserCNN):
     """A trunk layer that takes no part in the loss (a common leftover in users' models)."""
 
@@ -285,6 +292,7 @@ def _kfac_fp16_plugin() -> list[Any]:
 EPOCH2 = {"limit_train_batches": 2, "max_epochs": 2, "max_steps": -1}  # two short epochs (resume, early stopping)
 
 CASES: dict[str, Case] = {
+    "sgd": Case(UserCNN),
     "clip_norm": Case(lambda: UserCNN(), {"gradient_clip_val": CLIP, "gradient_clip_algorithm": "norm"}),
     "clip_value": Case(lambda: UserCNN(), {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
     "manual_clip": Case(lambda: UserCNN(manual_clip=True)),
@@ -347,6 +355,11 @@ CASES: dict[str, Case] = {
     "odenet_torchmetrics": Case(lambda: ode_net(torchmetrics=True), flow="fit_eval"),
     "odenet_frozen_parameters": Case(lambda: frozen(ode_net())),
     "odenet_manual_clip": Case(lambda: ode_net(manual_clip=True)),
+    "odenet_adamw": Case(lambda: ode_net(optimizer="adamw")),
+    "odenet_clip_value": Case(ode_net, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "odenet_accumulate_2": Case(ode_net, {"accumulate_grad_batches": 2}),
+    "odenet_predict": Case(ode_net, flow="predict"),
+    "odenet_unused_parameter": Case(ode_net_unused),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
 CASES["odenet_bf16_mixed"].dtype = torch.float32
@@ -390,6 +403,8 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
 
         strategy, callbacks = build_strategy(name[len("kfac_"):])
         return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
+    if name == "ddp_find_unused":
+        return "ddp_find_unused_parameters_true", []
     if name == "hybrid_fc_find_unused":
         from lightning_hpc import HybridParallelStrategy
 
@@ -499,9 +514,14 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
     try:
         module = case.module()
         loader = None if case.data == "boring" else train_loader(case, devices, data_parallel)
+        if case.data == "boring" and devices == 1:  # the module's own data, as the union of the ranks' batches
+            own = module.train_dataloader()
+            loader = DataLoader(own.dataset, batch_sampler=UnionBatches(len(own.dataset), data_parallel,
+                                                                        own.batch_size or 1))
         if case.flow == "predict":
             t = trainer()
-            t.predict(module, eval_loader(case, N_PREDICT, with_index=True))
+            preds = t.predict(module, eval_loader(case, N_PREDICT, with_index=True))
+            torch.save(preds, out / f"pred_rank{t.global_rank}.pt")
         elif case.flow in ("resume", "resume_from"):
             mid = out / "epoch1.ckpt"
             if case.flow == "resume_from":  # the first epoch ran in another process group (see the tests)
