@@ -26,12 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "compatibility.md"
 CELL = re.compile(
     r"test_(two_processes_equal_one|equal_ddp|bounded_multigrid|bounded|equal_one_process_on_micro_batches"
+    r"|rounding_bounded"
     r"|refused_before_training_with_the_fix_named)"
     r"\[(?P<strategy>[a-z0-9_]+)-(?P<case>[a-z0-9_]+)\]"
 )
 KIND = {"two_processes_equal_one": "exact", "equal_ddp": "= ddp", "bounded": "bounded",
         "bounded_multigrid": "bounded (MG)",
         "equal_one_process_on_micro_batches": "exact (micro-batches)",
+        "rounding_bounded": "exact in float64; float32 bounded",
         "refused_before_training_with_the_fix_named": "refused"}
 #: a cell tested two ways is shown by its stronger result (bf16: bounded on the global batch, exact on micro-batches)
 _RANK = {"FAILS": 3, "exact (micro-batches)": 2}
@@ -60,9 +62,36 @@ def cells(junit: Path) -> dict[tuple[str, str], str]:
     return found
 
 
+def _conformance_cells():
+    sys.path.insert(0, str(REPO / "tests" / "conformance"))
+    import cells as conformance
+
+    return conformance
+
+
+def _verdict(found: dict[tuple[str, str], str], column: str, feature: str, reasons: list[str]) -> str:
+    """What the suite showed for one cell of the matrix (the fix's column merged in), or the reason it has none."""
+    c = _conformance_cells()
+    verdict = c.MATRIX[(column, feature)]
+    if isinstance(verdict, c.NotApplicable):
+        if verdict.why not in reasons:
+            reasons.append(verdict.why)
+        return f"n/a ({reasons.index(verdict.why) + 1})"
+    case = c.case_of(column, feature)
+    shown = found.get((column, case), "")
+    fixed = found.get((f"{column}_find_unused", case), "")
+    if isinstance(verdict, c.ExactWithFix):
+        suffix = "" if fixed == "exact" else f" ({fixed or 'not run'})"
+        return f"exact with `find_unused_parameters=True`{suffix}"
+    if fixed:
+        shown = f"{shown}; with `find_unused_parameters=True`: {fixed}"
+    return shown or "not run"
+
+
 def write(found: dict[tuple[str, str], str]) -> None:
-    strategies = sorted({s for s, _ in found})
-    features = sorted({c for _, c in found})
+    c = _conformance_cells()
+    reasons: list[str] = []
+    rows = [[_verdict(found, s, f, reasons) for s in c.COLUMNS] for f in c.FEATURES]
     lines = [
         "# Compatibility matrix",
         "",
@@ -70,7 +99,8 @@ def write(found: dict[tuple[str, str], str]) -> None:
         f"{datetime.date.today().isoformat()}. Each cell runs a module written as a user would (plain mean loss, "
         "`self.log(..., sync_dist=True)`, SGD with momentum and weight decay unless the feature says otherwise), or "
         "one of Lightning's own demo modules, through `Trainer` on 2 CPU processes (gloo) and compares with one "
-        "process on the global batch (float64, 1e-9): the final parameters, and what the feature observes besides "
+        "process on the global batch (float64, 1e-9; float32 modules 1e-6): the final parameters, and what the "
+        "feature observes besides "
         "(validate / test metrics, predictions, the epoch EarlyStopping stopped at): **exact**. **= ddp**: equal to "
         "DDP, for modules that make DDP itself differ from one process (`demo_model` sums its loss, which DDP's "
         "average halves; `lightning_transformer` draws dropout masks per rank; the `ddp` / `kfac_ddp` runs of these "
@@ -81,30 +111,41 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "scaler through `KFACMixedPrecision`), equal (float32, 1e-6; measured 0 without K-FAC, 6e-8 with it) to "
         "one process that accumulates the ranks' batches as micro-batches, so each is rounded as its rank rounds "
         "it; these cells are also bounded against one process on the global batch where a bound holds. "
+        "**exact in float64; float32 bounded**: a float32 module under K-FAC (Lightning's `BoringModel` on its own "
+        "data, one sample per rank), whose preconditioner amplifies float32 rounding: the same module and data in "
+        "float64 is exact (1e-9; measured 4e-15), and the float32 weights are within 2x float32's own effect (one "
+        "process in float32 against float64; measured 0.84x) of one float32 process. "
         "**bounded (MG)**: `MultigridStrategy(mode='mg')`, which solves the trunk's forward and adjoint by 2 "
         "multigrid cycles (two-level MGRIT, coarsening factor 2, F-relaxation, on the 8-step trunk), so it is "
         "approximate by design: the final parameters are within 2x the distance the solve's truncation alone "
         "causes (the same solve on one process; measured: the 2-rank run is that solve bit for bit) from one "
-        "process on the global batch, and what the feature observes equals that one-process solve (1e-9). The "
+        "process on the global batch, and what the feature observes equals that one-process solve (1e-9; for "
+        "`predict`, which trains nothing, the predictions of that solve). The "
         "yardstick is checked each time: one more cycle comes at least 5x closer (measured 21x to 320x), 4 cycles "
         "(N/c, where this MGRIT is exact) equal one process to 1e-9, and one cycle fewer breaks the bound. "
-        "**refused**: the strategy stopped before the first optimizer step with a message naming the fix. "
-        "**skipped**: Horovod is not installed where the matrix was generated. An empty cell has no test yet.",
+        "**refused**: the strategy stopped before the first optimizer step (no rank took a step) with a message "
+        "naming the fix; where the fix is a setting (`find_unused_parameters=True`), the cell also shows the run "
+        "with it. **skipped**: Horovod is not installed where the matrix was generated. **n/a (k)**: no test, for "
+        "reason k below the table. **FAILS**: the test failed where the matrix was generated.",
         "",
-        "Columns: `kfac_ddp` / `kfac_layered_sgd` are the `KFAC` callback under that strategy (reference: KFAC on "
-        "one process on the global batch); `multigrid_pm` is `MultigridStrategy(mode='pm')` (the trunk's steps "
-        "split over the 2 ranks, serial evaluation), `multigrid` is mode 'mg' (an iterative solve, not exact by "
-        "design: its cells are bounded (MG) or refused); `hybrid_fc_find_unused` is `HybridParallelStrategy("
-        "find_unused_parameters=True)`, the fix the strategy's unused-parameter error names.",
+        "Columns: `ddp` is Lightning's own `DDPStrategy` (the harness: it checks the references); "
+        "`spatial` is `SpatialParallelStrategy(spatial_parts=(2, 1))` (reference: one process on the same samples); "
+        "`kfac_ddp` / `kfac_layered_sgd` / `kfac_horovod` are the `KFAC` callback under that strategy (reference: "
+        "KFAC on one process on the global batch); `multigrid_pm` is `MultigridStrategy(mode='pm')` (the trunk's "
+        "steps split over the 2 ranks, serial evaluation), `multigrid` is mode 'mg' (an iterative solve, not exact "
+        "by design: its cells are bounded (MG) or refused). The multigrid columns train a deep ODE-ResNet (the form "
+        "their strategy is for) with each feature; the rows that are modules of their own (the GAN, "
+        "`backbone_classifier`, `flatten_linear` and Lightning's demo modules) run as they are there.",
         "",
-        "| feature | " + " | ".join(f"`{s}`" for s in strategies) + " |",
-        "|---|" + "---|" * len(strategies),
+        "| feature | " + " | ".join(f"`{s}`" for s in c.COLUMNS) + " |",
+        "|---|" + "---|" * len(c.COLUMNS),
     ]
-    for f in features:
-        lines.append(f"| `{f}` | " + " | ".join(found.get((s, f), "") for s in strategies) + " |")
-    lines += [
+    for f, row in zip(c.FEATURES, rows):
+        lines.append(f"| `{f}` | " + " | ".join(row) + " |")
+    lines += [""] + [f"({k}) {why}." for k, why in enumerate(reasons, 1)] + [
         "",
-        "Features: `sgd_step_lr` (SGD with momentum and weight decay, a StepLR scheduler stepping every optimizer "
+        "Features: `sgd` (SGD with momentum and weight decay), "
+        "`sgd_step_lr` (SGD with momentum and weight decay, a StepLR scheduler stepping every optimizer "
         "step), `adam` / `adamw`, `clip_norm` / `clip_value` (`gradient_clip_val` with each algorithm), "
         "`accumulate_2` (`accumulate_grad_batches=2`), `manual_clip` (manual optimization with `self.clip_gradients` "
         "between `manual_backward` and `step`), `two_optimizers_gan` (a GAN: manual optimization, a generator and a "
@@ -121,19 +162,18 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "`self.backbone` + `self.classifier`), `flatten_linear` (Flatten + Linear only), `boring_model` / "
         "`boring_model_f64` (Lightning's `BoringModel`, with its own data / in float64 on the suite's data), "
         "`demo_model` (Lightning's `DemoModel`), `lightning_transformer` (Lightning's `LightningTransformer`, float32, "
-        "on WikiText2-format synthetic text), `odenet*` (the same features on a deep ODE-ResNet, the form the "
-        "multigrid strategy trains).",
+        "on WikiText2-format synthetic text).",
         "",
         "bf16-mixed under KFAC has no bound against one process on the global batch (K-FAC's preconditioner "
         "amplifies the per-rank bf16 rounding: the 2-process weights differ from one bf16 process by ~70% of bf16's "
         "own effect, against 5% without K-FAC); its cells are exact on micro-batches. "
-        "Not yet in the suite (no claim is made for them here): the multigrid strategy's mode 'mg' with other "
-        "hierarchies, cycle counts or depths than the bounded (MG) cells' (tested against its own tolerances in "
-        "`tests/multigrid/`); stock DDP with a GAN or an unused parameter (DDP's own error, after the first step: "
-        "`find_unused_parameters=True` is DDP's fix).",
+        "Not in this matrix (tested against its own tolerances in `tests/multigrid/`): the multigrid strategy's "
+        "mode 'mg' with other hierarchies, cycle counts or depths than the bounded (MG) cells'.",
         "",
-        "The `spatial` strategy has its own conformance tests in `tests/spatial/` (its inputs are images split "
-        "over ranks, not the matrix's modules): `test_conformance.py` (U-Nets with pad-to-skip and centre crops, "
+        "The `spatial` column runs the matrix's modules with both processes holding 3-row tiles of the same 6 x 6 "
+        "images (`spatial_parts=(2, 1)`; modules whose batches hold no image train replicated). The model idioms "
+        "that matter for images split over ranks have their own conformance tests in `tests/spatial/`: "
+        "`test_conformance.py` (U-Nets with pad-to-skip and centre crops, "
         "transposed convolutions, subclasses and parametrizations, padding modes, SE blocks, per-pixel Linear, "
         "attention over positions, dropout, Flatten + Linear heads, at 2x1, 1x2 and uneven tiles: exact or refused), "
         "`test_observed_gradients_and_metrics.py` (hooks, `torch.autograd.grad`, manual optimization with "

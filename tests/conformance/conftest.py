@@ -12,13 +12,13 @@ from cells import (
     BOUNDED,
     BOUNDED_MG,
     DATA_PARALLEL,
-    ERRORS,
     EXACT,
     MG_EXACT_CYCLES,
     MG_FEWER_CYCLES,
     MG_MORE_CYCLES,
     MICRO_BATCHES,
     REFERENCE_DDP,
+    ROUNDING_BOUNDED,
     kfac_reference,
     micro_batch_reference,
     under_horovodrun,
@@ -44,7 +44,7 @@ class Runs:
             print("horovod.torch is not importable: build it with scripts/install-horovod.sh")
             pytest.skip("horovod.torch is not importable (scripts/install-horovod.sh builds it)")
         cases = sorted(
-            {c for s, c in ALL_CELLS + [e[:2] for e in ERRORS] if s == strategy and not c.endswith("_2_to_1")}
+            {c for s, c in ALL_CELLS if s == strategy and not c.endswith("_2_to_1")}
             | {c for (s, c), reference in REFERENCE_DDP.items() if strategy in (s, reference)},
             key=_refusals_last(strategy),
         )
@@ -55,7 +55,8 @@ class Runs:
     def one(self, case: str, data_parallel: int, kfac: bool = False) -> CaseResult:
         """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
         strategy = "kfac_auto" if kfac else "auto"
-        cells = EXACT + BOUNDED + BOUNDED_MG + [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cells = [*EXACT, *ROUNDING_BOUNDED, *BOUNDED, *BOUNDED_MG]
+        cells += [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
                         and kfac_reference(s) == kfac})
@@ -95,12 +96,11 @@ def _reference_case(case: str) -> str:
 
 
 def _refusals_last(strategy: str):
-    """Cases that raise run after those that train (an error during training, ERRORS, last of all)."""
+    """Cases that raise run after those that train."""
     from cells import REFUSED
 
     refused = {c for s, c, _ in REFUSED if s == strategy}
-    failing = {c for s, c, _ in ERRORS if s == strategy}
-    return lambda case: (case in failing, case in refused, case)
+    return lambda case: (case in refused, case)
 
 
 @pytest.fixture(scope="session")

@@ -251,9 +251,9 @@ def float32(module: pl.LightningModule) -> pl.LightningModule:
 
 
 def ode_net_unused() -> UserCNN:
-    """The ODE-ResNet with a layer in its opening that takes no part in the loss."""
+    """The ODE-ResNet with a layer that takes no part in the loss (outside its residual steps)."""
     module = ode_net()
-    module.model.opening.unused = nn.Conv2d(2, 2, 1).double()
+    module.model.unused = nn.Conv2d(2, 2, 1).double()
     return module
 
 
@@ -298,6 +298,8 @@ CASES: dict[str, Case] = {
     "manual_clip": Case(lambda: UserCNN(manual_clip=True)),
     "backbone_classifier": Case(BackboneClassifier),
     "boring_model": Case(boring_model, data="boring"),  # Lightning's own demo module, with its own data
+    # the same in float64: its own data, batch size 1 (a float32 K-FAC cell's reference for the math)
+    "boring_model_own_f64": Case(boring_model_double, data="boring_f64"),
     "flatten_linear": Case(flatten_linear),
     "odenet": Case(ode_net),
     "predict": Case(UserCNN, flow="predict"),  # trainer.predict with Lightning's own (unpadded) predict sampler
@@ -403,6 +405,10 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
 
         strategy, callbacks = build_strategy(name[len("kfac_"):])
         return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
+    if name == "spatial":
+        from lightning_hpc import SpatialParallelStrategy
+
+        return SpatialParallelStrategy(spatial_parts=(2, 1)), []
     if name == "ddp_find_unused":
         return "ddp_find_unused_parameters_true", []
     if name == "hybrid_fc_find_unused":
@@ -490,7 +496,8 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
     result: dict[str, Any] = {"rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))}
 
     def trainer(**extra: Any) -> pl.Trainer:
-        strategy, callbacks = build_strategy(strategy_name)
+        # a spatial checkpoint resumes on one process as the plain model (one process cannot hold 2 x 1 tiles)
+        strategy, callbacks = build_strategy("auto" if strategy_name == "spatial" and devices == 1 else strategy_name)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
         if case.plugins is not None:
             kwargs["plugins"] = case.plugins()
@@ -513,9 +520,11 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
     t: pl.Trainer | None = None
     try:
         module = case.module()
-        loader = None if case.data == "boring" else train_loader(case, devices, data_parallel)
-        if case.data == "boring" and devices == 1:  # the module's own data, as the union of the ranks' batches
-            own = module.train_dataloader()
+        loader = None if case.data.startswith("boring") else train_loader(case, devices, data_parallel)
+        if case.data == "boring_f64":  # the module's own data (drawn as it draws them), in float64
+            loader = DataLoader(module.train_dataloader().dataset.data.double())
+        if case.data.startswith("boring") and devices == 1:  # the module's own data, the union of the ranks' batches
+            own = loader if loader is not None else module.train_dataloader()
             loader = DataLoader(own.dataset, batch_sampler=UnionBatches(len(own.dataset), data_parallel,
                                                                         own.batch_size or 1))
         if case.flow == "predict":
