@@ -93,6 +93,33 @@ def run_in_processes(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout_s, collective_timeout_s, env)
+        except _PortTaken:
+            # the free port was taken by another program between find_free_port() and rank 0's listen (nothing of
+            # fn ran yet): a new port, a new start
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(DistributedRunError):
+    """Rank 0 could not listen on the chosen MASTER_PORT (taken meanwhile)."""
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    backend: str,
+    timeout_s: float,
+    collective_timeout_s: float,
+    env: dict[str, str] | None,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = find_free_port()
@@ -133,7 +160,8 @@ def run_in_processes(
                 else:
                     continue
             if not ok:
-                raise DistributedRunError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{value}")
+                error = _PortTaken if "EADDRINUSE" in value and "init_process_group" in value else DistributedRunError
+                raise error(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{value}")
             out[rank] = pickle.loads(value)
     finally:
         for p in procs:

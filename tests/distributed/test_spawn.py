@@ -52,3 +52,20 @@ def test_tensor_results_survive_the_worker_exiting():
         out = run_in_processes(_return_tensors, 2)
         assert [float(o["rank"].sum()) for o in out] == [0.0, 64.0 * 64]
         assert out[1]["list"][0].tolist() == [0, 1, 2]
+
+
+def test_a_port_taken_before_rank_0_listens_is_replaced(monkeypatch):
+    """Another program takes the free port between find_free_port() and rank 0's listen (seen when test suites
+    share a machine): the run starts again on a new port instead of failing."""
+    import socket
+
+    from lightning_hpc.distributed import spawn
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = spawn.find_free_port
+        monkeypatch.setattr(spawn, "find_free_port", lambda: ports.pop() if ports else real())
+        assert run_in_processes(_allreduce_rank, 2) == [1.0, 1.0]
+        assert not ports, "the taken port was never tried: the test proves nothing"
