@@ -66,9 +66,10 @@ class EventLog(TorchDistributedCommunicator):
 
 
 def _train(rank: int, world_size: int, overlap: bool, model_kind: str = "plain", micro: int = 1,
-           no_sync: bool = True, skip: str = "", **options) -> dict:  # fmt: skip
+           no_sync: bool = True, skip: str = "", loss_scale: float = 1.0, **options) -> dict:  # fmt: skip
     """``STEPS`` K-FAC steps on this rank's share of each global batch, split into ``micro`` micro-batches.
-    ``skip``: ``"step"`` leaves ``mid`` unused on every rank at steps 1 and 2, ``"rank"`` on rank 1 only."""
+    ``skip``: ``"step"`` leaves ``mid`` unused on every rank at steps 1 and 2, ``"rank"`` on rank 1 only.
+    ``loss_scale``: the loss is multiplied by it, as a grad scaler does, and the step told so."""
     model = Net(shared=model_kind == "shared").to(DTYPE)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list[str] = []
@@ -94,16 +95,19 @@ def _train(rank: int, world_size: int, overlap: bool, model_kind: str = "plain",
             ctx = pre.no_sync() if (no_sync and k < micro - 1) else _nothing()
             with ctx, warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
-                (F.cross_entropy(model(xs), y[k * n : (k + 1) * n]) / micro).backward()
+                (F.cross_entropy(model(xs), y[k * n : (k + 1) * n]) * (loss_scale / micro)).backward()
             caught += [str(m.message) for m in w]
         events.append("backward returned")
         for p in model.parameters():  # a layer unused on some rank: a zero gradient, as DDP gives it
             if p.grad is None and skip == "rank":
                 p.grad = torch.zeros_like(p)
+        for p in model.parameters():  # unscale_
+            if p.grad is not None:
+                p.grad /= loss_scale
         average_gradients_like_ddp(model)  # the strategy's gradient allreduce
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            pre.step()
+            pre.step(grad_scale=loss_scale)
         caught += [str(m.message) for m in w]
         during_backward.append(_launches_before(events, "input grad"))
         events.clear()
@@ -152,6 +156,7 @@ CASES = {
     "shared": {"model_kind": "shared"},
     "unused on some steps": {"skip": "step"},
     "layer_wise": {"placement": "layer_wise"},
+    "loss scale 2^10": {"loss_scale": 1024.0},
     "round_robin, fraction 1/2, inverse": {"placement": "round_robin", "grad_worker_fraction": 0.5,
                                            "compute_method": "inverse"},
     "full matrices, large buckets": {"symmetric_allreduce": False, "bucket_cap_mb": 25.0},
@@ -284,3 +289,100 @@ def test_buckets_are_fixed_by_shapes_in_reverse_order():
     wide = KFACPreconditioner(Net().double(), announce=False).handlers
     assert all(b.dtype == torch.float64 for b in plan_factor_buckets(wide, cap, symmetric=True))
     assert [b.layers for b in plan_factor_buckets(wide, cap, symmetric=True)] == [[3], [2], [1], [0]]
+
+
+def _run_spatial(rank: int, world_size: int) -> dict:
+    """A spatially tiled network (each sample split over the 2 ranks): its tiles' partial factors are summed in
+    the same buckets (``partition_size`` scaling at launch)."""
+    from lightning_hpc.spatial.convert import convert_model, split_parameters
+    from lightning_hpc.spatial.gradients import reduce_gradients
+    from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+
+    layout = create_hybrid_layout((1, 2))
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(4, 3, 9, 10, generator=g), torch.randint(0, 5, (4,), generator=g)
+    rs, cs = tile_slices(9, 10, layout.grid.parts, layout.grid.index)
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(6)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2, padding=1),
+                            nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))  # fmt: skip
+        model = convert_model(net, layout.grid, input_shape=(3, 9, 10))
+        tile_p, rep_p = split_parameters(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01,
+                                 kl_clip=0.01, bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap,
+                                 announce=False)  # fmt: skip
+        tiled = [h.partition_size for h in pre.handlers]
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x[..., rs, cs]), y).backward()
+            reduce_gradients(tile_p, rep_p, layout.num_sample_groups)
+            pre.step()
+            opt.step()
+        out[overlap] = {
+            "params": [p.detach().numpy().copy() for p in model.parameters()],
+            "precond": [p.grad.numpy().copy() for p in model.parameters()],
+            "factors": {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()},
+            "tiled": tiled,
+        }
+    return out
+
+
+def test_spatially_tiled_layers_sum_their_partial_factors_with_overlap():
+    for rank, out in enumerate(run_in_processes(_run_spatial, 2, timeout_s=300, collective_timeout_s=60)):
+        assert out[True]["tiled"] == [2, 2, 1]  # two tiled convolutions and the replicated head
+        _close(out[True], out[False], f"rank {rank}", tol=0.0)
+
+
+def _run_skipped_steps(rank: int, world_size: int) -> dict:
+    """Step 1 is dropped, by the user (``stale``: gradients cleared without ``step()``) or by
+    ``discard_statistics`` (what the callback does on an AMP overflow), while ``mid`` is unused on rank 1: rank 0
+    launched more buckets in its backward pass than rank 1, and the next step must still pair every collective."""
+    return {(drop, overlap): _skip_one_step(rank, drop, overlap) for drop in ("stale", "discard")
+            for overlap in (False, True)}  # fmt: skip
+
+
+def _skip_one_step(rank: int, drop: str, overlap: bool) -> dict:
+    model = Net().to(DTYPE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, damping=0.05,
+                             factor_dtype="float64", decomposition_dtype="float64", bucket_cap_mb=1e-4,
+                             overlap_factor_allreduce=overlap, announce=False)  # fmt: skip
+    caught: list[str] = []
+    for step in range(5):
+        x, y = _data(step)
+        x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+        model.skip = rank == 1 and step == 1
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == 1:
+            if drop == "discard":
+                pre.discard_statistics()
+            continue  # else the next forward pass finds the gradients cleared: statistics stale
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        average_gradients_like_ddp(model)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            pre.step()
+        caught += [str(m.message) for m in w]
+        opt.step()
+    return {
+        "params": [p.detach().numpy().copy() for p in model.parameters()],
+        "precond": [p.grad.numpy().copy() for p in model.parameters()],
+        "factors": {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()},
+        "steps": pre.steps,
+        "warnings": caught,
+    }
+
+
+def test_dropped_steps_leave_no_collective_unpaired():
+    for rank, out in enumerate(run_in_processes(_run_skipped_steps, 2, timeout_s=300, collective_timeout_s=60)):
+        for drop in ("stale", "discard"):
+            over, sync = out[(drop, True)], out[(drop, False)]
+            assert over["steps"] == sync["steps"] == 4
+            # nothing of a dropped step reaches the next one (it would show as statistics arriving after the launch)
+            assert not any("launched" in w for w in over["warnings"]), (drop, over["warnings"])
+            _close(over, sync, f"rank {rank}, {drop}", tol=0.0)
