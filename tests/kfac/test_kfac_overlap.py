@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from kfac_checks import average_gradients_like_ddp
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
 from lightning_hpc.kfac import KFACPreconditioner
+from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.overlap import plan_factor_buckets
 
 STEPS = 4
@@ -386,3 +391,71 @@ def test_dropped_steps_leave_no_collective_unpaired():
             # nothing of a dropped step reaches the next one (it would show as statistics arriving after the launch)
             assert not any("launched" in w for w in over["warnings"]), (drop, over["warnings"])
             _close(over, sync, f"rank {rank}, {drop}", tol=0.0)
+
+
+class _Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net().to(DTYPE)
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Marks(Callback):
+    """``final_micro_batch`` as the backward pass of each batch sees it."""
+
+    def __init__(self, kfac: KFAC) -> None:
+        self.kfac, self.marks = kfac, []
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        assert self.kfac.preconditioner is not None
+        self.marks.append(self.kfac.preconditioner.final_micro_batch)
+
+
+def _fit(rank: int, world_size: int) -> dict:
+    """DDP, 5 micro-batches per rank and epoch with ``accumulate_grad_batches=2`` (the last group is short)."""
+    x, y = _data(0)
+    data = DataLoader(TensorDataset(x[rank * 5 : (rank + 1) * 5], y[rank * 5 : (rank + 1) * 5]), batch_size=1)
+    out = {}
+    for overlap in (False, True):
+        module = _Module()
+        kfac = KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.05, kl_clip=0.01, factor_dtype="float64",
+                    decomposition_dtype="float64", bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap)  # fmt: skip
+        marks = _Marks(kfac)
+        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", accumulate_grad_batches=2,
+                             max_epochs=2, callbacks=[kfac, marks], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             use_distributed_sampler=False)  # fmt: skip
+        trainer.fit(module, data)
+        pre = kfac.preconditioner
+        assert pre is not None
+        out[overlap] = {
+            "params": [p.detach().numpy().copy() for p in module.parameters()],
+            "precond": [p.grad.numpy().copy() if p.grad is not None else None for p in module.parameters()],
+            "factors": {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()},
+            "marks": marks.marks,
+            "steps": pre.steps,
+            "in_backward": pre.overlap.launched_in_backward if pre.overlap is not None else 0,
+            "buckets": len(pre.overlap.buckets) if pre.overlap is not None else 0,
+        }
+    return out
+
+
+def test_lightning_ddp_with_accumulation_marks_the_last_micro_batch():
+    for rank, out in enumerate(run_in_processes(_fit, 2, timeout_s=600, collective_timeout_s=120)):
+        over, sync = out[True], out[False]
+        # 5 batches per epoch, accumulating 2: steps after batches 2, 4 and the short group's 5
+        assert over["marks"] == [False, True, False, True, True] * 2, over["marks"]
+        assert over["steps"] == sync["steps"] == 6
+        # every step's buckets launched in its last backward pass
+        assert over["in_backward"] == 6 * over["buckets"] > 0, (over["in_backward"], over["buckets"])
+        over["precond"] = sync["precond"] = []  # Lightning clears the gradients after the step
+        _close(over, sync, f"rank {rank}", tol=0.0)
