@@ -1,6 +1,6 @@
-"""The factor all-reduce overlapped with the backward pass (KAISA, Pauloski et al., SC21, arXiv:2107.01739,
-section IV: factor communication starts as soon as a layer's factors are computed, while the backward pass
-continues on earlier layers, as bucketed gradient all-reduce does).
+"""The factor all-reduce overlapped with the backward pass (KAISA, Pauloski et al., SC21, arXiv:2107.01739:
+a layer's factor communication starts as soon as its factors are computed, while the backward pass continues on
+earlier layers, as bucketed gradient all-reduce does).
 
 A layer's statistics for an optimizer step are final when the backward pass of the step's last micro-batch has
 delivered the output gradient of every call of the layer in that forward pass (A is known from the forward
@@ -139,19 +139,17 @@ class OverlappedFactorAllreduce:
         self.armed = False
 
     def _start(self) -> list[int]:
-        if self._remaining is None:
-            self._plan()
+        if self._remaining is None:  # the step's first launch or flush
+            # dtypes and devices may change after construction (Lightning moves the model after the callbacks'
+            # setup): buffers follow the layers (CUDA for NCCL), and the plan is redone if a dtype changed
+            self.device = self.handlers[0].weight.device
+            key = tuple((h.dtype_for(h.weight), h.a_dim, h.g_dim) for h in self.handlers)
+            if key != self._plan_key:
+                self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
+                self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
+                self._plan_key = key
             self._remaining = [len(b.layers) for b in self.buckets]
         return self._remaining
-
-    def _plan(self) -> None:
-        # the dtypes and devices may change after construction (Lightning moves the model in its setup)
-        key = tuple((h.dtype_for(h.weight), h.a_dim, h.g_dim) for h in self.handlers)
-        if key != self._plan_key:
-            self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
-            self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
-            self._plan_key = key
-            self.device = self.handlers[0].weight.device
 
     @property
     def launched(self) -> int:
