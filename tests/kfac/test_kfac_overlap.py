@@ -59,14 +59,17 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class EventLog(TorchDistributedCommunicator):
-    """Records every factor all-reduce (op ``mean``) with the count of backward-pass events seen before it."""
+    """Records every factor all-reduce (op ``mean``; the "hooks fired" flags and the status are sums) among the
+    test's backward-pass events, and counts its bytes."""
 
     def __init__(self, events: list[str]) -> None:
         self.events = events
+        self.factor_bytes = 0
 
     def allreduce(self, tensor, op="mean", group=None, async_op=False):
         if op == "mean":
             self.events.append(f"factor allreduce async={async_op}")
+            self.factor_bytes += tensor.numel() * tensor.element_size()
         return super().allreduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -86,6 +89,7 @@ def _train(rank: int, world_size: int, overlap: bool, model_kind: str = "plain",
     )  # fmt: skip
     per_rank = GLOBAL_BATCH // world_size
     during_backward = []
+    blocking = 0
     caught: list[str] = []
     for step in range(STEPS):
         x, y = _data(step)
@@ -115,6 +119,7 @@ def _train(rank: int, world_size: int, overlap: bool, model_kind: str = "plain",
             pre.step(grad_scale=loss_scale)
         caught += [str(m.message) for m in w]
         during_backward.append(_launches_before(events, "input grad"))
+        blocking += sum(e == "factor allreduce async=False" for e in events)
         events.clear()
         opt.step()
     # numpy, not tensors: tensors cross the result queue through shared memory that dies with the rank
@@ -123,6 +128,8 @@ def _train(rank: int, world_size: int, overlap: bool, model_kind: str = "plain",
         "precond": [p.grad.numpy().copy() for p in model.parameters()],
         "factors": {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()},
         "during_backward": during_backward,
+        "blocking": blocking,
+        "factor_bytes": comm.factor_bytes,
         "buckets": len(pre.overlap.buckets) if pre.overlap is not None else 0,
         "launched_in_backward": pre.overlap.launched_in_backward if pre.overlap is not None else 0,
         "warnings": caught,
@@ -197,6 +204,10 @@ def test_overlap_equals_the_synchronous_path_and_one_process(world_size):
             assert over["buckets"] > 1 or name.startswith("full")
             # the synchronous path launches nothing before the backward pass ends
             assert sync["during_backward"] == [0] * STEPS
+            # none of the launches waits for its collective, and the overlap sends the bytes the step would
+            assert over["blocking"] == 0
+            if name != "unused on some steps":  # there it sends zeros for the unused layer instead of leaving it out
+                assert over["factor_bytes"] == sync["factor_bytes"] > 0, (over["factor_bytes"], sync["factor_bytes"])
 
 
 def _run_rank_unused(rank: int, world_size: int) -> dict:
