@@ -13,7 +13,9 @@ Per optimizer step (Algorithm 1):
 
 1. On factor-update steps (every ``factor_update_freq``), forward/backward hooks capture layer inputs and
    output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
-   averages them across ranks (asynchronous, bucketed allreduce) and folds them into the running averages
+   averages them across ranks (asynchronous, bucketed allreduce; with ``overlap_factor_allreduce`` launched from
+   the backward hooks of the step's last micro-batch, overlapping the rest of the backward pass as in KAISA,
+   SC21: :mod:`.overlap`) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
    Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
