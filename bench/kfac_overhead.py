@@ -27,6 +27,8 @@ reports both amortized steps against SGD (rows ``kfac_f10_d100`` and ``kfac_f10_
 time there: the ranks wait for each other, and waiting is what overlap removes.
 
     flock LOCKFILE python bench/kfac_overhead.py --processes 2 --overlap both [--repeats 5] [--batch 128]
+
+(writes bench/results/kfac_overhead_2proc.{json,csv} unless ``--tag`` is given).
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def main() -> None:
     counts = [default_threads if c.strip() == "default" else int(c) for c in args.threads.split(",")]
     if args.processes > 1:
         counts = [1]  # one thread per rank (run_in_processes): the ranks share the cores
-    report = Report("kfac_overhead" + args.tag)
+    # several processes write their own files (kfac_overhead_2proc.*) unless a tag says otherwise
+    tag = args.tag or (f"_{args.processes}proc" if args.processes > 1 else "")
+    report = Report("kfac_overhead" + tag)
     report.meta.update(
         model=f"cifar_resnet{args.depth}",
         batch=args.batch,
