@@ -18,6 +18,17 @@ count), each with its own SGD baseline; ratios use process CPU time at one threa
 (CPU time then sums the threads' spinning), and both are reported.
 
     flock LOCKFILE python bench/kfac_overhead.py [--repeats 5] [--batch 128] [--threads 1,default]
+
+With ``--processes 2`` every step kind runs on 2 gloo processes (one thread each, the global batch split between
+them, gradients averaged by ``DistributedDataParallel`` in every kind, the baseline included), so the factor
+all-reduce costs real communication; ``--overlap both`` then times the factor steps with the all-reduce at the
+step (``overlap_factor_allreduce=False``) and launched from the backward hooks (``True``) in the same run, and
+reports both amortized steps against SGD (rows ``kfac_f10_d100`` and ``kfac_f10_d100_overlap``). Ratios use wall
+time there: the ranks wait for each other, and waiting is what overlap removes.
+
+    flock LOCKFILE python bench/kfac_overhead.py --processes 2 --overlap both [--repeats 5] [--batch 128]
+
+(writes bench/results/kfac_overhead_2proc.{json,csv} unless ``--tag`` is given).
 """
 
 from __future__ import annotations
@@ -28,11 +39,18 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from harness import Report
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.models import cifar_resnet
+
+#: factor all-reduce modes: ``overlap_factor_allreduce`` value and the suffix of their step kinds
+MODES = {"sync": (False, ""), "overlap": (True, "_overlap")}
 
 
 def main() -> None:
@@ -44,17 +62,29 @@ def main() -> None:
     ap.add_argument("--threads", default="1,default", help="comma-separated thread counts; 'default' = torch's default")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all step kinds (noise control)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _threads2)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="ranks (gloo, one thread each, the batch split between them, DDP gradient averaging)")
+    ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
+                    help="factor all-reduce at the step (off), from the backward hooks (on), or both in one run; "
+                    "needs --processes > 1")
     ap.add_argument("--unfold-a", action="store_true",
                     help="compute every convolution's A from the unfolded patches (the path before the shifted "
                     "channel correlations), for a comparison on the same machine")
     args = ap.parse_args()
+    if args.overlap != "off" and args.processes < 2:
+        ap.error("--overlap needs --processes 2 or more: one process has no factor all-reduce to overlap")
+    modes = {"off": ["sync"], "on": ["overlap"], "both": ["sync", "overlap"]}[args.overlap]
     if args.unfold_a:
         import lightning_hpc.kfac.layers as kfac_layers
 
         kfac_layers.SHIFTED_GRAM_MIN_WORK = 1 << 62  # no layer has that much work: every A from the patches
     default_threads = torch.get_num_threads()
     counts = [default_threads if c.strip() == "default" else int(c) for c in args.threads.split(",")]
-    report = Report("kfac_overhead" + args.tag)
+    if args.processes > 1:
+        counts = [1]  # one thread per rank (run_in_processes): the ranks share the cores
+    # several processes write their own files (kfac_overhead_2proc.*) unless a tag says otherwise
+    tag = args.tag or (f"_{args.processes}proc" if args.processes > 1 else "")
+    report = Report("kfac_overhead" + tag)
     report.meta.update(
         model=f"cifar_resnet{args.depth}",
         batch=args.batch,
@@ -62,10 +92,18 @@ def main() -> None:
         default_threads=default_threads,
         repeats=args.repeats * args.rounds,
         conv_a="unfolded patches" if args.unfold_a else "shifted channel correlations where they apply",
+        processes=args.processes,
+        factor_allreduce=modes,
     )
     for threads in dict.fromkeys(counts):
-        t, t_wall = measure(args, threads)
-        ratio_on = "cpu_s_per_step" if threads == 1 else "wall_s_per_step"
+        if args.processes > 1:
+            # rank 0's medians (every step kind synchronises the ranks through its collectives)
+            t, t_wall = run_in_processes(_measure_rank, args.processes, args, modes, timeout_s=3600,
+                                         collective_timeout_s=600)[0]  # fmt: skip
+        else:
+            t, t_wall = measure(args, threads, modes)
+        # waiting for the other ranks is not CPU time: with several processes only wall time counts it
+        ratio_on = "cpu_s_per_step" if threads == 1 and args.processes == 1 else "wall_s_per_step"
         for k, v in t.items():
             report.add(
                 threads=threads,
@@ -77,48 +115,75 @@ def main() -> None:
                 ratio_on=ratio_on,
             )
         for f, d in ((10, 100), (1, 10), (1, 100), (10, 1000)):
-            report.add(
-                threads=threads,
-                config=f"kfac_f{f}_d{d}",
-                factor_every=f,
-                decomp_every=d,
-                cpu_s_per_step=amortized(t, f, d),
-                wall_s_per_step=amortized(t_wall, f, d),
-                ratio_on=ratio_on,
-            )
+            for mode in modes:
+                suffix = MODES[mode][1]
+                report.add(
+                    threads=threads,
+                    config=f"kfac_f{f}_d{d}{suffix}",
+                    factor_every=f,
+                    decomp_every=d,
+                    cpu_s_per_step=amortized(t, f, d, suffix),
+                    wall_s_per_step=amortized(t_wall, f, d, suffix),
+                    ratio_on=ratio_on,
+                )
     report.add_ratios("config", "cpu_s_per_step", "sgd", ratio_name="cpu_vs_sgd", group_by=["threads"])
     report.add_ratios("config", "wall_s_per_step", "sgd", ratio_name="wall_vs_sgd", group_by=["threads"])
     for row in report.rows:  # the ratio that measures the step's own work at this thread count
-        row["vs_sgd"] = row.get("cpu_vs_sgd" if row["threads"] == 1 else "wall_vs_sgd")
+        row["vs_sgd"] = row.get("cpu_vs_sgd" if row["ratio_on"] == "cpu_s_per_step" else "wall_vs_sgd")
     report.print()
     report.write()
 
 
-def amortized(times: dict[str, float], f: int, d: int) -> float:
-    """Mean step time for factors every ``f`` and decompositions every ``d`` steps (d a multiple of f)."""
+def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> float:
+    """Mean step time for factors every ``f`` and decompositions every ``d`` steps (d a multiple of f); ``suffix``
+    picks the factor steps of one all-reduce mode (``""`` at the step, ``"_overlap"`` from the hooks)."""
     return (
-        times["kfac_factors_decomp"] + (d // f - 1) * times["kfac_factors"] + (d - d // f) * times["kfac_precondition"]
+        times[f"kfac_factors_decomp{suffix}"]
+        + (d // f - 1) * times[f"kfac_factors{suffix}"]
+        + (d - d // f) * times["kfac_precondition"]
     ) / d
 
 
-def measure(args: argparse.Namespace, threads: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Median CPU and wall seconds per step of each step kind at ``threads`` intra-op threads."""
+def _measure_rank(rank: int, world_size: int, args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
+    return measure(args, 1, modes)
+
+
+def measure(
+    args: argparse.Namespace, threads: int, modes: list[str] | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median CPU and wall seconds per step of each step kind at ``threads`` intra-op threads (on every rank of
+    the process group when there is one: each rank takes its share of the batch, DDP averages the gradients)."""
+    modes = modes or ["sync"]
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = cifar_resnet(args.depth)
-    x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-    # The baseline trains its own copy: K-FAC's hooks on ``model`` would otherwise capture in its steps too.
-    sgd_model = copy.deepcopy(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model0 = cifar_resnet(args.depth)
+    g = torch.Generator().manual_seed(rank)
+    batch = args.batch // world
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+    def wrap(m: nn.Module) -> nn.Module:  # the strategy's gradient averaging, overlapped with the backward pass
+        return DistributedDataParallel(m) if world > 1 else m
+
+    # Each kind trains its own copy: K-FAC's hooks on one model would otherwise capture in the others' steps.
+    sgd_model = wrap(copy.deepcopy(model0))
     sgd_opt = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, damping=0.003)
+    kfac: dict[str, tuple[nn.Module, torch.optim.Optimizer, KFACPreconditioner]] = {}
+    for mode in modes:
+        model = copy.deepcopy(model0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, damping=0.003,
+                                 overlap_factor_allreduce=MODES[mode][0], announce=rank == 0)  # fmt: skip
+        kfac[mode] = (wrap(model), opt, pre)
 
     def sgd_step() -> None:
         sgd_opt.zero_grad()
         F.cross_entropy(sgd_model(x), y).backward()
         sgd_opt.step()
 
-    def kfac_step(factors: bool, decomp: bool) -> None:
+    def kfac_step(mode: str, factors: bool, decomp: bool) -> None:
+        net, opt, pre = kfac[mode]
         # Fix which updates this step does through the step counter and the intervals: step 0 is a multiple of
         # every interval, step 1 only of an interval of 1 (a factor-only step at step 0 would decompose too).
         pre.steps = 0 if decomp else 1
@@ -126,17 +191,21 @@ def measure(args: argparse.Namespace, threads: int) -> tuple[dict[str, float], d
             damping=pre.schedule.damping, factor_update_freq=1 if factors else 2, inv_update_freq=1 if decomp else 2
         )
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(net(x), y).backward()
         pre.step()
         opt.step()
 
+    first = modes[0]
     kinds = {
         "sgd": lambda: sgd_step(),
-        "kfac_precondition": lambda: kfac_step(False, False),
-        "kfac_factors": lambda: kfac_step(True, False),
-        "kfac_factors_decomp": lambda: kfac_step(True, True),
+        "kfac_precondition": lambda: kfac_step(first, False, False),
     }
-    kfac_step(True, True)  # factors and decompositions exist before the precondition-only steps
+    for mode in modes:
+        suffix = MODES[mode][1]
+        kinds[f"kfac_factors{suffix}"] = lambda mode=mode: kfac_step(mode, True, False)
+        kinds[f"kfac_factors_decomp{suffix}"] = lambda mode=mode: kfac_step(mode, True, True)
+    for mode in modes:
+        kfac_step(mode, True, True)  # factors and decompositions exist before the precondition-only steps
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.rounds):  # interleaved so background load hits every kind alike

@@ -38,6 +38,10 @@ class CompletedHandle:
 class Communicator(ABC):
     """Collectives over tensors, in place, optionally asynchronous."""
 
+    #: ``async_op=True`` returns while the collective is still running (False: a backend that completes it before
+    #: returning; K-FAC then does not try to overlap its factor all-reduce with the backward pass)
+    async_collectives: bool = True
+
     @property
     @abstractmethod
     def rank(self) -> int: ...

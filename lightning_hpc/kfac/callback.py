@@ -9,6 +9,10 @@ It only translates Lightning hooks:
   convolutions) run after the callbacks' ``setup``; the hooks are then registered in ``on_fit_start``, on the
   replaced layers, still before training starts.
 * ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
+* ``on_train_batch_start``: tells the preconditioner whether this batch's backward pass is the last of the
+  optimizer step (Lightning's own accumulation decision, a short last group included), so that with
+  ``overlap_factor_allreduce`` only that backward pass launches the factor all-reduce (the earlier micro-batches
+  only accumulate statistics, as ``KFACPreconditioner.no_sync`` does in a plain loop).
 * ``on_before_optimizer_step``: Lightning calls it after the strategy reduced the gradients and AMP unscaled
   them, once per optimizer step (after the last accumulated micro-batch): the paper's ``preconditioner.step()``
   slot of Listing 1. The optimizer's current lr feeds the KL clip (Eq 18).
@@ -132,6 +136,25 @@ class KFAC(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.preconditioner is not None:
             self.preconditioner.set_epoch(trainer.current_epoch)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.preconditioner is not None:
+            self.preconditioner.final_micro_batch = self.last_micro_batch(trainer, batch_idx)
+
+    @staticmethod
+    def last_micro_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
+        """Whether the optimizer steps after this batch: Lightning's own decision (the fit loop's
+        ``_should_accumulate``, which also steps on an epoch's short last group), else every
+        ``accumulate_grad_batches``-th batch. A wrong answer costs overlap, never correctness: a backward pass
+        not marked last leaves the all-reduce to the step, and statistics arriving after a launch make the
+        step reduce again synchronously."""
+        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        if callable(should_accumulate):
+            return not should_accumulate()
+        return (batch_idx + 1) % trainer.accumulate_grad_batches == 0
 
     @override
     def on_before_optimizer_step(

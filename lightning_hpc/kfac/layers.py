@@ -129,6 +129,8 @@ class LayerHandler:
         self.g_sum: torch.Tensor | None = None
         self.samples = 0
         self.g_samples = 0
+        #: calls committed since the statistics were last discarded (tells whether they changed since a point)
+        self.commits = 0
         #: dtype of the captured output gradients (float16 ones carry an AMP loss scale)
         self.g_dtype: torch.dtype | None = None
         # Samples are counted once per forward pass (its largest call), not once per call: a layer applied k
@@ -211,12 +213,13 @@ class LayerHandler:
         return token
 
     @torch.no_grad()
-    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> None:
-        """Add the output-gradient statistics of the call ``token`` and commit its input statistics."""
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        """Add the output-gradient statistics of the call ``token`` and commit its input statistics; False when
+        they had been discarded since its forward pass (nothing committed)."""
         self._in_forward = False  # the backward pass ends the forward pass's calls
         pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
         if pending is None:  # statistics discarded since the forward pass
-            return
+            return False
         with torch.autocast(g.device.type, enabled=False):
             contrib = self.output_gram(g)
         self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
@@ -230,6 +233,13 @@ class LayerHandler:
             self.samples += n - counted
         self._forward_counted[forward_id] = (max(n, counted), calls + 1)
         self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
+        self.commits += 1
+        return True
+
+    def awaiting_output_grads(self) -> bool:
+        """Calls of the latest forward pass whose output gradient has not arrived yet (a layer called several
+        times per forward pass receives one per call; a call whose output does not reach the loss never does)."""
+        return any(p[3] == self._forward_id for p in self._pending.values())
 
     @property
     def has_statistics(self) -> bool:

@@ -99,6 +99,11 @@ class KFACOptions:
         subsample_seed: seed of the sample-subset generator (only used when the fraction is below 1).
         symmetric_allreduce: all-reduce only the upper triangles of the (symmetric) factors, about half the
             bytes of the full matrices, with the same result (see :func:`.collectives.allreduce_mean_symmetric`).
+        overlap_factor_allreduce: launch the factor all-reduce from the backward hooks of the step's last
+            micro-batch, bucket by bucket as the layers' statistics become final, so it overlaps the rest of the
+            backward pass (KAISA, SC21, arXiv:2107.01739); the step waits for it. False: all-reduced at the step.
+            Same factors and parameters either way (see :mod:`.overlap`; with gradient accumulation mark the
+            earlier micro-batches with :meth:`KFACPreconditioner.no_sync`, which the Lightning callback does).
     """
 
     factor_update_freq: int | Callable[[int], int] | None = None
@@ -122,6 +127,7 @@ class KFACOptions:
     conv_input_sample_fraction: float = 1.0
     subsample_seed: int = 0
     symmetric_allreduce: bool = True
+    overlap_factor_allreduce: bool = False
 
     def __post_init__(self) -> None:
         # normalise containers (Hydra hands ListConfig) so the options compare and pickle plainly

@@ -13,7 +13,9 @@ Per optimizer step (Algorithm 1):
 
 1. On factor-update steps (every ``factor_update_freq``), forward/backward hooks capture layer inputs and
    output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
-   averages them across ranks (asynchronous, bucketed allreduce) and folds them into the running averages
+   averages them across ranks (asynchronous, bucketed allreduce; with ``overlap_factor_allreduce`` launched from
+   the backward hooks of the step's last micro-batch, overlapping the rest of the backward pass as in KAISA,
+   SC21: :mod:`.overlap`) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
    Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
@@ -34,10 +36,11 @@ can be swapped in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +56,7 @@ from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
+from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
 from lightning_hpc.kfac.schedules import value_at
 
@@ -165,7 +169,14 @@ class KFACPreconditioner:
             self._enable_subsampling(int(options.subsample_seed))
         self._layout_cache: tuple[list[int], dict[tuple[int, str], int]] | None = None
         self._column_group, self._row_group = self._make_groups()
-        self._hooks = [h.module.register_forward_hook(self._make_forward_hook(h)) for h in self.handlers]
+        #: the coming backward pass is the last of the optimizer step (see :meth:`no_sync`); with
+        #: ``overlap_factor_allreduce`` its hooks launch the factor all-reduce
+        self.final_micro_batch = True
+        #: the overlapped factor all-reduce (None: reduced synchronously at the step)
+        self.overlap: OverlappedFactorAllreduce | None = self._make_overlap()
+        self._hooks = [
+            h.module.register_forward_hook(self._make_forward_hook(i, h)) for i, h in enumerate(self.handlers)
+        ]
         self._hooks += [
             h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input
         ]
@@ -181,6 +192,47 @@ class KFACPreconditioner:
         columns = [self.comm.new_group(grid.column(c)) for c in range(grid.num_groups)]
         rows = [self.comm.new_group(grid.row(j)) for j in range(grid.grad_workers)]
         return columns[grid.column_of(rank)], rows[grid.row_of(rank)]
+
+    def _make_overlap(self) -> OverlappedFactorAllreduce | None:
+        """The overlapped factor all-reduce when ``overlap_factor_allreduce`` is set and there is someone to talk
+        to. Its buckets run on a group of their own (created here, collectively, with the world's timeout), so
+        their position among the strategy's gradient all-reduces and K-FAC's other collectives, which depends on
+        when each rank's hooks fire, does not matter. A communicator whose ``async_op=True`` collectives complete
+        before returning (``async_collectives = False``) gets the synchronous path, with a warning."""
+        if not self.options.overlap_factor_allreduce or self.comm.world_size == 1:
+            return None
+        if not self.comm.async_collectives:
+            warnings.warn(
+                f"K-FAC overlap_factor_allreduce: {type(self.comm).__name__} has no asynchronous collectives; the "
+                "factors are all-reduced synchronously at the optimizer step",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
+        group = self.comm.new_group(range(self.comm.world_size))
+        return OverlappedFactorAllreduce(
+            self.comm, self.handlers, self.bucket_cap_bytes, self.options.symmetric_allreduce, self.batch_averaged,
+            group, self._comm_device(),
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: the backward passes inside are not the step's last, so with
+        ``overlap_factor_allreduce`` their hooks only accumulate statistics locally, like DDP's ``no_sync``::
+
+            with precond.no_sync():          # and model.no_sync() under DDP
+                loss_fn(model(x0), y0).backward()
+            loss_fn(model(x1), y1).backward()  # launches the factor all-reduce during this backward pass
+            precond.step()
+
+        Statistics that arrive after a layer's factors were launched (accumulation without ``no_sync``) are not
+        lost: the step then reduces all of them synchronously, with a warning. Without overlap it does nothing."""
+        previous = self.final_micro_batch
+        self.final_micro_batch = False
+        try:
+            yield
+        finally:
+            self.final_micro_batch = previous
 
     @property
     def skipped_modules(self) -> list[tuple[str, str, str]]:
@@ -289,7 +341,20 @@ class KFACPreconditioner:
 
         return hook
 
-    def _make_forward_hook(self, handler: LayerHandler) -> Callable[..., None]:
+    def _output_grad_hook(self, index: int, handler: LayerHandler, token: int) -> Callable[[torch.Tensor], None]:
+        def hook(g: torch.Tensor) -> None:  # returns None: the gradient itself is never replaced
+            committed = handler.capture_output_grad(g, token)
+            overlap = self.overlap
+            if committed and overlap is not None and self.final_micro_batch:
+                overlap.armed = True
+                # final once every call of the layer in this forward pass has its output gradient (a shared
+                # layer's hook fires once per call)
+                if not handler.awaiting_output_grads():
+                    overlap.layer_done(index)
+
+        return hook
+
+    def _make_forward_hook(self, index: int, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             self._check_module(handler, module)
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
@@ -299,13 +364,15 @@ class KFACPreconditioner:
                 return
             if handler.is_stale():
                 # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
+                if self.overlap is not None:
+                    self.overlap.abandon()  # and whatever that backward pass launched
                 for h in self.handlers:
                     h.discard_committed()
             token = handler.capture_input(x)
             # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
             # spatial tile: the tiled handler expects the tile's own part)
             with torch._C.DisableTorchFunctionSubclass():
-                output.register_hook(lambda g: handler.capture_output_grad(g, token))
+                output.register_hook(self._output_grad_hook(index, handler, token))
 
         return hook
 
@@ -316,6 +383,8 @@ class KFACPreconditioner:
 
     def discard_statistics(self) -> None:
         """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients)."""
+        if self.overlap is not None:
+            self.overlap.abandon()
         for h in self.handlers:
             h.reset_statistics()
 
@@ -389,15 +458,34 @@ class KFACPreconditioner:
 
     # factors ----------------------------------------------------------------------------------------------
     def _update_factors(self, grad_scale: float) -> None:
-        fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
-        if self.comm.world_size > 1:
-            # A layer is updated only if its hooks fired on every rank, so the factor allreduce matches.
-            device = self._comm_device()
-            fired = fired.to(device)
-            self.comm.allreduce(fired, op="sum").wait()
-            fired = fired.cpu() / self.comm.world_size
+        batch: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.overlap is not None:
+            result = self.overlap.finish(grad_scale)
+            if result is None:
+                self._warn_once(
+                    "late",
+                    "K-FAC overlap_factor_allreduce: statistics were captured after a layer's factors had been "
+                    "launched (gradient accumulation without KFACPreconditioner.no_sync() on the earlier "
+                    "micro-batches); this step's factors are reduced again, synchronously, from all of them",
+                )
+            else:
+                fired, reduced = result
+                self._active_layers(fired)  # warns about layers that did not fire on every rank
+                batch = {self.handlers[i].name: reduced[i] for i in sorted(reduced)}
+        if batch is None:
+            batch = self._reduce_factors(grad_scale)
+        self._fold_factors(batch)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def _active_layers(self, fired: list[float]) -> list[LayerHandler]:
+        """The layers whose hooks fired on every rank (``fired``: the fraction of ranks, per layer); one warning
+        for each other layer, the first time."""
         active: list[LayerHandler] = []
-        for h, f in zip(self.handlers, fired.tolist()):
+        for h, f in zip(self.handlers, fired):
             if f >= 1.0 - 1e-6:
                 active.append(h)
             elif h.name not in self._warned:
@@ -407,8 +495,21 @@ class KFACPreconditioner:
                     "step on every rank (used functionally, output unused, or shared oddly); its factors are not "
                     "updated and its gradient is left to the optimizer until they exist",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
+        return active
+
+    def _reduce_factors(self, grad_scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The batch factors of the layers whose hooks fired on every rank, averaged over the ranks at the step
+        (the synchronous path: all buckets in flight at once, after the backward pass)."""
+        fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
+        if self.comm.world_size > 1:
+            # A layer is updated only if its hooks fired on every rank, so the factor allreduce matches.
+            device = self._comm_device()
+            fired = fired.to(device)
+            self.comm.allreduce(fired, op="sum").wait()
+            fired = fired.cpu() / self.comm.world_size
+        active = self._active_layers(fired.tolist())
         batch = {h.name: h.batch_factors(grad_scale, self.batch_averaged) for h in active}
         if self.comm.world_size > 1:
             # Tiled layers: a sample group's factor is the SUM of its partition_size ranks' partial factors
@@ -424,6 +525,10 @@ class KFACPreconditioner:
                 allreduce_mean_symmetric(self.comm, factors, self.bucket_cap_bytes)
             else:
                 allreduce_mean(self.comm, factors, self.bucket_cap_bytes)
+        return batch
+
+    def _fold_factors(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fold the averaged batch factors into the running averages (Eq 16-17), unless any is non-finite."""
         if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
             # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
@@ -436,7 +541,7 @@ class KFACPreconditioner:
                     "statistics are dropped and the running factors kept (said once; dropped_statistics_steps "
                     "counts them)",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             return
         decay = self.current_factor_decay()

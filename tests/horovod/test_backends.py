@@ -39,7 +39,8 @@ def test_kfac_on_horovod_equals_kfac_on_torch_distributed(tmp_path):
     hvd = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ref = run_in_processes(kfac_case.torch_case, 2, timeout_s=300, collective_timeout_s=120)
     initial = [p.detach() for p in kfac_case.model().parameters()]
-    for placement in kfac_case.PLACEMENTS:
+    assert set(hvd[0]) == set(ref[0]) == {*kfac_case.PLACEMENTS, "balanced+overlap"}
+    for placement in ref[0]:
         assert any(not torch.allclose(torch.as_tensor(a), b) for a, b in zip(ref[0][placement], initial))
         for rank in range(2):
             _close(hvd[rank][placement], ref[rank][placement], 1e-5, f"{placement} rank {rank}")

@@ -4,6 +4,8 @@
 rank on its slice of a fixed global batch, gradients averaged through ``comm`` (what the strategy does), and
 returns the final parameters.  ``torch_case`` runs it on torch.distributed (via run_in_processes);
 ``python kfac_case.py OUT`` under ``horovodrun -np N --gloo`` runs it on Horovod and writes OUT/rank{r}.pt.
+Each placement runs once, and ``balanced`` once more with the factor all-reduce launched from the backward hooks
+(``overlap_factor_allreduce``, key ``"balanced+overlap"``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 2, 7, 7, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
 
 
-def train(rank: int, world: int, comm: Communicator, placement: str) -> list[np.ndarray]:
+def train(rank: int, world: int, comm: Communicator, placement: str, overlap: bool = False) -> list[np.ndarray]:
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     pre = KFACPreconditioner(
         net, optimizer=opt, factor_update_freq=2, inv_update_freq=4, damping=0.05, kl_clip=0.01,
-        placement=placement, communicator=comm,
+        placement=placement, communicator=comm, overlap_factor_allreduce=overlap,
     )  # fmt: skip
     per_rank = GLOBAL_BATCH // world
     for step in range(STEPS):
@@ -56,10 +58,15 @@ def train(rank: int, world: int, comm: Communicator, placement: str) -> list[np.
     return [p.detach().clone().numpy() for p in net.parameters()]
 
 
+def cases(rank: int, world: int, comm: Communicator) -> dict[str, list[np.ndarray]]:
+    out = {placement: train(rank, world, comm, placement) for placement in PLACEMENTS}
+    out["balanced+overlap"] = train(rank, world, comm, "balanced", overlap=True)
+    return out
+
+
 def torch_case(rank: int, world: int) -> dict[str, list[np.ndarray]]:
     torch.set_num_threads(1)
-    comm = TorchDistributedCommunicator()
-    return {placement: train(rank, world, comm, placement) for placement in PLACEMENTS}
+    return cases(rank, world, TorchDistributedCommunicator())
 
 
 if __name__ == "__main__":
@@ -67,7 +74,7 @@ if __name__ == "__main__":
     from lightning_hpc.distributed import get_communicator
 
     comm = get_communicator("horovod")
-    result = {placement: train(comm.rank, comm.world_size, comm, placement) for placement in PLACEMENTS}
+    result = cases(comm.rank, comm.world_size, comm)
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{comm.rank}.pt")
