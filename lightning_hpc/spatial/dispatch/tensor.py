@@ -90,10 +90,20 @@ def gather_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full() if isinstance(t, SpatialTensor) else t
 
 
+#: set on the plain tiles :func:`local_tile` returns: a torchmetrics object fed one counts it as a tile (summed over
+#: all ranks), not as a replicated value (:mod:`lightning_hpc.spatial.metrics`)
+TILE_MARK = "_lightning_hpc_spatial_tile"
+
+
 def local_tile(t: torch.Tensor) -> torch.Tensor:
     """This rank's tile as a plain tensor for a split one, else ``t``: for statistics whose per-rank counts are
-    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered."""
-    return t.local() if isinstance(t, SpatialTensor) else t
+    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered.  The tile is
+    marked (:data:`TILE_MARK`) so a metric fed it sums it over the tiles."""
+    if not isinstance(t, SpatialTensor):
+        return t
+    out = t.local()
+    setattr(out, TILE_MARK, True)
+    return out
 
 
 def _spatials(args, kwargs) -> list[SpatialTensor]:
