@@ -1,6 +1,8 @@
 """Shape ops that keep the split dimensions whole: ``cat``/``chunk``/``split``/``unbind`` and indexing over
-unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``.  Those that cut or merge split dimensions go to
-the gather path.
+unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``; and slicing of split dimensions
+(``x[..., a:b:s, c:d:t]``: a centre crop, a strided subsample), whose kept rows are moved to the blocked layout
+of the output's extent (:mod:`remap`).  Integer indices of split dimensions and views that merge them go to the
+gather path.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
+from lightning_hpc.spatial.dispatch.relayout import _remap_split
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.remap import blocked
 
 
 @_handles(*_resolve("cat concat concatenate"))
@@ -133,23 +137,32 @@ def _getitem(func, args, kwargs):
         expanded.append(slice(None))
     src, out_dim, hd, wd, g = 0, 0, None, None, []
     split = x.split_dims
-    for i in expanded:
+    maps: list = [None, None]  # per grid axis: the rows a slice of a split dimension keeps (moved by a remap)
+    for k, i in enumerate(expanded):
         if i is None:
             g.append(1)
             out_dim += 1
             continue
-        if src in split and i != slice(None):
-            return NotImplemented
         if isinstance(i, int):
             if src in (x._hdim, x._wdim):
-                return NotImplemented
+                return NotImplemented  # drops a split dimension: gathered
         else:
+            kept = range(*i.indices(x._gshape[src]))
+            if src in split and i != slice(None):
+                axis = 0 if src == x._hdim else 1
+                parts = x._grid.parts[axis]
+                if len(kept) < parts:
+                    return NotImplemented  # fewer rows than tiles: gathered
+                maps[axis] = (blocked(x._gshape[src], parts), blocked(len(kept), parts), kept)
+                expanded[k] = slice(None)  # the tile keeps all its rows; the remap picks and re-blocks them
             if src == x._hdim:
                 hd = out_dim
             if src == x._wdim:
                 wd = out_dim
-            g.append(len(range(*i.indices(x._gshape[src]))))
+            g.append(len(kept))
             out_dim += 1
         src += 1
     out = _plain(x)[tuple(expanded)]
+    if maps != [None, None]:
+        out = _remap_split(x, out, maps, dims=(hd, wd))
     return _wrap_like(out, x, g, hd, wd)
