@@ -39,6 +39,7 @@ from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import (
@@ -342,7 +343,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # every step (or the first): also record the parameters used on replicated values (a parameter used on
         # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        names = ParameterNames(self.lightning_module)  # listed only if a message needs them
         check = ParameterUseCheck(names)
         with check:
             out = super().training_step(*args, **kwargs)

@@ -57,3 +57,20 @@ def test_broadcast_matches_torch(shapes):
     except RuntimeError:
         expected = None
     assert elementwise._broadcast(shapes) == expected
+
+
+def test_parameter_names_are_listed_only_when_a_message_needs_them():
+    """The strategy's per-step parameter-use check names parameters only in its refusals."""
+    from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames, ParameterUseCheck
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(4, 2))
+    walks: list[int] = []
+    real = model.named_parameters
+    model.named_parameters = lambda *a, **k: (walks.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
+    names = ParameterNames(model)
+    check = ParameterUseCheck(names)
+    with check:
+        model[1](torch.randn(2, 4)).sum()
+    check.raise_if_mixed(names)
+    assert walks == []
+    assert names.get(id(model[1].weight)) == "1.weight" and names.get(12345, "?") == "?" and walks == [1]
