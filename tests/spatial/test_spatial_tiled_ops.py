@@ -102,6 +102,9 @@ def _cases():
          nn.Sequential(Fn(lambda x: x[:, :, 3:10, 2:9]), nn.Conv2d(4, 3, 3, padding=1)), (13, 11), 4),
         ("x[..., 8:, :3] crop past a tile", Fn(lambda x: x[..., 8:, :3]), (13, 11), 4),
         ("x[..., ::2, 1::3]", Fn(lambda x: x[..., ::2, 1::3]), (13, 11), 4),
+        ("narrow(2, 3, 7).narrow(-1, -9, 8)", Fn(lambda x: torch.narrow(x, 2, 3, 7).narrow(-1, -9, 8)), (13, 11), 4),
+        ("torch.constant_pad_nd((1, 0, 2, -3), 0.25)", Fn(lambda x: torch.constant_pad_nd(x, (1, 0, 2, -3), 0.25)),
+         (13, 11), 4),
     ]
     return cases
 
@@ -176,7 +179,8 @@ def test_check_detects_a_wrong_border():
         assert all("reflect" in f.split(" (")[0].lower() for f in fails), fails
 
 
-CONSTANT_PADS = ("F.pad((1", "F.pad((2", "ZeroPad2d", "ConstantPad2d", "F.pad((0, 0", "F.pad((-", "F.pad((0, -6")
+CONSTANT_PADS = ("F.pad((1", "F.pad((2", "ZeroPad2d", "ConstantPad2d", "F.pad((0, 0", "F.pad((-", "F.pad((0, -6",
+                 "torch.constant_pad_nd")
 
 
 def test_check_detects_a_shifted_constant_pad():
@@ -184,7 +188,7 @@ def test_check_detects_a_shifted_constant_pad():
     the padded rows are one place off."""
     for fails in run_in_processes(_ops, 2, [(2, 1)], [torch.float64], "constant_pad_shifted", timeout_s=300):
         constant = [name for name, *_ in _cases() if name.startswith(CONSTANT_PADS)]
-        assert len(constant) == 8, constant
+        assert len(constant) == 9, constant
         for name in constant:
             assert any(f.startswith(name + " ") for f in fails), f"{name} not caught: {fails}"
 

@@ -18,8 +18,9 @@ process computes.  ``__torch_function__`` routes each op:
   (window sums / maxima over the group, replicated result), ``F.group_norm``/``F.instance_norm``/
   ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
   ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` in every mode (constant padding and
-  negative padding, i.e. crops, too), slicing of split dimensions (``x[..., a:b, c:d]``, ``x[..., ::2, ::2]``)
-  and ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows moved between tiles, :mod:`remap`);
+  negative padding, i.e. crops, too; ``torch.constant_pad_nd``), slicing of split dimensions
+  (``x[..., a:b, c:d]``, ``x[..., ::2, ::2]``, ``narrow``) and ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows
+  moved between tiles, :mod:`remap`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the

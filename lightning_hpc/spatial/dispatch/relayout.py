@@ -62,6 +62,13 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
     return _wrap_like(_remap_split(x, local, maps, fill=fill), x, gshape)
 
 
+@_handles(torch.constant_pad_nd)
+def _constant_pad_nd(func, args, kwargs):
+    """``torch.constant_pad_nd``: :func:`_pad_constant`."""
+    x = args[0] if args else kwargs["input"]
+    return _pad_constant(x, _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "value"))
+
+
 @_handles(F.pad, torch._C._nn.pad)
 def _pad(func, args, kwargs):
     """``F.pad``: constant padding (``nn.ZeroPad2d``, ``nn.ConstantPad2d``; negative amounts crop) of any

@@ -1,8 +1,8 @@
 """Shape ops that keep the split dimensions whole: ``cat``/``chunk``/``split``/``unbind`` and indexing over
 unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``; and slicing of split dimensions
-(``x[..., a:b:s, c:d:t]``: a centre crop, a strided subsample), whose kept rows are moved to the blocked layout
-of the output's extent (:mod:`remap`).  Integer indices of split dimensions and views that merge them go to the
-gather path.
+(``x[..., a:b:s, c:d:t]``, ``narrow``: a centre crop, a strided subsample), whose kept rows are moved to the
+blocked layout of the output's extent (:mod:`remap`).  Integer indices of split dimensions and views that merge
+them go to the gather path.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.calls import _arg, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
@@ -114,6 +114,21 @@ def _unsqueeze(func, args, kwargs):
     g = list(x._gshape)
     g.insert(d, 1)
     return _wrap_like(_plain(x).unsqueeze(d), x, g, x._hdim + (d <= x._hdim), x._wdim + (d <= x._wdim))
+
+
+@_handles(torch.narrow, torch.Tensor.narrow)
+def _narrow(func, args, kwargs):
+    """``narrow(dim, start, length)``: the slice ``start:start + length`` of ``dim`` (:func:`_getitem`)."""
+    x = args[0] if args else kwargs["input"]
+    dim, start, length = (_arg(args, kwargs, k, name) for k, name in ((1, "dim"), (2, "start"), (3, "length")))
+    if not isinstance(x, SpatialTensor) or not all(isinstance(v, int) for v in (dim, start, length)):
+        return NotImplemented
+    dim = _norm_dim(dim, x.dim())
+    if start < 0:
+        start += x._gshape[dim]  # as narrow counts a negative start
+    if not (0 <= start and length >= 0 and start + length <= x._gshape[dim]):
+        return NotImplemented  # the serial op's error, from the gather path
+    return _getitem(func, (x, (slice(None),) * dim + (slice(start, start + length),)), {})
 
 
 @_handles(torch.Tensor.__getitem__)
