@@ -96,11 +96,13 @@ class SpatialLayer:
     def tile_call(self, x: torch.Tensor, extent: tuple[int, int]) -> torch.Tensor:
         """Run this layer on the plain tile ``x`` of an input whose global (H, W) is ``extent`` (no extent
         allreduce)."""
-        self._known_extent = (int(extent[0]), int(extent[1]))
+        # a plain attribute written straight into the instance: nn.Module.__setattr__ would first check whether it is
+        # a parameter, buffer or submodule, twice per layer call
+        self.__dict__["_known_extent"] = (int(extent[0]), int(extent[1]))
         try:
             return type(self).forward(self, x)  # type: ignore[attr-defined]  # the nn.Module's it is mixed into
         finally:
-            self._known_extent = None
+            self.__dict__["_known_extent"] = None
 
     def spatial_call(self, x: Any) -> torch.Tensor:
         """Forward of a :class:`~lightning_hpc.spatial.dispatch.SpatialTensor`: the tile kernel on its local tile,
@@ -114,7 +116,7 @@ class SpatialLayer:
                 f"{x.dim()}-D tensor; it needs N x C x H x W split over H and W"
             )
         st = state()
-        st.note_params(list(self.parameters(recurse=False)))  # type: ignore[attr-defined]
+        st.note_params(self._parameters.values())  # type: ignore[attr-defined]  # = parameters(recurse=False)
         h, w = x._gshape[2], x._gshape[3]
         st.depth += 1
         try:

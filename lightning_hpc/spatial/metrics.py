@@ -7,43 +7,72 @@ Under spatial parallelism a value reaches a metric in one of two forms, and each
   segmentation network): every rank feeds its own tile, so the metric's per-pixel statistics are summed over the
   tiles by the usual all-rank synchronisation, exactly one process's value (confusion counts, sums, means over
   pixels).  A plain tensor fed together with it that spans the whole split extent (a target) is cut to the same
-  tile.  Computing on the tile also avoids gathering the activation for each of the metric's own ops.
+  tile.  Computing on the tile also avoids gathering the activation for each of the metric's own ops.  A tile
+  cut out by hand with :func:`~lightning_hpc.spatial.dispatch.local_tile` counts the same way.
 * a **replicated value** (a loss, a pooled classifier output, anything after a global reduction): every rank of
   a spatial group holds the same value, so an all-rank sum would count it once per tile (a ``SumMetric`` or an
   unnormalised confusion matrix ``ph * pw`` times too large).  The metric is synchronised over the ranks that
   hold the same tile in every sample group instead (:attr:`HybridLayout.replica_group`), which counts each
   sample group once.
 
-:func:`count_once_per_pixel` wraps the ``update`` of each metric of a module; a metric decides its form at its
-first update and a later update in the other form is refused (its states could not be synchronised exactly).
-The strategy wraps the metrics of the LightningModule and those held by the Trainer's callbacks (as attributes,
-or in lists and dicts of them) when it sets up; a metric created later (e.g. at the first batch) is not seen and
-keeps torchmetrics' all-rank sum.
+A metric records its form at its first update (a later update in the other form is refused: its states could
+not be synchronised exactly) and the form picks the group when the metric synchronises.
+
+Which metrics: all of them, whenever and wherever they are created.  While a spatial strategy runs
+(:func:`activate` ... :func:`deactivate`) two class-level hooks on ``torchmetrics.Metric`` are installed:
+
+* ``Metric._wrap_update``, which torchmetrics itself calls when it builds a metric (``__init__``) or restores one
+  (``__setstate__``: ``clone()``, ``deepcopy``, unpickling): every metric made during the run, lazily at the
+  first batch, in ``on_validation_epoch_start``, by a callback, inside a ``MetricCollection`` or a wrapper,
+  gets the counting ``update`` from birth, wherever it is kept;
+* ``Metric.sync``, the single entry of every synchronisation (``compute()``, ``dist_sync_on_step``, a manual
+  ``sync()``): it picks the group from the recorded form, and refuses a metric that was updated without the
+  counting ``update`` (made before the run and kept where :func:`count_once_per_pixel` did not look, e.g. a
+  module-level global), since its form is unknown and an all-rank sum could count it once per tile.
+
+Metrics that exist before the run are wrapped by :func:`count_once_per_pixel` (the strategy runs it on the
+LightningModule and the Trainer's callbacks at setup and again when each loop starts).  A hook at the class
+level is chosen over re-scanning alone because a scan only sees metrics held where it looks and only after it
+runs (a metric made and updated within one step would be missed), and over intercepting the synchronisation
+alone because by then a split input's target could no longer be cut to the tile.  Metrics without states of their
+own (``CompositionalMetric``, the wrappers) forward to their members, which count for themselves.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
+from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.tiling import HybridLayout
 
-__all__ = ["count_once_per_pixel", "metrics_in"]
+__all__ = ["activate", "count_once_per_pixel", "deactivate", "metrics_in"]
 
-_MARK = "_lightning_hpc_spatial_update"
+_MARK = "_lightning_hpc_spatial_update"  # the counting update a metric was given (a clone carries a stale one)
+_FORM = "_lightning_hpc_spatial_form"  # "tile" or "replicated", recorded at the first update
+_NAME = "_lightning_hpc_spatial_name"  # for messages
+
+_ACTIVE: list[HybridLayout] = []  # layouts of the running strategies (one in practice); the last one counts
+_ORIGINAL: dict[str, Any] = {}  # torchmetrics' own Metric._wrap_update / Metric.sync while the hooks are in
 
 
-def _is_metric(m: nn.Module) -> bool:
+def _metric_class() -> type | None:
     try:
         from torchmetrics import Metric
     except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
-        return False
-    return isinstance(m, Metric)  # a MetricCollection is a container of Metrics, not one: its members are found
+        return None
+    return Metric
+
+
+def _is_metric(m: Any) -> bool:
+    metric = _metric_class()
+    # a MetricCollection is a container of Metrics, not one: its members are found
+    return metric is not None and isinstance(m, metric)
 
 
 def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tuple[tuple, dict[str, Any]]:
@@ -64,52 +93,132 @@ def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tup
     return tuple(tile(a) for a in args), {k: tile(v) for k, v in kwargs.items()}
 
 
+def _containers(value: Any) -> Iterator[tuple[Any, Any]]:
+    if isinstance(value, dict):
+        return iter(value.items())
+    if isinstance(value, (list, tuple)):
+        return enumerate(value)
+    return iter([(None, value)])
+
+
 def metrics_in(holder: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(name, metric)`` for every torchmetrics ``Metric`` of ``holder``: the modules of an ``nn.Module``, or,
-    for any other object (a Lightning ``Callback``), its attributes that are metrics, modules holding metrics,
-    or lists / tuples / dicts of them."""
+    """``(name, metric)`` for every torchmetrics ``Metric`` of ``holder``: the modules of an ``nn.Module`` and
+    the metrics its modules keep in plain lists / tuples / dicts (not registered as submodules), or, for any other
+    object (a Lightning ``Callback``), its attributes that are metrics, modules holding metrics, or lists /
+    tuples / dicts of them."""
     if isinstance(holder, nn.Module):
         for name, m in holder.named_modules(prefix=prefix):
             if _is_metric(m):
                 yield name, m
+            for attr, value in vars(m).items():
+                if isinstance(value, (list, tuple, dict)) and not attr.startswith("_"):
+                    for key, item in _containers(value):
+                        if _is_metric(item):
+                            yield f"{name}.{attr}[{key!r}]" if name else f"{attr}[{key!r}]", item
         return
     for attr, value in vars(holder).items():
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
-            else [(None, value)]
-        for key, item in items:
+        for key, item in _containers(value):
             if isinstance(item, nn.Module):
                 yield from metrics_in(item, f"{prefix}{attr}" + ("" if key is None else f"[{key!r}]"))
 
 
-def count_once_per_pixel(holder: Any, layout: HybridLayout, prefix: str = "") -> int:
-    """Wrap the ``update`` of every torchmetrics ``Metric`` of ``holder`` (a module, or an object such as a
-    callback holding metrics: :func:`metrics_in`; see the module docstring); returns how many were wrapped.
-    Idempotent."""
+def _counting_update(metric: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update`` of ``metric`` counting each pixel and sample once while a spatial strategy runs (module
+    docstring); outside one, or for a metric without states of its own, ``update`` itself."""
+
+    def on_update(*args: Any, **kwargs: Any) -> Any:
+        layout = _ACTIVE[-1] if _ACTIVE else None
+        if layout is None or not metric._defaults:  # no states: its members count for themselves
+            return update(*args, **kwargs)
+        inputs = (*args, *kwargs.values())
+        split = [a for a in inputs if isinstance(a, SpatialTensor)]
+        # a tile cut out by hand (dispatch.local_tile) is a tile too; one of its operands is enough to say so
+        form = "tile" if split or any(getattr(a, TILE_MARK, False) for a in inputs) else "replicated"
+        before = metric.__dict__.setdefault(_FORM, form)
+        if before != form:
+            kinds = {"tile": "split activation", "replicated": "replicated value"}
+            raise SpatialDispatchError(
+                f"spatial: metric '{_name(metric)}' ({type(metric).__name__}) was updated with a {kinds[before]} "
+                f"before and with a {kinds[form]} now; its states cannot be synchronised exactly for both. Use one "
+                f"metric object per kind of input"
+            )
+        if split:
+            args, kwargs = _tile_inputs(args, kwargs, split[0])
+        return update(*args, **kwargs)
+
+    functools.update_wrapper(on_update, update)
+    metric.__dict__[_MARK] = on_update
+    return on_update
+
+
+def _name(metric: Any) -> str:
+    return metric.__dict__.get(_NAME) or f"{type(metric).__name__} made during the run"
+
+
+def count_once_per_pixel(holder: Any, layout: HybridLayout | None = None, prefix: str = "") -> int:
+    """Give the counting ``update`` to every torchmetrics ``Metric`` of ``holder`` (a module, or an object such
+    as a callback holding metrics: :func:`metrics_in`) that does not have it yet; returns how many got it.  The
+    counting is in force while a layout is active (:func:`activate`; ``layout`` activates one for plain-torch
+    use).  Idempotent."""
+    if layout is not None and not any(active is layout for active in _ACTIVE):
+        activate(layout)
     wrapped = 0
     for name, metric in metrics_in(holder, prefix):
-        if getattr(metric, _MARK, None) is not None:
-            continue
-        update = metric.update
-        mode: dict[str, str] = {}
-
-        def on_update(*args: Any, _update=update, _metric=metric, _name=name, _mode=mode, **kwargs: Any) -> Any:
-            split = [a for a in (*args, *kwargs.values()) if isinstance(a, SpatialTensor)]
-            form = "tile" if split else "replicated"
-            if _mode.setdefault("form", form) != form:
-                raise SpatialDispatchError(
-                    f"spatial: metric '{_name}' ({type(_metric).__name__}) was updated with a "
-                    f"{'split activation' if _mode['form'] == 'tile' else 'replicated value'} before and with a "
-                    f"{'split activation' if form == 'tile' else 'replicated value'} now; its states cannot be "
-                    f"synchronised exactly for both. Use one metric object per kind of input"
-                )
-            if split:
-                args, kwargs = _tile_inputs(args, kwargs, split[0])
-            elif layout.replica_group is not None:
-                _metric.process_group = layout.replica_group
-            return _update(*args, **kwargs)
-
-        functools.update_wrapper(on_update, update)
-        metric.update = on_update  # type: ignore[method-assign]
-        setattr(metric, _MARK, on_update)
+        metric.__dict__.setdefault(_NAME, name)
+        if metric.__dict__.get(_MARK) is not None and metric.__dict__.get(_MARK) is metric.__dict__.get("update"):
+            continue  # already counting (a clone carries its original's stale mark and is wrapped again)
+        metric.update = _counting_update(metric, metric.update)
         wrapped += 1
     return wrapped
+
+
+def _wrap_update(self: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+    """``Metric._wrap_update`` while a spatial strategy runs: torchmetrics' wrapped update, counting."""
+    return _counting_update(self, _ORIGINAL["_wrap_update"](self, update))
+
+
+def _sync(self: Any, dist_sync_fn: Callable | None = None, process_group: Any = None, should_sync: bool = True,
+          distributed_available: Callable | None = None) -> None:
+    """``Metric.sync`` while a spatial strategy runs: a metric fed replicated values synchronises over the ranks
+    holding the same tile of every sample group; one fed split activations over all ranks (its tiles summed); one
+    updated without the counting ``update`` is refused (its form is unknown)."""
+    layout = _ACTIVE[-1] if _ACTIVE else None
+    if layout is not None and should_sync and process_group is None and self._defaults:
+        form = self.__dict__.get(_FORM)
+        if form == "replicated":
+            process_group = layout.replica_group
+        elif form is None and self._update_count > 0:
+            raise SpatialDispatchError(
+                f"spatial: metric {type(self).__name__} was updated during the run without spatial counting (it "
+                f"was made before the strategy's setup and is kept neither by the LightningModule nor by a "
+                f"Trainer callback), so whether it holds tiles or replicated values is unknown and torchmetrics' "
+                f"all-rank sum could count a value once per tile. Keep it on the LightningModule or a callback, "
+                f"create it in a hook (setup, on_fit_start, the first batch), or call "
+                f"lightning_hpc.spatial.metrics.count_once_per_pixel on its holder"
+            )
+    return _ORIGINAL["sync"](self, dist_sync_fn, process_group, should_sync, distributed_available)
+
+
+def activate(layout: HybridLayout) -> None:
+    """Count metrics for ``layout`` until :func:`deactivate`: installs the class-level hooks on the first call."""
+    metric = _metric_class()
+    if metric is None:
+        return
+    if not _ORIGINAL:
+        _ORIGINAL.update(_wrap_update=metric.__dict__["_wrap_update"], sync=metric.__dict__["sync"])
+        metric._wrap_update = _wrap_update  # type: ignore[attr-defined]
+        metric.sync = _sync  # type: ignore[attr-defined]
+    _ACTIVE.append(layout)
+
+
+def deactivate(layout: HybridLayout) -> None:
+    """End :func:`activate` for ``layout``; the hooks go when no layout is active (metrics made meanwhile keep
+    their counting ``update``, which then passes through)."""
+    for k, active in enumerate(_ACTIVE):
+        if active is layout:
+            del _ACTIVE[k]
+            break
+    metric = _metric_class()
+    if not _ACTIVE and _ORIGINAL and metric is not None:
+        metric._wrap_update = _ORIGINAL.pop("_wrap_update")  # type: ignore[attr-defined]
+        metric.sync = _ORIGINAL.pop("sync")  # type: ignore[attr-defined]

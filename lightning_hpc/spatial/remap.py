@@ -11,7 +11,13 @@ This covers the ops whose output rows are input rows moved, repeated or mirrored
   the grid line for circular), whatever the tile sizes;
 * ``F.pixel_shuffle`` / ``F.pixel_unshuffle``: local on each tile, with a re-blocking between the scaled tile
   bounds ``r * block_bounds(n)`` and the blocked layout ``block_bounds(r * n)`` of the other extent (the rows
-  that cross a boundary, at most a few per tile, move to the neighbour).
+  that cross a boundary, at most a few per tile, move to the neighbour);
+* constant ``F.pad`` (``nn.ZeroPad2d``, ``nn.ConstantPad2d``), negative padding (a crop) included, and slicing
+  ``x[..., a:b:s, c:d:t]`` (a U-Net's centre crop, a strided subsample): output row ``o`` is input row
+  ``o - lo`` (or ``a + s * o``) or, for a padded row, the constant (:func:`constant_pad_source`, ``fill``).  The
+  leading rows go to the first tiles and the trailing ones to the last, and the output is re-blocked over its own
+  extent, so rows a crop removes or a pad adds shift the tile boundaries and the few rows that cross one move to
+  the neighbour (a crop wider than a tile empties that tile's share: its rows come from the next tiles).
 
 Every rank of the grid line knows the whole map, so each pair of tiles exchanges exactly the rows one needs of
 the other (one message each way, none when nothing is needed); 2-D ops apply the H map, then the W map to its
@@ -31,7 +37,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["RemapPlan", "remap", "pad_source", "PAD_MODES"]
+__all__ = ["RemapPlan", "remap", "pad_source", "constant_pad_source", "PAD_MODES"]
 
 Range = tuple[int, int]
 PAD_MODES = ("reflect", "replicate", "circular")
@@ -54,6 +60,12 @@ def pad_source(n: int, lo: int, hi: int, mode: str) -> list[int] | None:
             i %= n
         out.append(i)
     return out
+
+
+def constant_pad_source(n: int, lo: int, hi: int) -> list[int]:
+    """Global input index of every output index of one dimension of extent ``n`` padded ``(lo, hi)`` with a
+    constant (``-1``: the constant); a negative ``lo`` / ``hi`` crops as ``F.pad`` does."""
+    return [i if 0 <= i < n else -1 for i in (o - lo for o in range(max(n + lo + hi, 0)))]
 
 
 def _owner(bounds: Sequence[Range], i: int) -> int:
@@ -126,12 +138,12 @@ class _Remap(torch.autograd.Function):
     back to its source row and adds it there."""
 
     @staticmethod
-    def forward(ctx, x, grid: SpatialGrid, plan: RemapPlan, dim: int):  # type: ignore[override]
+    def forward(ctx, x, grid: SpatialGrid, plan: RemapPlan, dim: int, fill: float):  # type: ignore[override]
         tag = grid.next_tag()
         ctx.args, ctx.shape = (grid, plan, dim, tag), x.shape
         shape = list(x.shape)
         shape[dim] = plan.n_out_local
-        out = x.new_zeros(shape)
+        out = x.new_full(shape, fill) if fill else x.new_zeros(shape)
         incoming = {}
         for q, pos, _ in plan.recvs:
             if q != plan.pos:
@@ -162,17 +174,18 @@ class _Remap(torch.autograd.Function):
                 grad.index_add_(dim, _index(idx, g.device), g.index_select(dim, _index(pos, g.device)))
         for q, idx in plan.sends:
             grad.index_add_(dim, _index(idx, g.device), incoming[q])
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 _PLANS: dict[tuple, RemapPlan] = {}
 
 
 def remap(x: torch.Tensor, grid: SpatialGrid, axis: int, dim: int, in_bounds: Sequence[Range],
-          out_bounds: Sequence[Range], src: Sequence[int]) -> torch.Tensor:
+          out_bounds: Sequence[Range], src: Sequence[int], fill: float = 0.0) -> torch.Tensor:
     """This rank's output tile of ``out[o] = x[src[o]]`` along tensor dimension ``dim`` (split over grid axis
-    ``axis``), ``x`` the plain local tile (see :class:`RemapPlan` for the arguments).  Must be called by every
-    rank of the group (the plans agree, so every message has its partner)."""
+    ``axis``), ``x`` the plain local tile (see :class:`RemapPlan` for the arguments; ``fill``: the value of the
+    outputs with ``src[o] = -1``).  Must be called by every rank of the group (the plans agree, so every message
+    has its partner)."""
     key = (id(grid), grid.index, axis, tuple(in_bounds), tuple(out_bounds), tuple(src))
     plan = _PLANS.get(key)
     if plan is None:
@@ -182,7 +195,7 @@ def remap(x: torch.Tensor, grid: SpatialGrid, axis: int, dim: int, in_bounds: Se
     # decided from the global map, the same on every rank: each remap takes one message tag on all of them
     if tuple(in_bounds) == tuple(out_bounds) and all(s == o for o, s in enumerate(src)):
         return x
-    return _Remap.apply(x, grid, plan, dim % x.dim())
+    return _Remap.apply(x, grid, plan, dim % x.dim(), fill)
 
 
 def blocked(n: int, parts: int, scale: int = 1) -> list[Range]:

@@ -36,11 +36,12 @@ from typing_extensions import override
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
+from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
-from lightning_hpc.spatial.metrics import count_once_per_pixel
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -223,6 +224,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 f"or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
+        if self.layout.grid.size > 1:
+            # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
+            # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
+            metrics.activate(self.layout)
         _RUNS[0] += 1
         self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
@@ -267,14 +272,48 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         st.warned.clear()
         self._hooks = st.module_hooks(module)
-        if self.layout.grid.size > 1:
-            count_once_per_pixel(module, self.layout)
-            trainer = module._trainer
-            # the Trainer's callbacks are set by Lightning's callback connector (undeclared on the class)
-            callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
-            for callback in callbacks:  # metrics a callback holds
-                count_once_per_pixel(callback, self.layout, prefix=f"{type(callback).__name__}.")
+        self._count_metrics()
         self._converted = True
+
+    def _count_metrics(self) -> None:
+        """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and
+        sample once (:mod:`spatial.metrics`; metrics made later get that from torchmetrics' constructor while
+        the strategy runs).  Run at setup and when each loop starts, for metrics made earlier and attached since."""
+        module = self.lightning_module
+        if self.layout is None or self.layout.grid.size == 1 or module is None:
+            return
+        metrics.count_once_per_pixel(module)
+        trainer = module._trainer
+        # the Trainer's callbacks are set by Lightning's callback connector (undeclared on the class)
+        callbacks = trainer.callbacks if trainer is not None else []  # type: ignore[attr-defined]
+        for callback in callbacks:  # metrics a callback holds
+            metrics.count_once_per_pixel(callback, prefix=f"{type(callback).__name__}.")
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._count_metrics()
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._count_metrics()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._count_metrics()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._count_metrics()
+
+    @override
+    def teardown(self) -> None:
+        if self.layout is not None:
+            metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
+        super().teardown()
 
     @override
     def configure_ddp(self) -> None:
@@ -304,7 +343,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # every step (or the first): also record the parameters used on replicated values (a parameter used on
         # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        names = ParameterNames(self.lightning_module)  # listed only if a message needs them
         check = ParameterUseCheck(names)
         with check:
             out = super().training_step(*args, **kwargs)

@@ -61,7 +61,10 @@ class Data(pl.LightningDataModule):
         self.tile = (tuple(tile_index), tuple(parts))
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
+        return self.loader(0)
+
+    def loader(self, seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
         x, y = torch.randn(N, C, H, W, generator=g), torch.randint(0, CLASSES, (N, H, W), generator=g)
         if self.tile is not None:
             rs, cs = tile_slices(H, W, self.tile[1], self.tile[0])

@@ -411,7 +411,10 @@ def test_idioms_equal_one_process(parts, serial_refs):
             _check_equal(rank_res[name], serial_refs[name], f"{name} at {parts[0]}x{parts[1]}")
     warned = " ".join(w for name in IDIOMS for w in results[0][name]["warnings"])
     # ops without a tiled form were gathered, and said so with the op, the module and the bytes
-    assert "F.pad in module 'model'" in warned and "bytes per rank" in warned, warned
+    assert "Tensor.flatten in module 'model'" in warned and "bytes per rank" in warned, warned
+    # constant padding to the skip's size, centre crops and strided slices are tiled: the U-Nets gather nothing
+    for name in ("unet_pad_to_skip", "unet_centre_crop", "coords_strides_norms"):
+        assert not results[0][name]["warnings"], (name, results[0][name]["warnings"])
     # transposed convolution, group and instance norm have tiled forms: never gathered
     assert "conv_transpose2d" not in warned and "group_norm" not in warned and "instance_norm" not in warned, warned
     # so have reflect/circular padding and max pooling with ceil_mode

@@ -17,16 +17,18 @@ process computes.  ``__torch_function__`` routes each op:
   ``F.interpolate`` nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d`` / ``F.adaptive_max_pool2d``
   (window sums / maxima over the group, replicated result), ``F.group_norm``/``F.instance_norm``/
   ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
-  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` reflect/replicate/circular and
-  ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows moved between tiles, :mod:`remap`);
+  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` in every mode (constant padding and
+  negative padding, i.e. crops, too; ``torch.constant_pad_nd``), slicing of split dimensions
+  (``x[..., a:b, c:d]``, ``x[..., ::2, ::2]``, ``narrow``) and ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows
+  moved between tiles, :mod:`remap`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
   global count, so an unchanged mean loss equals one process's loss;
 * **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` draw the whole activation's values
   from the (same) global stream on every rank and keep this tile's part: the masks equal one process's;
-* **anything else** (flips, rolls, crops and constant ``F.pad`` on split dimensions, views that merge split
-  dimensions, softmax over positions, ...): the split operands are gathered, the op
+* **anything else** (flips, rolls, integer indices of split dimensions, views that merge split dimensions,
+  softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is
   split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
   are always refused.

@@ -66,14 +66,23 @@ def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = 
         lkw = {k: local_of(v) for k, v in kwargs.items()}
     except _NotLocal:
         return None
-    gshapes = []
-    for t in tensors:
-        gshapes.append(t._gshape if isinstance(t, SpatialTensor) else tuple(t.shape))
-    try:
-        gshape = tuple(torch.broadcast_shapes(*gshapes))
-    except RuntimeError:
+    gshape = _broadcast([t._gshape if isinstance(t, SpatialTensor) else tuple(t.shape) for t in tensors])
+    if gshape is None:
         return None
     return largs, lkw, gshape, hdim, wdim
+
+
+def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """``torch.broadcast_shapes`` of plain int shapes, or None where they do not broadcast; in plain Python
+    because torch's version goes through its symbolic-shape checks (some sixty calls per element-wise op)."""
+    out = [1] * max(len(s) for s in shapes)
+    for s in shapes:
+        for k, v in enumerate(s, len(out) - len(s)):
+            if v != 1:
+                if out[k] != 1 and out[k] != v:
+                    return None
+                out[k] = v
+    return tuple(out)
 
 
 class _NotLocal(Exception):

@@ -1,5 +1,5 @@
-"""The gather path for ops without a tiled form (flips, rolls, crops and constant ``F.pad`` on split dimensions,
-views that merge split dimensions, softmax over positions, ...): the split operands are gathered, the op runs
+"""The gather path for ops without a tiled form (flips, rolls, integer indices of split dimensions, views that
+merge split dimensions, softmax over positions, ...): the split operands are gathered, the op runs
 on the whole activation exactly as on one process, and a result with the same number of dimensions is split
 again, with a one-time warning naming the op, the module and the bytes.  With ``on_unsupported="error"`` this
 raises instead.  In-place ops that cannot be done on a tile are always refused.

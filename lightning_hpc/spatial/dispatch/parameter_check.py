@@ -8,6 +8,8 @@ have its part counted once per tile.  :class:`ParameterUseCheck` records the rep
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -17,15 +19,38 @@ from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 
 
+class ParameterNames(Mapping[int, str]):
+    """``id(parameter) -> name`` of a module's parameters, listed at the first lookup: only a refusal's message
+    needs the names, so a training step that refuses nothing does not walk the module's parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._names: dict[int, str] | None = None
+
+    def _table(self) -> dict[int, str]:
+        if self._names is None:
+            self._names = {id(p): n for n, p in self._module.named_parameters()}
+        return self._names
+
+    def __getitem__(self, key: int) -> str:
+        return self._table()[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 class ParameterUseCheck(TorchFunctionMode):
     """Records parameters used by ops outside the tile dispatch (on replicated values).  A parameter whose
     gradient is a partial sum over tiles (:attr:`DispatchState.tile_params`) that is also used on replicated
     values would get that part counted once per tile: :meth:`raise_if_mixed` refuses it."""
 
-    def __init__(self, names: dict[int, str] | None = None) -> None:
+    def __init__(self, names: Mapping[int, str] | None = None) -> None:
         super().__init__()
         self.replicated: dict[int, tuple[nn.Parameter, str, str]] = {}
-        self.names = names or {}
+        self.names: Mapping[int, str] = {} if names is None else names  # (not `or`: that would list them)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -53,7 +78,7 @@ class ParameterUseCheck(TorchFunctionMode):
                     f"or in on_before_optimizer_step instead, or train this module with spatial_parts=(1, 1)"
                 )
 
-    def raise_if_mixed(self, named: dict[int, str]) -> None:
+    def raise_if_mixed(self, named: Mapping[int, str]) -> None:
         for pid in _STATE.tile_params:
             if pid in self.replicated:
                 _, op, where = self.replicated[pid]

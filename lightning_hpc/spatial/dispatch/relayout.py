@@ -1,8 +1,11 @@
-"""Ops that move rows between tiles (:mod:`remap`): ``F.pad`` reflect/replicate/circular of H and W and
-``F.pixel_shuffle``/``F.pixel_unshuffle``, the output blocked over its own extent.
+"""Ops that move rows between tiles (:mod:`remap`): ``F.pad`` of H and W in every mode (constant padding and
+cropping by negative padding of any dimension, reflect/replicate/circular of H and W), slicing of the split
+dimensions (:mod:`.shape`) and ``F.pixel_shuffle``/``F.pixel_unshuffle``, the output blocked over its own extent.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,26 +15,72 @@ from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nchw, _plain, _wrap_like
 
 
-def _remap2d(x: SpatialTensor, local: torch.Tensor, maps) -> torch.Tensor:
-    """:func:`remap.remap` of the tile ``local`` along H, then W: ``maps`` holds per dimension
-    ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is)."""
+def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
+                 fill: float = 0.0) -> torch.Tensor:
+    """:func:`remap.remap` of the tile ``local`` along H, then W: ``maps`` holds per grid axis
+    ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is); ``dims``: the tensor dimensions of
+    the two axes in ``local`` (default: those of ``x``); ``fill``: the value of outputs without a source."""
     from lightning_hpc.spatial.remap import remap
 
     for axis, m in enumerate(maps):
         if m is not None:
-            local = remap(local, x._grid, axis, 2 + axis, *m)
+            in_bounds, out_bounds, src = m
+            dim = (x._hdim, x._wdim)[axis] if dims is None else dims[axis]
+            local = remap(local, x._grid, axis, dim, in_bounds, out_bounds, src, fill=fill)
     return local
+
+
+def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
+    """Constant ``F.pad`` (negative amounts crop) of any dimensions: the unsplit ones padded on the tile, each
+    split one by a remap whose leading pad rows land on the first tiles and trailing ones on the last
+    (:func:`remap.constant_pad_source`).  An output with fewer rows than tiles is gathered."""
+    from lightning_hpc.spatial.remap import blocked, constant_pad_source
+
+    if len(pad) % 2 or len(pad) > 2 * x.dim():
+        return NotImplemented  # the serial op's error, from the gather path
+    fill = 0.0 if value is None else value
+    local_pad: list[int] = []
+    maps: list = [None, None]
+    gshape = list(x._gshape)
+    for k in range(len(pad) // 2):
+        dim, lo, hi = x.dim() - 1 - k, int(pad[2 * k]), int(pad[2 * k + 1])
+        n = gshape[dim]
+        if dim in x.split_dims:
+            axis = 0 if dim == x._hdim else 1
+            parts = x._grid.parts[axis]
+            if n + lo + hi < parts:
+                return NotImplemented  # fewer rows than tiles (or the serial op's error): gathered
+            if lo or hi:
+                maps[axis] = (blocked(n, parts), blocked(n + lo + hi, parts), constant_pad_source(n, lo, hi))
+            local_pad += [0, 0]
+        else:
+            local_pad += [lo, hi]
+        gshape[dim] = n + lo + hi
+    local = _plain(x)
+    if any(local_pad):
+        local = F.pad(local, local_pad, value=fill)
+    return _wrap_like(_remap_split(x, local, maps, fill=fill), x, gshape)
+
+
+@_handles(torch.constant_pad_nd)
+def _constant_pad_nd(func, args, kwargs):
+    """``torch.constant_pad_nd``: :func:`_pad_constant`."""
+    x = args[0] if args else kwargs["input"]
+    return _pad_constant(x, _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "value"))
 
 
 @_handles(F.pad, torch._C._nn.pad)
 def _pad(func, args, kwargs):
-    """``F.pad`` of H and W with mode reflect / replicate / circular (the padding of ``nn.Conv2d`` with those
-    ``padding_mode``s): rows moved and mirrored between tiles (:mod:`remap`), the output blocked over the padded
-    extent.  Constant padding of split dimensions and padding of other dimensions are gathered."""
+    """``F.pad``: constant padding (``nn.ZeroPad2d``, ``nn.ConstantPad2d``; negative amounts crop) of any
+    dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of H and W (the padding of
+    ``nn.Conv2d`` with those ``padding_mode``s): rows moved and mirrored between tiles (:mod:`remap`), the output
+    blocked over the padded extent.  Other modes and dimensions are gathered."""
     from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
 
     x = args[0] if args else kwargs["input"]
     pad, mode = _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "mode", "constant")
+    if isinstance(x, SpatialTensor) and mode == "constant":
+        return _pad_constant(x, pad, _arg(args, kwargs, 3, "value"))
     if not _nchw(x) or mode not in PAD_MODES or len(pad) != 4:
         return NotImplemented  # (a non-constant padding of a 4-D input pads H and W: 4 numbers)
     (wl, wr, ht, hb), maps, gshape = (int(p) for p in pad), [], list(x._gshape)
@@ -43,7 +92,7 @@ def _pad(func, args, kwargs):
         parts = x._grid.parts[axis]
         maps.append((blocked(n, parts), blocked(len(src), parts), src) if lo or hi else None)
         gshape[2 + axis] = len(src)
-    return _wrap_like(_remap2d(x, _plain(x), maps), x, gshape)
+    return _wrap_like(_remap_split(x, _plain(x), maps), x, gshape)
 
 
 @_handles(torch.pixel_shuffle)
@@ -57,7 +106,7 @@ def _pixel_shuffle(func, args, kwargs):
     local = torch.pixel_shuffle(_plain(x), r)
     maps = [(blocked(n, p, r), blocked(n * r, p), range(n * r)) for n, p in zip(x._gshape[2:], x._grid.parts)]
     gshape = (x._gshape[0], x._gshape[1] // (r * r), x._gshape[2] * r, x._gshape[3] * r)
-    return _wrap_like(_remap2d(x, local, maps), x, gshape)
+    return _wrap_like(_remap_split(x, local, maps), x, gshape)
 
 
 @_handles(torch.pixel_unshuffle)
@@ -69,6 +118,6 @@ def _pixel_unshuffle(func, args, kwargs):
     from lightning_hpc.spatial.remap import blocked
 
     maps = [(blocked(n, p), blocked(n // r, p, r), range(n)) for n, p in zip(x._gshape[2:], x._grid.parts)]
-    local = _remap2d(x, _plain(x), maps)
+    local = _remap_split(x, _plain(x), maps)
     gshape = (x._gshape[0], x._gshape[1] * r * r, x._gshape[2] // r, x._gshape[3] // r)
     return _wrap_like(torch.pixel_unshuffle(local, r), x, gshape)

@@ -1,6 +1,8 @@
 """Shape ops that keep the split dimensions whole: ``cat``/``chunk``/``split``/``unbind`` and indexing over
-unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``.  Those that cut or merge split dimensions go to
-the gather path.
+unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``; and slicing of split dimensions
+(``x[..., a:b:s, c:d:t]``, ``narrow``: a centre crop, a strided subsample), whose kept rows are moved to the
+blocked layout of the output's extent (:mod:`remap`).  Integer indices of split dimensions and views that merge
+them go to the gather path.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from typing import Any
 import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.calls import _arg, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
+from lightning_hpc.spatial.dispatch.relayout import _remap_split
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.remap import blocked
 
 
 @_handles(*_resolve("cat concat concatenate"))
@@ -112,6 +116,21 @@ def _unsqueeze(func, args, kwargs):
     return _wrap_like(_plain(x).unsqueeze(d), x, g, x._hdim + (d <= x._hdim), x._wdim + (d <= x._wdim))
 
 
+@_handles(torch.narrow, torch.Tensor.narrow)
+def _narrow(func, args, kwargs):
+    """``narrow(dim, start, length)``: the slice ``start:start + length`` of ``dim`` (:func:`_getitem`)."""
+    x = args[0] if args else kwargs["input"]
+    dim, start, length = (_arg(args, kwargs, k, name) for k, name in ((1, "dim"), (2, "start"), (3, "length")))
+    if not isinstance(x, SpatialTensor) or not all(isinstance(v, int) for v in (dim, start, length)):
+        return NotImplemented
+    dim = _norm_dim(dim, x.dim())
+    if start < 0:
+        start += x._gshape[dim]  # as narrow counts a negative start
+    if not (0 <= start and length >= 0 and start + length <= x._gshape[dim]):
+        return NotImplemented  # the serial op's error, from the gather path
+    return _getitem(func, (x, (slice(None),) * dim + (slice(start, start + length),)), {})
+
+
 @_handles(torch.Tensor.__getitem__)
 def _getitem(func, args, kwargs):
     x, idx = args[0], args[1]
@@ -133,23 +152,32 @@ def _getitem(func, args, kwargs):
         expanded.append(slice(None))
     src, out_dim, hd, wd, g = 0, 0, None, None, []
     split = x.split_dims
-    for i in expanded:
+    maps: list = [None, None]  # per grid axis: the rows a slice of a split dimension keeps (moved by a remap)
+    for k, i in enumerate(expanded):
         if i is None:
             g.append(1)
             out_dim += 1
             continue
-        if src in split and i != slice(None):
-            return NotImplemented
         if isinstance(i, int):
             if src in (x._hdim, x._wdim):
-                return NotImplemented
+                return NotImplemented  # drops a split dimension: gathered
         else:
+            kept = range(*i.indices(x._gshape[src]))
+            if src in split and i != slice(None):
+                axis = 0 if src == x._hdim else 1
+                parts = x._grid.parts[axis]
+                if len(kept) < parts:
+                    return NotImplemented  # fewer rows than tiles: gathered
+                maps[axis] = (blocked(x._gshape[src], parts), blocked(len(kept), parts), kept)
+                expanded[k] = slice(None)  # the tile keeps all its rows; the remap picks and re-blocks them
             if src == x._hdim:
                 hd = out_dim
             if src == x._wdim:
                 wd = out_dim
-            g.append(len(range(*i.indices(x._gshape[src]))))
+            g.append(len(kept))
             out_dim += 1
         src += 1
     out = _plain(x)[tuple(expanded)]
+    if maps != [None, None]:
+        out = _remap_split(x, out, maps, dims=(hd, wd))
     return _wrap_like(out, x, g, hd, wd)

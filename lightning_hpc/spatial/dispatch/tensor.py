@@ -42,15 +42,27 @@ class SpatialTensor(torch.Tensor):
         """``fresh``: ``local`` is a new result nobody else holds; it becomes the SpatialTensor itself (no alias
         view, so a later in-place op on it is not an in-place op on a view, which autograd would answer with a
         whole-tensor copy in backward)."""
+        # the number of dimensions from the global shape (the tile has as many): asking the tensor, once it is a
+        # SpatialTensor, would be a dispatched call
+        gshape = tuple(map(int, gshape))
+        hdim, wdim = hdim % len(gshape), wdim % len(gshape)
         if fresh and type(local) is torch.Tensor:
             local.__class__ = SpatialTensor
             t = cast(SpatialTensor, local)  # its class was just set
         else:
             with torch._C.DisableTorchFunctionSubclass():
                 t = local.as_subclass(SpatialTensor)
-        hdim, wdim = hdim % local.dim(), wdim % local.dim()
-        t._grid, t._gshape, t._hdim, t._wdim = grid, tuple(int(s) for s in gshape), hdim, wdim
+        t._grid, t._gshape, t._hdim, t._wdim = grid, gshape, hdim, wdim
         return t
+
+    def dim(self) -> int:  # type: ignore[override]
+        """The number of dimensions (global and tile alike), answered without the op dispatch: the tiled handlers
+        ask it of every split operand, several times per op."""
+        gshape = self.__dict__.get("_gshape")
+        if gshape is None:  # made by torch itself without a layout (never by the dispatch)
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.Tensor.dim(self)
+        return len(gshape)
 
     def local(self) -> torch.Tensor:
         """This rank's tile as a plain tensor (same autograd graph)."""
@@ -90,10 +102,20 @@ def gather_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full() if isinstance(t, SpatialTensor) else t
 
 
+#: set on the plain tiles :func:`local_tile` returns: a torchmetrics object fed one counts it as a tile (summed over
+#: all ranks), not as a replicated value (:mod:`lightning_hpc.spatial.metrics`)
+TILE_MARK = "_lightning_hpc_spatial_tile"
+
+
 def local_tile(t: torch.Tensor) -> torch.Tensor:
     """This rank's tile as a plain tensor for a split one, else ``t``: for statistics whose per-rank counts are
-    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered."""
-    return t.local() if isinstance(t, SpatialTensor) else t
+    summed over all ranks anyway (confusion counts of segmentation metrics), so nothing is gathered.  The tile is
+    marked (:data:`TILE_MARK`) so a metric fed it sums it over the tiles."""
+    if not isinstance(t, SpatialTensor):
+        return t
+    out = t.local()
+    setattr(out, TILE_MARK, True)
+    return out
 
 
 def _spatials(args, kwargs) -> list[SpatialTensor]:
