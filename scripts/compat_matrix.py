@@ -142,7 +142,7 @@ def write(found: dict[tuple[str, str], str]) -> None:
     ]
     for f, row in zip(c.FEATURES, rows):
         lines.append(f"| `{f}` | " + " | ".join(row) + " |")
-    lines += [""] + [f"({k}) {why}." for k, why in enumerate(reasons, 1)] + [
+    lines += [""] + [f"- ({k}) {why}." for k, why in enumerate(reasons, 1)] + [
         "",
         "Features: `sgd` (SGD with momentum and weight decay), "
         "`sgd_step_lr` (SGD with momentum and weight decay, a StepLR scheduler stepping every optimizer "

@@ -123,7 +123,10 @@ _NO_TRUNK = r"searched the layers of {}.*found none.*strategy='ddp'"
 _MG_TRUNK = r"MultigridStrategy\(trunk='steps'\): the model \({}\) has no attribute 'steps'; set trunk="
 _KFAC_ONE_OPT = r"KFAC supports one optimizer.*parameter group per sub-network"
 _KFAC_PLUGIN = NotApplicable("`KFACMixedPrecision` is K-FAC's precision plugin: it needs the KFAC callback")
-_DDP_REFERENCE = NotApplicable("the reference of this row's `= ddp` cells")
+_DDP_REFERENCE = NotApplicable(
+    "the reference run of this row's `= ddp` cells (`ddp` for the columns without K-FAC, `kfac_ddp` for the K-FAC "
+    "columns), which equal it"
+)
 _DDP_UNUSED = ExactWithFix("DDP's own error at the second step names `find_unused_parameters=True`")
 _MG_MODULES = {"BoringModel": ("boring_model", "boring_model_f64"), "DemoModel": ("demo_model",),
                "Transformer": ("lightning_transformer",), "UserGAN": ("two_optimizers_gan",),
