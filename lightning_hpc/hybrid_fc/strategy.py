@@ -238,7 +238,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         """Before the first optimizer step: a trainable trunk parameter that got no gradient left DDP's bucket
         holding it unreduced (its other gradients local, the step silently different), and DDP itself complains
         only at the next forward, after the step.  Refuse here instead, naming the parameter and the fix."""
-        if self._unused_checked or getattr(self, "_ddp_kwargs", {}).get("find_unused_parameters", False):
+        if self._unused_checked or self._ddp_kwargs.get("find_unused_parameters", False):
             return
         module = self.lightning_module
         assert module is not None
