@@ -476,10 +476,11 @@ class KFACPreconditioner:
             batch = self._reduce_factors(grad_scale)
         self._fold_factors(batch)
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None:
+        """A RuntimeWarning the first time ``key`` comes up (``stacklevel`` counted from the caller)."""
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
     def _active_layers(self, fired: list[float]) -> list[LayerHandler]:
         """The layers whose hooks fired on every rank (``fired``: the fraction of ranks, per layer); one warning
@@ -488,13 +489,12 @@ class KFACPreconditioner:
         for h, f in zip(self.handlers, fired):
             if f >= 1.0 - 1e-6:
                 active.append(h)
-            elif h.name not in self._warned:
-                self._warned.add(h.name)
-                warnings.warn(
+            else:
+                self._warn_once(
+                    h.name,
                     f"K-FAC: the hooks of layer {h.name!r} ({type(h.module).__name__}) did not fire in a training "
                     "step on every rank (used functionally, output unused, or shared oddly); its factors are not "
                     "updated and its gradient is left to the optimizer until they exist",
-                    RuntimeWarning,
                     stacklevel=4,
                 )
         return active
@@ -534,15 +534,13 @@ class KFACPreconditioner:
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
             self.dropped_statistics_steps += 1
             bad = [name for name, (a, g) in batch.items() if not self._all_finite([a, g])]
-            if "nonfinite" not in self._warned:
-                self._warned.add("nonfinite")
-                warnings.warn(
-                    f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
-                    "statistics are dropped and the running factors kept (said once; dropped_statistics_steps "
-                    "counts them)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._warn_once(
+                "nonfinite",
+                f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
+                "statistics are dropped and the running factors kept (said once; dropped_statistics_steps "
+                "counts them)",
+                stacklevel=4,
+            )
             return
         decay = self.current_factor_decay()
         for name, (a, g) in batch.items():
