@@ -47,6 +47,7 @@ from lightning_hpc.hybrid_fc import (
     materialize_meta,
     parallelize_head,
     shard_optimizer_state,
+    trunk_parameters,
 )
 from lightning_hpc.protocols import StrategyContract
 
@@ -242,9 +243,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        shard_ids = {id(p) for p in head_parameters(self._search_root())}
-        unused = [n for n, p in module.named_parameters()
-                  if p.requires_grad and p.grad is None and id(p) not in shard_ids]
+        names = {id(p): n for n, p in module.named_parameters()}
+        unused = [names[id(p)] for p in trunk_parameters(module) if p.requires_grad and p.grad is None]
         self._unused_checked = True
         if unused:
             raise RuntimeError(
