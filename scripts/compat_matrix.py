@@ -21,6 +21,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "compatibility.md"
@@ -62,16 +63,17 @@ def cells(junit: Path) -> dict[tuple[str, str], str]:
     return found
 
 
-def _conformance_cells():
-    sys.path.insert(0, str(REPO / "tests" / "conformance"))
+def _conformance_cells() -> Any:
+    """``tests/conformance/cells.py``: the matrix's columns, features and verdicts."""
+    if str(REPO / "tests" / "conformance") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests" / "conformance"))
     import cells as conformance
 
     return conformance
 
 
-def _verdict(found: dict[tuple[str, str], str], column: str, feature: str, reasons: list[str]) -> str:
+def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: str, reasons: list[str]) -> str:
     """What the suite showed for one cell of the matrix (the fix's column merged in), or the reason it has none."""
-    c = _conformance_cells()
     verdict = c.MATRIX[(column, feature)]
     if isinstance(verdict, c.NotApplicable):
         if verdict.why not in reasons:
@@ -91,7 +93,7 @@ def _verdict(found: dict[tuple[str, str], str], column: str, feature: str, reaso
 def write(found: dict[tuple[str, str], str]) -> None:
     c = _conformance_cells()
     reasons: list[str] = []
-    rows = [[_verdict(found, s, f, reasons) for s in c.COLUMNS] for f in c.FEATURES]
+    rows = [[_verdict(c, found, s, f, reasons) for s in c.COLUMNS] for f in c.FEATURES]
     lines = [
         "# Compatibility matrix",
         "",
