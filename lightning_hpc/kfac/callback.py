@@ -21,6 +21,7 @@ It only translates Lightning hooks:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,22 +42,44 @@ __all__ = ["KFAC"]
 
 
 class KFAC(Callback):
-    """K-FAC gradient preconditioning for any optimizer (SC20). Options as
-    :class:`~lightning_hpc.kfac.options.KFACOptions` (an instance, and/or its fields as keywords: the Hydra
-    config ``conf/callbacks/kfac.yaml`` passes them so); ``communicator`` may also be a backend name: ``"auto"``
-    (default: the strategy's backend, Horovod under
-    ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise at
-    construction, a precision without the K-FAC plugin at setup: both before training starts."""
+    """K-FAC gradient preconditioning for any optimizer (SC20).
+
+    Every option is a typed keyword argument (the fields of :class:`~lightning_hpc.kfac.options.KFACOptions`,
+    which documents and validates them; a test keeps the two in step), so LightningCLI
+    (``--trainer.callbacks+=lightning_hpc.KFAC --trainer.callbacks.damping=0.01``), jsonargparse, Hydra's
+    ``_target_`` (``conf/callbacks/kfac.yaml``) and IDEs see them; :meth:`from_options` takes a ready
+    ``KFACOptions``. ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend,
+    Horovod under ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise
+    at construction, a precision without the K-FAC plugin at setup: both before training starts."""
 
     def __init__(
-        self, options: KFACOptions | None = None, communicator: str | Communicator = "auto", **overrides: Any
+        self,
+        *,
+        factor_update_freq: int | Callable[[int], int] | None = None,
+        inv_update_freq: int | Callable[[int], int] = 100,
+        factor_decay: float | Callable[[int], float] = 0.95,
+        damping: float | Callable[[int], float] = 0.001,
+        damping_decay_epochs: Sequence[int] = (),
+        damping_decay_rate: float = 1.0,
+        update_freq_decay_epochs: Sequence[int] = (),
+        update_freq_decay_rate: float = 1.0,
+        kl_clip: float | Callable[[int], float] | None = 0.001,
+        compute_method: str = "eigen",
+        placement: str = "balanced",
+        grad_worker_fraction: float | None = None,
+        skip_layers: str | Sequence[str] | None = None,
+        decomposition_dtype: torch.dtype | str = "float32",
+        factor_dtype: torch.dtype | str | None = None,
+        inverse_dtype: torch.dtype | str | None = None,
+        batch_averaged: bool = True,
+        bucket_cap_mb: float = 25.0,
+        conv_input_sample_fraction: float = 1.0,
+        subsample_seed: int = 0,
+        symmetric_allreduce: bool = True,
+        overlap_factor_allreduce: bool = False,
+        communicator: str | Communicator = "auto",
     ) -> None:
-        try:
-            self.options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
-        except TypeError as e:  # an unknown keyword
-            raise ValueError(
-                f"KFAC: {e} (options are the fields of KFACOptions: {', '.join(KFACOptions.field_names())})"
-            ) from e
+        self.options = KFACOptions.from_arguments(locals())  # the fields among this call's arguments
         if isinstance(communicator, str) and communicator not in BACKENDS:
             raise ValueError(f"KFAC communicator must be one of {BACKENDS} or a Communicator, got {communicator!r}")
         self.communicator = communicator
@@ -64,6 +87,11 @@ class KFAC(Callback):
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
+
+    @classmethod
+    def from_options(cls, options: KFACOptions, communicator: str | Communicator = "auto") -> KFAC:
+        """The callback for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`."""
+        return cls(**options.as_kwargs(), communicator=communicator)
 
     # -- setup -------------------------------------------------------------------------------------------
     @override
@@ -91,7 +119,8 @@ class KFAC(Callback):
         if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
             rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
-        self.preconditioner = KFACPreconditioner(pl_module, self.options, communicator=comm, announce=False)
+        self.preconditioner = KFACPreconditioner.from_options(pl_module, self.options, communicator=comm,
+                                                              announce=False)
         # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
         report = self.preconditioner.describe_layers()
         if self.preconditioner.skipped_modules:

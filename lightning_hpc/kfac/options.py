@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +214,16 @@ class KFACOptions:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> KFACOptions:
+        """The options among a call's arguments: ``locals()`` of a constructor that takes every field as a typed
+        keyword argument (``KFAC``, ``KFACPreconditioner``), validated here."""
+        return cls(**{name: arguments[name] for name in cls.field_names()})
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as the keyword arguments of ``KFAC`` / ``KFACPreconditioner`` (fields, unconverted)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def replace(self, **changes: Any) -> KFACOptions:
         return dataclasses.replace(self, **changes)

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -74,8 +74,6 @@ class KFACPreconditioner:
 
     Args:
         model: the module whose Linear / Conv2d layers are preconditioned (every other parameter is untouched).
-        options: the hyper-parameters (:class:`~lightning_hpc.kfac.options.KFACOptions`); its fields may also be
-            given as keywords (``damping=0.003, inv_update_freq=10``), which override ``options``.
         lr: learning rate for Eq 18 when no optimizer is given (float or zero-argument callable);
             ``step(lr=...)`` overrides it.
         optimizer: optimizer whose parameter-group lr Eq 18 uses (the group holding each layer's weight).
@@ -87,27 +85,44 @@ class KFACPreconditioner:
         announce: say once, at construction, which modules are preconditioned and which are left to the
             optimizer, and why (logged at INFO; a ``UserWarning`` when trainable modules are left out). The
             Lightning callback announces on rank 0 instead.
+        factor_update_freq ... overlap_factor_allreduce: the hyper-parameters, typed keyword arguments that are the
+            fields of :class:`~lightning_hpc.kfac.options.KFACOptions` (documented and validated there; a test keeps
+            the two in step). :meth:`from_options` takes a ready ``KFACOptions``.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        options: KFACOptions | None = None,
         *,
         lr: float | Callable[[], float] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         communicator: Communicator | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         announce: bool = True,
-        **overrides: Any,
+        factor_update_freq: int | Callable[[int], int] | None = None,
+        inv_update_freq: int | Callable[[int], int] = 100,
+        factor_decay: float | Callable[[int], float] = 0.95,
+        damping: float | Callable[[int], float] = 0.001,
+        damping_decay_epochs: Sequence[int] = (),
+        damping_decay_rate: float = 1.0,
+        update_freq_decay_epochs: Sequence[int] = (),
+        update_freq_decay_rate: float = 1.0,
+        kl_clip: float | Callable[[int], float] | None = 0.001,
+        compute_method: str = "eigen",
+        placement: str = "balanced",
+        grad_worker_fraction: float | None = None,
+        skip_layers: str | Sequence[str] | None = None,
+        decomposition_dtype: torch.dtype | str = "float32",
+        factor_dtype: torch.dtype | str | None = None,
+        inverse_dtype: torch.dtype | str | None = None,
+        batch_averaged: bool = True,
+        bucket_cap_mb: float = 25.0,
+        conv_input_sample_fraction: float = 1.0,
+        subsample_seed: int = 0,
+        symmetric_allreduce: bool = True,
+        overlap_factor_allreduce: bool = False,
     ) -> None:
-        try:
-            options = (options or KFACOptions()).replace(**overrides) if overrides else (options or KFACOptions())
-        except TypeError as e:  # an unknown keyword
-            raise ValueError(
-                f"KFACPreconditioner: {e} (options are the fields of KFACOptions: "
-                f"{', '.join(KFACOptions.field_names())})"
-            ) from e
+        options = KFACOptions.from_arguments(locals())  # the fields among this call's arguments
         self.options = options
         self.schedule = options.schedule
         #: xi of Eq 16-17 and kappa of Eq 18: constants or callables of the step (see :meth:`current_factor_decay`)
@@ -180,6 +195,12 @@ class KFACPreconditioner:
         self._hooks += [
             h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input
         ]
+
+    @classmethod
+    def from_options(cls, model: nn.Module, options: KFACOptions, **runtime: Any) -> KFACPreconditioner:
+        """The preconditioner for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`; ``runtime``: ``lr``,
+        ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``."""
+        return cls(model, **runtime, **options.as_kwargs())
 
     def _make_groups(self) -> tuple[Any, Any]:
         """This rank's gradient-worker group and broadcast group (``None``: the whole world or unused). Under
