@@ -37,6 +37,14 @@ import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
 torch.set_num_threads(1)
 WORLD, B, N, CLIP = 2, 4, 64, 0.05
+#: where the cases run (the GPU tier, tests/gpu, runs the same cases with ``cuda``); ``CONFORMANCE_NUM_NODES`` and
+#: ``CONFORMANCE_PG_BACKEND`` let two ranks share one GPU (each a "node" of one device, gloo between them)
+ACCELERATOR = os.environ.get("CONFORMANCE_ACCELERATOR", "cpu")
+NUM_NODES = int(os.environ.get("CONFORMANCE_NUM_NODES", "1"))
+PG_BACKEND = os.environ.get("CONFORMANCE_PG_BACKEND") or None
+if ACCELERATOR == "cuda":  # float32 means float32 on the GPU too: the cells compare with the CPU's float32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 STEPS = 4
 N_EVAL, N_PREDICT = 32, 45  # validation / test data (equal shards); predict data (unequal shards: 23 + 22)
 
@@ -286,7 +294,7 @@ class Case:
 def _kfac_fp16_plugin() -> list[Any]:
     from lightning_hpc import KFACMixedPrecision
 
-    return [KFACMixedPrecision("16-mixed", device="cpu")]
+    return [KFACMixedPrecision("16-mixed", device=ACCELERATOR)]
 
 
 EPOCH2 = {"limit_train_batches": 2, "max_epochs": 2, "max_steps": -1}  # two short epochs (resume, early stopping)
@@ -405,26 +413,39 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
 
         strategy, callbacks = build_strategy(name[len("kfac_"):])
         return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
-    if name == "spatial":
+    if name in ("spatial", "spatial_1x1"):  # spatial_1x1: the strategy's own path with one tile (one device)
         from lightning_hpc import SpatialParallelStrategy
 
-        return SpatialParallelStrategy(spatial_parts=(2, 1)), []
+        parts = (1, 1) if name == "spatial_1x1" else (2, 1)
+        return SpatialParallelStrategy(spatial_parts=parts, process_group_backend=PG_BACKEND), []
     if name == "ddp_find_unused":
         return "ddp_find_unused_parameters_true", []
+    if name == "ddp" and PG_BACKEND is not None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=PG_BACKEND), []
+    if name == "layered_sgd" and PG_BACKEND is not None:
+        from lightning_hpc import LayeredSGDStrategy
+
+        return LayeredSGDStrategy(process_group_backend=PG_BACKEND), []
+    if name == "hybrid_fc" and PG_BACKEND is not None:
+        from lightning_hpc import HybridParallelStrategy
+
+        return HybridParallelStrategy(process_group_backend=PG_BACKEND), []
     if name == "hybrid_fc_find_unused":
         from lightning_hpc import HybridParallelStrategy
 
-        return HybridParallelStrategy(find_unused_parameters=True), []
+        return HybridParallelStrategy(find_unused_parameters=True, process_group_backend=PG_BACKEND), []
     if name == "multigrid" or name.startswith("multigrid_cycles"):
         from lightning_hpc import MultigridStrategy
 
         cycles = int(name[len("multigrid_cycles"):]) if name != "multigrid" else MG_CYCLES
         return MultigridStrategy(mode="mg", **MG_OPTIONS, forward_cycles=cycles, backward_cycles=cycles,
-                                 log_residuals=False), []
+                                 log_residuals=False, process_group_backend=PG_BACKEND), []
     if name == "multigrid_pm":
         from lightning_hpc import MultigridStrategy
 
-        return MultigridStrategy(mode="pm", log_residuals=False), []
+        return MultigridStrategy(mode="pm", log_residuals=False, process_group_backend=PG_BACKEND), []
     if name == "horovod":
         from lightning_hpc import HorovodStrategy
 
@@ -489,6 +510,7 @@ def eval_loader(case: Case, n: int, with_index: bool = False, seed: int = 4) -> 
 
 def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_parallel: int) -> None:
     case = CASES[case_name]
+    world = devices * NUM_NODES  # the processes of the run (two "nodes" of one device share a GPU in tests/gpu)
     out.mkdir(parents=True, exist_ok=True)
     if case.data == "transformer":
         wikitext()
@@ -497,15 +519,16 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
 
     def trainer(**extra: Any) -> pl.Trainer:
         # a spatial checkpoint resumes on one process as the plain model (one process cannot hold 2 x 1 tiles)
-        strategy, callbacks = build_strategy("auto" if strategy_name == "spatial" and devices == 1 else strategy_name)
+        strategy, callbacks = build_strategy("auto" if strategy_name == "spatial" and world == 1 else strategy_name)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
         if case.plugins is not None:
             kwargs["plugins"] = case.plugins()
-        if case.micro_batches and devices == 1:
+        if case.micro_batches and world == 1:
             kwargs["accumulate_grad_batches"] = data_parallel
         return pl.Trainer(
-            accelerator="cpu",
+            accelerator=ACCELERATOR,
             devices=devices,
+            num_nodes=NUM_NODES,
             strategy=strategy,
             logger=False,
             enable_checkpointing=False,
@@ -513,17 +536,17 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
             enable_model_summary=False,
             callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],
             num_sanity_val_steps=0,
-            use_distributed_sampler=devices > 1,
+            use_distributed_sampler=world > 1,
             **kwargs,
         )
 
     t: pl.Trainer | None = None
     try:
         module = case.module()
-        loader = None if case.data.startswith("boring") else train_loader(case, devices, data_parallel)
+        loader = None if case.data.startswith("boring") else train_loader(case, world, data_parallel)
         if case.data == "boring_f64":  # the module's own data (drawn as it draws them), in float64
             loader = DataLoader(module.train_dataloader().dataset.data.double())
-        if case.data.startswith("boring") and devices == 1:  # the module's own data, the union of the ranks' batches
+        if case.data.startswith("boring") and world == 1:  # the module's own data, the union of the ranks' batches
             own = loader if loader is not None else module.train_dataloader()
             loader = DataLoader(own.dataset, batch_sampler=UnionBatches(len(own.dataset), data_parallel,
                                                                         own.batch_size or 1))
@@ -546,7 +569,7 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
                 t.save_checkpoint(mid)
                 module = case.module()
             t = trainer()
-            t.fit(module, train_loader(case, devices, data_parallel), ckpt_path=mid)
+            t.fit(module, train_loader(case, world, data_parallel), ckpt_path=mid)
         elif case.flow == "early_stop":
             from lightning.pytorch.callbacks import EarlyStopping
 

@@ -1,0 +1,201 @@
+"""The first GPU figures: each a ratio against a baseline timed in the same run, with the absolute times.
+
+1. ``kfac``: K-FAC's amortized optimizer step over SGD's on ResNet-50 (ImageNet shapes, batch 64), factors every 10
+   steps and eigendecompositions every 100: 100 consecutive steps timed after 5 warm-up steps (the window holds 10
+   factor updates and one decomposition, exactly the amortized schedule), beside kfac-pytorch 0.4.2 on the same
+   model and schedule when it is importable (``import kfac``).
+2. ``multigrid``: single-device multigrid forward (2 cycles) with each relaxation batched across the layers of a
+   level, and the same solver evaluating the layers one after the other, over the serial forward (the seed
+   paper's "GPU concurrency"); ODE-ResNets of 256 and 1,024 steps.
+3. ``spatial``: the op-dispatch overhead on the GPU: a training step of the mesh-tangling FCN at 1K on a split
+   activation over one tile (every op through the handlers and tile kernels) over the same step on plain tensors.
+   The halo exchange itself needs two GPUs and NCCL: it is not timed on one GPU.
+
+Times are CUDA-event medians (synchronised), TF32 off (float32 is float32).  Writes one JSON file.
+
+    python bench/gpu_figures.py --out gpu_figures.json [--only kfac multigrid spatial] [--steps 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+def cuda_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` on the current CUDA device, one CUDA-event pair per call."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- 1. K-FAC
+def kfac_figure(steps: int, batch: int) -> dict[str, Any]:
+    from lightning_hpc.kfac import KFACPreconditioner
+    from lightning_hpc.models import resnet50
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model0 = resnet50(num_classes=1000).to(device)
+    x = torch.randn(batch, 3, 224, 224, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+
+    def trainer(precondition: Callable[[nn.Module, torch.optim.Optimizer], Callable[[], None]] | None):
+        model = copy.deepcopy(model0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        pre = precondition(model, opt) if precondition is not None else (lambda: None)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            pre()
+            opt.step()
+
+        return step
+
+    def ours(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        p = KFACPreconditioner(model, optimizer=opt, factor_update_freq=10, inv_update_freq=100, damping=0.003)
+        return p.step
+
+    def kfac_pytorch(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        import kfac  # kfac-pytorch
+
+        p = kfac.preconditioner.KFACPreconditioner(model, factor_update_steps=10, inv_update_steps=100,
+                                                   damping=0.003, lr=0.01)
+        return p.step
+
+    def window(step: Callable[[], None]) -> float:
+        """Seconds per step over ``steps`` consecutive steps after 5 warm-up steps (step 0 decomposes)."""
+        for _ in range(5):
+            step()
+        return cuda_seconds(lambda: [step() for _ in range(steps)], repeats=1, warmup=0)[0] / steps
+
+    result: dict[str, Any] = {"model": "resnet50", "batch": batch, "factor_every": 10, "decomp_every": 100,
+                              "steps_timed": steps}
+    result["sgd_s_per_step"] = window(trainer(None))
+    result["kfac_s_per_step"] = window(trainer(ours))
+    result["kfac_vs_sgd"] = result["kfac_s_per_step"] / result["sgd_s_per_step"]
+    try:
+        result["kfac_pytorch_s_per_step"] = window(trainer(kfac_pytorch))
+        result["kfac_pytorch_vs_sgd"] = result["kfac_pytorch_s_per_step"] / result["sgd_s_per_step"]
+    except Exception as e:  # noqa: BLE001 - not installed here, or its API refused: said in the figures
+        result["kfac_pytorch"] = f"not measured: {type(e).__name__}: {e}"
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- 2. multigrid
+def multigrid_figure(depths: list[int], repeats: int) -> list[dict[str, Any]]:
+    from multigrid import build  # bench/multigrid.py: the same nets as the CPU figures
+
+    rows = []
+    for depth in depths:
+        x = torch.randn(8, 1, 8, 8, device="cuda")
+        nets = {name: build(method, depth, None, concurrent).cuda().eval()
+                for name, method, concurrent in (("serial", "serial", True), ("mg_batched", "mg", True),
+                                                 ("mg_layer_by_layer", "mg", False))}
+        times: dict[str, list[float]] = {name: [] for name in nets}
+        with torch.no_grad():
+            for _ in range(repeats):  # interleaved: the three see the same machine state
+                for name, net in nets.items():
+                    times[name] += cuda_seconds(lambda: net(x), repeats=1)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        rows.append({"depth": depth, **{f"{k}_forward_s": v for k, v in med.items()},
+                     "mg_batched_vs_serial": med["mg_batched"] / med["serial"],
+                     "mg_layer_by_layer_vs_serial": med["mg_layer_by_layer"] / med["serial"]})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- 3. spatial
+def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
+    """A training step of the mesh-tangling FCN on a split activation over one tile (every op through the
+    handlers and tile kernels; no exchange) over the same step on plain tensors, alternated."""
+    from lightning_hpc.models import mesh_fcn
+    from lightning_hpc.spatial.dispatch import split_tensor
+    from lightning_hpc.spatial.tiling import SpatialGrid
+
+    torch.manual_seed(0)
+    net = mesh_fcn(in_channels=18, convs_per_block=3).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(1, 18, size, size, device="cuda")
+    y = (torch.rand(1, 1, size, size, device="cuda") > 0.5).float()
+    grid = SpatialGrid.single()
+
+    def step(split: bool) -> None:
+        xs = split_tensor(x, grid, tuple(x.shape), 2, 3) if split else x
+        ys = split_tensor(y, grid, tuple(y.shape), 2, 3) if split else y
+        opt.zero_grad(set_to_none=True)
+        F.binary_cross_entropy_with_logits(net(xs), ys).backward()
+        opt.step()
+
+    times: dict[str, list[float]] = {"plain": [], "dispatch": []}
+    for _ in range(repeats):  # alternated: the two see the same machine state
+        times["plain"] += cuda_seconds(lambda: step(False), repeats=1)
+        times["dispatch"] += cuda_seconds(lambda: step(True), repeats=1)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": "mesh_fcn (18 channels, 3 convs per block)", "size": size, "batch": 1,
+            "plain_s_per_step": med["plain"], "dispatch_s_per_step": med["dispatch"],
+            "dispatch_overhead": med["dispatch"] / med["plain"] - 1.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu_figures.json"))
+    ap.add_argument("--only", nargs="+", choices=["kfac", "multigrid", "spatial"],
+                    default=["kfac", "multigrid", "spatial"])
+    ap.add_argument("--steps", type=int, default=100, help="K-FAC: consecutive steps timed (a multiple of 100)")
+    ap.add_argument("--batch", type=int, default=64)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_figures.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+    figures: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+    }
+    runs: dict[str, Callable[[], Any]] = {
+        "kfac": lambda: kfac_figure(args.steps, args.batch),
+        "multigrid": lambda: multigrid_figure([256, 1024], repeats=7),
+        "spatial": lambda: spatial_figure(1024, repeats=10),
+    }
+    for name in args.only:
+        t0 = time.perf_counter()
+        try:
+            figures[name] = runs[name]()
+        except Exception:  # noqa: BLE001 - one figure failing must not lose the others
+            figures[name] = {"error": traceback.format_exc()}
+        print(f"{name} ({time.perf_counter() - t0:.0f} s): {json.dumps(figures[name], indent=1)}", flush=True)
+        args.out.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
