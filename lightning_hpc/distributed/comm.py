@@ -159,6 +159,11 @@ class TorchDistributedCommunicator(Communicator):
         dist.all_gather(out, tensor.contiguous(), group=group)
         return out
 
+    def barrier(self, group: Any = None) -> None:
+        # torch's own barrier: the base class's all-reduce of a CPU tensor has no backend on an NCCL-only group
+        if self.group_size(group) > 1:
+            dist.barrier(group=group)
+
 
 def get_communicator(backend: str = "torch") -> Communicator:
     """Communicator by name: ``"torch"`` (torch.distributed) or ``"horovod"``."""

@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.tiling import SpatialGrid
 
@@ -202,16 +202,19 @@ class HaloExchange:
         self.local_shape = x.shape
         self._xmeta = (x.dtype, x.device)
         group = self.plan.grid.group
-        self._send_bufs, self._recv_bufs, self._works = [], [], []
+        self._send_bufs, self._recv_bufs = [], []
+        # one message per peer and direction, tagged by direction; posted as one batch (NCCL-safe)
+        recvs, sends, tag = [], [], self.tag
         for peer, d, r, c in self.plan.recvs:
             buf = x.new_empty(x.shape[0], x.shape[1], r[1] - r[0], c[1] - c[0])
             self._recv_bufs.append(buf)
-            self._works.append(dist.irecv(buf, src=peer, group=group, tag=self.tag + d))
+            recvs.append((buf, peer, tag + d))
         for peer, d, r, c in self.plan.sends:
             rs, cs = self._local(r, c)
             buf = x[:, :, rs, cs].contiguous()
             self._send_bufs.append(buf)
-            self._works.append(dist.isend(buf, dst=peer, group=group, tag=self.tag + d))
+            sends.append((buf, peer, tag + d))
+        self._works = exchange(sends, recvs, group)
 
     def finish_forward(self) -> list[torch.Tensor]:
         """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
@@ -227,18 +230,20 @@ class HaloExchange:
         """Send the gradient of each received halo block back to its owner; post receives for ours."""
         plan, group = self.plan, self.plan.grid.group
         self._backward_posted = True
-        self._works, self._send_bufs, self._recv_bufs = [], [], []
+        self._send_bufs, self._recv_bufs = [], []
+        recvs, sends, tag = [], [], self.tag + 9
         for (peer, d, r, c), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
             buf = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
             self._send_bufs.append(buf)
-            self._works.append(dist.isend(buf, dst=peer, group=group, tag=self.tag + 9 + d))
+            sends.append((buf, peer, tag + d))
         assert self.local_shape is not None
         n, ch = self.local_shape[0], self.local_shape[1]
         for peer, d, r, c in plan.sends:
             dtype, device = self._xmeta
             buf = torch.empty(n, ch, r[1] - r[0], c[1] - c[0], dtype=dtype, device=device)
             self._recv_bufs.append(buf)
-            self._works.append(dist.irecv(buf, src=peer, group=group, tag=self.tag + 9 + d))
+            recvs.append((buf, peer, tag + d))
+        self._works = exchange(sends, recvs, group)
 
     def wait(self) -> None:
         """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.tiling import SpatialGrid
 
@@ -122,11 +122,10 @@ def _peer(grid: SpatialGrid, axis: int, q: int) -> int:
 def _exchange(grid: SpatialGrid, plan: RemapPlan, tag: int, outgoing: dict[int, torch.Tensor],
               incoming: dict[int, torch.Tensor]) -> None:
     """Post the receives into ``incoming`` and the sends of ``outgoing`` (peer position -> tensor) and wait."""
-    works = [dist.irecv(buf, src=_peer(grid, plan.axis, q), group=grid.group, tag=tag) for q, buf in incoming.items()]
-    works += [dist.isend(buf, dst=_peer(grid, plan.axis, q), group=grid.group, tag=tag) for q, buf in outgoing.items()]
-    for w in works:
-        if w is not None:
-            w.wait()
+    recvs = [(buf, _peer(grid, plan.axis, q), tag) for q, buf in incoming.items()]
+    sends = [(buf, _peer(grid, plan.axis, q), tag) for q, buf in outgoing.items()]
+    for w in exchange(sends, recvs, grid.group):  # one batch: NCCL-safe (see distributed/p2p.py)
+        w.wait()
 
 
 def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
