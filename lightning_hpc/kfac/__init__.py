@@ -2,7 +2,7 @@
 precision.py."""
 
 from lightning_hpc.kfac.layers import (
-    Conv2dHandler,
+    ConvHandler,
     LayerHandler,
     LinearHandler,
     TiledConv2dHandler,
@@ -29,7 +29,7 @@ __all__ = [
     "COMPUTE_METHODS",
     "PLACEMENTS",
     "ComputeMethod",
-    "Conv2dHandler",
+    "ConvHandler",
     "EigenMethod",
     "InverseMethod",
     "KFACOptions",

@@ -1,6 +1,7 @@
 """Which modules of a model K-FAC preconditions, and why it leaves the others to the optimizer.
 
-Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv2d`` (groups=1) whose weight trains
+Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``
+(groups=1) whose weight trains
 gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module with
 trainable parameters is listed with its reason: unsupported type, grouped convolution, frozen weight,
 ``skip_layers``, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac.layers import (
+    CONVOLUTIONS,
     SUPPORTED,
     LayerHandler,
     LinearHandler,
@@ -29,10 +31,10 @@ def skip_reason(
     name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]
 ) -> str | None:
     """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is."""
-    if isinstance(module, nn.Conv2d) and module.groups != 1:
+    if isinstance(module, CONVOLUTIONS) and module.groups != 1:
         return f"grouped convolution (groups={module.groups}) is not supported"
     if not isinstance(module, SUPPORTED):
-        return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv2d)"
+        return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv1d/2d/3d)"
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
         return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"

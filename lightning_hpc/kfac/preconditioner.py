@@ -6,7 +6,7 @@ Usage (paper Listing 1)::
     for x, y in loader:
         optimizer.zero_grad()
         loss_fn(model(x), y).backward()      # gradients averaged across ranks (DDP / strategy) by now
-        precond.step()                       # rewrites .grad of every Linear / Conv2d in place
+        precond.step()                       # rewrites .grad of every Linear / ConvNd in place
         optimizer.step()                     # any torch optimizer
 
 Per optimizer step (Algorithm 1):
@@ -53,7 +53,7 @@ from lightning_hpc.kfac.collectives import (
     broadcast_by_owner,
 )
 from lightning_hpc.kfac.discovery import find_layers
-from lightning_hpc.kfac.layers import Conv2dHandler, LayerHandler, TiledConv2dHandler
+from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce
@@ -66,14 +66,16 @@ _log = logging.getLogger("lightning_hpc.kfac")
 
 
 class KFACPreconditioner:
-    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv2d`` layers with K-FAC (SC20 Alg. 1).
+    """Preconditions the gradients of a model's ``nn.Linear`` and ``nn.Conv1d/2d/3d`` layers with K-FAC (SC20
+    Alg. 1).
 
     The decomposition and preconditioning rules are a :class:`~lightning_hpc.kfac.methods.ComputeMethod`
     (``self.method``: Eq 13-15 or Eq 11-12); which rank decomposes what, and who preconditions, a
     :class:`~lightning_hpc.kfac.placement.Placement` (``self.placement_policy``).
 
     Args:
-        model: the module whose Linear / Conv2d layers are preconditioned (every other parameter is untouched).
+        model: the module whose Linear / Conv1d/2d/3d layers are preconditioned (every other parameter is
+            untouched).
         lr: learning rate for Eq 18 when no optimizer is given (float or zero-argument callable);
             ``step(lr=...)`` overrides it.
         optimizer: optimizer whose parameter-group lr Eq 18 uses (the group holding each layer's weight).
@@ -162,7 +164,7 @@ class KFACPreconditioner:
                 h.stat_dtype = torch.float64
         if not self.handlers:
             raise ValueError(
-                "K-FAC found no nn.Linear / nn.Conv2d (groups=1) layer with trainable weights to precondition"
+                "K-FAC found no nn.Linear / nn.Conv1d/2d/3d (groups=1) layer with trainable weights to precondition"
                 + (f" after skip_layers={skip_layers!r}" if patterns else "")
             )
         if announce:
@@ -285,7 +287,7 @@ class KFACPreconditioner:
             )
         self.subsample_generator = torch.Generator().manual_seed(seed)
         for h in self.handlers:
-            if isinstance(h, Conv2dHandler):
+            if isinstance(h, ConvHandler):
                 h.sample_fraction = self.conv_input_sample_fraction
                 h.generator = self.subsample_generator
 

@@ -25,9 +25,26 @@ def _model() -> nn.Module:
     )  # fmt: skip
 
 
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+class VolumeThenSignal(nn.Module):
+    """Conv3d layers on a volume, its depth and height folded into channels, then a Conv1d along the width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.volume = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), nn.ReLU(),
+                                    nn.Conv3d(3, 3, 2, stride=(2, 2, 1), dilation=(1, 1, 2)), nn.ReLU())
+        self.signal = nn.Conv1d(3 * 2 * 3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = self.volume(x)  # (N, 3, 2, 3, 5)
+        return self.head(torch.relu(self.signal(v.flatten(1, 3))).flatten(1))
+
+
+def _data(step: int, volumes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 2, 7, 7, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
+    shape = (GLOBAL_BATCH, 2, 5, 7, 7) if volumes else (GLOBAL_BATCH, 2, 7, 7)
+    return torch.randn(*shape, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
 
 
 class CountingCommunicator(TorchDistributedCommunicator):
@@ -45,8 +62,9 @@ class CountingCommunicator(TorchDistributedCommunicator):
         return super().broadcast(*a, **k)
 
 
-def _train(rank: int, world_size: int, placement: str, method: str) -> tuple[list[torch.Tensor], list[int]]:
-    model = _model()
+def _train(rank: int, world_size: int, placement: str, method: str,
+           volumes: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    model = VolumeThenSignal() if volumes else _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     comm = CountingCommunicator()
     pre = KFACPreconditioner(
@@ -56,7 +74,7 @@ def _train(rank: int, world_size: int, placement: str, method: str) -> tuple[lis
     per_rank = GLOBAL_BATCH // world_size
     calls = []
     for step in range(STEPS):
-        x, y = _data(step)
+        x, y = _data(step, volumes)
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -104,3 +122,17 @@ def test_parameters_equal_single_process_for_every_placement(world_size, methods
         else:
             assert quiet == [0, 0, 0], f"{placement}/{method}: steps without updates communicated: {calls}"
             assert calls[0] > 0 and calls[2] > 0 and calls[4] > calls[2]
+
+
+def _volumes(rank: int, world_size: int) -> list:
+    torch.set_num_threads(1)
+    return [p.numpy() for p in _train(rank, world_size, "balanced", "eigen", volumes=True)[0]]
+
+
+def test_conv3d_and_conv1d_equal_single_process():
+    """Conv3d (padding mode, stride, dilation) and Conv1d layers preconditioned on 2 processes equal one process."""
+    ref, _ = _train(0, 1, "balanced", "eigen", volumes=True)
+    pre = KFACPreconditioner(VolumeThenSignal(), announce=False)
+    assert [h.name for h in pre.handlers] == ["volume.0", "volume.2", "signal", "head"]
+    for got, want in zip(run_in_processes(_volumes, 2, timeout_s=300)[0], ref):
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)

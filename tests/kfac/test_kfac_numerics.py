@@ -4,6 +4,7 @@ from recorded activations and output gradients, running averages, accumulation, 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import statistics
@@ -22,11 +23,17 @@ LAYERS = {
     "conv_stride_pad_dil": lambda: nn.Conv2d(3, 4, 3, stride=2, padding=2, dilation=2),
     "conv_nobias_stride": lambda: nn.Conv2d(3, 4, 2, stride=(2, 1), padding=(1, 0), bias=False),
     "conv_same_reflect": lambda: nn.Conv2d(3, 4, 3, padding="same", padding_mode="reflect"),
+    "conv1d_stride_pad_dil": lambda: nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2),
+    "conv1d_same_circular": lambda: nn.Conv1d(3, 4, 3, padding="same", padding_mode="circular"),
+    "conv3d_stride_pad_dil": lambda: nn.Conv3d(3, 4, 3, stride=(2, 1, 2), padding=(1, 2, 0), dilation=(1, 2, 1)),
+    "conv3d_nobias_replicate": lambda: nn.Conv3d(3, 4, 2, padding=1, padding_mode="replicate", bias=False),
 }
+#: input extent per number of spatial dimensions (odd, unequal sides: a transposed axis would show)
+EXTENT = {1: (11,), 2: (7, 7), 3: (6, 7, 5)}
 
 
 def _inputs(layer: nn.Module, n: int = 6) -> torch.Tensor:
-    return torch.randn(n, 6) if isinstance(layer, nn.Linear) else torch.randn(n, 3, 7, 7)
+    return torch.randn(n, 6) if isinstance(layer, nn.Linear) else torch.randn(n, 3, *EXTENT[len(layer.kernel_size)])
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -90,25 +97,21 @@ def test_inverse_method_equals_damped_inverses(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
-def _explicit_patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """Rows of input patches by explicit slicing (no unfold): (N * T, C * kh * kw)."""
+def _explicit_patches(x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+    """Rows of input patches by explicit slicing at every output position (no unfold), in any number of spatial
+    dimensions: (N * T, C * prod(kernel)), ordered like ``weight.view(out, -1)``."""
     if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
         mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
         xp = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
     else:
-        ph, pw = conv.padding
-        xp = F.pad(x, (pw, pw, ph, ph))
-    kh, kw = conv.kernel_size
-    sh, sw = conv.stride
-    dh, dw = conv.dilation
-    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        xp = F.pad(x, [p for p in reversed(conv.padding) for _ in range(2)])
+    k, s, d = conv.kernel_size, conv.stride, conv.dilation
+    out = [(xp.shape[2 + i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(len(k))]
     rows = []
     for n in range(x.shape[0]):
-        for i in range(oh):
-            for j in range(ow):
-                patch = xp[n, :, i * sh : i * sh + dh * (kh - 1) + 1 : dh, j * sw : j * sw + dw * (kw - 1) + 1 : dw]
-                rows.append(patch.reshape(-1))
+        for pos in itertools.product(*(range(o) for o in out)):
+            window = tuple(slice(p * s[i], p * s[i] + d[i] * (k[i] - 1) + 1, d[i]) for i, p in enumerate(pos))
+            rows.append(xp[(n, slice(None), *window)].reshape(-1))
     return torch.stack(rows)
 
 
@@ -137,7 +140,7 @@ def test_factors_equal_independent_computation(name):
         rows_g = recorded["out"].grad
     else:
         rows_a = _explicit_patches(recorded["x"], layer)
-        rows_g = recorded["out"].grad.permute(0, 2, 3, 1).reshape(-1, layer.out_channels)
+        rows_g = recorded["out"].grad.movedim(1, -1).reshape(-1, layer.out_channels)
     if layer.bias is not None:
         rows_a = torch.cat([rows_a, torch.ones(rows_a.shape[0], 1, dtype=rows_a.dtype)], 1)
     a_ref = rows_a.t() @ rows_a / rows_a.shape[0]

@@ -72,11 +72,11 @@ def test_conv_patch_gram_of_a_strided_input():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("unbatched", [False, True])
 def test_conv_handler_uses_correlations_exactly(monkeypatch, bias, unbatched):
-    """Conv2dHandler.input_gram (bias folded, unbatched input) equals the unfolded path's sums in float64."""
+    """ConvHandler.input_gram (bias folded, unbatched input) equals the unfolded path's sums in float64."""
     monkeypatch.setattr(layers, "SHIFTED_GRAM_MIN_WORK", 0)
     torch.manual_seed(5)
     conv = nn.Conv2d(4, 3, 3, padding=1, bias=bias).double()
-    handler = layers.Conv2dHandler("conv", conv)
+    handler = layers.ConvHandler("conv", conv)
     x = torch.randn(6, 4, 9, 7, dtype=torch.float64)
     x = x[0] if unbatched else x
     assert handler._shifted_padding(x) == (1, 1, 1, 1)
@@ -100,14 +100,14 @@ def test_conv_handler_uses_correlations_exactly(monkeypatch, bias, unbatched):
 )
 def test_conv_handler_keeps_patches_where_correlations_do_not_apply(monkeypatch, conv):
     monkeypatch.setattr(layers, "SHIFTED_GRAM_MIN_WORK", 0)
-    assert layers.Conv2dHandler("conv", conv)._shifted_padding(torch.randn(2, 8, 9, 9)) is None
+    assert layers.ConvHandler("conv", conv)._shifted_padding(torch.randn(2, 8, 9, 9)) is None
 
 
 def test_resnet_layers_take_correlations_and_small_layers_do_not():
     """At the default threshold: ResNet-32's 3x3 layers at batch 128 take the correlations, a small layer the
     single product of its patches."""
-    big = layers.Conv2dHandler("big", nn.Conv2d(64, 64, 3, padding=1, bias=False))
-    small = layers.Conv2dHandler("small", nn.Conv2d(3, 8, 3, padding=1))
+    big = layers.ConvHandler("big", nn.Conv2d(64, 64, 3, padding=1, bias=False))
+    small = layers.ConvHandler("small", nn.Conv2d(3, 8, 3, padding=1))
     assert big._shifted_padding(torch.empty(128, 64, 8, 8)) == (1, 1, 1, 1)
     assert small._shifted_padding(torch.empty(8, 3, 8, 8)) is None
 
