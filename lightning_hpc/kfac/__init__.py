@@ -3,10 +3,11 @@ precision.py."""
 
 from lightning_hpc.kfac.layers import (
     ConvHandler,
+    GroupConvHandler,
     LayerHandler,
     LinearHandler,
     TiledConv2dHandler,
-    make_handler,
+    make_handlers,
 )
 from lightning_hpc.kfac.methods import (
     COMPUTE_METHODS,
@@ -30,6 +31,7 @@ __all__ = [
     "PLACEMENTS",
     "ComputeMethod",
     "ConvHandler",
+    "GroupConvHandler",
     "EigenMethod",
     "InverseMethod",
     "KFACOptions",
@@ -40,7 +42,7 @@ __all__ = [
     "Placement",
     "TiledConv2dHandler",
     "assign_factors",
-    "make_handler",
+    "make_handlers",
     "make_placement",
     "placement_summary",
 ]

@@ -1,9 +1,9 @@
 """Which modules of a model K-FAC preconditions, and why it leaves the others to the optimizer.
 
 Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``
-(groups=1) whose weight trains
+(grouped and depthwise ones a Kronecker block per group) whose weight trains
 gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module with
-trainable parameters is listed with its reason: unsupported type, grouped convolution, frozen weight,
+trainable parameters is listed with its reason: unsupported type, frozen weight,
 ``skip_layers``, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
 """
 
@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac.layers import (
-    CONVOLUTIONS,
     SUPPORTED,
     LayerHandler,
     LinearHandler,
     linear_batch_dim,
-    make_handler,
+    make_handlers,
 )
 
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
@@ -31,8 +30,8 @@ def skip_reason(
     name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]]
 ) -> str | None:
     """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is."""
-    if isinstance(module, CONVOLUTIONS) and module.groups != 1:
-        return f"grouped convolution (groups={module.groups}) is not supported"
+    if isinstance(module, nn.Conv2d) and module.groups > 1 and hasattr(module, "kfac_padded_input"):
+        return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
     if not isinstance(module, SUPPORTED):
         return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv1d/2d/3d)"
     parent = modules.get(name.rpartition(".")[0]) if name else None
@@ -69,15 +68,18 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]]) -> LayerRepor
     for name, module in modules.items():
         reason = skip_reason(name, module, modules, patterns)
         if reason is None:
-            handler = make_handler(name, module)
-            assert handler is not None
+            handlers = make_handlers(name, module)
+            assert handlers
+            handler = handlers[0]
             if isinstance(handler, LinearHandler):
                 handler.batch_dim = linear_batch_dim(name, modules)
-            report.handlers.append(handler)
+            report.handlers.extend(handlers)
             bias = getattr(module, "bias", None)
             note = "bias frozen: weight only" if isinstance(bias, torch.Tensor) and not handler.has_bias else ""
             if isinstance(handler, LinearHandler) and handler.batch_dim != 0:
                 note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
+            if len(handlers) > 1:
+                note = ", ".join(filter(None, [note, f"{len(handlers)} groups: a Kronecker block per group"]))
             report.preconditioned.append((name, type(module).__name__, note))
         elif any(p.requires_grad for p in module.parameters(recurse=False)):
             report.skipped.append((name, type(module).__name__, reason))

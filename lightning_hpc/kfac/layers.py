@@ -41,11 +41,12 @@ __all__ = [
     "SUPPORTED",
     "CONVOLUTIONS",
     "ConvHandler",
+    "GroupConvHandler",
     "LayerHandler",
     "LinearHandler",
     "TiledConv2dHandler",
     "linear_batch_dim",
-    "make_handler",
+    "make_handlers",
 ]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
@@ -505,18 +506,84 @@ class TiledConv2dHandler(ConvHandler):
         return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
 
 
-def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
-    """Handler for a supported module (grouped convolutions are left to the optimizer), else None.
+class GroupConvHandler(ConvHandler):
+    """One group of a grouped convolution (``groups > 1``; depthwise when each group has one input channel).
+
+    Group ``i``'s weights ``W[i Co/g : (i+1) Co/g]`` see only input channels ``[i Ci/g, (i+1) Ci/g)`` and produce
+    only output channels ``[i Co/g, (i+1) Co/g)``: each group is a convolution of its own, and K-FAC gives it its
+    own Kronecker block (KFC's factors of that sub-convolution), so the layer's curvature is block-diagonal over
+    its groups, as K-FAC's is over layers (Martens & Grosse 2015, section 3). The handler is named
+    ``<layer>#g<i>``; its gradient matrix is the group's rows of ``[dW | db]``.
+    """
+
+    def __init__(self, name: str, module: nn.Conv1d | nn.Conv2d | nn.Conv3d, group: int) -> None:
+        self.group = group
+        self.in_per_group = module.in_channels // module.groups
+        self.out_per_group = module.out_channels // module.groups
+        super().__init__(f"{name}#g{group}", module)
+        self.layer_name = name
+
+    @property
+    def a_dim(self) -> int:
+        return self.in_per_group * math.prod(self.module.kernel_size) + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.out_per_group
+
+    def _channels(self, t: torch.Tensor, per_group: int) -> torch.Tensor:
+        dim = t.dim() - self.spatial_dims - 1  # 0 for an unbatched input, else 1
+        return t.narrow(dim, self.group * per_group, per_group)
+
+    def capture_input(self, x: torch.Tensor) -> int:
+        return super().capture_input(self._channels(x, self.in_per_group))
+
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        return super().capture_output_grad(self._channels(g, self.out_per_group), token)
+
+    def _rows(self) -> slice:
+        return slice(self.group * self.out_per_group, (self.group + 1) * self.out_per_group)
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        w = self.weight
+        if w.grad is None:
+            return None
+        mat = w.grad[self._rows()].reshape(self.out_per_group, -1)
+        if self.has_bias:
+            b = self.bias
+            bgrad = b.grad[self._rows()] if b.grad is not None else torch.zeros(self.out_per_group, dtype=w.dtype,
+                                                                                 device=w.device)
+            mat = torch.cat([mat, bgrad.reshape(-1, 1)], dim=1)
+        return mat
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        w, rows = self.weight, self._rows()
+        assert w.grad is not None
+        n_w = mat.shape[1] - (1 if self.has_bias else 0)
+        w.grad[rows].copy_(mat[:, :n_w].reshape_as(w.grad[rows]))
+        if self.has_bias:
+            b = self.bias
+            if b.grad is None:
+                b.grad = torch.zeros_like(b)
+            b.grad[rows].copy_(mat[:, n_w])
+
+
+def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
+    """The handlers of a supported module (one per group of a grouped convolution), else none.
 
     A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConv2dHandler`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample."""
     if isinstance(module, nn.Linear):
-        return LinearHandler(name, module)
-    if isinstance(module, CONVOLUTIONS) and module.groups == 1:
-        if isinstance(module, nn.Conv2d) and hasattr(module, "kfac_padded_input"):
-            return TiledConv2dHandler(name, module)
-        return ConvHandler(name, module)
-    return None
+        return [LinearHandler(name, module)]
+    if isinstance(module, CONVOLUTIONS):
+        tiled = isinstance(module, nn.Conv2d) and hasattr(module, "kfac_padded_input")
+        if module.groups > 1:  # tiled grouped convolutions are left out (discovery.skip_reason says why)
+            return [] if tiled else [GroupConvHandler(name, module, i) for i in range(module.groups)]
+        if tiled:
+            return [TiledConv2dHandler(name, module)]
+        return [ConvHandler(name, module)]
+    return []
 
 
 def _batch_first(module: nn.Module) -> bool | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.kfac.layers import make_handler
+from lightning_hpc.kfac.layers import make_handlers
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.placement import (
     PLACEMENTS,
@@ -46,9 +46,8 @@ def model_factor_dims(model_name: str) -> tuple[list[str], list[tuple[int, int]]
         model = build_model(model_name)
     names, dims = [], []
     for name, module in model.named_modules():
-        h = make_handler(name, module)
-        if h is not None:
-            names.append(name)
+        for h in make_handlers(name, module):
+            names.append(h.name)
             dims.append((h.a_dim, h.g_dim))
     return names, dims
 

@@ -26,14 +26,15 @@ def _model() -> nn.Module:
 
 
 class VolumeThenSignal(nn.Module):
-    """Conv3d layers on a volume, its depth and height folded into channels, then a Conv1d along the width."""
+    """Conv3d layers (the second depthwise) on a volume, its depth and height folded into channels, then a grouped
+    Conv1d along the width."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.volume = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), nn.ReLU(),
-                                    nn.Conv3d(3, 3, 2, stride=(2, 2, 1), dilation=(1, 1, 2)), nn.ReLU())
-        self.signal = nn.Conv1d(3 * 2 * 3, 4, 3, padding=1)
+                                    nn.Conv3d(3, 3, 2, stride=(2, 2, 1), dilation=(1, 1, 2), groups=3), nn.ReLU())
+        self.signal = nn.Conv1d(3 * 2 * 3, 4, 3, padding=1, groups=2)
         self.head = nn.Linear(4 * 5, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,10 +130,12 @@ def _volumes(rank: int, world_size: int) -> list:
     return [p.numpy() for p in _train(rank, world_size, "balanced", "eigen", volumes=True)[0]]
 
 
-def test_conv3d_and_conv1d_equal_single_process():
-    """Conv3d (padding mode, stride, dilation) and Conv1d layers preconditioned on 2 processes equal one process."""
+def test_conv3d_conv1d_and_grouped_equal_single_process():
+    """Conv3d (padding mode, stride, dilation, depthwise) and grouped Conv1d layers preconditioned on 2 processes
+    equal one process."""
     ref, _ = _train(0, 1, "balanced", "eigen", volumes=True)
     pre = KFACPreconditioner(VolumeThenSignal(), announce=False)
-    assert [h.name for h in pre.handlers] == ["volume.0", "volume.2", "signal", "head"]
+    assert [h.name for h in pre.handlers] == ["volume.0", "volume.2#g0", "volume.2#g1", "volume.2#g2", "signal#g0",
+                                              "signal#g1", "head"]
     for got, want in zip(run_in_processes(_volumes, 2, timeout_s=300)[0], ref):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)

@@ -255,9 +255,8 @@ def test_setup_says_which_modules_are_left_to_the_optimizer_and_why():
     with pytest.warns(UserWarning) as caught:
         pre = KFACPreconditioner(model, skip_layers=["^4$"])
     text = "\n".join(str(w.message) for w in caught)
-    assert "K-FAC preconditions 1 layer(s):\n  0 (Conv2d)" in text
+    assert "K-FAC preconditions 2 layer(s):\n  0 (Conv2d)\n  2 (Conv2d) [2 groups: a Kronecker block per group]" in text
     assert "1 (BatchNorm2d): unsupported type BatchNorm2d" in text
-    assert "2 (Conv2d): grouped convolution (groups=2)" in text
     assert "4 (Linear): matched skip_layers" in text
     assert "6 (Embedding): unsupported type" in text
     assert "5 (Linear)" not in text  # frozen entirely: nothing the optimizer trains
