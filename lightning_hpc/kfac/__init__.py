@@ -3,6 +3,7 @@ precision.py."""
 
 from lightning_hpc.kfac.layers import (
     ConvHandler,
+    ConvTransposeHandler,
     GroupConvHandler,
     LayerHandler,
     LinearHandler,
@@ -31,6 +32,7 @@ __all__ = [
     "PLACEMENTS",
     "ComputeMethod",
     "ConvHandler",
+    "ConvTransposeHandler",
     "GroupConvHandler",
     "EigenMethod",
     "InverseMethod",

@@ -1,7 +1,8 @@
 """Which modules of a model K-FAC preconditions, and why it leaves the others to the optimizer.
 
 Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``
-(grouped and depthwise ones a Kronecker block per group) whose weight trains
+(grouped and depthwise ones a Kronecker block per group) or ``nn.ConvTranspose1d/2d/3d`` (groups=1; its bias left
+to the optimizer) whose weight trains
 gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module with
 trainable parameters is listed with its reason: unsupported type, frozen weight,
 ``skip_layers``, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
@@ -17,6 +18,7 @@ from torch import nn
 
 from lightning_hpc.kfac.layers import (
     SUPPORTED,
+    TRANSPOSED_CONVOLUTIONS,
     LayerHandler,
     LinearHandler,
     linear_batch_dim,
@@ -32,8 +34,11 @@ def skip_reason(
     """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is."""
     if isinstance(module, nn.Conv2d) and module.groups > 1 and hasattr(module, "kfac_padded_input"):
         return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
+    if isinstance(module, TRANSPOSED_CONVOLUTIONS) and module.groups > 1:
+        return f"grouped transposed convolution (groups={module.groups}) is not supported"
     if not isinstance(module, SUPPORTED):
-        return f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear and nn.Conv1d/2d/3d)"
+        return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d and "
+                "nn.ConvTranspose1d/2d/3d)")
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
         return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
@@ -75,7 +80,9 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]]) -> LayerRepor
                 handler.batch_dim = linear_batch_dim(name, modules)
             report.handlers.extend(handlers)
             bias = getattr(module, "bias", None)
-            note = "bias frozen: weight only" if isinstance(bias, torch.Tensor) and not handler.has_bias else ""
+            note = ""
+            if isinstance(bias, torch.Tensor) and not handler.has_bias:
+                note = "bias left to the optimizer" if bias.requires_grad else "bias frozen: weight only"
             if isinstance(handler, LinearHandler) and handler.batch_dim != 0:
                 note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
             if len(handlers) > 1:

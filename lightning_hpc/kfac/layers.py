@@ -41,7 +41,9 @@ __all__ = [
     "SUPPORTED",
     "CONVOLUTIONS",
     "ConvHandler",
+    "ConvTransposeHandler",
     "GroupConvHandler",
+    "TRANSPOSED_CONVOLUTIONS",
     "LayerHandler",
     "LinearHandler",
     "TiledConv2dHandler",
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 #: least ``output positions x a_dim^2`` (the multiply-adds of the plain Gram) for which a convolution's A is
 #: computed from channel correlations: below it the unfolded patches' single product is cheaper (measured at
 #: 1 thread: 32 samples of 8 channels at 8x8, 3x3 kernel, 0.36 ms unfolded against 0.69 ms; ResNet-32's layers
@@ -201,9 +203,23 @@ class LayerHandler:
         out[k, k] = rows
         return out
 
+    #: the layer has no statistics for one tile of a split activation (a tensor subclass that carries its
+    #: partition, e.g. the spatial strategy's): such an input is refused instead of giving one tile's factors
+    refuses_split_input: bool = False
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse, naming the layer and the fix, an input this handler's statistics do not cover."""
+        if self.refuses_split_input and type(x) is not torch.Tensor:
+            raise RuntimeError(
+                f"K-FAC layer {self.name!r} ({type(self.module).__name__}) got a {type(x).__name__} input (one tile "
+                "of a split activation): K-FAC has no tiled statistics for this layer type; leave it to the "
+                f"optimizer with KFAC(skip_layers=[{self.name.split('#')[0]!r}])"
+            )
+
     @torch.no_grad()
     def capture_input(self, x: torch.Tensor) -> int:
         """Compute the input statistics of one call; returns the token :meth:`capture_output_grad` commits."""
+        self.check_input(x)
         # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
@@ -336,6 +352,8 @@ class LinearHandler(LayerHandler):
 
 #: the convolutions K-FAC preconditions (groups=1): one handler for 1, 2 and 3 spatial dimensions
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: the transposed convolutions K-FAC preconditions (groups=1)
+TRANSPOSED_CONVOLUTIONS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 class ConvHandler(LayerHandler):
@@ -361,6 +379,11 @@ class ConvHandler(LayerHandler):
     @property
     def spatial_dims(self) -> int:
         return len(self.module.kernel_size)
+
+    @property
+    def refuses_split_input(self) -> bool:  # type: ignore[override]
+        # Conv2d on split activations is the tiled handler's; Conv1d / Conv3d have no tiled statistics yet
+        return self.spatial_dims != 2
 
     @property
     def a_dim(self) -> int:
@@ -516,6 +539,8 @@ class GroupConvHandler(ConvHandler):
     ``<layer>#g<i>``; its gradient matrix is the group's rows of ``[dW | db]``.
     """
 
+    refuses_split_input = True  # type: ignore[assignment]
+
     def __init__(self, name: str, module: nn.Conv1d | nn.Conv2d | nn.Conv3d, group: int) -> None:
         self.group = group
         self.in_per_group = module.in_channels // module.groups
@@ -569,6 +594,78 @@ class GroupConvHandler(ConvHandler):
             b.grad[rows].copy_(mat[:, n_w])
 
 
+class ConvTransposeHandler(LayerHandler):
+    """``nn.ConvTranspose1d/2d/3d`` with groups=1 (U-Net decoders), any stride / padding / output padding / dilation.
+
+    A transposed convolution scatters each *input* position ``t`` into an output window: with ``w_t`` the output
+    gradient in that window (``C_out * prod(kernel)`` values, the patches of ``dL/dy`` under the convolution that is
+    the layer's adjoint: same kernel, stride, padding, dilation), ``dW = sum_n sum_t x_t w_t^T`` for the weight
+    ``(C_in, C_out, *kernel)``. That is KFC's form (Grosse & Martens 2016, section 3.1) with the roles of the two
+    sides swapped: A is the input at the input positions, ``1/(B T) sum x x^T`` (``C_in`` square, T the input
+    positions), G the output-gradient windows, ``B sum_n sum_t w w^T``. The gradient matrix is ``dW`` viewed as
+    ``(C_out * prod(kernel), C_in)``. The bias (one value per output channel, summed over every output position) is
+    not of that form: it is left to the optimizer.
+    """
+
+    module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+    refuses_split_input = True
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name, module)
+        self.has_bias = False  # left to the optimizer (see the class docstring)
+
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.module.kernel_size)
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.in_channels
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.out_channels * math.prod(self.module.kernel_size)
+
+    def _batched(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0) if t.dim() == self.spatial_dims + 1 else t
+
+    def _output_windows(self, g: torch.Tensor) -> torch.Tensor:
+        """``(N, C_out, *input positions, *kernel)``: the output gradient seen by each input position."""
+        m = self.module
+        g = self._batched(g.detach().to(self.dtype_for(g)))
+        pads = cast(tuple[int, ...], m.padding)  # a transposed convolution's padding is always numbers
+        g = F.pad(g, [p for p in reversed(pads) for _ in range(2)])
+        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
+            g = g.unfold(2 + i, d * (k - 1) + 1, s)
+        return g[(...,) + tuple(slice(None, None, d) for d in m.dilation)]
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._batched(x.detach().to(self.dtype_for(x)))
+        return x.movedim(1, -1).reshape(-1, x.shape[1])
+
+    def output_rows(self, g: torch.Tensor) -> torch.Tensor:
+        win, nd = self._output_windows(g), self.spatial_dims
+        return win.permute(0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)).reshape(-1, self.g_dim)
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        x = self._batched(x.detach().to(self.dtype_for(x)))
+        return sym_gram(x, k_dims=1)[0], x.shape[0] * math.prod(x.shape[2:])
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        win, nd = self._output_windows(g), self.spatial_dims
+        return sym_gram(win.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd)), k_dims=1 + nd)[0]
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        w = self.weight
+        return None if w.grad is None else w.grad.reshape(w.shape[0], -1).t()
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        w = self.weight
+        assert w.grad is not None
+        w.grad.copy_(mat.t().reshape_as(w.grad))
+
+
 def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
     """The handlers of a supported module (one per group of a grouped convolution), else none.
 
@@ -583,6 +680,8 @@ def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
         if tiled:
             return [TiledConv2dHandler(name, module)]
         return [ConvHandler(name, module)]
+    if isinstance(module, TRANSPOSED_CONVOLUTIONS) and module.groups == 1:
+        return [ConvTransposeHandler(name, module)]
     return []
 
 

@@ -26,19 +26,20 @@ def _model() -> nn.Module:
 
 
 class VolumeThenSignal(nn.Module):
-    """Conv3d layers (the second depthwise) on a volume, its depth and height folded into channels, then a grouped
-    Conv1d along the width."""
+    """Conv3d layers (the second depthwise) and a ConvTranspose3d on a volume, its depth and height folded into
+    channels, then a grouped Conv1d along the width."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.volume = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), nn.ReLU(),
                                     nn.Conv3d(3, 3, 2, stride=(2, 2, 1), dilation=(1, 1, 2), groups=3), nn.ReLU())
+        self.up = nn.ConvTranspose3d(3, 3, (1, 1, 2))  # widens 5 -> 6, as a decoder's upsampling
         self.signal = nn.Conv1d(3 * 2 * 3, 4, 3, padding=1, groups=2)
-        self.head = nn.Linear(4 * 5, 5)
+        self.head = nn.Linear(4 * 6, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = self.volume(x)  # (N, 3, 2, 3, 5)
+        v = self.up(self.volume(x))  # (N, 3, 2, 3, 6)
         return self.head(torch.relu(self.signal(v.flatten(1, 3))).flatten(1))
 
 
@@ -130,12 +131,12 @@ def _volumes(rank: int, world_size: int) -> list:
     return [p.numpy() for p in _train(rank, world_size, "balanced", "eigen", volumes=True)[0]]
 
 
-def test_conv3d_conv1d_and_grouped_equal_single_process():
-    """Conv3d (padding mode, stride, dilation, depthwise) and grouped Conv1d layers preconditioned on 2 processes
-    equal one process."""
+def test_volume_signal_and_grouped_layers_equal_single_process():
+    """Conv3d (padding mode, stride, dilation, depthwise), ConvTranspose3d and grouped Conv1d layers preconditioned
+    on 2 processes equal one process."""
     ref, _ = _train(0, 1, "balanced", "eigen", volumes=True)
     pre = KFACPreconditioner(VolumeThenSignal(), announce=False)
-    assert [h.name for h in pre.handlers] == ["volume.0", "volume.2#g0", "volume.2#g1", "volume.2#g2", "signal#g0",
-                                              "signal#g1", "head"]
+    assert [h.name for h in pre.handlers] == ["volume.0", "volume.2#g0", "volume.2#g1", "volume.2#g2", "up",
+                                              "signal#g0", "signal#g1", "head"]
     for got, want in zip(run_in_processes(_volumes, 2, timeout_s=300)[0], ref):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)

@@ -482,3 +482,78 @@ def test_grouped_convolution_on_spatial_tiles_is_left_out_with_the_reason():
     report = find_layers(nn.Sequential(tiled, nn.Conv2d(4, 2, 1)), [])
     assert [h.name for h in report.handlers] == ["1"]
     assert report.skipped == [("0", "Conv2d", "grouped convolution (groups=2) on spatial tiles is not supported")]
+
+
+TRANSPOSED = {
+    "convT1d_stride_outpad": lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
+    "convT2d_unet_up": lambda: nn.ConvTranspose2d(3, 4, 2, stride=2),
+    "convT2d_dilation_pad": lambda: nn.ConvTranspose2d(3, 2, 3, stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+    "convT3d_stride": lambda: nn.ConvTranspose3d(3, 2, (2, 3, 2), stride=(2, 1, 2), padding=(0, 1, 0), bias=False),
+}
+
+
+def _scatter_windows(gy: torch.Tensor, conv: nn.Module, in_extent: tuple[int, ...]) -> torch.Tensor:
+    """Rows ``w_t`` (one per sample and *input* position) by explicit index arithmetic: the output gradient at
+    ``t * stride - padding + k * dilation`` for every kernel offset (zero outside the output), ordered (C_out, *k)."""
+    k, s, p, d = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+    rows = []
+    for n in range(gy.shape[0]):
+        for t in itertools.product(*(range(e) for e in in_extent)):
+            row = torch.zeros(gy.shape[1], *k, dtype=gy.dtype)
+            for kk in itertools.product(*(range(kd) for kd in k)):
+                o = tuple(t[i] * s[i] - p[i] + kk[i] * d[i] for i in range(len(k)))
+                if all(0 <= o[i] < gy.shape[2 + i] for i in range(len(k))):
+                    row[(slice(None), *kk)] = gy[(n, slice(None), *o)]
+            rows.append(row.reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSED))
+def test_transposed_convolution_factors_and_solve(name):
+    """ConvTranspose1d/2d/3d: A from the input at the input positions, G from the output-gradient windows each
+    input position scatters into (independent index arithmetic); the weight gradient is their product (the
+    ordering), and the preconditioned gradient equals the dense Kronecker solve; the bias is left alone."""
+    torch.manual_seed(5)
+    layer = TRANSPOSED[name]().double()
+    x = torch.randn(4, 3, *EXTENT[len(layer.kernel_size)], dtype=torch.float64)
+    damping = 0.05
+    p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=damping, decomposition_dtype="float64",
+                           announce=False)
+    out = layer(x)
+    out.retain_grad()
+    target = torch.randn(out.shape[0], math.prod(out.shape[1:]), dtype=torch.float64)
+    _loss(out, target).backward()
+    w_raw = layer.weight.grad.detach().clone()
+    b_raw = None if layer.bias is None else layer.bias.grad.detach().clone()
+    p.step()
+    rows_a = x.movedim(1, -1).reshape(-1, 3)
+    rows_g = _scatter_windows(out.grad, layer, tuple(x.shape[2:]))
+    raw = w_raw.reshape(3, -1).t()  # (C_out * prod(k), C_in)
+    torch.testing.assert_close(rows_g.t() @ rows_a, raw)  # dW = sum_t w_t x_t^T: the two sides' ordering
+    n = x.shape[0]
+    a_ref, g_ref = rows_a.t() @ rows_a / rows_a.shape[0], (n * rows_g).t() @ (n * rows_g) / n
+    torch.testing.assert_close(p.factors[""]["A"].double(), a_ref, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(p.factors[""]["G"].double(), g_ref, rtol=1e-7, atol=1e-9 * g_ref.abs().max().item())
+    dense = torch.kron(g_ref, a_ref) + damping * torch.eye(a_ref.shape[0] * g_ref.shape[0], dtype=torch.float64)
+    want = torch.linalg.solve(dense, raw.reshape(-1)).reshape(raw.shape)
+    got = layer.weight.grad.reshape(3, -1).t()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())  # as the dense tests
+    if b_raw is not None:
+        assert torch.equal(layer.bias.grad, b_raw)
+
+
+@pytest.mark.parametrize("layer", [nn.ConvTranspose2d(2, 2, 2, stride=2), nn.Conv2d(2, 2, 3, padding=1, groups=2)],
+                         ids=["transposed", "grouped"])
+def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer):
+    """Under the spatial strategy a layer's input is one tile of a split activation: a layer type whose K-FAC
+    statistics have no tiled form is refused at the first capture, naming it and the fix, not given one tile's
+    factors."""
+    from lightning_hpc.spatial.dispatch import split_tensor
+    from lightning_hpc.spatial.tiling import SpatialGrid
+
+    model = nn.Sequential(layer)
+    KFACPreconditioner(model, inv_update_freq=1, announce=False)
+    x = torch.randn(2, 2, 6, 6)
+    model(x).sum().backward()  # a plain tensor: captured
+    with pytest.raises(RuntimeError, match=r"K-FAC layer '0(#g0)?' .*skip_layers=\['0'\]"):
+        model(split_tensor(x, SpatialGrid.single(), tuple(x.shape), 2, 3))
