@@ -296,6 +296,7 @@ class TileData(pl.LightningDataModule):
         super().__init__()
         self.x, self.y, self.tile = x, y, None
         self.input_shape = tuple(x.shape[1:])
+        self.spatial_tiles = (0, 1) if y.dim() >= 3 else (0,)  # the batch entries read as tiles
 
     def set_spatial_tile(self, tile_index, parts) -> None:
         self.tile = (tuple(tile_index), tuple(parts))
