@@ -266,6 +266,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
                     f"{str(e)[:200]}); partitions are checked at the first training step instead"
                 )
+        self._sync_batchnorm_to_batchnorm(module)
         # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
         # the split activation itself (lightning_hpc.spatial.dispatch)
         convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
@@ -275,6 +276,25 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         self._count_metrics()
         self._converted = True
+
+    def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
+        """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
+        sample group those are the whole samples of the spatial group, which the aggregated batch norm computes on
+        any device (section III-B): such layers become batch norms, converted like any other.  With several sample
+        groups the statistics would also span the other groups' samples, which nothing here computes: refused."""
+        assert self.layout is not None
+        for name, m in module.named_modules():
+            if not isinstance(m, torch.nn.SyncBatchNorm):
+                continue
+            if self.layout.num_sample_groups > 1:
+                raise ValueError(
+                    f"SpatialParallelStrategy: layer '{name}' is nn.SyncBatchNorm, whose statistics span the samples "
+                    f"of all {self.layout.num_sample_groups} sample groups; the spatial strategy takes batch-norm "
+                    f"statistics over the whole samples of each sample group. Use nn.BatchNorm2d (or "
+                    f"spatial_parts covering every rank, one sample group, where SyncBatchNorm is computed exactly)"
+                )
+            # same parameters and buffers; SyncBatchNorm adds a process group only
+            m.__class__ = torch.nn.BatchNorm2d  # type: ignore[assignment]
 
     def _count_metrics(self) -> None:
         """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and

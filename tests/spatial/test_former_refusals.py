@@ -1,0 +1,69 @@
+"""Idioms that used to end in torch's own error or in a refusal whose fix could not help, now computed on the
+tiles exactly as one process: an even-kernel ``padding="same"`` convolution, ``nn.SyncBatchNorm`` on CPU, a
+convolution after ``transpose(2, 3)``, a boolean-mask assignment and ``F.avg_pool2d(x, x.shape[2:])``, through
+``Trainer.fit`` under ``on_unsupported="error"`` (so nothing is gathered either)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spatial_checks import serial_sgd_fit
+from test_conformance import STEPS, TileData, UserModule, _check_equal, make_data
+from torch import nn
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+
+CLASSES = 3
+
+
+class FormerRefusals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = nn.Conv2d(3, 4, 4, padding="same")  # even kernel: torch pads 1 before, 2 after
+        self.bn = nn.SyncBatchNorm(4)
+        self.across = nn.Conv2d(4, 4, (3, 1), padding=(1, 0))  # applied to the transposed activation
+        self.head = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.same(x)))
+        y = self.across(y.transpose(2, 3)).transpose(2, 3)
+        y[y < 0.1] = 0.05  # boolean-mask assignment
+        pooled = F.avg_pool2d(y, y.shape[2:])  # a pooling window of the whole H x W
+        return self.head(pooled.flatten(1))
+
+
+def compute_loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _fit(rank, world, parts):
+    import lightning.pytorch as pl
+
+    x, _, cls = make_data()
+    torch.manual_seed(0)
+    module = UserModule(FormerRefusals())
+    strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported="error")
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    try:
+        trainer.fit(module, datamodule=TileData(x, cls))
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the message is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    module.eval()
+    with torch.no_grad():
+        out = module.model(x)  # a plain input: the layers run as one process (the eval output, replicated)
+    return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
+            "params": [p.detach().clone() for p in module.model.parameters()], "out": out}
+
+
+@pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
+def test_former_refusals_equal_one_process(parts):
+    x, _, cls = make_data()
+    torch.manual_seed(0)
+    ref = serial_sgd_fit(FormerRefusals(), x, cls, compute_loss, 2, step_seed=100)
+    for res in run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60):
+        _check_equal(res, ref, f"former refusals at {parts[0]}x{parts[1]}")
+
