@@ -21,6 +21,7 @@ The core pieces live in plain torch modules next to this one; this file only tra
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -396,7 +397,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
         the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
-        fails at once instead of at the collective timeout); a rank that failed because its peer went away
+        fails at once instead of at the collective timeout; rank 0, which hosts the store, closes them first and
+        keeps the store until its peers have read the message); a rank that failed because its peer went away
         reports the peer's message."""
         super().on_exception(exception)
         key = getattr(self, "_failure_key", None)
@@ -411,10 +413,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             if any(s in text for s in _COMM_FAILURE):
                 store.wait([key], timedelta(seconds=3))
                 peer = store.get(key).decode()
+                store.add(f"{key}/read", 1)
                 if not peer.startswith(f"rank {rank}:"):
                     exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
             else:
                 store.set(key, f"rank {rank}: {text}")
+                if rank == 0:
+                    _keep_store_until_read(store, key, dist.get_world_size())
         except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
             pass
 
@@ -566,6 +571,21 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if mean:
             out = out / self.layout.num_sample_groups
         return out
+
+
+def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 10.0) -> None:
+    """Rank 0 failed, and rank 0 hosts the process group's store: its exit would take the message with it, and
+    the peers would report only the closed connection.  Its connections are closed now instead (every process
+    group aborted, so a peer waiting on it fails at once), and the store stays up until every peer has read the
+    message (each adds one to ``key/read``), for at most ``seconds``."""
+    for group in list(dist.distributed_c10d._world.pg_names):
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort: the peers fail at this process's exit
+            pass
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and store.add(f"{key}/read", 0) < world - 1:
+        time.sleep(0.05)
 
 
 def _paths(batch: Any, prefix: tuple = ()) -> list[tuple[tuple, Tensor]]:

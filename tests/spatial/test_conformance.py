@@ -448,13 +448,13 @@ def test_refusals_name_op_and_module():
         assert res["flip"]["steps"] == 0
 
 
-def _one_rank_fails(rank, world):
+def _one_rank_fails(rank, world, failing=1):
     module = UserModule(build("flip"))
 
     class FailOnRank1(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_rank == 1 and batch_idx == 1:
-                raise RuntimeError("bad sample on rank 1")
+            if trainer.global_rank == failing and batch_idx == 1:
+                raise RuntimeError(f"bad sample on rank {failing}")
 
     x, seg, _ = make_data()
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SpatialParallelStrategy(spatial_parts=(2, 1)),
@@ -468,13 +468,16 @@ def _one_rank_fails(rank, world):
     return {"error": None, "seconds": time.monotonic() - t0}
 
 
-def test_failure_on_one_rank_ends_every_rank_promptly():
-    """Rank 1 fails before its second step while rank 0 enters it (halo exchanges): rank 0 must not wait for
-    the 100 s collective timeout."""
-    results = run_in_processes(_one_rank_fails, 2, timeout_s=120, collective_timeout_s=100)
-    assert "bad sample on rank 1" in results[1]["error"]
-    assert results[0]["error"] is not None, "rank 0 finished although its peer failed"
-    assert "bad sample on rank 1" in results[0]["error"], results[0]["error"]
+@pytest.mark.parametrize("failing", [1, 0])
+def test_failure_on_one_rank_ends_every_rank_promptly(failing):
+    """One rank fails before its second step while its peer enters it (halo exchanges): the peer must not wait
+    for the 100 s collective timeout, and ends with the failing rank's message -- also when the failing rank is
+    rank 0, which hosts the store the message travels through (its peer saw only gloo's closed connection)."""
+    results = run_in_processes(_one_rank_fails, 2, failing, timeout_s=120, collective_timeout_s=100)
+    peer = 1 - failing
+    assert f"bad sample on rank {failing}" in results[failing]["error"]
+    assert results[peer]["error"] is not None, f"rank {peer} finished although its peer failed"
+    assert f"bad sample on rank {failing}" in results[peer]["error"], results[peer]["error"]
     assert max(r["seconds"] for r in results) < 60, results
 
 
