@@ -111,9 +111,14 @@ class SpatialLayer:
         the output split the same way (or replicated, for a global pooling)."""
         from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, state
 
-        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3):
-            # laid out otherwise (e.g. after x.transpose(2, 3)): the serial layer's own forward, whose functional
-            # call the op dispatch computes for that layout (tiled where it can, else gathered)
+        computed = [n for n in ("weight", "bias") if getattr(self, n, None) is not None and
+                    self._parameters.get(n) is None]  # type: ignore[attr-defined]
+        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3) or computed:
+            # laid out otherwise (e.g. after x.transpose(2, 3)), or a weight computed from the parameters by a
+            # forward pre-hook (the hook form of spectral_norm / weight_norm, whose source parameter is used on
+            # replicated values, not on tiles): the serial layer's own forward, whose functional call the op
+            # dispatch computes (tiled where it can, else gathered; a computed weight has its gradient summed over
+            # the tiles there)
             return self.serial_forward(x)
         st = state()
         st.note_params(self._parameters.values())  # type: ignore[attr-defined]  # = parameters(recurse=False)

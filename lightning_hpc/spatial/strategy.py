@@ -40,6 +40,7 @@ from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_gradients
@@ -230,6 +231,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
             metrics.activate(self.layout)
+            refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
         _RUNS[0] += 1
         self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
@@ -335,6 +337,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def teardown(self) -> None:
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
+            refuse_reentrant(False)
         super().teardown()
 
     @override

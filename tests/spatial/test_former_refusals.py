@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from spatial_checks import serial_sgd_fit
 from test_conformance import STEPS, TileData, UserModule, _check_equal, make_data
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
@@ -34,16 +35,39 @@ class FormerRefusals(nn.Module):
         return self.head(pooled.flatten(1))
 
 
+class SpectralCheckpointed(nn.Module):
+    """The hook form of ``spectral_norm`` (its weight computed from ``weight_orig`` before each call) and a
+    block under the non-reentrant activation checkpoint; ``reentrant=True``: a plain convolution and the
+    reentrant checkpoint, refused."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.sn = conv if reentrant else nn.utils.spectral_norm(conv)  # the refusal alone, without spectral_norm
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(4, CLASSES)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        y = F.relu(self.sn(x))
+        y = checkpoint(self.block, y, use_reentrant=self.reentrant)
+        return self.head(y.mean((2, 3)))
+
+
+MODELS = {"former_refusals": FormerRefusals, "spectral_checkpointed": SpectralCheckpointed,
+          "reentrant": lambda: SpectralCheckpointed(reentrant=True)}
+
+
 def compute_loss(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def _fit(rank, world, parts):
+def _fit(rank, world, parts, name="former_refusals"):
     import lightning.pytorch as pl
 
     x, _, cls = make_data()
     torch.manual_seed(0)
-    module = UserModule(FormerRefusals())
+    module = UserModule(MODELS[name]())
     strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported="error")
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -51,7 +75,7 @@ def _fit(rank, world, parts):
     try:
         trainer.fit(module, datamodule=TileData(x, cls))
     except Exception as e:  # noqa: BLE001 - reported, not raised: the message is the result
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
     module.eval()
     with torch.no_grad():
         out = module.model(x)  # a plain input: the layers run as one process (the eval output, replicated)
@@ -59,11 +83,20 @@ def _fit(rank, world, parts):
             "params": [p.detach().clone() for p in module.model.parameters()], "out": out}
 
 
+@pytest.mark.parametrize("name", ["former_refusals", "spectral_checkpointed"])
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
-def test_former_refusals_equal_one_process(parts):
+def test_former_refusals_equal_one_process(parts, name):
     x, _, cls = make_data()
     torch.manual_seed(0)
-    ref = serial_sgd_fit(FormerRefusals(), x, cls, compute_loss, 2, step_seed=100)
-    for res in run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60):
-        _check_equal(res, ref, f"former refusals at {parts[0]}x{parts[1]}")
+    ref = serial_sgd_fit(MODELS[name](), x, cls, compute_loss, 2, step_seed=100)
+    for res in run_in_processes(_fit, 2, parts, name, timeout_s=300, collective_timeout_s=60):
+        _check_equal(res, ref, f"{name} at {parts[0]}x{parts[1]}")
+
+
+def test_reentrant_checkpoint_is_refused_naming_the_fix():
+    """It ended in torch's shape mismatch in backward; now refused at the forward, before the first step."""
+    for res in run_in_processes(_fit, 2, (2, 1), "reentrant", timeout_s=300, collective_timeout_s=60):
+        err = res.get("error")
+        assert err is not None and "use_reentrant=True" in err and "Pass use_reentrant=False" in err, err
+        assert "module 'model'" in err and res["steps"] == 0, err
 
