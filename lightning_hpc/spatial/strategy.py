@@ -6,14 +6,17 @@ only), and inside a group rank ``k`` holds tile ``(k // pw, k % pw)`` of every s
 
 * checks the world size (= sample groups x ph x pw) and builds the groups at setup,
 * tells the data module which tile to read (``datamodule.set_spatial_tile((i, j), (ph, pw))``) before the
-  dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their batches
-  cut to the tile on the host (with a warning),
+  dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their input cut
+  to the tile on the host (with a warning).  What is split is decided by the data, never by a tensor's size:
+  the batch entries the data module names in ``spatial_tiles``, else the model's input (the first N x C x H x W
+  tensor); every other tensor stays whole and is cut where it meets a split activation (the op dispatch),
 * converts the model's layers (:func:`convert.convert_model`), validating the partition at setup when the input
   shape is known (``input_shape=`` or the data module's ``input_shape``),
 * sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_gradients`)
   once per optimizer step (after gradient accumulation),
-* offers ``global_pixel_count(local_target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals
-  the whole-sample loss, and ``reduce`` that turns such per-tile partial values into the whole value.
+* offers ``global_pixel_count(target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals the
+  whole-sample loss (a split target counts its global extent, a whole one itself), and ``reduce`` for logged
+  values.
 
 The core pieces live in plain torch modules next to this one; this file only translates Lightning hooks.
 """
@@ -480,7 +483,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             if isinstance(batch, Tensor):
                 paths = [()] if paths else []
             for path in paths:
-                t = _get(batch, path)
+                try:
+                    t = _get(batch, path)
+                except (KeyError, IndexError, TypeError):
+                    t = None
                 if not isinstance(t, Tensor) or t.dim() < 2:
                     raise ValueError(
                         f"SpatialParallelStrategy: the data module's spatial_tiles names batch entry {path!r}, which "

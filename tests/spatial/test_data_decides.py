@@ -204,3 +204,27 @@ def test_global_pixel_count_counts_whole_tensors_once(marked):
     if marked:
         setattr(rows, TILE_MARK, True)
     assert strategy.global_pixel_count(rows) == 14
+
+
+def test_declared_entries_of_dict_and_nested_batches():
+    """Single process: ``spatial_tiles`` names keys of a dict batch and paths into nested batches; undeclared, the
+    first N x C x H x W tensor is the input; a name that is not a tensor of the batch is refused naming it."""
+    from types import SimpleNamespace
+
+    from lightning_hpc.spatial.strategy import _get, _set
+
+    strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
+    image, mask, label = torch.zeros(2, 3, 8, 6), torch.zeros(2, 8, 6), torch.zeros(2, 4, 6)
+    batch = {"meta": {"label": label}, "image": image, "mask": mask}
+    strategy._datamodule = lambda: SimpleNamespace(spatial_tiles=("image", "mask"))
+    assert strategy._split_paths(batch) == [("image",), ("mask",)]
+    strategy._datamodule = lambda: SimpleNamespace(spatial_tiles=(("meta", "label"),))
+    assert strategy._split_paths(batch) == [("meta", "label")]
+    strategy._datamodule = lambda: None
+    assert strategy._split_paths((label, image, mask)) == [(1,)]
+    strategy._datamodule = lambda: SimpleNamespace(spatial_tiles=("images",))
+    with pytest.raises(ValueError, match="spatial_tiles names batch entry"):
+        strategy._split_paths(batch)
+    replaced = _set(batch, ("meta", "label"), mask)
+    assert _get(replaced, ("meta", "label")) is mask and batch["meta"]["label"] is label  # the batch itself kept
+

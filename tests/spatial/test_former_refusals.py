@@ -100,3 +100,17 @@ def test_reentrant_checkpoint_is_refused_naming_the_fix():
         assert err is not None and "use_reentrant=True" in err and "Pass use_reentrant=False" in err, err
         assert "module 'model'" in err and res["steps"] == 0, err
 
+
+def test_sync_batchnorm_with_several_sample_groups_is_refused():
+    """Single process: with one sample group nn.SyncBatchNorm becomes a batch norm (converted, tiled); with two
+    its statistics would span the other group's samples: refused at setup naming nn.BatchNorm2d."""
+    from types import SimpleNamespace
+
+    strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))
+    strategy.layout = SimpleNamespace(num_sample_groups=2)
+    with pytest.raises(ValueError, match="layer '1' is nn.SyncBatchNorm.*Use nn.BatchNorm2d"):
+        strategy._sync_batchnorm_to_batchnorm(model)
+    strategy.layout = SimpleNamespace(num_sample_groups=1)
+    strategy._sync_batchnorm_to_batchnorm(model)
+    assert type(model[1]) is nn.BatchNorm2d
