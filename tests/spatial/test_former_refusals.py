@@ -93,6 +93,19 @@ def test_former_refusals_equal_one_process(parts, name):
         _check_equal(res, ref, f"{name} at {parts[0]}x{parts[1]}")
 
 
+@pytest.mark.slow
+def test_former_refusals_equal_one_process_2x2():
+    """4 ranks, 2x2 (uneven rows, H = 13): corners of the padded and transposed convolutions."""
+    x, _, cls = make_data()
+    refs = {}
+    for name in ("former_refusals", "spectral_checkpointed"):
+        torch.manual_seed(0)
+        refs[name] = serial_sgd_fit(MODELS[name](), x, cls, compute_loss, 2, step_seed=100)
+    for name in refs:
+        for res in run_in_processes(_fit, 4, (2, 2), name, timeout_s=600, collective_timeout_s=120):
+            _check_equal(res, refs[name], f"{name} at 2x2", tol=5e-5)  # four partial sums per gradient
+
+
 def test_reentrant_checkpoint_is_refused_naming_the_fix():
     """It ended in torch's shape mismatch in backward; now refused at the forward, before the first step."""
     for res in run_in_processes(_fit, 2, (2, 1), "reentrant", timeout_s=300, collective_timeout_s=60):
