@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.halo_exchange import DimPlan, HaloPlan, PartitionError
@@ -109,12 +111,15 @@ class SpatialLayer:
         the output split the same way (or replicated, for a global pooling)."""
         from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, state
 
-        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3):
-            raise SpatialDispatchError(
-                f"spatial: {type(self).__name__} {self.describe()} got an input split along dims "
-                f"{(x._hdim, x._wdim)} of a "
-                f"{x.dim()}-D tensor; it needs N x C x H x W split over H and W"
-            )
+        computed = [n for n in ("weight", "bias") if getattr(self, n, None) is not None and
+                    self._parameters.get(n) is None]  # type: ignore[attr-defined]
+        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3) or computed:
+            # laid out otherwise (e.g. after x.transpose(2, 3)), or a weight computed from the parameters by a
+            # forward pre-hook (the hook form of spectral_norm / weight_norm, whose source parameter is used on
+            # replicated values, not on tiles): the serial layer's own forward, whose functional call the op
+            # dispatch computes (tiled where it can, else gathered; a computed weight has its gradient summed over
+            # the tiles there)
+            return self.serial_forward(x)
         st = state()
         st.note_params(self._parameters.values())  # type: ignore[attr-defined]  # = parameters(recurse=False)
         h, w = x._gshape[2], x._gshape[3]
@@ -134,6 +139,13 @@ class SpatialLayer:
         wh, ww = self.windows(h, w)
         return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), 2, 3,
                                   fresh=out is not x)
+
+    def serial_forward(self, x: Any) -> torch.Tensor:
+        """The forward of the ``torch.nn`` layer this one replaced (its functional call is dispatched)."""
+        for cls in type(self).__mro__:
+            if cls.__module__.startswith("torch.nn.") and cls is not nn.Module and "forward" in vars(cls):
+                return vars(cls)["forward"](self, x)  # type: ignore[no-any-return]
+        return F.adaptive_avg_pool2d(x, 1)  # the global average pooling (heads.py), the one layer of its own
 
     def windows(self, h: int, w: int) -> tuple[Any, Any]:  # pragma: no cover - abstract
         """The per-dimension window (``out_size``, ``needed``) of this layer for an ``h x w`` input."""

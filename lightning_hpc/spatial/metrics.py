@@ -4,11 +4,15 @@ A torchmetrics ``Metric`` keeps states that it synchronises over all ranks (sums
 Under spatial parallelism a value reaches a metric in one of two forms, and each needs its own count:
 
 * a **split activation** (a :class:`~lightning_hpc.spatial.dispatch.SpatialTensor`, e.g. the logits of a
-  segmentation network): every rank feeds its own tile, so the metric's per-pixel statistics are summed over the
-  tiles by the usual all-rank synchronisation, exactly one process's value (confusion counts, sums, means over
-  pixels).  A plain tensor fed together with it that spans the whole split extent (a target) is cut to the same
-  tile.  Computing on the tile also avoids gathering the activation for each of the metric's own ops.  A tile
-  cut out by hand with :func:`~lightning_hpc.spatial.dispatch.local_tile` counts the same way.
+  segmentation network), to a metric whose states are sums over pixels (:func:`_sums_over_pixels`: confusion
+  counts, sums, means over pixels): every rank feeds its own tile, so those states are summed over the tiles by
+  the usual all-rank synchronisation, exactly one process's value.  A plain tensor fed together with it that
+  spans the whole split extent (a target) is cut to the same tile.  Computing on the tile also avoids gathering
+  the activation for each of the metric's own ops.  A tile cut out by hand with
+  :func:`~lightning_hpc.spatial.dispatch.local_tile` counts the same way.  To any other metric (per-sample
+  scores such as MeanIoU or DiceScore, windowed ones such as SSIM: the tiles' states cannot be combined), the
+  split inputs are gathered and the metric counts as fed a replicated value (next point), so it is computed
+  on the whole samples; fed a ``local_tile``, such a metric is refused.
 * a **replicated value** (a loss, a pooled classifier output, anything after a global reduction): every rank of
   a spatial group holds the same value, so an all-rank sum would count it once per tile (a ``SumMetric`` or an
   unnormalised confusion matrix ``ph * pw`` times too large).  The metric is synchronised over the ranks that
@@ -41,6 +45,7 @@ own (``CompositionalMetric``, the wrappers) forward to their members, which coun
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +61,7 @@ __all__ = ["activate", "count_once_per_pixel", "deactivate", "metrics_in"]
 _MARK = "_lightning_hpc_spatial_update"  # the counting update a metric was given (a clone carries a stale one)
 _FORM = "_lightning_hpc_spatial_form"  # "tile" or "replicated", recorded at the first update
 _NAME = "_lightning_hpc_spatial_name"  # for messages
+_WARNED = "_lightning_hpc_spatial_gather_warned"  # the one-time gather warning was given
 
 _ACTIVE: list[HybridLayout] = []  # layouts of the running strategies (one in practice); the last one counts
 _ORIGINAL: dict[str, Any] = {}  # torchmetrics' own Metric._wrap_update / Metric.sync while the hooks are in
@@ -91,6 +97,58 @@ def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tup
         return a
 
     return tuple(tile(a) for a in args), {k: tile(v) for k, v in kwargs.items()}
+
+
+def _sums_over_pixels(metric: Any) -> bool:
+    """Whether ``metric``'s states are sums (or extrema) over pixels of per-pixel terms, so the states of the tiles,
+    summed by the all-rank synchronisation, are the whole samples' states: counts of the stat-score family over
+    all pixels (``multidim_average="global"``: accuracy, precision, recall, F-scores, specificity), confusion
+    matrices (Jaccard), precision-recall curves (AUROC, average precision: order-free lists or binned counts),
+    sum / mean / max / min aggregation, mean squared and absolute error, PSNR over all pixels.  Anything else
+    (per-sample scores such as ``segmentation.MeanIoU`` or ``DiceScore``, windowed ones such as SSIM, per-sample
+    reductions, metrics unknown here) is not taken to be one."""
+    try:
+        from torchmetrics import aggregation, classification, image, regression
+        from torchmetrics.classification.stat_scores import _AbstractStatScores
+    except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
+        return False
+    if isinstance(metric, _AbstractStatScores):
+        return getattr(metric, "multidim_average", "global") == "global"
+    sums = (
+        classification.BinaryConfusionMatrix, classification.MulticlassConfusionMatrix,
+        classification.MultilabelConfusionMatrix, classification.BinaryPrecisionRecallCurve,
+        classification.MulticlassPrecisionRecallCurve, classification.MultilabelPrecisionRecallCurve,
+        aggregation.SumMetric, aggregation.MeanMetric, aggregation.MaxMetric, aggregation.MinMetric,
+        regression.MeanSquaredError, regression.MeanAbsoluteError,
+    )
+    if isinstance(metric, sums):
+        return True
+    if isinstance(metric, image.PeakSignalNoiseRatio):
+        return getattr(metric, "dim", None) is None  # a per-sample PSNR (dim set) is not a sum over pixels
+    return False
+
+
+def _whole_inputs(metric: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The whole samples for a metric that is not a sum over pixels: every split input is gathered (every rank of
+    the spatial group updates its metrics in the same order, so the all-gathers pair up), whole inputs stay as
+    they are, and the metric counts as fed replicated values.  Warned once per metric with the bytes."""
+    nbytes = sum(a.element_size() * a.numel() for a in (*args, *kwargs.values()) if isinstance(a, SpatialTensor))
+    if not metric.__dict__.get(_WARNED):
+        metric.__dict__[_WARNED] = True
+        warnings.warn(
+            f"spatial: metric '{_name(metric)}' ({type(metric).__name__}) is not a sum over pixels (per-sample or "
+            f"windowed states), so tiles cannot be combined: its split inputs are gathered ({nbytes} bytes per rank "
+            f"per update) and it is computed on the whole samples, exactly as one process does",
+            stacklevel=3,
+        )
+
+    def whole(a: Any) -> Any:
+        if isinstance(a, SpatialTensor):
+            with torch.no_grad():
+                return a.full()
+        return a
+
+    return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
 
 
 def _containers(value: Any) -> Iterator[tuple[Any, Any]]:
@@ -133,7 +191,15 @@ def _counting_update(metric: Any, update: Callable[..., Any]) -> Callable[..., A
         inputs = (*args, *kwargs.values())
         split = [a for a in inputs if isinstance(a, SpatialTensor)]
         # a tile cut out by hand (dispatch.local_tile) is a tile too; one of its operands is enough to say so
-        form = "tile" if split or any(getattr(a, TILE_MARK, False) for a in inputs) else "replicated"
+        marked = any(getattr(a, TILE_MARK, False) for a in inputs)
+        additive = (split or marked) and _sums_over_pixels(metric)
+        if marked and not additive:
+            raise SpatialDispatchError(
+                f"spatial: metric '{_name(metric)}' ({type(metric).__name__}) was fed a tile cut out with local_tile, "
+                f"but its states are not sums over pixels (per-sample scores, windows across tiles), so tiles cannot "
+                f"be combined exactly. Feed it the split tensor itself: it is then computed on the whole samples"
+            )
+        form = "tile" if additive else "replicated"
         before = metric.__dict__.setdefault(_FORM, form)
         if before != form:
             kinds = {"tile": "split activation", "replicated": "replicated value"}
@@ -142,8 +208,10 @@ def _counting_update(metric: Any, update: Callable[..., Any]) -> Callable[..., A
                 f"before and with a {kinds[form]} now; its states cannot be synchronised exactly for both. Use one "
                 f"metric object per kind of input"
             )
-        if split:
+        if split and additive:
             args, kwargs = _tile_inputs(args, kwargs, split[0])
+        elif split:
+            args, kwargs = _whole_inputs(metric, args, kwargs)
         return update(*args, **kwargs)
 
     functools.update_wrapper(on_update, update)

@@ -6,14 +6,17 @@ only), and inside a group rank ``k`` holds tile ``(k // pw, k % pw)`` of every s
 
 * checks the world size (= sample groups x ph x pw) and builds the groups at setup,
 * tells the data module which tile to read (``datamodule.set_spatial_tile((i, j), (ph, pw))``) before the
-  dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their batches
-  cut to the tile on the host (with a warning),
+  dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their input cut
+  to the tile on the host (with a warning).  What is split is decided by the data, never by a tensor's size:
+  the batch entries the data module names in ``spatial_tiles``, else the model's input (the first N x C x H x W
+  tensor); every other tensor stays whole and is cut where it meets a split activation (the op dispatch),
 * converts the model's layers (:func:`convert.convert_model`), validating the partition at setup when the input
   shape is known (``input_shape=`` or the data module's ``input_shape``),
 * sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_gradients`)
   once per optimizer step (after gradient accumulation),
-* offers ``global_pixel_count(local_target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals
-  the whole-sample loss, and ``reduce`` that turns such per-tile partial values into the whole value.
+* offers ``global_pixel_count(target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals the
+  whole-sample loss (a split target counts its global extent, a whole one itself), and ``reduce`` for logged
+  values.
 
 The core pieces live in plain torch modules next to this one; this file only translates Lightning hooks.
 """
@@ -21,6 +24,7 @@ The core pieces live in plain torch modules next to this one; this file only tra
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,7 +43,9 @@ from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
+from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import (
@@ -228,6 +234,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
             metrics.activate(self.layout)
+            refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
         _RUNS[0] += 1
         self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
         dm = self._datamodule()
@@ -265,6 +272,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
                     f"{str(e)[:200]}); partitions are checked at the first training step instead"
                 )
+        self._sync_batchnorm_to_batchnorm(module)
         # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
         # the split activation itself (lightning_hpc.spatial.dispatch)
         convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
@@ -274,6 +282,25 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         self._count_metrics()
         self._converted = True
+
+    def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
+        """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
+        sample group those are the whole samples of the spatial group, which the aggregated batch norm computes on
+        any device (section III-B): such layers become batch norms, converted like any other.  With several sample
+        groups the statistics would also span the other groups' samples, which nothing here computes: refused."""
+        assert self.layout is not None
+        for name, m in module.named_modules():
+            if not isinstance(m, torch.nn.SyncBatchNorm):
+                continue
+            if self.layout.num_sample_groups > 1:
+                raise ValueError(
+                    f"SpatialParallelStrategy: layer '{name}' is nn.SyncBatchNorm, whose statistics span the samples "
+                    f"of all {self.layout.num_sample_groups} sample groups; the spatial strategy takes batch-norm "
+                    f"statistics over the whole samples of each sample group. Use nn.BatchNorm2d (or "
+                    f"spatial_parts covering every rank, one sample group, where SyncBatchNorm is computed exactly)"
+                )
+            # same parameters and buffers; SyncBatchNorm adds a process group only
+            m.__class__ = torch.nn.BatchNorm2d  # type: ignore[assignment]
 
     def _count_metrics(self) -> None:
         """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and
@@ -313,6 +340,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def teardown(self) -> None:
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
+            refuse_reentrant(False)
         super().teardown()
 
     @override
@@ -375,7 +403,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
         the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
-        fails at once instead of at the collective timeout); a rank that failed because its peer went away
+        fails at once instead of at the collective timeout; rank 0, which hosts the store, closes them first and
+        keeps the store until its peers have read the message); a rank that failed because its peer went away
         reports the peer's message."""
         super().on_exception(exception)
         key = getattr(self, "_failure_key", None)
@@ -390,10 +419,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             if any(s in text for s in _COMM_FAILURE):
                 store.wait([key], timedelta(seconds=3))
                 peer = store.get(key).decode()
+                store.add(f"{key}/read", 1)
                 if not peer.startswith(f"rank {rank}:"):
                     exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
             else:
                 store.set(key, f"rank {rank}: {text}")
+                if rank == 0:
+                    _keep_store_until_read(store, key, dist.get_world_size())
         except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
             pass
 
@@ -425,59 +457,104 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     # -- data --------------------------------------------------------------------------------------------------
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self._slice_batches:
-            batch = self._cut_to_tile(batch)
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return self._split(batch)
-
-    def _split(self, batch: Any) -> Any:
-        """The batch's tiles as :class:`SpatialTensor` objects: every tensor whose last two dimensions are the
-        tile of the first image (N x C x H x W) is split over them, with the global extent of the sample."""
         if self.layout is None or self.layout.grid.size == 1:
-            return batch
-        grid = self.layout.grid
-        images = [t for t in _tensors(batch) if t.dim() == 4 and not isinstance(t, SpatialTensor)]
+            return super().batch_to_device(batch, device, dataloader_idx)
+        paths = self._split_paths(batch)
+        whole: dict[tuple, tuple[int, int]] = {}
+        if self._slice_batches:  # cut on the host: the global extent is the whole tensor's
+            grid = self.layout.grid
+            for path in paths:
+                t = _get(batch, path)
+                whole[path] = (int(t.shape[-2]), int(t.shape[-1]))
+                rs, cs = tile_slices(*whole[path], grid.parts, grid.index)
+                batch = _set(batch, path, t[..., rs, cs].contiguous())
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return self._split(batch, paths, whole)
+
+    def _split_paths(self, batch: Any) -> list[tuple]:
+        """Where in ``batch`` the tensors to split are: what the data module declares in ``spatial_tiles``, else
+        the model's input, the first N x C x H x W tensor.  Every other tensor stays whole (a label at another
+        resolution, a per-row label, a mask of the whole sample): the op dispatch cuts it exactly where it meets a
+        split activation, whose layout it knows, so no tensor is taken for a tile because of its size."""
+        dm = self._datamodule()
+        declared = getattr(dm, "spatial_tiles", None) if dm is not None else None
+        if declared is not None:
+            paths = [tuple(k) if isinstance(k, tuple) else (k,) for k in declared]
+            if isinstance(batch, Tensor):
+                paths = [()] if paths else []
+            for path in paths:
+                try:
+                    t = _get(batch, path)
+                except (KeyError, IndexError, TypeError):
+                    t = None
+                if not isinstance(t, Tensor) or t.dim() < 2:
+                    raise ValueError(
+                        f"SpatialParallelStrategy: the data module's spatial_tiles names batch entry {path!r}, which "
+                        f"is not a tensor of at least 2 dimensions ({type(t).__name__}); list the positions (tuple "
+                        f"batches) or keys (dict batches) of the tensors it reads as tiles"
+                    )
+            return paths
+        images = [(path, t) for path, t in _paths(batch) if t.dim() == 4 and not isinstance(t, SpatialTensor)]
         if not images:
-            if not self._warned_nothing_split and not any(isinstance(t, SpatialTensor) for t in _tensors(batch)):
+            if not self._warned_nothing_split and not any(isinstance(t, SpatialTensor) for _, t in _paths(batch)):
                 self._warned_nothing_split = True
+                assert self.layout is not None
                 log.warning(
                     "SpatialParallelStrategy: the batch holds no N x C x H x W tensor, so nothing is split: every rank "
-                    f"of a spatial group ({grid.size} ranks) computes the same thing on the same samples (correct, "
-                    "but no faster than one of them). Use strategy='ddp' for such data, or give the batch its images "
-                    "as N x C x H x W tensors"
+                    f"of a spatial group ({self.layout.grid.size} ranks) computes the same thing on the same samples "
+                    "(correct, but no faster than one of them). Use strategy='ddp' for such data, or give the batch "
+                    "its images as N x C x H x W tensors (or name them in the data module's spatial_tiles)"
                 )
-            return batch
-        hl, wl = images[0].shape[-2:]
-        gh, gw = grid.global_extent(hl, wl, device=images[0].device)
+            return []
+        return [images[0][0]]
 
-        def wrap(t: Tensor) -> Tensor:
-            if t.dim() >= 3 and tuple(t.shape[-2:]) == (hl, wl) and not isinstance(t, SpatialTensor):
-                return split_tensor(t, grid, (*t.shape[:-2], gh, gw), t.dim() - 2, t.dim() - 1)
-            return t
-
-        return apply_to_collection(batch, Tensor, wrap)
-
-    def _cut_to_tile(self, batch: Any) -> Any:
+    def _split(self, batch: Any, paths: list[tuple], whole: dict[tuple, tuple[int, int]]) -> Any:
+        """The tensors at ``paths`` as :class:`SpatialTensor` objects over their last two dimensions.  Cut on the
+        host, their global extent is known (``whole``); read as tiles by the data module, it is summed over the
+        group (one all-reduce for all of them).  A data module that reads tiles but declares no ``spatial_tiles``
+        gets only its input split; another batch tensor as large as its tile could be a tile or a whole tensor at
+        a lower resolution, so that case is refused (decided over the group: one rank's tile may differ)."""
         assert self.layout is not None
         grid = self.layout.grid
-        images = [t for t in _tensors(batch) if t.dim() == 4]
-        if not images:
-            return batch
-        h, w = images[0].shape[-2:]
-        rs, cs = tile_slices(h, w, grid.parts, grid.index)
+        tiles = [_get(batch, path) for path in paths]
+        if whole:
+            extents = [whole[path] for path in paths]
+        else:
+            i, j = grid.index
+            undeclared = self._slice_batches is False and getattr(self._datamodule(), "spatial_tiles", None) is None
+            ambiguous = [
+                path for path, t in _paths(batch)
+                if undeclared and tiles and path not in paths and t.dim() >= 2
+                and tuple(t.shape[-2:]) == tuple(tiles[0].shape[-2:])
+            ]
+            sizes = [v for t in tiles for v in (t.shape[-2] if j == 0 else 0, t.shape[-1] if i == 0 else 0)]
+            device = tiles[0].device if tiles else None
+            counts = torch.tensor([*sizes, len(ambiguous)], dtype=torch.int64, device=device)
+            if grid.group is not None and tiles:
+                dist.all_reduce(counts, group=grid.group)
+            if int(counts[-1]):
+                where = f" ({ambiguous[0]!r} here)" if ambiguous else " (on another rank of the spatial group)"
+                raise ValueError(
+                    "SpatialParallelStrategy: the data module reads tiles (set_spatial_tile) and the batch holds a "
+                    f"tensor besides the input whose last two dimensions are as large as the input's tile{where}: "
+                    "a tile, or a whole tensor at a lower resolution? Declare the batch entries the data module reads "
+                    "as tiles, e.g. `spatial_tiles = (0, 1)` on the data module for an (image, mask) batch whose mask "
+                    "it cuts too, or `spatial_tiles = (0,)` when every other tensor is whole"
+                )
+            extents = [(int(counts[2 * k]), int(counts[2 * k + 1])) for k in range(len(tiles))]
+        for path, t, (gh, gw) in zip(paths, tiles, extents):
+            if not isinstance(t, SpatialTensor):
+                batch = _set(batch, path, split_tensor(t, grid, (*t.shape[:-2], gh, gw), t.dim() - 2, t.dim() - 1))
+        return batch
 
-        def cut(t: Tensor) -> Tensor:
-            if t.dim() >= 3 and tuple(t.shape[-2:]) == (h, w):
-                return t[..., rs, cs].contiguous()
-            return t
-
-        return apply_to_collection(batch, Tensor, cut)
-
-    def global_pixel_count(self, local_target: Tensor) -> int:
-        """Number of target pixels of the whole samples of this sample group (sum over the spatial group)."""
-        if isinstance(local_target, SpatialTensor):
-            return int(local_target.numel())  # already the global count
-        n = torch.tensor([local_target.numel()], dtype=torch.int64, device=local_target.device)
+    def global_pixel_count(self, target: Tensor) -> int:
+        """Number of target pixels of the whole samples of this sample group.  A split target and a whole one
+        (every batch tensor the data does not split stays whole) count their whole extent as they are; only a
+        tile cut out by hand with :func:`~lightning_hpc.spatial.dispatch.local_tile` is summed over the
+        spatial group."""
+        if not getattr(target, TILE_MARK, False):
+            return int(target.numel())  # a SpatialTensor reports its global count; a whole tensor is whole
+        n = torch.tensor([target.numel()], dtype=torch.int64, device=target.device)
         if self.layout is not None and self.layout.grid.group is not None:
             dist.all_reduce(n, group=self.layout.grid.group)
         return int(n.item())
@@ -505,12 +582,46 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         return out
 
 
-def _tensors(batch: Any) -> list[Tensor]:
-    found: list[Tensor] = []
+def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 10.0) -> None:
+    """Rank 0 failed, and rank 0 hosts the process group's store: its exit would take the message with it, and
+    the peers would report only the closed connection.  Its connections are closed now instead (every process
+    group aborted, so a peer waiting on it fails at once), and the store stays up until every peer has read the
+    message (each adds one to ``key/read``), for at most ``seconds``."""
+    for group in list(dist.distributed_c10d._world.pg_names):
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort: the peers fail at this process's exit
+            pass
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and store.add(f"{key}/read", 0) < world - 1:
+        time.sleep(0.05)
 
-    def keep(t: Tensor) -> Tensor:
-        found.append(t)
-        return t
 
-    apply_to_collection(batch, Tensor, keep)
-    return found
+def _paths(batch: Any, prefix: tuple = ()) -> list[tuple[tuple, Tensor]]:
+    """``(path, tensor)`` for every tensor of a batch (tuples, lists and dicts, nested), in order."""
+    if isinstance(batch, Tensor):
+        return [(prefix, batch)]
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (list, tuple)) else ()
+    return [found for key, value in items for found in _paths(value, (*prefix, key))]
+
+
+def _get(batch: Any, path: tuple) -> Any:
+    for key in path:
+        batch = batch[key]
+    return batch
+
+
+def _set(batch: Any, path: tuple, value: Any) -> Any:
+    """``batch`` with the entry at ``path`` replaced (containers rebuilt, the batch itself not changed)."""
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(batch, dict):
+        out = dict(batch)
+        out[key] = _set(batch[key], rest, value)
+        return type(batch)(out) if type(batch) is not dict else out
+    items = list(batch)
+    items[key] = _set(items[key], rest, value)
+    if hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*items)
+    return type(batch)(items)

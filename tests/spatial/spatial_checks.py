@@ -62,6 +62,7 @@ class TileDataModule(pl.LightningDataModule):
         self.x, self.y, self.batch_size = x, y, batch_size
         self.input_shape = tuple(x.shape[1:])
         self.tile = None
+        self.spatial_tiles = (0, 1)  # both read as tiles
 
     def set_spatial_tile(self, tile_index, parts) -> None:
         self.tile = (tuple(tile_index), tuple(parts))

@@ -56,6 +56,7 @@ class Data(pl.LightningDataModule):
     def __init__(self) -> None:
         super().__init__()
         self.tile = None
+        self.spatial_tiles = (0, 1)  # both read as tiles
 
     def set_spatial_tile(self, tile_index, parts) -> None:
         self.tile = (tuple(tile_index), tuple(parts))

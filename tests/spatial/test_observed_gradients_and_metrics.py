@@ -107,6 +107,7 @@ class Data(pl.LightningDataModule):
     def __init__(self, batch_size: int = BATCH, order: list[int] | None = None) -> None:
         super().__init__()
         self.tile, self.batch_size, self.order = None, batch_size, order
+        self.spatial_tiles = (0, 1)  # both read as tiles
 
     def set_spatial_tile(self, tile_index, parts) -> None:
         self.tile = (tuple(tile_index), tuple(parts))

@@ -69,6 +69,10 @@ class MeshTanglingDataModule(pl.LightningDataModule):
         self.train_set: MeshTanglingDataset | None = None
         self.val_set: MeshTanglingDataset | None = None
 
+    #: the batch entries :meth:`set_spatial_tile` makes tiles: the input channels and the mask (a spatially parallel
+    #: strategy splits exactly these)
+    spatial_tiles = (0, 1)
+
     @property
     def input_shape(self) -> tuple[int, int, int]:
         height, width = self.source.shape if self.source else (self.size, self.size)

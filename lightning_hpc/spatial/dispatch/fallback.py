@@ -44,8 +44,10 @@ def _fallback(func, args, kwargs):
     if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:
         _unsupported(func, "changes a split activation in place in a way that has no tiled form",
-                     "Write it out of place (e.g. y = torch.cat(...) or y = x.clone() then edit y) so it can be "
-                     "computed exactly", spatial, inplace=True)
+                     "Write it out of place, so it is computed on the tiles: x = torch.where(cond, value, x) or "
+                     "x = x.masked_fill(mask, value) for an edit of some positions (x[mask] = value with a boolean "
+                     "mask is done so already), x = F.pad(x[..., 1:, :], (0, 0, 1, 0)) for a zeroed border row, "
+                     "torch.cat of the parts otherwise", spatial, inplace=True)
     _unsupported(func, "has no tiled form",
                  "To avoid the gather, use an op with a tiled form (see docs/spatial.md) or pass "
                  "on_unsupported='error' to see every such op", spatial)

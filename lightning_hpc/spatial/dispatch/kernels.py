@@ -52,11 +52,30 @@ def _partition_error(e: PartitionError, op: str) -> SpatialDispatchError:
 def _conv2d(func, args, kwargs):
     x = args[0] if args else kwargs["input"]
     weight = _arg(args, kwargs, 1, "weight")
-    if not _nchw(x) or isinstance(weight, SpatialTensor):
-        return NotImplemented
     bias = _arg(args, kwargs, 2, "bias")
     stride, padding, dilation, groups = (_arg(args, kwargs, 3, "stride", 1), _arg(args, kwargs, 4, "padding", 0),
                                          _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
+    if isinstance(x, SpatialTensor) and x.dim() == 4 and (x._hdim, x._wdim) == (3, 2) and \
+            isinstance(weight, torch.Tensor) and not isinstance(weight, SpatialTensor) and weight.dim() == 4:
+        # split along W, H (after a transpose(2, 3)): the convolution of the transposed input with the transposed
+        # kernel, transposed back, is the same convolution, and that one is tiled
+        def swap(v: Any) -> Any:
+            return v if isinstance(v, str) else _tuple2(v)[::-1]
+
+        out = F.conv2d(x.transpose(2, 3), weight.transpose(2, 3), bias, swap(stride), swap(padding), swap(dilation),
+                       groups)
+        return out.transpose(2, 3)
+    if not _nchw(x) or isinstance(weight, SpatialTensor):
+        return NotImplemented
+    if padding == "same" and isinstance(weight, torch.Tensor) and weight.dim() == 4:
+        # as torch pads for "same": d * (k - 1) in all, the odd one at the end; an even kernel span is asymmetric,
+        # which the halo plan's symmetric padding cannot express, so that padding is a (tiled) F.pad first
+        lo_hi = [(s // 2, s - s // 2) for s in (d * (k - 1) for d, k in zip(_tuple2(dilation), weight.shape[-2:]))]
+        if any(lo != hi for lo, hi in lo_hi):
+            x = F.pad(x, (lo_hi[1][0], lo_hi[1][1], lo_hi[0][0], lo_hi[0][1]))
+            padding = 0
+        else:
+            padding = (lo_hi[0][0], lo_hi[1][0])
     c = x._gshape[1]
     if weight.dim() != 4 or weight.shape[1] * groups != c:
         raise SpatialDispatchError(
@@ -135,6 +154,8 @@ def _max_pool(func, args, kwargs):
     if _arg(args, kwargs, 6, "return_indices", False):
         return NotImplemented
     ceil = bool(_arg(args, kwargs, 5, "ceil_mode", False))
+    if _whole_window(x, k, p, d):
+        return F.adaptive_max_pool2d(x, 1)
     kern = _pool_kernel(id(x._grid), x._grid, "max", _tuple2(k), _tuple2(s), _tuple2(p), _tuple2(d), True, ceil)
     return _run_layer(kern, x, "F.max_pool2d")
 
@@ -150,8 +171,17 @@ def _avg_pool(func, args, kwargs):
     if _arg(args, kwargs, 6, "divisor_override", None) is not None:
         return NotImplemented
     cip, ceil = _arg(args, kwargs, 5, "count_include_pad", True), bool(_arg(args, kwargs, 4, "ceil_mode", False))
+    if _whole_window(x, k, p, 1):
+        return F.adaptive_avg_pool2d(x, 1)
     kern = _pool_kernel(id(x._grid), x._grid, "avg", _tuple2(k), _tuple2(s), _tuple2(p), (1, 1), bool(cip), ceil)
     return _run_layer(kern, x, "F.avg_pool2d")
+
+
+def _whole_window(x: SpatialTensor, k: Any, p: Any, d: Any) -> bool:
+    """A pooling window that is the whole H x W (``F.avg_pool2d(x, x.shape[2:])``): one output per channel, the
+    global pooling, whose tiled form is the adaptive pooling to 1 (a tile is smaller than such a window, so the
+    halo plan has none)."""
+    return _tuple2(k) == (x._gshape[2], x._gshape[3]) and _tuple2(p) == (0, 0) and _tuple2(d) == (1, 1)
 
 
 def _run_layer(layer, x: SpatialTensor, op: str):

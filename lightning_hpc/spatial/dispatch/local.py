@@ -46,3 +46,26 @@ def _prelu(func, args, kwargs):
     if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or x._hdim == 1 or x._wdim == 1:
         return NotImplemented
     return _wrap_like(F.prelu(_plain(x), _replicated_operand(w, x._grid)), x)
+
+
+@_handles(*_resolve("argmax argmin"))
+def _arg_extremum(func, args, kwargs):
+    """``argmax``/``argmin`` along a dimension that is not one of the two laid-out ones (a segmentation's class
+    per pixel, ``out.argmax(1)``): per pixel, so on the tile; the result stays split."""
+    x = args[0]
+    if not isinstance(x, SpatialTensor) or len(args) > 3 or set(kwargs) - {"dim", "keepdim"}:
+        return NotImplemented
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    if dim is None:
+        return NotImplemented  # over every element: gathered
+    d = _norm_dim(dim, x.dim())
+    if d in (x._hdim, x._wdim):
+        return NotImplemented
+    out = func(_plain(x), d, keepdim)
+    gshape = list(x._gshape)
+    if keepdim:
+        gshape[d] = 1
+        return _wrap_like(out, x, gshape)
+    del gshape[d]
+    return _wrap_like(out, x, gshape, x._hdim - (d < x._hdim), x._wdim - (d < x._wdim))

@@ -181,3 +181,21 @@ def _getitem(func, args, kwargs):
     if maps != [None, None]:
         out = _remap_split(x, out, maps, dims=(hd, wd))
     return _wrap_like(out, x, g, hd, wd)
+
+
+@_handles(torch.Tensor.__setitem__)
+def _setitem(func, args, kwargs):
+    """``x[mask] = value`` with a boolean mask of ``x``'s dimensions (split like it, or whole: cut to the tile) and
+    one value: ``x.masked_fill_(mask, value)``, element-wise on the tile.  Any other assignment into a split
+    activation goes to the gather path, which refuses in-place edits."""
+    x, idx, value = args[0], args[1], args[2]
+    if not isinstance(x, SpatialTensor) or kwargs or not isinstance(idx, torch.Tensor) or idx.dtype != torch.bool \
+            or idx.dim() != x.dim():
+        return NotImplemented
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, SpatialTensor) or value.dim() != 0:
+            return NotImplemented
+    elif not isinstance(value, (bool, int, float)):
+        return NotImplemented
+    x.masked_fill_(idx, value)
+    return None
