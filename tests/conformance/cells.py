@@ -30,6 +30,7 @@ FEATURES = (
     "two_optimizers_gan", "bf16_mixed", "kfac_fp16_plugin", "validate_test", "torchmetrics", "fit_predict", "predict",
     "resume", "resume_2_to_1", "early_stopping", "frozen_parameters", "unused_parameter", "backbone_classifier",
     "flatten_linear", "boring_model", "boring_model_f64", "demo_model", "lightning_transformer",
+    "optimizer_step_override", "grad_norm_logging", "backbone_finetuning", "freeze_mid_run",
 )
 
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
@@ -38,7 +39,7 @@ DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1}
 #: features that are modules of their own (not the user's CNN with a Lightning feature): the multigrid columns run
 #: them as they are
 _OWN_MODULES = {"two_optimizers_gan", "backbone_classifier", "flatten_linear", "boring_model", "boring_model_f64",
-                "demo_model", "lightning_transformer"}
+                "demo_model", "lightning_transformer", "backbone_finetuning"}
 
 
 def case_of(column: str, feature: str) -> str:
@@ -92,12 +93,29 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class RefusedAt:
+    """Trainability changed mid-run: an error whose message matches ``message`` before the optimizer step that
+    would apply unreduced gradients, on every rank after exactly ``global_step`` steps (those before the change)."""
+
+    message: str
+    global_step: int
+
+
+@dataclass(frozen=True)
 class RoundingBounded:
     """A float32 module under K-FAC, whose preconditioner amplifies float32 rounding: the same module in float64
     (``twin``, same data) is exact, and the float32 run is within ``ROUNDING_BOUND`` x float32's own effect (one
     process in float32 against one process on ``twin``) of one process (``test_matrix.test_rounding_bounded``)."""
 
     twin: str
+
+
+@dataclass(frozen=True)
+class Differs:
+    """A known difference from one process, tested to still be one (``test_matrix.test_known_difference``): the
+    cell becomes exact or refused when it is fixed; ``why`` is printed in docs/compatibility.md."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,7 @@ class ExactWithFix:
 
 Verdict = (
     Exact | EqualDDP | Bounded | MicroBatches | BoundedMG | Refused | NotApplicable | ExactWithFix | RoundingBounded
+    | RefusedAt | Differs
 )
 
 _NO_TRUNK = r"searched the layers of {}.*found none.*strategy='ddp'"
@@ -130,7 +149,25 @@ _DDP_REFERENCE = NotApplicable(
 _DDP_UNUSED = ExactWithFix("DDP's own error at the second step names `find_unused_parameters=True`")
 _MG_MODULES = {"BoringModel": ("boring_model", "boring_model_f64"), "DemoModel": ("demo_model",),
                "Transformer": ("lightning_transformer",), "UserGAN": ("two_optimizers_gan",),
-               "Sequential": ("flatten_linear",), "BackboneClassifier": ("backbone_classifier",)}
+               "Sequential": ("flatten_linear",), "BackboneClassifier": ("backbone_classifier", "backbone_finetuning")}
+#: BackboneFinetuning unfreezes the backbone at the second epoch (after 2 steps); the callback freezing the first
+#: convolution does so before the third step
+_CHANGED = r"{}: parameters of {}.* {}: .*refused before it is taken.*between two trainer.fit calls"
+
+
+def _trainability_refused(strategy: str) -> dict[str, Verdict]:
+    return {"backbone_finetuning": RefusedAt(_CHANGED.format(strategy, "BackboneClassifier", "became trainable"), 2),
+            "freeze_mid_run": RefusedAt(_CHANGED.format(strategy, "UserCNN", "were frozen"), 2)}
+
+
+_DDP_TRAINABILITY = {
+    "backbone_finetuning": NotApplicable(
+        "Lightning's `DDPStrategy` reduces only the parameters trainable when it wrapped the model: the unfrozen "
+        "backbone is never averaged and the ranks drift apart (no error); `layered_sgd` reduces it from that step"),
+    "freeze_mid_run": NotApplicable(
+        "Lightning's `DDPStrategy` leaves the bucket of a parameter frozen mid-run unreduced, takes that step on the "
+        "bucket's local gradients and raises at the next forward (`find_unused_parameters=True` avoids it)"),
+}
 
 
 def _data_parallel(column: str, kfac_reference_ddp: str) -> dict[str, Verdict]:
@@ -141,6 +178,9 @@ def _data_parallel(column: str, kfac_reference_ddp: str) -> dict[str, Verdict]:
         cells[f] = _DDP_REFERENCE if column == "ddp" else EqualDDP(kfac_reference_ddp)
     if column == "ddp":
         cells["two_optimizers_gan"] = cells["unused_parameter"] = _DDP_UNUSED
+        cells.update(_DDP_TRAINABILITY)
+    if column == "horovod":
+        cells.update(_trainability_refused("strategy='horovod'"))
     return cells
 
 
@@ -150,6 +190,9 @@ def _kfac(column: str) -> dict[str, Verdict]:
                  two_optimizers_gan=Refused(_KFAC_ONE_OPT), boring_model=RoundingBounded("boring_model_own_f64"))
     if column == "kfac_ddp":
         cells.update(demo_model=_DDP_REFERENCE, lightning_transformer=_DDP_REFERENCE, unused_parameter=_DDP_UNUSED)
+        cells.update(_trainability_refused("KFAC"))
+    if column == "kfac_horovod":  # the strategy's own check comes first (after the backward pass)
+        cells.update(_trainability_refused("strategy='horovod'"))
     return cells
 
 
@@ -170,6 +213,12 @@ def _hybrid_fc() -> dict[str, Verdict]:
         frozen_parameters=Refused(no_trunk.replace(".*strategy", ".*frozen.*strategy")),
         unused_parameter=Refused(r"took no part in the loss.*HybridParallelStrategy\(find_unused_parameters=True\)",
                                  fixed=True),
+        # BackboneFinetuning freezes the backbone before training: no data-parallel trunk is left at setup
+        backbone_finetuning=Refused(no_trunk.replace(".*strategy", ".*frozen.*strategy") + ".*BackboneFinetuning"),
+        freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
+        grad_norm_logging=Differs(
+            "the sharded head's `.grad` on each rank is its shard's: a norm over `self.parameters()` in "
+            "`on_before_optimizer_step` covers the trunk and one shard (measured 0.51 logged, one process 0.63)"),
     )
     return cells
 
@@ -198,6 +247,10 @@ def _multigrid(column: str) -> dict[str, Verdict]:
     for name, features in _MG_MODULES.items():
         for f in features:
             cells[f] = Refused(_MG_TRUNK.format(name))
+    cells["grad_norm_logging"] = Differs(
+        "each rank holds its own steps of the layer-sharded trunk: a norm over `self.parameters()` in "
+        "`on_before_optimizer_step` covers those steps and the replicated layers only (measured 1.8687 logged, one "
+        "process 1.8708" + (" running the same solve)" if mode_mg else ")"))
     return cells
 
 
@@ -264,9 +317,14 @@ MICRO_BATCHES = _cells(MicroBatches) + [
 
 #: (strategy, case, the message, a regular expression)
 REFUSED = [(s, case_of(s, f), v.message) for (s, f), v in MATRIX.items() if isinstance(v, Refused)]
+#: (strategy, case, the message, the steps taken before the refused one)
+REFUSED_AT = [(s, case_of(s, f), v.message, v.global_step) for (s, f), v in MATRIX.items() if isinstance(v, RefusedAt)]
 
-ALL_CELLS = [*EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
-ALL_CELLS += [(s, c) for s, c, _ in REFUSED]
+#: cells that differ from one process (see Differs)
+DIFFERS = _cells(Differs)
+
+ALL_CELLS = [*DIFFERS, *EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
+ALL_CELLS += [(s, c) for s, c, _ in REFUSED] + [(s, c) for s, c, _, _ in REFUSED_AT]
 
 
 def micro_batch_reference(case: str) -> str:

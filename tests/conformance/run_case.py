@@ -30,8 +30,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from typing_extensions import override
 
 import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
@@ -228,11 +230,12 @@ def flatten_linear() -> UserCNN:
     return module
 
 
-def ode_net(**kwargs: Any) -> UserCNN:
-    """A user's module holding a deep ODE-ResNet (the form the multigrid strategy trains) at ``self.model``."""
+def ode_net(cls: type[UserCNN] = UserCNN, **kwargs: Any) -> UserCNN:
+    """A user's module (``cls``) holding a deep ODE-ResNet (the form the multigrid strategy trains) at
+    ``self.model``."""
     from lightning_hpc.models import ode_resnet
 
-    module = UserCNN(**kwargs)
+    module = cls(**kwargs)
     torch.manual_seed(0)
     module.model = ode_resnet(in_channels=2, num_classes=3, input_size=(6, 6), width=4, num_steps=8).double()
     return module
@@ -265,6 +268,83 @@ class UnusedTrunkParameter(UserCNN):
         self.model[0].unused = nn.Conv2d(4, 4, 1).double()
 
 
+class ClampingCNN(UserCNN):
+    """A user's ``optimizer_step`` that projects the weights after ``optimizer.step()`` (a max-norm style
+    constraint): it must see the updated weights, as on one process."""
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.2, 0.2)
+
+
+class ShrinkingCNN(UserCNN):
+    """A user's ``optimizer_step`` that shrinks the updated weights by 1% (a smooth projection: the multigrid
+    solve's truncation stays a measure the cycles converge in, which a clamp's kinks break)."""
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(0.99)
+
+
+class GradNormCNN(UserCNN):
+    """The gradient norm logged in ``on_before_optimizer_step``, as Lightning's docs show: each step's line must
+    hold that step's norm (``Case.logger`` records the lines)."""
+
+    @override
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None]))
+        self.log("grad_norm", norm)
+
+
+class FreezeFirstConv(pl.Callback):
+    """A user's callback freezing the first convolution from the third optimizer step on (mid-epoch)."""
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == 2:
+            for p in next(m for m in pl_module.modules() if isinstance(m, nn.Conv2d)).parameters():
+                p.requires_grad_(False)
+
+
+def _backbone_finetuning() -> list[pl.Callback]:
+    """Lightning's BackboneFinetuning: the backbone frozen for the first epoch, unfrozen (its own parameter group)
+    at the second."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    return [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+
+
+class MemoryLogger(Logger):
+    """What a logger receives: (step, metrics) lines, kept in memory (rank 0 only, as Lightning logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.lines.append((int(step or 0), {k: float(v) for k, v in metrics.items() if k != "epoch"}))
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 @dataclass
 class Case:
     module: Callable[[], pl.LightningModule]
@@ -281,6 +361,10 @@ class Case:
     micro_batches: bool = False
     #: Lightning plugins built per Trainer (e.g. K-FAC's mixed-precision plugin)
     plugins: Callable[[], list[Any]] | None = None
+    #: user callbacks built per Trainer
+    callbacks: Callable[[], list[pl.Callback]] | None = None
+    #: record what a logger receives, every step (``result["logged"]``: what the feature observes)
+    logger: bool = False
 
 
 def _kfac_fp16_plugin() -> list[Any]:
@@ -342,6 +426,11 @@ CASES: dict[str, Case] = {
     "early_stopping": Case(UserCNN, {**EPOCH2, "max_epochs": 6}, flow="early_stop"),
     "torchmetrics": Case(lambda: UserCNN(torchmetrics=True), flow="fit_eval"),
     "frozen_parameters": Case(lambda: frozen(UserCNN())),
+    # --- user code around the step, trainability changing mid-run
+    "optimizer_step_override": Case(ClampingCNN),
+    "grad_norm_logging": Case(GradNormCNN, logger=True),
+    "backbone_finetuning": Case(BackboneClassifier, EPOCH2, callbacks=_backbone_finetuning),
+    "freeze_mid_run": Case(UserCNN, callbacks=lambda: [FreezeFirstConv()]),
     # --- Lightning's own demo modules
     "boring_model_f64": Case(boring_model_double, data="vectors"),
     "demo_model": Case(demo_model, data="vectors"),
@@ -362,6 +451,9 @@ CASES: dict[str, Case] = {
     "odenet_accumulate_2": Case(ode_net, {"accumulate_grad_batches": 2}),
     "odenet_predict": Case(ode_net, flow="predict"),
     "odenet_unused_parameter": Case(ode_net_unused),
+    "odenet_optimizer_step_override": Case(lambda: ode_net(ShrinkingCNN)),
+    "odenet_grad_norm_logging": Case(lambda: ode_net(GradNormCNN), logger=True),
+    "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
 CASES["odenet_bf16_mixed"].dtype = torch.float32
@@ -386,7 +478,9 @@ KFAC_OPTIONS = {
 
 class ReportSteps(pl.Callback):
     """Counts the optimizer steps of each rank, so a test can tell a refusal before the first
-    step from a failure during training."""
+    step from a failure during training.  It only counts: layered SGD may run it with its postponed update."""
+
+    postponed_update_safe = True
 
     def __init__(self) -> None:
         self.steps = 0
@@ -503,11 +597,15 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
             kwargs["plugins"] = case.plugins()
         if case.micro_batches and devices == 1:
             kwargs["accumulate_grad_batches"] = data_parallel
+        if case.callbacks is not None:
+            callbacks = [*callbacks, *case.callbacks()]
+        if case.logger:
+            kwargs.update(logger=MemoryLogger(), log_every_n_steps=1)
         return pl.Trainer(
             accelerator="cpu",
             devices=devices,
             strategy=strategy,
-            logger=False,
+            logger=kwargs.pop("logger", False),
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -565,8 +663,12 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
         if case.flow != "predict":
             t.save_checkpoint(out / "final.ckpt")
         result.update(global_step=t.global_step, epoch=t.current_epoch)
+        if isinstance(t.logger, MemoryLogger):
+            result["logged"] = t.logger.lines
     except Exception as e:  # a refusal: recorded, and the next case runs
         result["error"] = "".join(traceback.format_exception(e))
+        if t is not None:  # the optimizer steps completed before the error
+            result["global_step"] = t.global_step
         print(f"CASE {strategy_name}:{case_name} raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     result["steps"] = steps.steps
     rank = t.global_rank if t is not None else result["rank"]

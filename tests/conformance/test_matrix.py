@@ -30,6 +30,7 @@ from cells import (
     BOUNDED_MG,
     COLUMNS,
     DATA_PARALLEL,
+    DIFFERS,
     EQUAL_DDP,
     EXACT,
     FEATURES,
@@ -40,6 +41,7 @@ from cells import (
     MICRO_BATCHES,
     REFERENCE_DDP,
     REFUSED,
+    REFUSED_AT,
     ROUNDING_BOUNDED,
     NotApplicable,
     case_of,
@@ -74,6 +76,22 @@ def _params(cells):
     """Cells as pytest params, the horovod ones marked ``horovod`` like the rest of the Horovod tests."""
     return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=[pytest.mark.horovod] if under_horovodrun(c[0]) else [])
             for c in cells]
+
+
+@pytest.mark.parametrize(("strategy", "case"), _params(DIFFERS))
+def test_known_difference(strategy, case, runs):
+    """A documented difference from one process (cells.Differs) is still one: the cell trains and what it observes
+    (final parameters or logged values) differs; when it stops differing, the verdict must be updated."""
+    what = f"{strategy} x {case}"
+    got = _run(runs, strategy, case)
+    _trained(got, what)
+    # mode 'mg' is approximate by design: its reference is one process running the same solve
+    ref = (runs.one_multigrid(strategy, case) if strategy == "multigrid"
+           else runs.one(case, DATA_PARALLEL.get(strategy, 2), kfac=kfac_reference(strategy)))
+    _trained(ref, f"one process x {case}")
+    with pytest.raises(AssertionError):
+        assert _max_diff(got.params(), ref.params()) < TOL64
+        _same_observations(got, ref, what, DATA_PARALLEL.get(strategy, 2))
 
 
 def test_every_cell_has_a_verdict():
@@ -120,6 +138,16 @@ def _same_observations(got: CaseResult, ref: CaseResult, what: str, data_paralle
         assert ref.ranks[0]["global_step"] < 12, "the reference did not stop early: the cell would prove nothing"
         for r in got.ranks:
             assert (r["epoch"], r["global_step"]) == (ref.ranks[0]["epoch"], ref.ranks[0]["global_step"]), what
+    if "logged" in ref.ranks[0]:  # what the logger received, line by line (rank 0 logs)
+        expected, logged = ref.ranks[0]["logged"], got.ranks[0].get("logged")
+        assert logged is not None and [s for s, _ in logged] == [s for s, _ in expected], (
+            f"{what}: logged steps {logged and [s for s, _ in logged]}, one process {[s for s, _ in expected]}")
+        for (step, line), (_, ref_line) in zip(logged, expected):
+            assert line.keys() == ref_line.keys(), (
+                f"{what}: step {step} logged {sorted(line)}, one process {sorted(ref_line)}")
+            for name, value in ref_line.items():
+                assert abs(line[name] - value) < TOL64, (
+                    f"{what}: step {step} {name} = {line[name]}, one process {value}")
     preds = sorted(got.path.glob("pred_rank*.pt"))
     if (ref.path / "pred_rank0.pt").exists():
         assert len(preds) == len(got.ranks), f"{what}: predictions of {len(preds)} ranks"
@@ -305,4 +333,18 @@ def test_refused_before_training_with_the_fix_named(strategy, case, message, run
     assert re.search(message, got.error, re.S), got.error[-3000:]
     for rank, r in enumerate(got.ranks):
         assert r["steps"] == 0, f"rank {rank} refused after {r['steps']} optimizer steps"
+    assert not (got.path / "final.ckpt").exists(), "the refusal came after training ended"
+
+
+@pytest.mark.parametrize(("strategy", "case", "message", "global_step"), _params(REFUSED_AT))
+def test_refused_before_the_step_that_changed_trainability(strategy, case, message, global_step, runs):
+    """Parameters became trainable or frozen mid-run (BackboneFinetuning, a user's callback) under a strategy whose
+    gradient reduction was built for the others: every rank raises before the step that would apply unreduced
+    gradients, after the steps before the change (Lightning counts a step when it completes)."""
+    got = _run(runs, strategy, case)
+    assert got.error is not None, f"{strategy} x {case}: expected a refusal, it trained"
+    assert re.search(message, got.error, re.S), got.error[-3000:]
+    for rank, r in enumerate(got.ranks):
+        assert r.get("global_step") == global_step, f"rank {rank} refused after {r.get('global_step')} steps"
+        assert "error" in r, f"rank {rank} did not raise"
     assert not (got.path / "final.ckpt").exists(), "the refusal came after training ended"
