@@ -192,6 +192,13 @@ def boring_model_double() -> pl.LightningModule:
     return boring_model().double()
 
 
+def with_optimizer(module: pl.LightningModule, name: str) -> pl.LightningModule:
+    """The module trained with ``name`` ('adam' / 'adamw', lr 0.01) instead of its own optimizer."""
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    module.configure_optimizers = lambda: kind(module.parameters(), lr=0.01)  # type: ignore[method-assign]
+    return module
+
+
 def demo_model() -> pl.LightningModule:
     """Lightning's ``DemoModel`` (Linear + ReLU, loss ``output.sum()``, Adam), float64."""
     from lightning.pytorch.demos.boring_classes import DemoModel
@@ -353,7 +360,8 @@ class Case:
     #: resume (fit one epoch, checkpoint, fit a second epoch from it); resume_from (the second half of resume from
     #: another run's checkpoint, e.g. on another number of processes); early_stop (validation every epoch)
     flow: str = "fit"
-    #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2)
+    #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2);
+    #: images_f32 (the float32 images in the case's dtype: a float32 case's float64 twin sees the same values)
     data: str = "images"
     dtype: torch.dtype = torch.float64
     #: the one-process reference accumulates the data-parallel ranks' batches as micro-batches (one optimizer step
@@ -451,6 +459,14 @@ CASES: dict[str, Case] = {
     "odenet_accumulate_2": Case(ode_net, {"accumulate_grad_batches": 2}),
     "odenet_predict": Case(ode_net, flow="predict"),
     "odenet_unused_parameter": Case(ode_net_unused),
+    # K-FAC + adaptive optimizers in float32, 8 steps (and their float64 twins: the same data, the math)
+    "adam_f32": Case(lambda: float32(UserCNN(optimizer="adam")), {"max_steps": 8}, dtype=torch.float32),
+    "adamw_f32": Case(lambda: float32(UserCNN(optimizer="adamw")), {"max_steps": 8}, dtype=torch.float32),
+    "boring_adam_f32": Case(lambda: with_optimizer(boring_model(), "adam"), {"max_steps": 8}, data="boring"),
+    "boring_adam_f32_twin_f64": Case(lambda: with_optimizer(boring_model_double(), "adam"), {"max_steps": 8},
+                                     data="boring_f64"),
+    "adam_f32_twin_f64": Case(lambda: UserCNN(optimizer="adam"), {"max_steps": 8}, data="images_f32"),
+    "adamw_f32_twin_f64": Case(lambda: UserCNN(optimizer="adamw"), {"max_steps": 8}, data="images_f32"),
     "odenet_optimizer_step_override": Case(lambda: ode_net(ShrinkingCNN)),
     "odenet_grad_norm_logging": Case(lambda: ode_net(GradNormCNN), logger=True),
     "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
@@ -472,8 +488,10 @@ KFAC_OPTIONS = {
     "inv_update_freq": 2,
     "damping": 0.01,
     "kl_clip": 0.01,
-    "decomposition_dtype": "float64",
+    "decomposition_dtype": os.environ.get("CONFORMANCE_KFAC_DECOMPOSITION_DTYPE", "float64"),
 }
+if os.environ.get("CONFORMANCE_KFAC_FACTOR_DTYPE"):
+    KFAC_OPTIONS["factor_dtype"] = os.environ["CONFORMANCE_KFAC_FACTOR_DTYPE"]
 
 
 class ReportSteps(pl.Callback):
@@ -568,6 +586,9 @@ def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
         batch = 2
     else:
         data = vectors() if case.data == "vectors" else images(dtype=case.dtype)
+        if case.data == "images_f32":
+            x, y = images(dtype=torch.float32).tensors
+            data = TensorDataset(x.to(case.dtype), y)
         batch = B
     if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
         return DataLoader(data, batch_sampler=UnionBatches(len(data), data_parallel, batch, case.micro_batches))
