@@ -482,7 +482,9 @@ CASES["odenet_bf16_mixed"].module = lambda: float32(ode_net(optimizer="sgd_bf16"
 MG_OPTIONS = {"cfactor": 2, "levels": 2, "relaxation": "F"}
 MG_CYCLES = 2
 
-#: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions
+#: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions.
+#: CONFORMANCE_KFAC_DECOMPOSITION_DTYPE / CONFORMANCE_KFAC_FACTOR_DTYPE change the decompositions' / factors'
+#: dtype for a measurement (docs/kfac.md, "Float32 with Adam / AdamW"); the matrix runs without them
 KFAC_OPTIONS = {
     "factor_update_freq": 1,
     "inv_update_freq": 2,
