@@ -227,7 +227,11 @@ def wikitext() -> None:
     path.parent.mkdir(exist_ok=True)
     g = torch.Generator().manual_seed(5)
     words = [f"w{i}" for i in torch.randint(0, 24, (18 * 35 + 40,), generator=g).tolist()]
-    path.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)) + "\n")
+    # every rank writes the same text: through a file of its own, renamed at once, so that no rank reads another's
+    # half-written file (an empty vocabulary on one rank left the other training alone, waiting for it)
+    part = path.with_name(f"{path.name}.{os.getpid()}")
+    part.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)) + "\n")
+    os.replace(part, path)
 
 
 def flatten_linear() -> UserCNN:
