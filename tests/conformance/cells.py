@@ -346,7 +346,12 @@ REFUSED_AT = [(s, case_of(s, f), v.message, v.global_step) for (s, f), v in MATR
 #: cells that differ from one process (see Differs)
 DIFFERS = _cells(Differs)
 
-ALL_CELLS = [*DIFFERS, *EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
+#: cells that must fail: layered SGD without the update at once and the bucket rebuild (``run_case.broken_layered_sgd``)
+#: on the rows that caught those defects (``test_matrix.test_negative_control``)
+NEGATIVE_CONTROLS = [("layered_sgd_broken", f) for f in ("optimizer_step_override", "grad_norm_logging",
+                                                         "backbone_finetuning")]
+
+ALL_CELLS = [*NEGATIVE_CONTROLS, *DIFFERS, *EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
 ALL_CELLS += [(s, c) for s, c, _ in REFUSED] + [(s, c) for s, c, _, _ in REFUSED_AT]
 
 

@@ -513,6 +513,24 @@ class ReportSteps(pl.Callback):
         self.steps += 1
 
 
+def broken_layered_sgd() -> Any:
+    """The negative control of the rows about user code around the step and trainability changes: layered SGD that
+    always postpones the update and never rebuilds its buckets (what it did before it learned to do otherwise)."""
+    from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy
+
+    class BrokenLayeredSGD(LayeredSGDStrategy):
+        @override
+        def setup(self, trainer: pl.Trainer) -> None:
+            super().setup(trainer)
+            self.observers = []
+
+        @override
+        def _follow_trainability(self) -> None:
+            pass
+
+    return BrokenLayeredSGD()
+
+
 def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
     """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
     callback; ``multigrid``: mode 'mg' with ``MG_OPTIONS`` and ``MG_CYCLES`` cycles (``multigrid_cycles<k>``: k
@@ -543,6 +561,8 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         from lightning_hpc import MultigridStrategy
 
         return MultigridStrategy(mode="pm", log_residuals=False), []
+    if name == "layered_sgd_broken":
+        return broken_layered_sgd(), []
     if name == "horovod":
         from lightning_hpc import HorovodStrategy
 
