@@ -6,6 +6,9 @@
   use :func:`contract_of`, which gives the same defaults for strategies that are not ours (Lightning's DDP, ...).
 * :class:`CommunicationBackendAware`: a strategy or cluster environment that names the collective library
   (``"torch"`` or ``"horovod"``) K-FAC and layered SGD must use.
+* :class:`PostponedUpdateSafe`: a callback whose ``on_before_optimizer_step`` / ``on_train_batch_end`` may run
+  when layered SGD applies its postponed update (at the next batch), because it neither logs nor keeps state tied
+  to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
 * :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
   samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConv2dHandler`.
 
@@ -18,7 +21,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StrategyContract", "CommunicationBackendAware", "TiledConvolution", "contract_of", "data_parallel_size"]
+__all__ = [
+    "StrategyContract",
+    "CommunicationBackendAware",
+    "PostponedUpdateSafe",
+    "TiledConvolution",
+    "contract_of",
+    "data_parallel_size",
+]
 
 
 class StrategyContract:
@@ -32,6 +42,11 @@ class StrategyContract:
     #: the strategy replaces layers in its own ``setup`` (after the callbacks' ``setup``): K-FAC registers its
     #: hooks in ``on_fit_start`` instead, on the replaced layers
     replaces_layers_in_setup: bool = False
+
+    #: the strategy reduces a parameter from the step its ``requires_grad`` changes (``BackboneFinetuning``); the
+    #: others refuse such a change before the step (see :mod:`lightning_hpc.distributed.trainability`), and so
+    #: does the K-FAC callback under a strategy that is not ours
+    follows_trainability_changes: bool = False
 
     @property
     def kfac_note(self) -> str | None:
@@ -65,6 +80,15 @@ class CommunicationBackendAware(Protocol):
     whose ranks must talk through a collective library other than torch.distributed."""
 
     communication_backend: str
+
+
+@runtime_checkable
+class PostponedUpdateSafe(Protocol):
+    """A callback that declares ``postponed_update_safe = True``: its step hooks only read the gradients and the
+    parameters (no ``self.log``, nothing tied to the current batch), so layered SGD may run them when it applies
+    the postponed update, one batch later, and keep overlapping the reduction with the next batch's loading."""
+
+    postponed_update_safe: bool
 
 
 @runtime_checkable

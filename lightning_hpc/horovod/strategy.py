@@ -58,6 +58,7 @@ from typing_extensions import override
 
 from lightning_hpc._compat import optimizers_to_device, set_num_threads_if_needed
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.horovod.communicator import (
     collective_name,
     import_horovod,
@@ -332,6 +333,8 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self.optimizers = self._wrap_optimizers(self.optimizers, trainer.accumulate_grad_batches)
+            # DistributedOptimizer hooks the parameters trainable now (and zero-fills the others' gradients)
+            self._trainable: TrainableSet | None = TrainableSet(self.model)
             for optimizer in self.optimizers:
                 # gradients are synchronised explicitly right after backward (post_backward), because
                 # Lightning runs backward inside optimizer.step(closure)
@@ -475,8 +478,16 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
             # closure does no backward.  Only reductions still pending (none, normally) are completed here.
             self._synchronize(inner)
         self._stepping_optimizer = None if manual else inner
+
+        def checked_closure() -> Any:
+            result = closure()
+            trainable, module = getattr(self, "_trainable", None), self.lightning_module
+            if trainable is not None and module is not None:  # before the step on unreduced / zero-filled grads
+                trainable.refuse_changes(module, "strategy='horovod'", REBUILD_FIX)
+            return result
+
         try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return super().optimizer_step(optimizer, checked_closure, model, **kwargs)
         finally:
             self._stepping_optimizer = None
 

@@ -33,6 +33,7 @@ from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
+from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
     SCHEMES,
@@ -110,6 +111,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._head_optimizer: HeadOptimizer | None = None
         self._whole_head: contextlib.ExitStack | None = None
         self._unused_checked = False
+        self._trainable: TrainableSet | None = None
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -186,7 +188,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                 f"strategy='hybrid_fc': {type(module).__name__} has no trainable parameter outside the fully-connected "
                 "head, so there is no data-parallel trunk (only parameter-free layers such as Flatten before the "
                 "head, or only frozen ones, requires_grad=False); this strategy pairs a data-parallel trunk with the "
-                "model-parallel head: use strategy='ddp'"
+                "model-parallel head: use strategy='ddp' (or strategy='layered_sgd' if the trunk is unfrozen later, "
+                "e.g. by BackboneFinetuning: it reduces parameters from the step they become trainable, DDP never does)"
             )
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         ddp_ignore_parameters(module, ignore)
@@ -195,6 +198,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        if self.lightning_module is not None:  # what DDP's reducer was built for (configure_ddp ran in setup)
+            self._trainable = TrainableSet(self.lightning_module)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
         # the same on every rank; a per-rank norm would let the trunk replicas drift apart
         self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]
@@ -230,6 +235,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def checked_closure() -> Any:
             result = closure()
+            if self._trainable is not None and self.lightning_module is not None:
+                # before the step: DDP reduces only the parameters trainable when it wrapped the model
+                self._trainable.refuse_changes(self.lightning_module, "strategy='hybrid_fc'", REBUILD_FIX)
             self._refuse_unused_trunk_parameters()
             return result
 

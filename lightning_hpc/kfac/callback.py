@@ -15,7 +15,10 @@ It only translates Lightning hooks:
   only accumulate statistics, as ``KFACPreconditioner.no_sync`` does in a plain loop).
 * ``on_before_optimizer_step``: Lightning calls it after the strategy reduced the gradients and AMP unscaled
   them, once per optimizer step (after the last accumulated micro-batch): the paper's ``preconditioner.step()``
-  slot of Listing 1. The optimizer's current lr feeds the KL clip (Eq 18).
+  slot of Listing 1. The optimizer's current lr feeds the KL clip (Eq 18).  It reads gradients and parameters
+  only (``postponed_update_safe``: layered SGD may run it when it applies its postponed update).  Under a
+  strategy that does not follow trainability changes (Lightning's DDP), parameters that became trainable or
+  frozen since ``on_fit_start`` are refused here, before the step on their unreduced gradients.
 * ``state_dict`` / ``load_state_dict``: factors, decompositions and counters travel in Lightning checkpoints.
 """
 
@@ -33,6 +36,7 @@ from typing_extensions import override
 from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.kfac.options import KFACOptions
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
@@ -51,6 +55,9 @@ class KFAC(Callback):
     ``KFACOptions``. ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend,
     Horovod under ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise
     at construction, a precision without the K-FAC plugin at setup: both before training starts."""
+
+    #: its step hook reads gradients and parameters only (see :class:`lightning_hpc.protocols.PostponedUpdateSafe`)
+    postponed_update_safe = True
 
     def __init__(
         self,
@@ -87,6 +94,8 @@ class KFAC(Callback):
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
+        #: the parameters trainable when training started, under a strategy that cannot follow a change
+        self._trainable: TrainableSet | None = None
 
     @classmethod
     def from_options(cls, options: KFACOptions, communicator: str | Communicator = "auto") -> KFAC:
@@ -110,6 +119,9 @@ class KFAC(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_optimizers(trainer)
+        # after every setup hook (BackboneFinetuning freezes in its setup) and the strategy's gradient reduction
+        follows = contract_of(trainer.strategy).follows_trainability_changes
+        self._trainable = None if follows or trainer.world_size == 1 else TrainableSet(pl_module)
         if self._deferred and self.preconditioner is None:
             self._deferred = False
             self._build(trainer, pl_module)
@@ -192,6 +204,8 @@ class KFAC(Callback):
         pre = self.preconditioner
         if pre is None:
             return
+        if self._trainable is not None:  # the strategy reduced the gradients of the parameters trainable at start
+            self._trainable.refuse_changes(pl_module, "KFAC", REBUILD_FIX)
         plugin = trainer.precision_plugin
         grad_scale = 1.0
         if isinstance(plugin, KFACMixedPrecision):

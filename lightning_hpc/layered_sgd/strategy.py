@@ -20,6 +20,16 @@ How one optimizer step is split (automatic optimization):
   ``on_before_optimizer_step`` callbacks and hook, gradient clipping, AMP unscaling / inf checks, the optimizer
   step and the scaler update (line 10).  So every gradient reader sees the globally averaged gradient, with
   the optimizer hyper-parameters and ``trainer.global_step`` step ``t`` had.
+- Code that observes the step sees what one process sees: when the LightningModule overrides ``optimizer_step``
+  (code after ``optimizer.step()`` expects the new weights), ``on_before_optimizer_step`` (a value it logs
+  belongs to this step's log line) or ``on_train_batch_end`` (it may read the new weights), or a callback other
+  than Lightning's non-observing ones implements ``on_before_optimizer_step`` / ``on_train_batch_end`` (an EMA,
+  a weight projection, a logged gradient norm), the run updates at once, inside ``optimizer_step`` as DDP does
+  (the reduction still overlaps the backward pass), and says so once.  A callback declaring
+  ``postponed_update_safe = True`` (the K-FAC callback) keeps the postponed update.
+- A parameter whose ``requires_grad`` changes (``BackboneFinetuning`` unfreezing the backbone, a callback freezing
+  a layer) is reduced from that step on: the buckets are rebuilt for the trainable parameters before the step's
+  backward pass.
 - Pending updates are flushed before validation/test, checkpointing (``lightning_module_state_dict``), the end
   of every training epoch and the end of training, so nothing observes stale weights and no step is lost.
 
@@ -36,8 +46,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import (
+    Callback,
+    DeviceStatsMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    SpikeDetection,
+    ThroughputMonitor,
+    Timer,
+)
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -53,6 +72,7 @@ from lightning_hpc.distributed.groups import (
     local_world_size_from_env,
 )
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
+from lightning_hpc.distributed.trainability import TrainableSet
 from lightning_hpc.horovod.environment import HorovodEnvironment
 from lightning_hpc.layered_sgd.hierarchical import (
     HierarchicalAllreduce,
@@ -60,7 +80,7 @@ from lightning_hpc.layered_sgd.hierarchical import (
     build_layered_groups,
 )
 from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
-from lightning_hpc.protocols import StrategyContract
+from lightning_hpc.protocols import PostponedUpdateSafe, StrategyContract
 
 __all__ = ["LayeredSGDStrategy"]
 
@@ -95,6 +115,30 @@ class _FlushBeforeReaders(Callback):
         self._strategy.flush()
 
 
+#: Lightning's callbacks whose ``on_train_batch_end`` reads no parameter (ModelCheckpoint's save reads them through
+#: ``lightning_module_state_dict``, which applies the pending update first)
+_NOT_OBSERVING = (ProgressBar, ModelCheckpoint, Timer, DeviceStatsMonitor, ThroughputMonitor, SpikeDetection)
+#: hooks of the LightningModule / of callbacks that run between the optimizer step and the next batch's start
+_MODULE_STEP_HOOKS = ("optimizer_step", "on_before_optimizer_step", "on_train_batch_end")
+_CALLBACK_STEP_HOOKS = ("on_before_optimizer_step", "on_train_batch_end")
+
+
+def step_observers(module: pl.LightningModule, callbacks: list[Callback]) -> list[str]:
+    """The user code that would see the postponed update (``Class.hook``): hooks overridden by the module, and
+    step hooks of callbacks that neither are Lightning's non-observing ones nor declare
+    ``postponed_update_safe = True``."""
+    found = [f"{type(module).__name__}.{h}" for h in _MODULE_STEP_HOOKS
+             if getattr(type(module), h) is not getattr(pl.LightningModule, h)]
+    for cb in callbacks:
+        if isinstance(cb, (_FlushBeforeReaders, *_NOT_OBSERVING)):
+            continue
+        if isinstance(cb, PostponedUpdateSafe) and cb.postponed_update_safe:
+            continue
+        found += [f"{type(cb).__name__}.{h}" for h in _CALLBACK_STEP_HOOKS
+                  if getattr(type(cb), h) is not getattr(Callback, h)]
+    return found
+
+
 class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     """Layered SGD: hierarchical gradient reduction overlapped with data loading, identical to synchronous SGD.
 
@@ -121,6 +165,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     """
 
     strategy_name = "layered_sgd"
+    follows_trainability_changes = True
 
     def __init__(
         self,
@@ -156,6 +201,9 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         self._pending: dict[str, Any] | None = None
         self._flush_callback: _FlushBeforeReaders | None = None
         self.comm: Communicator | None = None
+        #: the user code that observes the step (empty: the update is postponed); set at setup for fit
+        self.observers: list[str] = []
+        self._trainable: TrainableSet | None = None
 
     # ------------------------------------------------------------------ topology
     def resolve_procs_per_node(self) -> int:
@@ -224,13 +272,35 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             print(f"layered SGD node groups: {groups}", flush=True)
         self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
         assert self.lightning_module is not None
+        self._build_buckets()
+        self._sync_from_rank0(with_parameters=True)
+
+    def _build_buckets(self) -> None:
+        """Buckets (and gradient hooks) for the parameters trainable now."""
+        module = self.lightning_module
+        assert module is not None and self.allreduce is not None
         if self.update is not None:
-            self.update.close()  # a previous fit's hooks
+            self.update.close()  # a previous fit's (or trainability's) hooks
         self.update = PostponedUpdate(
-            self.lightning_module.parameters(), self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
+            module.parameters(), self.allreduce, bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_mb=min(1.0, self.bucket_cap_mb), overlap_backward=self.overlap_backward,
         )
-        self._sync_from_rank0(with_parameters=True)
+        self._trainable = TrainableSet(module)
+
+    def _follow_trainability(self) -> None:
+        """Rebuild the buckets when parameters became trainable or frozen since they were built (no update may be
+        pending: called after :meth:`flush`, before the step's backward pass).  Every rank changes
+        ``requires_grad`` at the same step (callbacks run alike), so every rank rebuilds the same buckets."""
+        module = self.lightning_module
+        if self._trainable is None or module is None or not self._trainable.changed(module):
+            return
+        gained, lost = self._trainable.changes(module)
+        self._build_buckets()
+        rank_zero_info(
+            f"layered SGD: trainable parameters changed at step {self._step_progress().total.completed} "
+            f"(became trainable: {gained[:5]}, frozen: {lost[:5]}); gradients are reduced for the new set from this "
+            "step on"
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -250,6 +320,16 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             self._flush_callback = _FlushBeforeReaders(self)
             # set by Lightning, undeclared on Trainer
             trainer.callbacks.insert(0, self._flush_callback)  # type: ignore[attr-defined]
+        if trainer.state.fn == "fit" and self.lightning_module is not None:
+            # set by Lightning, undeclared on Trainer
+            self.observers = step_observers(self.lightning_module, trainer.callbacks)  # type: ignore[attr-defined]
+            if self.observers:
+                rank_zero_warn(
+                    f"strategy='layered_sgd' updates the weights at once in this run (no postponed update): "
+                    f"{', '.join(self.observers)} would otherwise run before the update is applied or log one step "
+                    "late. The reduction still overlaps the backward pass. A callback whose step hooks only read "
+                    "gradients and parameters may declare postponed_update_safe = True to keep the postponed update"
+                )
 
     def _sync_from_rank0(self, with_parameters: bool) -> None:
         """Start from rank 0's parameters/buffers, as DistributedDataParallel does at construction."""
@@ -279,6 +359,8 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             return self.precision_plugin.optimizer_step(
                 optimizer, model=model, closure=lambda: closure_result, **kwargs
             )
+        self._follow_trainability()
+        assert self.update is not None
         self._reduce_in_backward = True
         try:
             closure_result = closure()
@@ -292,6 +374,8 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             "kwargs": kwargs,
             "global_step": self._step_progress().total.completed,
         }
+        if self.observers:  # user code observes the step: apply it now, where one process would
+            self.flush()
         return closure_result
 
     def flush(self) -> bool:
@@ -335,6 +419,8 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         gradients are made global right after the pass, as DDP does."""
         if self._reduce_in_backward or self.update is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            self._follow_trainability()  # nothing is pending under manual optimization
         with self.update.no_sync():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self.lightning_module is not None

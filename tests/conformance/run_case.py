@@ -30,8 +30,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from typing_extensions import override
 
 import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
@@ -198,6 +200,13 @@ def boring_model_double() -> pl.LightningModule:
     return boring_model().double()
 
 
+def with_optimizer(module: pl.LightningModule, name: str) -> pl.LightningModule:
+    """The module trained with ``name`` ('adam' / 'adamw', lr 0.01) instead of its own optimizer."""
+    kind = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    module.configure_optimizers = lambda: kind(module.parameters(), lr=0.01)  # type: ignore[method-assign]
+    return module
+
+
 def demo_model() -> pl.LightningModule:
     """Lightning's ``DemoModel`` (Linear + ReLU, loss ``output.sum()``, Adam), float64."""
     from lightning.pytorch.demos.boring_classes import DemoModel
@@ -226,7 +235,11 @@ def wikitext() -> None:
     path.parent.mkdir(exist_ok=True)
     g = torch.Generator().manual_seed(5)
     words = [f"w{i}" for i in torch.randint(0, 24, (18 * 35 + 40,), generator=g).tolist()]
-    path.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)) + "\n")
+    # every rank writes the same text: through a file of its own, renamed at once, so that no rank reads another's
+    # half-written file (an empty vocabulary on one rank left the other training alone, waiting for it)
+    part = path.with_name(f"{path.name}.{os.getpid()}")
+    part.write_text("\n".join(" ".join(words[i : i + 10]) for i in range(0, len(words), 10)) + "\n")
+    os.replace(part, path)
 
 
 def flatten_linear() -> UserCNN:
@@ -236,11 +249,12 @@ def flatten_linear() -> UserCNN:
     return module
 
 
-def ode_net(**kwargs: Any) -> UserCNN:
-    """A user's module holding a deep ODE-ResNet (the form the multigrid strategy trains) at ``self.model``."""
+def ode_net(cls: type[UserCNN] = UserCNN, **kwargs: Any) -> UserCNN:
+    """A user's module (``cls``) holding a deep ODE-ResNet (the form the multigrid strategy trains) at
+    ``self.model``."""
     from lightning_hpc.models import ode_resnet
 
-    module = UserCNN(**kwargs)
+    module = cls(**kwargs)
     torch.manual_seed(0)
     module.model = ode_resnet(in_channels=2, num_classes=3, input_size=(6, 6), width=4, num_steps=8).double()
     return module
@@ -273,6 +287,83 @@ class UnusedTrunkParameter(UserCNN):
         self.model[0].unused = nn.Conv2d(4, 4, 1).double()
 
 
+class ClampingCNN(UserCNN):
+    """A user's ``optimizer_step`` that projects the weights after ``optimizer.step()`` (a max-norm style
+    constraint): it must see the updated weights, as on one process."""
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.clamp_(-0.2, 0.2)
+
+
+class ShrinkingCNN(UserCNN):
+    """A user's ``optimizer_step`` that shrinks the updated weights by 1% (a smooth projection: the multigrid
+    solve's truncation stays a measure the cycles converge in, which a clamp's kinks break)."""
+
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(0.99)
+
+
+class GradNormCNN(UserCNN):
+    """The gradient norm logged in ``on_before_optimizer_step``, as Lightning's docs show: each step's line must
+    hold that step's norm (``Case.logger`` records the lines)."""
+
+    @override
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None]))
+        self.log("grad_norm", norm)
+
+
+class FreezeFirstConv(pl.Callback):
+    """A user's callback freezing the first convolution from the third optimizer step on (mid-epoch)."""
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == 2:
+            for p in next(m for m in pl_module.modules() if isinstance(m, nn.Conv2d)).parameters():
+                p.requires_grad_(False)
+
+
+def _backbone_finetuning() -> list[pl.Callback]:
+    """Lightning's BackboneFinetuning: the backbone frozen for the first epoch, unfrozen (its own parameter group)
+    at the second."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    return [BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+
+
+class MemoryLogger(Logger):
+    """What a logger receives: (step, metrics) lines, kept in memory (rank 0 only, as Lightning logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @override
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.lines.append((int(step or 0), {k: float(v) for k, v in metrics.items() if k != "epoch"}))
+
+    @override
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 @dataclass
 class Case:
     module: Callable[[], pl.LightningModule]
@@ -281,7 +372,8 @@ class Case:
     #: resume (fit one epoch, checkpoint, fit a second epoch from it); resume_from (the second half of resume from
     #: another run's checkpoint, e.g. on another number of processes); early_stop (validation every epoch)
     flow: str = "fit"
-    #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2)
+    #: training data: images; own (the module's train_dataloader is not used: vectors); transformer (WikiText2);
+    #: images_f32 (the float32 images in the case's dtype: a float32 case's float64 twin sees the same values)
     data: str = "images"
     dtype: torch.dtype = torch.float64
     #: the one-process reference accumulates the data-parallel ranks' batches as micro-batches (one optimizer step
@@ -289,6 +381,10 @@ class Case:
     micro_batches: bool = False
     #: Lightning plugins built per Trainer (e.g. K-FAC's mixed-precision plugin)
     plugins: Callable[[], list[Any]] | None = None
+    #: user callbacks built per Trainer
+    callbacks: Callable[[], list[pl.Callback]] | None = None
+    #: record what a logger receives, every step (``result["logged"]``: what the feature observes)
+    logger: bool = False
 
 
 def _kfac_fp16_plugin() -> list[Any]:
@@ -350,6 +446,11 @@ CASES: dict[str, Case] = {
     "early_stopping": Case(UserCNN, {**EPOCH2, "max_epochs": 6}, flow="early_stop"),
     "torchmetrics": Case(lambda: UserCNN(torchmetrics=True), flow="fit_eval"),
     "frozen_parameters": Case(lambda: frozen(UserCNN())),
+    # --- user code around the step, trainability changing mid-run
+    "optimizer_step_override": Case(ClampingCNN),
+    "grad_norm_logging": Case(GradNormCNN, logger=True),
+    "backbone_finetuning": Case(BackboneClassifier, EPOCH2, callbacks=_backbone_finetuning),
+    "freeze_mid_run": Case(UserCNN, callbacks=lambda: [FreezeFirstConv()]),
     # --- Lightning's own demo modules
     "boring_model_f64": Case(boring_model_double, data="vectors"),
     "demo_model": Case(demo_model, data="vectors"),
@@ -370,6 +471,17 @@ CASES: dict[str, Case] = {
     "odenet_accumulate_2": Case(ode_net, {"accumulate_grad_batches": 2}),
     "odenet_predict": Case(ode_net, flow="predict"),
     "odenet_unused_parameter": Case(ode_net_unused),
+    # K-FAC + adaptive optimizers in float32, 8 steps (and their float64 twins: the same data, the math)
+    "adam_f32": Case(lambda: float32(UserCNN(optimizer="adam")), {"max_steps": 8}, dtype=torch.float32),
+    "adamw_f32": Case(lambda: float32(UserCNN(optimizer="adamw")), {"max_steps": 8}, dtype=torch.float32),
+    "boring_adam_f32": Case(lambda: with_optimizer(boring_model(), "adam"), {"max_steps": 8}, data="boring"),
+    "boring_adam_f32_twin_f64": Case(lambda: with_optimizer(boring_model_double(), "adam"), {"max_steps": 8},
+                                     data="boring_f64"),
+    "adam_f32_twin_f64": Case(lambda: UserCNN(optimizer="adam"), {"max_steps": 8}, data="images_f32"),
+    "adamw_f32_twin_f64": Case(lambda: UserCNN(optimizer="adamw"), {"max_steps": 8}, data="images_f32"),
+    "odenet_optimizer_step_override": Case(lambda: ode_net(ShrinkingCNN)),
+    "odenet_grad_norm_logging": Case(lambda: ode_net(GradNormCNN), logger=True),
+    "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
 CASES["odenet_bf16_mixed"].dtype = torch.float32
@@ -382,25 +494,49 @@ CASES["odenet_bf16_mixed"].module = lambda: float32(ode_net(optimizer="sgd_bf16"
 MG_OPTIONS = {"cfactor": 2, "levels": 2, "relaxation": "F"}
 MG_CYCLES = 2
 
-#: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions
+#: K-FAC as the tests run it: every step updates factors, every second one decomposes, float64 decompositions.
+#: CONFORMANCE_KFAC_DECOMPOSITION_DTYPE / CONFORMANCE_KFAC_FACTOR_DTYPE change the decompositions' / factors'
+#: dtype for a measurement (docs/kfac.md, "Float32 with Adam / AdamW"); the matrix runs without them
 KFAC_OPTIONS = {
     "factor_update_freq": 1,
     "inv_update_freq": 2,
     "damping": 0.01,
     "kl_clip": 0.01,
-    "decomposition_dtype": "float64",
+    "decomposition_dtype": os.environ.get("CONFORMANCE_KFAC_DECOMPOSITION_DTYPE", "float64"),
 }
+if os.environ.get("CONFORMANCE_KFAC_FACTOR_DTYPE"):
+    KFAC_OPTIONS["factor_dtype"] = os.environ["CONFORMANCE_KFAC_FACTOR_DTYPE"]
 
 
 class ReportSteps(pl.Callback):
     """Counts the optimizer steps of each rank, so a test can tell a refusal before the first
-    step from a failure during training."""
+    step from a failure during training.  It only counts: layered SGD may run it with its postponed update."""
+
+    postponed_update_safe = True
 
     def __init__(self) -> None:
         self.steps = 0
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object) -> None:
         self.steps += 1
+
+
+def broken_layered_sgd() -> Any:
+    """The negative control of the rows about user code around the step and trainability changes: layered SGD that
+    always postpones the update and never rebuilds its buckets (what it did before it learned to do otherwise)."""
+    from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy
+
+    class BrokenLayeredSGD(LayeredSGDStrategy):
+        @override
+        def setup(self, trainer: pl.Trainer) -> None:
+            super().setup(trainer)
+            self.observers = []
+
+        @override
+        def _follow_trainability(self) -> None:
+            pass
+
+    return BrokenLayeredSGD()
 
 
 def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
@@ -446,6 +582,8 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         from lightning_hpc import MultigridStrategy
 
         return MultigridStrategy(mode="pm", log_residuals=False, process_group_backend=PG_BACKEND), []
+    if name == "layered_sgd_broken":
+        return broken_layered_sgd(), []
     if name == "horovod":
         from lightning_hpc import HorovodStrategy
 
@@ -495,6 +633,9 @@ def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
         batch = 2
     else:
         data = vectors() if case.data == "vectors" else images(dtype=case.dtype)
+        if case.data == "images_f32":
+            x, y = images(dtype=torch.float32).tensors
+            data = TensorDataset(x.to(case.dtype), y)
         batch = B
     if devices == 1:  # the reference: global batch b = the union of every data-parallel rank's batch b
         return DataLoader(data, batch_sampler=UnionBatches(len(data), data_parallel, batch, case.micro_batches))
@@ -525,12 +666,16 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
             kwargs["plugins"] = case.plugins()
         if case.micro_batches and world == 1:
             kwargs["accumulate_grad_batches"] = data_parallel
+        if case.callbacks is not None:
+            callbacks = [*callbacks, *case.callbacks()]
+        if case.logger:
+            kwargs.update(logger=MemoryLogger(), log_every_n_steps=1)
         return pl.Trainer(
             accelerator=ACCELERATOR,
             devices=devices,
             num_nodes=NUM_NODES,
             strategy=strategy,
-            logger=False,
+            logger=kwargs.pop("logger", False),
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -588,8 +733,12 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
         if case.flow != "predict":
             t.save_checkpoint(out / "final.ckpt")
         result.update(global_step=t.global_step, epoch=t.current_epoch)
+        if isinstance(t.logger, MemoryLogger):
+            result["logged"] = t.logger.lines
     except Exception as e:  # a refusal: recorded, and the next case runs
         result["error"] = "".join(traceback.format_exception(e))
+        if t is not None:  # the optimizer steps completed before the error
+            result["global_step"] = t.global_step
         print(f"CASE {strategy_name}:{case_name} raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     result["steps"] = steps.steps
     rank = t.global_rank if t is not None else result["rank"]

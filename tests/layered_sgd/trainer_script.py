@@ -71,7 +71,10 @@ def main(out: Path) -> None:
             return torch.utils.data.DataLoader(dataset(), batch_size=LOCAL_BATCH, shuffle=False)
 
     class GradRecorder(Callback):
-        """A gradient reader (like the K-FAC callback): must see the globally averaged gradients."""
+        """A gradient reader (like the K-FAC callback): must see the globally averaged gradients.  It only reads, so
+        it declares itself safe to run when the postponed update is applied (the runs keep the postponed update)."""
+
+        postponed_update_safe = True
 
         def __init__(self) -> None:
             self.seen: list[tuple[int, float, torch.Tensor]] = []
