@@ -30,6 +30,7 @@ __all__ = [
     "automatic_optimizer_step_progress",
     "replace_hydra_subprocess_command",
     "enable_torch_function",
+    "replace_metric_hooks",
 ]
 
 
@@ -135,3 +136,21 @@ def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
         if not hasattr(module, "_hydra_subprocess_cmd"):
             raise CompatError(f"{name} has no _hydra_subprocess_cmd: this Lightning version changed its launcher")
         module._hydra_subprocess_cmd = command
+
+
+# ---- torchmetrics ----------------------------------------------------------------------------------------------
+def replace_metric_hooks(wrap_update: Callable[..., Any], sync: Callable[..., Any]) -> dict[str, Any]:
+    """Install ``wrap_update`` as torchmetrics' ``Metric._wrap_update`` (the private wrapper torchmetrics puts
+    around a metric's ``update`` when it builds or restores one) and ``sync`` as ``Metric.sync``, class-wide; returns
+    the replaced ones, ``{"_wrap_update": ..., "sync": ...}``, which a second call installs back.  Used by the
+    spatial strategy's metric counting (``lightning_hpc.spatial.metrics``)."""
+    metric = _private("torchmetrics", "Metric")
+    if "_wrap_update" not in metric.__dict__ or "sync" not in metric.__dict__:
+        raise CompatError(
+            "torchmetrics.Metric has no _wrap_update / sync of its own in this installation; lightning_hpc was "
+            "checked with torchmetrics 1.9: install it or report the upgrade"
+        )
+    previous = {"_wrap_update": metric.__dict__["_wrap_update"], "sync": metric.__dict__["sync"]}
+    metric._wrap_update = wrap_update
+    metric.sync = sync
+    return previous

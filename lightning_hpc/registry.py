@@ -12,7 +12,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StrategySpec", "STRATEGY_SPECS", "register_strategies", "strategy_class"]
+__all__ = ["StrategySpec", "STRATEGY_SPECS", "register_strategies", "strategy_class", "load", "launcher_environment"]
+
+
+def load(target: str) -> Any:
+    """The object a ``"module:Name"`` target names (imports its module): how one folder names another's class
+    without importing it (techniques do not import each other; the shared layer imports none of them)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -24,8 +31,7 @@ class StrategySpec:
     description: str
 
     def load(self) -> type:
-        module, _, cls = self.target.partition(":")
-        return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+        return load(self.target)  # type: ignore[no-any-return]
 
     def __call__(self, **init_params: Any) -> Any:
         """The factory Lightning's ``StrategyRegistry.get`` calls: build the strategy."""
@@ -77,3 +83,20 @@ def register_strategies() -> None:
     for spec in STRATEGY_SPECS.values():
         if spec.name not in StrategyRegistry:
             StrategyRegistry.register(spec.name, spec, description=spec.description)
+
+
+#: cluster environments of launchers that start every process themselves, "module:Class" with a static
+#: ``launched_by_<launcher>()`` check, asked in this order by :func:`launcher_environment`
+LAUNCHER_ENVIRONMENTS: tuple[tuple[str, str], ...] = (
+    ("lightning_hpc.horovod.environment:HorovodEnvironment", "launched_by_horovodrun"),
+)
+
+
+def launcher_environment() -> Any | None:
+    """A ``ClusterEnvironment`` for a DDP-derived strategy whose ranks a launcher outside Lightning started
+    (``horovodrun``: Horovod's ranks), or ``None``.  Layered SGD asks here instead of importing Horovod's folder."""
+    for target, launched in LAUNCHER_ENVIRONMENTS:
+        environment = load(target)
+        if getattr(environment, launched)():
+            return environment()
+    return None

@@ -2,6 +2,8 @@
 # One entry point for the README's commands:
 #   bash scripts/dev.sh train [recipe=... key=value ...]   set up .venv, then train (default recipe: digits)
 #   bash scripts/dev.sh test  [pytest args ...]           set up .venv, then run the default test suite
+#                                                         (pytest -m "not slow and not cluster"; a later -m replaces it:
+#                                                         `test -m cluster tests/cluster`, `test -m slow`)
 #   bash scripts/dev.sh setup                             only set up .venv
 # Environment: PYTHON (interpreter for the venv, default python3), VENV (default .venv),
 # TORCH_SPEC (default torch==2.13.0, the CPU build on this kind of machine; GPU clusters: see README),
@@ -36,6 +38,6 @@ case "$cmd" in
     if ! "$VENV/bin/python" -c "import horovod.torch" >/dev/null 2>&1; then
       echo "[test] Horovod is not installed: the horovod tests will be reported as skipped (bash scripts/install-horovod.sh to run them)"
     fi
-    exec "$VENV/bin/python" -m pytest -m "not slow" "$@" ;;
+    exec "$VENV/bin/python" -m pytest -m "not slow and not cluster" "$@" ;;
   *) echo "usage: bash scripts/dev.sh {setup|train|test} [args...]" >&2; exit 2 ;;
 esac

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from lightning_hpc.distributed import spawn
+
 REPO = Path(__file__).resolve().parent.parent
+
+# Most rank functions of the suite train through Lightning: the forkserver imports it once instead of every rank.
+spawn.preload("lightning.pytorch")
 
 #: variables a launcher sets for its ranks; a child launched by a test must never inherit stale ones
 LAUNCH_VARS = (

@@ -22,7 +22,7 @@ SUBCOMMANDS = {
     "train": "lightning_hpc.cli.main:train_main",
     "recipes": "lightning_hpc.cli.main:recipes_main",
     "plan-kfac": "lightning_hpc.kfac.plan:main",
-    "plan-spatial": "lightning_hpc.spatial.plan:main",
+    "plan-spatial": "lightning_hpc.cli.plan_spatial:main",
     "mesh-data": "lightning_hpc.data.mesh_tangling.cli:main",
 }
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.registry import load
 
 __all__ = ["Handle", "Communicator", "TorchDistributedCommunicator", "CompletedHandle", "get_communicator"]
 
@@ -165,14 +166,17 @@ class TorchDistributedCommunicator(Communicator):
             dist.barrier(group=group)
 
 
+#: communicators of other folders by name, as "module:Class" imported on first use: the shared layer names them
+#: without importing them (Horovod's implements this interface, so its module imports this one)
+COMMUNICATORS: dict[str, str] = {"horovod": "lightning_hpc.horovod.communicator:HorovodCommunicator"}
+
+
 def get_communicator(backend: str = "torch") -> Communicator:
     """Communicator by name: ``"torch"`` (torch.distributed) or ``"horovod"``."""
     if backend == "torch":
         # its collectives are asynchronous: gloo's pending work must not outlive the interpreter
         destroy_process_group_at_exit()
         return TorchDistributedCommunicator()
-    if backend == "horovod":
-        from lightning_hpc.horovod.communicator import HorovodCommunicator
-
-        return HorovodCommunicator()
+    if backend in COMMUNICATORS:
+        return load(COMMUNICATORS[backend])()  # type: ignore[no-any-return]
     raise ValueError(f"unknown communication backend {backend!r}; use 'torch' or 'horovod'")

@@ -4,6 +4,15 @@ Used by the test-suite and the benchmarks of every technique: each process initi
 group (gloo by default, so it runs on CPU), calls ``fn(rank, world_size, *args)`` and sends back its
 return value.  The parent enforces a wall-clock deadline, so a hung collective fails the caller with a
 message naming the ranks that did not finish instead of blocking CI forever.
+
+Ranks are forked from a ``forkserver``: one server process per parent imports torch (and whatever
+:func:`preload` adds, the test-suite adds Lightning) once, and every rank of every later run is a fresh fork of
+it.  A ``spawn`` start re-imports torch and Lightning in every rank, seconds each on a small machine, and the
+test-suite starts hundreds of ranks.  The server is single-threaded apart from the BLAS pool, which handles
+fork itself (the same pattern as a DataLoader's forked workers), and it never runs a torch op, so no OpenMP or
+CUDA state is forked.  Each rank still starts empty of any earlier run's state and receives the caller's
+current environment (the server's own is from when it started).  ``LIGHTNING_HPC_START_METHOD=spawn`` goes back
+to fresh interpreters.
 """
 
 from __future__ import annotations
@@ -19,7 +28,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["find_free_port", "run_in_processes", "DistributedRunError"]
+__all__ = ["find_free_port", "run_in_processes", "DistributedRunError", "preload"]
+
+#: modules the forkserver imports before it forks the first rank; see :func:`preload`
+_PRELOAD: list[str] = ["torch", "torch.distributed", "lightning_hpc.distributed.spawn"]
 
 
 class DistributedRunError(RuntimeError):
@@ -31,6 +43,22 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` once, so no rank pays for them (the test-suite preloads Lightning).
+
+    Takes effect when the server starts, at the first :func:`run_in_processes` of this process; a module that
+    fails to import is skipped there and imported by each rank as before.
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
+def _start_method() -> str:
+    method = os.environ.get("LIGHTNING_HPC_START_METHOD", "forkserver")
+    if method not in mp.get_all_start_methods():
+        raise ValueError(f"LIGHTNING_HPC_START_METHOD={method!r}: this platform offers {mp.get_all_start_methods()}")
+    return method
 
 
 def _worker(
@@ -47,6 +75,8 @@ def _worker(
     import torch
     import torch.distributed as dist
 
+    # the caller's environment as it is now: a forked rank would otherwise see the server's, from its start
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -85,7 +115,7 @@ def run_in_processes(
     collective_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks and return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks and return their results.
 
     ``fn`` and ``args`` must be picklable (a module-level function).  Results are returned ordered by
     rank.  Raises :class:`DistributedRunError` with the failing rank's traceback if any rank raises,
@@ -120,13 +150,17 @@ def _run_once(
     collective_timeout_s: float,
     env: dict[str, str] | None,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    method = _start_method()
+    ctx: Any = mp.get_context(method)  # a context of either start method (typeshed types it by a literal name)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))
     results = ctx.Queue()
     port = find_free_port()
+    rank_env = {**os.environ, **(env or {})}
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, collective_timeout_s, dict(env or {}), fn, args, results),
+            args=(r, world_size, port, backend, collective_timeout_s, rank_env, fn, args, results),
             daemon=True,
         )
         for r in range(world_size)

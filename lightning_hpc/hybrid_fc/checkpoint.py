@@ -23,11 +23,10 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_hpc.distributed.state import gather_keyed_tensors, take_slice
-from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
+from lightning_hpc.distributed.state import take_slice
+from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear, gather_shard_tensors
 
 __all__ = ["full_state_dict", "full_optimizer_state", "shard_optimizer_state"]
 
@@ -39,27 +38,12 @@ def _shards(module: nn.Module) -> list[tuple[str, ShardedLinear]]:
 def _head_group(module: nn.Module) -> Any:
     from lightning_hpc.hybrid_fc.parallel import find_hybrid_head
 
-    group = find_hybrid_head(module).comm.group
-    return dist.group.WORLD if group is None and dist.is_initialized() else group
+    return find_hybrid_head(module).comm.group
 
 
 def _gather(module: nn.Module, shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]], rank0_only: bool,
             cpu: bool) -> dict[str, torch.Tensor]:
-    """The full tensors of shard-shaped tensors (key -> (shard, parameter name, this rank's tensor)); with
-    ``rank0_only`` only group rank 0 gets them (the other ranks get their own tensors back).  Collective."""
-    group = _head_group(module)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {key: value.detach().cpu() if cpu else value.detach() for key, (_, _, value) in shards.items()}
-    local = {key: value.detach().contiguous() for key, (_, _, value) in shards.items()}
-    split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
-    dst = dist.get_global_rank(group, 0)
-    full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,
-                                out_device="cpu" if cpu else None)
-    if rank0_only and dist.get_rank() != dst:
-        return {}
-    for key, (shard, pname, _) in shards.items():
-        assert tuple(full[key].shape) == shard.full_shape(pname), (key, tuple(full[key].shape))
-    return dict(full)
+    return gather_shard_tensors(shards, _head_group(module), rank0_only, cpu)
 
 
 def full_state_dict(
@@ -74,20 +58,6 @@ def full_state_dict(
               for name, shard in _shards(module) for pname in ("weight", "bias") if f"{prefix}{name}.{pname}" in state}
     state.update(_gather(module, shards, rank0_only, cpu))
     return state
-
-
-def gather_full_shards(head: nn.Module) -> dict[tuple[int, str], torch.Tensor]:
-    """The full weight and bias of each of ``head``'s shards (a :class:`~lightning_hpc.hybrid_fc.HybridHead`), keyed
-    by (layer index, parameter name), on every rank (collective: call on all ranks of the head's group)."""
-    shards = {
-        (i, pname): (shard, pname, getattr(shard, pname))
-        for i, shard in enumerate(head.shards)  # type: ignore[arg-type]
-        for pname in ("weight", "bias")
-        if getattr(shard, pname) is not None
-    }
-    by_key = {f"{i}.{pname}": entry for (i, pname), entry in shards.items()}
-    full = _gather(head, by_key, rank0_only=False, cpu=False)
-    return {(i, pname): full[f"{i}.{pname}"] for i, pname in shards}
 
 
 def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[int, tuple[ShardedLinear, str]]:

@@ -40,7 +40,7 @@ from lightning_hpc.hybrid_fc.schemes import (
     exchange_start,
     make_exchange,
 )
-from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
+from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear, gather_shard_tensors
 
 __all__ = ["HybridHead", "FC_UPDATES", "SubbatchContext"]
 
@@ -292,9 +292,15 @@ class HybridHead(nn.Module):
         forward would need every rank in each batch.  The result equals the sharded head's (the same products on
         whole rows instead of blocks of them).  Costs the full head's memory on each rank while open; yields its
         size in bytes."""
-        from lightning_hpc.hybrid_fc.checkpoint import gather_full_shards
-
-        full = gather_full_shards(self)
+        shards = {
+            (i, pname): (shard, pname, getattr(shard, pname))
+            for i, shard in enumerate(self.shards)
+            for pname in ("weight", "bias")
+            if getattr(shard, pname) is not None
+        }
+        by_key = {f"{i}.{pname}": entry for (i, pname), entry in shards.items()}
+        gathered = gather_shard_tensors(by_key, self.comm.group, rank0_only=False, cpu=False)
+        full = {(i, pname): gathered[f"{i}.{pname}"] for i, pname in shards}
         self._whole = [(full[(i, "weight")], full.get((i, "bias"))) for i in range(len(self.shards))]
         try:
             yield sum(t.numel() * t.element_size() for t in full.values())

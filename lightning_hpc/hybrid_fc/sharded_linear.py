@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.hybrid_fc.functions import scale_grad
 
-__all__ = ["ShardedLinear"]
+__all__ = ["ShardedLinear", "gather_shard_tensors"]
 
 
 class ShardedLinear(nn.Module):
@@ -145,3 +148,25 @@ class ShardedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, layout={self.layout}, rank {self.rank} of {self.k}"
+
+
+def gather_shard_tensors(shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]], group: Any, rank0_only: bool,
+                         cpu: bool) -> dict[str, torch.Tensor]:
+    """The full tensors of shard-shaped tensors (key -> (shard, parameter name, this rank's tensor)) over the head's
+    ``group`` (``None``: the world); with ``rank0_only`` only group rank 0 gets them (the other ranks get an empty
+    dict).  Collective.  Here, beside the shards, so that the head (whole-head inference) and the checkpoints
+    (which find the head in a model) both use it without importing each other."""
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {key: value.detach().cpu() if cpu else value.detach() for key, (_, _, value) in shards.items()}
+    local = {key: value.detach().contiguous() for key, (_, _, value) in shards.items()}
+    split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
+    dst = dist.get_global_rank(group, 0)
+    full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,
+                                out_device="cpu" if cpu else None)
+    if rank0_only and dist.get_rank() != dst:
+        return {}
+    for key, (shard, pname, _) in shards.items():
+        assert tuple(full[key].shape) == shard.full_shape(pname), (key, tuple(full[key].shape))
+    return dict(full)

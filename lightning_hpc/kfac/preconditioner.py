@@ -353,7 +353,7 @@ class KFACPreconditioner:
             # would be computed for the wrong layer type.
             raise RuntimeError(
                 f"K-FAC layer {handler.name!r} was replaced by a {type(module).__name__} after the K-FAC hooks were "
-                "registered (e.g. by lightning_hpc.strategies.spatial.convert_model); create the "
+                "registered (e.g. by lightning_hpc.spatial.convert.convert_model); create the "
                 "KFACPreconditioner after converting the model (the KFAC callback does this by itself)"
             )
 

@@ -73,7 +73,6 @@ from lightning_hpc.distributed.groups import (
 )
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.distributed.trainability import TrainableSet
-from lightning_hpc.horovod.environment import HorovodEnvironment
 from lightning_hpc.layered_sgd.hierarchical import (
     HierarchicalAllreduce,
     LayeredGroups,
@@ -81,6 +80,7 @@ from lightning_hpc.layered_sgd.hierarchical import (
 )
 from lightning_hpc.layered_sgd.postponed_update import PostponedUpdate
 from lightning_hpc.protocols import PostponedUpdateSafe, StrategyContract
+from lightning_hpc.registry import launcher_environment
 
 __all__ = ["LayeredSGDStrategy"]
 
@@ -181,8 +181,8 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             raise ValueError(f"procs_per_node={procs_per_node!r}: must be a positive integer (ranks per node group)")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: must be > 0 (megabytes per gradient bucket)")
-        if kwargs.get("cluster_environment") is None and HorovodEnvironment.launched_by_horovodrun():
-            kwargs["cluster_environment"] = HorovodEnvironment()
+        if kwargs.get("cluster_environment") is None and (launched := launcher_environment()) is not None:
+            kwargs["cluster_environment"] = launched
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(**kwargs)
         self.procs_per_node_setting = procs_per_node

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpc._compat import replace_metric_hooks
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.tiling import HybridLayout
@@ -273,9 +274,7 @@ def activate(layout: HybridLayout) -> None:
     if metric is None:
         return
     if not _ORIGINAL:
-        _ORIGINAL.update(_wrap_update=metric.__dict__["_wrap_update"], sync=metric.__dict__["sync"])
-        metric._wrap_update = _wrap_update  # type: ignore[attr-defined]
-        metric.sync = _sync  # type: ignore[attr-defined]
+        _ORIGINAL.update(replace_metric_hooks(_wrap_update, _sync))
     _ACTIVE.append(layout)
 
 
@@ -288,5 +287,4 @@ def deactivate(layout: HybridLayout) -> None:
             break
     metric = _metric_class()
     if not _ACTIVE and _ORIGINAL and metric is not None:
-        metric._wrap_update = _ORIGINAL.pop("_wrap_update")  # type: ignore[attr-defined]
-        metric.sync = _ORIGINAL.pop("sync")  # type: ignore[attr-defined]
+        replace_metric_hooks(_ORIGINAL.pop("_wrap_update"), _ORIGINAL.pop("sync"))

@@ -69,3 +69,25 @@ def test_a_port_taken_before_rank_0_listens_is_replaced(monkeypatch):
         monkeypatch.setattr(spawn, "find_free_port", lambda: ports.pop() if ports else real())
         assert run_in_processes(_allreduce_rank, 2) == [1.0, 1.0]
         assert not ports, "the taken port was never tried: the test proves nothing"
+
+
+def _read_env(rank: int, world_size: int) -> tuple[str | None, str | None]:
+    import os
+
+    return os.environ.get("LIGHTNING_HPC_PROBE_SET"), os.environ.get("LIGHTNING_HPC_PROBE_UNSET")
+
+
+def test_ranks_see_the_callers_environment_of_now(monkeypatch):
+    """Ranks are forked from a server started by an earlier run: they must see the environment of this call
+    (a variable set since, one removed since), not the one the server started with."""
+    monkeypatch.setenv("LIGHTNING_HPC_PROBE_UNSET", "stale")
+    run_in_processes(_allreduce_rank, 2)  # the server exists from here on, with the stale variable
+    monkeypatch.setenv("LIGHTNING_HPC_PROBE_SET", "now")
+    monkeypatch.delenv("LIGHTNING_HPC_PROBE_UNSET")
+    assert run_in_processes(_read_env, 2) == [("now", None)] * 2
+
+
+def test_an_unknown_start_method_is_refused(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "teleport")
+    with pytest.raises(ValueError, match="teleport"):
+        run_in_processes(_allreduce_rank, 2)

@@ -177,7 +177,7 @@ def test_longest_path_first_assigns_every_layer_of_a_branching_net():
 
 
 def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
-    from lightning_hpc.spatial.plan import main
+    from lightning_hpc.cli.plan_spatial import main
 
     monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
     torch.manual_seed(0)
@@ -200,8 +200,8 @@ def test_plan_spatial_cli_json(tmp_path, monkeypatch, capsys):
 
 
 def test_plan_spatial_cli_loaded_sync_reads_the_cached_calibration(tmp_path, monkeypatch, capsys):
+    from lightning_hpc.cli.plan_spatial import main
     from lightning_hpc.perfmodel import sync as sync_mod
-    from lightning_hpc.spatial.plan import main
 
     monkeypatch.setenv("LIGHTNING_HPC_CACHE", str(tmp_path))
     cached = _sync(4, 2e-3, 3e-3)

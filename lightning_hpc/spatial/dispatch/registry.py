@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_hpc.spatial.dispatch import tensor as _tensor_module
 from lightning_hpc.spatial.dispatch.elementwise import _elementwise
 from lightning_hpc.spatial.dispatch.fallback import _fallback
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
@@ -106,3 +107,6 @@ def _property(func, args, kwargs):
         return _fallback(func, args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+_tensor_module._dispatch = _dispatch  # SpatialTensor.__torch_function__'s entry (tensor.py cannot import this module)

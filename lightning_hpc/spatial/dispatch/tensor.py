@@ -2,7 +2,8 @@
 along two of its dimensions (``hdim``, ``wdim``; :func:`lightning_hpc.distributed.partition.block_bounds` over
 each).  Like DTensor's ``Shard`` placements it reports the *global* shape (``x.shape``, ``x.size()``), so user
 code that derives sizes, paddings, crops or coordinates from shapes computes what one process computes.  Its
-``__torch_function__`` hands every op to :func:`registry._dispatch`.
+``__torch_function__`` hands every op to :func:`registry._dispatch`, which the registry installs here when it
+is imported (the package's ``__init__`` imports it before any split tensor exists).
 
 Also the functions that make, cut and gather split tensors (:func:`split_tensor`, :func:`gather_tensor`,
 :func:`local_tile`) and wrap a handler's local result with its global layout.
@@ -20,6 +21,15 @@ from lightning_hpc.spatial.dispatch.autograd import _Gather
 from lightning_hpc.spatial.dispatch.calls import _flat
 from lightning_hpc.spatial.dispatch.state import _STATE
 from lightning_hpc.spatial.tiling import SpatialGrid
+
+
+def _not_installed(func, args, kwargs):
+    raise RuntimeError("the spatial op registry is not installed: import lightning_hpc.spatial.dispatch")
+
+
+# the dispatch entry, set by registry.py on import: the handler modules (and the registry) import this module, so
+# it cannot import them back
+_dispatch = _not_installed
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +96,7 @@ class SpatialTensor(torch.Tensor):
         kwargs = kwargs or {}
         _STATE.depth += 1
         try:
-            return registry._dispatch(func, args, kwargs)
+            return _dispatch(func, args, kwargs)
         finally:
             _STATE.depth -= 1
 
@@ -138,6 +148,3 @@ def _nbytes(t: torch.Tensor, shape) -> int:
 def _nchw(x) -> bool:
     return isinstance(x, SpatialTensor) and x.dim() == 4 and (x._hdim, x._wdim) == (2, 3)
 
-
-# the handler modules import the tensor type: the table is imported once it exists
-from lightning_hpc.spatial.dispatch import registry  # noqa: E402
