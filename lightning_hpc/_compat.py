@@ -56,6 +56,17 @@ def enable_torch_function() -> Any:
     return _private("torch._C", "_EnableTorchFunction")()
 
 
+def abort_process_groups() -> None:
+    """Abort every process group of this process (torch's private registry of them), so that peers waiting on
+    this rank fail at once instead of at a collective timeout; a backend without ``abort`` is left as it is."""
+    world = _private("torch.distributed.distributed_c10d", "_world")
+    for group in list(world.pg_names):
+        try:
+            group.abort()
+        except Exception:  # noqa: BLE001 - such a group's peers fail when this process exits
+            pass
+
+
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous 1-D buffer of ``tensors`` (torch's own bucketing helper, as DDP uses it)."""
     return _private("torch._utils", "_flatten_dense_tensors")(tensors)  # type: ignore[no-any-return]
@@ -139,6 +150,11 @@ def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
 
 
 # ---- torchmetrics ----------------------------------------------------------------------------------------------
+def stat_scores_base() -> type:
+    """torchmetrics' private base of the stat-score metrics (accuracy, precision, recall, F-scores, ...)."""
+    return _private("torchmetrics.classification.stat_scores", "_AbstractStatScores")  # type: ignore[no-any-return]
+
+
 def replace_metric_hooks(wrap_update: Callable[..., Any], sync: Callable[..., Any]) -> dict[str, Any]:
     """Install ``wrap_update`` as torchmetrics' ``Metric._wrap_update`` (the private wrapper torchmetrics puts
     around a metric's ``update`` when it builds or restores one) and ``sync`` as ``Metric.sync``, class-wide; returns

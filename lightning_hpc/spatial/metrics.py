@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hpc._compat import replace_metric_hooks
+from lightning_hpc._compat import replace_metric_hooks, stat_scores_base
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.tiling import HybridLayout
@@ -110,10 +110,9 @@ def _sums_over_pixels(metric: Any) -> bool:
     reductions, metrics unknown here) is not taken to be one."""
     try:
         from torchmetrics import aggregation, classification, image, regression
-        from torchmetrics.classification.stat_scores import _AbstractStatScores
     except ImportError:  # pragma: no cover - torchmetrics comes with Lightning
         return False
-    if isinstance(metric, _AbstractStatScores):
+    if isinstance(metric, stat_scores_base()):
         return getattr(metric, "multidim_average", "global") == "global"
     sums = (
         classification.BinaryConfusionMatrix, classification.MulticlassConfusionMatrix,

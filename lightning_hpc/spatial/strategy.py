@@ -37,6 +37,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
@@ -587,11 +588,7 @@ def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 10
     the peers would report only the closed connection.  Its connections are closed now instead (every process
     group aborted, so a peer waiting on it fails at once), and the store stays up until every peer has read the
     message (each adds one to ``key/read``), for at most ``seconds``."""
-    for group in list(dist.distributed_c10d._world.pg_names):
-        try:
-            group.abort()
-        except Exception:  # noqa: BLE001 - a backend without abort: the peers fail at this process's exit
-            pass
+    abort_process_groups()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and store.add(f"{key}/read", 0) < world - 1:
         time.sleep(0.05)

@@ -469,10 +469,15 @@ def _one_rank_fails(rank, world, failing=1):
 
 
 @pytest.mark.parametrize("failing", [1, 0])
-def test_failure_on_one_rank_ends_every_rank_promptly(failing):
+def test_failure_on_one_rank_ends_every_rank_promptly(failing, monkeypatch):
     """One rank fails before its second step while its peer enters it (halo exchanges): the peer must not wait
     for the 100 s collective timeout, and ends with the failing rank's message -- also when the failing rank is
-    rank 0, which hosts the store the message travels through (its peer saw only gloo's closed connection)."""
+    rank 0, which hosts the store the message travels through (its peer saw only gloo's closed connection).
+
+    The ranks are fresh interpreters, as torchrun and Lightning start them: ranks forked from the test harness's
+    forkserver lose their store connection when rank 0 aborts its process groups (seen with torch 2.13; the
+    cause is not established), which no launcher of a real run does."""
+    monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "spawn")
     results = run_in_processes(_one_rank_fails, 2, failing, timeout_s=120, collective_timeout_s=100)
     peer = 1 - failing
     assert f"bad sample on rank {failing}" in results[failing]["error"]
