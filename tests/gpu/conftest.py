@@ -47,3 +47,11 @@ def load_conformance(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Largest absolute difference over all parameters, and the largest parameter magnitude (the scale)."""
+    assert a.keys() == b.keys()
+    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    scale = max(float(a[k].double().abs().max()) for k in a)
+    return diff, scale

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import DEVICE, load_conformance
+from conftest import DEVICE, largest_difference, load_conformance
 
 launch = load_conformance("launch")
 
@@ -76,14 +76,6 @@ def result(runs: Runs, where: str, strategy: str, case: str) -> Any:
     res = launch.read(out, strategy, case, log, world=1)
     assert res.error is None, f"{strategy}:{case} on {where} raised:\n{res.error}"
     return res
-
-
-def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """Largest absolute difference over all parameters, and the largest parameter magnitude (the scale)."""
-    assert a.keys() == b.keys()
-    diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-    scale = max(float(a[k].double().abs().max()) for k in a)
-    return diff, scale
 
 
 @pytest.mark.parametrize("strategy,case", EXACT64, ids=[f"{s}:{c}" for s, c in EXACT64])

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEVICE, HERE, load_conformance
+from conftest import DEVICE, HERE, largest_difference, load_conformance
 
 from lightning_hpc.distributed import find_free_port
 
@@ -99,9 +99,7 @@ def test_two_ranks_on_one_gpu_equal_two_cpu_processes(item: str, gloo_on_device:
     assert shared.error is None, f"{item} on two ranks sharing {DEVICE}:\n{shared.error}"
     assert cpu.error is None, f"{item} on two CPU processes:\n{cpu.error}"
     assert shared.ranks[0]["steps"] == cpu.ranks[0]["steps"] > 0
-    a, b = shared.params(), cpu.params()
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    scale = max(float(v.abs().max()) for v in a.values())
+    diff, scale = largest_difference(shared.params(), cpu.params())
     assert diff <= 1e-9 * max(scale, 1.0), f"{item}: two ranks on {DEVICE} vs two CPU processes differ by {diff:.3e}"
 
 
