@@ -30,6 +30,7 @@ __all__ = [
     "automatic_optimizer_step_progress",
     "replace_hydra_subprocess_command",
     "enable_torch_function",
+    "disable_torch_function_subclass",
     "replace_metric_hooks",
 ]
 
@@ -54,6 +55,13 @@ def enable_torch_function() -> Any:
     disabled it (``torch._C.DisableTorchFunctionSubclass``): user hooks called from there must see the
     subclass (the spatial ``SpatialTensor``)."""
     return _private("torch._C", "_EnableTorchFunction")()
+
+
+def disable_torch_function_subclass() -> Any:
+    """Context manager switching ``__torch_function__`` dispatch for tensor subclasses off
+    (``torch._C.DisableTorchFunctionSubclass``, what ``torch.Tensor.__torch_function__`` itself runs the op
+    under): a subclass's handler runs the op on the plain tensors inside it."""
+    return _private("torch._C", "DisableTorchFunctionSubclass")()
 
 
 def abort_process_groups() -> None:

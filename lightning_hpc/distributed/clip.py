@@ -17,11 +17,15 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from lightning_hpc.distributed.partitioned import local_block
+
 __all__ = ["global_grad_norm", "clip_grad_norm_", "clip_by_global_norm"]
 
 
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
+    # plain blocks: the norm of the whole model is reduced here, once (a block parameter's own norm is already
+    # its whole tensor's, which the all-reduce below would count K times)
+    return [local_block(p.grad) for p in params if p.grad is not None]
 
 
 def _local_power(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -152,6 +152,7 @@ class HybridHead(nn.Module):
             idx += 1
         for i, lin in enumerate(linears):
             shard = ShardedLinear(lin, self.layouts[i], self.rank, self.k, device=device, init=head_init)
+            shard.partition_parameters(self.comm.group)
             self.add_module(names[idx], shard)
             self.shards.append(shard)
             idx += 1

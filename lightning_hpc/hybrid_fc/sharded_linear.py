@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.hybrid_fc.functions import scale_grad
 
@@ -77,6 +78,15 @@ class ShardedLinear(nn.Module):
         if self.bias is not None:
             self.bias.uniform_(-bound, bound)
 
+    def partition_parameters(self, group: Any) -> None:
+        """Make ``weight`` and ``bias`` blocks of the whole layer's tensors over the head's ``group``
+        (:class:`lightning_hpc.distributed.partitioned.BlockTensor`): user code reducing over the model's
+        parameters or their gradients (a logged gradient norm, an L2 penalty, ``clip_grad_norm_``) sees the whole
+        layer's values, as on one process.  Call before any optimizer holds the parameters."""
+        self.weight = as_block_parameter(self.weight, group)
+        if self.bias is not None:
+            self.bias = as_block_parameter(self.bias, group)
+
     # -- shard geometry ------------------------------------------------------------------------------------
     @property
     def out_sizes(self) -> list[int]:
@@ -120,8 +130,9 @@ class ShardedLinear(nn.Module):
         """``col``: x (n, in) replicated -> (n, out block).  ``row``: x (n, in block) -> partial sums (n, out).
 
         ``grad_scale`` multiplies the gradients reaching the shard (1/K for the per-step update)."""
-        weight = scale_grad(self.weight, grad_scale)
-        bias = None if self.bias is None else scale_grad(self.bias, grad_scale)
+        # the plain blocks: the layer's own products are the block's, whatever a user reduction over them means
+        weight = scale_grad(local_block(self.weight), grad_scale)
+        bias = None if self.bias is None else scale_grad(local_block(self.bias), grad_scale)
         if self.layout == "col":
             return F.linear(x, weight, bias)
         y = F.linear(x, weight)
@@ -159,8 +170,9 @@ def gather_shard_tensors(shards: dict[str, tuple[ShardedLinear, str, torch.Tenso
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {key: value.detach().cpu() if cpu else value.detach() for key, (_, _, value) in shards.items()}
-    local = {key: value.detach().contiguous() for key, (_, _, value) in shards.items()}
+        return {key: local_block(value).detach().cpu() if cpu else local_block(value).detach()
+                for key, (_, _, value) in shards.items()}
+    local = {key: local_block(value).detach().contiguous() for key, (_, _, value) in shards.items()}
     split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
     dst = dist.get_global_rank(group, 0)
     full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,

@@ -31,7 +31,7 @@ FEATURES = (
     "resume", "resume_2_to_1", "early_stopping", "frozen_parameters", "unused_parameter", "backbone_classifier",
     "flatten_linear", "boring_model", "boring_model_f64", "demo_model", "lightning_transformer",
     "optimizer_step_override", "grad_norm_logging", "backbone_finetuning", "freeze_mid_run", "adam_f32",
-    "boring_adam_f32",
+    "boring_adam_f32", "l2_penalty_logged",
 )
 
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
@@ -236,9 +236,6 @@ def _hybrid_fc() -> dict[str, Verdict]:
         # BackboneFinetuning freezes the backbone before training: no data-parallel trunk is left at setup
         backbone_finetuning=Refused(no_trunk.replace(".*strategy", ".*frozen.*strategy") + ".*BackboneFinetuning"),
         freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
-        grad_norm_logging=Differs(
-            "the sharded head's `.grad` on each rank is its shard's: a norm over `self.parameters()` in "
-            "`on_before_optimizer_step` covers the trunk and one shard (measured 0.51 logged, one process 0.63)"),
     )
     return cells
 
@@ -273,6 +270,9 @@ def _multigrid(column: str) -> dict[str, Verdict]:
         "each rank holds its own steps of the layer-sharded trunk: a norm over `self.parameters()` in "
         "`on_before_optimizer_step` covers those steps and the replicated layers only (measured 1.8687 logged, one "
         "process 1.8708" + (" running the same solve)" if mode_mg else ")"))
+    cells["l2_penalty_logged"] = Differs(
+        "each rank holds its own steps of the layer-sharded trunk: an L2 penalty over `self.parameters()` covers "
+        "those steps and the replicated layers only (MEASURE)")
     return cells
 
 
@@ -350,6 +350,9 @@ DIFFERS = _cells(Differs)
 #: on the rows that caught those defects (``test_matrix.test_negative_control``)
 NEGATIVE_CONTROLS = [("layered_sgd_broken", f) for f in ("optimizer_step_override", "grad_norm_logging",
                                                          "backbone_finetuning")]
+#: hybrid_fc with plain head blocks (``run_case.hybrid_fc_plain_blocks``: a norm or a penalty over the parameters
+#: sees this rank's block of the head) on the rows about reductions over the model's parameters
+NEGATIVE_CONTROLS += [("hybrid_fc_plain_blocks", f) for f in ("grad_norm_logging", "l2_penalty_logged")]
 
 ALL_CELLS = [*NEGATIVE_CONTROLS, *DIFFERS, *EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
 ALL_CELLS += [(s, c) for s, c, _ in REFUSED] + [(s, c) for s, c, _, _ in REFUSED_AT]

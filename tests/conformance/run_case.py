@@ -321,6 +321,19 @@ class GradNormCNN(UserCNN):
         self.log("grad_norm", norm)
 
 
+class L2PenaltyCNN(UserCNN):
+    """An explicit L2 penalty over ``self.parameters()`` added to the loss and logged, as users write one: the
+    logged penalty must be every step's whole-model value, and the weights must train as one process trains
+    them (the penalty's gradient reaches every parameter once)."""
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        self.log("l2", penalty)
+        return F.cross_entropy(self(x), y) + 1e-2 * penalty
+
+
 class FreezeFirstConv(pl.Callback):
     """A user's callback freezing the first convolution from the third optimizer step on (mid-epoch)."""
 
@@ -449,6 +462,7 @@ CASES: dict[str, Case] = {
     # --- user code around the step, trainability changing mid-run
     "optimizer_step_override": Case(ClampingCNN),
     "grad_norm_logging": Case(GradNormCNN, logger=True),
+    "l2_penalty_logged": Case(L2PenaltyCNN, logger=True),
     "backbone_finetuning": Case(BackboneClassifier, EPOCH2, callbacks=_backbone_finetuning),
     "freeze_mid_run": Case(UserCNN, callbacks=lambda: [FreezeFirstConv()]),
     # --- Lightning's own demo modules
@@ -481,6 +495,7 @@ CASES: dict[str, Case] = {
     "adamw_f32_twin_f64": Case(lambda: UserCNN(optimizer="adamw"), {"max_steps": 8}, data="images_f32"),
     "odenet_optimizer_step_override": Case(lambda: ode_net(ShrinkingCNN)),
     "odenet_grad_norm_logging": Case(lambda: ode_net(GradNormCNN), logger=True),
+    "odenet_l2_penalty_logged": Case(lambda: ode_net(L2PenaltyCNN), logger=True),
     "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
@@ -539,6 +554,28 @@ def broken_layered_sgd() -> Any:
     return BrokenLayeredSGD()
 
 
+def hybrid_fc_plain_blocks() -> Any:
+    """The negative control of the rows about reductions over the model's parameters: hybrid_fc whose head
+    parameters are plain blocks (what they were before they learned their partition), so a norm or a penalty
+    over ``self.parameters()`` sees this rank's block of the head only."""
+    from torch import nn
+
+    from lightning_hpc import HybridParallelStrategy
+    from lightning_hpc.distributed.partitioned import local_block
+    from lightning_hpc.hybrid_fc.parallel import find_hybrid_head
+
+    class PlainBlocks(HybridParallelStrategy):
+        @override
+        def _parallelize(self, device: torch.device | None = None) -> None:
+            super()._parallelize(device)
+            for shard in find_hybrid_head(self._search_root()).shards:
+                for name in ("weight", "bias"):
+                    if getattr(shard, name) is not None:
+                        setattr(shard, name, nn.Parameter(local_block(getattr(shard, name)).detach().clone()))
+
+    return PlainBlocks(process_group_backend=PG_BACKEND)
+
+
 def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
     """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
     callback; ``multigrid``: mode 'mg' with ``MG_OPTIONS`` and ``MG_CYCLES`` cycles (``multigrid_cycles<k>``: k
@@ -584,6 +621,8 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         return MultigridStrategy(mode="pm", log_residuals=False, process_group_backend=PG_BACKEND), []
     if name == "layered_sgd_broken":
         return broken_layered_sgd(), []
+    if name == "hybrid_fc_plain_blocks":
+        return hybrid_fc_plain_blocks(), []
     if name == "horovod":
         from lightning_hpc import HorovodStrategy
 
