@@ -31,6 +31,7 @@ __all__ = [
     "replace_hydra_subprocess_command",
     "enable_torch_function",
     "disable_torch_function_subclass",
+    "compiled_module_type",
     "replace_metric_hooks",
 ]
 
@@ -62,6 +63,11 @@ def disable_torch_function_subclass() -> Any:
     (``torch._C.DisableTorchFunctionSubclass``, what ``torch.Tensor.__torch_function__`` itself runs the op
     under): a subclass's handler runs the op on the plain tensors inside it."""
     return _private("torch._C", "DisableTorchFunctionSubclass")()
+
+
+def compiled_module_type() -> type:
+    """The module type ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``)."""
+    return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
 
 
 def abort_process_groups() -> None:

@@ -41,9 +41,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
-from lightning_hpc._compat import disable_torch_function_subclass
+from lightning_hpc._compat import compiled_module_type, disable_torch_function_subclass
 
-__all__ = ["BlockTensor", "Partition", "as_block_parameter", "local_block", "is_block"]
+__all__ = [
+    "BlockTensor",
+    "Partition",
+    "as_block_parameter",
+    "local_block",
+    "is_block",
+    "refuse_flat_view_optimizers",
+    "refuse_weight_averaging",
+    "averaging_callbacks",
+    "refuse_compiled",
+]
 
 
 class Partition:
@@ -114,6 +124,12 @@ class BlockTensor(torch.Tensor):
     """This rank's block of a tensor partitioned over ``_partition`` (see the module's docstring)."""
 
     _partition: Partition
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickled (torch.save of a state dict that keeps a rank's own entries) as the plain block: the partition
+        # is this run's process group, which neither pickles nor means anything in another process
+        with disable_torch_function_subclass():
+            return self.as_subclass(torch.Tensor).detach().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockTensor:
         # a copy of a block (AveragedModel, an EMA's copy of the model) is a block of the same partition
@@ -302,3 +318,58 @@ def as_block_parameter(param: nn.Parameter, group: dist.ProcessGroup | None) -> 
     out = nn.Parameter(block, requires_grad=param.requires_grad)
     assert isinstance(out, BlockTensor)
     return out
+
+
+def refuse_flat_view_optimizers(optimizers: Sequence[torch.optim.Optimizer], strategy: str, layers: str) -> None:
+    """Raise before the first step for optimizers that view all parameters as one flat vector (``LBFGS``: its
+    ``torch.cat`` of the gradients' views, dot products and line search): on model-parallel blocks each rank would
+    compute its own curvature pairs and step length from its blocks, and the replicated parameters' copies would
+    drift apart.  ``layers`` names what is partitioned under ``strategy``."""
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", opt)  # Lightning's LightningOptimizer wraps it
+        if isinstance(inner, torch.optim.LBFGS):
+            raise ValueError(
+                f"{strategy}: torch.optim.LBFGS views every parameter as one flat vector (its curvature pairs, step "
+                f"length and line search are dot products over all of them), and {layers} are split over the "
+                "ranks: each rank would take its own step and the replicated layers' copies would drift apart. Use "
+                "a first-order optimizer (SGD, Adam, AdamW: they update every element from its own gradient), or "
+                "train with strategy='ddp', where every rank holds the whole model"
+            )
+
+
+def refuse_weight_averaging(callbacks: Sequence[str], strategy: str, layers: str) -> None:
+    """Raise before the first step for weight-averaging callbacks (``callbacks``: their class names), which keep
+    a copy of the whole module outside the strategy and swap it in: the copy would hold this rank's blocks without
+    the strategy's collectives around them."""
+    if callbacks:
+        raise ValueError(
+            f"{strategy}: {', '.join(callbacks)} keeps an averaged copy of the LightningModule outside the strategy "
+            f"and swaps it in, and {layers} are split over the ranks: the copy holds this rank's part without the "
+            "strategy's communication around it. Average the weights from the checkpoints instead (the strategy "
+            "writes full, unsplit checkpoints: torch.optim.swa_utils.AveragedModel over the loaded serial model), "
+            "or train with strategy='ddp'"
+        )
+
+
+#: Lightning's weight-averaging callbacks (``EMAWeightAveraging`` derives from ``WeightAveraging``), named here so
+#: that this module imports no Lightning
+_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")
+
+
+def averaging_callbacks(callbacks: Sequence[Any]) -> list[str]:
+    """Class names of the weight-averaging callbacks among a trainer's ``callbacks``."""
+    return [type(cb).__name__ for cb in callbacks if any(k.__name__ in _AVERAGING for k in type(cb).__mro__)]
+
+
+def refuse_compiled(module: nn.Module, strategy: str, layers: str) -> None:
+    """Raise before the model is split if a submodule is ``torch.compile``d: the strategy replaces ``layers``
+    inside it by split ones, which the compiled wrapper's graph (captured from the unsplit module) does not
+    follow.  Names the attribute."""
+    compiled = [name for name, m in module.named_modules() if isinstance(m, compiled_module_type())]
+    if compiled:
+        where = f"{type(module).__name__}.{compiled[0]}" if compiled[0] else type(module).__name__
+        raise ValueError(
+            f"{strategy}: {where} is a torch.compile'd module; the strategy replaces {layers} inside it by layers "
+            "split over the ranks, which the compiled module does not follow. Leave the model uncompiled under "
+            f"{strategy} (remove torch.compile), or train the compiled model with strategy='ddp'"
+        )

@@ -138,6 +138,34 @@ def _same_ranks_group(group: Any) -> Any:
     return new_group(ranks, timeout=group_timeout(group))  # the same timeout as ``group``
 
 
+def refuse_tied_head(model: nn.Module, head_modules: Sequence[tuple[str, nn.Module]], prefix: str) -> None:
+    """A head layer's weight or bias that is also another layer's (tied weights, e.g. an output layer sharing an
+    embedding's or another Linear's weight) cannot be split: the other layer would keep the whole tensor on every
+    rank while the head trains one block of it per rank, and the two would no longer be one parameter.  Raised
+    before anything is split, naming both places and the fix."""
+    head_ids: dict[int, str] = {}
+    for name, m in head_modules:
+        if isinstance(m, nn.Linear):
+            for pname, p in m.named_parameters(recurse=False):
+                where = f"{prefix}.{name}.{pname}" if prefix else f"{name}.{pname}"
+                other = head_ids.setdefault(id(p), where)
+                if other != where:
+                    _raise_tied(where, other)
+    head_names = set(head_ids.values())
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in head_ids and name not in head_names:
+            _raise_tied(head_ids[id(p)], name)
+
+
+def _raise_tied(head_name: str, other: str) -> None:
+    raise ValueError(
+        f"the fully-connected head's parameter {head_name!r} is tied to {other!r} (one tensor in both places): the "
+        "head is split over the ranks, one block of each of its layers per rank, which a tied tensor cannot follow. "
+        "Untie them (give the head its own copy: nn.Parameter(other.detach().clone()), a different model: the two "
+        "then train apart), or train with strategy='ddp'"
+    )
+
+
 def parallelize_head(
     model: nn.Module,
     head: str | None = None,
@@ -166,6 +194,7 @@ def parallelize_head(
     computation (schemes.py), for measurements.
     """
     spec = find_head(model, head)
+    refuse_tied_head(model, spec.modules, spec.parent_name)
     meta = has_meta_head(model, head)
     if not meta:
         _broadcast_head(spec, group)

@@ -33,6 +33,12 @@ from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
+from lightning_hpc.distributed.partitioned import (
+    averaging_callbacks,
+    refuse_compiled,
+    refuse_flat_view_optimizers,
+    refuse_weight_averaging,
+)
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
@@ -167,6 +173,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
+        refuse_compiled(module, "strategy='hybrid_fc'", "the fully-connected head")
         inner = self._search_root()
         if self.fc_update == "per_subbatch" and not callable(getattr(module, "loss", None)):
             raise ValueError(
@@ -198,6 +205,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        head_layers = "the fully-connected head's layers"
+        refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)
+        refuse_weight_averaging(averaging_callbacks(trainer.callbacks), "strategy='hybrid_fc'", head_layers)
         if self.lightning_module is not None:  # what DDP's reducer was built for (configure_ddp ran in setup)
             self._trainable = TrainableSet(self.lightning_module)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
@@ -209,6 +219,29 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._search_root()))
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._refuse_short_last_batch()
+
+    def _refuse_short_last_batch(self) -> None:
+        """Scheme 'c' splits every rank's batch into K slices: a last batch of fewer than K samples per rank (the
+        training set's per-rank share not a multiple of the batch size) would stop training when it comes, after
+        the epoch's other steps.  Found here, before the first step, from the loaders' lengths and batch size."""
+        if self.scheme != "c" or self.world_size < 2 or self.lightning_module is None:
+            return
+        trainer = self.lightning_module.trainer
+        short = last_batch_sizes(trainer, self.world_size)
+        bad = [(n, b, last) for n, b, last in short if 0 < last < self.world_size]
+        if bad:
+            n, b, last = bad[0]
+            raise ValueError(
+                f"strategy='hybrid_fc' (scheme='c'): each epoch's last training batch holds {last} sample(s) per rank "
+                f"({n} samples per rank in batches of {b}), and scheme 'c' splits every rank's batch into K="
+                f"{self.world_size} slices (section 4, scheme c). Use DataLoader(..., drop_last=True), a training set "
+                f"whose per-rank share is a multiple of the batch size, or HybridParallelStrategy(scheme='a' / 'b')"
+            )
 
     @override
     def on_predict_start(self) -> None:
@@ -332,3 +365,26 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             for o, s in zip(self.optimizers, checkpoint["optimizer_states"])
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+
+def last_batch_sizes(trainer: Any, ranks: int) -> list[tuple[int, int, int]]:
+    """(samples per rank, batch size, samples in the last batch) of every training DataLoader whose last batch the
+    run reaches (``limit_train_batches`` / ``max_steps`` may stop before it)."""
+    from torch.utils.data import DataLoader
+
+    out = []
+    loaders = getattr(trainer, "train_dataloader", None)
+    flat = getattr(loaders, "flattened", None) or ([loaders] if loaders is not None else [])
+    for loader in flat:
+        if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+            continue
+        try:
+            per_rank = len(loader.sampler)  # type: ignore[arg-type]
+        except TypeError:
+            continue
+        batches = -(-per_rank // loader.batch_size)
+        reached = trainer.num_training_batches >= batches and (
+            trainer.max_steps == -1 or trainer.max_steps * trainer.accumulate_grad_batches >= batches)
+        if reached:
+            out.append((per_rank, loader.batch_size, per_rank % loader.batch_size))
+    return out

@@ -8,6 +8,16 @@ c^(levels-1) (partition.py), so every coarse step it evaluates uses the weights 
 (Eq. 25).  Only the optional gathered coarsest solve (coarse.py) exchanges weights, those of the coarsest
 C-layers, at each solve.
 
+Parameters as user code sees them: with P > 1 ranks, the local steps' parameters are blocks
+(:class:`lightning_hpc.distributed.partitioned.BlockTensor`) of a tensor partitioned over the layer group, the
+tensor that stacks the same parameter of the step at the same place in every rank's share (step i of rank 0 with
+step N/P + i of rank 1, ...).  A reduction over all of a parameter's (or its gradient's) elements is that
+tensor's, so a sum over ``self.parameters()`` of such reductions (a gradient norm logged in
+``on_before_optimizer_step``, Lightning's ``grad_norm`` total, an L2 penalty in the loss) covers every step once,
+as on one process; a single step's value read alone is that of its place in all the shares (Lightning's
+per-parameter ``grad_norm`` entries of the steps are not one process's; their total is).  Every rank's share must
+then hold the same parameters in the same order (checked at construction: the reductions are collectives).
+
 State dicts: :meth:`full_state_dict` gathers the whole trunk (collective), with the keys of the serial
 ``nn.Sequential``, so a checkpoint loads into any number of ranks or into the plain model; loading takes the
 local steps' entries of a full state dict and ignores the others.
@@ -22,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hpc.distributed.partitioned import as_block_parameter
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.models.ode_resnet import ResidualStep, residual_steps
 from lightning_hpc.multigrid.parallel import LayerChain
@@ -43,6 +54,8 @@ class LayerShardedTrunk(nn.Sequential):
         super().__init__()
         self.group = group
         self.chain = LayerChain(group)
+        if self.chain.size > 1:
+            refuse_shared_parameters(blocks, names)
         self.partition = LayerPartition(len(blocks), self.chain.size, self.chain.index, cfactor, levels)
         self.num_steps = len(blocks)
         self.step_names = names
@@ -50,6 +63,29 @@ class LayerShardedTrunk(nn.Sequential):
         for name, block in zip(names[part.start : part.stop], blocks[part.start : part.stop]):
             self.add_module(name, block)  # the other ranks' steps are not kept: their memory is theirs
         self.train(steps.training)  # a fresh module defaults to training mode; keep the trunk's
+        if self.chain.size > 1:
+            self._partition_parameters()
+
+    def _partition_parameters(self) -> None:
+        """Make the local steps' parameters blocks over the layer group (see the module's docstring)."""
+        positions = [
+            (i, name, tuple(p.shape), p.dtype) for i, block in enumerate(self) for name, p in block.named_parameters()
+        ]
+        shares: list[Any] = [None] * self.chain.size
+        dist.all_gather_object(shares, positions, group=self.group)
+        if any(share != positions for share in shares):
+            first = next(r for r, share in enumerate(shares) if share != shares[0])
+            raise ValueError(
+                "the layer-sharded trunk's ranks hold steps with different parameters (rank "
+                f"{self.chain.ranks[0]}'s share: {len(shares[0])} parameters, rank {self.chain.ranks[first]}'s: "
+                f"{len(shares[first])}, or other names / shapes): a reduction over the model's parameters is one "
+                "collective per parameter and needs every share alike; give every residual step the same layers, "
+                "or train the trunk with layer_parallel_size=1"
+            )
+        for block in self:
+            for module in block.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, as_block_parameter(p, self.group))
 
     @property
     def local_blocks(self) -> list[ResidualStep]:
@@ -69,6 +105,24 @@ class LayerShardedTrunk(nn.Sequential):
         """State dict of the whole trunk (every step's parameters and buffers) in step order; collective over
         the layer group.  With ``dst`` (a global rank) only that rank gets the full dict."""
         return gather_keyed_tensors(self.state_dict(prefix=prefix), self.group if self.chain.size > 1 else None, dst)
+
+
+def refuse_shared_parameters(blocks: list[ResidualStep], names: list[str]) -> None:
+    """Steps split over ranks must not share a parameter (one residual branch reused by every step, neural-ODE
+    style): each rank would hold its own copy, its gradient from that rank's steps only, and the copies would
+    drift apart.  Raised at construction, before any optimizer step, naming the steps and the fix."""
+    owner: dict[int, tuple[str, str]] = {}
+    for step, block in zip(names, blocks):
+        for pname, p in block.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (step, pname))
+            if first[0] != step:
+                raise ValueError(
+                    f"steps {first[0]!r} and {step!r} of the trunk share one parameter ({first[0]}.{first[1]} is "
+                    f"{step}.{pname}): split over the layer-parallel ranks, each rank would train its own copy from "
+                    "its own steps and the copies would drift apart. Give every step its own branch (e.g. "
+                    "copy.deepcopy of the shared one: a different model, each step's weights then train apart), or "
+                    "keep the trunk whole: layer_parallel_size=1 (data parallel over all ranks) or strategy='ddp'"
+                )
 
 
 def full_model_state_dict(model: nn.Module, dst: int | None = None) -> OrderedDict[str, torch.Tensor]:

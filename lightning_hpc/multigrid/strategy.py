@@ -30,6 +30,12 @@ from typing_extensions import override
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.partitioned import (
+    averaging_callbacks,
+    refuse_compiled,
+    refuse_flat_view_optimizers,
+    refuse_weight_averaging,
+)
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
 from lightning_hpc.multigrid.function import MultigridODEBlock
@@ -167,6 +173,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             return
         self._check_sizes()
         self._check_precision()
+        if self.lightning_module is not None and self.layer_parallel_size > 1:
+            refuse_compiled(self.lightning_module, "strategy='multigrid'", "the trunk's residual steps")
         parent, name, trunk = self._find_trunk()
         assert self.lightning_module is not None  # _find_trunk checked it
         levels = self.options.levels if self.mode == "mg" else 1
@@ -215,6 +223,10 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
+        if self._sharded() is not None:
+            steps = "the trunk's residual steps"
+            refuse_flat_view_optimizers(self.optimizers, "strategy='multigrid'", steps)
+            refuse_weight_averaging(averaging_callbacks(trainer.callbacks), "strategy='multigrid'", steps)
         # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
         # norm counts the replicated parameters once and every rank's steps once
         self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]

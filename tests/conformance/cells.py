@@ -31,11 +31,11 @@ FEATURES = (
     "resume", "resume_2_to_1", "early_stopping", "frozen_parameters", "unused_parameter", "backbone_classifier",
     "flatten_linear", "boring_model", "boring_model_f64", "demo_model", "lightning_transformer",
     "optimizer_step_override", "grad_norm_logging", "backbone_finetuning", "freeze_mid_run", "adam_f32",
-    "boring_adam_f32", "l2_penalty_logged",
+    "boring_adam_f32", "l2_penalty_logged", "tied_weights", "torch_compile", "lbfgs", "swa", "last_batch_one_sample",
 )
 
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
-DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1}
+DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "multigrid_pm_plain_blocks": 1}
 
 #: features that are modules of their own (not the user's CNN with a Lightning feature): the multigrid columns run
 #: them as they are
@@ -158,6 +158,23 @@ _MG_MODULES = {"BoringModel": ("boring_model", "boring_model_f64"), "DemoModel":
 _CHANGED = r"{}: parameters of {}.* {}: .*refused before it is taken.*between two trainer.fit calls"
 
 
+_LBFGS_MSG = r"strategy='{}': torch.optim.LBFGS views every parameter as one flat vector.*first-order.*strategy='ddp'"
+_SWA_MSG = r"strategy='{}': StochasticWeightAveraging keeps an averaged copy.*full, unsplit checkpoints.*strategy='ddp'"
+
+
+class _RefusedFor:
+    """A refusal whose message names the strategy."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def format(self, strategy: str) -> Refused:
+        return Refused(self.message.format(strategy))
+
+
+_LBFGS, _SWA = _RefusedFor(_LBFGS_MSG), _RefusedFor(_SWA_MSG)
+
+
 def _trainability_refused(strategy: str) -> dict[str, Verdict]:
     return {"backbone_finetuning": RefusedAt(_CHANGED.format(strategy, "BackboneClassifier", "became trainable"), 2),
             "freeze_mid_run": RefusedAt(_CHANGED.format(strategy, "UserCNN", "were frozen"), 2)}
@@ -236,6 +253,13 @@ def _hybrid_fc() -> dict[str, Verdict]:
         # BackboneFinetuning freezes the backbone before training: no data-parallel trunk is left at setup
         backbone_finetuning=Refused(no_trunk.replace(".*strategy", ".*frozen.*strategy") + ".*BackboneFinetuning"),
         freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
+        tied_weights=Refused(r"head's parameter 'classifier.0.weight' is tied to 'aux.weight'.*Untie them.*"
+                             r"strategy='ddp'"),
+        torch_compile=Refused(r"UserCNN.model is a torch.compile'd module.*remove torch.compile.*strategy='ddp'"),
+        lbfgs=_LBFGS.format("hybrid_fc"),
+        swa=_SWA.format("hybrid_fc"),
+        last_batch_one_sample=Refused(r"last training batch holds 1 sample\(s\) per rank \(9 samples per rank in "
+                                      r"batches of 4\).*drop_last=True"),
     )
     return cells
 
@@ -266,13 +290,14 @@ def _multigrid(column: str) -> dict[str, Verdict]:
     for name, features in _MG_MODULES.items():
         for f in features:
             cells[f] = Refused(_MG_TRUNK.format(name))
-    cells["grad_norm_logging"] = Differs(
-        "each rank holds its own steps of the layer-sharded trunk: a norm over `self.parameters()` in "
-        "`on_before_optimizer_step` covers those steps and the replicated layers only (measured 1.8687 logged, one "
-        "process 1.8708" + (" running the same solve)" if mode_mg else ")"))
-    cells["l2_penalty_logged"] = Differs(
-        "each rank holds its own steps of the layer-sharded trunk: an L2 penalty over `self.parameters()` covers "
-        "those steps and the replicated layers only (MEASURE)")
+    cells.update(
+        # on the ODE-ResNet, tied weights are one residual branch shared by every step
+        tied_weights=Refused(r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy.*"
+                             r"layer_parallel_size=1"),
+        torch_compile=Refused(r"UserCNN.model is a torch.compile'd module.*remove torch.compile.*strategy='ddp'"),
+        lbfgs=_LBFGS.format("multigrid"),
+        swa=_SWA.format("multigrid"),
+    )
     return cells
 
 
@@ -353,6 +378,8 @@ NEGATIVE_CONTROLS = [("layered_sgd_broken", f) for f in ("optimizer_step_overrid
 #: hybrid_fc with plain head blocks (``run_case.hybrid_fc_plain_blocks``: a norm or a penalty over the parameters
 #: sees this rank's block of the head) on the rows about reductions over the model's parameters
 NEGATIVE_CONTROLS += [("hybrid_fc_plain_blocks", f) for f in ("grad_norm_logging", "l2_penalty_logged")]
+#: the same for the layer-sharded trunk (``run_case.multigrid_pm_plain_blocks``: plain step parameters)
+NEGATIVE_CONTROLS += [("multigrid_pm_plain_blocks", f"odenet_{f}") for f in ("grad_norm_logging", "l2_penalty_logged")]
 
 ALL_CELLS = [*NEGATIVE_CONTROLS, *DIFFERS, *EXACT, *ROUNDING_BOUNDED, *EQUAL_DDP, *BOUNDED, *BOUNDED_MG, *MICRO_BATCHES]
 ALL_CELLS += [(s, c) for s, c, _ in REFUSED] + [(s, c) for s, c, _, _ in REFUSED_AT]

@@ -125,6 +125,8 @@ class UserCNN(pl.LightningModule):
             return torch.optim.AdamW(params, lr=0.01, weight_decay=1e-2)
         if self.optimizer == "adam":
             return torch.optim.Adam(params, lr=0.01)
+        if self.optimizer == "lbfgs":  # a closure evaluated several times per step, flat views of all parameters
+            return torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4)
         # bf16: a smaller lr, so the bound compares one step's rounding rather than its growth over the steps
         opt = torch.optim.SGD(params, lr=0.05 if self.optimizer == "sgd_bf16" else 0.5, momentum=0.9, weight_decay=1e-3)
         if self.optimizer == "sgd_step_lr":  # the lr changes every optimizer step
@@ -334,6 +336,44 @@ class L2PenaltyCNN(UserCNN):
         return F.cross_entropy(self(x), y) + 1e-2 * penalty
 
 
+class TiedCNN(BackboneClassifier):
+    """Tied weights: a trunk-side layer (``self.aux``) shares its weight with the classifier's first Linear (as
+    an output layer shares an embedding's): one tensor, trained by both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(36, 16, bias=False).double()
+        self.aux.weight = self.classifier[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(x)
+        h = h + 0.1 * F.linear(torch.tanh(self.aux(h)), self.aux.weight.t())
+        return self.classifier(h)
+
+
+def compiled(module: UserCNN) -> UserCNN:
+    """``self.model = torch.compile(self.model)``, as users write it (the eager backend: graph capture without
+    code generation, so the cell does not wait for a C++ compiler)."""
+    module.model = torch.compile(module.model, backend="eager")
+    return module
+
+
+def ode_net_shared_branch() -> UserCNN:
+    """The ODE-ResNet with one residual branch shared by every step (a neural ODE's single vector field)."""
+    module = ode_net()
+    steps = module.model.steps
+    for step in list(steps)[1:]:
+        step.branch = steps[0].branch
+    return module
+
+
+def _swa() -> list[pl.Callback]:
+    """Lightning's StochasticWeightAveraging from the second epoch (of 3: two epochs averaged)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
+
+
 class FreezeFirstConv(pl.Callback):
     """A user's callback freezing the first convolution from the third optimizer step on (mid-epoch)."""
 
@@ -398,6 +438,8 @@ class Case:
     callbacks: Callable[[], list[pl.Callback]] | None = None
     #: record what a logger receives, every step (``result["logged"]``: what the feature observes)
     logger: bool = False
+    #: training samples (``N``: every rank's share a multiple of the batch size)
+    n: int = N
 
 
 def _kfac_fp16_plugin() -> list[Any]:
@@ -463,6 +505,12 @@ CASES: dict[str, Case] = {
     "optimizer_step_override": Case(ClampingCNN),
     "grad_norm_logging": Case(GradNormCNN, logger=True),
     "l2_penalty_logged": Case(L2PenaltyCNN, logger=True),
+    "tied_weights": Case(TiedCNN),
+    "torch_compile": Case(lambda: compiled(UserCNN())),
+    "lbfgs": Case(lambda: UserCNN(optimizer="lbfgs")),
+    "swa": Case(UserCNN, {**EPOCH2, "max_epochs": 3}, callbacks=_swa),
+    # 18 samples: 9 per rank of 2 in batches of 4, so each epoch ends with one sample per rank
+    "last_batch_one_sample": Case(UserCNN, {"max_steps": -1, "max_epochs": 1}, n=18),
     "backbone_finetuning": Case(BackboneClassifier, EPOCH2, callbacks=_backbone_finetuning),
     "freeze_mid_run": Case(UserCNN, callbacks=lambda: [FreezeFirstConv()]),
     # --- Lightning's own demo modules
@@ -496,6 +544,11 @@ CASES: dict[str, Case] = {
     "odenet_optimizer_step_override": Case(lambda: ode_net(ShrinkingCNN)),
     "odenet_grad_norm_logging": Case(lambda: ode_net(GradNormCNN), logger=True),
     "odenet_l2_penalty_logged": Case(lambda: ode_net(L2PenaltyCNN), logger=True),
+    "odenet_tied_weights": Case(ode_net_shared_branch),
+    "odenet_torch_compile": Case(lambda: compiled(ode_net())),
+    "odenet_lbfgs": Case(lambda: ode_net(optimizer="lbfgs")),
+    "odenet_swa": Case(ode_net, {**EPOCH2, "max_epochs": 3}, callbacks=_swa),
+    "odenet_last_batch_one_sample": Case(ode_net, {"max_steps": -1, "max_epochs": 1}, n=18),
     "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
@@ -576,6 +629,27 @@ def hybrid_fc_plain_blocks() -> Any:
     return PlainBlocks(process_group_backend=PG_BACKEND)
 
 
+def multigrid_pm_plain_blocks() -> Any:
+    """The same negative control for the layer-sharded trunk: mode 'pm' whose local steps' parameters are plain
+    tensors (a norm or a penalty over ``self.parameters()`` sees this rank's steps only)."""
+    from torch import nn
+
+    from lightning_hpc import MultigridStrategy
+    from lightning_hpc.distributed.partitioned import local_block
+
+    class PlainSteps(MultigridStrategy):
+        @override
+        def _wrap_model(self) -> None:
+            fresh = self.block is None
+            super()._wrap_model()
+            if fresh and self._sharded() is not None:
+                for module in self.block.modules():
+                    for name, p in list(module.named_parameters(recurse=False)):
+                        setattr(module, name, nn.Parameter(local_block(p).detach().clone()))
+
+    return PlainSteps(mode="pm", log_residuals=False, process_group_backend=PG_BACKEND)
+
+
 def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
     """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
     callback; ``multigrid``: mode 'mg' with ``MG_OPTIONS`` and ``MG_CYCLES`` cycles (``multigrid_cycles<k>``: k
@@ -623,6 +697,8 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         return broken_layered_sgd(), []
     if name == "hybrid_fc_plain_blocks":
         return hybrid_fc_plain_blocks(), []
+    if name == "multigrid_pm_plain_blocks":
+        return multigrid_pm_plain_blocks(), []
     if name == "horovod":
         from lightning_hpc import HorovodStrategy
 
@@ -653,15 +729,19 @@ class UnionBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         shards = self._shards()
-        for b in range(math.ceil(self.n / self.ranks) // self.batch):
+        for b in range(self._batches()):
             batches = [shard[b * self.batch : (b + 1) * self.batch] for shard in shards]
             if self.micro_batches:
                 yield from batches
             else:
                 yield [i for batch in batches for i in batch]
 
+    def _batches(self) -> int:
+        # a last batch shorter than the others comes too (DataLoader's drop_last=False), as on the ranks
+        return math.ceil(math.ceil(self.n / self.ranks) / self.batch)
+
     def __len__(self) -> int:
-        return math.ceil(self.n / self.ranks) // self.batch * (self.ranks if self.micro_batches else 1)
+        return self._batches() * (self.ranks if self.micro_batches else 1)
 
 
 def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
@@ -671,7 +751,7 @@ def train_loader(case: Case, devices: int, data_parallel: int) -> DataLoader:
         data: Any = WikiText2(download=False)
         batch = 2
     else:
-        data = vectors() if case.data == "vectors" else images(dtype=case.dtype)
+        data = vectors() if case.data == "vectors" else images(case.n, dtype=case.dtype)
         if case.data == "images_f32":
             x, y = images(dtype=torch.float32).tensors
             data = TensorDataset(x.to(case.dtype), y)

@@ -1,0 +1,98 @@
+"""Blocks that know their partition (``distributed/partitioned.py``): on 3 ranks holding uneven row blocks of one
+float64 tensor, every reduction over all elements (of the parameter, its gradient and element-wise results of
+them) equals the whole tensor's on one process, the gradient of a penalty over the whole tensor is the whole
+tensor's gradient restricted to the block, reductions along a dimension are refused, and the layer's own math
+(``F.linear``, optimizers, deep copies) sees the block."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.distributed.partitioned import BlockTensor, as_block_parameter, local_block
+
+ROWS, COLS = 7, 4  # blocks of 3, 2, 2 rows over 3 ranks (torch.chunk would give 3, 3, 1)
+
+
+def _full() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(ROWS, COLS, generator=g, dtype=torch.float64), torch.randn(5, COLS, generator=g,
+                                                                                  dtype=torch.float64)
+
+
+def _reductions(w: torch.Tensor) -> dict[str, float]:
+    """What user code asks of a parameter and its gradient (plain floats)."""
+    g = w.grad
+    assert g is not None
+    values = {
+        "grad.norm": g.norm(),
+        "grad.data.norm(1)": g.data.norm(1),
+        "vector_norm(grad, 3)": torch.linalg.vector_norm(g, 3),
+        "linalg.norm(grad)": torch.linalg.norm(g),
+        "grad inf-norm": torch.linalg.vector_norm(g, float("inf")),
+        "pow(2).sum": w.pow(2).sum(),
+        "(grad * w).sum": (g * w).sum(),
+        "mean": w.mean(),
+        "max": w.max(),
+        "amin": w.amin(),
+        "detach().clone().abs().sum": w.detach().clone().abs().sum(),
+        "sum(dtype=float32)": w.sum(dtype=torch.float32),
+    }
+    return {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def _one_process() -> tuple[dict[str, float], torch.Tensor]:
+    full, x = _full()
+    w = nn.Parameter(full.clone())
+    F.linear(x, w).pow(2).sum().backward()
+    values = _reductions(w)
+    w.grad = None
+    (w.pow(2).sum() * 0.5).backward()  # the penalty's gradient
+    return values, w.grad
+
+
+def _ranks(rank: int, world: int) -> dict:
+    full, x = _full()
+    a, b = block_bounds(ROWS, world)[rank]
+    w = as_block_parameter(nn.Parameter(full[a:b].clone()), None)
+    out = F.linear(x, w)
+    assert type(out) is torch.Tensor  # the layer's product is the plain block's
+    out.pow(2).sum().backward()  # each rank's block of the output: its rows' gradient, as on one process
+    assert isinstance(w.grad, BlockTensor) and isinstance(w.grad.data, BlockTensor)
+    values = _reductions(w)
+    w.grad = None
+    penalty = w.pow(2).sum() * 0.5
+    assert type(penalty) is torch.Tensor
+    penalty.backward()
+    refused = []
+    for name, call in (("sum(0)", lambda: w.sum(0)), ("norm(dim=1)", lambda: w.norm(dim=1)),
+                       ("matrix 2-norm", lambda: torch.linalg.norm(w, 2)), ("std", lambda: w.std())):
+        with pytest.raises(RuntimeError, match="local_block"):
+            call()
+        refused.append(name)
+    clone = copy.deepcopy(w)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    opt.step()
+    return {"values": values, "penalty_grad": local_block(w.grad).clone(), "rows": (a, b), "refused": refused,
+            "copy": (type(clone).__name__, isinstance(clone, nn.Parameter), clone._partition is w._partition),
+            "momentum": type(opt.state[w]["momentum_buffer"]).__name__,
+            "plain_norm": float(local_block(w.grad).norm())}
+
+
+def test_whole_tensor_reductions_on_uneven_blocks():
+    expected, penalty_grad = _one_process()
+    out = run_in_processes(_ranks, 3)
+    for rank, got in enumerate(out):
+        for name, value in expected.items():
+            assert got["values"][name] == pytest.approx(value, rel=1e-12, abs=1e-12), (rank, name)
+        a, b = got["rows"]
+        assert torch.allclose(got["penalty_grad"], penalty_grad[a:b], rtol=0, atol=1e-15)
+        assert got["copy"] == ("BlockTensor", True, True)
+        assert got["momentum"] == "BlockTensor"
+        assert len(got["refused"]) == 4
+    # the control: the plain block's norm is not the whole tensor's (the test can tell them apart)
+    assert out[0]["plain_norm"] < expected["pow(2).sum"] ** 0.5 - 1e-3
