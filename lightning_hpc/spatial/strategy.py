@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.partitioned import refuse_compiled
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
@@ -259,6 +260,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             return
         assert self.layout is not None and self.lightning_module is not None
         module = self.lightning_module
+        if self.layout.grid.parts != (1, 1) and self.world_size > 1:
+            # dynamo's graph of a compiled module is captured for whole images and fails its guards on a tile
+            refuse_compiled(module, "strategy='spatial'", "the image layers (which then see tiles of the images)")
         target = getattr(module, "model", None)
         target = target if isinstance(target, torch.nn.Module) else module
         shape = self._input_shape()

@@ -190,8 +190,15 @@ _DDP_TRAINABILITY = {
 }
 
 
+#: layered SGD's postponed update cannot re-evaluate a closure (its own refusal, before the first step)
+_LAYERED_LBFGS = Refused(r"strategy='layered_sgd' postpones the optimizer step and cannot re-evaluate the closure "
+                         r"that LBFGS needs")
+
+
 def _data_parallel(column: str, kfac_reference_ddp: str) -> dict[str, Verdict]:
     cells: dict[str, Verdict] = {f: Exact() for f in FEATURES}
+    if column.endswith("layered_sgd"):
+        cells["lbfgs"] = _LAYERED_LBFGS
     cells.update(adam_f32=_KFAC_ROUNDING_ONLY, boring_adam_f32=_KFAC_ROUNDING_ONLY)
     cells["bf16_mixed"] = Bounded()
     cells["kfac_fp16_plugin"] = _KFAC_PLUGIN
@@ -274,6 +281,12 @@ def _spatial() -> dict[str, Verdict]:
     # the whole sample's once), measured 0.86x bf16's own effect; a missing or doubled tile sum moves the weights
     # by more than 10x it
     cells.update(bf16_mixed=Bounded(micro_batches=False, bound=2.0), kfac_fp16_plugin=_KFAC_PLUGIN)
+    cells["torch_compile"] = Refused(r"strategy='spatial': UserCNN.model is a torch.compile'd module.*"
+                                     r"remove torch.compile")
+    # the spatial strategy's own parameter check: a penalty over the convolution's weight uses it outside the
+    # split activations too, whose gradient the tile reduction cannot tell apart
+    cells["l2_penalty_logged"] = Refused(r"parameter 'model.0.conv.weight' is used on split activations and, by "
+                                         r"Tensor.pow in the LightningModule's step.*spatial_parts=\(1, 1\)")
     return cells
 
 

@@ -336,13 +336,17 @@ class L2PenaltyCNN(UserCNN):
         return F.cross_entropy(self(x), y) + 1e-2 * penalty
 
 
-class TiedCNN(BackboneClassifier):
+class TiedCNN(UserCNN):
     """Tied weights: a trunk-side layer (``self.aux``) shares its weight with the classifier's first Linear (as
     an output layer shares an embedding's): one tensor, trained by both uses."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.aux = nn.Linear(36, 16, bias=False).double()
+        del self.model
+        torch.manual_seed(0)
+        self.aux = nn.Linear(36, 16, bias=False).double()  # registered first: the classifier ends the model
+        self.backbone = Backbone().double()
+        self.classifier = nn.Sequential(nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
         self.aux.weight = self.classifier[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,19 @@ def _reductions(w: torch.Tensor) -> dict[str, float]:
         "amin": w.amin(),
         "detach().clone().abs().sum": w.detach().clone().abs().sum(),
         "sum(dtype=float32)": w.sum(dtype=torch.float32),
+        # Lightning's grad_norm (torch.tensor over the per-parameter norms) and torch's clipping (nothing clipped)
+        "lightning grad_norm total": _lightning_grad_norm(w),
+        "clip_grad_norm_": torch.nn.utils.clip_grad_norm_([w], max_norm=1e9),
     }
     return {k: float(v.detach()) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
+def _lightning_grad_norm(w: nn.Parameter) -> torch.Tensor:
+    from lightning.pytorch.utilities import grad_norm
+
+    holder = nn.Module()
+    holder.w = w
+    return grad_norm(holder, 2)["grad_2.0_norm_total"]
 
 
 def _one_process() -> tuple[dict[str, float], torch.Tensor]:
