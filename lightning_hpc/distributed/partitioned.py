@@ -138,7 +138,7 @@ class BlockTensor(torch.Tensor):
         with disable_torch_function_subclass():
             data = self.as_subclass(torch.Tensor).detach().clone()
         out = _wrap(data, self._partition)
-        if getattr(self, "_is_param", False):
+        if isinstance(self, nn.Parameter):  # a block made a parameter keeps its type (the copy must too)
             out = nn.Parameter(out, requires_grad=self.requires_grad)  # type: ignore[assignment]
         memo[id(self)] = out
         return out
