@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COLUMNS = ("ddp", "layered_sgd", "horovod", "hybrid_fc", "spatial", "multigrid_pm", "multigrid", "kfac_ddp",
-           "kfac_layered_sgd", "kfac_horovod")
+COLUMNS = ("ddp", "layered_sgd", "horovod", "hybrid_fc", "spatial", "spatial3d", "multigrid_pm", "multigrid",
+           "kfac_ddp", "kfac_layered_sgd", "kfac_horovod")
 
 FEATURES = (
     "sgd", "sgd_step_lr", "adam", "adamw", "clip_norm", "clip_value", "accumulate_2", "manual_clip",
@@ -35,7 +35,7 @@ FEATURES = (
 )
 
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
-DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "multigrid_pm_plain_blocks": 1}
+DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "spatial3d": 1, "multigrid_pm_plain_blocks": 1}
 
 #: features that are modules of their own (not the user's CNN with a Lightning feature): the multigrid columns run
 #: them as they are
@@ -43,10 +43,17 @@ _OWN_MODULES = {"two_optimizers_gan", "backbone_classifier", "flatten_linear", "
                 "demo_model", "lightning_transformer", "backbone_finetuning", "adam_f32", "boring_adam_f32"}
 
 
+#: features whose data are not the user's images (the spatial3d column runs them as they are)
+_NOT_IMAGES = {"two_optimizers_gan", "flatten_linear", "boring_model", "boring_model_f64", "demo_model",
+               "lightning_transformer", "boring_adam_f32"}
+
+
 def case_of(column: str, feature: str) -> str:
     """The case (``run_case.CASES``) a column runs for a feature."""
     if column.startswith("multigrid") and feature not in _OWN_MODULES:
         return "odenet" if feature == "sgd" else f"odenet_{feature}"
+    if column == "spatial3d" and feature not in _NOT_IMAGES:
+        return f"volume_{feature}"
     return feature
 
 
@@ -290,6 +297,16 @@ def _spatial() -> dict[str, Verdict]:
     return cells
 
 
+def _spatial3d() -> dict[str, Verdict]:
+    """Both processes hold sub-volumes of the same samples (``spatial_parts=(2, 1, 1)``): the user's CNN on 2 x 4 x
+    6 x 6 volumes (a Conv3d backbone: a halo exchange along D, tiled 3-D max pooling, a gathered Flatten); the
+    features as for images, the modules without images (GAN, flatten, Lightning's demo modules) as they are."""
+    cells = _spatial()
+    cells["torch_compile"] = Refused(r"strategy='spatial': UserCNN.model is a torch.compile'd module.*"
+                                     r"remove torch.compile")
+    return cells
+
+
 def _multigrid(column: str) -> dict[str, Verdict]:
     mode_mg = column == "multigrid"
     cells: dict[str, Verdict] = {f: BoundedMG() if mode_mg else Exact() for f in FEATURES}
@@ -322,6 +339,7 @@ MATRIX: dict[tuple[str, str], Verdict] = {
         ("horovod", _data_parallel("horovod", "ddp")),
         ("hybrid_fc", _hybrid_fc()),
         ("spatial", _spatial()),
+        ("spatial3d", _spatial3d()),
         ("multigrid_pm", _multigrid("multigrid_pm")),
         ("multigrid", _multigrid("multigrid")),
         ("kfac_ddp", _kfac("kfac_ddp")),

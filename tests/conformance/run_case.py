@@ -51,9 +51,20 @@ STEPS = 4
 N_EVAL, N_PREDICT = 32, 45  # validation / test data (equal shards); predict data (unequal shards: 23 + 22)
 
 
+#: the ``spatial3d`` column's cases (``volume_<case>``) run the user's CNN on volumes: 2 x 4 x 6 x 6 samples, a
+#: Conv3d backbone; set by :func:`run_one` from the case name
+VOLUMES = False
+
+
 def images(n: int = N, seed: int = 3, dtype: torch.dtype = torch.float64) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, 2, 6, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
+    shape = (n, 2, 4, 6, 6) if VOLUMES else (n, 2, 6, 6)
+    return TensorDataset(torch.randn(*shape, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g))
+
+
+def flat_features() -> int:
+    """Features after the backbone's pooling and flatten: 4 channels x 3 x 3 (x 2 for volumes)."""
+    return 72 if VOLUMES else 36
 
 
 def vectors(n: int = N, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -65,8 +76,8 @@ def vectors(n: int = N, dtype: torch.dtype = torch.float64) -> torch.Tensor:
 class Backbone(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(2, 4, 3, padding=1)
-        self.pool = nn.MaxPool2d(2)
+        self.conv = (nn.Conv3d if VOLUMES else nn.Conv2d)(2, 4, 3, padding=1)
+        self.pool = (nn.MaxPool3d if VOLUMES else nn.MaxPool2d)(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.flatten(self.pool(F.relu(self.conv(x))), 1)
@@ -80,7 +91,7 @@ class UserCNN(pl.LightningModule):
     def __init__(self, manual_clip: bool = False, optimizer: str = "sgd", torchmetrics: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = nn.Sequential(Backbone(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        self.model = nn.Sequential(Backbone(), nn.Linear(flat_features(), 16), nn.ReLU(), nn.Linear(16, 3)).double()
         self.automatic_optimization = not manual_clip
         self.optimizer = optimizer
         if torchmetrics:
@@ -150,7 +161,7 @@ class BackboneClassifier(UserCNN):
         del self.model
         torch.manual_seed(0)
         self.backbone = Backbone().double()
-        self.classifier = nn.Sequential(nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        self.classifier = nn.Sequential(nn.Linear(flat_features(), 16), nn.ReLU(), nn.Linear(16, 3)).double()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.backbone(x))
@@ -265,7 +276,7 @@ def ode_net(cls: type[UserCNN] = UserCNN, **kwargs: Any) -> UserCNN:
 def frozen(module: UserCNN) -> UserCNN:
     """The first layer frozen (``requires_grad=False``, e.g. a pretrained stem), the optimizer given only the
     trainable parameters."""
-    for p in next(m for m in module.model.modules() if isinstance(m, nn.Conv2d)).parameters():
+    for p in next(m for m in module.model.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))).parameters():
         p.requires_grad_(False)
     return module
 
@@ -346,7 +357,7 @@ class TiedCNN(UserCNN):
         torch.manual_seed(0)
         self.aux = nn.Linear(36, 16, bias=False).double()  # registered first: the classifier ends the model
         self.backbone = Backbone().double()
-        self.classifier = nn.Sequential(nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        self.classifier = nn.Sequential(nn.Linear(flat_features(), 16), nn.ReLU(), nn.Linear(16, 3)).double()
         self.aux.weight = self.classifier[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -385,7 +396,7 @@ class FreezeFirstConv(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if trainer.global_step == 2:
-            for p in next(m for m in pl_module.modules() if isinstance(m, nn.Conv2d)).parameters():
+            for p in next(m for m in pl_module.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d))).parameters():
                 p.requires_grad_(False)
 
 
@@ -556,6 +567,9 @@ CASES: dict[str, Case] = {
     "odenet_freeze_mid_run": Case(ode_net, callbacks=lambda: [FreezeFirstConv()]),
     "odenet_fp32_for_bf16": Case(lambda: float32(ode_net(optimizer="sgd_bf16")), dtype=torch.float32),
 }
+#: the same cases on volumes (the spatial3d column): the case is the same object, VOLUMES switches its data and
+#: backbone (:func:`run_one`)
+CASES.update({f"volume_{name}": case for name, case in list(CASES.items()) if not name.startswith("odenet")})
 CASES["odenet_bf16_mixed"].dtype = torch.float32
 CASES["odenet_bf16_mixed"].module = lambda: float32(ode_net(optimizer="sgd_bf16"))
 
@@ -664,6 +678,10 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
 
         strategy, callbacks = build_strategy(name[len("kfac_"):])
         return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
+    if name == "spatial3d":  # sub-volumes: D split in two
+        from lightning_hpc import SpatialParallelStrategy
+
+        return SpatialParallelStrategy(spatial_parts=(2, 1, 1), process_group_backend=PG_BACKEND), []
     if name in ("spatial", "spatial_1x1"):  # spatial_1x1: the strategy's own path with one tile (one device)
         from lightning_hpc import SpatialParallelStrategy
 
@@ -773,6 +791,8 @@ def eval_loader(case: Case, n: int, with_index: bool = False, seed: int = 4) -> 
 
 
 def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_parallel: int) -> None:
+    global VOLUMES
+    VOLUMES = case_name.startswith("volume_")
     case = CASES[case_name]
     world = devices * NUM_NODES  # the processes of the run (two "nodes" of one device share a GPU in tests/gpu)
     out.mkdir(parents=True, exist_ok=True)
@@ -783,7 +803,8 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
 
     def trainer(**extra: Any) -> pl.Trainer:
         # a spatial checkpoint resumes on one process as the plain model (one process cannot hold 2 x 1 tiles)
-        strategy, callbacks = build_strategy("auto" if strategy_name == "spatial" and world == 1 else strategy_name)
+        one_process = strategy_name in ("spatial", "spatial3d") and world == 1
+        strategy, callbacks = build_strategy("auto" if one_process else strategy_name)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
         if case.plugins is not None:
             kwargs["plugins"] = case.plugins()
