@@ -298,7 +298,7 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
     convert_model(disp_model, grid, dispatch=True)
     x = torch.randn(1, cin, size, size)
     y = (torch.rand(1, 1, size, size) > 0.5).float()
-    rs, cs = tile_slices(size, size, (2, 1), grid.index)
+    rs, cs = tile_slices((size, size), (2, 1), grid.index)
     xt, yt = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
     times = {"plain": [], "dispatch": []}
     for step in range(repeats + 1):

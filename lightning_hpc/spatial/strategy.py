@@ -467,7 +467,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             for path in paths:
                 t = _get(batch, path)
                 whole[path] = (int(t.shape[-2]), int(t.shape[-1]))
-                rs, cs = tile_slices(*whole[path], grid.parts, grid.index)
+                rs, cs = tile_slices(whole[path], grid.parts, grid.index)
                 batch = _set(batch, path, t[..., rs, cs].contiguous())
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return self._split(batch, paths, whole)

@@ -326,7 +326,7 @@ def _run_spatial(rank: int, world_size: int) -> dict:
     layout = create_hybrid_layout((1, 2))
     g = torch.Generator().manual_seed(11)
     x, y = torch.randn(4, 3, 9, 10, generator=g), torch.randint(0, 5, (4,), generator=g)
-    rs, cs = tile_slices(9, 10, layout.grid.parts, layout.grid.index)
+    rs, cs = tile_slices((9, 10), layout.grid.parts, layout.grid.index)
     out = {}
     for overlap in (False, True):
         torch.manual_seed(6)

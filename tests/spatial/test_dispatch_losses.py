@@ -38,7 +38,7 @@ def _data():
 def _run(rank, world, parts):
     grid = create_hybrid_layout(parts).grid
     x, probs, labels, binary = _data()
-    rs, cs = tile_slices(H, W, parts, grid.index)
+    rs, cs = tile_slices((H, W), parts, grid.index)
     out = {}
     for name, loss_of in _cases(x, probs, labels, binary).items():
         tile = x[..., rs, cs].clone().requires_grad_(True)

@@ -70,7 +70,7 @@ def seg_loss(out, y, samples):
 
 
 def _tile(t, grid):
-    rs, cs = tile_slices(t.shape[-2], t.shape[-1], grid.parts, grid.index)
+    rs, cs = tile_slices((t.shape[-2], t.shape[-1]), grid.parts, grid.index)
     return t[..., rs, cs]
 
 

@@ -200,7 +200,7 @@ def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg"
         trainer.fit(module, datamodule=TileData(x, seg if target == "seg" else cls))
     grid = strategy.layout.grid
     module.eval()
-    rs, cs = tile_slices(x.shape[-2], x.shape[-1], parts, grid.index)
+    rs, cs = tile_slices((x.shape[-2], x.shape[-1]), parts, grid.index)
     with torch.no_grad():
         out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3))
         out = out.full() if hasattr(out, "full") else out  # a classifier's output is replicated
