@@ -79,7 +79,7 @@ def conv_windows(conv: nn.Conv2d) -> tuple[Window1d, Window1d]:
     return Window1d(k[0], s[0], p[0], d[0]), Window1d(k[1], s[1], p[1], d[1])
 
 
-def native_padding(plan: HaloPlan, windows: tuple[Window1d, Window1d], grid_parts: tuple[int, int]) -> tuple[int, int]:
+def native_padding(plan: HaloPlan, windows: tuple[Window1d, Window1d], grid_parts: tuple[int, ...]) -> tuple[int, int]:
     """Per dimension, the zero padding the native convolution applies itself: along a dimension that is not
     split (one part) the tile is the whole image, so the box spans it and the convolution pads it exactly as the
     serial layer does (no padding strips to fill, whole-row copies)."""

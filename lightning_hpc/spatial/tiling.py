@@ -135,7 +135,8 @@ class SpatialGrid:
 
 def tile_slices(extent: Sequence[int], parts: Sequence[int], index: Sequence[int]) -> tuple[slice, ...]:
     """Slices of the split dimensions (the last ``len(parts)`` of a sample) selecting tile ``index``: what a data
-    module reads for ``set_spatial_tile``.  ``x[(..., *tile_slices(x.shape[-2:], parts, index))]`` cuts an image."""
+    module reads for ``set_spatial_tile``: ``x[(Ellipsis,) + tile_slices(x.shape[-2:], parts, index)]`` cuts an
+    image."""
     if not len(extent) == len(parts) == len(index):
         raise ValueError(f"tile_slices: extent {tuple(extent)}, parts {tuple(parts)} and index {tuple(index)} must "
                          f"have one entry per split dimension")

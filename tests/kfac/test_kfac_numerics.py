@@ -556,4 +556,4 @@ def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer
     x = torch.randn(2, 2, 6, 6)
     model(x).sum().backward()  # a plain tensor: captured
     with pytest.raises(RuntimeError, match=r"K-FAC layer '0(#g0)?' .*skip_layers=\['0'\]"):
-        model(split_tensor(x, SpatialGrid.single(), tuple(x.shape), 2, 3))
+        model(split_tensor(x, SpatialGrid.single(), tuple(x.shape)))

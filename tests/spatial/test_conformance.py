@@ -370,7 +370,7 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
         module.eval()
         rs, cs = tile_slices((H, W), parts, grid.index)
         with torch.no_grad():
-            out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3))
+            out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape))
             out = out.full() if hasattr(out, "full") else out
         results[name] = {
             "loss": float(trainer.callback_metrics["train_loss"]),

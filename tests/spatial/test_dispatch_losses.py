@@ -42,7 +42,7 @@ def _run(rank, world, parts):
     out = {}
     for name, loss_of in _cases(x, probs, labels, binary).items():
         tile = x[..., rs, cs].clone().requires_grad_(True)
-        loss = loss_of(split_tensor(tile, grid, x.shape, 2, 3))
+        loss = loss_of(split_tensor(tile, grid, x.shape))
         loss.backward()
         out[name] = (float(loss), tile.grad.clone(), (rs, cs))
     return out

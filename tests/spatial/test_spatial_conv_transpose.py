@@ -53,7 +53,7 @@ def _convt(rank: int, world: int, dtypes, sabotage: bool = False, parts_list=((2
                 (yr * g).sum().backward()
                 xt = tile_of(x, grid).clone().requires_grad_(True)
                 with on_unsupported("error"):
-                    ys = sp(split_tensor(xt, grid, x.shape, 2, 3))
+                    ys = sp(split_tensor(xt, grid, x.shape))
                     (ys * g).sum().backward()
                 errs = {"out": max_err(ys.full(), yr), "dx": max_err(xt.grad, tile_of(xr.grad, grid))}
                 for (name, pr), ps in zip(ref.named_parameters(), sp.parameters()):
@@ -96,7 +96,7 @@ def _bf16(rank: int, world: int) -> list[str]:
     with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
         yr = ref(x)
         xt = tile_of(x, grid).clone().requires_grad_(True)
-        ys = ref(split_tensor(xt, grid, x.shape, 2, 3))
+        ys = ref(split_tensor(xt, grid, x.shape))
         ys.float().sum().backward()
     if ys.dtype != yr.dtype:
         fails.append(f"dtype {ys.dtype} != serial {yr.dtype}")

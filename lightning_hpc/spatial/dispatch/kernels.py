@@ -55,7 +55,7 @@ def _conv2d(func, args, kwargs):
     bias = _arg(args, kwargs, 2, "bias")
     stride, padding, dilation, groups = (_arg(args, kwargs, 3, "stride", 1), _arg(args, kwargs, 4, "padding", 0),
                                          _arg(args, kwargs, 5, "dilation", 1), _arg(args, kwargs, 6, "groups", 1))
-    if isinstance(x, SpatialTensor) and x.dim() == 4 and (x._hdim, x._wdim) == (3, 2) and \
+    if isinstance(x, SpatialTensor) and x.dim() == 4 and x._sdims == (3, 2) and \
             isinstance(weight, torch.Tensor) and not isinstance(weight, SpatialTensor) and weight.dim() == 4:
         # split along W, H (after a transpose(2, 3)): the convolution of the transposed input with the transposed
         # kernel, transposed back, is the same convolution, and that one is tiled
