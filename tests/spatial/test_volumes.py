@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.dispatch import state
+from lightning_hpc.spatial.dispatch import SpatialTensor, state
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.tiling import SpatialGrid, tile_slices
 
 N, C_IN, CLASSES, BATCH = 4, 2, 3, 2
 VOLUME = (9, 8, 7)
@@ -72,9 +72,12 @@ class Segmenter(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.model = UNet3d() if kind == "volume" else SignalNet()
+        self.tiles_seen: list[tuple[int, ...]] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if isinstance(x, SpatialTensor):  # what this rank holds of the input (the test checks it is a tile)
+            self.tiles_seen.append(tuple(x.local().shape[2:]))
         loss = F.cross_entropy(self.model(x), y)
         self.log("train_loss", loss)
         return loss
@@ -124,7 +127,7 @@ def _fit(rank, world, kind, parts):
     st = state()
     gathers = st.gathers
     trainer.fit(module, datamodule=SubVolumes(kind))
-    return {"params": [p.detach().clone() for p in module.parameters()],
+    return {"params": [p.detach().clone() for p in module.parameters()], "tiles": module.tiles_seen,
             "loss": float(trainer.callback_metrics["train_loss"]), "gathers": st.gathers - gathers}
 
 
@@ -141,8 +144,12 @@ def _check(kind: str, world: int, grids: list[tuple[int, ...]]) -> list[dict]:
     out = []
     for parts in grids:
         results = run_in_processes(_fit, world, kind, parts, timeout_s=600, collective_timeout_s=120)
+        extent = VOLUME if kind == "volume" else (SIGNAL,)
         for rank, res in enumerate(results):
             what = f"{kind} at {parts} rank {rank}"
+            index = tuple(SpatialGrid(parts=parts, ranks=list(range(world)), group=None, local_rank=rank).index)
+            tile = tuple(s.stop - s.start for s in tile_slices(extent, parts, index))
+            assert res["tiles"] == [tile] * (2 * N // BATCH), (what, res["tiles"], tile)
             assert abs(res["loss"] - ref["loss"]) <= TOL * max(1.0, abs(ref["loss"])), (what, res["loss"], ref["loss"])
             for k, (p, r) in enumerate(zip(res["params"], ref["params"])):
                 err = float((p - r).abs().max())
