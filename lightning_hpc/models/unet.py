@@ -73,10 +73,19 @@ class UNet(nn.Module):
         for up, decoder in zip(self.ups, self.decoders):
             skip = skips.pop()
             x = up(x)
-            # pooling rounded an odd extent up, so the upsampled volume may be one larger: crop it to the skip's
-            x = x[(Ellipsis,) + tuple(slice(0, n) for n in skip.shape[2:])]
+            x = _crop_to(x, skip, self.spatial_dims)
             x = decoder(torch.cat([x, skip], dim=1))
         return self.head(x)
+
+
+def _crop_to(x: torch.Tensor, skip: torch.Tensor, dims: int) -> torch.Tensor:
+    """``x`` cropped to the skip's extent (pooling rounded an odd extent up, so the upsampled tensor may be one
+    larger); written per dimension count so the model traces with torch.fx (the planner's shape trace)."""
+    if dims == 1:
+        return x[:, :, : skip.shape[2]]
+    if dims == 2:
+        return x[:, :, : skip.shape[2], : skip.shape[3]]
+    return x[:, :, : skip.shape[2], : skip.shape[3], : skip.shape[4]]
 
 
 def unet(in_channels: int = 1, num_classes: int = 1, widths: Sequence[int] = (16, 32, 64), spatial_dims: int = 3,
