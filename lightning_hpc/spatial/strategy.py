@@ -46,13 +46,14 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
-from lightning_hpc.spatial.convert import convert_model, validate_partition
+from lightning_hpc.spatial.convert import convert_model
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -276,10 +277,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         target = getattr(module, "model", None)
         target = target if isinstance(target, torch.nn.Module) else module
         shape = self._input_shape()
-        if shape is not None and self.layout.grid.ndim == 2:  # (the setup-time trace knows image layers only)
+        if shape is not None:
             try:
-                validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
-            except PartitionError:
+                check_split(target, shape, self.layout.grid.parts)
+            except (PartitionError, ValueError):
                 raise
             # the shape trace is an early check only; the first step checks every op
             except Exception as e:  # noqa: BLE001

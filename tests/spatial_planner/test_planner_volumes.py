@@ -19,7 +19,7 @@ from lightning_hpc.spatial.planner import (
     plan_for_model,
     trace_layers,
 )
-from lightning_hpc.spatial.planner.windows import halo_elements, layer_windows, split_works
+from lightning_hpc.spatial.windows import halo_elements, layer_windows, split_works
 from tests.spatial_planner.test_planner import FlopTimer
 
 

@@ -68,7 +68,7 @@ class LayerInfo:
     def decides(self) -> bool:
         """Convolution (1-3-D, transposed too) and linear layers choose a distribution; the others inherit their
         parent's."""
-        from lightning_hpc.spatial.planner.windows import CONVOLUTIONS, TRANSPOSED
+        from lightning_hpc.spatial.windows import CONVOLUTIONS, TRANSPOSED
 
         return isinstance(self.module, (*CONVOLUTIONS, *TRANSPOSED, nn.Linear))
 
@@ -79,9 +79,9 @@ class LayerInfo:
 
     @property
     def windows(self) -> tuple | None:
-        """The input range each output range reads, per spatial dimension (:mod:`.windows`); None when the layer
-        reads no neighbouring rows."""
-        from lightning_hpc.spatial.planner.windows import layer_windows
+        """The input range each output range reads, per spatial dimension (:mod:`lightning_hpc.spatial.windows`);
+        None when the layer reads no neighbouring rows."""
+        from lightning_hpc.spatial.windows import layer_windows
 
         return layer_windows(self.module, self.in_shape, self.out_shape)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_hpc.spatial.planner.cost import CostModel
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
-from lightning_hpc.spatial.planner.windows import split_works
+from lightning_hpc.spatial.windows import split_works
 
 __all__ = ["candidate_distributions", "shortest_line_path", "brute_force_line"]
 
