@@ -1,0 +1,70 @@
+"""Per-call cost of the N-d convolution kernel against the 2-D layer, same run (a ratio, not a figure).
+
+On a 2x1 spatial grid (2 processes, gloo, one torch thread each) a 3x3 / padding 1 convolution of a
+``N x C x H x W`` float32 sample (default 1 x 64 x 128 x 128, 64 output channels) is timed forward + backward
+through :func:`lightning_hpc.spatial.kernels.convolution` (the plain function: tile check, cached halo plan,
+in-place tile path) and through :class:`lightning_hpc.spatial.conv.SpatialConv2d` (the layer: its own cached plan
+and edge regions), alternating call by call in the same processes, so that the machine's load hits both alike.
+Prints the median seconds of each and their ratio (kernel / layer; 1.0 means no per-call overhead).
+
+      python bench/spatial_kernels.py [--channels 64] [--size 128] [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial import kernels as K
+from lightning_hpc.spatial.conv import SpatialConv2d
+from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+
+
+def _worker(rank: int, world: int, channels: int, size: int, calls: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    grid = create_hybrid_layout((2, 1)).grid
+    conv = nn.Conv2d(channels, channels, 3, padding=1)
+    layer = SpatialConv2d.from_module(conv, grid)
+    x = torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(0))
+    tile = x[(Ellipsis, *tile_slices((size, size), grid.parts, grid.index))].contiguous().requires_grad_(True)
+
+    def kernel() -> torch.Tensor:
+        return K.convolution(tile, conv.weight, conv.bias, grid, (size, size), padding=1)
+
+    def module() -> torch.Tensor:
+        return layer.tile_call(tile, (size, size))
+
+    times: dict[str, list[float]] = {"kernel": [], "layer": []}
+    for i in range(calls + 2):
+        for name, fn in (("kernel", kernel), ("layer", module)) if i % 2 else (("layer", module), ("kernel", kernel)):
+            torch.distributed.barrier(group=grid.group)
+            t0 = time.perf_counter()
+            fn().sum().backward()
+            dt = time.perf_counter() - t0
+            if i >= 2:  # the first calls warm the plan caches and the allocator
+                times[name].append(dt)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--channels", type=int, default=64)
+    ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args(argv)
+    results = run_in_processes(_worker, 2, args.channels, args.size, args.calls, timeout_s=900)
+    kernel = max(r["kernel"] for r in results)
+    layer = max(r["layer"] for r in results)
+    print(json.dumps({"grid": "2x1", "channels": args.channels, "size": args.size,
+                      "kernel_s": kernel, "layer_s": layer, "ratio_kernel_over_layer": kernel / layer}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
