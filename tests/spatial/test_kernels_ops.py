@@ -109,6 +109,50 @@ def conv_cases(grid, seed: int) -> list[str]:
     return fails
 
 
+EVEN_EXTENTS = {1: (16,), 2: (8, 12), 3: (4, 8, 8)}
+TILE_CASES: list[dict[str, Any]] = [dict(padding=1), dict(padding=1, stride=2), dict(padding=2, dilation=2)]
+
+
+def conv_path_cases(grid, seed: int) -> list[str]:
+    """The in-place tile path forced (even extents, stride-aligned tiles) with and without overlap; the K-FAC
+    hook's box; bf16 autocast against the serial op under autocast."""
+    k = grid.ndim
+    ext = EVEN_EXTENTS[k]
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[k]
+    fails: list[str] = []
+    for c, case in enumerate(TILE_CASES):
+        x = _rand(2, 3, *ext, seed=seed + c)
+        params = [_rand(4, 3, *(3,) * k, seed=seed + 20 + c), _rand(4, seed=seed + 30 + c)]
+        wins = K.convolution_windows(params[0].shape, **case)
+        if not K.tile_convolution_applies(ext, grid.parts, wins):
+            fails.append(f"conv{k}d {case} on {grid.parts}: the tile path should apply to {ext}")
+            continue
+        for overlap in (False, True):
+            fails += compare(f"conv{k}d tile path {case} overlap={overlap}",
+                             lambda x, w, b, case=case: conv(x, w, b, **case),
+                             lambda x, w, b, case=case, o=overlap: K.convolution(x, w, b, grid, ext, path="tile",
+                                                                                 overlap=o, **case),
+                             x, params, grid, seed=c)
+        # K-FAC: the recorded box, convolved with padding 0, gives exactly this tile's outputs
+        got: list[Any] = []
+        xt = _tile(x, grid)
+        y = K.convolution(xt, *params, grid, ext, record=lambda box, extents: got.append((box, extents)), **case)
+        box, extents = got[0]
+        again = conv(box, *params, stride=case.get("stride", 1), dilation=case.get("dilation", 1))
+        if _err(again, y) > TOL or extents != tuple(conv(x, *params, **case).shape[-k:]):
+            fails.append(f"conv{k}d record {case} on {grid.parts}: box gives {_err(again, y)}, extents {extents}")
+    # bf16 autocast: the operands cast as autocast casts a convolution's, so the serial op's dtype and values
+    x = _rand(2, 3, *ext, seed=seed).float()
+    w, b = _rand(4, 3, *(3,) * k, seed=seed + 1).float(), _rand(4, seed=seed + 2).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = conv(x, w, b, padding=1)
+        for path in ("tile", "box"):
+            out = K.convolution(_tile(x, grid), w, b, grid, ext, padding=1, path=path)
+            if out.dtype != ref.dtype or _err(out.float(), _tile(ref, grid).float()) > 2e-2:
+                fails.append(f"conv{k}d bf16 autocast {path} on {grid.parts}: {out.dtype} vs {ref.dtype}")
+    return fails
+
+
 # -- max / average pooling -----------------------------------------------------------------------------------
 POOL_CASES: list[dict[str, Any]] = [
     dict(kernel_size=3, stride=2, padding=1),
@@ -252,6 +296,7 @@ def _worker(rank: int, world: int, grids: list[tuple[int, ...]], families: list[
 
 FAMILIES: dict[str, Callable[[Any, int], list[str]]] = {
     "conv": conv_cases,
+    "conv_paths": conv_path_cases,
     "pool": pool_cases,
     "convt": convt_cases,
     "interp": interp_cases,
