@@ -177,6 +177,8 @@ class HaloPlan:
         self.need_clamped = tuple(d.needs_clamped[i] for d, i in zip(dims, idx))
         self.sends: list[tuple] = []  # (peer, direction id, *global ranges)
         self.recvs: list[tuple] = []
+        #: what a kernel derives from the plan alone (e.g. the convolution's edge regions), kept with the plan
+        self.memo: dict = {}
         for delta in _neighbors(grid):
             peer = grid.neighbor(*delta)
             assert peer is not None

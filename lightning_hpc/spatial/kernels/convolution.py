@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
-from lightning_hpc.spatial.kernels.plan import autocast_dtype, check_tile, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import autocast_dtype, halo_plan, ntuple
 
 __all__ = [
     "convolution",
@@ -133,9 +133,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     op = f"conv{k}d"
     if weight.dim() != k + 2:
         raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
-    check_tile(x, grid, extents, op)
     windows = convolution_windows(weight.shape, stride, padding, dilation)
-    plan = halo_plan(grid, extents, windows, op)
+    plan = halo_plan(grid, extents, windows, op, tile=x)
     return planned_convolution(x, weight, bias, plan, windows, groups, path=path, overlap=overlap, record=record)
 
 
@@ -155,7 +154,10 @@ def planned_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return spec.conv(x, weight, bias, [0] * k)
     if record is None and path != "box":
         if regions is None:
-            regions = edge_regions(plan, windows)
+            key = ("edge_regions", tuple(windows))
+            if key not in plan.memo:  # a pure function of the (cached) plan
+                plan.memo[key] = edge_regions(plan, windows)
+            regions = plan.memo[key]
         if regions is not None:
             return _TileConv.apply(x, weight, bias, spec, plan, regions)
         if path == "tile":

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, halo_exchange
-from lightning_hpc.spatial.kernels.plan import check_tile, halo_plan
+from lightning_hpc.spatial.kernels.plan import halo_plan
 
 __all__ = ["Interp1d", "interpolation_windows", "interpolate", "planned_interpolate"]
 
@@ -145,7 +145,6 @@ def interpolate(x: torch.Tensor, grid: Any, extents: Sequence[int], size: Any = 
     recompute_scale_factor)`` (``x``: this rank's tile of a sample whose split dimensions have global
     ``extents``; the output is blocked over the output's global extents)."""
     op = f"interpolate({mode})"
-    check_tile(x, grid, extents, op)
     windows = interpolation_windows(extents, size, scale_factor, mode, align_corners, recompute_scale_factor)
-    plan = halo_plan(grid, extents, windows, op)
+    plan = halo_plan(grid, extents, windows, op, tile=x)
     return planned_interpolate(x, plan, windows)

@@ -87,18 +87,25 @@ def _plans(extents: tuple[int, ...], parts: tuple[int, ...], windows: tuple[Any,
 _CACHE: dict[tuple, HaloPlan] = {}
 
 
-def halo_plan(grid: SpatialGrid, extents: Sequence[int], windows: Sequence[Any], op: str = "") -> HaloPlan:
+def halo_plan(grid: SpatialGrid, extents: Sequence[int], windows: Sequence[Any], op: str = "",
+              tile: torch.Tensor | None = None) -> HaloPlan:
     """The halo plan of this rank for an input whose split dimensions have global ``extents`` (a pure function of
-    the grid position, extents and windows: cached)."""
+    the grid position, extents and windows: cached).  ``tile``: this rank's tile, checked against the plan's
+    block (:func:`check_tile`'s error when it is not)."""
     extents = tuple(int(n) for n in extents)
     windows = tuple(windows)
-    key = (id(grid), grid.parts, grid.local_rank, tuple(grid.ranks), extents, windows)
+    key = (id(grid), grid.local_rank, extents, windows)
     plan = _CACHE.get(key)
     if plan is None or plan.grid is not grid:
+        if tile is not None:
+            check_tile(tile, grid, extents, op)
         plan = HaloPlan(grid, *_plans(extents, grid.parts, windows, op))
         if len(_CACHE) > 256:
             _CACHE.clear()
         _CACHE[key] = plan
+    k = plan.ndim
+    if tile is not None and (tile.dim() < k + 1 or tuple(tile.shape[-k:]) != tuple(hi - lo for lo, hi in plan.own)):
+        check_tile(tile, grid, extents, op)
     return plan
 
 

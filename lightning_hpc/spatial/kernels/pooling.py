@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, Window1d, halo_exchange
-from lightning_hpc.spatial.kernels.plan import check_tile, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
 
 __all__ = ["pooling_windows", "max_pool", "avg_pool", "planned_max_pool", "planned_avg_pool", "pool_divisors"]
 
@@ -71,8 +71,11 @@ def planned_avg_pool(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Window1d
     box = halo_exchange(x, plan, pad_value=0.0)
     kernel, stride, _ = _window_args(windows)
     k = plan.ndim
-    divs = [pool_divisors(win, o0, o1, dim.n, count_include_pad) for win, (o0, o1), dim in
-            zip(windows, plan.out, plan.dims)]
+    key = ("pool_divisors", tuple(windows), count_include_pad)
+    if key not in plan.memo:  # a pure function of the (cached) plan
+        plan.memo[key] = [pool_divisors(win, o0, o1, dim.n, count_include_pad) for win, (o0, o1), dim in
+                          zip(windows, plan.out, plan.dims)]
+    divs = plan.memo[key]
     if not divisor_override and all(c == win.kernel for div, win in zip(divs, windows) for c in div):
         return _AVG[k](box, kernel, stride, 0)  # every window whole (or counted whole): the plain average
     sums = _sum_pool(box, kernel, stride)
@@ -88,11 +91,6 @@ def planned_avg_pool(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Window1d
     return sums / counts
 
 
-def _plan(x: torch.Tensor, grid: Any, extents: Sequence[int], windows: tuple[Window1d, ...], op: str) -> HaloPlan:
-    check_tile(x, grid, extents, op)
-    return halo_plan(grid, extents, windows, op)
-
-
 def max_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: Any, stride: Any = None,
              padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> torch.Tensor:
     """This rank's output tile of ``F.max_pool{k}d(x_global, kernel_size, stride, padding, dilation, ceil_mode)``
@@ -100,7 +98,7 @@ def max_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: An
     the output's global extents).  ``return_indices`` is not offered (indices would be global positions)."""
     k = grid.ndim
     windows = pooling_windows(k, kernel_size, stride, padding, dilation, ceil_mode)
-    return planned_max_pool(x, _plan(x, grid, extents, windows, f"max_pool{k}d"), windows)
+    return planned_max_pool(x, halo_plan(grid, extents, windows, f"max_pool{k}d", tile=x), windows)
 
 
 def avg_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: Any, stride: Any = None,
@@ -110,5 +108,5 @@ def avg_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: An
     count_include_pad, divisor_override)`` (``divisor_override``: 2-D and 3-D in torch, accepted for 1-D too)."""
     k = grid.ndim
     windows = pooling_windows(k, kernel_size, stride, padding, 1, ceil_mode)
-    plan = _plan(x, grid, extents, windows, f"avg_pool{k}d")
+    plan = halo_plan(grid, extents, windows, f"avg_pool{k}d", tile=x)
     return planned_avg_pool(x, plan, windows, count_include_pad, divisor_override)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, PartitionError, halo_exchange, trailing
-from lightning_hpc.spatial.kernels.plan import check_tile, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
 
 __all__ = ["TransposedWindow1d", "transposed_windows", "conv_transpose", "transposed_from_box"]
 
@@ -106,7 +106,6 @@ def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     op = f"conv_transpose{k}d"
     if weight.dim() != k + 2:
         raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
-    check_tile(x, grid, extents, op)
     windows = transposed_windows(weight.shape, stride, padding, output_padding, dilation)
-    plan = halo_plan(grid, extents, windows, op)
+    plan = halo_plan(grid, extents, windows, op, tile=x)
     return transposed_from_box(halo_exchange(x, plan), weight, bias, plan, windows, groups)
