@@ -131,7 +131,7 @@ class DimPlan:
             last = self.owns[p + 1][1] if p + 1 < parts else n
             if lo < first or hi > last:
                 raise PartitionError(
-                    f"{what}: tile {p} of {parts} owns input rows {self.owns[p]} but its output rows {self.outs[p]} "
+                    f"{what}: tile {p} of {parts} owns input entries {self.owns[p]} but its outputs {self.outs[p]} "
                     f"need {(lo, hi)}, beyond its neighbours' tiles (the tile is smaller than the halo it needs)"
                 )
 

@@ -74,9 +74,30 @@ def test_border_tile_plan_pads_only_outside_the_sample():
 def test_acceptance_check_names_the_dimension_and_the_largest_split():
     wins = K.convolution_windows((4, 4, 5, 5), padding=2)
     K.check_partition((9, 4), (1, 2), wins)
-    with pytest.raises(PartitionError, match=r"along W .*largest split of W that works is 2"):
+    with pytest.raises(PartitionError, match=r"split 1x4: W: tile .*largest split of W \(split dimension 1\) that "
+                                             r"works is 2"):
         K.check_partition((9, 4), (1, 4), wins)
     assert K.largest_split(4, 4, wins[1]) == 2
+
+
+def test_kernel_call_on_thin_tiles_raises_before_any_message():
+    # 4 tiles of 2 along W, a 7-wide window: the halo (3) is thicker than a neighbour's tile
+    grid = _grid((1, 4), (0, 1))
+    x = torch.zeros(1, 2, 8, 2)
+    with pytest.raises(PartitionError, match=r"conv2d: .*W: tile .*largest split of W .* is 3"):
+        K.convolution(x, torch.zeros(2, 2, 7, 7), None, grid, (8, 8), padding=3)
+    with pytest.raises(PartitionError, match="not block"):  # a tile that is not this rank's block
+        K.max_pool(torch.zeros(1, 2, 8, 3), grid, (8, 8), 3, 1, 1)
+
+
+def test_window_functions_follow_torch_arguments():
+    same = K.convolution_windows((4, 2, 4, 2, 3), padding="same", dilation=(1, 3, 1))
+    assert [(w.padding, w.pad_after) for w in same] == [(1, 2), (1, 2), (1, 1)]
+    assert [w.out_size(9) for w in same] == [9, 9, 9]
+    assert [w.out_size(9) for w in K.pooling_windows(2, 3, 2, 1, ceil_mode=True)] == [5, 5]
+    assert K.transposed_windows((4, 6, 3), 2, 1, 1)[0].out_size(7) == 14
+    assert [w.n_out for w in K.interpolation_windows((9, 13), scale_factor=1.7)] == [15, 22]
+    assert K.adaptive_windows(10, 3) == [(0, 4), (3, 7), (6, 10)]
 
 
 def _padded_box(x: torch.Tensor, plan: HaloPlan, pad_value: float) -> torch.Tensor:

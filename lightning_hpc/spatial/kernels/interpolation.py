@@ -87,8 +87,12 @@ class Interp1d:
         return i0.to(device), i1.to(device), lam.to(device=device)
 
     def needed(self, o0: int, o1: int, n: int) -> tuple[int, int]:
-        i0, i1, _ = self.sources(o0, o1)
-        return int(i0.min()), int(i1.max()) + 1
+        # the union over both index precisions, so one plan serves every input dtype
+        lo, hi = n, 0
+        for dtype in (torch.float32, torch.float64):
+            i0, i1, _ = self.sources(o0, o1, dtype)
+            lo, hi = min(lo, int(i0.min())), max(hi, int(i1.max()) + 1)
+        return lo, hi
 
 
 def interpolation_windows(extents: Sequence[int], size: Any = None, scale_factor: Any = None,

@@ -78,8 +78,8 @@ def _plans(extents: tuple[int, ...], parts: tuple[int, ...], windows: tuple[Any,
         except PartitionError as err:
             best = largest_split(n, p, win)
             raise PartitionError(
-                f"{op + ': ' if op else ''}input {parts_text(extents)} split {parts_text(parts)}: along {names[e]} "
-                f"(dimension {e} of the split ones) {err}; the largest split of {names[e]} that works is {best}"
+                f"{op + ': ' if op else ''}input {parts_text(extents)} split {parts_text(parts)}: {err}; the largest "
+                f"split of {names[e]} (split dimension {e}) that works is {best}"
             ) from None
     return out
 
