@@ -56,7 +56,8 @@ Range = tuple[int, int]
 
 
 class PartitionError(ValueError):
-    """A layer cannot be split the requested way (tile smaller than its halo, or fewer rows than parts)."""
+    """A layer cannot be split the requested way (tile smaller than its halo, or an extent smaller than its
+    number of parts)."""
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,15 @@ class DimPlan:
                 )
 
     def recv_range(self, p: int, delta: int) -> Range:
-        """Rows tile ``p`` gets from tile ``p + delta`` (delta 0: the rows of its own it uses)."""
+        """Entries tile ``p`` gets from tile ``p + delta`` (delta 0: the entries of its own it uses)."""
         return intersect(self.needs_clamped[p], self.owns[p + delta])
 
     def send_range(self, p: int, delta: int) -> Range:
-        """Rows of tile ``p`` that tile ``p + delta`` needs."""
+        """Entries of tile ``p`` that tile ``p + delta`` needs."""
         return intersect(self.needs_clamped[p + delta], self.owns[p])
 
     def halo_size(self, p: int) -> int:
-        """Rows tile ``p`` receives (for the performance model and the tests)."""
+        """Entries tile ``p`` receives along this dimension (for the performance model and the tests)."""
         return sum(e - s for d in (-1, 1) if 0 <= p + d < self.parts for (s, e) in [self.recv_range(p, d)])
 
 
