@@ -164,15 +164,15 @@ def _transposed(func, args, kwargs, k: int):
         return NotImplemented  # the serial op's error, from the gathered call
     try:
         windows = K.transposed_windows(weight.shape, a["stride"], a["padding"], a["output_padding"], a["dilation"])
-        if not all(w.exact_on_tiles for w in windows):
-            return NotImplemented  # stride larger than the kernel's span: gathered (exact)
     except ValueError:
         return NotImplemented
     extents = _extents(x)
     weight, bias = _operands(x, weight, bias)
-    out = _run(f"F.conv_transpose{k}d", lambda: K.conv_transpose(
-        _plain(x), weight, bias, x._grid, extents, a["stride"], a["padding"], a["output_padding"], groups,
-        a["dilation"]))
+    try:
+        out = K.conv_transpose(_plain(x), weight, bias, x._grid, extents, a["stride"], a["padding"],
+                               a["output_padding"], groups, a["dilation"])
+    except PartitionError:
+        return NotImplemented  # a tile thinner than its halo, or an output tile in a stride gap: gathered (exact)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, *K.output_extents(extents, windows)))
 
 
