@@ -46,13 +46,13 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
-from lightning_hpc.spatial.convert import convert_model
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
@@ -289,13 +289,14 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"{str(e)[:200]}); partitions are checked at the first training step instead"
                 )
         self._sync_batchnorm_to_batchnorm(module)
-        # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
-        # the split activation itself (lightning_hpc.spatial.dispatch)
-        convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
+        # no layer is replaced: every op on a split activation is dispatched to its tile kernel
+        # (lightning_hpc.spatial.dispatch); K-FAC learns which convolutions run on tiles from a declaration
         st = state()
         st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         st.warned.clear()
+        st.overlap = self.overlap
         self._hooks = st.module_hooks(module)
+        self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
         self._count_metrics()
         self._converted = True
 
@@ -316,7 +317,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"spatial_parts covering every rank, one sample group, where SyncBatchNorm is computed exactly)"
                 )
             # same parameters and buffers; SyncBatchNorm adds a process group only
-            m.__class__ = torch.nn.BatchNorm2d  # type: ignore[assignment]
+            m.__class__ = {1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d,  # type: ignore[assignment]
+                           3: torch.nn.BatchNorm3d}[self.layout.grid.ndim]
 
     def _count_metrics(self) -> None:
         """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and
@@ -380,6 +382,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         st = state()
         st.module_stack.clear()
+        st.modules.clear()
         st.on_unsupported = self.on_unsupported
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
@@ -448,6 +451,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         state().module_stack.clear()
+        state().modules.clear()
         return super().validation_step(*args, **kwargs)
 
     @override
@@ -456,6 +460,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
         ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
         state().module_stack.clear()
+        state().modules.clear()
         out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
 

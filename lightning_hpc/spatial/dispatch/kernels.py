@@ -35,6 +35,7 @@ from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kfac_contract import recorder
 
 
 def _ops(*names: str) -> list[Any]:
@@ -131,9 +132,13 @@ def _convolution(func, args, kwargs, k: int):
     except ValueError:
         return NotImplemented  # an argument torch refuses: its own error from the gathered call
     extents = _extents(x)
+    caller = _STATE.caller()
+    # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
+    record = recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
     weight, bias = _operands(x, weight, bias)
     out = _run(f"F.conv{k}d", lambda: K.convolution(_plain(x), weight, bias, x._grid, extents, a["stride"],
-                                                     a["padding"], a["dilation"], groups))
+                                                     a["padding"], a["dilation"], groups, overlap=_STATE.overlap,
+                                                     record=record))
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
 
 

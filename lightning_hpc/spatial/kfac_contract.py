@@ -1,0 +1,68 @@
+"""What K-FAC reads of a convolution whose input is split (the contract of
+:class:`lightning_hpc.kfac.layers.TiledConv2dHandler`), without replacing the layer.
+
+K-FAC's factors of a convolution are sums over the output positions of the input patches (KFC, Grosse & Martens
+2016); on a tile, this rank's share is the patches of the halo- and border-padded input box whose convolution
+with padding 0 gives exactly the outputs the tile owns.  The strategy declares each ``nn.Conv2d`` of the model
+(plain instance attributes, the layer stays what it is):
+
+* ``kfac_partition_size``: ranks whose tiles make up one sample (their factors are partial sums over them);
+* ``kfac_record_input``: set by K-FAC before a forward whose statistics it captures;
+* ``kfac_padded_input`` / ``kfac_output_extent``: what that forward recorded: the box and the global output
+  extents (for the whole-sample normalisation).
+
+The op dispatch's convolution handler records the box the tile kernel builds
+(:func:`lightning_hpc.spatial.kernels.convolution`'s ``record``) when the calling layer asks; an input that is
+not split (after a global pooling) is recorded here, padded as the layer pads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["declare_tiled_convolutions", "recorder"]
+
+
+def recorder(module: Any):
+    """The ``record`` callback of the tile kernel for ``module`` when K-FAC captures its statistics, else None."""
+    if not getattr(module, "kfac_record_input", False):
+        return None
+
+    def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
+        vars(module).update(kfac_padded_input=box.detach(), kfac_output_extent=tuple(int(n) for n in extent))
+
+    return record
+
+
+def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
+    """Before the layer runs on an input that is not split: record it padded as the layer pads it (a pre-hook, so
+    the record is there before any forward hook of K-FAC reads it)."""
+    x = args[0] if args else None
+    if not getattr(module, "kfac_record_input", False) or not isinstance(x, torch.Tensor) or x.dim() < 3:
+        return
+    from lightning_hpc.spatial.dispatch import SpatialTensor
+
+    if isinstance(x, SpatialTensor) or module.padding_mode != "zeros":
+        return  # a split input: the convolution handler records the tile's box
+    from lightning_hpc.spatial.kernels import convolution_windows
+
+    windows = convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
+    vars(module).update(kfac_padded_input=F.pad(x, module._reversed_padding_repeated_twice).detach(),
+                        kfac_output_extent=tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[-2:])))
+
+
+def declare_tiled_convolutions(model: nn.Module, partition_size: int) -> list[Any]:
+    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution (module docstring); returns the
+    hook handles (recording an input that is not split)."""
+    handles = []
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            # plain attributes in the instance (not parameters or buffers: nothing a state_dict carries)
+            vars(m).update(kfac_partition_size=partition_size, kfac_record_input=False, kfac_padded_input=None,
+                           kfac_output_extent=None)
+            handles.append(m.register_forward_pre_hook(_record_whole_input))
+    return handles
