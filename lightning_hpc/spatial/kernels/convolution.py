@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
-from lightning_hpc.spatial.kernels.plan import autocast_dtype, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import autocast_cast, autocast_dtype, halo_plan, ntuple
 
 __all__ = [
     "convolution",
@@ -127,8 +127,9 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtype = autocast_dtype(x)
     if dtype is not None:
         with torch.autocast(x.device.type, enabled=False):
-            return convolution(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), grid, extents,
-                               stride, padding, dilation, groups, path=path, overlap=overlap, record=record)
+            return convolution(autocast_cast(x, dtype), autocast_cast(weight, dtype),
+                               None if bias is None else autocast_cast(bias, dtype), grid, extents, stride, padding,
+                               dilation, groups, path=path, overlap=overlap, record=record)
     k = grid.ndim
     op = f"conv{k}d"
     if weight.dim() != k + 2:
