@@ -35,6 +35,10 @@ def pooling_windows(k: int, kernel_size: Any, stride: Any = None, padding: Any =
     kernel = ntuple(kernel_size, k, "kernel_size")
     s = kernel if stride is None or (not isinstance(stride, int) and len(stride) == 0) else ntuple(stride, k, "stride")
     p, d = ntuple(padding, k, "padding"), ntuple(dilation, k, "dilation")
+    for kk, pp, dd in zip(kernel, p, d):
+        if pp > (dd * (kk - 1) + 1) // 2:  # torch refuses it too: a window of padding only
+            raise ValueError(f"pooling: padding {pp} is more than half the kernel span {dd * (kk - 1) + 1} (as torch "
+                             f"requires, pad should be at most half of the effective kernel size)")
     return tuple(Window1d(kk, ss, pp, dd, bool(ceil_mode)) for kk, ss, pp, dd in zip(kernel, s, p, d))
 
 
