@@ -83,7 +83,8 @@ def adaptive_avg_pool_partial(x: torch.Tensor, group: Any, extents: Sequence[int
 class _AdaptiveMax(torch.autograd.Function):
     """Window maxima over the spatial group and the global flat index (row-major over the split dimensions) of
     the first maximum of each window, where the serial kernel puts a tie's gradient; backward adds the
-    (replicated) output gradient at the indices this tile owns."""
+    (replicated) output gradient at the indices this tile owns.  One reduction per output cell that meets the
+    tile (a loop: meant for the small outputs of global poolings)."""
 
     @staticmethod
     def forward(ctx, x, group, extents, origin, size):  # type: ignore[override]
