@@ -2,7 +2,7 @@
 
 On a 2x1 spatial grid (2 processes, gloo, one torch thread each) a 3x3 / padding 1 convolution of a
 ``N x C x H x W`` float32 sample (default 1 x 64 x 128 x 128, 64 output channels, stride 1) is timed forward + backward
-through :func:`lightning_hpc.spatial.kernels.convolution` (the plain function: tile check, cached halo plan,
+through :func:`lightning_hpc.spatial.kernels.conv` (the plain function: tile check, cached halo plan,
 in-place tile path) and through :class:`lightning_hpc.spatial.conv.SpatialConv2d` (the layer: its own cached plan
 and edge regions), alternating call by call in the same processes, so that the machine's load hits both alike.
 Prints the median seconds of each and their ratio (kernel / layer; 1.0 means no per-call overhead).
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, channels: int, size: int, calls: int, stride:
     tile = x[(Ellipsis, *tile_slices((size, size), grid.parts, grid.index))].contiguous().requires_grad_(True)
 
     def kernel() -> torch.Tensor:
-        return K.convolution(tile, conv.weight, conv.bias, grid, (size, size), stride=stride, padding=1)
+        return K.conv(tile, conv.weight, conv.bias, grid, (size, size), stride=stride, padding=1)
 
     def module() -> torch.Tensor:
         return layer.tile_call(tile, (size, size))

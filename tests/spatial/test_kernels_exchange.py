@@ -86,7 +86,7 @@ def test_kernel_call_on_thin_tiles_raises_before_any_message():
     grid = _grid((1, 4), (0, 1))
     x = torch.zeros(1, 2, 8, 2)
     with pytest.raises(PartitionError, match=r"conv2d: .*W: tile .*largest split of W .* is 3"):
-        K.convolution(x, torch.zeros(2, 2, 7, 7), None, grid, (8, 8), padding=3)
+        K.conv(x, torch.zeros(2, 2, 7, 7), None, grid, (8, 8), padding=3)
     with pytest.raises(PartitionError, match="not block"):  # a tile that is not this rank's block
         K.max_pool(torch.zeros(1, 2, 8, 3), grid, (8, 8), 3, 1, 1)
 

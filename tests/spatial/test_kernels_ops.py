@@ -103,7 +103,7 @@ def conv_cases(grid, seed: int) -> list[str]:
 
         for path in ("auto", "box"):
             def tiled(x, w, b=None, case=case, groups=groups, path=path):
-                return K.convolution(x, w, b, grid, ext, groups=groups, path=path, **case)
+                return K.conv(x, w, b, grid, ext, groups=groups, path=path, **case)
 
             fails += compare(f"conv{k}d {case} k={ks} g={groups} {path}", serial, tiled, x, params, grid, seed=c)
     return fails
@@ -130,13 +130,13 @@ def conv_path_cases(grid, seed: int) -> list[str]:
         for overlap in (False, True):
             fails += compare(f"conv{k}d tile path {case} overlap={overlap}",
                              lambda x, w, b, case=case: conv(x, w, b, **case),
-                             lambda x, w, b, case=case, o=overlap: K.convolution(x, w, b, grid, ext, path="tile",
+                             lambda x, w, b, case=case, o=overlap: K.conv(x, w, b, grid, ext, path="tile",
                                                                                  overlap=o, **case),
                              x, params, grid, seed=c)
         # K-FAC: the recorded box, convolved with padding 0, gives exactly this tile's outputs
         got: list[Any] = []
         xt = _tile(x, grid)
-        y = K.convolution(xt, *params, grid, ext, record=lambda box, extents: got.append((box, extents)), **case)
+        y = K.conv(xt, *params, grid, ext, record=lambda box, extents: got.append((box, extents)), **case)
         box, extents = got[0]
         again = conv(box, *params, stride=case.get("stride", 1), dilation=case.get("dilation", 1))
         if _err(again, y) > TOL or extents != tuple(conv(x, *params, **case).shape[-k:]):
@@ -147,7 +147,7 @@ def conv_path_cases(grid, seed: int) -> list[str]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = conv(x, w, b, padding=1)
         for path in ("tile", "box"):
-            out = K.convolution(_tile(x, grid), w, b, grid, ext, padding=1, path=path)
+            out = K.conv(_tile(x, grid), w, b, grid, ext, padding=1, path=path)
             if out.dtype != ref.dtype or _err(out.float(), _tile(ref, grid).float()) > 2e-2:
                 fails.append(f"conv{k}d bf16 autocast {path} on {grid.parts}: {out.dtype} vs {ref.dtype}")
     return fails

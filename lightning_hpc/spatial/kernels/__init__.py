@@ -7,7 +7,7 @@ over the spatial group).  Global poolings (:mod:`adaptive`) return the whole out
 Each kernel has ONE window function giving, per split dimension, the input range an output range needs (its
 halo): the halo plan and a setup-time acceptance check (:func:`check_partition`) use the same function.
 
-* :mod:`convolution`: :func:`convolution` (``F.conv1d/2d/3d``), :func:`convolution_windows`
+* :mod:`convolution`: :func:`conv` (``F.conv1d/2d/3d``), :func:`convolution_windows`
 * :mod:`pooling`: :func:`max_pool`, :func:`avg_pool`, :func:`pooling_windows`
 * :mod:`transposed`: :func:`conv_transpose` (``F.conv_transpose1d/2d/3d``), :func:`transposed_windows`
 * :mod:`interpolation`: :func:`interpolate`, :func:`interpolation_windows`
@@ -16,7 +16,7 @@ halo): the halo plan and a setup-time acceptance check (:func:`check_partition`)
 
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_avg_pool, adaptive_max_pool, adaptive_windows
-from lightning_hpc.spatial.kernels.convolution import convolution, convolution_windows, tile_convolution_applies
+from lightning_hpc.spatial.kernels.convolution import conv, convolution_windows, tile_convolution_applies
 from lightning_hpc.spatial.kernels.interpolation import interpolate, interpolation_windows
 from lightning_hpc.spatial.kernels.plan import check_partition, halo_plan, largest_split, output_extents
 from lightning_hpc.spatial.kernels.pooling import avg_pool, max_pool, pooling_windows
@@ -28,7 +28,7 @@ __all__ = [
     "halo_plan",
     "largest_split",
     "output_extents",
-    "convolution",
+    "conv",
     "convolution_windows",
     "tile_convolution_applies",
     "max_pool",

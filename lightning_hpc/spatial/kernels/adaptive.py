@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.halo_exchange import trailing
 from lightning_hpc.spatial.kernels.plan import check_tile
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = ["adaptive_windows", "adaptive_output_size", "adaptive_avg_pool", "adaptive_max_pool",
            "adaptive_avg_pool_partial", "adaptive_max_pool_partial"]
@@ -83,7 +84,8 @@ def adaptive_avg_pool_partial(x: torch.Tensor, group: Any, extents: Sequence[int
 class _AdaptiveMax(torch.autograd.Function):
     """Window maxima over the spatial group and the global flat index (row-major over the split dimensions) of
     the first maximum of each window, where the serial kernel puts a tie's gradient; backward adds the
-    (replicated) output gradient at the indices this tile owns."""
+    (replicated) output gradient at the indices this tile owns.  One reduction per output cell that meets the
+    tile (a loop: meant for the small outputs of global poolings)."""
 
     @staticmethod
     def forward(ctx, x, group, extents, origin, size):  # type: ignore[override]
@@ -150,12 +152,12 @@ def adaptive_max_pool_partial(x: torch.Tensor, group: Any, extents: Sequence[int
     return _AdaptiveMax.apply(x, group, tuple(extents), tuple(origin), tuple(size))
 
 
-def _origin(x: torch.Tensor, grid: Any, extents: Sequence[int], op: str) -> tuple[int, ...]:
+def _origin(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], op: str) -> tuple[int, ...]:
     check_tile(x, grid, extents, op)
     return tuple(lo for lo, _ in grid.tile_bounds(*extents))
 
 
-def adaptive_avg_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], output_size: Any) -> torch.Tensor:
+def adaptive_avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], output_size: Any) -> torch.Tensor:
     """``F.adaptive_avg_pool{k}d(x_global, output_size)``, the whole output replicated on every rank of the grid
     (``x``: this rank's tile of a sample whose split dimensions have global ``extents``)."""
     size = adaptive_output_size(output_size, extents)
@@ -163,7 +165,7 @@ def adaptive_avg_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], output
     return adaptive_avg_pool_partial(x, grid.group, extents, origin, size)
 
 
-def adaptive_max_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], output_size: Any,
+def adaptive_max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], output_size: Any,
                       return_indices: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.adaptive_max_pool{k}d(x_global, output_size, return_indices)``, replicated on every rank of the grid;
     the indices are the serial op's (into the flattened global split dimensions)."""

@@ -1,4 +1,4 @@
-"""Convolution (``F.conv1d`` / ``conv2d`` / ``conv3d``) of a tile split over 1, 2 or 3 spatial dimensions
+"""Convolution (:func:`conv`: ``F.conv1d`` / ``conv2d`` / ``conv3d``) of a tile split over 1, 2 or 3 spatial dimensions
 (Dryden et al., section III-A, Eqs. 1-3; overlap per section IV-A).
 
 Each rank computes the output entries of its (blocked) output tile.  It needs its input tile plus a halo of
@@ -36,10 +36,11 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
-from lightning_hpc.spatial.kernels.plan import autocast_dtype, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import autocast_cast, autocast_dtype, halo_plan, ntuple
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = [
-    "convolution",
+    "conv",
     "convolution_windows",
     "planned_convolution",
     "edge_regions",
@@ -51,7 +52,7 @@ __all__ = [
 
 Range = tuple[int, int]
 Region = tuple[Range, ...]  # global ranges, one per split dimension
-#: ``record(padded_input_box, global_output_extents)``: the K-FAC hook of :func:`convolution`
+#: ``record(padded_input_box, global_output_extents)``: the K-FAC hook of :func:`conv`
 Recorder = Callable[[torch.Tensor, tuple[int, ...]], None]
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -112,7 +113,7 @@ class _Spec:
             [0] * k, self.groups, list(mask))
 
 
-def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Any,
+def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
                 extents: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
                 path: str = "auto", overlap: bool = False, record: Recorder | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.conv{k}d(x_global, weight, bias, stride, padding, dilation, groups)``.
@@ -127,8 +128,9 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     dtype = autocast_dtype(x)
     if dtype is not None:
         with torch.autocast(x.device.type, enabled=False):
-            return convolution(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), grid, extents,
-                               stride, padding, dilation, groups, path=path, overlap=overlap, record=record)
+            return conv(autocast_cast(x, dtype), autocast_cast(weight, dtype),
+                               None if bias is None else autocast_cast(bias, dtype), grid, extents, stride, padding,
+                               dilation, groups, path=path, overlap=overlap, record=record)
     k = grid.ndim
     op = f"conv{k}d"
     if weight.dim() != k + 2:
@@ -142,7 +144,7 @@ def planned_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         windows: Sequence[Window1d], groups: int = 1, *, path: str = "auto", overlap: bool = False,
                         record: Recorder | None = None,
                         regions: list[tuple[Region, Region]] | None = None) -> torch.Tensor:
-    """:func:`convolution` with the halo plan already made (``windows``: :func:`convolution_windows` of the call;
+    """:func:`conv` with the halo plan already made (``windows``: :func:`convolution_windows` of the call;
     ``regions``: :func:`edge_regions` of the plan when the caller caches them).  No autocast cast here."""
     k = plan.ndim
     if path not in ("auto", "tile", "box"):

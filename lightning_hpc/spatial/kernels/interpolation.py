@@ -30,6 +30,7 @@ import torch
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = ["Interp1d", "interpolation_windows", "interpolate", "planned_interpolate"]
 
@@ -142,7 +143,7 @@ def planned_interpolate(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Inter
     return xp
 
 
-def interpolate(x: torch.Tensor, grid: Any, extents: Sequence[int], size: Any = None, scale_factor: Any = None,
+def interpolate(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], size: Any = None, scale_factor: Any = None,
                 mode: str = "nearest", align_corners: bool | None = None,
                 recompute_scale_factor: bool | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.interpolate(x_global, size, scale_factor, mode, align_corners,

@@ -21,6 +21,7 @@ from lightning_hpc.spatial.tiling import SpatialGrid, parts_text
 __all__ = [
     "dim_names", "ntuple", "halo_plan", "check_partition", "check_tile", "largest_split", "output_extents",
     "autocast_dtype",
+    "autocast_cast",
 ]
 
 _NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
@@ -136,3 +137,11 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     autocast."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def autocast_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as autocast casts an operand of a lower-precision op: floating tensors other than float64 to
+    ``dtype``, the rest unchanged (``is_eligible`` in torch's autocast)."""
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, Window1d, halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = ["pooling_windows", "max_pool", "avg_pool", "planned_max_pool", "planned_avg_pool", "pool_divisors"]
 
@@ -35,6 +36,10 @@ def pooling_windows(k: int, kernel_size: Any, stride: Any = None, padding: Any =
     kernel = ntuple(kernel_size, k, "kernel_size")
     s = kernel if stride is None or (not isinstance(stride, int) and len(stride) == 0) else ntuple(stride, k, "stride")
     p, d = ntuple(padding, k, "padding"), ntuple(dilation, k, "dilation")
+    for kk, pp, dd in zip(kernel, p, d):
+        if pp > (dd * (kk - 1) + 1) // 2:  # torch refuses it too: a window of padding only
+            raise ValueError(f"pooling: padding {pp} is more than half the kernel span {dd * (kk - 1) + 1} (as torch "
+                             f"requires, pad should be at most half of the effective kernel size)")
     return tuple(Window1d(kk, ss, pp, dd, bool(ceil_mode)) for kk, ss, pp, dd in zip(kernel, s, p, d))
 
 
@@ -91,7 +96,7 @@ def planned_avg_pool(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Window1d
     return sums / counts
 
 
-def max_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: Any, stride: Any = None,
+def max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
              padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> torch.Tensor:
     """This rank's output tile of ``F.max_pool{k}d(x_global, kernel_size, stride, padding, dilation, ceil_mode)``
     (``x``: this rank's tile of a sample whose split dimensions have global ``extents``; the output is blocked over
@@ -101,7 +106,7 @@ def max_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: An
     return planned_max_pool(x, halo_plan(grid, extents, windows, f"max_pool{k}d", tile=x), windows)
 
 
-def avg_pool(x: torch.Tensor, grid: Any, extents: Sequence[int], kernel_size: Any, stride: Any = None,
+def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
              padding: Any = 0, ceil_mode: bool = False, count_include_pad: bool = True,
              divisor_override: int | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.avg_pool{k}d(x_global, kernel_size, stride, padding, ceil_mode,

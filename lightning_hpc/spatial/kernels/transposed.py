@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.halo_exchange import HaloPlan, PartitionError, halo_exchange, trailing
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = ["TransposedWindow1d", "transposed_windows", "conv_transpose", "transposed_from_box"]
 
@@ -96,7 +97,7 @@ def transposed_from_box(box: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return y if bias is None else y + bias.to(y.dtype).view(-1, *([1] * k))
 
 
-def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Any,
+def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
                    extents: Sequence[int], stride: Any = 1, padding: Any = 0, output_padding: Any = 0,
                    groups: int = 1, dilation: Any = 1) -> torch.Tensor:
     """This rank's output tile of ``F.conv_transpose{k}d(x_global, weight, bias, stride, padding, output_padding,
