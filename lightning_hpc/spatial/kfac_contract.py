@@ -12,7 +12,7 @@ with padding 0 gives exactly the outputs the tile owns.  The strategy declares e
   extents (for the whole-sample normalisation).
 
 The op dispatch's convolution handler records the box the tile kernel builds
-(:func:`lightning_hpc.spatial.kernels.convolution`'s ``record``) when the calling layer asks; an input that is
+(:func:`lightning_hpc.spatial.kernels.conv`'s ``record``) when the calling layer asks; an input that is
 not split (after a global pooling) is recorded here, padded as the layer pads it.
 """
 

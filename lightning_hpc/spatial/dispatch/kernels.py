@@ -35,6 +35,8 @@ from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
+from lightning_hpc.spatial.kernels.plan import ntuple
 from lightning_hpc.spatial.kfac_contract import recorder
 
 
@@ -114,7 +116,7 @@ def _convolution(func, args, kwargs, k: int):
         # split along W, H (after a transpose(2, 3)): the convolution of the transposed input with the transposed
         # kernel, transposed back, is the same convolution, and that one is tiled
         def swap(v: Any) -> Any:
-            return v if isinstance(v, str) else K.plan.ntuple(v, 2, "argument")[::-1]
+            return v if isinstance(v, str) else ntuple(v, 2, "argument")[::-1]
 
         return F.conv2d(x.transpose(2, 3), weight.transpose(2, 3), bias, swap(a["stride"]), swap(a["padding"]),
                         swap(a["dilation"]), a["groups"]).transpose(2, 3)
@@ -136,7 +138,7 @@ def _convolution(func, args, kwargs, k: int):
     # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
     record = recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
     weight, bias = _operands(x, weight, bias)
-    out = _run(f"F.conv{k}d", lambda: K.convolution(_plain(x), weight, bias, x._grid, extents, a["stride"],
+    out = _run(f"F.conv{k}d", lambda: K.conv(_plain(x), weight, bias, x._grid, extents, a["stride"],
                                                      a["padding"], a["dilation"], groups, overlap=_STATE.overlap,
                                                      record=record))
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
@@ -294,7 +296,7 @@ def _adaptive_pool(func, args, kwargs, k: int, kind: str):
     assert a is not None
     extents = _extents(x)
     try:
-        size = K.adaptive.adaptive_output_size(a["output_size"], extents)
+        size = adaptive_output_size(a["output_size"], extents)
     except (ValueError, TypeError):
         return NotImplemented  # None entries or an invalid size: gathered, the serial op's error
     if kind == "avg":
