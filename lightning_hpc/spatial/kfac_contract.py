@@ -12,8 +12,9 @@ with padding 0 gives exactly the outputs the tile owns.  The strategy declares e
   extents (for the whole-sample normalisation).
 
 The op dispatch's convolution handler records the box the tile kernel builds
-(:func:`lightning_hpc.spatial.kernels.conv`'s ``record``) when the calling layer asks; an input that is
-not split (after a global pooling) is recorded here, padded as the layer pads it.
+(:func:`lightning_hpc.spatial.kernels.conv`'s ``record``, :func:`lightning_hpc.spatial.dispatch.kernels.
+kfac_recorder`) when the calling layer asks; an input that is not split (after a global pooling) is recorded
+here, padded as the layer pads it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["declare_tiled_convolutions", "recorder"]
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
+from lightning_hpc.spatial.kernels import convolution_windows
 
-
-def recorder(module: Any):
-    """The ``record`` callback of the tile kernel for ``module`` when K-FAC captures its statistics, else None."""
-    if not getattr(module, "kfac_record_input", False):
-        return None
-
-    def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
-        vars(module).update(kfac_padded_input=box.detach(), kfac_output_extent=tuple(int(n) for n in extent))
-
-    return record
+__all__ = ["declare_tiled_convolutions"]
 
 
 def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
@@ -44,12 +37,8 @@ def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
     x = args[0] if args else None
     if not getattr(module, "kfac_record_input", False) or not isinstance(x, torch.Tensor) or x.dim() < 3:
         return
-    from lightning_hpc.spatial.dispatch import SpatialTensor
-
     if isinstance(x, SpatialTensor) or module.padding_mode != "zeros":
         return  # a split input: the convolution handler records the tile's box
-    from lightning_hpc.spatial.kernels import convolution_windows
-
     windows = convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
     vars(module).update(kfac_padded_input=F.pad(x, module._reversed_padding_repeated_twice).detach(),
                         kfac_output_extent=tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[-2:])))

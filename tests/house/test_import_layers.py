@@ -69,11 +69,8 @@ KNOWN_CYCLES: list[set[str]] = [
         "lightning_hpc.spatial.batchnorm",
         "lightning_hpc.spatial.conv",
         "lightning_hpc.spatial.dispatch",
-        "lightning_hpc.spatial.dispatch.kernels",
         "lightning_hpc.spatial.dispatch.norms",
         "lightning_hpc.spatial.layer",
-        "lightning_hpc.spatial.pooling",
-        "lightning_hpc.spatial.upsample",
     }
 ]
 

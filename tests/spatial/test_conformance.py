@@ -434,7 +434,7 @@ def test_refusals_name_op_and_module():
                              collective_timeout_s=60)
     for res in wrong:
         err = res["wrong_channels"]["error"]
-        assert "layer 'model.body'" in err and "channels" in err, err
+        assert "module 'model.body'" in err and "channels" in err, err
         err = res["shared_across_pool"]["error"]
         assert "parameter 'model.mix.weight'" in err and "F.linear in module 'model.mix' (Linear)" in err, err
         assert res["shared_across_pool"]["steps"] == 0

@@ -12,7 +12,7 @@ from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial import convtranspose
+from lightning_hpc.spatial.kernels import transposed
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
@@ -36,7 +36,7 @@ def _convt(rank: int, world: int, dtypes, sabotage: bool = False, parts_list=((2
             (a, b), (c, e) = plan.own
             return F.pad(x, (c - c0, c1 - e, a - r0, r1 - b))  # the needed box, zeros (or cropped) at the seams
 
-        convtranspose.halo_exchange = no_halo
+        transposed.halo_exchange = no_halo  # the tile kernel the op dispatch runs
     fails: list[str] = []
     for parts in parts_list:
         grid = create_hybrid_layout(parts).grid

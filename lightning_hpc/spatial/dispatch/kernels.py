@@ -37,7 +37,6 @@ from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
 from lightning_hpc.spatial.kernels.plan import ntuple
-from lightning_hpc.spatial.kfac_contract import recorder
 
 
 def _ops(*names: str) -> list[Any]:
@@ -104,6 +103,18 @@ def _operands(x: SpatialTensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _replicated_operand(weight, x._grid), None if bias is None else _replicated_operand(bias, x._grid)
 
 
+def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None] | None:
+    """The tile kernel's ``record`` callback for ``module`` when K-FAC captures its statistics
+    (:mod:`lightning_hpc.spatial.kfac_contract`), else None."""
+    if not getattr(module, "kfac_record_input", False):
+        return None
+
+    def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
+        vars(module).update(kfac_padded_input=box.detach(), kfac_output_extent=tuple(int(n) for n in extent))
+
+    return record
+
+
 # -- convolution ---------------------------------------------------------------------------------------------------
 def _convolution(func, args, kwargs, k: int):
     a = _bind(_conv, args, kwargs)
@@ -136,7 +147,7 @@ def _convolution(func, args, kwargs, k: int):
     extents = _extents(x)
     caller = _STATE.caller()
     # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
-    record = recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
+    record = kfac_recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
     weight, bias = _operands(x, weight, bias)
     out = _run(f"F.conv{k}d", lambda: K.conv(_plain(x), weight, bias, x._grid, extents, a["stride"],
                                                      a["padding"], a["dilation"], groups, overlap=_STATE.overlap,
