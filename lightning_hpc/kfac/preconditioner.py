@@ -47,11 +47,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.collectives import (
-    allreduce_mean,
-    allreduce_mean_symmetric,
-    broadcast_by_owner,
-)
+from lightning_hpc.kfac.collectives import allreduce_mean, broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConv2dHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
@@ -114,6 +110,7 @@ class KFACPreconditioner:
         placement: str = "balanced",
         grad_worker_fraction: float | None = None,
         skip_layers: str | Sequence[str] | None = None,
+        layer_types: Sequence[str] | None = None,
         decomposition_dtype: torch.dtype | str = "float32",
         factor_dtype: torch.dtype | str | None = None,
         inverse_dtype: torch.dtype | str | None = None,
@@ -157,15 +154,17 @@ class KFACPreconditioner:
         skip_layers = options.skip_layers
         patterns = compile_skip_patterns(skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
-        self.layer_report = find_layers(model, patterns)
+        self.layer_report = find_layers(model, patterns, options.layer_types)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
         if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)
             for h in self.handlers:
                 h.stat_dtype = torch.float64
         if not self.handlers:
             raise ValueError(
-                "K-FAC found no nn.Linear / nn.Conv1d/2d/3d (groups=1) layer with trainable weights to precondition"
+                "K-FAC found no layer with trainable weights to precondition (nn.Linear, convolutions, normalisation "
+                "layers' affine parameters, embeddings)"
                 + (f" after skip_layers={skip_layers!r}" if patterns else "")
+                + (f" with layer_types={list(options.layer_types)!r}" if options.layer_types is not None else "")
             )
         if announce:
             self.announce_layers()
@@ -481,7 +480,7 @@ class KFACPreconditioner:
 
     # factors ----------------------------------------------------------------------------------------------
     def _update_factors(self, grad_scale: float) -> None:
-        batch: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        batch: dict[str, dict[str, torch.Tensor]] | None = None
         if self.overlap is not None:
             result = self.overlap.finish(grad_scale)
             if result is None:
@@ -522,7 +521,7 @@ class KFACPreconditioner:
                 )
         return active
 
-    def _reduce_factors(self, grad_scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _reduce_factors(self, grad_scale: float) -> dict[str, dict[str, torch.Tensor]]:
         """The batch factors of the layers whose hooks fired on every rank, averaged over the ranks at the step
         (the synchronous path: all buckets in flight at once, after the backward pass)."""
         fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
@@ -533,30 +532,28 @@ class KFACPreconditioner:
             self.comm.allreduce(fired, op="sum").wait()
             fired = fired.cpu() / self.comm.world_size
         active = self._active_layers(fired.tolist())
-        batch = {h.name: h.batch_factors(grad_scale, self.batch_averaged) for h in active}
+        batch = {h.name: h.batch_statistics(grad_scale, self.batch_averaged) for h in active}
         if self.comm.world_size > 1:
             # Tiled layers: a sample group's factor is the SUM of its partition_size ranks' partial factors
             # (TiledConv2dHandler), the mini-batch factor the mean over sample groups; scaling by partition_size
             # turns the world mean into exactly that. Replicated layers (heads after global pooling) hold the same
             # factor on every rank of a spatial group: the plain world mean counts each group once.
-            for h in active:
-                if h.partition_size > 1:
-                    a, g = batch[h.name]
-                    batch[h.name] = (a * h.partition_size, g * h.partition_size)
-            factors = [t for name in batch for t in batch[name]]
-            if self.options.symmetric_allreduce:
-                allreduce_mean_symmetric(self.comm, factors, self.bucket_cap_bytes)
-            else:
-                allreduce_mean(self.comm, factors, self.bucket_cap_bytes)
+            symmetric = self.options.symmetric_allreduce
+            entries = [(h, kind, form) for h in active for kind, form in h.factor_forms().items()]
+            packed = [form.pack(batch[h.name][kind] * h.partition_size if h.partition_size > 1
+                                else batch[h.name][kind], symmetric) for h, kind, form in entries]  # fmt: skip
+            allreduce_mean(self.comm, packed, self.bucket_cap_bytes)
+            for (h, kind, form), v in zip(entries, packed):
+                batch[h.name][kind] = form.unpack(v, symmetric)
         return batch
 
-    def _fold_factors(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _fold_factors(self, batch: dict[str, dict[str, torch.Tensor]]) -> None:
         """Fold the averaged batch factors into the running averages (Eq 16-17), unless any is non-finite."""
-        if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
+        if batch and not self._all_finite([t for factors in batch.values() for t in factors.values()]):
             # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
             self.dropped_statistics_steps += 1
-            bad = [name for name, (a, g) in batch.items() if not self._all_finite([a, g])]
+            bad = [name for name, factors in batch.items() if not self._all_finite(list(factors.values()))]
             self._warn_once(
                 "nonfinite",
                 f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
@@ -566,16 +563,15 @@ class KFACPreconditioner:
             )
             return
         decay = self.current_factor_decay()
-        for name, (a, g) in batch.items():
+        for name, factors in batch.items():
             if name not in self.factors:
-                self.factors[name] = {"A": a.to(self.factor_dtype, copy=True), "G": g.to(self.factor_dtype, copy=True)}
-            elif a.dtype == self.factor_dtype:
-                running = self.factors[name]
-                running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
-                running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
-            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
-                running = self.factors[name]
-                for k, new in (("A", a), ("G", g)):
+                self.factors[name] = {k: f.to(self.factor_dtype, copy=True) for k, f in factors.items()}
+                continue
+            running = self.factors[name]
+            for k, new in factors.items():
+                if new.dtype == self.factor_dtype:
+                    running[k].mul_(decay).add_(new, alpha=1.0 - decay)
+                else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
                     running[k].copy_(running[k].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
 
     @staticmethod
@@ -590,12 +586,12 @@ class KFACPreconditioner:
     # decompositions -------------------------------------------------------------------------------------
     def _layout(self) -> tuple[list[int], dict[tuple[int, str], int]]:
         if self._layout_cache is None:  # deterministic in the layer shapes and the grid: computed once
-            dims = [(h.a_dim, h.g_dim) for h in self.handlers]
+            dims = [h.layer_forms() for h in self.handlers]
             self._layout_cache = self.placement_policy.assign_grid(dims, self.grid)
         return self._layout_cache
 
     def assignment(self) -> dict[tuple[int, str], int]:
-        """``(layer index, "A"|"G") -> rank`` that decomposes each factor (within the layer's worker group)."""
+        """``(layer index, factor name) -> rank`` that decomposes each factor (within the layer's worker group)."""
         return self._layout()[1]
 
     def layer_columns(self) -> list[int]:
@@ -606,11 +602,8 @@ class KFACPreconditioner:
         """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
         return self.grid.column_of(self.comm.rank) == self.layer_columns()[i]
 
-    def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
-        return self.method.decompose(factor, self.damping, self.decomposition_dtype, name)
-
-    def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return self.method.result_shapes(n)
+    def _result_shapes(self, h: LayerHandler, kind: str) -> dict[str, tuple[int, ...]]:
+        return h.factor_forms()[kind].result_shapes(self.method)
 
     def _update_decompositions(self) -> None:
         world, rank = self.comm.world_size, self.comm.rank
@@ -620,20 +613,21 @@ class KFACPreconditioner:
         for i, h in enumerate(self.handlers):
             if h.name not in self.factors or not self._is_worker(i):
                 continue  # only the layers of this rank's gradient-worker group
-            for kind in ("A", "G"):
+            for kind in h.factor_forms():
                 work.append((owners[(i, kind)], h, kind))
-        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it.
+        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
         for owner, h, kind in work:
             if owner != rank:
                 continue
-            res = self._decompose(self.factors[h.name][kind], f"{h.name}.{kind}")
+            form = h.factor_forms()[kind]
+            factor = self.factors[h.name][kind]
+            res = form.decompose(factor, self.method, self.damping, self.decomposition_dtype, f"{h.name}.{kind}")
             if res is None:  # keep the previous decomposition; broadcast it so all ranks stay identical
                 prev = self.decompositions.get(h.name)
                 if prev is not None:
-                    res = {k: prev[f"{k}_{kind}"] for k in self._result_shapes(1)}
-                else:
-                    n = self.factors[h.name][kind].shape[0]
-                    res = self._fallback_identity(n, self.factors[h.name][kind].device)
+                    res = {k: prev[f"{k}_{kind}"] for k in form.result_shapes(self.method)}
+                else:  # none ever succeeded: an identity factor keeps the step a damped SGD step
+                    res = form.identity(self.method, self.damping, self.decomposition_dtype, factor.device)
             results[(h.name, kind)] = {k: v.to(self.inverse_dtype) for k, v in res.items()}  # storage dtype
         if world > 1 and self.grid.shares_decompositions:
             # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
@@ -643,19 +637,13 @@ class KFACPreconditioner:
             for k, v in res.items():
                 entry[f"{k}_{kind}"] = v
 
-    def _fallback_identity(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
-        # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
-        return self.method.identity(n, self.damping, self.decomposition_dtype, device)
-
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
                group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
         """One broadcast per owning rank of all its decompositions within ``group`` (None: the world), all in
         flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            items.setdefault(owner, []).append(
-                ((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0]))
-            )
+            items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(h, kind)))
         return broadcast_by_owner(  # type: ignore[return-value]
             self.comm, items, results, self.inverse_dtype, self._comm_device(), group  # type: ignore[arg-type]
         )
@@ -665,7 +653,7 @@ class KFACPreconditioner:
         d = self.decompositions[h.name]
         if self.inverse_dtype != self.decomposition_dtype:  # narrower storage: computed in the decomposition dtype
             d = {k: v.to(self.decomposition_dtype) for k, v in d.items()}
-        return self.method.precondition(grad, d, self.damping)
+        return h.precondition(grad, d, self.method, self.damping)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -764,22 +752,22 @@ class KFACPreconditioner:
         theirs (one buffer per owner, as :meth:`_share`), so a checkpoint written by rank 0 lets every rank
         resume with the decompositions it had, instead of recomputing them from newer factors."""
         owned = self._owned_decompositions()
-        owners_a = self.assignment()
+        owners = self.assignment()
         rank = self.comm.rank
-        # counted once per layer: by the rank that decomposes its A (a member of its worker group)
+        # counted once per layer: by the rank that decomposes its first factor (a member of its worker group)
         present = torch.tensor(
-            [1.0 if h.name in owned and owners_a[(i, "A")] == rank else 0.0 for i, h in enumerate(self.handlers)],
+            [1.0 if h.name in owned and owners[(i, next(iter(h.factor_forms())))] == rank else 0.0
+             for i, h in enumerate(self.handlers)],
             device=self._comm_device(),
         )
         self.comm.allreduce(present, op="sum").wait()  # which layers have a decomposition on their owner
-        owners = self.assignment()
         work = [
             (owners[(i, kind)], h, kind)
             for i, h in enumerate(self.handlers)
             if present[i].item() > 0
-            for kind in ("A", "G")
+            for kind in h.factor_forms()
         ]
-        mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(1)}
+        mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(h, kind)}
                 for owner, h, kind in work if owner == self.comm.rank}  # fmt: skip
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (name, kind), res in self._share(work, mine).items():

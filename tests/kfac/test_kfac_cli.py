@@ -69,7 +69,9 @@ def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli):
 
 
 def test_plan_kfac_json_round_robin_resnet50(capsys):
-    assert plan_mod.main(["--model", "resnet50", "--world-size", "16", "--placement", "round_robin", "--json"]) == 0
+    # the paper's figures count its layer types (Linear and convolutions), not the BatchNorm layers' blocks
+    assert plan_mod.main(["--model", "resnet50", "--world-size", "16", "--placement", "round_robin", "--json",
+                          "--layer-types", "linear", "conv"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["layers"] == 54 and len(p["ranks"]) == 16
     assert sum(len(r["factors"]) for r in p["ranks"]) == 108
