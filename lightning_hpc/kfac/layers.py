@@ -218,6 +218,10 @@ class LayerHandler:
     #: partition, e.g. the spatial strategy's): such an input is refused instead of giving one tile's factors
     refuses_split_input: bool = False
 
+    def captures(self, x: torch.Tensor) -> bool:
+        """Whether this forward's input gives the layer statistics (False: the call is not captured)."""
+        return True
+
     def check_input(self, x: torch.Tensor) -> None:
         """Refuse, naming the layer and the fix, an input this handler's statistics do not cover."""
         if self.refuses_split_input and type(x) is not torch.Tensor:
@@ -731,7 +735,6 @@ class NormAffineHandler(LayerHandler):
     training forwards are captured), per-sample ones for the others.
     """
 
-    refuses_split_input = True
     output_gradient_factors = ("F",)
     #: sample dimension of a LayerNorm's input with more than one leading dimension (see :func:`linear_batch_dim`)
     batch_dim: int = 0
@@ -767,6 +770,12 @@ class NormAffineHandler(LayerHandler):
 
     def sample_count(self, x: torch.Tensor) -> int:
         return self._batched(x).shape[0]
+
+    def captures(self, x: torch.Tensor) -> bool:
+        # One tile of a split activation (the spatial strategy's "local" BatchNorm normalises each tile alone):
+        # the tile's statistics are not the sample's. Nothing is captured, so the layer is left to the optimizer
+        # with the preconditioner's one warning about layers whose hooks do not fire.
+        return type(x) is torch.Tensor
 
     def _by_channel(self, t: torch.Tensor) -> torch.Tensor:
         """``(N, C, positions)`` of a batched tensor of the layer's layout."""

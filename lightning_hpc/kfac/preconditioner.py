@@ -382,7 +382,7 @@ class KFACPreconditioner:
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
             if not self._capturing(module):
                 return
-            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad or not handler.captures(x):
                 return
             if handler.is_stale():
                 # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
