@@ -1,11 +1,11 @@
 """Which modules of a model K-FAC preconditions, and why it leaves the others to the optimizer.
 
 Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``
-(grouped and depthwise ones a Kronecker block per group), ``nn.ConvTranspose1d/2d/3d`` (groups=1; its bias left
-to the optimizer), the affine parameters of ``nn.BatchNorm1d/2d/3d`` / ``nn.GroupNorm`` / ``nn.LayerNorm`` /
-``nn.InstanceNorm1d/2d/3d`` (a 2x2 block per channel) or an ``nn.Embedding`` (diagonal A) whose weight trains
-gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module with
-trainable parameters is listed with its reason: unsupported type, a family ``layer_types`` leaves out, frozen
+or ``nn.ConvTranspose1d/2d/3d`` (grouped and depthwise ones a Kronecker block per group; a transposed
+convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNorm1d/2d/3d`` / ``nn.GroupNorm`` /
+``nn.LayerNorm`` / ``nn.InstanceNorm1d/2d/3d`` (a 2x2 block per channel) or an ``nn.Embedding`` (diagonal A) whose
+weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module
+with trainable parameters is listed with its reason: unsupported type, a family ``layer_types`` leaves out, frozen
 weight, ``skip_layers``, a normalisation subclass with statistics from other ranks (``nn.SyncBatchNorm``, the
 spatial strategy's), a sparse embedding, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks
 never fire).
@@ -24,7 +24,6 @@ from torch import nn
 from lightning_hpc.kfac.layers import (
     NORMS,
     SUPPORTED,
-    TRANSPOSED_CONVOLUTIONS,
     EmbeddingHandler,
     LayerHandler,
     LinearHandler,
@@ -54,8 +53,6 @@ def skip_reason(
         return "sparse or frequency-scaled gradient (not the Kronecker form of its factors)"
     if isinstance(module, nn.Conv2d) and module.groups > 1 and hasattr(module, "kfac_padded_input"):
         return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
-    if isinstance(module, TRANSPOSED_CONVOLUTIONS) and module.groups > 1:
-        return f"grouped transposed convolution (groups={module.groups}) is not supported"
     if not isinstance(module, SUPPORTED):
         return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d, "
                 "nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d/2d/3d "

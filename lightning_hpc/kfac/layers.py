@@ -1,5 +1,7 @@
-"""Per-layer K-FAC handlers: Kronecker factors and gradient reshaping for ``nn.Linear`` and ``nn.Conv1d`` /
-``nn.Conv2d`` / ``nn.Conv3d``.
+"""Per-layer K-FAC handlers: factors and gradient reshaping for ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+``nn.ConvTranspose1d/2d/3d`` (Kronecker factors; grouped ones per group), normalisation layers' affine parameters
+(a 2x2 block per channel) and ``nn.Embedding`` (a diagonal A). Each handler owns the form of its factors
+(:meth:`LayerHandler.factor_forms`, :mod:`.forms`) and how its gradient is preconditioned with them.
 
 Scaling convention (damping depends on it)
 -------------------------------------------
@@ -46,6 +48,7 @@ __all__ = [
     "ConvTransposeHandler",
     "EmbeddingHandler",
     "GroupConvHandler",
+    "GroupConvTransposeHandler",
     "NORMS",
     "NormAffineHandler",
     "TRANSPOSED_CONVOLUTIONS",
@@ -415,9 +418,10 @@ def sliding_windows(t: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int,
     return t[(...,) + tuple(slice(None, None, d) for d in dilation)]
 
 
-#: the convolutions K-FAC preconditions (groups=1): one handler for 1, 2 and 3 spatial dimensions
+#: the convolutions K-FAC preconditions: one handler for 1, 2 and 3 spatial dimensions (grouped ones by
+#: :class:`GroupConvHandler`)
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: the transposed convolutions K-FAC preconditions (groups=1)
+#: the transposed convolutions K-FAC preconditions (grouped ones by :class:`GroupConvTransposeHandler`)
 TRANSPOSED_CONVOLUTIONS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
@@ -592,7 +596,32 @@ class TiledConv2dHandler(ConvHandler):
         return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
 
 
-class GroupConvHandler(ConvHandler):
+class _OneGroup(LayerHandler):
+    """The channel slicing of one group of a grouped (transposed) convolution: the group's input channels form its
+    statistics' input, its output channels their output gradient (put before the layer's handler in the bases)."""
+
+    group: int
+    in_per_group: int
+    out_per_group: int
+
+    def _set_group(self, module: nn.Module, group: int) -> None:
+        m = cast(Any, module)
+        self.group = group
+        self.in_per_group = m.in_channels // m.groups
+        self.out_per_group = m.out_channels // m.groups
+
+    def _channels(self, t: torch.Tensor, per_group: int) -> torch.Tensor:
+        dim = t.dim() - len(cast(Any, self.module).kernel_size) - 1  # 0 for an unbatched input, else 1
+        return t.narrow(dim, self.group * per_group, per_group)
+
+    def capture_input(self, x: torch.Tensor) -> int:
+        return super().capture_input(self._channels(x, self.in_per_group))
+
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        return super().capture_output_grad(self._channels(g, self.out_per_group), token)
+
+
+class GroupConvHandler(_OneGroup, ConvHandler):
     """One group of a grouped convolution (``groups > 1``; depthwise when each group has one input channel).
 
     Group ``i``'s weights ``W[i Co/g : (i+1) Co/g]`` see only input channels ``[i Ci/g, (i+1) Ci/g)`` and produce
@@ -605,9 +634,7 @@ class GroupConvHandler(ConvHandler):
     refuses_split_input = True  # type: ignore[assignment]
 
     def __init__(self, name: str, module: nn.Conv1d | nn.Conv2d | nn.Conv3d, group: int) -> None:
-        self.group = group
-        self.in_per_group = module.in_channels // module.groups
-        self.out_per_group = module.out_channels // module.groups
+        self._set_group(module, group)
         super().__init__(f"{name}#g{group}", module)
         self.rows = slice(group * self.out_per_group, (group + 1) * self.out_per_group)
 
@@ -618,16 +645,6 @@ class GroupConvHandler(ConvHandler):
     @property
     def g_dim(self) -> int:
         return self.out_per_group
-
-    def _channels(self, t: torch.Tensor, per_group: int) -> torch.Tensor:
-        dim = t.dim() - self.spatial_dims - 1  # 0 for an unbatched input, else 1
-        return t.narrow(dim, self.group * per_group, per_group)
-
-    def capture_input(self, x: torch.Tensor) -> int:
-        return super().capture_input(self._channels(x, self.in_per_group))
-
-    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
-        return super().capture_output_grad(self._channels(g, self.out_per_group), token)
 
 
 class ConvTransposeHandler(LayerHandler):
@@ -691,13 +708,37 @@ class ConvTransposeHandler(LayerHandler):
 
     def grad_matrix(self) -> torch.Tensor | None:
         w = self.weight
-        return None if w.grad is None else w.grad.reshape(w.shape[0], -1).t()
+        return None if w.grad is None else w.grad[self.rows].reshape(self.a_dim, -1).t()
 
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         w = self.weight
         assert w.grad is not None
-        w.grad.copy_(mat.t().reshape_as(w.grad))
+        w.grad[self.rows].copy_(mat.t().reshape_as(w.grad[self.rows]))
+
+
+class GroupConvTransposeHandler(_OneGroup, ConvTransposeHandler):
+    """One group of a grouped transposed convolution (``groups > 1``).
+
+    The weight is ``(C_in, C_out / groups, *kernel)``: group ``i``'s input channels ``[i C_in/g, (i+1) C_in/g)``
+    scatter only into its output channels ``[i C_out/g, (i+1) C_out/g)``, so each group is a transposed
+    convolution of its own and gets its own block of :class:`ConvTransposeHandler`'s swapped KFC form, as a grouped
+    convolution's groups do (:class:`GroupConvHandler`). Named ``<layer>#g<i>``; its gradient matrix is its input
+    channels' rows of ``dW``, viewed as ``(C_out/g * prod(kernel), C_in/g)``.
+    """
+
+    def __init__(self, name: str, module: nn.Module, group: int) -> None:
+        self._set_group(module, group)
+        super().__init__(f"{name}#g{group}", module)
+        self.rows = slice(group * self.in_per_group, (group + 1) * self.in_per_group)
+
+    @property
+    def a_dim(self) -> int:
+        return self.in_per_group
+
+    @property
+    def g_dim(self) -> int:
+        return self.out_per_group * math.prod(self.module.kernel_size)
 
 
 #: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as the spatial
@@ -942,7 +983,9 @@ def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
         if tiled:
             return [TiledConv2dHandler(name, module)]
         return [ConvHandler(name, module)]
-    if isinstance(module, TRANSPOSED_CONVOLUTIONS) and module.groups == 1:
+    if isinstance(module, TRANSPOSED_CONVOLUTIONS):
+        if module.groups > 1:
+            return [GroupConvTransposeHandler(name, module, i) for i in range(module.groups)]
         return [ConvTransposeHandler(name, module)]
     if type(module) in NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
         return [NormAffineHandler(name, module)]

@@ -62,7 +62,8 @@ def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli):
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("KFAC")]
     assert state["steps"] == ckpt["global_step"] > 0
-    assert set(state["factors"]) == {"model.0", "model.3", "model.7", "model.13"}
+    # the convolutions and the Linear, and the BatchNorm layers' affine parameters
+    assert set(state["factors"]) == {"model.0", "model.1", "model.3", "model.4", "model.7", "model.8", "model.13"}
     assert set(state["decompositions"]) == set(state["factors"])
     cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     assert cfg["callbacks"]["kfac"]["inv_update_freq"] == 5

@@ -259,7 +259,7 @@ def test_checkpoint_resumes_bitwise():
 
 # -- 2 processes ------------------------------------------------------------------------------------------
 class _MixedNet(nn.Module):
-    """Embedding, LayerNorm, Conv1d, BatchNorm1d, GroupNorm, InstanceNorm1d, Linear."""
+    """Embedding, LayerNorm, Conv1d, BatchNorm1d, a grouped ConvTranspose1d, GroupNorm, InstanceNorm1d, Linear."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -268,13 +268,14 @@ class _MixedNet(nn.Module):
         self.ln = nn.LayerNorm(6)
         self.conv = nn.Conv1d(6, 8, 3, padding=1)
         self.bn = nn.BatchNorm1d(8)
+        self.up = nn.ConvTranspose1d(8, 8, 2, groups=2)
         self.gn = nn.GroupNorm(2, 8)
         self.norm2 = nn.InstanceNorm1d(8, affine=True)
         self.head = nn.Linear(8, 5)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.conv(self.ln(self.emb(ids)).transpose(1, 2))
-        h = self.norm2(self.gn(torch.relu(self.bn(h))))
+        h = self.norm2(self.gn(self.up(torch.relu(self.bn(h)))))
         return self.head(h.mean(-1))
 
 
@@ -338,7 +339,7 @@ def test_two_processes_equal_one_process_and_the_plan():
     results = run_in_processes(_run_cases, 2, timeout_s=300, collective_timeout_s=120)
     model = _MixedNet()
     pre = KFACPreconditioner(model, announce=False)
-    assert [h.name for h in pre.handlers] == ["emb", "ln", "conv", "bn", "gn", "norm2", "head"]
+    assert [h.name for h in pre.handlers] == ["emb", "ln", "conv", "bn", "up#g0", "up#g1", "gn", "norm2", "head"]
     dims = [h.layer_forms() for h in pre.handlers]
     for case in CASES:
         want = one[case][0]
