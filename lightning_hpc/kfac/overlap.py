@@ -57,12 +57,6 @@ class FactorBucket:
     numel: int = 0
 
 
-def _payload(h: LayerHandler, symmetric: bool) -> int:
-    """Elements of the layer's factors in the all-reduce (as their forms pack them: upper triangles or full
-    matrices, diagonals)."""
-    return sum(form.packed_numel(symmetric) for form in h.factor_forms().values())
-
-
 def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmetric: bool) -> list[FactorBucket]:
     """The fixed buckets: layers in reverse registration order, consecutive layers of one statistics dtype up to
     ``cap_bytes`` (a single larger layer fills a bucket alone). Only shapes and dtypes decide, so every rank
@@ -71,7 +65,7 @@ def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmet
     for i in reversed(range(len(handlers))):
         h = handlers[i]
         dtype = h.dtype_for(h.weight)  # what the hooks compute the statistics in (float32, or float64)
-        numel = _payload(h, symmetric)
+        numel = h.packed_numel(symmetric)
         nbytes = numel * dtype.itemsize
         last = out[-1] if out else None
         if last is None or last.dtype != dtype or (last.numel * dtype.itemsize + nbytes > cap_bytes):
@@ -144,7 +138,7 @@ class OverlappedFactorAllreduce:
             # dtypes and devices may change after construction (Lightning moves the model after the callbacks'
             # setup): buffers follow the layers (CUDA for NCCL), and the plan is redone if a dtype changed
             self.device = self.handlers[0].weight.device
-            key = tuple((h.dtype_for(h.weight), _payload(h, self.symmetric)) for h in self.handlers)
+            key = tuple((h.dtype_for(h.weight), h.packed_numel(self.symmetric)) for h in self.handlers)
             if key != self._plan_key:
                 self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
                 self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
@@ -191,14 +185,10 @@ class OverlappedFactorAllreduce:
             if h.has_statistics:
                 # the loss scale is applied after the average (finish): the hooks do not know it
                 factors = h.batch_statistics(1.0, self.batch_averaged)
-                for kind, form in h.factor_forms().items():
-                    f = factors[kind]
-                    if h.partition_size > 1:  # spatially tiled: the world mean becomes the groups' mean of sums
-                        f = f * h.partition_size
-                    parts.append(form.pack(f, self.symmetric).to(self.device, bucket.dtype))
+                parts.append(h.pack_factors(factors, self.symmetric).to(self.device, bucket.dtype))
                 included.append(True)
             else:  # no statistics on this rank: zeros keep the buffer's layout; the status says so
-                parts.append(torch.zeros(_payload(h, self.symmetric), dtype=bucket.dtype, device=self.device))
+                parts.append(torch.zeros(h.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
                 included.append(False)
         flat = torch.cat(parts)
         handle = self.comm.allreduce(flat, op="mean", group=self.group, async_op=True)
@@ -237,11 +227,9 @@ class OverlappedFactorAllreduce:
             offset = 0
             for i in f.bucket.layers:
                 h = self.handlers[i]
-                factors = {}
-                for kind, form in h.factor_forms().items():
-                    size = form.packed_numel(self.symmetric)
-                    factors[kind] = form.unpack(f.flat[offset : offset + size], self.symmetric)
-                    offset += size
+                size = h.packed_numel(self.symmetric)
+                factors = h.unpack_factors(f.flat[offset : offset + size], self.symmetric)
+                offset += size
                 if fired[i] >= 1.0 - 1e-6:
                     out[i] = h.unscale(factors, grad_scale)
         return fired, out

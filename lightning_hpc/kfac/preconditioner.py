@@ -169,9 +169,7 @@ class KFACPreconditioner:
         if announce:
             self.announce_layers()
 
-        #: running factors and decompositions by layer name
-        self.factors: dict[str, dict[str, torch.Tensor]] = {}
-        self.decompositions: dict[str, dict[str, torch.Tensor]] = {}
+        self._by_name = {h.name: h for h in self.handlers}
         self.steps = 0
         self.epoch = 0
         self._warned: set[str] = set()
@@ -202,6 +200,16 @@ class KFACPreconditioner:
         """The preconditioner for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`; ``runtime``: ``lr``,
         ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``."""
         return cls(model, **runtime, **options.as_kwargs())
+
+    @property
+    def factors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each layer's running factors by layer name (the handlers' own, :attr:`LayerHandler.factors`)."""
+        return {h.name: h.factors for h in self.handlers if h.factors}
+
+    @property
+    def decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The decompositions this rank holds, by layer name (:attr:`LayerHandler.decompositions`)."""
+        return {h.name: h.decompositions for h in self.handlers if h.decompositions}
 
     def _make_groups(self) -> tuple[Any, Any]:
         """This rank's gradient-worker group and broadcast group (``None``: the whole world or unused). Under
@@ -476,11 +484,11 @@ class KFACPreconditioner:
         interval. Every rank reaches the same answer, because factors and shared decompositions are identical
         and a layer's gradient workers hold the same decompositions."""
         mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
-        return any(h.name in self.factors and h.name not in self.decompositions for h in mine)
+        return any(h.factors and not h.decompositions for h in mine)
 
     # factors ----------------------------------------------------------------------------------------------
     def _update_factors(self, grad_scale: float) -> None:
-        batch: dict[str, dict[str, torch.Tensor]] | None = None
+        batch: dict[LayerHandler, dict[str, torch.Tensor]] | None = None
         if self.overlap is not None:
             result = self.overlap.finish(grad_scale)
             if result is None:
@@ -493,7 +501,7 @@ class KFACPreconditioner:
             else:
                 fired, reduced = result
                 self._active_layers(fired)  # warns about layers that did not fire on every rank
-                batch = {self.handlers[i].name: reduced[i] for i in sorted(reduced)}
+                batch = {self.handlers[i]: reduced[i] for i in sorted(reduced)}
         if batch is None:
             batch = self._reduce_factors(grad_scale)
         self._fold_factors(batch)
@@ -521,7 +529,7 @@ class KFACPreconditioner:
                 )
         return active
 
-    def _reduce_factors(self, grad_scale: float) -> dict[str, dict[str, torch.Tensor]]:
+    def _reduce_factors(self, grad_scale: float) -> dict[LayerHandler, dict[str, torch.Tensor]]:
         """The batch factors of the layers whose hooks fired on every rank, averaged over the ranks at the step
         (the synchronous path: all buckets in flight at once, after the backward pass)."""
         fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
@@ -532,28 +540,25 @@ class KFACPreconditioner:
             self.comm.allreduce(fired, op="sum").wait()
             fired = fired.cpu() / self.comm.world_size
         active = self._active_layers(fired.tolist())
-        batch = {h.name: h.batch_statistics(grad_scale, self.batch_averaged) for h in active}
+        batch = {h: h.batch_statistics(grad_scale, self.batch_averaged) for h in active}
         if self.comm.world_size > 1:
-            # Tiled layers: a sample group's factor is the SUM of its partition_size ranks' partial factors
-            # (TiledConv2dHandler), the mini-batch factor the mean over sample groups; scaling by partition_size
-            # turns the world mean into exactly that. Replicated layers (heads after global pooling) hold the same
-            # factor on every rank of a spatial group: the plain world mean counts each group once.
+            # each layer's factors packed by their forms (tiled layers' partial factors scaled to sums over their
+            # spatial group); replicated layers (heads after global pooling) hold the same factor on every rank of
+            # a spatial group: the plain world mean counts each group once
             symmetric = self.options.symmetric_allreduce
-            entries = [(h, kind, form) for h in active for kind, form in h.factor_forms().items()]
-            packed = [form.pack(batch[h.name][kind] * h.partition_size if h.partition_size > 1
-                                else batch[h.name][kind], symmetric) for h, kind, form in entries]  # fmt: skip
-            allreduce_mean(self.comm, packed, self.bucket_cap_bytes)
-            for (h, kind, form), v in zip(entries, packed):
-                batch[h.name][kind] = form.unpack(v, symmetric)
+            packed = {h: h.pack_factors(f, symmetric) for h, f in batch.items()}
+            allreduce_mean(self.comm, list(packed.values()), self.bucket_cap_bytes)
+            batch = {h: h.unpack_factors(v, symmetric) for h, v in packed.items()}
         return batch
 
-    def _fold_factors(self, batch: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Fold the averaged batch factors into the running averages (Eq 16-17), unless any is non-finite."""
+    def _fold_factors(self, batch: dict[LayerHandler, dict[str, torch.Tensor]]) -> None:
+        """Fold the averaged batch factors into each layer's running averages (Eq 16-17), unless any is
+        non-finite."""
         if batch and not self._all_finite([t for factors in batch.values() for t in factors.values()]):
             # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
             self.dropped_statistics_steps += 1
-            bad = [name for name, factors in batch.items() if not self._all_finite(list(factors.values()))]
+            bad = [h.name for h, factors in batch.items() if not self._all_finite(list(factors.values()))]
             self._warn_once(
                 "nonfinite",
                 f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
@@ -563,16 +568,8 @@ class KFACPreconditioner:
             )
             return
         decay = self.current_factor_decay()
-        for name, factors in batch.items():
-            if name not in self.factors:
-                self.factors[name] = {k: f.to(self.factor_dtype, copy=True) for k, f in factors.items()}
-                continue
-            running = self.factors[name]
-            for k, new in factors.items():
-                if new.dtype == self.factor_dtype:
-                    running[k].mul_(decay).add_(new, alpha=1.0 - decay)
-                else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
-                    running[k].copy_(running[k].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
+        for h, factors in batch.items():
+            h.fold(factors, decay, self.factor_dtype)
 
     @staticmethod
     def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -602,40 +599,22 @@ class KFACPreconditioner:
         """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
         return self.grid.column_of(self.comm.rank) == self.layer_columns()[i]
 
-    def _result_shapes(self, h: LayerHandler, kind: str) -> dict[str, tuple[int, ...]]:
-        return h.factor_forms()[kind].result_shapes(self.method)
-
     def _update_decompositions(self) -> None:
         world, rank = self.comm.world_size, self.comm.rank
         owners = self.assignment()
-        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        work: list[tuple[int, LayerHandler, str]] = []
-        for i, h in enumerate(self.handlers):
-            if h.name not in self.factors or not self._is_worker(i):
-                continue  # only the layers of this rank's gradient-worker group
-            for kind in h.factor_forms():
-                work.append((owners[(i, kind)], h, kind))
+        # only the layers of this rank's gradient-worker group
+        work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if h.factors and self._is_worker(i)
+                for kind in h.factor_forms()]  # fmt: skip
         # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
-        for owner, h, kind in work:
-            if owner != rank:
-                continue
-            form = h.factor_forms()[kind]
-            factor = self.factors[h.name][kind]
-            res = form.decompose(factor, self.method, self.damping, self.decomposition_dtype, f"{h.name}.{kind}")
-            if res is None:  # keep the previous decomposition; broadcast it so all ranks stay identical
-                prev = self.decompositions.get(h.name)
-                if prev is not None:
-                    res = {k: prev[f"{k}_{kind}"] for k in form.result_shapes(self.method)}
-                else:  # none ever succeeded: an identity factor keeps the step a damped SGD step
-                    res = form.identity(self.method, self.damping, self.decomposition_dtype, factor.device)
-            results[(h.name, kind)] = {k: v.to(self.inverse_dtype) for k, v in res.items()}  # storage dtype
+        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {
+            (h.name, kind): h.decompose(kind, self.method, self.damping, self.decomposition_dtype, self.inverse_dtype)
+            for owner, h, kind in work if owner == rank
+        }  # fmt: skip
         if world > 1 and self.grid.shares_decompositions:
             # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
             results = self._share(work, results, self._column_group)
         for (name, kind), res in results.items():
-            entry = self.decompositions.setdefault(name, {})
-            for k, v in res.items():
-                entry[f"{k}_{kind}"] = v
+            self._by_name[name].set_decomposition(kind, res)
 
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
                group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
@@ -643,17 +622,14 @@ class KFACPreconditioner:
         flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            items.setdefault(owner, []).append(((h.name, kind), self._result_shapes(h, kind)))
+            items.setdefault(owner, []).append(((h.name, kind), h.result_shapes(kind, self.method)))
         return broadcast_by_owner(  # type: ignore[return-value]
             self.comm, items, results, self.inverse_dtype, self._comm_device(), group  # type: ignore[arg-type]
         )
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        d = self.decompositions[h.name]
-        if self.inverse_dtype != self.decomposition_dtype:  # narrower storage: computed in the decomposition dtype
-            d = {k: v.to(self.decomposition_dtype) for k, v in d.items()}
-        return h.precondition(grad, d, self.method, self.damping)
+        return h.preconditioned(grad, self.method, self.damping, self.decomposition_dtype)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -672,14 +648,14 @@ class KFACPreconditioner:
         grads: dict[str, torch.Tensor] = {}
         for h in self.handlers:
             g = h.grad_matrix()
-            if g is not None and h.name in self.factors:
+            if g is not None and h.factors:
                 grads[h.name] = g
         precond: dict[str, torch.Tensor] = {}
         if world > 1 and self.grid.broadcasts_gradients:
             precond = self._precondition_by_workers(grads)
         else:
             for h in self.handlers:
-                if h.name in grads and h.name in self.decompositions:
+                if h.name in grads and h.decompositions:
                     precond[h.name] = self._precondition_layer(h, grads[h.name])
         if not precond:
             return
@@ -728,7 +704,7 @@ class KFACPreconditioner:
             source = self.grid.source(columns[i], rank)
             items.setdefault(source, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
             if source == rank:
-                if h.name in self.decompositions:
+                if h.decompositions:
                     local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
                 else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
                     local[h.name] = {"p": grads[h.name]}
@@ -744,8 +720,8 @@ class KFACPreconditioner:
         return self.grid.broadcasts_gradients and self.comm.world_size > 1
 
     def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {h.name: self.decompositions[h.name] for i, h in enumerate(self.handlers)
-                if self._is_worker(i) and h.name in self.decompositions}  # fmt: skip
+        return {h.name: h.decompositions for i, h in enumerate(self.handlers)
+                if self._is_worker(i) and h.decompositions}  # fmt: skip
 
     def _gather_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every layer's decompositions on every rank (collective): when they are sharded the owners broadcast
@@ -767,8 +743,7 @@ class KFACPreconditioner:
             if present[i].item() > 0
             for kind in h.factor_forms()
         ]
-        mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(h, kind)}
-                for owner, h, kind in work if owner == self.comm.rank}  # fmt: skip
+        mine = {(h.name, kind): h.decomposition_of(kind, self.method) for owner, h, kind in work if owner == rank}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (name, kind), res in self._share(work, mine).items():
             for k, v in res.items():
@@ -797,24 +772,17 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). With a gradient-worker
         fraction below 1 each rank keeps only its worker group's decompositions; decompositions missing from an older
         checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
-        names = {h.name: h for h in self.handlers}
-        unknown = sorted(set(state.get("factors", {})) - set(names))
+        unknown = sorted(set(state.get("factors", {})) - set(self._by_name))
         if unknown:
             raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
         self.steps = int(state["steps"])
         self.epoch = int(state.get("epoch", 0))
         if self.subsample_generator is not None and "subsample_rng" in state:
             self.subsample_generator.set_state(state["subsample_rng"])
-        self.factors = {
-            n: {k: v.to(names[n].module.weight.device, self.factor_dtype) for k, v in f.items()}
-            for n, f in state["factors"].items()
-        }
-        self.decompositions = {}
-        if state.get("compute_method", self.compute_method) == self.compute_method:
-            for n, d in state.get("decompositions", {}).items():
-                if n in names:
-                    self.decompositions[n] = {
-                        k: v.to(names[n].module.weight.device, self.inverse_dtype) for k, v in d.items()
-                    }
-        if self._sharded():
-            self.decompositions = self._owned_decompositions()
+        same_method = state.get("compute_method", self.compute_method) == self.compute_method
+        saved = state.get("decompositions", {}) if same_method else {}
+        for i, h in enumerate(self.handlers):
+            # with a gradient-worker fraction below 1 a rank keeps only its worker group's decompositions
+            keep = h.name in saved and (not self._sharded() or self._is_worker(i))
+            h.load_state(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, self.factor_dtype,
+                         self.inverse_dtype)
