@@ -1,14 +1,17 @@
 """Normalisation layers' affine parameters (a 2x2 Fisher block per channel) and embeddings (diagonal A): factors
 against an independent computation in float64 (per-sample losses differentiated one by one, one-hot rows), the
 preconditioned gradient against a dense solve of the block approximation, negative controls (a wrong form fails
-the same checks), a checkpoint resumed bitwise, and 2 gloo processes against one process."""
+the same checks), checkpoints resumed bitwise (on one process, and sharded over 2 with ``layer_wise``), and 2 gloo
+processes against one process."""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from kfac_checks import average_gradients_like_ddp
 from torch import nn
@@ -352,3 +355,57 @@ def test_two_processes_equal_one_process_and_the_plan():
             plan = communication_plan(dims, 2, "balanced", 1.0, element_bytes=8, decomposition_bytes=8)
             assert results[0][case][1][2] == plan["ranks"][0]["factor_allreduce_bytes"]
             assert results[0][case][1][1] == 0  # nothing on steps without updates
+
+
+def _sharded_resume(rank: int, world: int, ckpt_dir: str) -> dict:
+    """layer_wise (one gradient worker per layer): the checkpoint gathers every layer's decompositions of every
+    form, each rank keeps its own on loading, and 3 + 3 steps equal 6 bitwise."""
+    torch.set_num_threads(1)
+
+    def fresh(method: str):
+        model = _MixedNet().double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=DAMPING,
+                                 kl_clip=0.01, placement="layer_wise", compute_method=method, announce=False)
+        return model, opt, pre
+
+    def steps(model, opt, pre, which: range) -> None:
+        for step in which:
+            ids, y = _mixed_data(step, GLOBAL)
+            half = slice(rank * GLOBAL // world, (rank + 1) * GLOBAL // world)
+            opt.zero_grad()
+            F.cross_entropy(model(ids[half]), y[half]).backward()
+            average_gradients_like_ddp(model)
+            pre.step()
+            opt.step()
+
+    out = {}
+    for method in ("eigen", "inverse"):
+        model, opt, pre = fresh(method)
+        steps(model, opt, pre, range(6))
+        want = [p.detach().clone() for p in model.parameters()]
+        model, opt, pre = fresh(method)
+        steps(model, opt, pre, range(3))
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "kfac": pre.state_dict()}  # a collective
+        path = os.path.join(ckpt_dir, f"{method}.pt")
+        if rank == 0:
+            torch.save(state, path)
+        dist.barrier()
+        model, opt, pre = fresh(method)
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        pre.load_state_dict(state["kfac"])
+        gathered = set(state["kfac"]["decompositions"]) == {h.name for h in pre.handlers}
+        mine = {h.name for i, h in enumerate(pre.handlers) if pre._is_worker(i)}
+        steps(model, opt, pre, range(3, 6))
+        out[method] = (gathered, set(pre.decompositions) == mine,
+                       all(torch.equal(p, w) for p, w in zip(model.parameters(), want)))
+    return out
+
+
+def test_sharded_checkpoint_on_two_processes_resumes_bitwise(tmp_path):
+    for rank, res in enumerate(run_in_processes(_sharded_resume, 2, str(tmp_path), timeout_s=300,
+                                                collective_timeout_s=120)):
+        for method, (gathered, kept_own, equal) in res.items():
+            assert gathered and kept_own and equal, (rank, method, gathered, kept_own, equal)
