@@ -107,6 +107,7 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
                 note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
             if len(handlers) > 1:
                 note = ", ".join(filter(None, [note, f"{len(handlers)} groups: a Kronecker block per group"]))
+            note = ", ".join(filter(None, [note, handler.form_note]))
             report.preconditioned.append((name, type(module).__name__, note))
         elif any(p.requires_grad for p in module.parameters(recurse=False)):
             report.skipped.append((name, type(module).__name__, reason))

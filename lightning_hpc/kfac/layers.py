@@ -309,6 +309,8 @@ class LayerHandler:
         return a, g
 
     # -- factor forms ------------------------------------------------------------------------------------
+    #: what the setup report says about the layer's factors when they are not KFC's dense A and G
+    form_note: str = ""
     #: the factors built from output gradients: an AMP loss scale enters them squared (see :meth:`unscale`)
     output_gradient_factors: tuple[str, ...] = ("G",)
 
@@ -885,6 +887,10 @@ class NormAffineHandler(LayerHandler):
     def factor_forms(self) -> dict[str, FactorForm]:
         return {"F": BlockDiagonalForm(self.channels, self.a_dim)}
 
+    @property
+    def form_note(self) -> str:  # type: ignore[override]
+        return "a 2x2 block per channel over scale and shift" if self.has_bias else "a 1x1 block per channel (scale)"
+
     def _batched(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` with a leading sample dimension (an unbatched instance-norm or layer-norm input is one sample)."""
         m = self.module
@@ -1005,6 +1011,8 @@ class EmbeddingHandler(LayerHandler):
     @property
     def g_dim(self) -> int:
         return self.module.embedding_dim
+
+    form_note = "diagonal A (token frequencies)"
 
     def factor_forms(self) -> dict[str, FactorForm]:
         return {"A": DiagonalForm(self.a_dim), "G": DenseForm(self.g_dim)}

@@ -258,8 +258,9 @@ def test_setup_says_which_modules_are_left_to_the_optimizer_and_why():
     with pytest.warns(UserWarning) as caught:
         pre = KFACPreconditioner(model, skip_layers=["^4$"])
     text = "\n".join(str(w.message) for w in caught)
-    assert ("K-FAC preconditions 4 layer(s):\n  0 (Conv2d)\n  1 (BatchNorm2d)\n  2 (Conv2d) [2 groups: a Kronecker "
-            "block per group]\n  6 (Embedding)") in text
+    assert ("K-FAC preconditions 4 layer(s):\n  0 (Conv2d)\n  1 (BatchNorm2d) [a 2x2 block per channel over scale and "
+            "shift]\n  2 (Conv2d) [2 groups: a Kronecker block per group]\n  6 (Embedding) [diagonal A (token "
+            "frequencies)]") in text
     assert "4 (Linear): matched skip_layers" in text
     assert "7 (PReLU): unsupported type" in text
     assert "5 (Linear)" not in text  # frozen entirely: nothing the optimizer trains
