@@ -288,14 +288,19 @@ def _mixed_data(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _CountingCommunicator(TorchDistributedCommunicator):
-    """Bytes handed to all-reduces, per optimizer step."""
+    """Bytes handed to all-reduces and broadcasts."""
 
     def __init__(self) -> None:
         self.allreduce_bytes = 0
+        self.broadcast_bytes = 0
 
     def allreduce(self, tensor, *a, **k):
         self.allreduce_bytes += tensor.numel() * tensor.element_size()
         return super().allreduce(tensor, *a, **k)
+
+    def broadcast(self, tensor, *a, **k):
+        self.broadcast_bytes += tensor.numel() * tensor.element_size()
+        return super().broadcast(tensor, *a, **k)
 
 
 GLOBAL = 8
@@ -321,9 +326,9 @@ def _train(rank: int, world: int, placement: str, method: str, overlap: bool) ->
             lo = (rank * parts + j) * per
             (F.cross_entropy(model(ids[lo : lo + per]), y[lo : lo + per]) / parts).backward()
         average_gradients_like_ddp(model)
-        before = comm.allreduce_bytes
+        before = comm.allreduce_bytes, comm.broadcast_bytes
         pre.step()
-        sent.append(comm.allreduce_bytes - before)
+        sent.append((comm.allreduce_bytes - before[0], comm.broadcast_bytes - before[1]))
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()], sent
 
@@ -350,11 +355,17 @@ def test_two_processes_equal_one_process_and_the_plan():
             for got, ref in zip(res[case][0], want):
                 torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(ref), rtol=1e-9, atol=1e-10,
                                            msg=lambda m, case=case, rank=rank: f"{case} rank {rank}: {m}")
-        if case[0] == "balanced" and not case[2]:
-            # step 2 updates the factors only: the plan's factor all-reduce bytes (float64 factors)
-            plan = communication_plan(dims, 2, "balanced", 1.0, element_bytes=8, decomposition_bytes=8)
-            assert results[0][case][1][2] == plan["ranks"][0]["factor_allreduce_bytes"]
-            assert results[0][case][1][1] == 0  # nothing on steps without updates
+        # plan-kfac prices every form: bytes handed to the communicator per step kind, on every rank (float64
+        # factors and decompositions); step 0 updates factors and decompositions, step 1 nothing, step 2 factors
+        if not case[2]:
+            placement, method = case[0], case[1]
+            plan = communication_plan(dims, 2, placement, None, compute_method=method, element_bytes=8,
+                                      decomposition_bytes=8)
+            for rank, res in enumerate(results):
+                r, sent = plan["ranks"][rank], res[case][1]
+                grads = r["gradient_broadcast_bytes"]
+                assert sent[0] == (r["factor_allreduce_bytes"], r["decomposition_broadcast_bytes"] + grads), case
+                assert sent[1] == (0, grads) and sent[2] == (r["factor_allreduce_bytes"], grads), case
 
 
 def _sharded_resume(rank: int, world: int, ckpt_dir: str) -> dict:
