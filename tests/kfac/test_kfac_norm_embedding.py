@@ -420,3 +420,21 @@ def test_sharded_checkpoint_on_two_processes_resumes_bitwise(tmp_path):
                                                 collective_timeout_s=120)):
         for method, (gathered, kept_own, equal) in res.items():
             assert gathered and kept_own and equal, (rank, method, gathered, kept_own, equal)
+
+
+def test_batchnorm_on_one_tile_of_a_split_activation_is_left_to_the_optimizer():
+    """The spatial strategy's 'local' BatchNorm normalises each tile alone: a tile's statistics are not the sample's,
+    so nothing is captured and the layer is left to the optimizer, with the one warning about such layers."""
+    from lightning_hpc.spatial.dispatch import split_tensor
+    from lightning_hpc.spatial.tiling import SpatialGrid
+
+    model = nn.Sequential(nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(72, 3))
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, announce=False)
+    x = torch.randn(4, 2, 6, 6)
+    with pytest.warns(RuntimeWarning, match=r"hooks of layer '0' \(BatchNorm2d\) did not fire"):
+        tile = model[0](split_tensor(x, SpatialGrid.single(), tuple(x.shape), 2, 3))  # the norm sees a split input
+        model[2](model[1](tile.as_subclass(torch.Tensor))).sum().backward()
+        raw = model[0].weight.grad.clone()
+        pre.step()
+    assert "0" not in pre.factors and "2" in pre.factors
+    assert torch.equal(model[0].weight.grad, raw)
