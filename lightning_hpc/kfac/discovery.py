@@ -3,12 +3,12 @@
 Only trainable parameters are preconditioned: an ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d``
 or ``nn.ConvTranspose1d/2d/3d`` (grouped and depthwise ones a Kronecker block per group; a transposed
 convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNorm1d/2d/3d`` / ``nn.GroupNorm`` /
-``nn.LayerNorm`` / ``nn.InstanceNorm1d/2d/3d`` (a 2x2 block per channel) or an ``nn.Embedding`` (diagonal A) whose
-weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains). Every other module
-with trainable parameters is listed with its reason: unsupported type, a family ``layer_types`` leaves out, frozen
-weight, ``skip_layers``, a normalisation subclass with statistics from other ranks (``nn.SyncBatchNorm``, the
-spatial strategy's), a sparse embedding, or a Linear that ``nn.MultiheadAttention`` uses functionally (its hooks
-never fire).
+``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.InstanceNorm1d/2d/3d`` (a 2x2 block per channel) or an ``nn.Embedding``
+(diagonal A) whose weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains).
+Every other module with trainable parameters is listed with its reason: unsupported type, a family
+``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation subclass with statistics from other
+ranks (``nn.SyncBatchNorm``, the spatial strategy's), a sparse embedding, or a Linear that
+``nn.MultiheadAttention`` uses functionally (its hooks never fire).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac.layers import (
+    FEATURE_NORMS,
     NORMS,
     SUPPORTED,
     EmbeddingHandler,
@@ -55,7 +56,8 @@ def skip_reason(
         return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
     if not isinstance(module, SUPPORTED):
         return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d, "
-                "nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.InstanceNorm1d/2d/3d "
+                "nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, "
+                "nn.InstanceNorm1d/2d/3d "
                 "and nn.Embedding)")
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
@@ -95,7 +97,7 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
             handlers = make_handlers(name, module)
             assert handlers
             handler = handlers[0]
-            sequences = isinstance(handler, (LinearHandler, EmbeddingHandler)) or isinstance(module, nn.LayerNorm)
+            sequences = isinstance(handler, (LinearHandler, EmbeddingHandler)) or isinstance(module, FEATURE_NORMS)
             if sequences:  # layers whose leading input dimensions are a sample dimension and positions
                 cast(Any, handler).batch_dim = linear_batch_dim(name, modules)
             report.handlers.extend(handlers)

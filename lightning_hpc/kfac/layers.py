@@ -64,7 +64,7 @@ __all__ = [
 #: module types K-FAC preconditions; every other layer is left to the optimizer
 SUPPORTED = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.Embedding,
 )  # fmt: skip
 #: least ``output positions x a_dim^2`` (the multiply-adds of the plain Gram) for which a convolution's A is
@@ -833,16 +833,19 @@ class GroupConvTransposeHandler(_OneGroup, ConvTransposeHandler):
 #: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as the spatial
 #: strategy's ``SpatialBatchNorm2d`` or ``nn.SyncBatchNorm`` normalises with statistics from other ranks)
 NORMS: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
 )  # fmt: skip
+#: the norms over the trailing ``normalized_shape`` of each position (features), not over channels
+FEATURE_NORMS = (nn.LayerNorm, nn.RMSNorm)
 #: dimensions of a batched input of each instance norm (one fewer: a single unbatched sample)
 _INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
 
 
 class NormAffineHandler(LayerHandler):
     """The affine parameters of a normalisation layer (``nn.BatchNorm1d/2d/3d``, ``nn.GroupNorm``, ``nn.LayerNorm``,
-    ``nn.InstanceNorm1d/2d/3d`` with ``affine=True``): a 2x2 Fisher block per channel over its (scale, shift).
+    ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` with ``affine=True``): a 2x2 Fisher block per channel over its
+    (scale, shift).
 
     The layer computes ``y = gamma_c xhat + beta_c`` at every position ``t`` of channel ``c`` (``xhat`` the
     normalised input), so the gradient of sample ``n``'s loss is ``d gamma_c = sum_t ds_{n,c,t} xhat_{n,c,t}``,
@@ -857,8 +860,9 @@ class NormAffineHandler(LayerHandler):
 
     the exact Fisher block of the pair (a :class:`~.forms.BlockDiagonalForm` of ``(C, 2, 2)``; ``(C, 1, 1)`` for
     a layer without a trainable shift), and preconditions ``(d gamma_c, d beta_c)`` by ``(F_c + damping I)^-1``.
-    The gradient matrix is ``(C, 2)``: columns scale and shift. For a ``LayerNorm`` the "channels" are the
-    elements of ``normalized_shape`` and the leading dimensions other than the sample dimension are positions.
+    The gradient matrix is ``(C, 2)``: columns scale and shift. For a ``LayerNorm`` / ``RMSNorm`` (which has no
+    shift: a 1x1 block) the "channels" are the elements of ``normalized_shape`` and the leading dimensions other
+    than the sample dimension are positions.
 
     ``xhat`` is recomputed in the backward hook from the layer's input (kept by reference, which autograd holds
     anyway) with the layer's own normalisation and ``eps``: training-mode batch statistics for BatchNorm (only
@@ -866,13 +870,13 @@ class NormAffineHandler(LayerHandler):
     """
 
     output_gradient_factors = ("F",)
-    #: sample dimension of a LayerNorm's input with more than one leading dimension (see :func:`linear_batch_dim`)
+    #: sample dimension of a LayerNorm / RMSNorm input with more than one leading dimension (:func:`linear_batch_dim`)
     batch_dim: int = 0
 
     @property
     def channels(self) -> int:
         m = self.module
-        if isinstance(m, nn.LayerNorm):
+        if isinstance(m, FEATURE_NORMS):
             return math.prod(m.normalized_shape)
         return int(m.num_channels if isinstance(m, nn.GroupNorm) else m.num_features)  # type: ignore[arg-type]
 
@@ -894,7 +898,7 @@ class NormAffineHandler(LayerHandler):
     def _batched(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` with a leading sample dimension (an unbatched instance-norm or layer-norm input is one sample)."""
         m = self.module
-        if isinstance(m, nn.LayerNorm):
+        if isinstance(m, FEATURE_NORMS):
             extra = t.dim() - len(m.normalized_shape)
             if extra == 0:
                 return t.unsqueeze(0)
@@ -913,7 +917,7 @@ class NormAffineHandler(LayerHandler):
 
     def _by_channel(self, t: torch.Tensor) -> torch.Tensor:
         """``(N, C, positions)`` of a batched tensor of the layer's layout."""
-        if isinstance(self.module, nn.LayerNorm):
+        if isinstance(self.module, FEATURE_NORMS):
             return t.reshape(t.shape[0], -1, self.channels).transpose(1, 2)
         return t.reshape(t.shape[0], t.shape[1], -1)
 
@@ -922,6 +926,8 @@ class NormAffineHandler(LayerHandler):
         m = self.module
         if isinstance(m, nn.LayerNorm):
             return F.layer_norm(x, m.normalized_shape, eps=m.eps)
+        if isinstance(m, nn.RMSNorm):  # scale only: x / rms(x)
+            return F.rms_norm(x, m.normalized_shape, eps=m.eps)
         if isinstance(m, nn.GroupNorm):
             return F.group_norm(x, m.num_groups, eps=m.eps)
         if type(m) in _INSTANCE_NORM_DIMS:

@@ -83,7 +83,7 @@ class KFACOptions:
         skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
         layer_types: the layer families to precondition, names of :data:`~.layers.LAYER_TYPES`: ``"linear"``,
             ``"conv"`` (Conv1d/2d/3d, grouped and depthwise), ``"conv_transpose"``, ``"norm"`` (affine parameters of
-            BatchNorm / GroupNorm / LayerNorm / InstanceNorm), ``"embedding"``; None = all of them.
+            BatchNorm / GroupNorm / LayerNorm / RMSNorm / InstanceNorm), ``"embedding"``; None = all of them.
         decomposition_dtype: ``"float32"`` / ``"float64"`` (or the torch dtypes): the dtype decompositions and
             preconditioning are computed in.
         factor_dtype: storage dtype of the running factors (the storage option kfac-pytorch 0.4 also offers):

@@ -44,10 +44,10 @@ class NormNet(nn.Module):
 class TokenNet(nn.Module):
     """Tokens -> embedding -> LayerNorm over the features at every position -> head."""
 
-    def __init__(self, ln_bias: bool = True) -> None:
+    def __init__(self, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.emb = nn.Embedding(9, 5, padding_idx=0)
-        self.norm = nn.LayerNorm(5, bias=ln_bias)
+        self.norm = norm or nn.LayerNorm(5)
         self.head = nn.Linear(5, 3)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,8 @@ NORMS = {
     "instancenorm1d": lambda: NormNet(nn.InstanceNorm1d(4, affine=True), 4, 1),
     "instancenorm3d": lambda: NormNet(nn.InstanceNorm3d(4, affine=True), 4, 3),
     "layernorm_positions": lambda: TokenNet(),
-    "layernorm_no_shift": lambda: TokenNet(ln_bias=False),
+    "layernorm_no_shift": lambda: TokenNet(nn.LayerNorm(5, bias=False)),
+    "rmsnorm": lambda: TokenNet(nn.RMSNorm(5, eps=1e-6)),
 }
 EXTENT = {1: (9,), 2: (5, 6), 3: (3, 4, 5)}
 N = 6
@@ -79,7 +80,7 @@ def _batch(model: nn.Module, n: int = N, seed: int = 0) -> tuple[torch.Tensor, t
 
 def _norm_grad(norm: nn.Module) -> torch.Tensor:
     cols = [norm.weight.grad.reshape(-1, 1)]
-    if norm.bias is not None:
+    if getattr(norm, "bias", None) is not None:
         cols.append(norm.bias.grad.reshape(-1, 1))
     return torch.cat(cols, 1)
 
@@ -91,7 +92,7 @@ def _per_sample_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     the definition, ``sum_t ds xhat`` and ``sum_t ds`` with ``ds = N * dL/dy`` of the batch's mean loss and
     ``xhat`` normalised by hand; the others run each sample through the model alone."""
     norm = model.norm
-    params = [p for p in (norm.weight, norm.bias) if p is not None]
+    params = [p for p in (norm.weight, getattr(norm, "bias", None)) if p is not None]
     if isinstance(norm, nn.modules.batchnorm._BatchNorm):
         captured = {}
         handle = norm.register_forward_hook(lambda m, i, o: captured.update(x=i[0], y=o))
