@@ -1,12 +1,17 @@
 """K-FAC gradient preconditioning (Pauloski et al., SC20), plain torch; Lightning adapters in callback.py and
 precision.py."""
 
+from lightning_hpc.kfac.forms import BlockDiagonalForm, DenseForm, DiagonalForm, FactorForm, LayerForms
 from lightning_hpc.kfac.layers import (
+    LAYER_TYPES,
     ConvHandler,
     ConvTransposeHandler,
+    EmbeddingHandler,
     GroupConvHandler,
+    GroupConvTransposeHandler,
     LayerHandler,
     LinearHandler,
+    NormAffineHandler,
     TiledConv2dHandler,
     make_handlers,
 )
@@ -29,18 +34,27 @@ from lightning_hpc.kfac.schedules import KFACSchedule
 
 __all__ = [
     "COMPUTE_METHODS",
+    "LAYER_TYPES",
     "PLACEMENTS",
+    "BlockDiagonalForm",
     "ComputeMethod",
     "ConvHandler",
     "ConvTransposeHandler",
+    "DenseForm",
+    "DiagonalForm",
+    "EmbeddingHandler",
+    "FactorForm",
     "GroupConvHandler",
+    "GroupConvTransposeHandler",
     "EigenMethod",
     "InverseMethod",
     "KFACOptions",
     "KFACPreconditioner",
     "KFACSchedule",
+    "LayerForms",
     "LayerHandler",
     "LinearHandler",
+    "NormAffineHandler",
     "Placement",
     "TiledConv2dHandler",
     "assign_factors",

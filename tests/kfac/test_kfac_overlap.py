@@ -270,7 +270,7 @@ def _run_nonfinite(rank: int, world_size: int) -> dict:
             if step == 0:
                 after_first = {n: {k: v.clone() for k, v in f.items()} for n, f in pre.factors.items()}
             if step == 1:
-                kept = all(torch.equal(pre.factors[n][k], after_first[n][k]) for n in after_first for k in "AG")
+                kept = all(torch.equal(pre.factors[n][k], f[k]) for n, f in after_first.items() for k in f)
         out[overlap] = (pre.dropped_statistics_steps, kept,
                         {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()})  # fmt: skip
     return out
