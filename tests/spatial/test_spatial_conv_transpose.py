@@ -12,8 +12,8 @@ from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.kernels import transposed
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
+from lightning_hpc.spatial.kernels import transposed
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 CONFIGS = [
