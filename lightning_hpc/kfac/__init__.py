@@ -12,7 +12,7 @@ from lightning_hpc.kfac.layers import (
     LayerHandler,
     LinearHandler,
     NormAffineHandler,
-    TiledConv2dHandler,
+    TiledConvHandler,
     make_handlers,
 )
 from lightning_hpc.kfac.methods import (
@@ -56,7 +56,7 @@ __all__ = [
     "LinearHandler",
     "NormAffineHandler",
     "Placement",
-    "TiledConv2dHandler",
+    "TiledConvHandler",
     "assign_factors",
     "make_handlers",
     "make_placement",

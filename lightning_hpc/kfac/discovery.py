@@ -7,7 +7,7 @@ convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNo
 (diagonal A) whose weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains).
 Every other module with trainable parameters is listed with its reason: unsupported type, a family
 ``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation subclass with statistics from other
-ranks (``nn.SyncBatchNorm``, the spatial strategy's), a sparse embedding, or a Linear that
+ranks (``nn.SyncBatchNorm``) or tiles (declared by the spatial strategy), a sparse embedding, or a Linear that
 ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
 """
 
@@ -45,6 +45,9 @@ def skip_reason(
     family = layer_type_of(module)
     if family is not None and layer_types is not None and family not in layer_types:
         return f"layer_types {sorted(layer_types)} leaves out {family!r}"
+    if getattr(module, "kfac_split_statistics", False):
+        return (f"{type(module).__name__} normalises a split activation (spatial parallelism): the per-sample "
+                "gradients of its scale and shift are sums over every tile, which K-FAC's block does not gather")
     if isinstance(module, (*NORMS, nn.SyncBatchNorm)) and type(module) not in NORMS:
         return (f"{type(module).__name__} normalises with statistics of other ranks or tiles, which K-FAC's "
                 "per-sample gradients of its scale and shift would not see")
@@ -52,7 +55,8 @@ def skip_reason(
         return "no affine parameters"
     if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
         return "sparse or frequency-scaled gradient (not the Kronecker form of its factors)"
-    if isinstance(module, nn.Conv2d) and module.groups > 1 and hasattr(module, "kfac_padded_input"):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups > 1 and \
+            hasattr(module, "kfac_padded_input"):
         return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
     if not isinstance(module, SUPPORTED):
         return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d, "

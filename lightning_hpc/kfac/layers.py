@@ -55,7 +55,7 @@ __all__ = [
     "LAYER_TYPES",
     "LayerHandler",
     "LinearHandler",
-    "TiledConv2dHandler",
+    "TiledConvHandler",
     "layer_type_of",
     "linear_batch_dim",
     "make_handlers",
@@ -333,7 +333,7 @@ class LayerHandler:
     def pack_factors(self, factors: dict[str, torch.Tensor], symmetric: bool) -> torch.Tensor:
         """This step's factors as the one vector the all-reduce averages, each packed by its form (``symmetric``:
         upper triangles). A spatially tiled layer's partial factors are scaled by :attr:`partition_size`: a sample
-        group's factor is the sum over its ranks (:class:`TiledConv2dHandler`), so the world mean becomes the mean
+        group's factor is the sum over its ranks (:class:`TiledConvHandler`), so the world mean becomes the mean
         over sample groups of those sums."""
         scale = self.partition_size
         return torch.cat([form.pack(factors[k] * scale if scale > 1 else factors[k], symmetric)
@@ -531,7 +531,7 @@ class ConvHandler(LayerHandler):
     sample_fraction: float = 1.0
     generator: torch.Generator | None = None
     #: A of stride-1 zero-padded 2-D convolutions from channel correlations (:meth:`_shifted_padding`); False for
-    #: inputs that come padded already (:class:`TiledConv2dHandler`)
+    #: inputs that come padded already (:class:`TiledConvHandler`)
     shifted_gram: bool = True
 
     @property
@@ -639,9 +639,10 @@ class ConvHandler(LayerHandler):
         return n * (x.shape[-2] + top + bottom - kh + 1) * (x.shape[-1] + left + right - kw + 1)
 
 
-class TiledConv2dHandler(ConvHandler):
-    """A Conv2d that runs on one spatial tile of each sample (spatial parallelism, Dryden et al. section III-A;
-    :class:`lightning_hpc.spatial.conv.SpatialConv2d`).
+class TiledConvHandler(ConvHandler):
+    """A Conv1d / Conv2d / Conv3d that runs on one spatial tile (or sub-volume) of each sample (spatial
+    parallelism, Dryden et al. sections I and III-A), declared by the spatial strategy
+    (:mod:`lightning_hpc.spatial.kfac_contract`).
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and
@@ -678,11 +679,15 @@ class TiledConv2dHandler(ConvHandler):
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         return x  # already padded by the layer (halo rows from the neighbours, zeros at the image border)
 
+    @property
+    def refuses_split_input(self) -> bool:  # type: ignore[override]
+        return False  # the statistics come from the recorded box, in any number of dimensions
+
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         gram, _ = super().input_gram(x)
-        oh, ow = cast(Any, self.module).kfac_output_extent
-        n = x.shape[0] if x.dim() == 4 else 1
-        return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
+        extent = cast(Any, self.module).kfac_output_extent
+        n = x.shape[0] if x.dim() == 2 + self.spatial_dims else 1
+        return gram, n * math.prod(extent)  # rows of the whole sample: sum_k A_k is the serial A
 
 
 class _OneGroup(LayerHandler):
@@ -1073,16 +1078,16 @@ def layer_type_of(module: nn.Module) -> str | None:
 def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
     """The handlers of a supported module (one per group of a grouped convolution), else none.
 
-    A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConv2dHandler`) gets the
+    A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample."""
     if isinstance(module, nn.Linear):
         return [LinearHandler(name, module)]
     if isinstance(module, CONVOLUTIONS):
-        tiled = isinstance(module, nn.Conv2d) and hasattr(module, "kfac_padded_input")
+        tiled = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and hasattr(module, "kfac_padded_input")
         if module.groups > 1:  # tiled grouped convolutions are left out (discovery.skip_reason says why)
             return [] if tiled else [GroupConvHandler(name, module, i) for i in range(module.groups)]
         if tiled:
-            return [TiledConv2dHandler(name, module)]
+            return [TiledConvHandler(name, module)]
         return [ConvHandler(name, module)]
     if isinstance(module, TRANSPOSED_CONVOLUTIONS):
         if module.groups > 1:

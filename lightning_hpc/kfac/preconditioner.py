@@ -17,7 +17,7 @@ Per optimizer step (Algorithm 1):
    the backward hooks of the step's last micro-batch, overlapping the rest of the backward pass as in KAISA,
    SC21: :mod:`.overlap`) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
-   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
+   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
    ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with the layer's gradient workers by
@@ -49,7 +49,7 @@ from torch import nn
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
 from lightning_hpc.kfac.collectives import allreduce_mean, broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
-from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConv2dHandler
+from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce
@@ -286,7 +286,7 @@ class KFACPreconditioner:
             warnings.warn(text, UserWarning, stacklevel=3)
 
     def _enable_subsampling(self, seed: int) -> None:
-        tiled = [h.name for h in self.handlers if isinstance(h, TiledConv2dHandler)]
+        tiled = [h.name for h in self.handlers if isinstance(h, TiledConvHandler)]
         if tiled:
             raise ValueError(
                 f"K-FAC conv_input_sample_fraction < 1 is not supported for spatially tiled layers ({tiled[:3]}): the "
@@ -334,7 +334,7 @@ class KFACPreconditioner:
         return self.steps % self.inv_update_freq == 0
 
     def _check_partitions(self) -> None:
-        """Spatially tiled layers (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial factors
+        """Spatially tiled layers (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial factors
         over ``partition_size`` ranks: the world must consist of whole groups of that size, all of one size."""
         sizes = {h.partition_size for h in self.handlers if h.partition_size > 1}
         if not sizes:

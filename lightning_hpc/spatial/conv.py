@@ -20,7 +20,7 @@ Measured in docs/spatial.md.  Backward (autograd through the exchange): dL/dx of
 added into its interior; dL/dw and dL/db are the local partial sums of Eq. 2 over this tile; they are summed
 over the spatial group by the strategy (:func:`lightning_hpc.spatial.gradients.reduce_gradients`).
 
-K-FAC extension point (:class:`lightning_hpc.kfac.layers.TiledConv2dHandler`): with ``kfac_record_input`` set
+K-FAC extension point (:class:`lightning_hpc.kfac.layers.TiledConvHandler`): with ``kfac_record_input`` set
 before a forward, the layer keeps the halo-padded input tile its output tile is computed from
 (``kfac_padded_input``: a convolution with padding 0 of it gives exactly the output positions this tile owns, so
 its unfolded patches are this tile's share of KFC's expansion) and the global output extent

@@ -1,9 +1,10 @@
 """What K-FAC reads of a convolution whose input is split (the contract of
-:class:`lightning_hpc.kfac.layers.TiledConv2dHandler`), without replacing the layer.
+:class:`lightning_hpc.kfac.layers.TiledConvHandler`), without replacing the layer.
 
 K-FAC's factors of a convolution are sums over the output positions of the input patches (KFC, Grosse & Martens
 2016); on a tile, this rank's share is the patches of the halo- and border-padded input box whose convolution
-with padding 0 gives exactly the outputs the tile owns.  The strategy declares each ``nn.Conv2d`` of the model
+with padding 0 gives exactly the outputs the tile owns.  The strategy declares each ``nn.Conv1d`` / ``nn.Conv2d``
+/ ``nn.Conv3d`` of the model
 (plain instance attributes, the layer stays what it is):
 
 * ``kfac_partition_size``: ranks whose tiles make up one sample (their factors are partial sums over them);
@@ -31,7 +32,7 @@ from lightning_hpc.spatial.kernels import convolution_windows
 __all__ = ["declare_tiled_convolutions"]
 
 
-def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
+def _record_whole_input(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, args: tuple) -> None:
     """Before the layer runs on an input that is not split: record it padded as the layer pads it (a pre-hook, so
     the record is there before any forward hook of K-FAC reads it)."""
     x = args[0] if args else None
@@ -41,15 +42,24 @@ def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
         return  # a split input: the convolution handler records the tile's box
     windows = convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
     vars(module).update(kfac_padded_input=F.pad(x, module._reversed_padding_repeated_twice).detach(),
-                        kfac_output_extent=tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[-2:])))
+                        kfac_output_extent=tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[2:])))
+
+
+#: normalisation layers: their statistics (and so their per-sample scale and shift gradients) span every tile
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm1d,
+          nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm)
 
 
 def declare_tiled_convolutions(model: nn.Module, partition_size: int) -> list[Any]:
-    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution (module docstring); returns the
-    hook handles (recording an input that is not split)."""
+    """Declare every convolution of ``model`` to K-FAC as a tiled convolution (module docstring), and every
+    normalisation layer as one whose statistics span the tiles (``kfac_split_statistics``: K-FAC leaves its
+    affine parameters to the optimizer, saying why); returns the hook handles (recording an input that is not
+    split)."""
     handles = []
     for m in model.modules():
-        if isinstance(m, nn.Conv2d):
+        if isinstance(m, _NORMS):
+            vars(m)["kfac_split_statistics"] = True
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             # plain attributes in the instance (not parameters or buffers: nothing a state_dict carries)
             vars(m).update(kfac_partition_size=partition_size, kfac_record_input=False, kfac_padded_input=None,
                            kfac_output_extent=None)

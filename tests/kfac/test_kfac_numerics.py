@@ -464,7 +464,7 @@ def test_conv_input_sample_fraction_rejects_bad_values(bad):
 
 
 def test_conv_input_subsampling_rejects_tiled_layers():
-    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConv2dHandler), like SpatialConv2d
+    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConvHandler), like SpatialConv2d
         kfac_padded_input = None
         kfac_partition_size = 1
 
