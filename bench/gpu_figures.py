@@ -146,8 +146,8 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     grid = SpatialGrid.single()
 
     def step(split: bool) -> None:
-        xs = split_tensor(x, grid, tuple(x.shape), 2, 3) if split else x
-        ys = split_tensor(y, grid, tuple(y.shape), 2, 3) if split else y
+        xs = split_tensor(x, grid, tuple(x.shape)) if split else x
+        ys = split_tensor(y, grid, tuple(y.shape)) if split else y
         opt.zero_grad(set_to_none=True)
         F.binary_cross_entropy_with_logits(net(xs), ys).backward()
         opt.step()

@@ -1,5 +1,10 @@
 """K-FAC overhead: amortized time per optimizer step with K-FAC over plain SGD (ResNet-32, batch 128, CPU).
 
+``--model mobilenet`` times a MobileNet-v1-style net instead (depthwise-separable blocks with BatchNorm on 32x32
+inputs, :func:`mobilenet`): every layer K-FAC handles is on by default (the depthwise convolutions a block per
+channel, the BatchNorm layers' per-channel 2x2 blocks); ``--layer-types linear conv`` leaves the BatchNorm layers
+to the optimizer, for a comparison on the same machine.
+
 Four kinds of optimizer step are timed in the same process (median of ``--repeats`` x ``--rounds`` after warm-up;
 process CPU time with one thread, since wall time on a
 loaded shared machine mostly measures the other jobs; wall time is reported too):
@@ -29,6 +34,10 @@ time there: the ranks wait for each other, and waiting is what overlap removes.
     flock LOCKFILE python bench/kfac_overhead.py --processes 2 --overlap both [--repeats 5] [--batch 128]
 
 (writes bench/results/kfac_overhead_2proc.{json,csv} unless ``--tag`` is given).
+
+    flock LOCKFILE python bench/kfac_overhead.py --model mobilenet [--width 0.5] [--layer-types linear conv]
+
+(writes bench/results/kfac_overhead_mobilenet.{json,csv} unless ``--tag`` is given).
 """
 
 from __future__ import annotations
@@ -59,6 +68,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--depth", type=int, default=32)
+    ap.add_argument("--model", choices=["resnet", "mobilenet"], default="resnet",
+                    help="CIFAR ResNet of --depth, or the MobileNet-style net of depthwise-separable blocks")
+    ap.add_argument("--width", type=float, default=0.5, help="MobileNet width multiplier (channels x width)")
+    ap.add_argument("--layer-types", nargs="+", default=None, metavar="TYPE",
+                    help="K-FAC's layer_types (default: every family it handles)")
     ap.add_argument("--threads", default="1,default", help="comma-separated thread counts; 'default' = torch's default")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all step kinds (noise control)")
     ap.add_argument("--tag", default="", help="suffix of the result files (e.g. _threads2)")
@@ -84,9 +98,12 @@ def main() -> None:
         counts = [1]  # one thread per rank (run_in_processes): the ranks share the cores
     # several processes write their own files (kfac_overhead_2proc.*) unless a tag says otherwise
     tag = args.tag or (f"_{args.processes}proc" if args.processes > 1 else "")
+    if args.model == "mobilenet" and not args.tag:
+        tag = "_mobilenet" + tag  # its own files: the ResNet-32 results stay
     report = Report("kfac_overhead" + tag)
     report.meta.update(
-        model=f"cifar_resnet{args.depth}",
+        model=f"cifar_resnet{args.depth}" if args.model == "resnet" else f"mobilenet_width{args.width:g}",
+        layer_types=args.layer_types or "all",
         batch=args.batch,
         threads=counts,
         default_threads=default_threads,
@@ -134,6 +151,31 @@ def main() -> None:
     report.write()
 
 
+#: MobileNet v1's body (Howard et al. 2017, Table 1) for 32x32 inputs: (output channels, stride) of each
+#: depthwise-separable block after the 3x3 stem of 32 channels, the first stride-2 stages kept at stride 1
+MOBILENET_BLOCKS = ((64, 1), (128, 1), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1), (512, 1), (512, 1),
+                    (512, 1), (512, 1), (1024, 2), (1024, 1))
+
+
+def mobilenet(width: float = 1.0, classes: int = 10) -> nn.Sequential:
+    """A MobileNet-v1-style classifier: a 3x3 stem, depthwise 3x3 + pointwise 1x1 blocks, each convolution followed
+    by BatchNorm and ReLU, global average pooling and a Linear head."""
+
+    def ch(c: int) -> int:
+        return max(8, int(c * width))
+
+    def conv_bn(c_in: int, c_out: int, k: int, stride: int, groups: int = 1) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True)]
+
+    layers = conv_bn(3, ch(32), 3, 1)
+    c = ch(32)
+    for c_out, stride in MOBILENET_BLOCKS:
+        layers += conv_bn(c, c, 3, stride, groups=c) + conv_bn(c, ch(c_out), 1, 1)
+        c = ch(c_out)
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes))
+
+
 def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> float:
     """Mean step time for factors every ``f`` and decompositions every ``d`` steps (d a multiple of f); ``suffix``
     picks the factor steps of one all-reduce mode (``""`` at the step, ``"_overlap"`` from the hooks)."""
@@ -158,7 +200,7 @@ def measure(
     torch.manual_seed(0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model0 = cifar_resnet(args.depth)
+    model0 = cifar_resnet(args.depth) if args.model == "resnet" else mobilenet(args.width)
     g = torch.Generator().manual_seed(rank)
     batch = args.batch // world
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -174,7 +216,8 @@ def measure(
         model = copy.deepcopy(model0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, damping=0.003,
-                                 overlap_factor_allreduce=MODES[mode][0], announce=rank == 0)  # fmt: skip
+                                 overlap_factor_allreduce=MODES[mode][0], layer_types=args.layer_types,
+                                 announce=rank == 0)  # fmt: skip
         kfac[mode] = (wrap(model), opt, pre)
 
     def sgd_step() -> None:

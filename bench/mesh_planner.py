@@ -79,7 +79,7 @@ def _spatial_steps(
     g = torch.Generator().manual_seed(layout.sample_index)
     x = torch.randn(1, 18, size, size, generator=g)
     y = (torch.rand(1, 1, size, size, generator=g) < 0.02).float()
-    rows, cols = tile_slices(size, size, parts, layout.grid.index)
+    rows, cols = tile_slices((size, size), parts, layout.grid.index)
     x, y = x[..., rows, cols].contiguous(), y[..., rows, cols].contiguous()
     times = []
     for i in range(warmup + steps):

@@ -132,7 +132,7 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if dispatch:  # as the strategy runs it: split activations, the user's unchanged mean loss
-                xs, ys = (split_tensor(t, grid, (1, t.shape[1], size, size), 2, 3) for t in (x, y))
+                xs, ys = (split_tensor(t, grid, (1, t.shape[1], size, size)) for t in (x, y))
                 loss = F.binary_cross_entropy_with_logits(model(xs), ys)
             else:
                 loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
@@ -298,7 +298,7 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
     convert_model(disp_model, grid, dispatch=True)
     x = torch.randn(1, cin, size, size)
     y = (torch.rand(1, 1, size, size) > 0.5).float()
-    rs, cs = tile_slices(size, size, (2, 1), grid.index)
+    rs, cs = tile_slices((size, size), (2, 1), grid.index)
     xt, yt = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
     times = {"plain": [], "dispatch": []}
     for step in range(repeats + 1):
@@ -310,8 +310,8 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
                 out = model(xt)
                 loss = F.binary_cross_entropy_with_logits(out, yt, reduction="sum") / (size * size)
             else:
-                xs = split_tensor(xt, grid, x.shape, 2, 3)
-                ys = split_tensor(yt, grid, y.shape, 2, 3)
+                xs = split_tensor(xt, grid, x.shape)
+                ys = split_tensor(yt, grid, y.shape)
                 loss = F.binary_cross_entropy_with_logits(model(xs), ys)
             loss.backward()
             tile, rep = split_parameters(model)
@@ -321,7 +321,7 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
                 times[mode].append(time.perf_counter() - t0)
     st = state()
     g0, b0 = st.gathers, st.gathered_bytes
-    xs = split_tensor(xt, grid, x.shape, 2, 3)
+    xs = split_tensor(xt, grid, x.shape)
     torch.flip(xs, (2,))
     return {"times": times, "flip_gathers": st.gathers - g0, "flip_bytes": st.gathered_bytes - b0,
             "activation_bytes": x.numel() * x.element_size()}

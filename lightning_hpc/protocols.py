@@ -10,7 +10,7 @@
   when layered SGD applies its postponed update (at the next batch), because it neither logs nor keeps state tied
   to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
 * :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
-  samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConv2dHandler`.
+  samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
 
 No Lightning import here: the plain-torch cores import this module.
 """

@@ -35,6 +35,7 @@ FAST = {
     # run (with their own size overrides) by the test named here
     "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
     "mesh_tangling_2k": "tests/mesh_tangling/test_recipes.py",
+    "volumes_unet3d": "tests/spatial/test_volume_recipe.py",
 }
 
 

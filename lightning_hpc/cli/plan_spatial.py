@@ -88,7 +88,7 @@ def main(argv: Sequence[str]) -> int:
     batch = args.batch_size or int(cfg.batch_size)
     ab = AlphaBeta(args.alpha, args.beta) if args.alpha is not None else None
     scale = max(1.0, args.world_size * args.threads / args.cores) if args.cores else 1.0
-    restrict = (lambda d: d.h == 1 and d.w == 1) if args.sample_only else None
+    restrict = (lambda d: d.spatial_size == 1) if args.sample_only else None
     sync = None
     if args.loaded_sync:
         from lightning_hpc.perfmodel import calibrate_sync

@@ -1,13 +1,18 @@
 """K-FAC gradient preconditioning (Pauloski et al., SC20), plain torch; Lightning adapters in callback.py and
 precision.py."""
 
+from lightning_hpc.kfac.forms import BlockDiagonalForm, DenseForm, DiagonalForm, FactorForm, LayerForms
 from lightning_hpc.kfac.layers import (
+    LAYER_TYPES,
     ConvHandler,
     ConvTransposeHandler,
+    EmbeddingHandler,
     GroupConvHandler,
+    GroupConvTransposeHandler,
     LayerHandler,
     LinearHandler,
-    TiledConv2dHandler,
+    NormAffineHandler,
+    TiledConvHandler,
     make_handlers,
 )
 from lightning_hpc.kfac.methods import (
@@ -29,20 +34,29 @@ from lightning_hpc.kfac.schedules import KFACSchedule
 
 __all__ = [
     "COMPUTE_METHODS",
+    "LAYER_TYPES",
     "PLACEMENTS",
+    "BlockDiagonalForm",
     "ComputeMethod",
     "ConvHandler",
     "ConvTransposeHandler",
+    "DenseForm",
+    "DiagonalForm",
+    "EmbeddingHandler",
+    "FactorForm",
     "GroupConvHandler",
+    "GroupConvTransposeHandler",
     "EigenMethod",
     "InverseMethod",
     "KFACOptions",
     "KFACPreconditioner",
     "KFACSchedule",
+    "LayerForms",
     "LayerHandler",
     "LinearHandler",
+    "NormAffineHandler",
     "Placement",
-    "TiledConv2dHandler",
+    "TiledConvHandler",
     "assign_factors",
     "make_handlers",
     "make_placement",

@@ -75,6 +75,7 @@ class KFAC(Callback):
         placement: str = "balanced",
         grad_worker_fraction: float | None = None,
         skip_layers: str | Sequence[str] | None = None,
+        layer_types: Sequence[str] | None = None,
         decomposition_dtype: torch.dtype | str = "float32",
         factor_dtype: torch.dtype | str | None = None,
         inverse_dtype: torch.dtype | str | None = None,

@@ -1,5 +1,7 @@
-"""Per-layer K-FAC handlers: Kronecker factors and gradient reshaping for ``nn.Linear`` and ``nn.Conv1d`` /
-``nn.Conv2d`` / ``nn.Conv3d``.
+"""Per-layer K-FAC handlers: factors and gradient reshaping for ``nn.Linear``, ``nn.Conv1d/2d/3d`` and
+``nn.ConvTranspose1d/2d/3d`` (Kronecker factors; grouped ones per group), normalisation layers' affine parameters
+(a 2x2 block per channel) and ``nn.Embedding`` (a diagonal A). Each handler owns the form of its factors
+(:meth:`LayerHandler.factor_forms`, :mod:`.forms`) and how its gradient is preconditioned with them.
 
 Scaling convention (damping depends on it)
 -------------------------------------------
@@ -35,24 +37,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hpc.kfac.forms import BlockDiagonalForm, DenseForm, DiagonalForm, FactorForm, LayerForms
 from lightning_hpc.kfac.linalg import conv_patch_gram, sym_gram
+from lightning_hpc.kfac.methods import ComputeMethod
 
 __all__ = [
     "SUPPORTED",
     "CONVOLUTIONS",
     "ConvHandler",
     "ConvTransposeHandler",
+    "EmbeddingHandler",
     "GroupConvHandler",
+    "GroupConvTransposeHandler",
+    "NORMS",
+    "NormAffineHandler",
     "TRANSPOSED_CONVOLUTIONS",
+    "LAYER_TYPES",
     "LayerHandler",
     "LinearHandler",
-    "TiledConv2dHandler",
+    "TiledConvHandler",
+    "layer_type_of",
     "linear_batch_dim",
     "make_handlers",
 ]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+SUPPORTED = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.Embedding,
+)  # fmt: skip
 #: least ``output positions x a_dim^2`` (the multiply-adds of the plain Gram) for which a convolution's A is
 #: computed from channel correlations: below it the unfolded patches' single product is cheaper (measured at
 #: 1 thread: 32 samples of 8 channels at 8x8, 3x3 kernel, 0.36 ms unfolded against 0.69 ms; ResNet-32's layers
@@ -108,6 +122,12 @@ class LayerHandler:
         self._next_token = 0
         self._forward_id = 0
         self.reset_statistics()
+        #: the running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
+        #: factor update
+        self.factors: dict[str, torch.Tensor] = {}
+        #: the decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
+        #: until the first decomposition, and on ranks outside the layer's gradient-worker group
+        self.decompositions: dict[str, torch.Tensor] = {}
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -207,6 +227,10 @@ class LayerHandler:
     #: partition, e.g. the spatial strategy's): such an input is refused instead of giving one tile's factors
     refuses_split_input: bool = False
 
+    def captures(self, x: torch.Tensor) -> bool:
+        """Whether this forward's input gives the layer statistics (False: the call is not captured)."""
+        return True
+
     def check_input(self, x: torch.Tensor) -> None:
         """Refuse, naming the layer and the fix, an input this handler's statistics do not cover."""
         if self.refuses_split_input and type(x) is not torch.Tensor:
@@ -239,14 +263,11 @@ class LayerHandler:
         pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
         if pending is None:  # statistics discarded since the forward pass
             return False
+        a, rows, n, forward_id = pending
         with torch.autocast(g.device.type, enabled=False):
-            contrib = self.output_gram(g)
-        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+            self.accumulate(a, rows, g)
         self.g_samples += g.shape[0]
         self.g_dtype = g.dtype
-        a, rows, n, forward_id = pending
-        self.a_sum = a if self.a_sum is None else self.a_sum + a
-        self.a_rows += rows
         counted, calls = self._forward_counted.get(forward_id, (0, 0))
         if n > counted:
             self.samples += n - counted
@@ -254,6 +275,14 @@ class LayerHandler:
         self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
         self.commits += 1
         return True
+
+    def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
+        """Add one call's statistics to the sums: its input statistic (:meth:`input_gram`, computed in the forward
+        pass) and ``rows``, and the Gram of its output gradient ``g``."""
+        contrib = self.output_gram(g)
+        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+        self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
+        self.a_rows += rows
 
     def awaiting_output_grads(self) -> bool:
         """Calls of the latest forward pass whose output gradient has not arrived yet (a layer called several
@@ -278,6 +307,119 @@ class LayerHandler:
         if grad_scale != 1.0:
             g = g / (grad_scale * grad_scale)
         return a, g
+
+    # -- factor forms ------------------------------------------------------------------------------------
+    #: what the setup report says about the layer's factors when they are not KFC's dense A and G
+    form_note: str = ""
+    #: the factors built from output gradients: an AMP loss scale enters them squared (see :meth:`unscale`)
+    output_gradient_factors: tuple[str, ...] = ("G",)
+
+    def factor_forms(self) -> dict[str, FactorForm]:
+        """The layer's factors by name and form (:mod:`.forms`): KFC's dense A and G."""
+        return {"A": DenseForm(self.a_dim), "G": DenseForm(self.g_dim)}
+
+    def layer_forms(self) -> LayerForms:
+        """The factors and the gradient matrix's shape, as the placement and ``plan-kfac`` price them."""
+        return LayerForms(self.factor_forms(), (self.g_dim, self.a_dim))
+
+    def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
+        """This step's factors by name (:meth:`factor_forms`), from the captured micro-batches."""
+        return dict(zip(("A", "G"), self.batch_factors(grad_scale, batch_averaged)))
+
+    def packed_numel(self, symmetric: bool) -> int:
+        """Elements of this layer's factors in the all-reduce (:meth:`pack_factors`)."""
+        return sum(form.packed_numel(symmetric) for form in self.factor_forms().values())
+
+    def pack_factors(self, factors: dict[str, torch.Tensor], symmetric: bool) -> torch.Tensor:
+        """This step's factors as the one vector the all-reduce averages, each packed by its form (``symmetric``:
+        upper triangles). A spatially tiled layer's partial factors are scaled by :attr:`partition_size`: a sample
+        group's factor is the sum over its ranks (:class:`TiledConvHandler`), so the world mean becomes the mean
+        over sample groups of those sums."""
+        scale = self.partition_size
+        return torch.cat([form.pack(factors[k] * scale if scale > 1 else factors[k], symmetric)
+                          for k, form in self.factor_forms().items()])  # fmt: skip
+
+    def unpack_factors(self, flat: torch.Tensor, symmetric: bool) -> dict[str, torch.Tensor]:
+        """The factors from :meth:`pack_factors`'s (averaged) vector."""
+        out, offset = {}, 0
+        for k, form in self.factor_forms().items():
+            size = form.packed_numel(symmetric)
+            out[k] = form.unpack(flat[offset : offset + size], symmetric)
+            offset += size
+        return out
+
+    def unscale(self, factors: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
+        """``factors`` with the output-gradient ones divided by ``grad_scale**2`` (statistics reduced before the
+        loss scale was known: the overlapped all-reduce)."""
+        if grad_scale == 1.0:
+            return factors
+        s = grad_scale * grad_scale
+        return {k: v / s if k in self.output_gradient_factors else v for k, v in factors.items()}
+
+    def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
+                     damping: float) -> torch.Tensor:
+        """The preconditioned ``(g_dim, a_dim)`` gradient matrix from the layer's decompositions (keys
+        ``f"{name}_{factor}"``): ``(A (x) G + damping I)^-1 vec(grad)`` by the compute method (Eq 13-15 / 11-12)."""
+        return method.precondition(grad, decompositions, damping)
+
+    # -- running factors and decompositions ---------------------------------------------------------------
+    def fold(self, batch: dict[str, torch.Tensor], decay: float, dtype: torch.dtype) -> None:
+        """Fold this step's (rank-averaged) factors into the running averages stored in ``dtype`` (Eq 16-17:
+        ``decay`` weighs the old average; the first update takes the batch factors)."""
+        if not self.factors:
+            self.factors = {k: f.to(dtype, copy=True) for k, f in batch.items()}
+            return
+        for k, new in batch.items():
+            running = self.factors[k]
+            if new.dtype == dtype:
+                running.mul_(decay).add_(new, alpha=1.0 - decay)
+            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
+                running.copy_(running.to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
+
+    def result_shapes(self, kind: str, method: ComputeMethod) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the decomposition of factor ``kind`` (what a broadcast or checkpoint carries)."""
+        return self.factor_forms()[kind].result_shapes(method)
+
+    def decompose(self, kind: str, method: ComputeMethod, damping: float, dtype: torch.dtype,
+                  storage: torch.dtype) -> dict[str, torch.Tensor]:
+        """The decomposition of the running factor ``kind`` computed in ``dtype``, stored in ``storage``. When every
+        fallback fails (:mod:`.linalg`), the previous decomposition, or before any an identity factor's (the step
+        is then a damped SGD step): what the layer's other workers receive, so every rank stays identical."""
+        form = self.factor_forms()[kind]
+        factor = self.factors[kind]
+        res = form.decompose(factor, method, damping, dtype, f"{self.name}.{kind}")
+        if res is None:
+            if self.decompositions:
+                res = {k: self.decompositions[f"{k}_{kind}"] for k in form.result_shapes(method)}
+            else:
+                res = form.identity(method, damping, dtype, factor.device)
+        return {k: v.to(storage) for k, v in res.items()}
+
+    def set_decomposition(self, kind: str, res: dict[str, torch.Tensor]) -> None:
+        """Keep ``res`` (:meth:`decompose`'s, computed here or received) as factor ``kind``'s decomposition."""
+        for k, v in res.items():
+            self.decompositions[f"{k}_{kind}"] = v
+
+    def decomposition_of(self, kind: str, method: ComputeMethod) -> dict[str, torch.Tensor]:
+        """Factor ``kind``'s part of :attr:`decompositions`, by its own names (for a broadcast)."""
+        return {k: self.decompositions[f"{k}_{kind}"] for k in self.result_shapes(kind, method)}
+
+    def load_state(self, factors: dict[str, torch.Tensor], decompositions: dict[str, torch.Tensor],
+                   factor_dtype: torch.dtype, inverse_dtype: torch.dtype) -> None:
+        """Take a checkpoint's running factors and decompositions (empty dicts: none), on the layer's device in the
+        storage dtypes."""
+        device = self.weight.device
+        self.factors = {k: v.to(device, factor_dtype) for k, v in factors.items()}
+        self.decompositions = {k: v.to(device, inverse_dtype) for k, v in decompositions.items()}
+
+    def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:
+        decompositions stored narrower are widened to it first)."""
+        d = self.decompositions
+        if any(v.dtype != dtype for v in d.values()):
+            d = {k: v.to(dtype) for k, v in d.items()}
+        return self.precondition(grad, d, method, damping)
 
     # -- gradients ---------------------------------------------------------------------------------------
     #: the rows of ``weight`` (and ``bias``) this handler preconditions: all of them, or one group's
@@ -365,9 +507,10 @@ def sliding_windows(t: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int,
     return t[(...,) + tuple(slice(None, None, d) for d in dilation)]
 
 
-#: the convolutions K-FAC preconditions (groups=1): one handler for 1, 2 and 3 spatial dimensions
+#: the convolutions K-FAC preconditions: one handler for 1, 2 and 3 spatial dimensions (grouped ones by
+#: :class:`GroupConvHandler`)
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: the transposed convolutions K-FAC preconditions (groups=1)
+#: the transposed convolutions K-FAC preconditions (grouped ones by :class:`GroupConvTransposeHandler`)
 TRANSPOSED_CONVOLUTIONS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
@@ -388,7 +531,7 @@ class ConvHandler(LayerHandler):
     sample_fraction: float = 1.0
     generator: torch.Generator | None = None
     #: A of stride-1 zero-padded 2-D convolutions from channel correlations (:meth:`_shifted_padding`); False for
-    #: inputs that come padded already (:class:`TiledConv2dHandler`)
+    #: inputs that come padded already (:class:`TiledConvHandler`)
     shifted_gram: bool = True
 
     @property
@@ -496,9 +639,10 @@ class ConvHandler(LayerHandler):
         return n * (x.shape[-2] + top + bottom - kh + 1) * (x.shape[-1] + left + right - kw + 1)
 
 
-class TiledConv2dHandler(ConvHandler):
-    """A Conv2d that runs on one spatial tile of each sample (spatial parallelism, Dryden et al. section III-A;
-    :class:`lightning_hpc.spatial.conv.SpatialConv2d`).
+class TiledConvHandler(ConvHandler):
+    """A Conv1d / Conv2d / Conv3d that runs on one spatial tile (or sub-volume) of each sample (spatial
+    parallelism, Dryden et al. sections I and III-A), declared by the spatial strategy
+    (:mod:`lightning_hpc.spatial.kfac_contract`).
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and
@@ -535,14 +679,43 @@ class TiledConv2dHandler(ConvHandler):
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
         return x  # already padded by the layer (halo rows from the neighbours, zeros at the image border)
 
+    @property
+    def refuses_split_input(self) -> bool:  # type: ignore[override]
+        return False  # the statistics come from the recorded box, in any number of dimensions
+
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         gram, _ = super().input_gram(x)
-        oh, ow = cast(Any, self.module).kfac_output_extent
-        n = x.shape[0] if x.dim() == 4 else 1
-        return gram, n * oh * ow  # rows of the whole sample: sum_k A_k is the serial A
+        extent = cast(Any, self.module).kfac_output_extent
+        n = x.shape[0] if x.dim() == 2 + self.spatial_dims else 1
+        return gram, n * math.prod(extent)  # rows of the whole sample: sum_k A_k is the serial A
 
 
-class GroupConvHandler(ConvHandler):
+class _OneGroup(LayerHandler):
+    """The channel slicing of one group of a grouped (transposed) convolution: the group's input channels form its
+    statistics' input, its output channels their output gradient (put before the layer's handler in the bases)."""
+
+    group: int
+    in_per_group: int
+    out_per_group: int
+
+    def _set_group(self, module: nn.Module, group: int) -> None:
+        m = cast(Any, module)
+        self.group = group
+        self.in_per_group = m.in_channels // m.groups
+        self.out_per_group = m.out_channels // m.groups
+
+    def _channels(self, t: torch.Tensor, per_group: int) -> torch.Tensor:
+        dim = t.dim() - len(cast(Any, self.module).kernel_size) - 1  # 0 for an unbatched input, else 1
+        return t.narrow(dim, self.group * per_group, per_group)
+
+    def capture_input(self, x: torch.Tensor) -> int:
+        return super().capture_input(self._channels(x, self.in_per_group))
+
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        return super().capture_output_grad(self._channels(g, self.out_per_group), token)
+
+
+class GroupConvHandler(_OneGroup, ConvHandler):
     """One group of a grouped convolution (``groups > 1``; depthwise when each group has one input channel).
 
     Group ``i``'s weights ``W[i Co/g : (i+1) Co/g]`` see only input channels ``[i Ci/g, (i+1) Ci/g)`` and produce
@@ -555,9 +728,7 @@ class GroupConvHandler(ConvHandler):
     refuses_split_input = True  # type: ignore[assignment]
 
     def __init__(self, name: str, module: nn.Conv1d | nn.Conv2d | nn.Conv3d, group: int) -> None:
-        self.group = group
-        self.in_per_group = module.in_channels // module.groups
-        self.out_per_group = module.out_channels // module.groups
+        self._set_group(module, group)
         super().__init__(f"{name}#g{group}", module)
         self.rows = slice(group * self.out_per_group, (group + 1) * self.out_per_group)
 
@@ -568,16 +739,6 @@ class GroupConvHandler(ConvHandler):
     @property
     def g_dim(self) -> int:
         return self.out_per_group
-
-    def _channels(self, t: torch.Tensor, per_group: int) -> torch.Tensor:
-        dim = t.dim() - self.spatial_dims - 1  # 0 for an unbatched input, else 1
-        return t.narrow(dim, self.group * per_group, per_group)
-
-    def capture_input(self, x: torch.Tensor) -> int:
-        return super().capture_input(self._channels(x, self.in_per_group))
-
-    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
-        return super().capture_output_grad(self._channels(g, self.out_per_group), token)
 
 
 class ConvTransposeHandler(LayerHandler):
@@ -641,31 +802,301 @@ class ConvTransposeHandler(LayerHandler):
 
     def grad_matrix(self) -> torch.Tensor | None:
         w = self.weight
-        return None if w.grad is None else w.grad.reshape(w.shape[0], -1).t()
+        return None if w.grad is None else w.grad[self.rows].reshape(self.a_dim, -1).t()
 
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         w = self.weight
         assert w.grad is not None
-        w.grad.copy_(mat.t().reshape_as(w.grad))
+        w.grad[self.rows].copy_(mat.t().reshape_as(w.grad[self.rows]))
+
+
+class GroupConvTransposeHandler(_OneGroup, ConvTransposeHandler):
+    """One group of a grouped transposed convolution (``groups > 1``).
+
+    The weight is ``(C_in, C_out / groups, *kernel)``: group ``i``'s input channels ``[i C_in/g, (i+1) C_in/g)``
+    scatter only into its output channels ``[i C_out/g, (i+1) C_out/g)``, so each group is a transposed
+    convolution of its own and gets its own block of :class:`ConvTransposeHandler`'s swapped KFC form, as a grouped
+    convolution's groups do (:class:`GroupConvHandler`). Named ``<layer>#g<i>``; its gradient matrix is its input
+    channels' rows of ``dW``, viewed as ``(C_out/g * prod(kernel), C_in/g)``.
+    """
+
+    def __init__(self, name: str, module: nn.Module, group: int) -> None:
+        self._set_group(module, group)
+        super().__init__(f"{name}#g{group}", module)
+        self.rows = slice(group * self.in_per_group, (group + 1) * self.in_per_group)
+
+    @property
+    def a_dim(self) -> int:
+        return self.in_per_group
+
+    @property
+    def g_dim(self) -> int:
+        return self.out_per_group * math.prod(self.module.kernel_size)
+
+
+#: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as the spatial
+#: strategy's ``SpatialBatchNorm2d`` or ``nn.SyncBatchNorm`` normalises with statistics from other ranks)
+NORMS: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+)  # fmt: skip
+#: the norms over the trailing ``normalized_shape`` of each position (features), not over channels
+FEATURE_NORMS = (nn.LayerNorm, nn.RMSNorm)
+#: dimensions of a batched input of each instance norm (one fewer: a single unbatched sample)
+_INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+
+
+class NormAffineHandler(LayerHandler):
+    """The affine parameters of a normalisation layer (``nn.BatchNorm1d/2d/3d``, ``nn.GroupNorm``, ``nn.LayerNorm``,
+    ``nn.RMSNorm``, ``nn.InstanceNorm1d/2d/3d`` with ``affine=True``): a 2x2 Fisher block per channel over its
+    (scale, shift).
+
+    The layer computes ``y = gamma_c xhat + beta_c`` at every position ``t`` of channel ``c`` (``xhat`` the
+    normalised input), so the gradient of sample ``n``'s loss is ``d gamma_c = sum_t ds_{n,c,t} xhat_{n,c,t}``,
+    ``d beta_c = sum_t ds_{n,c,t}`` (``ds`` as in the module docstring: ``B * grad_output`` for a mean loss). This
+    is not a Kronecker product of an input and an output factor: K-FAC treats such a layer with a block of its own
+    from these per-example gradients (Martens & Grosse 2015, section 3, on layers other than fully connected
+    ones; KFAC-JAX's ``ScaleAndShiftDiagonal`` / ``ScaleAndShiftFull`` curvature blocks for ``scale_and_shift``
+    layers, whose per-example gradients are exactly these). Between KFAC-JAX's diagonal (channels and the two
+    parameters independent) and full (all ``2C`` parameters together) blocks this handler keeps, per channel,
+
+        F_c = 1/B sum_n u_{n,c} u_{n,c}^T,    u_{n,c} = (d gamma_c, d beta_c) of sample n,
+
+    the exact Fisher block of the pair (a :class:`~.forms.BlockDiagonalForm` of ``(C, 2, 2)``; ``(C, 1, 1)`` for
+    a layer without a trainable shift), and preconditions ``(d gamma_c, d beta_c)`` by ``(F_c + damping I)^-1``.
+    The gradient matrix is ``(C, 2)``: columns scale and shift. For a ``LayerNorm`` / ``RMSNorm`` (which has no
+    shift: a 1x1 block) the "channels" are the elements of ``normalized_shape`` and the leading dimensions other
+    than the sample dimension are positions.
+
+    ``xhat`` is recomputed in the backward hook from the layer's input (kept by reference, which autograd holds
+    anyway) with the layer's own normalisation and ``eps``: training-mode batch statistics for BatchNorm (only
+    training forwards are captured), per-sample ones for the others.
+    """
+
+    output_gradient_factors = ("F",)
+    #: sample dimension of a LayerNorm / RMSNorm input with more than one leading dimension (:func:`linear_batch_dim`)
+    batch_dim: int = 0
+
+    @property
+    def channels(self) -> int:
+        m = self.module
+        if isinstance(m, FEATURE_NORMS):
+            return math.prod(m.normalized_shape)
+        return int(m.num_channels if isinstance(m, nn.GroupNorm) else m.num_features)  # type: ignore[arg-type]
+
+    @property
+    def a_dim(self) -> int:
+        return 1 + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        return self.channels
+
+    def factor_forms(self) -> dict[str, FactorForm]:
+        return {"F": BlockDiagonalForm(self.channels, self.a_dim)}
+
+    @property
+    def form_note(self) -> str:  # type: ignore[override]
+        return "a 2x2 block per channel over scale and shift" if self.has_bias else "a 1x1 block per channel (scale)"
+
+    def _batched(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with a leading sample dimension (an unbatched instance-norm or layer-norm input is one sample)."""
+        m = self.module
+        if isinstance(m, FEATURE_NORMS):
+            extra = t.dim() - len(m.normalized_shape)
+            if extra == 0:
+                return t.unsqueeze(0)
+            return t.movedim(self.batch_dim, 0) if extra >= 2 else t
+        batched = _INSTANCE_NORM_DIMS.get(type(m))
+        return t.unsqueeze(0) if batched is not None and t.dim() == batched - 1 else t
+
+    def sample_count(self, x: torch.Tensor) -> int:
+        return self._batched(x).shape[0]
+
+    def captures(self, x: torch.Tensor) -> bool:
+        # One tile of a split activation (the spatial strategy's "local" BatchNorm normalises each tile alone):
+        # the tile's statistics are not the sample's. Nothing is captured, so the layer is left to the optimizer
+        # with the preconditioner's one warning about layers whose hooks do not fire.
+        return type(x) is torch.Tensor
+
+    def _by_channel(self, t: torch.Tensor) -> torch.Tensor:
+        """``(N, C, positions)`` of a batched tensor of the layer's layout."""
+        if isinstance(self.module, FEATURE_NORMS):
+            return t.reshape(t.shape[0], -1, self.channels).transpose(1, 2)
+        return t.reshape(t.shape[0], t.shape[1], -1)
+
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """``xhat``: the layer's normalisation of ``x`` without its affine parameters."""
+        m = self.module
+        if isinstance(m, nn.LayerNorm):
+            return F.layer_norm(x, m.normalized_shape, eps=m.eps)
+        if isinstance(m, nn.RMSNorm):  # scale only: x / rms(x)
+            return F.rms_norm(x, m.normalized_shape, eps=m.eps)
+        if isinstance(m, nn.GroupNorm):
+            return F.group_norm(x, m.num_groups, eps=m.eps)
+        if type(m) in _INSTANCE_NORM_DIMS:
+            return F.instance_norm(x, eps=float(cast(Any, m).eps))
+        return F.batch_norm(x, None, None, training=True, eps=m.eps)  # type: ignore[arg-type]
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # The statistics need the output gradient as well: keep the input (a reference: no copy) until it comes.
+        return x.detach(), 0
+
+    def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
+        dtype = self.dtype_for(g)
+        xhat = self._by_channel(self._normalized(self._batched(input_stat.to(dtype))))
+        gg = self._by_channel(self._batched(g.detach().to(dtype)))
+        u = (gg * xhat).sum(-1, keepdim=True)  # (N, C, 1): per-sample gradients of the scale
+        if self.has_bias:
+            u = torch.cat([u, gg.sum(-1, keepdim=True)], dim=-1)  # and of the shift
+        contrib = torch.einsum("nci,ncj->cij", u, u)
+        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+
+    @property
+    def has_statistics(self) -> bool:
+        return self.g_sum is not None
+
+    def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
+        if self.g_sum is None:
+            raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
+        b = max(self.samples, 1)
+        f = self.g_sum * (b if batch_averaged else 1.0 / b)
+        return {"F": f / (grad_scale * grad_scale) if grad_scale != 1.0 else f}
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        w = self.weight
+        if w.grad is None:
+            return None
+        cols = [w.grad.reshape(-1, 1)]
+        if self.has_bias:
+            b = self.bias
+            cols.append((b.grad if b.grad is not None else torch.zeros_like(b)).reshape(-1, 1))
+        return torch.cat(cols, dim=1)
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        w = self.weight
+        assert w.grad is not None
+        w.grad.copy_(mat[:, 0].reshape_as(w.grad))
+        if self.has_bias:
+            b = self.bias
+            if b.grad is None:
+                b.grad = torch.zeros_like(b)
+            b.grad.copy_(mat[:, 1].reshape_as(b.grad))
+
+    def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
+                     damping: float) -> torch.Tensor:
+        """``(F_c + damping I)^-1 (d gamma_c, d beta_c)`` for every channel ``c`` (eigen: ``Q (Q^T v / (d +
+        damping))``; inverse: the damped inverses)."""
+        if method.name == "eigen":
+            q, d = decompositions["q_F"], decompositions["d_F"]
+            v = torch.einsum("cji,cj->ci", q, grad.to(q.dtype)) / (d + damping)
+            return torch.einsum("cij,cj->ci", q, v)
+        inv = decompositions["inv_F"]
+        return torch.einsum("cij,cj->ci", inv, grad.to(inv.dtype))
+
+
+class EmbeddingHandler(LayerHandler):
+    """``nn.Embedding``: a Linear layer fed one-hot rows, so KFC's A is diagonal.
+
+    Looking up token ``v`` is multiplying ``W^T`` by the one-hot vector ``e_v``, so ``A = E[a a^T]`` over the rows
+    (every looked-up position) is ``diag(count_v) / rows``, the token frequencies, and G is the Linear layer's
+    (``B sum_n sum_t ds ds^T`` over the positions, module docstring). A is kept as its diagonal
+    (:class:`~.forms.DiagonalForm`), as ASDL's embedding factor (Osawa et al., "ASDL: A Unified Interface for
+    Gradient Preconditioning in PyTorch", 2023). The gradient matrix is ``dW^T``, ``(embedding_dim,
+    num_embeddings)``: with A's eigenbasis the unit vectors, Eq 15 becomes ``Q_G [(Q_G^T grad) / (v_G d_A^T +
+    damping)]``, and the inverse method ``(G + damping I)^-1 grad diag(1 / (d_A + damping))``. Tokens not seen in
+    a step have a zero gradient column, which stays zero. Inputs of several dimensions count one sample dimension
+    (:attr:`batch_dim`, as a Linear's) and positions.
+    """
+
+    module: nn.Embedding
+    refuses_split_input = True
+    batch_dim: int = 0
+
+    @property
+    def a_dim(self) -> int:
+        return self.module.num_embeddings
+
+    @property
+    def g_dim(self) -> int:
+        return self.module.embedding_dim
+
+    form_note = "diagonal A (token frequencies)"
+
+    def factor_forms(self) -> dict[str, FactorForm]:
+        return {"A": DiagonalForm(self.a_dim), "G": DenseForm(self.g_dim)}
+
+    def sample_count(self, x: torch.Tensor) -> int:
+        if x.dim() == 0:
+            return 1
+        return x.shape[0] if x.dim() == 1 else x.shape[self.batch_dim]
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        counts = torch.bincount(x.detach().reshape(-1), minlength=self.a_dim)
+        return counts.to(self.dtype_for(self.weight)), x.numel()
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        return sym_gram(g.detach().reshape(-1, g.shape[-1]).to(self.dtype_for(g)))[0]
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        w = self.weight
+        return None if w.grad is None else w.grad.t()
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        w = self.weight
+        assert w.grad is not None
+        w.grad.copy_(mat.t())
+
+    def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
+                     damping: float) -> torch.Tensor:
+        if method.name == "eigen":
+            qg, dg, da = decompositions["q_G"], decompositions["d_G"], decompositions["d_A"]
+            v = (qg.t() @ grad.to(qg.dtype)) / (dg.unsqueeze(1) * da.unsqueeze(0) + damping)
+            return qg @ v
+        inv_g, inv_a = decompositions["inv_G"], decompositions["inv_A"]
+        return (inv_g @ grad.to(inv_g.dtype)) * inv_a.unsqueeze(0)
+
+
+#: ``layer_types`` names: the module types of each family K-FAC can precondition
+LAYER_TYPES: dict[str, tuple[type[nn.Module], ...]] = {
+    "linear": (nn.Linear,),
+    "conv": CONVOLUTIONS,
+    "conv_transpose": TRANSPOSED_CONVOLUTIONS,
+    "norm": NORMS,
+    "embedding": (nn.Embedding,),
+}
+
+
+def layer_type_of(module: nn.Module) -> str | None:
+    """The ``layer_types`` family of ``module`` (None: not one K-FAC handles)."""
+    return next((name for name, types in LAYER_TYPES.items() if isinstance(module, types)), None)
 
 
 def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
     """The handlers of a supported module (one per group of a grouped convolution), else none.
 
-    A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConv2dHandler`) gets the
+    A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample."""
     if isinstance(module, nn.Linear):
         return [LinearHandler(name, module)]
     if isinstance(module, CONVOLUTIONS):
-        tiled = isinstance(module, nn.Conv2d) and hasattr(module, "kfac_padded_input")
+        tiled = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and hasattr(module, "kfac_padded_input")
         if module.groups > 1:  # tiled grouped convolutions are left out (discovery.skip_reason says why)
             return [] if tiled else [GroupConvHandler(name, module, i) for i in range(module.groups)]
         if tiled:
-            return [TiledConv2dHandler(name, module)]
+            return [TiledConvHandler(name, module)]
         return [ConvHandler(name, module)]
-    if isinstance(module, TRANSPOSED_CONVOLUTIONS) and module.groups == 1:
+    if isinstance(module, TRANSPOSED_CONVOLUTIONS):
+        if module.groups > 1:
+            return [GroupConvTransposeHandler(name, module, i) for i in range(module.groups)]
         return [ConvTransposeHandler(name, module)]
+    if type(module) in NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
+        return [NormAffineHandler(name, module)]
+    if isinstance(module, nn.Embedding):
+        return [EmbeddingHandler(name, module)]
     return []
 
 

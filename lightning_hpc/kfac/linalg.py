@@ -261,7 +261,7 @@ def _finite(*ts: torch.Tensor) -> bool:
 
 
 def _jitter_scale(x: torch.Tensor) -> float:
-    return float(x.diagonal().abs().mean().clamp_min(1e-12))
+    return float(x.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1e-12))
 
 
 def _with_fallbacks(
@@ -276,7 +276,7 @@ def _with_fallbacks(
     jitter (:data:`JITTERS`, relative to mean |diag|) until it returns finite tensors; None (with a warning
     naming what is ``kept``) if every attempt fails, so training goes on with the previous result."""
     x = factor.to(dtype)
-    x = 0.5 * (x + x.t())  # allreduce/running averages can break exact symmetry by round-off
+    x = 0.5 * (x + x.mT)  # allreduce/running averages can break exact symmetry by round-off
     attempts: list[tuple[torch.dtype, float]] = [(dtype, 0.0)]
     if dtype != torch.float64:
         attempts.append((torch.float64, 0.0))
@@ -303,7 +303,7 @@ def _with_fallbacks(
 
 
 def _eye(y: torch.Tensor) -> torch.Tensor:
-    return torch.eye(y.shape[0], dtype=y.dtype, device=y.device)
+    return torch.eye(y.shape[-1], dtype=y.dtype, device=y.device)  # broadcasts over a batch of blocks
 
 
 def safe_eigh(

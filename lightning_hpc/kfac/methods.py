@@ -6,8 +6,11 @@
 * :class:`InverseMethod` (``"inverse"``): Eq 11-12, ``P = (G + gamma I)^-1 grad (A + gamma I)^-1``, with the
   damped inverses computed at decomposition time (a damping change takes effect at the next decomposition).
 
-A decomposition is a dict of tensors named by :meth:`ComputeMethod.result_shapes` (``d``/``q`` or ``inv``); the
-preconditioner stores a layer's as ``{f"{key}_{A|G}": tensor}`` and moves them between ranks as flat buffers.
+A decomposition is a dict of tensors named by :meth:`ComputeMethod.result_shapes` (``d``/``q`` or ``inv``); a
+layer's handler stores its own as ``{f"{key}_{factor}": tensor}`` (:attr:`~.layers.LayerHandler.decompositions`) and
+the preconditioner moves them between ranks as flat buffers. Factors of other forms than a dense matrix (an
+embedding's diagonal A, a normalisation layer's per-channel blocks) are decomposed by their form
+(:mod:`.forms`) under the same names.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_hpc.kfac.layers import LAYER_TYPES
 from lightning_hpc.kfac.methods import COMPUTE_METHODS
 from lightning_hpc.kfac.placement import check_grad_worker_fraction, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
@@ -80,6 +81,9 @@ class KFACOptions:
             known). ``1 / world`` = MEM-OPT, ``1`` = COMM-OPT; None = the placement's default (``layer_wise``:
             ``1 / world``, the others: 1). See :class:`~.placement.GradWorkerGrid`.
         skip_layers: regex (or list of them) searched in module names and class names; matches are skipped.
+        layer_types: the layer families to precondition, names of :data:`~.layers.LAYER_TYPES`: ``"linear"``,
+            ``"conv"`` (Conv1d/2d/3d, grouped and depthwise), ``"conv_transpose"``, ``"norm"`` (affine parameters of
+            BatchNorm / GroupNorm / LayerNorm / RMSNorm / InstanceNorm), ``"embedding"``; None = all of them.
         decomposition_dtype: ``"float32"`` / ``"float64"`` (or the torch dtypes): the dtype decompositions and
             preconditioning are computed in.
         factor_dtype: storage dtype of the running factors (the storage option kfac-pytorch 0.4 also offers):
@@ -119,6 +123,7 @@ class KFACOptions:
     placement: str = "balanced"
     grad_worker_fraction: float | None = None
     skip_layers: str | Sequence[str] | None = None
+    layer_types: Sequence[str] | None = None
     decomposition_dtype: torch.dtype | str = "float32"
     factor_dtype: torch.dtype | str | None = None
     inverse_dtype: torch.dtype | str | None = None
@@ -135,6 +140,12 @@ class KFACOptions:
         object.__setattr__(self, "update_freq_decay_epochs", tuple(int(e) for e in self.update_freq_decay_epochs))
         if self.skip_layers is not None and not isinstance(self.skip_layers, str):
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        if self.layer_types is not None:
+            types = (self.layer_types,) if isinstance(self.layer_types, str) else tuple(self.layer_types)
+            unknown = [t for t in types if t not in LAYER_TYPES]
+            if unknown or not types:
+                raise ValueError(f"K-FAC layer_types must name some of {tuple(LAYER_TYPES)}, got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
         self.schedule  # noqa: B018 - validates the schedule values
         if not callable(self.factor_decay) and not 0.0 <= self.factor_decay < 1.0:
             raise ValueError(f"K-FAC factor_decay must be in [0, 1), got {self.factor_decay}")

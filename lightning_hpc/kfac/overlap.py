@@ -57,11 +57,6 @@ class FactorBucket:
     numel: int = 0
 
 
-def _payload(h: LayerHandler, symmetric: bool) -> tuple[int, int]:
-    """Elements of A and G in the all-reduce: upper triangles or full matrices."""
-    return tuple(n * (n + 1) // 2 if symmetric else n * n for n in (h.a_dim, h.g_dim))  # type: ignore[return-value]
-
-
 def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmetric: bool) -> list[FactorBucket]:
     """The fixed buckets: layers in reverse registration order, consecutive layers of one statistics dtype up to
     ``cap_bytes`` (a single larger layer fills a bucket alone). Only shapes and dtypes decide, so every rank
@@ -70,7 +65,7 @@ def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmet
     for i in reversed(range(len(handlers))):
         h = handlers[i]
         dtype = h.dtype_for(h.weight)  # what the hooks compute the statistics in (float32, or float64)
-        numel = sum(_payload(h, symmetric))
+        numel = h.packed_numel(symmetric)
         nbytes = numel * dtype.itemsize
         last = out[-1] if out else None
         if last is None or last.dtype != dtype or (last.numel * dtype.itemsize + nbytes > cap_bytes):
@@ -143,7 +138,7 @@ class OverlappedFactorAllreduce:
             # dtypes and devices may change after construction (Lightning moves the model after the callbacks'
             # setup): buffers follow the layers (CUDA for NCCL), and the plan is redone if a dtype changed
             self.device = self.handlers[0].weight.device
-            key = tuple((h.dtype_for(h.weight), h.a_dim, h.g_dim) for h in self.handlers)
+            key = tuple((h.dtype_for(h.weight), h.packed_numel(self.symmetric)) for h in self.handlers)
             if key != self._plan_key:
                 self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
                 self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
@@ -179,12 +174,6 @@ class OverlappedFactorAllreduce:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def _pack(self, m: torch.Tensor) -> torch.Tensor:
-        if not self.symmetric:
-            return m.reshape(-1)
-        rows, cols = torch.triu_indices(m.shape[0], m.shape[0], device=m.device)
-        return m[rows, cols]
-
     @torch.no_grad()
     def _launch(self, bucket: FactorBucket) -> None:
         parts: list[torch.Tensor] = []
@@ -195,13 +184,11 @@ class OverlappedFactorAllreduce:
             commits.append(h.commits)
             if h.has_statistics:
                 # the loss scale is applied after the average (finish): the hooks do not know it
-                a, g = h.batch_factors(1.0, self.batch_averaged)
-                if h.partition_size > 1:  # spatially tiled: the world mean becomes the sample groups' mean of sums
-                    a, g = a * h.partition_size, g * h.partition_size
-                parts += [self._pack(a).to(self.device, bucket.dtype), self._pack(g).to(self.device, bucket.dtype)]
+                factors = h.batch_statistics(1.0, self.batch_averaged)
+                parts.append(h.pack_factors(factors, self.symmetric).to(self.device, bucket.dtype))
                 included.append(True)
             else:  # no statistics on this rank: zeros keep the buffer's layout; the status says so
-                parts.append(torch.zeros(sum(_payload(h, self.symmetric)), dtype=bucket.dtype, device=self.device))
+                parts.append(torch.zeros(h.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
                 included.append(False)
         flat = torch.cat(parts)
         handle = self.comm.allreduce(flat, op="mean", group=self.group, async_op=True)
@@ -209,11 +196,11 @@ class OverlappedFactorAllreduce:
 
     # -- the step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def finish(self, grad_scale: float) -> tuple[list[float], dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
+    def finish(self, grad_scale: float) -> tuple[list[float], dict[int, dict[str, torch.Tensor]]] | None:
         """Launch what is left, wait, and return ``(fired, factors)``: per layer the fraction of ranks whose
-        statistics were in the average (1: every rank), and the averaged ``(A, G)`` of the layers every rank
-        contributed to (G divided by ``grad_scale**2``). None when some rank captured statistics after the
-        layer's bucket left: the caller then reduces synchronously. Resets the step."""
+        statistics were in the average (1: every rank), and the averaged factors (by name) of the layers every
+        rank contributed to (the output-gradient ones divided by ``grad_scale**2``). None when some rank captured
+        statistics after the layer's bucket left: the caller then reduces synchronously. Resets the step."""
         self.flush()
         world = self.comm.group_size(self.group)
         n = len(self.handlers)
@@ -235,31 +222,17 @@ class OverlappedFactorAllreduce:
         if counts[-1] > 0:
             return None
         fired = [c / world for c in counts[:n]]
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out: dict[int, dict[str, torch.Tensor]] = {}
         for f in in_flight:
             offset = 0
             for i in f.bucket.layers:
                 h = self.handlers[i]
-                pair = []
-                for side in (h.a_dim, h.g_dim):
-                    size = side * (side + 1) // 2 if self.symmetric else side * side
-                    pair.append(self._unpack(f.flat[offset : offset + size], side))
-                    offset += size
+                size = h.packed_numel(self.symmetric)
+                factors = h.unpack_factors(f.flat[offset : offset + size], self.symmetric)
+                offset += size
                 if fired[i] >= 1.0 - 1e-6:
-                    a, g = pair
-                    if grad_scale != 1.0:
-                        g = g / (grad_scale * grad_scale)
-                    out[i] = (a, g)
+                    out[i] = h.unscale(factors, grad_scale)
         return fired, out
-
-    def _unpack(self, v: torch.Tensor, n: int) -> torch.Tensor:
-        if not self.symmetric:
-            return v.view(n, n).clone()
-        rows, cols = torch.triu_indices(n, n, device=v.device)
-        m = v.new_empty(n, n)
-        m[rows, cols] = v
-        m[cols, rows] = v
-        return m
 
     def abandon(self) -> None:
         """The step's statistics are dropped (AMP overflow, a step skipped by the user): when this rank's last

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_hpc.kfac.forms import LayerDims, layer_forms
+
 __all__ = [
     "PLACEMENTS",
     "BalancedPlacement",
@@ -61,19 +63,13 @@ PLACEMENTS = ("round_robin", "layer_wise", "balanced")
 
 @dataclass(frozen=True)
 class Factor:
-    """One Kronecker factor: ``layer`` index in model order, ``kind`` ``"A"`` or ``"G"``, side ``n``."""
+    """One factor: ``layer`` index in model order, ``kind`` its name (``"A"``, ``"G"``, ...), the ``cost`` of
+    decomposing it (``n^3`` for a dense ``n x n`` factor, see :mod:`.forms`) and its stored elements."""
 
     layer: int
     kind: str
-    n: int
-
-    @property
-    def cost(self) -> int:
-        return self.n**3
-
-    @property
-    def numel(self) -> int:
-        return self.n**2
+    cost: int
+    numel: int
 
 
 def check_placement(placement: str) -> str:
@@ -159,31 +155,43 @@ class GradWorkerGrid:
         return self.num_groups > 1
 
 
-def _round_robin(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+def _factor_names(layer_dims: Sequence[LayerDims]) -> list[list[str]]:
+    return [list(layer_forms(d).factors) for d in layer_dims]
+
+
+def _round_robin(layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
     out: dict[tuple[int, str], int] = {}
     spread_g = world_size > len(layer_dims)
     counter = 0  # restarts at 0 on every update: this function is called per update
-    for i in range(len(layer_dims)):
-        rank_a = counter % world_size
+    for i, kinds in enumerate(_factor_names(layer_dims)):
+        # a layer's first factor (A) to the next rank; the others (G) to the ranks after it only when there are
+        # more ranks than layers, else with the first
+        first = counter % world_size
         counter += 1
-        if spread_g:
-            rank_g = counter % world_size
-            counter += 1
-        else:
-            rank_g = rank_a
-        out[(i, "A")], out[(i, "G")] = rank_a, rank_g
+        for j, kind in enumerate(kinds):
+            if j == 0 or not spread_g:
+                out[(i, kind)] = first
+            else:
+                out[(i, kind)] = counter % world_size
+                counter += 1
     return out
 
 
-def _layer_wise(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
-    out: dict[tuple[int, str], int] = {}
-    for i in range(len(layer_dims)):
-        out[(i, "A")] = out[(i, "G")] = i % world_size
-    return out
+def _layer_wise(layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
+    return {(i, kind): i % world_size for i, kinds in enumerate(_factor_names(layer_dims)) for kind in kinds}
 
 
-def _balanced(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
-    factors = [Factor(i, k, n) for i, (na, ng) in enumerate(layer_dims) for k, n in (("A", na), ("G", ng))]
+def _factors(layer_dims: Sequence[LayerDims]) -> list[Factor]:
+    return [Factor(i, kind, form.cost, form.numel) for i, d in enumerate(layer_dims)
+            for kind, form in layer_forms(d).factors.items()]  # fmt: skip
+
+
+def _layer_cost(d: LayerDims) -> int:
+    return sum(form.cost for form in layer_forms(d).factors.values())
+
+
+def _balanced(layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
+    factors = _factors(layer_dims)
     # Decreasing cost; ties broken by model order so every rank computes the same assignment.
     factors.sort(key=lambda f: (-f.cost, f.layer, f.kind))
     heap = [(0, r) for r in range(world_size)]  # (load, rank): least loaded first, lowest rank on ties
@@ -196,9 +204,10 @@ def _balanced(layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tu
 
 
 def assign_factors(
-    layer_dims: Sequence[tuple[int, int]], world_size: int, placement: str = "balanced"
+    layer_dims: Sequence[LayerDims], world_size: int, placement: str = "balanced"
 ) -> dict[tuple[int, str], int]:
-    """Map ``(layer index, "A"|"G") -> rank`` for layers with factor sides ``layer_dims[i] = (n_A, n_G)``.
+    """Map ``(layer index, factor name) -> rank`` for layers with factor sides ``layer_dims[i] = (n_A, n_G)``
+    (or their :class:`~.forms.LayerForms`).
 
     Deterministic: every rank computes the same map without communicating.
     """
@@ -209,18 +218,18 @@ def assign_factors(
 
 
 def placement_summary(
-    layer_dims: Sequence[tuple[int, int]], world_size: int, assignment: dict[tuple[int, str], int]
+    layer_dims: Sequence[LayerDims], world_size: int, assignment: dict[tuple[int, str], int]
 ) -> dict:
-    """Per-rank factors, element counts (sum n^2) and costs (sum n^3), with max / mean / lower-bound cost."""
+    """Per-rank factors, element counts (sum n^2 for dense factors) and costs (sum n^3), with max / mean /
+    lower-bound cost."""
     ranks: list[dict[str, Any]] = [{"rank": r, "factors": [], "numel": 0, "cost": 0} for r in range(world_size)]
     costs: list[int] = []
-    for i, (na, ng) in enumerate(layer_dims):
-        for kind, n in (("A", na), ("G", ng)):
-            r = assignment[(i, kind)]
-            ranks[r]["factors"].append(f"{i}{kind}")
-            ranks[r]["numel"] += n * n
-            ranks[r]["cost"] += n**3
-            costs.append(n**3)
+    for f in _factors(layer_dims):
+        r = assignment[(f.layer, f.kind)]
+        ranks[r]["factors"].append(f"{f.layer}{f.kind}")
+        ranks[r]["numel"] += f.numel
+        ranks[r]["cost"] += f.cost
+        costs.append(f.cost)
     total = sum(costs)
     max_cost = max(r["cost"] for r in ranks)
     lower = max(max(costs, default=0), total / world_size)
@@ -246,11 +255,11 @@ class Placement:
     #: the default gradient-worker fraction is 1 / world (MEM-OPT) instead of 1 (COMM-OPT)
     owner_preconditions: bool = False
 
-    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
-        """``(layer index, "A"|"G") -> rank``; deterministic, so every rank computes it without communicating."""
+    def assign(self, layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
+        """``(layer index, factor name) -> rank``; deterministic, so every rank computes it without communicating."""
         raise NotImplementedError
 
-    def assign_layers(self, layer_dims: Sequence[tuple[int, int]], num_groups: int) -> list[int]:
+    def assign_layers(self, layer_dims: Sequence[LayerDims], num_groups: int) -> list[int]:
         """The gradient-worker group (column) of each layer: ``i mod num_groups`` (model order); the balanced
         policy overrides it with LPT on the layers' decomposition cost ``n_A^3 + n_G^3``."""
         return [i % num_groups for i in range(len(layer_dims))]
@@ -259,9 +268,9 @@ class Placement:
         return 1 if self.owner_preconditions else world_size
 
     def assign_grid(
-        self, layer_dims: Sequence[tuple[int, int]], grid: GradWorkerGrid
+        self, layer_dims: Sequence[LayerDims], grid: GradWorkerGrid
     ) -> tuple[list[int], dict[tuple[int, str], int]]:
-        """``(column of each layer, (layer, "A"|"G") -> rank)`` for the KAISA grid: layers go to columns by
+        """``(column of each layer, (layer, factor name) -> rank)`` for the KAISA grid: layers go to columns by
         :meth:`assign_layers`, and each column's factors to its ranks by :meth:`assign` over the column's layers.
         With one column (fraction 1) this is :meth:`assign` over the world; with one rank per column (MEM-OPT) a
         layer's factors both go to its column's rank."""
@@ -281,7 +290,7 @@ class Placement:
 class RoundRobinPlacement(Placement):
     name = "round_robin"
 
-    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+    def assign(self, layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
         return _round_robin(layer_dims, world_size)
 
 
@@ -289,25 +298,26 @@ class LayerWisePlacement(Placement):
     name = "layer_wise"
     owner_preconditions = True
 
-    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+    def assign(self, layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
         return _layer_wise(layer_dims, world_size)
 
 
 class BalancedPlacement(Placement):
     name = "balanced"
 
-    def assign(self, layer_dims: Sequence[tuple[int, int]], world_size: int) -> dict[tuple[int, str], int]:
+    def assign(self, layer_dims: Sequence[LayerDims], world_size: int) -> dict[tuple[int, str], int]:
         return _balanced(layer_dims, world_size)
 
-    def assign_layers(self, layer_dims: Sequence[tuple[int, int]], num_groups: int) -> list[int]:
+    def assign_layers(self, layer_dims: Sequence[LayerDims], num_groups: int) -> list[int]:
         # LPT on whole layers (both factors of a layer must live in one column), ties in model order
-        order = sorted(range(len(layer_dims)), key=lambda i: (-(layer_dims[i][0] ** 3 + layer_dims[i][1] ** 3), i))
+        costs = [_layer_cost(d) for d in layer_dims]
+        order = sorted(range(len(layer_dims)), key=lambda i: (-costs[i], i))
         heap = [(0, c) for c in range(num_groups)]
         out = [0] * len(layer_dims)
         for i in order:
             load, c = heapq.heappop(heap)
             out[i] = c
-            heapq.heappush(heap, (load + layer_dims[i][0] ** 3 + layer_dims[i][1] ** 3, c))
+            heapq.heappush(heap, (load + costs[i], c))
         return out
 
 

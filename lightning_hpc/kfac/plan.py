@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.kfac.layers import make_handlers
+from lightning_hpc.kfac.discovery import find_layers
+from lightning_hpc.kfac.forms import DenseForm, LayerDims, LayerForms, layer_forms
+from lightning_hpc.kfac.layers import LAYER_TYPES
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.placement import (
     PLACEMENTS,
@@ -38,17 +40,20 @@ from lightning_hpc.kfac.placement import (
 __all__ = ["communication_plan", "main", "model_factor_dims", "plan", "valid_fractions"]
 
 
-def model_factor_dims(model_name: str) -> tuple[list[str], list[tuple[int, int]]]:
-    """Names and ``(n_A, n_G)`` of the K-FAC layers of a model-zoo model, built on the meta device."""
+def model_factor_dims(model_name: str, layer_types: Sequence[str] | None = None) -> tuple[list[str], list[LayerDims]]:
+    """Names and ``(n_A, n_G)`` of the K-FAC layers of a model-zoo model, built on the meta device (the
+    :class:`~.forms.LayerForms` of a layer whose factors are not two dense ones: normalisation, embedding), for the
+    layers the preconditioner would register with ``layer_types`` (None: every family)."""
     from lightning_hpc.models import build_model
 
     with torch.device("meta"):
         model = build_model(model_name)
     names, dims = [], []
-    for name, module in model.named_modules():
-        for h in make_handlers(name, module):
-            names.append(h.name)
-            dims.append((h.a_dim, h.g_dim))
+    for h in find_layers(model, [], layer_types).handlers:
+        names.append(h.name)
+        forms = h.layer_forms()
+        dense = all(isinstance(f, DenseForm) for f in forms.factors.values()) and list(forms.factors) == ["A", "G"]
+        dims.append((h.a_dim, h.g_dim) if dense else forms)
     return names, dims
 
 
@@ -58,7 +63,7 @@ def valid_fractions(world_size: int) -> list[float]:
 
 
 def communication_plan(
-    layer_dims: Sequence[tuple[int, int]],
+    layer_dims: Sequence[LayerDims],
     world_size: int,
     placement: str = "balanced",
     grad_worker_fraction: float | None = None,
@@ -73,7 +78,9 @@ def communication_plan(
     inv_update_freq: int = 100,
 ) -> dict[str, Any]:
     """Per-rank memory and communication of K-FAC with a gradient-worker fraction (KAISA, SC21), from
-    the layers' factor sides ``layer_dims[i] = (n_A, n_G)`` alone (the preconditioner's own assignment rule).
+    the layers' factor sides ``layer_dims[i] = (n_A, n_G)`` alone (the preconditioner's own assignment rule), or
+    their :class:`~.forms.LayerForms` (normalisation layers' per-channel blocks, embeddings' diagonal A: each
+    factor priced as its form stores, packs and decomposes it).
 
     Memory (bytes, per rank): ``factors_bytes`` -- every layer's running A and G (``n^2`` elements of
     ``factor_bytes``, default ``element_bytes``; every rank holds all of them); ``decompositions_bytes`` -- the
@@ -102,21 +109,24 @@ def communication_plan(
     fbytes = element_bytes if factor_bytes is None else factor_bytes
     ibytes = decomposition_bytes if inverse_bytes is None else inverse_bytes
 
-    def decomposition_elements(n: int) -> int:
-        return sum(math.prod(s) for s in method.result_shapes(n).values())
+    layers = [layer_forms(d) for d in layer_dims]
 
-    factors = sum(n * n for dims in layer_dims for n in dims) * fbytes
+    def decomposition_elements(layer: LayerForms) -> int:
+        return sum(math.prod(s) for f in layer.factors.values() for s in f.result_shapes(method).values())
+
+    factors = sum(f.numel for layer in layers for f in layer.factors.values()) * fbytes
     allreduce = 0
     if world > 1:
-        packed = sum((n * (n + 1) // 2 if symmetric_allreduce else n * n) for dims in layer_dims for n in dims)
+        packed = sum(f.packed_numel(symmetric_allreduce) for layer in layers for f in layer.factors.values())
         allreduce = packed * element_bytes + 4 * len(layer_dims)
     gradients = (
-        sum(na * ng for na, ng in layer_dims) * decomposition_bytes if world > 1 and grid.broadcasts_gradients else 0
-    )
+        sum(math.prod(layer.grad_shape) for layer in layers) * decomposition_bytes
+        if world > 1 and grid.broadcasts_gradients else 0
+    )  # fmt: skip
     ranks = []
     for r in range(world):
-        mine = [dims for dims, c in zip(layer_dims, columns) if c == grid.column_of(r)]
-        held = sum(decomposition_elements(n) for dims in mine for n in dims) * ibytes
+        mine = [layer for layer, c in zip(layers, columns) if c == grid.column_of(r)]
+        held = sum(decomposition_elements(layer) for layer in mine) * ibytes
         shared = held if world > 1 and grid.shares_decompositions else 0
         ranks.append({
             "rank": r,
@@ -145,9 +155,10 @@ def communication_plan(
 
 
 def plan(
-    model_name: str, world_size: int, placement: str, fractions: Sequence[float] | None = None, **comm_options: Any
+    model_name: str, world_size: int, placement: str, fractions: Sequence[float] | None = None,
+    layer_types: Sequence[str] | None = None, **comm_options: Any
 ) -> dict[str, Any]:
-    names, dims = model_factor_dims(model_name)
+    names, dims = model_factor_dims(model_name, layer_types)
     summary = placement_summary(dims, world_size, assign_factors(dims, world_size, placement))
     for r in summary["ranks"]:  # "12A" -> "layer1.0.conv2.A"
         r["factors"] = [f"{names[int(f[:-1])]}.{f[-1]}" for f in r["factors"]]
@@ -155,7 +166,9 @@ def plan(
         communication_plan(dims, world_size, placement, f, **comm_options)
         for f in (fractions or valid_fractions(world_size))
     ]
-    return {"model": model_name, "placement": placement, "layers": len(dims), **summary, "grad_worker_fractions": kaisa}
+    n_factors = sum(len(layer_forms(d).factors) for d in dims)
+    return {"model": model_name, "placement": placement, "layers": len(dims), "factors": n_factors, **summary,
+            "grad_worker_fractions": kaisa}
 
 
 def _mib(n: float) -> str:
@@ -164,7 +177,7 @@ def _mib(n: float) -> str:
 
 def _table(p: dict[str, Any]) -> str:
     lines = [
-        f"K-FAC placement plan: {p['model']} ({p['layers']} layers, {2 * p['layers']} factors), "
+        f"K-FAC placement plan: {p['model']} ({p['layers']} layers, {p['factors']} factors), "
         f"world size {p['world_size']}, placement {p['placement']}",
         f"{'rank':>5} {'factors':>8} {'elements (n^2)':>15} {'cost (n^3)':>14}  factors",
     ]
@@ -211,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grad-worker-fraction", type=float, action="append", default=None, metavar="F",
                         help="KAISA fraction to report (repeatable); default: every valid fraction for the world size")
     parser.add_argument("--compute-method", default="eigen", choices=tuple(COMPUTE_METHODS))
+    parser.add_argument("--layer-types", nargs="+", default=None, choices=tuple(LAYER_TYPES), metavar="TYPE",
+                        help=f"layer families K-FAC preconditions (KFAC(layer_types=...)): {', '.join(LAYER_TYPES)}; "
+                             "default: all")
     parser.add_argument("--factor-update-freq", type=int, default=10, help="steps between factor updates")
     parser.add_argument("--inv-update-freq", type=int, default=100, help="steps between decompositions")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -225,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.world_size,
             args.placement,
             args.grad_worker_fraction,
+            args.layer_types,
             compute_method=args.compute_method,
             factor_update_freq=args.factor_update_freq,
             inv_update_freq=args.inv_update_freq,

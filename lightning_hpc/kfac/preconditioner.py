@@ -17,7 +17,7 @@ Per optimizer step (Algorithm 1):
    the backward hooks of the step's last micro-batch, overlapping the rest of the backward pass as in KAISA,
    SC21: :mod:`.overlap`) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
-   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial
+   Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
    ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with the layer's gradient workers by
@@ -47,13 +47,9 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac.collectives import (
-    allreduce_mean,
-    allreduce_mean_symmetric,
-    broadcast_by_owner,
-)
+from lightning_hpc.kfac.collectives import allreduce_mean, broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
-from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConv2dHandler
+from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce
@@ -114,6 +110,7 @@ class KFACPreconditioner:
         placement: str = "balanced",
         grad_worker_fraction: float | None = None,
         skip_layers: str | Sequence[str] | None = None,
+        layer_types: Sequence[str] | None = None,
         decomposition_dtype: torch.dtype | str = "float32",
         factor_dtype: torch.dtype | str | None = None,
         inverse_dtype: torch.dtype | str | None = None,
@@ -157,22 +154,22 @@ class KFACPreconditioner:
         skip_layers = options.skip_layers
         patterns = compile_skip_patterns(skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
-        self.layer_report = find_layers(model, patterns)
+        self.layer_report = find_layers(model, patterns, options.layer_types)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
         if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)
             for h in self.handlers:
                 h.stat_dtype = torch.float64
         if not self.handlers:
             raise ValueError(
-                "K-FAC found no nn.Linear / nn.Conv1d/2d/3d (groups=1) layer with trainable weights to precondition"
+                "K-FAC found no layer with trainable weights to precondition (nn.Linear, convolutions, normalisation "
+                "layers' affine parameters, embeddings)"
                 + (f" after skip_layers={skip_layers!r}" if patterns else "")
+                + (f" with layer_types={list(options.layer_types)!r}" if options.layer_types is not None else "")
             )
         if announce:
             self.announce_layers()
 
-        #: running factors and decompositions by layer name
-        self.factors: dict[str, dict[str, torch.Tensor]] = {}
-        self.decompositions: dict[str, dict[str, torch.Tensor]] = {}
+        self._by_name = {h.name: h for h in self.handlers}
         self.steps = 0
         self.epoch = 0
         self._warned: set[str] = set()
@@ -203,6 +200,16 @@ class KFACPreconditioner:
         """The preconditioner for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`; ``runtime``: ``lr``,
         ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``."""
         return cls(model, **runtime, **options.as_kwargs())
+
+    @property
+    def factors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each layer's running factors by layer name (the handlers' own, :attr:`LayerHandler.factors`)."""
+        return {h.name: h.factors for h in self.handlers if h.factors}
+
+    @property
+    def decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The decompositions this rank holds, by layer name (:attr:`LayerHandler.decompositions`)."""
+        return {h.name: h.decompositions for h in self.handlers if h.decompositions}
 
     def _make_groups(self) -> tuple[Any, Any]:
         """This rank's gradient-worker group and broadcast group (``None``: the whole world or unused). Under
@@ -279,7 +286,7 @@ class KFACPreconditioner:
             warnings.warn(text, UserWarning, stacklevel=3)
 
     def _enable_subsampling(self, seed: int) -> None:
-        tiled = [h.name for h in self.handlers if isinstance(h, TiledConv2dHandler)]
+        tiled = [h.name for h in self.handlers if isinstance(h, TiledConvHandler)]
         if tiled:
             raise ValueError(
                 f"K-FAC conv_input_sample_fraction < 1 is not supported for spatially tiled layers ({tiled[:3]}): the "
@@ -327,7 +334,7 @@ class KFACPreconditioner:
         return self.steps % self.inv_update_freq == 0
 
     def _check_partitions(self) -> None:
-        """Spatially tiled layers (:class:`~lightning_hpc.kfac.layers.TiledConv2dHandler`) hold partial factors
+        """Spatially tiled layers (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial factors
         over ``partition_size`` ranks: the world must consist of whole groups of that size, all of one size."""
         sizes = {h.partition_size for h in self.handlers if h.partition_size > 1}
         if not sizes:
@@ -383,7 +390,7 @@ class KFACPreconditioner:
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
             if not self._capturing(module):
                 return
-            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad or not handler.captures(x):
                 return
             if handler.is_stale():
                 # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
@@ -477,11 +484,11 @@ class KFACPreconditioner:
         interval. Every rank reaches the same answer, because factors and shared decompositions are identical
         and a layer's gradient workers hold the same decompositions."""
         mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
-        return any(h.name in self.factors and h.name not in self.decompositions for h in mine)
+        return any(h.factors and not h.decompositions for h in mine)
 
     # factors ----------------------------------------------------------------------------------------------
     def _update_factors(self, grad_scale: float) -> None:
-        batch: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        batch: dict[LayerHandler, dict[str, torch.Tensor]] | None = None
         if self.overlap is not None:
             result = self.overlap.finish(grad_scale)
             if result is None:
@@ -494,7 +501,7 @@ class KFACPreconditioner:
             else:
                 fired, reduced = result
                 self._active_layers(fired)  # warns about layers that did not fire on every rank
-                batch = {self.handlers[i].name: reduced[i] for i in sorted(reduced)}
+                batch = {self.handlers[i]: reduced[i] for i in sorted(reduced)}
         if batch is None:
             batch = self._reduce_factors(grad_scale)
         self._fold_factors(batch)
@@ -522,7 +529,7 @@ class KFACPreconditioner:
                 )
         return active
 
-    def _reduce_factors(self, grad_scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _reduce_factors(self, grad_scale: float) -> dict[LayerHandler, dict[str, torch.Tensor]]:
         """The batch factors of the layers whose hooks fired on every rank, averaged over the ranks at the step
         (the synchronous path: all buckets in flight at once, after the backward pass)."""
         fired = torch.tensor([1.0 if h.has_statistics else 0.0 for h in self.handlers])
@@ -533,30 +540,25 @@ class KFACPreconditioner:
             self.comm.allreduce(fired, op="sum").wait()
             fired = fired.cpu() / self.comm.world_size
         active = self._active_layers(fired.tolist())
-        batch = {h.name: h.batch_factors(grad_scale, self.batch_averaged) for h in active}
+        batch = {h: h.batch_statistics(grad_scale, self.batch_averaged) for h in active}
         if self.comm.world_size > 1:
-            # Tiled layers: a sample group's factor is the SUM of its partition_size ranks' partial factors
-            # (TiledConv2dHandler), the mini-batch factor the mean over sample groups; scaling by partition_size
-            # turns the world mean into exactly that. Replicated layers (heads after global pooling) hold the same
-            # factor on every rank of a spatial group: the plain world mean counts each group once.
-            for h in active:
-                if h.partition_size > 1:
-                    a, g = batch[h.name]
-                    batch[h.name] = (a * h.partition_size, g * h.partition_size)
-            factors = [t for name in batch for t in batch[name]]
-            if self.options.symmetric_allreduce:
-                allreduce_mean_symmetric(self.comm, factors, self.bucket_cap_bytes)
-            else:
-                allreduce_mean(self.comm, factors, self.bucket_cap_bytes)
+            # each layer's factors packed by their forms (tiled layers' partial factors scaled to sums over their
+            # spatial group); replicated layers (heads after global pooling) hold the same factor on every rank of
+            # a spatial group: the plain world mean counts each group once
+            symmetric = self.options.symmetric_allreduce
+            packed = {h: h.pack_factors(f, symmetric) for h, f in batch.items()}
+            allreduce_mean(self.comm, list(packed.values()), self.bucket_cap_bytes)
+            batch = {h: h.unpack_factors(v, symmetric) for h, v in packed.items()}
         return batch
 
-    def _fold_factors(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Fold the averaged batch factors into the running averages (Eq 16-17), unless any is non-finite."""
-        if batch and not self._all_finite([t for pair in batch.values() for t in pair]):
+    def _fold_factors(self, batch: dict[LayerHandler, dict[str, torch.Tensor]]) -> None:
+        """Fold the averaged batch factors into each layer's running averages (Eq 16-17), unless any is
+        non-finite."""
+        if batch and not self._all_finite([t for factors in batch.values() for t in factors.values()]):
             # A NaN / Inf statistic on any rank is non-finite in the averaged factors on every rank, so every rank
             # drops the same step. Folded in, it would stay in the running averages for the rest of the run.
             self.dropped_statistics_steps += 1
-            bad = [name for name, (a, g) in batch.items() if not self._all_finite([a, g])]
+            bad = [h.name for h, factors in batch.items() if not self._all_finite(list(factors.values()))]
             self._warn_once(
                 "nonfinite",
                 f"K-FAC: non-finite factor statistics in step {self.steps} (layers {bad[:5]}); this step's "
@@ -566,17 +568,8 @@ class KFACPreconditioner:
             )
             return
         decay = self.current_factor_decay()
-        for name, (a, g) in batch.items():
-            if name not in self.factors:
-                self.factors[name] = {"A": a.to(self.factor_dtype, copy=True), "G": g.to(self.factor_dtype, copy=True)}
-            elif a.dtype == self.factor_dtype:
-                running = self.factors[name]
-                running["A"].mul_(decay).add_(a, alpha=1.0 - decay)
-                running["G"].mul_(decay).add_(g, alpha=1.0 - decay)
-            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
-                running = self.factors[name]
-                for k, new in (("A", a), ("G", g)):
-                    running[k].copy_(running[k].to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
+        for h, factors in batch.items():
+            h.fold(factors, decay, self.factor_dtype)
 
     @staticmethod
     def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -590,12 +583,12 @@ class KFACPreconditioner:
     # decompositions -------------------------------------------------------------------------------------
     def _layout(self) -> tuple[list[int], dict[tuple[int, str], int]]:
         if self._layout_cache is None:  # deterministic in the layer shapes and the grid: computed once
-            dims = [(h.a_dim, h.g_dim) for h in self.handlers]
+            dims = [h.layer_forms() for h in self.handlers]
             self._layout_cache = self.placement_policy.assign_grid(dims, self.grid)
         return self._layout_cache
 
     def assignment(self) -> dict[tuple[int, str], int]:
-        """``(layer index, "A"|"G") -> rank`` that decomposes each factor (within the layer's worker group)."""
+        """``(layer index, factor name) -> rank`` that decomposes each factor (within the layer's worker group)."""
         return self._layout()[1]
 
     def layer_columns(self) -> list[int]:
@@ -606,46 +599,22 @@ class KFACPreconditioner:
         """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
         return self.grid.column_of(self.comm.rank) == self.layer_columns()[i]
 
-    def _decompose(self, factor: torch.Tensor, name: str) -> dict[str, torch.Tensor] | None:
-        return self.method.decompose(factor, self.damping, self.decomposition_dtype, name)
-
-    def _result_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
-        return self.method.result_shapes(n)
-
     def _update_decompositions(self) -> None:
         world, rank = self.comm.world_size, self.comm.rank
         owners = self.assignment()
-        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        work: list[tuple[int, LayerHandler, str]] = []
-        for i, h in enumerate(self.handlers):
-            if h.name not in self.factors or not self._is_worker(i):
-                continue  # only the layers of this rank's gradient-worker group
-            for kind in ("A", "G"):
-                work.append((owners[(i, kind)], h, kind))
-        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it.
-        for owner, h, kind in work:
-            if owner != rank:
-                continue
-            res = self._decompose(self.factors[h.name][kind], f"{h.name}.{kind}")
-            if res is None:  # keep the previous decomposition; broadcast it so all ranks stay identical
-                prev = self.decompositions.get(h.name)
-                if prev is not None:
-                    res = {k: prev[f"{k}_{kind}"] for k in self._result_shapes(1)}
-                else:
-                    n = self.factors[h.name][kind].shape[0]
-                    res = self._fallback_identity(n, self.factors[h.name][kind].device)
-            results[(h.name, kind)] = {k: v.to(self.inverse_dtype) for k, v in res.items()}  # storage dtype
+        # only the layers of this rank's gradient-worker group
+        work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if h.factors and self._is_worker(i)
+                for kind in h.factor_forms()]  # fmt: skip
+        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
+        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {
+            (h.name, kind): h.decompose(kind, self.method, self.damping, self.decomposition_dtype, self.inverse_dtype)
+            for owner, h, kind in work if owner == rank
+        }  # fmt: skip
         if world > 1 and self.grid.shares_decompositions:
             # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
             results = self._share(work, results, self._column_group)
         for (name, kind), res in results.items():
-            entry = self.decompositions.setdefault(name, {})
-            for k, v in res.items():
-                entry[f"{k}_{kind}"] = v
-
-    def _fallback_identity(self, n: int, device: torch.device) -> dict[str, torch.Tensor]:
-        # No decomposition ever succeeded for this factor: an identity factor keeps the step a damped SGD step.
-        return self.method.identity(n, self.damping, self.decomposition_dtype, device)
+            self._by_name[name].set_decomposition(kind, res)
 
     def _share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
                group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
@@ -653,19 +622,14 @@ class KFACPreconditioner:
         flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            items.setdefault(owner, []).append(
-                ((h.name, kind), self._result_shapes(self.factors[h.name][kind].shape[0]))
-            )
+            items.setdefault(owner, []).append(((h.name, kind), h.result_shapes(kind, self.method)))
         return broadcast_by_owner(  # type: ignore[return-value]
             self.comm, items, results, self.inverse_dtype, self._comm_device(), group  # type: ignore[arg-type]
         )
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        d = self.decompositions[h.name]
-        if self.inverse_dtype != self.decomposition_dtype:  # narrower storage: computed in the decomposition dtype
-            d = {k: v.to(self.decomposition_dtype) for k, v in d.items()}
-        return self.method.precondition(grad, d, self.damping)
+        return h.preconditioned(grad, self.method, self.damping, self.decomposition_dtype)
 
     def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
         if lr is not None:
@@ -684,14 +648,14 @@ class KFACPreconditioner:
         grads: dict[str, torch.Tensor] = {}
         for h in self.handlers:
             g = h.grad_matrix()
-            if g is not None and h.name in self.factors:
+            if g is not None and h.factors:
                 grads[h.name] = g
         precond: dict[str, torch.Tensor] = {}
         if world > 1 and self.grid.broadcasts_gradients:
             precond = self._precondition_by_workers(grads)
         else:
             for h in self.handlers:
-                if h.name in grads and h.name in self.decompositions:
+                if h.name in grads and h.decompositions:
                     precond[h.name] = self._precondition_layer(h, grads[h.name])
         if not precond:
             return
@@ -740,7 +704,7 @@ class KFACPreconditioner:
             source = self.grid.source(columns[i], rank)
             items.setdefault(source, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
             if source == rank:
-                if h.name in self.decompositions:
+                if h.decompositions:
                     local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
                 else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
                     local[h.name] = {"p": grads[h.name]}
@@ -756,31 +720,30 @@ class KFACPreconditioner:
         return self.grid.broadcasts_gradients and self.comm.world_size > 1
 
     def _owned_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {h.name: self.decompositions[h.name] for i, h in enumerate(self.handlers)
-                if self._is_worker(i) and h.name in self.decompositions}  # fmt: skip
+        return {h.name: h.decompositions for i, h in enumerate(self.handlers)
+                if self._is_worker(i) and h.decompositions}  # fmt: skip
 
     def _gather_decompositions(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every layer's decompositions on every rank (collective): when they are sharded the owners broadcast
         theirs (one buffer per owner, as :meth:`_share`), so a checkpoint written by rank 0 lets every rank
         resume with the decompositions it had, instead of recomputing them from newer factors."""
         owned = self._owned_decompositions()
-        owners_a = self.assignment()
+        owners = self.assignment()
         rank = self.comm.rank
-        # counted once per layer: by the rank that decomposes its A (a member of its worker group)
+        # counted once per layer: by the rank that decomposes its first factor (a member of its worker group)
         present = torch.tensor(
-            [1.0 if h.name in owned and owners_a[(i, "A")] == rank else 0.0 for i, h in enumerate(self.handlers)],
+            [1.0 if h.name in owned and owners[(i, next(iter(h.factor_forms())))] == rank else 0.0
+             for i, h in enumerate(self.handlers)],
             device=self._comm_device(),
         )
         self.comm.allreduce(present, op="sum").wait()  # which layers have a decomposition on their owner
-        owners = self.assignment()
         work = [
             (owners[(i, kind)], h, kind)
             for i, h in enumerate(self.handlers)
             if present[i].item() > 0
-            for kind in ("A", "G")
+            for kind in h.factor_forms()
         ]
-        mine = {(h.name, kind): {k: owned[h.name][f"{k}_{kind}"] for k in self._result_shapes(1)}
-                for owner, h, kind in work if owner == self.comm.rank}  # fmt: skip
+        mine = {(h.name, kind): h.decomposition_of(kind, self.method) for owner, h, kind in work if owner == rank}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for (name, kind), res in self._share(work, mine).items():
             for k, v in res.items():
@@ -809,24 +772,17 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). With a gradient-worker
         fraction below 1 each rank keeps only its worker group's decompositions; decompositions missing from an older
         checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
-        names = {h.name: h for h in self.handlers}
-        unknown = sorted(set(state.get("factors", {})) - set(names))
+        unknown = sorted(set(state.get("factors", {})) - set(self._by_name))
         if unknown:
             raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
         self.steps = int(state["steps"])
         self.epoch = int(state.get("epoch", 0))
         if self.subsample_generator is not None and "subsample_rng" in state:
             self.subsample_generator.set_state(state["subsample_rng"])
-        self.factors = {
-            n: {k: v.to(names[n].module.weight.device, self.factor_dtype) for k, v in f.items()}
-            for n, f in state["factors"].items()
-        }
-        self.decompositions = {}
-        if state.get("compute_method", self.compute_method) == self.compute_method:
-            for n, d in state.get("decompositions", {}).items():
-                if n in names:
-                    self.decompositions[n] = {
-                        k: v.to(names[n].module.weight.device, self.inverse_dtype) for k, v in d.items()
-                    }
-        if self._sharded():
-            self.decompositions = self._owned_decompositions()
+        same_method = state.get("compute_method", self.compute_method) == self.compute_method
+        saved = state.get("decompositions", {}) if same_method else {}
+        for i, h in enumerate(self.handlers):
+            # with a gradient-worker fraction below 1 a rank keeps only its worker group's decompositions
+            keep = h.name in saved and (not self._sharded() or self._is_worker(i))
+            h.load_state(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, self.factor_dtype,
+                         self.inverse_dtype)

@@ -20,6 +20,7 @@ from lightning_hpc.models.resnet import (
     resnet152,
 )
 from lightning_hpc.models.small_cnn import small_cnn
+from lightning_hpc.models.unet import UNet, unet
 
 __all__ = [
     "AlexNetOneTower",
@@ -36,6 +37,8 @@ __all__ = [
     "resnet101",
     "resnet152",
     "small_cnn",
+    "UNet",
+    "unet",
     "ODEResNet",
     "ResidualStep",
     "ode_resnet",
@@ -58,6 +61,9 @@ def build_model(name: str, **kwargs):
         return small_cnn(**kwargs)
     if name == "ode_resnet":
         return ode_resnet(**kwargs)
+    if name == "unet":
+        return unet(**kwargs)
     raise ValueError(
-        f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet"
+        f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet, "
+        "unet"
     )

@@ -2,9 +2,9 @@
 Training by Exploiting Finer-Grained Parallelism").
 
 Plain PyTorch + torch.distributed: the tile grid (:mod:`tiling`), the halo exchange (:mod:`halo_exchange`),
-distributed layers (:mod:`conv`, :mod:`pooling`, :mod:`batchnorm`, :mod:`upsample`, :mod:`heads`),
-redistribution (:mod:`redistribute`), model conversion with setup-time checks (:mod:`convert`) and gradient
-reduction (:mod:`gradients`).  The Lightning adapter is :mod:`strategy` (imported lazily by the registry).
+distributed layers (:mod:`conv`, :mod:`pooling`, :mod:`batchnorm`, :mod:`upsample`, :mod:`heads`), the
+setup-time split check (:mod:`split_check`), model conversion (:mod:`convert`) and gradient reduction
+(:mod:`gradients`).  The Lightning adapter is :mod:`strategy` (imported lazily by the registry).
 """
 
 from lightning_hpc.spatial.batchnorm import SpatialBatchNorm2d

@@ -83,7 +83,7 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         # dx -= gain/n * (S_dy + (x - mean) * invstd * S_dyxhat) = a * x + b, per channel
         a = gain * invstd * sums[1] / ctx.n
         b = gain * sums[0] / ctx.n - a * mean
-        view = (1, -1, 1, 1)
+        view = (1, -1) + (1,) * (x.dim() - 2)  # N x C x spatial... in 1, 2 or 3 dimensions
         dx.addcmul_(x, a.view(view), value=-1.0).sub_(b.view(view))
         dweight = local[1] if weight is not None else None
         dbias = local[0] if ctx.has_bias else None

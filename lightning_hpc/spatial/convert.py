@@ -95,7 +95,7 @@ def trace_input_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str
 
 
 def validate_partition(
-    model: nn.Module, input_shape: Sequence[int], parts: tuple[int, int], *, dispatch: bool = False
+    model: nn.Module, input_shape: Sequence[int], parts: tuple[int, ...], *, dispatch: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """Raise :class:`PartitionError` for the first layer that cannot be split ``parts`` with a global input of
     ``input_shape`` = (C, H, W); returns the traced input shape of every leaf layer."""

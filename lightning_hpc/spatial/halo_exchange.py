@@ -1,26 +1,31 @@
-"""Halo exchange over a blocked H x W partition (Dryden et al., section III-A; overlap per section IV-A).
+"""Halo exchange over a blocked partition of 1, 2 or 3 spatial dimensions (Dryden et al., section III-A;
+overlap per section IV-A).
 
-A layer whose output tile needs input rows/columns held by neighbouring tiles (convolution, pooling,
-interpolation) describes, per spatial dimension, which global input range an output range needs
-(:class:`Window1d` for sliding windows).  :class:`DimPlan` turns that into, for every tile, the rows it owns,
-the rows its output needs and therefore exactly which rows it must receive from / send to each neighbour:
-nothing at all for 1x1 stride-1 kernels, ``O = floor(K/2) * dilation`` rows for "same" convolutions, and the
-asymmetric ranges strided kernels need when output tiles are re-blocked.  The 8-neighbour exchange sends the
-corner blocks directly, so both dimensions are exchanged in one round and can be overlapped with the
-interior computation.
+A layer whose output tile needs input entries held by neighbouring tiles (convolution, pooling, interpolation)
+describes, per split dimension, which global input range an output range needs (:class:`Window1d` for sliding
+windows).  :class:`DimPlan` turns that into, for every tile, the entries it owns, the entries its output needs
+and therefore exactly which it must receive from / send to each neighbour along that dimension: nothing at all
+for 1x1 stride-1 kernels, ``O = floor(K/2) * dilation`` for "same" convolutions, and the asymmetric ranges
+strided kernels need when output tiles are re-blocked.  :class:`HaloPlan` combines one :class:`DimPlan` per
+split dimension: a message goes to every neighbour in ``{-1, 0, 1}^k`` (in 3-D the 6 faces, 12 edges and 8
+corners), each block straight to the tile that needs it, so every dimension is exchanged in one round and can
+be overlapped with the interior computation.  There is no periodic wrap: the sample's border is padding.
 
 Autograd: the exchange is split into :class:`_HaloStart` (identity; forward posts the sends/receives) and
-:class:`_HaloFinish` (forward waits and assembles the extended tile).  Backward runs in the reverse order:
-``_HaloFinish.backward`` keeps the gradient of the owned rows and posts the halo gradients back to their
-owners; ``_HaloStart.backward`` runs once every other use of the tile has produced its gradient (the interior
-convolution's backward in between overlaps the exchange) and adds the received halo gradients into the
-interior.  This is the adjoint of the forward exchange (tested with a dot-product test).
+:class:`_HaloFinish` (forward waits and hands out the received blocks).  Backward runs in the reverse order:
+``_HaloFinish.backward`` posts the halo gradients back to their owners; ``_HaloStart.backward`` runs once every
+other use of the tile has produced its gradient (the interior computation's backward in between overlaps the
+exchange) and adds the received halo gradients into the tile.  This is the adjoint of the forward exchange
+(tested with a dot-product test).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +43,11 @@ __all__ = [
     "HaloExchange",
     "Halo",
     "halo_exchange",
+    "own_slices",
+    "trailing",
+    "direction_id",
+    "direction_delta",
+    "BACKWARD_TAG_OFFSET",
     "start_halo_exchange",
     "finish_halo_exchange",
 ]
@@ -46,7 +56,8 @@ Range = tuple[int, int]
 
 
 class PartitionError(ValueError):
-    """A layer cannot be split the requested way (tile smaller than its halo, or fewer rows than parts)."""
+    """A layer cannot be split the requested way (tile smaller than its halo, or an extent smaller than its
+    number of parts)."""
 
 
 @dataclass(frozen=True)
@@ -54,13 +65,25 @@ class Window1d:
     """A sliding window along one dimension: output index ``o`` reads inputs
     ``o*stride - padding + dilation*t`` for ``t = 0..kernel-1`` (convolution and pooling).  ``ceil_mode``
     (pooling): the output count rounds up, so the last window may reach past the padded extent ``n + padding``
-    (PyTorch's ``pooling_output_shape``: a window may not start beyond it)."""
+    (PyTorch's ``pooling_output_shape``: a window may not start beyond it).  ``padding_hi``: the padding after
+    the last entry when it differs from ``padding`` (``padding='same'`` with an even kernel span: torch pads
+    ``span // 2`` before and the rest after)."""
 
     kernel: int
     stride: int = 1
     padding: int = 0
     dilation: int = 1
     ceil_mode: bool = False
+    padding_hi: int | None = None
+
+    @property
+    def pad_after(self) -> int:
+        """The padding after the last entry."""
+        return self.padding if self.padding_hi is None else self.padding_hi
+
+    @property
+    def symmetric(self) -> bool:
+        return self.pad_after == self.padding
 
     @property
     def span(self) -> int:
@@ -68,7 +91,7 @@ class Window1d:
 
     def out_size(self, n: int) -> int:
         if not self.ceil_mode:
-            return (n + 2 * self.padding - self.span) // self.stride + 1
+            return (n + self.padding + self.pad_after - self.span) // self.stride + 1
         out = -(-(n + 2 * self.padding - self.span) // self.stride) + 1
         # the last window must start inside the input or its left padding
         return out - 1 if (out - 1) * self.stride >= n + self.padding else out
@@ -84,7 +107,7 @@ class Window1d:
         return first, last + 1
 
 
-def _intersect(a: Range, b: Range) -> Range:
+def intersect(a: Range, b: Range) -> Range:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if hi > lo else (lo, lo)
 
@@ -109,74 +132,128 @@ class DimPlan:
             last = self.owns[p + 1][1] if p + 1 < parts else n
             if lo < first or hi > last:
                 raise PartitionError(
-                    f"{what}: tile {p} of {parts} owns input rows {self.owns[p]} but its output rows {self.outs[p]} "
+                    f"{what}: tile {p} of {parts} owns input entries {self.owns[p]} but its outputs {self.outs[p]} "
                     f"need {(lo, hi)}, beyond its neighbours' tiles (the tile is smaller than the halo it needs)"
                 )
 
     def recv_range(self, p: int, delta: int) -> Range:
-        """Rows tile ``p`` gets from tile ``p + delta`` (delta 0: the rows of its own it uses)."""
-        return _intersect(self.needs_clamped[p], self.owns[p + delta])
+        """Entries tile ``p`` gets from tile ``p + delta`` (delta 0: the entries of its own it uses)."""
+        return intersect(self.needs_clamped[p], self.owns[p + delta])
 
     def send_range(self, p: int, delta: int) -> Range:
-        """Rows of tile ``p`` that tile ``p + delta`` needs."""
-        return _intersect(self.needs_clamped[p + delta], self.owns[p])
+        """Entries of tile ``p`` that tile ``p + delta`` needs."""
+        return intersect(self.needs_clamped[p + delta], self.owns[p])
 
     def halo_size(self, p: int) -> int:
-        """Rows tile ``p`` receives (for the performance model and the tests)."""
+        """Entries tile ``p`` receives along this dimension (for the performance model and the tests)."""
         return sum(e - s for d in (-1, 1) if 0 <= p + d < self.parts for (s, e) in [self.recv_range(p, d)])
 
 
-def _neighbors(grid: SpatialGrid):
-    for di in (-1, 0, 1):
-        for dj in (-1, 0, 1):
-            if (di, dj) != (0, 0) and grid.neighbor(di, dj) is not None:
-                yield di, dj
+def _neighbors(grid: SpatialGrid) -> Iterator[tuple[int, ...]]:
+    """Every ``delta`` in ``{-1, 0, 1}^k`` except 0 whose tile exists (no periodic wrap)."""
+    for delta in itertools.product((-1, 0, 1), repeat=grid.ndim):
+        if any(delta) and grid.neighbor(*delta) is not None:
+            yield delta
 
 
 class HaloPlan:
-    """Both dimensions of one layer call on this rank: owned tile, needed (padded) input box, and the blocks to
-    exchange with each of the up to 8 neighbours."""
+    """One layer call on this rank over the ``k = grid.ndim`` split dimensions (the tile's last ``k``): the owned
+    tile, the needed (padded) input box, and the blocks to exchange with each of the up to ``3^k - 1``
+    neighbours (faces, edges and corners: every block goes straight to the tile that needs it, so one round of
+    messages suffices, section III-A).  ``dims`` holds one :class:`DimPlan` per split dimension, in order.
 
-    def __init__(self, grid: SpatialGrid, rows: DimPlan, cols: DimPlan) -> None:
-        self.grid, self.rows, self.cols = grid, rows, cols
-        i, j = grid.index
-        self.i, self.j = i, j
-        self.own = (rows.owns[i], cols.owns[j])
-        self.out = (rows.outs[i], cols.outs[j])
-        self.need = (rows.needs[i], cols.needs[j])
-        self.need_clamped = (rows.needs_clamped[i], cols.needs_clamped[j])
-        self.sends: list[tuple[int, int, Range, Range]] = []  # (peer, direction id, rows, cols), tile-local
-        self.recvs: list[tuple[int, int, Range, Range]] = []
-        for di, dj in _neighbors(grid):
-            peer = grid.neighbor(di, dj)
+    A message is ``(peer, direction, range_0, ..., range_{k-1})``: the peer's global rank, the direction id of
+    the message as its sender sees it (:func:`direction_id`, the tag offset both ends agree on) and the global
+    range along each split dimension."""
+
+    def __init__(self, grid: SpatialGrid, *dims: DimPlan) -> None:
+        if len(dims) != grid.ndim:
+            raise ValueError(f"HaloPlan: {len(dims)} dimension plans for a grid of {grid.ndim} split dimensions")
+        self.grid, self.dims = grid, tuple(dims)
+        idx = grid.index
+        self.index = idx
+        self.own = tuple(d.owns[i] for d, i in zip(dims, idx))
+        self.out = tuple(d.outs[i] for d, i in zip(dims, idx))
+        self.need = tuple(d.needs[i] for d, i in zip(dims, idx))
+        self.need_clamped = tuple(d.needs_clamped[i] for d, i in zip(dims, idx))
+        self.sends: list[tuple] = []  # (peer, direction id, *global ranges)
+        self.recvs: list[tuple] = []
+        #: what a kernel derives from the plan alone (e.g. the convolution's edge regions), kept with the plan
+        self.memo: dict = {}
+        for delta in _neighbors(grid):
+            peer = grid.neighbor(*delta)
             assert peer is not None
-            sr, sc = rows.send_range(i, di), cols.send_range(j, dj)
-            if sr[1] > sr[0] and sc[1] > sc[0]:
-                self.sends.append((peer, _direction(di, dj), sr, sc))
-            rr, rc = rows.recv_range(i, di), cols.recv_range(j, dj)
-            if rr[1] > rr[0] and rc[1] > rc[0]:
-                self.recvs.append((peer, _direction(-di, -dj), rr, rc))
+            sent = tuple(d.send_range(i, e) for d, i, e in zip(dims, idx, delta))
+            if all(hi > lo for lo, hi in sent):
+                self.sends.append((peer, direction_id(delta), *sent))
+            got = tuple(d.recv_range(i, e) for d, i, e in zip(dims, idx, delta))
+            if all(hi > lo for lo, hi in got):
+                self.recvs.append((peer, direction_id(tuple(-e for e in delta)), *got))
 
     @property
-    def pads(self) -> tuple[int, int, int, int]:
-        """Zero padding (left, right, top, bottom) that completes the clamped box to the needed box."""
-        (rlo, rhi), (clo, chi) = self.need
-        (crlo, crhi), (cclo, cchi) = self.need_clamped
-        return cclo - clo, chi - cchi, crlo - rlo, rhi - crhi
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def rows(self) -> DimPlan:
+        """The first split dimension's plan (H of an image)."""
+        return self.dims[0]
+
+    @property
+    def cols(self) -> DimPlan:
+        """The second split dimension's plan (W of an image)."""
+        return self.dims[1]
+
+    @property
+    def pads(self) -> tuple[int, ...]:
+        """Zero padding that completes the clamped box to the needed box, in ``F.pad`` order (last dimension
+        first: for an image ``(left, right, top, bottom)``)."""
+        out: list[int] = []
+        for (lo, hi), (clo, chi) in zip(reversed(self.need), reversed(self.need_clamped)):
+            out += [clo - lo, hi - chi]
+        return tuple(out)
 
     @property
     def communicates(self) -> bool:
         return bool(self.sends or self.recvs)
 
+    def local(self, ranges: Sequence[Range]) -> tuple[Any, ...]:
+        """The index of this tile's part holding the global ``ranges`` of its split dimensions."""
+        return trailing(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(ranges, self.own))
 
-def _direction(di: int, dj: int) -> int:
-    """0..8 id of a message direction as seen by its sender (so sender and receiver agree on the tag)."""
-    return (di + 1) * 3 + (dj + 1)
+
+def trailing(slices: Iterable[Any]) -> tuple[Any, ...]:
+    """An index selecting ``slices`` (or integers) of a tensor's last dimensions (``x[..., s_0, s_1]`` for any
+    count)."""
+    return (Ellipsis, *slices)
+
+
+def direction_id(delta: Sequence[int]) -> int:
+    """``0 .. 3^k - 1`` id of a message direction (``delta`` in ``{-1, 0, 1}^k``, base 3, first dimension most
+    significant), as seen by its sender, so sender and receiver agree on the tag; below 27 for ``k <= 3``."""
+    out = 0
+    for e in delta:
+        out = out * 3 + e + 1
+    return out
+
+
+def direction_delta(d: int, k: int) -> tuple[int, ...]:
+    """The inverse of :func:`direction_id` for ``k`` dimensions."""
+    out = []
+    for _ in range(k):
+        d, r = divmod(d, 3)
+        out.append(r - 1)
+    return tuple(reversed(out))
+
+
+#: tag offset of the backward (gradient) messages of an exchange: above every forward direction id (3^3)
+BACKWARD_TAG_OFFSET = 27
 
 
 class HaloExchange:
     """One exchange of one layer call: posts the sends/receives, hands out the received halo blocks, and does
-    the reverse (gradient) exchange in backward.  ``plan`` gives the blocks; tags are fresh per exchange."""
+    the reverse (gradient) exchange in backward.  ``plan`` gives the blocks; tags are fresh per exchange
+    (forward: base + direction id; backward: base + :data:`BACKWARD_TAG_OFFSET` + direction id)."""
 
     def __init__(self, plan: HaloPlan) -> None:
         self.plan = plan
@@ -188,33 +265,32 @@ class HaloExchange:
         self._backward_posted = True
         self.local_shape: torch.Size | None = None
 
-    def _local(self, r: Range, c: Range) -> tuple[slice, slice]:
-        (a, _), (b, _) = self.plan.own
-        return slice(r[0] - a, r[1] - a), slice(c[0] - b, c[1] - b)
-
     def _wait(self) -> None:
         for w in self._works:
             w.wait()
         self._works = []
 
+    def _buffer(self, like: torch.Tensor | torch.Size, ranges: Sequence[Range], dtype, device) -> torch.Tensor:
+        lead = tuple(like)[: len(like) - self.plan.ndim]
+        return torch.empty(*lead, *(hi - lo for lo, hi in ranges), dtype=dtype, device=device)
+
     # -- forward -------------------------------------------------------------------------------------------
     def post_forward(self, x: torch.Tensor) -> None:
         self.local_shape = x.shape
         self._xmeta = (x.dtype, x.device)
-        group = self.plan.grid.group
+        plan = self.plan
         self._send_bufs, self._recv_bufs = [], []
         # one message per peer and direction, tagged by direction; posted as one batch (NCCL-safe)
         recvs, sends, tag = [], [], self.tag
-        for peer, d, r, c in self.plan.recvs:
-            buf = x.new_empty(x.shape[0], x.shape[1], r[1] - r[0], c[1] - c[0])
+        for peer, d, *ranges in plan.recvs:
+            buf = self._buffer(x.shape, ranges, x.dtype, x.device)
             self._recv_bufs.append(buf)
             recvs.append((buf, peer, tag + d))
-        for peer, d, r, c in self.plan.sends:
-            rs, cs = self._local(r, c)
-            buf = x[:, :, rs, cs].contiguous()
+        for peer, d, *ranges in plan.sends:
+            buf = x[plan.local(ranges)].contiguous()
             self._send_bufs.append(buf)
             sends.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, group)
+        self._works = exchange(sends, recvs, plan.grid.group)
 
     def finish_forward(self) -> list[torch.Tensor]:
         """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
@@ -228,29 +304,28 @@ class HaloExchange:
     # -- backward (the adjoint) -----------------------------------------------------------------------------
     def post_backward(self, grads: list[torch.Tensor | None]) -> None:
         """Send the gradient of each received halo block back to its owner; post receives for ours."""
-        plan, group = self.plan, self.plan.grid.group
+        plan = self.plan
         self._backward_posted = True
         self._send_bufs, self._recv_bufs = [], []
-        recvs, sends, tag = [], [], self.tag + 9
-        for (peer, d, r, c), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
+        recvs, sends, tag = [], [], self.tag + BACKWARD_TAG_OFFSET
+        for (peer, d, *_), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
             buf = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
             self._send_bufs.append(buf)
             sends.append((buf, peer, tag + d))
         assert self.local_shape is not None
-        n, ch = self.local_shape[0], self.local_shape[1]
-        for peer, d, r, c in plan.sends:
-            dtype, device = self._xmeta
-            buf = torch.empty(n, ch, r[1] - r[0], c[1] - c[0], dtype=dtype, device=device)
+        dtype, device = self._xmeta
+        for peer, d, *ranges in plan.sends:
+            buf = self._buffer(self.local_shape, ranges, dtype, device)
             self._recv_bufs.append(buf)
             recvs.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, group)
+        self._works = exchange(sends, recvs, plan.grid.group)
 
     def wait(self) -> None:
         """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
         self._wait()
 
     def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-        """Add the halo gradients our neighbours computed for rows we own into the interior gradient
+        """Add the halo gradients our neighbours computed for the entries we own into the tile's gradient
         (``inplace``: into ``grad`` itself, which the caller owns)."""
         if not self._backward_posted:
             # no received block was used on this rank: their gradient is zero, but the neighbours expect it
@@ -261,9 +336,8 @@ class HaloExchange:
         if self._recv_bufs:
             if not inplace:
                 grad = grad.clone()
-            for (peer, d, r, c), buf in zip(self.plan.sends, self._recv_bufs):
-                rs, cs = self._local(r, c)
-                grad[:, :, rs, cs] += buf.to(grad.dtype)
+            for (_, _, *ranges), buf in zip(self.plan.sends, self._recv_bufs):
+                grad[self.plan.local(ranges)] += buf.to(grad.dtype)
         self._recv_bufs, self._send_bufs = [], []
         return grad
 
@@ -301,11 +375,11 @@ class _HaloFinish(torch.autograd.Function):
 
 
 class Halo:
-    """A tile plus its received halo blocks; :meth:`box` assembles any global input box from them."""
+    """A tile plus its received halo blocks (keyed by the ``delta`` of the tile they come from);
+    :meth:`box` assembles any global input box from them."""
 
-    def __init__(
-        self, x: torch.Tensor, blocks: dict[tuple[int, int], tuple[torch.Tensor, Range, Range]], plan: HaloPlan
-    ) -> None:
+    def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, ...], tuple[torch.Tensor, tuple[Range, ...]]],
+                 plan: HaloPlan) -> None:
         self.x, self.blocks, self.plan = x, blocks, plan
 
     @classmethod
@@ -313,41 +387,59 @@ class Halo:
         """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives
         them)."""
         blocks = {}
-        for (peer, d, r, c), buf in zip(plan.recvs, bufs):
-            di, dj = divmod(8 - d, 3)  # recvs store the sender's direction (-di, -dj)
-            blocks[(di - 1, dj - 1)] = (buf, r, c)
+        for (_, d, *ranges), buf in zip(plan.recvs, bufs):
+            # a received message carries its sender's direction: the sender lies at minus that
+            delta = tuple(-e for e in direction_delta(d, plan.ndim))
+            blocks[delta] = (buf, tuple(ranges))
         return cls(x, blocks, plan)
 
-    def box(self, r0: int, r1: int, c0: int, c1: int, pad_value: float = 0.0, own: torch.Tensor | None = None,
+    def box(self, *bounds: int, pad_value: float = 0.0, own: torch.Tensor | None = None,
             own_zero: bool = False) -> torch.Tensor:
-        """Input rows ``[r0, r1)`` x columns ``[c0, c1)`` (global; outside the image: ``pad_value``).  ``own``:
-        the part of the box inside this tile when the caller already sliced it (see :func:`own_slices`);
-        ``own_zero``: zeros in place of the tile's part (only the received halo and the padding)."""
+        """The input box ``[lo_0, hi_0) x [lo_1, hi_1) x ...`` over the split dimensions, ``bounds`` given flat as
+        ``lo_0, hi_0, lo_1, hi_1, ...`` (global; outside the sample: ``pad_value``).  ``own``: the part of the box
+        inside this tile when the caller already sliced it (see :func:`own_slices`); ``own_zero``: zeros in place
+        of the tile's part (only the received halo and the padding).  Assembled from the (up to ``3^k``) pieces
+        by concatenation along the last dimension first, then padded: autograd flows to the tile and to each
+        received block."""
         plan = self.plan
-        n_h, n_w = plan.rows.n, plan.cols.n
-        cr0, cr1, cc0, cc1 = max(r0, 0), min(r1, n_h), max(c0, 0), min(c1, n_w)
-        bands = []
-        for di in (-1, 0, 1):
-            row_parts = []
-            for dj in (-1, 0, 1):
-                if (di, dj) == (0, 0):
-                    src, rr, cc = self.x, plan.own[0], plan.own[1]
-                elif (di, dj) in self.blocks:
-                    src, rr, cc = self.blocks[(di, dj)]
-                else:
-                    continue
-                (ra, rb), (ca, cb) = _intersect(rr, (cr0, cr1)), _intersect(cc, (cc0, cc1))
-                if rb > ra and cb > ca:
-                    if (di, dj) == (0, 0) and own_zero:
-                        row_parts.append(src.new_zeros(src.shape[0], src.shape[1], rb - ra, cb - ca))
-                    elif (di, dj) == (0, 0) and own is not None:
-                        row_parts.append(own)
-                    else:
-                        row_parts.append(src[:, :, ra - rr[0] : rb - rr[0], ca - cc[0] : cb - cc[0]])
-            if row_parts:
-                bands.append(torch.cat(row_parts, dim=3) if len(row_parts) > 1 else row_parts[0])
-        out = torch.cat(bands, dim=2) if len(bands) > 1 else bands[0]
-        pads = (cc0 - c0, c1 - cc1, cr0 - r0, r1 - cr1)
+        k = plan.ndim
+        if len(bounds) != 2 * k:
+            raise ValueError(f"Halo.box: {len(bounds)} bounds for {k} split dimensions (expected lo, hi per dimension)")
+        want = [(bounds[2 * e], bounds[2 * e + 1]) for e in range(k)]
+        clamped = [(max(lo, 0), min(hi, dim.n)) for (lo, hi), dim in zip(want, plan.dims)]
+        pads: list[int] = []
+        for (lo, hi), (clo, chi) in zip(reversed(want), reversed(clamped)):
+            pads += [clo - lo, hi - chi]
+        if any(chi <= clo for clo, chi in clamped):  # nothing of the sample inside the box: padding only
+            shape = (*self.x.shape[: self.x.dim() - k], *(hi - lo for lo, hi in want))
+            return self.x.new_full(shape, pad_value)
+
+        def piece(delta: tuple[int, ...]) -> torch.Tensor | None:
+            if not any(delta):
+                src, ranges = self.x, plan.own
+            elif delta in self.blocks:
+                src, ranges = self.blocks[delta]
+            else:
+                return None
+            cut = [intersect(r, c) for r, c in zip(ranges, clamped)]
+            if any(b <= a for a, b in cut):
+                return None
+            if not any(delta) and own_zero:
+                return src.new_zeros(*src.shape[: src.dim() - k], *(b - a for a, b in cut))
+            if not any(delta) and own is not None:
+                return own
+            return src[trailing(slice(a - r[0], b - r[0]) for (a, b), r in zip(cut, ranges))]
+
+        def assemble(prefix: tuple[int, ...]) -> torch.Tensor | None:
+            if len(prefix) == k:
+                return piece(prefix)
+            parts = [p for e in (-1, 0, 1) if (p := assemble((*prefix, e))) is not None]
+            if not parts:
+                return None
+            return torch.cat(parts, dim=len(prefix) - k) if len(parts) > 1 else parts[0]
+
+        out = assemble(())
+        assert out is not None  # the clamped box is non-empty, so some tile holds part of it
         if any(pads):
             out = F.pad(out, pads, value=pad_value)
         return out
@@ -358,34 +450,33 @@ class _OwnSlices(torch.autograd.Function):
     buffer, where separate slicing would allocate a zero-filled tile per slice."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, boxes: list[tuple[int, int, int, int]]):  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, boxes: list[tuple[Any, ...]]):  # type: ignore[override]
         ctx.shape, ctx.boxes = x.shape, boxes
-        return tuple(x[:, :, r0:r1, c0:c1] for (r0, r1, c0, c1) in boxes)
+        return tuple(x[sl] for sl in boxes)
 
     @staticmethod
-    @once_differentiable  # the exchange in this backward is not itself differentiated
+    @once_differentiable  # a sum of slices: nothing to differentiate twice
     def backward(ctx, *grads):  # type: ignore[override]
         out = None
-        for (r0, r1, c0, c1), g in zip(ctx.boxes, grads):
+        for sl, g in zip(ctx.boxes, grads):
             if g is None:
                 continue
             if out is None:
                 out = g.new_zeros(ctx.shape)
-            out[:, :, r0:r1, c0:c1] += g
+            out[sl] += g
         return out, None
 
 
-def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: list[tuple[int, int, int, int]]) -> list[torch.Tensor | None]:
-    """For global input boxes ``(r0, r1, c0, c1)``, the part of each inside this rank's tile (``None`` if
-    empty), taken through one autograd node."""
-    (a, b), (c, e) = plan.own
-    local: list[tuple[int, int, int, int]] = []
+def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
+    """For global input boxes given flat as ``(lo_0, hi_0, lo_1, hi_1, ...)``, the part of each inside this rank's
+    tile (``None`` if empty), taken through one autograd node."""
+    local: list[tuple[Any, ...]] = []
     keep: list[int | None] = []
-    for r0, r1, c0, c1 in boxes:
-        ra, rb, ca, cb = max(r0, a), min(r1, b), max(c0, c), min(c1, e)
-        if rb > ra and cb > ca:
+    for bounds in boxes:
+        cut = [intersect((bounds[2 * e], bounds[2 * e + 1]), own) for e, own in enumerate(plan.own)]
+        if all(b > a for a, b in cut):
             keep.append(len(local))
-            local.append((ra - a, rb - a, ca - c, cb - c))
+            local.append(plan.local(cut))
         else:
             keep.append(None)
     views = _OwnSlices.apply(x, local) if local else ()
@@ -407,7 +498,6 @@ def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange) -> Hal
 
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:
     """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, ``pad_value``
-    outside the image)."""
+    outside the sample)."""
     xs, ex = start_halo_exchange(x, plan)
-    (r0, r1), (c0, c1) = plan.need
-    return finish_halo_exchange(xs, ex).box(r0, r1, c0, c1, pad_value)
+    return finish_halo_exchange(xs, ex).box(*(b for r in plan.need for b in r), pad_value=pad_value)

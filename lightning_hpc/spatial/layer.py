@@ -30,7 +30,7 @@ class SpatialContext:
 
     def __init__(self, grid: SpatialGrid) -> None:
         self.grid = grid
-        self.input_hw: tuple[int, int] | None = None
+        self.input_hw: tuple[int, ...] | None = None
         self.depth = 0
         self.calls = 0
 
@@ -46,7 +46,7 @@ class SpatialContext:
         if self.depth == 0:
             self.input_hw = None
 
-    def next_key(self) -> tuple[tuple[int, int], int] | None:
+    def next_key(self) -> tuple[tuple[int, ...], int] | None:
         if self.input_hw is None:
             return None
         self.calls += 1
@@ -61,7 +61,7 @@ def _works(n: int, parts: int, window: Any) -> bool:
         return False
 
 
-def largest_working_parts(h: int, w: int, windows: tuple[Any, Any], parts: tuple[int, int]) -> tuple[int, int]:
+def largest_working_parts(h: int, w: int, windows: tuple[Any, Any], parts: tuple[int, ...]) -> tuple[int, int]:
     """Largest ``(ph', pw')`` with ``ph' <= ph`` and ``pw' <= pw`` this layer can be split into."""
     best = []
     for n, window, p in ((h, windows[0], parts[0]), (w, windows[1], parts[1])):
@@ -113,7 +113,7 @@ class SpatialLayer:
 
         computed = [n for n in ("weight", "bias") if getattr(self, n, None) is not None and
                     self._parameters.get(n) is None]  # type: ignore[attr-defined]
-        if x.dim() != 4 or (x._hdim, x._wdim) != (2, 3) or computed:
+        if x.dim() != 4 or x._sdims != (2, 3) or computed:
             # laid out otherwise (e.g. after x.transpose(2, 3)), or a weight computed from the parameters by a
             # forward pre-hook (the hook form of spectral_norm / weight_norm, whose source parameter is used on
             # replicated values, not on tiles): the serial layer's own forward, whose functional call the op
@@ -137,7 +137,7 @@ class SpatialLayer:
         if getattr(self, "replicated_output", False):
             return out
         wh, ww = self.windows(h, w)
-        return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), 2, 3,
+        return SpatialTensor.wrap(out, x._grid, (x._gshape[0], out.shape[1], wh.out_size(h), ww.out_size(w)), (2, 3),
                                   fresh=out is not x)
 
     def serial_forward(self, x: Any) -> torch.Tensor:

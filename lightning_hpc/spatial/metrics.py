@@ -88,13 +88,10 @@ def _tile_inputs(args: tuple, kwargs: dict[str, Any], ref: SpatialTensor) -> tup
             return _plain(a)
         if isinstance(a, torch.Tensor) and a.dim() >= 2:
             # a target of the whole sample (N x H x W, N x C x H x W) beside split logits: the same tile of it
-            hd, wd = ref._hdim - (ref.dim() - a.dim()), ref._wdim - (ref.dim() - a.dim())
-            if (
-                0 <= hd < a.dim()
-                and 0 <= wd < a.dim()
-                and (a.shape[hd], a.shape[wd]) == (ref._gshape[ref._hdim], ref._gshape[ref._wdim])
-            ):
-                return a[_tile_index(a.shape, hd, wd, ref._grid)]
+            sdims = tuple(d - (ref.dim() - a.dim()) for d in ref._sdims)
+            if all(0 <= d < a.dim() for d in sdims) and \
+                    [a.shape[d] for d in sdims] == [ref._gshape[d] for d in ref._sdims]:
+                return a[_tile_index(a.shape, sdims, ref._grid)]
         return a
 
     return tuple(tile(a) for a in args), {k: tile(v) for k, v in kwargs.items()}

@@ -20,9 +20,9 @@ This covers the ops whose output rows are input rows moved, repeated or mirrored
   the neighbour (a crop wider than a tile empties that tile's share: its rows come from the next tiles).
 
 Every rank of the grid line knows the whole map, so each pair of tiles exchanges exactly the rows one needs of
-the other (one message each way, none when nothing is needed); 2-D ops apply the H map, then the W map to its
-result (corners included).  Backward is the adjoint: each output row's gradient goes back to the row it came
-from and is added there (a mirrored or replicated row collects several).
+the other (one message each way, none when nothing is needed); ops of several split dimensions apply the map
+of each in turn to the result (corners included).  Backward is the adjoint: each output row's gradient goes back
+to the row it came from and is added there (a mirrored or replicated row collects several).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _owner(bounds: Sequence[Range], i: int) -> int:
 
 @dataclass(frozen=True)
 class RemapPlan:
-    """This rank's part of one remap along grid axis ``axis`` (0: tile rows, H; 1: tile columns, W).
+    """This rank's part of one remap along grid axis ``axis`` (the index of the split dimension in the grid).
 
     ``recvs``: per peer position ``q`` along the axis, the local output positions it fills and the local input
     indices of ``q`` it reads (``q`` equal to this rank's position: the rows copied locally); ``sends``: per peer,
@@ -115,8 +115,10 @@ class RemapPlan:
 
 
 def _peer(grid: SpatialGrid, axis: int, q: int) -> int:
-    i, j = grid.index
-    return grid.global_rank(q, j) if axis == 0 else grid.global_rank(i, q)
+    """The rank whose tile is at position ``q`` along ``axis`` on this rank's grid line."""
+    index = list(grid.index)
+    index[axis] = q
+    return grid.global_rank(*index)
 
 
 def _exchange(grid: SpatialGrid, plan: RemapPlan, tag: int, outgoing: dict[int, torch.Tensor],

@@ -1,15 +1,18 @@
-"""Lightning adapter: ``Trainer(strategy="spatial")`` / ``SpatialParallelStrategy(spatial_parts=(ph, pw))``.
+"""Lightning adapter: ``Trainer(strategy="spatial")`` / ``SpatialParallelStrategy(spatial_parts=(ph, pw))``, or
+``(pd, ph, pw)`` for volumes and ``(pl,)`` for signals.
 
-Hybrid sample x spatial parallelism (Dryden et al., section III-A): the world is split into sample groups of
-``ph * pw`` contiguous ranks; each group trains on its own samples (sharded by the sampler over sample groups
-only), and inside a group rank ``k`` holds tile ``(k // pw, k % pw)`` of every sample.  The strategy
+Hybrid sample x spatial parallelism (Dryden et al., section III-A; in 3-D per section I): the world is split into
+sample groups of ``prod(spatial_parts)`` contiguous ranks; each group trains on its own samples (sharded by the
+sampler over sample groups only), and inside a group rank ``k`` holds the tile ``k`` unravelled row-major over
+``spatial_parts`` of every sample (for images ``(k // pw, k % pw)``).  The strategy
 
-* checks the world size (= sample groups x ph x pw) and builds the groups at setup,
-* tells the data module which tile to read (``datamodule.set_spatial_tile((i, j), (ph, pw))``) before the
+* checks the world size (= sample groups x prod(spatial_parts)) and builds the groups at setup,
+* tells the data module which tile to read (``datamodule.set_spatial_tile(index, parts)``) before the
   dataloaders exist, so no rank materialises a whole sample; data modules without that hook get their input cut
   to the tile on the host (with a warning).  What is split is decided by the data, never by a tensor's size:
-  the batch entries the data module names in ``spatial_tiles``, else the model's input (the first N x C x H x W
-  tensor); every other tensor stays whole and is cut where it meets a split activation (the op dispatch),
+  the batch entries the data module names in ``spatial_tiles``, else the model's input (the first
+  ``N x C x spatial...`` tensor with as many spatial dimensions as ``spatial_parts`` has entries); every other
+  tensor stays whole and is cut where it meets a split activation (the op dispatch),
 * converts the model's layers (:func:`convert.convert_model`), validating the partition at setup when the input
   shape is known (``input_shape=`` or the data module's ``input_shape``),
 * sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_gradients`)
@@ -24,6 +27,7 @@ The core pieces live in plain torch modules next to this one; this file only tra
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -43,17 +47,19 @@ from lightning_hpc.distributed.partitioned import refuse_compiled
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
-from lightning_hpc.spatial.convert import convert_model, validate_partition
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
+from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
     parse_parts,
+    parts_text,
     tile_slices,
 )
 
@@ -71,12 +77,19 @@ _COMM_FAILURE = (
 log = logging.getLogger(__name__)
 
 
+def _layout_name(k: int) -> str:
+    """``N x C x H x W`` for images, ``N x C x D x H x W`` volumes, ``N x C x L`` signals."""
+    return "N x C x " + {1: "L", 2: "H x W", 3: "D x H x W"}[k]
+
+
 class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     """Hybrid sample x spatial data parallelism.
 
     Args:
-        spatial_parts: ``(ph, pw)`` tiles per sample along H and W; ``"auto"`` asks the performance-model planner
-            (:func:`lightning_hpc.spatial.planner.plan_for_model`); ``None`` splits H over all ranks.
+        spatial_parts: tiles per sample along each spatial dimension: ``(ph, pw)`` for ``N x C x H x W`` images,
+            ``(pd, ph, pw)`` for ``N x C x D x H x W`` volumes, ``(pl,)`` for ``N x C x L`` signals (any entry may be
+            1); ``"auto"`` asks the performance-model planner (:func:`lightning_hpc.spatial.planner.plan_for_model`,
+            images); ``None`` splits H of images over all ranks.
         overlap: let the halo travel while the tile's convolution runs (section IV-A).  On the in-place tile
             path (tiles aligned to the stride, e.g. even extents) both settings measured the same step time on
             CPU/gloo; on the fallback paths the overlapped one splits each convolution in five and measured 0.83x
@@ -136,8 +149,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         )
         if isinstance(spatial_parts, str):
             if spatial_parts != "auto":
-                raise ValueError(f"spatial_parts={spatial_parts!r}: use a pair (ph, pw), 'auto' or None")
-            self._parts_setting: tuple[int, int] | str | None = "auto"
+                raise ValueError(
+                    f"spatial_parts={spatial_parts!r}: use the parts per spatial dimension, e.g. (2, 1) or (2, 2, 1), "
+                    f"'auto' or None")
+            self._parts_setting: tuple[int, ...] | str | None = "auto"
         else:
             self._parts_setting = None if spatial_parts is None else parse_parts(spatial_parts)
         if batchnorm != "aggregated":
@@ -166,7 +181,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     # -- layout ------------------------------------------------------------------------------------------------
     @property
-    def spatial_parts(self) -> tuple[int, int]:
+    def spatial_parts(self) -> tuple[int, ...]:
         if self.layout is None:
             raise RuntimeError("spatial_parts is known after setup_environment()")
         return self.layout.grid.parts
@@ -196,7 +211,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         trainer = getattr(lm, "_trainer", None) if lm is not None else None
         return getattr(trainer, "datamodule", None) if trainer is not None else None
 
-    def _resolve_parts(self) -> tuple[int, int]:
+    def _resolve_parts(self) -> tuple[int, ...]:
         world = self.world_size
         if self._parts_setting is None:
             return (world, 1)
@@ -225,11 +240,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # process group
         parts = self._resolve_parts()
-        if self.world_size % (parts[0] * parts[1]) != 0:
+        if self.world_size % math.prod(parts) != 0:
             raise ValueError(
-                f"world size {self.world_size} is not divisible by spatial_parts={parts[0]}x{parts[1]}="
-                f"{parts[0] * parts[1]} (ranks per sample); use devices x num_nodes = sample groups x ph x pw, "
-                f"or change spatial_parts"
+                f"world size {self.world_size} is not divisible by spatial_parts={parts_text(parts)}="
+                f"{math.prod(parts)} (ranks per sample); use devices x num_nodes = sample groups x "
+                f"prod(spatial_parts), or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
         if self.layout.grid.size > 1:
@@ -242,7 +257,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
             dm.set_spatial_tile(self.layout.grid.index, parts)
-        elif parts != (1, 1):
+        elif math.prod(parts) > 1:
             self._slice_batches = True
             log.warning(
                 "SpatialParallelStrategy: the data module has no set_spatial_tile(tile_index, parts); every rank loads "
@@ -268,8 +283,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         shape = self._input_shape()
         if shape is not None:
             try:
-                validate_partition(target, shape, self.layout.grid.parts, dispatch=True)
-            except PartitionError:
+                check_split(target, shape, self.layout.grid.parts)
+            except (PartitionError, ValueError):
                 raise
             # the shape trace is an early check only; the first step checks every op
             except Exception as e:  # noqa: BLE001
@@ -278,13 +293,14 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"{str(e)[:200]}); partitions are checked at the first training step instead"
                 )
         self._sync_batchnorm_to_batchnorm(module)
-        # exact layer types become tile kernels (speed, K-FAC's tiled handler); every other op is dispatched on
-        # the split activation itself (lightning_hpc.spatial.dispatch)
-        convert_model(module, self.layout.grid, overlap=self.overlap, batchnorm=self.batchnorm, dispatch=True)
+        # no layer is replaced: every op on a split activation is dispatched to its tile kernel
+        # (lightning_hpc.spatial.dispatch); K-FAC learns which convolutions run on tiles from a declaration
         st = state()
         st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         st.warned.clear()
+        st.overlap = self.overlap
         self._hooks = st.module_hooks(module)
+        self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
         self._count_metrics()
         self._converted = True
 
@@ -305,7 +321,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     f"spatial_parts covering every rank, one sample group, where SyncBatchNorm is computed exactly)"
                 )
             # same parameters and buffers; SyncBatchNorm adds a process group only
-            m.__class__ = torch.nn.BatchNorm2d  # type: ignore[assignment]
+            m.__class__ = {1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d,  # type: ignore[assignment]
+                           3: torch.nn.BatchNorm3d}[self.layout.grid.ndim]
 
     def _count_metrics(self) -> None:
         """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and
@@ -369,6 +386,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         st = state()
         st.module_stack.clear()
+        st.modules.clear()
         st.on_unsupported = self.on_unsupported
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
@@ -437,6 +455,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         state().module_stack.clear()
+        state().modules.clear()
         return super().validation_step(*args, **kwargs)
 
     @override
@@ -445,6 +464,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
         ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
         state().module_stack.clear()
+        state().modules.clear()
         out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
 
@@ -465,22 +485,24 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if self.layout is None or self.layout.grid.size == 1:
             return super().batch_to_device(batch, device, dataloader_idx)
         paths = self._split_paths(batch)
-        whole: dict[tuple, tuple[int, int]] = {}
+        whole: dict[tuple, tuple[int, ...]] = {}
         if self._slice_batches:  # cut on the host: the global extent is the whole tensor's
             grid = self.layout.grid
+            k = grid.ndim
             for path in paths:
                 t = _get(batch, path)
-                whole[path] = (int(t.shape[-2]), int(t.shape[-1]))
-                rs, cs = tile_slices(*whole[path], grid.parts, grid.index)
-                batch = _set(batch, path, t[..., rs, cs].contiguous())
+                whole[path] = tuple(int(n) for n in t.shape[-k:])
+                cut = (Ellipsis,) + tile_slices(whole[path], grid.parts, grid.index)
+                batch = _set(batch, path, t[cut].contiguous())
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return self._split(batch, paths, whole)
 
     def _split_paths(self, batch: Any) -> list[tuple]:
         """Where in ``batch`` the tensors to split are: what the data module declares in ``spatial_tiles``, else
-        the model's input, the first N x C x H x W tensor.  Every other tensor stays whole (a label at another
-        resolution, a per-row label, a mask of the whole sample): the op dispatch cuts it exactly where it meets a
-        split activation, whose layout it knows, so no tensor is taken for a tile because of its size."""
+        the model's input, the first ``N x C x spatial...`` tensor (as many spatial dimensions as the grid).  Every
+        other tensor stays whole (a label at another resolution, a per-row label, a mask of the whole sample): the
+        op dispatch cuts it exactly where it meets a split activation, whose layout it knows, so no tensor is taken
+        for a tile because of its size."""
         dm = self._datamodule()
         declared = getattr(dm, "spatial_tiles", None) if dm is not None else None
         if declared is not None:
@@ -499,23 +521,30 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                         f"batches) or keys (dict batches) of the tensors it reads as tiles"
                     )
             return paths
-        images = [(path, t) for path, t in _paths(batch) if t.dim() == 4 and not isinstance(t, SpatialTensor)]
+        k = self._spatial_ndim()
+        images = [(path, t) for path, t in _paths(batch) if t.dim() == 2 + k and not isinstance(t, SpatialTensor)]
         if not images:
             if not self._warned_nothing_split and not any(isinstance(t, SpatialTensor) for _, t in _paths(batch)):
                 self._warned_nothing_split = True
                 assert self.layout is not None
                 log.warning(
-                    "SpatialParallelStrategy: the batch holds no N x C x H x W tensor, so nothing is split: every rank "
-                    f"of a spatial group ({self.layout.grid.size} ranks) computes the same thing on the same samples "
-                    "(correct, but no faster than one of them). Use strategy='ddp' for such data, or give the batch "
-                    "its images as N x C x H x W tensors (or name them in the data module's spatial_tiles)"
+                    f"SpatialParallelStrategy: the batch holds no {_layout_name(k)} tensor, so nothing is split: every "
+                    f"rank of a spatial group ({self.layout.grid.size} ranks) computes the same thing on the same "
+                    "samples (correct, but no faster than one of them). Use strategy='ddp' for such data, or give the "
+                    f"batch its samples as {_layout_name(k)} tensors (or name them in the data module's spatial_tiles)"
                 )
             return []
         return [images[0][0]]
 
-    def _split(self, batch: Any, paths: list[tuple], whole: dict[tuple, tuple[int, int]]) -> Any:
-        """The tensors at ``paths`` as :class:`SpatialTensor` objects over their last two dimensions.  Cut on the
-        host, their global extent is known (``whole``); read as tiles by the data module, it is summed over the
+    def _spatial_ndim(self) -> int:
+        """How many spatial dimensions a sample has: one per entry of ``spatial_parts`` (images until known)."""
+        if self.layout is not None:
+            return self.layout.grid.ndim
+        return len(self._parts_setting) if isinstance(self._parts_setting, tuple) else 2
+
+    def _split(self, batch: Any, paths: list[tuple], whole: dict[tuple, tuple[int, ...]]) -> Any:
+        """The tensors at ``paths`` as :class:`SpatialTensor` objects over their last ``grid.ndim`` dimensions.  Cut
+        on the host, their global extent is known (``whole``); read as tiles by the data module, it is summed over the
         group (one all-reduce for all of them).  A data module that reads tiles but declares no ``spatial_tiles``
         gets only its input split; another batch tensor as large as its tile could be a tile or a whole tensor at
         a lower resolution, so that case is refused (decided over the group: one rank's tile may differ)."""
@@ -525,14 +554,16 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if whole:
             extents = [whole[path] for path in paths]
         else:
-            i, j = grid.index
+            k, index = grid.ndim, grid.index
             undeclared = self._slice_batches is False and getattr(self._datamodule(), "spatial_tiles", None) is None
             ambiguous = [
                 path for path, t in _paths(batch)
-                if undeclared and tiles and path not in paths and t.dim() >= 2
-                and tuple(t.shape[-2:]) == tuple(tiles[0].shape[-2:])
+                if undeclared and tiles and path not in paths and t.dim() >= k
+                and tuple(t.shape[-k:]) == tuple(tiles[0].shape[-k:])
             ]
-            sizes = [v for t in tiles for v in (t.shape[-2] if j == 0 else 0, t.shape[-1] if i == 0 else 0)]
+            # a tile counts its extent along dimension d when it lies on the line of tiles through the origin along d
+            sizes = [int(t.shape[t.dim() - k + d]) if all(i == 0 for e, i in enumerate(index) if e != d) else 0
+                     for t in tiles for d in range(k)]
             device = tiles[0].device if tiles else None
             counts = torch.tensor([*sizes, len(ambiguous)], dtype=torch.int64, device=device)
             if grid.group is not None and tiles:
@@ -541,15 +572,15 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 where = f" ({ambiguous[0]!r} here)" if ambiguous else " (on another rank of the spatial group)"
                 raise ValueError(
                     "SpatialParallelStrategy: the data module reads tiles (set_spatial_tile) and the batch holds a "
-                    f"tensor besides the input whose last two dimensions are as large as the input's tile{where}: "
+                    f"tensor besides the input whose spatial dimensions are as large as the input's tile{where}: "
                     "a tile, or a whole tensor at a lower resolution? Declare the batch entries the data module reads "
                     "as tiles, e.g. `spatial_tiles = (0, 1)` on the data module for an (image, mask) batch whose mask "
                     "it cuts too, or `spatial_tiles = (0,)` when every other tensor is whole"
                 )
-            extents = [(int(counts[2 * k]), int(counts[2 * k + 1])) for k in range(len(tiles))]
-        for path, t, (gh, gw) in zip(paths, tiles, extents):
+            extents = [tuple(int(v) for v in counts[k * m : k * (m + 1)]) for m in range(len(tiles))]
+        for path, t, extent in zip(paths, tiles, extents):
             if not isinstance(t, SpatialTensor):
-                batch = _set(batch, path, split_tensor(t, grid, (*t.shape[:-2], gh, gw), t.dim() - 2, t.dim() - 1))
+                batch = _set(batch, path, split_tensor(t, grid, (*t.shape[: t.dim() - len(extent)], *extent)))
         return batch
 
     def global_pixel_count(self, target: Tensor) -> int:

@@ -32,10 +32,10 @@ def _run(device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, l
     x = torch.randn(2, 3, 14, 10, generator=g, dtype=dtype).to(device).requires_grad_()
     y = torch.randn(2, 2, 14, 10, generator=g, dtype=dtype).to(device)
     grid = SpatialGrid.single()
-    xs = split_tensor(x, grid, tuple(x.shape), 2, 3)
+    xs = split_tensor(x, grid, tuple(x.shape))
     out = net(xs)
     assert isinstance(out, SpatialTensor), "the activation left the dispatch path"
-    F.mse_loss(out, split_tensor(y, grid, tuple(y.shape), 2, 3)).backward()
+    F.mse_loss(out, split_tensor(y, grid, tuple(y.shape))).backward()
     assert x.grad is not None
     return out.detach().as_subclass(torch.Tensor).cpu(), x.grad.cpu(), [p.grad.cpu() for p in net.parameters()]
 

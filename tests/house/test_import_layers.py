@@ -54,7 +54,6 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveMaxPoolNd"),
     ("lightning_hpc.kfac.preconditioner", "torch._C"),
     ("lightning_hpc.spatial.convert", "nn.modules.loss._Loss"),
-    ("lightning_hpc.spatial.planner.cost", "nn.modules.batchnorm._BatchNorm"),
     ("lightning_hpc.spatial.strategy", "dist.distributed_c10d._get_default_store"),
     *(
         (f"lightning_hpc.spatial.dispatch.{m}", "torch._C")
@@ -70,11 +69,8 @@ KNOWN_CYCLES: list[set[str]] = [
         "lightning_hpc.spatial.batchnorm",
         "lightning_hpc.spatial.conv",
         "lightning_hpc.spatial.dispatch",
-        "lightning_hpc.spatial.dispatch.kernels",
         "lightning_hpc.spatial.dispatch.norms",
         "lightning_hpc.spatial.layer",
-        "lightning_hpc.spatial.pooling",
-        "lightning_hpc.spatial.upsample",
     }
 ]
 

@@ -62,14 +62,17 @@ def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli):
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("KFAC")]
     assert state["steps"] == ckpt["global_step"] > 0
-    assert set(state["factors"]) == {"model.0", "model.3", "model.7", "model.13"}
+    # the convolutions and the Linear, and the BatchNorm layers' affine parameters
+    assert set(state["factors"]) == {"model.0", "model.1", "model.3", "model.4", "model.7", "model.8", "model.13"}
     assert set(state["decompositions"]) == set(state["factors"])
     cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     assert cfg["callbacks"]["kfac"]["inv_update_freq"] == 5
 
 
 def test_plan_kfac_json_round_robin_resnet50(capsys):
-    assert plan_mod.main(["--model", "resnet50", "--world-size", "16", "--placement", "round_robin", "--json"]) == 0
+    # the paper's figures count its layer types (Linear and convolutions), not the BatchNorm layers' blocks
+    assert plan_mod.main(["--model", "resnet50", "--world-size", "16", "--placement", "round_robin", "--json",
+                          "--layer-types", "linear", "conv"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["layers"] == 54 and len(p["ranks"]) == 16
     assert sum(len(r["factors"]) for r in p["ranks"]) == 108

@@ -240,7 +240,7 @@ def test_accumulating_two_micro_batches_equals_one_double_batch():
             p.step()
             o.step()
     for name in pres[0].factors:
-        for k in ("A", "G"):
+        for k in pres[0].factors[name]:
             torch.testing.assert_close(pres[1].factors[name][k], pres[0].factors[name][k], rtol=1e-5, atol=1e-6)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
@@ -417,7 +417,7 @@ def test_conv_input_subset_of_whole_batch_is_the_full_computation(fraction):
     default = KFACPreconditioner(_cnn(), inv_update_freq=2)  # the option is off by default
     assert default.conv_input_sample_fraction == 1.0 and default.subsample_generator is None
     for name in pre_full.factors:
-        for k in ("A", "G"):
+        for k in pre_full.factors[name]:
             assert torch.equal(pre_sub.factors[name][k], pre_full.factors[name][k])
     for a, b in zip(model_full.parameters(), model_sub.parameters()):
         assert torch.equal(a, b)
@@ -464,7 +464,7 @@ def test_conv_input_sample_fraction_rejects_bad_values(bad):
 
 
 def test_conv_input_subsampling_rejects_tiled_layers():
-    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConv2dHandler), like SpatialConv2d
+    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConvHandler), like SpatialConv2d
         kfac_padded_input = None
         kfac_partition_size = 1
 
@@ -542,6 +542,47 @@ def test_transposed_convolution_factors_and_solve(name):
         assert torch.equal(layer.bias.grad, b_raw)
 
 
+GROUPED_TRANSPOSED = {
+    "convT2d_groups2_stride": lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2),
+    "convT1d_depthwise_dilation": lambda: nn.ConvTranspose1d(3, 3, 2, dilation=2, groups=3, bias=False),
+    "convT3d_groups3": lambda: nn.ConvTranspose3d(3, 6, 2, stride=(1, 2, 1), groups=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GROUPED_TRANSPOSED))
+def test_grouped_transposed_convolution_block_per_group(name):
+    """A grouped transposed convolution is a block per group: each group's A (its input channels) and G (the
+    scatter windows of its output channels, by index arithmetic) equal an independent computation, and its rows of
+    the weight gradient equal the dense solve of its own block."""
+    torch.manual_seed(6)
+    layer = GROUPED_TRANSPOSED[name]().double()
+    x = torch.randn(4, layer.in_channels, *EXTENT[len(layer.kernel_size)], dtype=torch.float64)
+    damping = 0.05
+    p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=damping, decomposition_dtype="float64",
+                           factor_dtype="float64", announce=False)
+    assert [h.name for h in p.handlers] == [f"#g{i}" for i in range(layer.groups)]
+    out = layer(x)
+    out.retain_grad()
+    target = torch.randn(out.shape[0], math.prod(out.shape[1:]), dtype=torch.float64)
+    _loss(out, target).backward()
+    w_raw = layer.weight.grad.detach().clone()
+    p.step()
+    ci, co, n = layer.in_channels // layer.groups, layer.out_channels // layer.groups, x.shape[0]
+    for i in range(layer.groups):
+        rows_a = x[:, i * ci : (i + 1) * ci].movedim(1, -1).reshape(-1, ci)
+        rows_g = _scatter_windows(out.grad[:, i * co : (i + 1) * co], layer, tuple(x.shape[2:]))
+        raw = w_raw[i * ci : (i + 1) * ci].reshape(ci, -1).t()
+        torch.testing.assert_close(rows_g.t() @ rows_a, raw)  # the group's weight gradient: the sides' ordering
+        a_ref, g_ref = rows_a.t() @ rows_a / rows_a.shape[0], (n * rows_g).t() @ (n * rows_g) / n
+        f = p.factors[f"#g{i}"]
+        torch.testing.assert_close(f["A"], a_ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(f["G"], g_ref, rtol=1e-9, atol=1e-12 * g_ref.abs().max().item())
+        dense = torch.kron(g_ref, a_ref) + damping * torch.eye(a_ref.shape[0] * g_ref.shape[0], dtype=torch.float64)
+        want = torch.linalg.solve(dense, raw.reshape(-1)).reshape(raw.shape)
+        got = layer.weight.grad[i * ci : (i + 1) * ci].reshape(ci, -1).t()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("layer", [nn.ConvTranspose2d(2, 2, 2, stride=2), nn.Conv2d(2, 2, 3, padding=1, groups=2)],
                          ids=["transposed", "grouped"])
 def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer):
@@ -556,4 +597,4 @@ def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer
     x = torch.randn(2, 2, 6, 6)
     model(x).sum().backward()  # a plain tensor: captured
     with pytest.raises(RuntimeError, match=r"K-FAC layer '0(#g0)?' .*skip_layers=\['0'\]"):
-        model(split_tensor(x, SpatialGrid.single(), tuple(x.shape), 2, 3))
+        model(split_tensor(x, SpatialGrid.single(), tuple(x.shape)))

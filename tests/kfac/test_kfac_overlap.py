@@ -270,7 +270,7 @@ def _run_nonfinite(rank: int, world_size: int) -> dict:
             if step == 0:
                 after_first = {n: {k: v.clone() for k, v in f.items()} for n, f in pre.factors.items()}
             if step == 1:
-                kept = all(torch.equal(pre.factors[n][k], after_first[n][k]) for n in after_first for k in "AG")
+                kept = all(torch.equal(pre.factors[n][k], f[k]) for n, f in after_first.items() for k in f)
         out[overlap] = (pre.dropped_statistics_steps, kept,
                         {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()})  # fmt: skip
     return out
@@ -326,7 +326,7 @@ def _run_spatial(rank: int, world_size: int) -> dict:
     layout = create_hybrid_layout((1, 2))
     g = torch.Generator().manual_seed(11)
     x, y = torch.randn(4, 3, 9, 10, generator=g), torch.randint(0, 5, (4,), generator=g)
-    rs, cs = tile_slices(9, 10, layout.grid.parts, layout.grid.index)
+    rs, cs = tile_slices((9, 10), layout.grid.parts, layout.grid.index)
     out = {}
     for overlap in (False, True):
         torch.manual_seed(6)

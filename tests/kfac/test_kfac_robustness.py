@@ -46,7 +46,8 @@ def _factors(pre: KFACPreconditioner) -> dict[str, dict[str, torch.Tensor]]:
 def _assert_factors_equal(got: dict, want: dict, **tol) -> None:
     assert got.keys() == want.keys()
     for name in want:
-        for k in ("A", "G"):
+        assert got[name].keys() == want[name].keys()
+        for k in want[name]:
             torch.testing.assert_close(got[name][k], want[name][k], **tol)
 
 
@@ -209,8 +210,10 @@ def test_sequence_first_transformer_layer_equals_batch_first():
     assert pre.handlers[0].samples == 3  # N, not T
     pre.step()
     ref.step()
-    assert sorted(pre.factors) == ["linear1", "linear2"]  # out_proj is used functionally by MultiheadAttention
-    assert {h.name: getattr(h, "batch_dim", 0) for h in pre.handlers} == {"linear1": 1, "linear2": 1}
+    # out_proj is used functionally by MultiheadAttention; the LayerNorms count samples on dim 1 as the Linears
+    assert sorted(pre.factors) == ["linear1", "linear2", "norm1", "norm2"]
+    assert {h.name: getattr(h, "batch_dim", 0) for h in pre.handlers} == {"linear1": 1, "linear2": 1, "norm1": 1,
+                                                                          "norm2": 1}
     _assert_factors_equal(pre.factors, ref.factors, rtol=1e-5, atol=1e-6)
     assert "out_proj (NonDynamicallyQuantizableLinear): used functionally" in pre.describe_layers()
 
@@ -249,16 +252,17 @@ def test_setup_says_which_modules_are_left_to_the_optimizer_and_why():
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(),
-        nn.Linear(4, 3), nn.Linear(3, 2), nn.Embedding(3, 2),
+        nn.Linear(4, 3), nn.Linear(3, 2), nn.Embedding(3, 2), nn.PReLU(),
     )
     model[5].requires_grad_(False)
     with pytest.warns(UserWarning) as caught:
         pre = KFACPreconditioner(model, skip_layers=["^4$"])
     text = "\n".join(str(w.message) for w in caught)
-    assert "K-FAC preconditions 2 layer(s):\n  0 (Conv2d)\n  2 (Conv2d) [2 groups: a Kronecker block per group]" in text
-    assert "1 (BatchNorm2d): unsupported type BatchNorm2d" in text
+    assert ("K-FAC preconditions 4 layer(s):\n  0 (Conv2d)\n  1 (BatchNorm2d) [a 2x2 block per channel over scale and "
+            "shift]\n  2 (Conv2d) [2 groups: a Kronecker block per group]\n  6 (Embedding) [diagonal A (token "
+            "frequencies)]") in text
     assert "4 (Linear): matched skip_layers" in text
-    assert "6 (Embedding): unsupported type" in text
+    assert "7 (PReLU): unsupported type" in text
     assert "5 (Linear)" not in text  # frozen entirely: nothing the optimizer trains
     assert pre.describe_layers() in text
 

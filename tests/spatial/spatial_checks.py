@@ -15,7 +15,7 @@ TOL = 1e-5
 
 
 def tile_of(t: torch.Tensor, grid) -> torch.Tensor:
-    rs, cs = tile_slices(t.shape[-2], t.shape[-1], grid.parts, grid.index)
+    rs, cs = tile_slices((t.shape[-2], t.shape[-1]), grid.parts, grid.index)
     return t[..., rs, cs]
 
 
@@ -70,7 +70,7 @@ class TileDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         x, y = self.x, self.y
         if self.tile is not None:
-            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
+            rs, cs = tile_slices((x.shape[-2], x.shape[-1]), self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
 

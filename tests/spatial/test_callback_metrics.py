@@ -68,7 +68,7 @@ class Data(pl.LightningDataModule):
         g = torch.Generator().manual_seed(seed)
         x, y = torch.randn(N, C, H, W, generator=g), torch.randint(0, CLASSES, (N, H, W), generator=g)
         if self.tile is not None:
-            rs, cs = tile_slices(H, W, self.tile[1], self.tile[0])
+            rs, cs = tile_slices((H, W), self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 

@@ -304,7 +304,7 @@ class TileData(pl.LightningDataModule):
     def train_dataloader(self):
         x, y = self.x, self.y
         if self.tile is not None:
-            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
+            rs, cs = tile_slices((x.shape[-2], x.shape[-1]), self.tile[1], self.tile[0])
             x = x[..., rs, cs].contiguous()
             y = y[..., rs, cs].contiguous() if y.dim() >= 3 else y
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
@@ -368,9 +368,9 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
             continue
         grid = strategy.layout.grid
         module.eval()
-        rs, cs = tile_slices(H, W, parts, grid.index)
+        rs, cs = tile_slices((H, W), parts, grid.index)
         with torch.no_grad():
-            out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3))
+            out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape))
             out = out.full() if hasattr(out, "full") else out
         results[name] = {
             "loss": float(trainer.callback_metrics["train_loss"]),
@@ -434,7 +434,7 @@ def test_refusals_name_op_and_module():
                              collective_timeout_s=60)
     for res in wrong:
         err = res["wrong_channels"]["error"]
-        assert "layer 'model.body'" in err and "channels" in err, err
+        assert "module 'model.body'" in err and "channels" in err, err
         err = res["shared_across_pool"]["error"]
         assert "parameter 'model.mix.weight'" in err and "F.linear in module 'model.mix' (Linear)" in err, err
         assert res["shared_across_pool"]["steps"] == 0

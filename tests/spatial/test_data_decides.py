@@ -111,7 +111,7 @@ class TileReader(WholeData):
     def train_dataloader(self):
         x = self.x
         if self.tile is not None:
-            rs, cs = tile_slices(x.shape[-2], x.shape[-1], self.tile[1], self.tile[0])
+            rs, cs = tile_slices((x.shape[-2], x.shape[-1]), self.tile[1], self.tile[0])
             x = x[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, self.y), batch_size=BATCH, shuffle=False)
 

@@ -38,11 +38,11 @@ def _data():
 def _run(rank, world, parts):
     grid = create_hybrid_layout(parts).grid
     x, probs, labels, binary = _data()
-    rs, cs = tile_slices(H, W, parts, grid.index)
+    rs, cs = tile_slices((H, W), parts, grid.index)
     out = {}
     for name, loss_of in _cases(x, probs, labels, binary).items():
         tile = x[..., rs, cs].clone().requires_grad_(True)
-        loss = loss_of(split_tensor(tile, grid, x.shape, 2, 3))
+        loss = loss_of(split_tensor(tile, grid, x.shape))
         loss.backward()
         out[name] = (float(loss), tile.grad.clone(), (rs, cs))
     return out

@@ -26,7 +26,7 @@ def _counting(monkeypatch) -> list[str]:
 
 
 def test_dim_is_not_dispatched(monkeypatch):
-    x = split_tensor(torch.randn(2, 3, 5, 4), SpatialGrid.single(), (2, 3, 10, 4), 2, 3)
+    x = split_tensor(torch.randn(2, 3, 5, 4), SpatialGrid.single(), (2, 3, 10, 4))
     seen = _counting(monkeypatch)
     assert x.dim() == 4
     assert "dim" not in seen, seen

@@ -121,9 +121,13 @@ def test_sync_batchnorm_with_several_sample_groups_is_refused():
 
     strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))
-    strategy.layout = SimpleNamespace(num_sample_groups=2)
+    strategy.layout = SimpleNamespace(num_sample_groups=2, grid=SimpleNamespace(ndim=2))
     with pytest.raises(ValueError, match="layer '1' is nn.SyncBatchNorm.*Use nn.BatchNorm2d"):
         strategy._sync_batchnorm_to_batchnorm(model)
-    strategy.layout = SimpleNamespace(num_sample_groups=1)
+    strategy.layout = SimpleNamespace(num_sample_groups=1, grid=SimpleNamespace(ndim=2))
     strategy._sync_batchnorm_to_batchnorm(model)
     assert type(model[1]) is nn.BatchNorm2d
+    volume = nn.Sequential(nn.Conv3d(3, 4, 3), nn.SyncBatchNorm(4))  # volumes: the 3-D batch norm
+    strategy.layout = SimpleNamespace(num_sample_groups=1, grid=SimpleNamespace(ndim=3))
+    strategy._sync_batchnorm_to_batchnorm(volume)
+    assert type(volume[1]) is nn.BatchNorm3d

@@ -117,7 +117,7 @@ class Data(pl.LightningDataModule):
         if self.order is not None:
             x, y = x[self.order], y[self.order]
         if self.tile is not None:
-            rs, cs = tile_slices(H, W, self.tile[1], self.tile[0])
+            rs, cs = tile_slices((H, W), self.tile[1], self.tile[0])
             x, y = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
         return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
 

@@ -12,8 +12,8 @@ from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial import convtranspose
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
+from lightning_hpc.spatial.kernels import transposed
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 CONFIGS = [
@@ -36,7 +36,7 @@ def _convt(rank: int, world: int, dtypes, sabotage: bool = False, parts_list=((2
             (a, b), (c, e) = plan.own
             return F.pad(x, (c - c0, c1 - e, a - r0, r1 - b))  # the needed box, zeros (or cropped) at the seams
 
-        convtranspose.halo_exchange = no_halo
+        transposed.halo_exchange = no_halo  # the tile kernel the op dispatch runs
     fails: list[str] = []
     for parts in parts_list:
         grid = create_hybrid_layout(parts).grid
@@ -53,7 +53,7 @@ def _convt(rank: int, world: int, dtypes, sabotage: bool = False, parts_list=((2
                 (yr * g).sum().backward()
                 xt = tile_of(x, grid).clone().requires_grad_(True)
                 with on_unsupported("error"):
-                    ys = sp(split_tensor(xt, grid, x.shape, 2, 3))
+                    ys = sp(split_tensor(xt, grid, x.shape))
                     (ys * g).sum().backward()
                 errs = {"out": max_err(ys.full(), yr), "dx": max_err(xt.grad, tile_of(xr.grad, grid))}
                 for (name, pr), ps in zip(ref.named_parameters(), sp.parameters()):
@@ -96,7 +96,7 @@ def _bf16(rank: int, world: int) -> list[str]:
     with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
         yr = ref(x)
         xt = tile_of(x, grid).clone().requires_grad_(True)
-        ys = ref(split_tensor(xt, grid, x.shape, 2, 3))
+        ys = ref(split_tensor(xt, grid, x.shape))
         ys.float().sum().backward()
     if ys.dtype != yr.dtype:
         fails.append(f"dtype {ys.dtype} != serial {yr.dtype}")

@@ -52,7 +52,7 @@ def _compare(ref: nn.Module, x: torch.Tensor, grid, step: int) -> dict[str, floa
     g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(11 + step), dtype=yr.dtype)
     (yr * g).sum().backward()
     xt = tile_of(x, grid).clone().requires_grad_(True)
-    ys = sp(split_tensor(xt, grid, x.shape, 2, 3))
+    ys = sp(split_tensor(xt, grid, x.shape))
     (ys * g).sum().backward()
     errs = {"out": max_err(ys.full(), yr), "dx": max_err(xt.grad, tile_of(xr.grad, grid))}
     for (name, pr), ps in zip(ref.named_parameters(), sp.parameters()):
@@ -129,7 +129,7 @@ def _bf16(rank: int, world: int) -> list[str]:
         with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
             yr = ref(x.bfloat16())
             xt = tile_of(x, grid).bfloat16().requires_grad_(True)
-            ys = sp(split_tensor(xt, grid, x.shape, 2, 3))
+            ys = sp(split_tensor(xt, grid, x.shape))
             ys.float().sum().backward()
         if ys.dtype != yr.dtype:
             fails.append(f"{name}: dtype {ys.dtype} != serial {yr.dtype}")
@@ -200,9 +200,9 @@ def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg"
         trainer.fit(module, datamodule=TileData(x, seg if target == "seg" else cls))
     grid = strategy.layout.grid
     module.eval()
-    rs, cs = tile_slices(x.shape[-2], x.shape[-1], parts, grid.index)
+    rs, cs = tile_slices((x.shape[-2], x.shape[-1]), parts, grid.index)
     with torch.no_grad():
-        out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape, 2, 3))
+        out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape))
         out = out.full() if hasattr(out, "full") else out  # a classifier's output is replicated
     return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
             "params": [p.detach().clone() for p in module.model.parameters()],

@@ -11,9 +11,10 @@ from test_spatial_models import data, small_fcn
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.convert import convert_model, validate_partition
+from lightning_hpc.spatial.convert import convert_model
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.pooling import SpatialMaxPool2d
+from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
 
@@ -102,20 +103,39 @@ def test_partition_error_names_layer_size_and_largest_partition():
     from lightning_hpc.models import resnet50
 
     model = resnet50(num_classes=10)
-    validate_partition(model, (3, 64, 48), (2, 2))  # fine
+    check_split(model, (3, 64, 48), (2, 2))  # fine
     with pytest.raises(
-        PartitionError, match=r"layer 'layer4\.0\.conv2'.*input 4x3.*largest partition that works for this layer is 2x1"
+        PartitionError,
+        match=r"layer 'layer4\.0\.downsample\.0'.*input 4x3 \(H x W\).*split 4x1: along H its output of 2 rows has "
+              r"fewer rows than the 4 parts.*largest split of H that works for this layer is 2 \(e\.g\. spatial_parts="
+              r"\[2, 1\]\)"
     ):
-        validate_partition(model, (3, 64, 48), (4, 1))
+        check_split(model, (3, 64, 48), (4, 1))
 
 
 def test_tile_smaller_than_halo_is_rejected():
     model = nn.Sequential(nn.Conv2d(1, 1, 7, padding=3))  # 6 rows over 3 tiles: 2 rows each, halo of 3
     with pytest.raises(
         PartitionError,
-        match=r"layer '0'.*input 6x40.*smaller than the halo.*largest partition that works for this layer is 2x1",
+        match=r"layer '0'.*input 6x40.*a tile of 2 rows is thinner than the halo.*largest split of H that works for "
+              r"this layer is 2",
     ):
-        validate_partition(model, (1, 6, 40), (3, 1))
+        check_split(model, (1, 6, 40), (3, 1))
+
+
+def test_sub_volume_thinner_than_the_halo_and_splits_of_other_dimensions_are_refused():
+    volume = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 5, padding=4, dilation=2))
+    check_split(volume, (1, 8, 16, 16), (2, 2, 1))
+    with pytest.raises(PartitionError, match=r"layer '1' \(Conv3d\).*\(D x H x W\).*along D.*largest split of D "
+                                             r"that works for this layer is 2 \(e\.g\. spatial_parts=\[2, 1, 1\]\)"):
+        check_split(volume, (1, 8, 16, 16), (4, 1, 1))  # 2-row sub-volumes, a halo of 4 rows
+    with pytest.raises(ValueError, match=r"splits 2 spatial dimension\(s\).*\('D', 'H', 'W'\)"):
+        check_split(volume, (1, 8, 16, 16), (2, 1))
+    signal = nn.Sequential(nn.Conv1d(1, 1, 3, padding=1), nn.MaxPool1d(4))
+    check_split(signal, (1, 32), (4,))
+    with pytest.raises(PartitionError, match=r"layer '1' \(MaxPool1d\).*along L its output of 5 rows.*largest "
+                                             r"split of L that works for this layer is 5"):
+        check_split(signal, (1, 20), (8,))
 
 
 def test_unsupported_layers_fail_clearly():

@@ -117,7 +117,7 @@ def _compare(ref: nn.Module, x: torch.Tensor, grid) -> dict[str, float]:
     g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(3), dtype=yr.dtype)
     (yr * g).sum().backward()
     xt = tile_of(x, grid).clone().requires_grad_(True)
-    ys = sp(split_tensor(xt, grid, x.shape, 2, 3))
+    ys = sp(split_tensor(xt, grid, x.shape))
     (ys * g).sum().backward()
     out = ys.full() if isinstance(ys, SpatialTensor) else ys
     errs = {"out": max_err(out, yr) if out.shape == yr.shape else float("inf"),
@@ -206,7 +206,7 @@ def _bf16(rank: int, world: int) -> list[str]:
         x = torch.randn(3, c, h, w, generator=torch.Generator().manual_seed(7))
         with torch.autocast("cpu", dtype=torch.bfloat16), on_unsupported("error"):
             yr = module(x)
-            ys = copy.deepcopy(module)(split_tensor(tile_of(x, grid).clone(), grid, x.shape, 2, 3))
+            ys = copy.deepcopy(module)(split_tensor(tile_of(x, grid).clone(), grid, x.shape))
         ys = ys.full() if isinstance(ys, SpatialTensor) else ys
         tol = 1e-5 if yr.dtype == torch.float32 else 2e-2
         if ys.dtype != yr.dtype or not max_err(ys.float(), yr.float()) <= tol:

@@ -87,16 +87,19 @@ def test_halo_cost_matches_section_v_a():
     assert [layer.name for layer in first.layers] == ["0", "1", "2"]
     d = Distribution(1, 2, 2)
     sr = lambda n: alphabeta.send_recv(4 * n, m)  # noqa: E731
-    n, c, hl, wl, o = 2, 3, 16, 16, 1
-    expected = 2 * sr(o * n * c * wl) + 2 * sr(o * n * c * hl) + 4 * sr(o * o * n * c)
+    # the paper's interior tile gets 2 SR(O n C w) + 2 SR(O n C h) + 4 SR(O^2 n C); a 2 x 2 grid has no interior
+    # tile: each tile receives one row strip, one column strip (16 long) and one corner from its 3 neighbours
+    n, c, o = 2, 3, 1
+    expected = 2 * sr(o * n * c * 16) + sr(o * o * n * c)
     assert costs._halo(first.head, d) == pytest.approx(expected)
     assert costs._halo(first.head, Distribution(4, 1, 1)) == 0.0  # sample parallelism needs no halo
     assert costs._halo(stages[2].head, d) == 0.0  # 1x1 convolution
     sc = costs.stage_cost(first, d)
     assert sc.halo == pytest.approx(expected)  # the input needs no gradient: forward exchange only
     second = stages[1]  # stride-2 3x3 conv on the 32x32 activation: forward and backward exchanges
-    hl2 = wl2 = 16
-    expected2 = 2 * sr(o * n * 8 * wl2) + 2 * sr(o * n * 8 * hl2) + 4 * sr(o * o * n * 8)
+    # output tile [8, 16) reads input rows [15, 32): one row (and one column) from the first tile, over the 16
+    # rows (columns) of its own; the first output tile [0, 8) reads rows [-1, 16), only its own and the padding
+    expected2 = 2 * sr(o * n * 8 * 16) + sr(o * o * n * 8)
     assert costs.stage_cost(second, d).halo == pytest.approx(2 * expected2)
     assert sc.bn_stats == pytest.approx(2 * alphabeta.allreduce(2 * 8 * 4, 4, m))
     params = (3 * 8 * 9 + 8) * 4

@@ -3,10 +3,10 @@ exactly on the gathered whole activation (with a one-time warning naming the op,
 or is refused with an error naming the op, the module and what to do.  Nothing runs tile-local by accident.
 
 :class:`SpatialTensor` is a ``torch.Tensor`` subclass holding one tile of an activation blocked over the
-spatial grid along two of its dimensions (``hdim``, ``wdim``; :func:`lightning_hpc.distributed.partition.
-block_bounds` over each).  Like DTensor's ``Shard`` placements it reports the *global* shape (``x.shape``,
-``x.size()``), so user code that derives sizes, paddings, crops or coordinates from shapes computes what one
-process computes.  ``__torch_function__`` routes each op:
+spatial grid: grid axis ``k`` splits its dimension ``sdims[k]`` (:func:`lightning_hpc.distributed.partition.
+block_bounds` over each; 1, 2 or 3 axes, like DTensor's ``Shard`` placements over a mesh).  Like DTensor it
+reports the *global* shape (``x.shape``, ``x.size()``), so user code that derives sizes, paddings, crops or
+coordinates from shapes computes what one process computes.  ``__torch_function__`` routes each op:
 
 * **local**: element-wise ops (with broadcasting; a plain operand that spans the whole split extent is cut to
   this tile), ops along dimensions that are not split (softmax/log_softmax, ``F.linear`` on the last dimension,

@@ -41,11 +41,11 @@ class _CompleteGrad(torch.autograd.Function):
         return g, None
 
 
-def _tile_index(shape: Sequence[int], hdim: int, wdim: int, grid: SpatialGrid) -> tuple:
-    (h0, h1) = block_bounds(shape[hdim], grid.parts[0])[grid.index[0]]
-    (w0, w1) = block_bounds(shape[wdim], grid.parts[1])[grid.index[1]]
+def _tile_index(shape: Sequence[int], sdims: Sequence[int], grid: SpatialGrid) -> tuple:
+    """The index selecting this rank's tile of a whole tensor of ``shape`` split along ``sdims``."""
     idx = [slice(None)] * len(shape)
-    idx[hdim], idx[wdim] = slice(h0, h1), slice(w0, w1)
+    for d, p, i in zip(sdims, grid.parts, grid.index):
+        idx[d] = slice(*block_bounds(shape[d], p)[i])
     return tuple(idx)
 
 
@@ -54,47 +54,54 @@ class _ScatterTile(torch.autograd.Function):
     over the group (the complete gradient of the replicated tensor)."""
 
     @staticmethod
-    def forward(ctx, x, grid, hdim, wdim):  # type: ignore[override]
-        ctx.args, ctx.shape = (grid, hdim, wdim), x.shape
-        return x[_tile_index(x.shape, hdim, wdim, grid)].clone()
+    def forward(ctx, x, grid, sdims):  # type: ignore[override]
+        ctx.args, ctx.shape = (grid, sdims), x.shape
+        return x[_tile_index(x.shape, sdims, grid)].clone()
 
     @staticmethod
     @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
-        grid, hdim, wdim = ctx.args
+        grid, sdims = ctx.args
         full = g.new_zeros(ctx.shape)
-        full[_tile_index(ctx.shape, hdim, wdim, grid)] = g
+        full[_tile_index(ctx.shape, sdims, grid)] = g
         dist.all_reduce(full, group=grid.group)
-        return full, None, None, None
+        return full, None, None
 
 
-def _gather_raw(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int) -> torch.Tensor:
-    moved = local.movedim((hdim, wdim), (-2, -1)).contiguous()
-    rows, cols = block_bounds(gshape[hdim], grid.parts[0]), block_bounds(gshape[wdim], grid.parts[1])
-    mh, mw = max(b - a for a, b in rows), max(b - a for a, b in cols)
-    padded = F.pad(moved, (0, mw - moved.shape[-1], 0, mh - moved.shape[-2])).contiguous()
+def _gather_raw(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], sdims: Sequence[int]) -> torch.Tensor:
+    """The whole tensor from every rank's tile: tiles padded to the largest tile (all_gather needs one size),
+    gathered, and each placed at its bounds."""
+    k = len(sdims)
+    moved = local.movedim(tuple(sdims), tuple(range(-k, 0))).contiguous()
+    bounds = [block_bounds(gshape[d], p) for d, p in zip(sdims, grid.parts)]
+    largest = [max(b - a for a, b in bs) for bs in bounds]
+    pad: list[int] = []
+    for j in reversed(range(k)):
+        pad += [0, largest[j] - moved.shape[moved.dim() - k + j]]
+    padded = F.pad(moved, pad).contiguous()
     parts = [torch.empty_like(padded) for _ in range(grid.size)]
     dist.all_gather(parts, padded, group=grid.group)
-    full = moved.new_empty(*moved.shape[:-2], gshape[hdim], gshape[wdim])
-    for k, part in enumerate(parts):
-        (a, b), (c, d) = rows[k // grid.parts[1]], cols[k % grid.parts[1]]
-        full[..., a:b, c:d] = part[..., : b - a, : d - c]
-    return full.movedim((-2, -1), (hdim, wdim))
+    full = moved.new_empty(*moved.shape[:-k], *(gshape[d] for d in sdims))
+    for pos, part in enumerate(parts):
+        ranges = [bs[i] for bs, i in zip(bounds, grid.unravel(pos))]
+        into = (Ellipsis,) + tuple(slice(a, b) for a, b in ranges)
+        full[into] = part[(Ellipsis,) + tuple(slice(0, b - a) for a, b in ranges)]
+    return full.movedim(tuple(range(-k, 0)), tuple(sdims))
 
 
 class _Gather(torch.autograd.Function):
     """The whole activation on every rank; backward keeps this tile's part of the (complete) gradient."""
 
     @staticmethod
-    def forward(ctx, local, grid, gshape, hdim, wdim):  # type: ignore[override]
-        ctx.args = (grid, tuple(gshape), hdim, wdim)
-        return _gather_raw(local, grid, gshape, hdim, wdim)
+    def forward(ctx, local, grid, gshape, sdims):  # type: ignore[override]
+        ctx.args = (grid, tuple(gshape), tuple(sdims))
+        return _gather_raw(local, grid, gshape, sdims)
 
     @staticmethod
     @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
-        grid, gshape, hdim, wdim = ctx.args
-        return g[_tile_index(gshape, hdim, wdim, grid)].contiguous(), None, None, None, None
+        grid, gshape, sdims = ctx.args
+        return g[_tile_index(gshape, sdims, grid)].contiguous(), None, None, None
 
 
 def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:

@@ -32,7 +32,7 @@ def _random_like(func, args, kwargs):
     kw.setdefault("dtype", x.dtype)
     kw.setdefault("device", x.device)
     full = func(torch.empty(x._gshape, dtype=kw["dtype"], device=kw["device"]), *args[1:], **kw)
-    return _wrap_like(full[_tile_index(full.shape, x._hdim, x._wdim, x._grid)], x)
+    return _wrap_like(full[_tile_index(full.shape, x._sdims, x._grid)], x)
 
 
 @_handles(*_resolve("new_zeros new_ones new_empty new_full new_tensor"))
@@ -57,7 +57,7 @@ def _dropout(func, args, kwargs):
         mask = F.dropout2d(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
     else:
         mask = F.dropout(torch.ones(x._gshape, dtype=x.dtype, device=x.device), p, True)
-        mask = mask[_tile_index(mask.shape, x._hdim, x._wdim, x._grid)]
+        mask = mask[_tile_index(mask.shape, x._sdims, x._grid)]
     if inplace:
         with torch._C.DisableTorchFunctionSubclass():
             x.mul_(mask)

@@ -13,21 +13,16 @@ from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
 
 
-def _align_operand(t, out_ndim: int, ref: SpatialTensor, hdim: int, wdim: int):
-    """A plain operand of an element-wise op: ``"broadcast"`` (size 1 or absent along both split dims), ``"full"``
-    (spans the whole split extents: cut to this tile) or ``None`` (anything else)."""
+def _align_operand(t, out_ndim: int, ref: SpatialTensor, sdims: tuple[int, ...]):
+    """A plain operand of an element-wise op whose output is split along ``sdims``: ``"broadcast"`` (size 1 or
+    absent along every split dim), ``"full"`` (spans the whole split extents: cut to this tile) or ``None``
+    (anything else)."""
     off = out_ndim - t.dim()
-    sizes = []
-    for d in (hdim, wdim):
-        k = d - off
-        sizes.append(1 if k < 0 else t.shape[k])
-    gh, gw = ref._gshape[ref._hdim], ref._gshape[ref._wdim]
-    ph, pw = ref._grid.parts
-    ok_h = sizes[0] == 1 or ph == 1 and sizes[0] == gh
-    ok_w = sizes[1] == 1 or pw == 1 and sizes[1] == gw
-    if ok_h and ok_w:
+    sizes = [1 if d - off < 0 else t.shape[d - off] for d in sdims]
+    extents = [ref._gshape[d] for d in ref._sdims]
+    if all(n == 1 or p == 1 and n == g for n, g, p in zip(sizes, extents, ref._grid.parts)):
         return "broadcast"
-    if sizes[0] == gh and sizes[1] == gw and hdim - off >= 0 and wdim - off >= 0:
+    if sizes == extents and all(d - off >= 0 for d in sdims):
         return "full"
     return None
 
@@ -37,25 +32,27 @@ def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = 
     ref = spatial[0]
     tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]
     out_ndim = max(t.dim() for t in tensors)
-    hdim, wdim = ref._hdim + out_ndim - ref.dim(), ref._wdim + out_ndim - ref.dim()
+    sdims = tuple(d + out_ndim - ref.dim() for d in ref._sdims)
+    extents = [ref._gshape[d] for d in ref._sdims]
     for s in spatial:
         off = out_ndim - s.dim()
-        if s._grid is not ref._grid or s._hdim + off != hdim or s._wdim + off != wdim or \
-                s._gshape[s._hdim] != ref._gshape[ref._hdim] or s._gshape[s._wdim] != ref._gshape[ref._wdim]:
+        if s._grid is not ref._grid or tuple(d + off for d in s._sdims) != sdims or \
+                [s._gshape[d] for d in s._sdims] != extents:
             return None
 
     def local_of(a):
         if isinstance(a, SpatialTensor):
             return _plain(a)
         if isinstance(a, torch.Tensor):
-            kind = _align_operand(a, out_ndim, ref, hdim, wdim)
+            kind = _align_operand(a, out_ndim, ref, sdims)
             if kind is None:
                 raise _NotLocal
             if kind == "full":
                 off = out_ndim - a.dim()
+                own = tuple(d - off for d in sdims)
                 if a.requires_grad and ref._grid.group is not None:
-                    return _ScatterTile.apply(a, ref._grid, hdim - off, wdim - off)
-                return a[_tile_index(a.shape, hdim - off, wdim - off, ref._grid)]
+                    return _ScatterTile.apply(a, ref._grid, own)
+                return a[_tile_index(a.shape, own, ref._grid)]
             return _replicated_operand(a, ref._grid)
         if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
             return type(a)(local_of(v) for v in a)
@@ -69,7 +66,7 @@ def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = 
     gshape = _broadcast([t._gshape if isinstance(t, SpatialTensor) else tuple(t.shape) for t in tensors])
     if gshape is None:
         return None
-    return largs, lkw, gshape, hdim, wdim
+    return largs, lkw, gshape, sdims
 
 
 def _broadcast(shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
@@ -94,7 +91,7 @@ def _elementwise(func, args, kwargs):
     loc = _localize(args, kwargs, spatial)
     if loc is None:
         return NotImplemented
-    largs, lkw, gshape, hdim, wdim = loc
+    largs, lkw, gshape, sdims = loc
     if _is_inplace(func) and not isinstance(args[0], SpatialTensor):
         return NotImplemented  # a replicated tensor updated from tiles: gather (fallback refuses in-place)
     if getattr(func, "__name__", "") == "copy_" and not isinstance(args[1], SpatialTensor):
@@ -106,6 +103,6 @@ def _elementwise(func, args, kwargs):
         return args[0]
     out = func(*largs, **lkw)
     if isinstance(out, torch.Tensor) and out.dim() == len(gshape):
-        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, hdim, wdim, fresh=True)
+        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, sdims, fresh=True)
     raise SpatialDispatchError(
         f"spatial: internal error: {_op_name(func)} in {_STATE.where()} gave an unexpected result")

@@ -70,14 +70,13 @@ def _fallback(func, args, kwargs):
 def _resplit(out, ref: SpatialTensor):
     """Split a result computed on whole activations again when it still has the reference's dimensions."""
     if isinstance(out, torch.Tensor) and not isinstance(out, SpatialTensor):
-        ph, pw = ref._grid.parts
-        if out.dim() == ref.dim() and out.shape[ref._hdim] >= ph and out.shape[ref._wdim] >= pw and \
+        if out.dim() == ref.dim() and all(out.shape[d] >= p for d, p in zip(ref._sdims, ref._grid.parts)) and \
                 (out.is_floating_point() or not out.requires_grad):
             if out.requires_grad and ref._grid.group is not None:
-                local = _ScatterTile.apply(out, ref._grid, ref._hdim, ref._wdim)
+                local = _ScatterTile.apply(out, ref._grid, ref._sdims)
             else:
-                local = out[_tile_index(out.shape, ref._hdim, ref._wdim, ref._grid)]
-            return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._hdim, ref._wdim, fresh=True)
+                local = out[_tile_index(out.shape, ref._sdims, ref._grid)]
+            return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._sdims, fresh=True)
         return out
     if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):
         return type(out)(_resplit(o, ref) for o in out)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
 
 
 @_handles(*_resolve("softmax log_softmax"))
@@ -43,14 +43,14 @@ def _linear(func, args, kwargs):
 @_handles(F.prelu)
 def _prelu(func, args, kwargs):
     x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
-    if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or x._hdim == 1 or x._wdim == 1:
+    if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or 1 in x._sdims:
         return NotImplemented
     return _wrap_like(F.prelu(_plain(x), _replicated_operand(w, x._grid)), x)
 
 
 @_handles(*_resolve("argmax argmin"))
 def _arg_extremum(func, args, kwargs):
-    """``argmax``/``argmin`` along a dimension that is not one of the two laid-out ones (a segmentation's class
+    """``argmax``/``argmin`` along a dimension that is not laid out over the grid (a segmentation's class
     per pixel, ``out.argmax(1)``): per pixel, so on the tile; the result stays split."""
     x = args[0]
     if not isinstance(x, SpatialTensor) or len(args) > 3 or set(kwargs) - {"dim", "keepdim"}:
@@ -60,7 +60,7 @@ def _arg_extremum(func, args, kwargs):
     if dim is None:
         return NotImplemented  # over every element: gathered
     d = _norm_dim(dim, x.dim())
-    if d in (x._hdim, x._wdim):
+    if d in x._sdims:
         return NotImplemented
     out = func(_plain(x), d, keepdim)
     gshape = list(x._gshape)
@@ -68,4 +68,4 @@ def _arg_extremum(func, args, kwargs):
         gshape[d] = 1
         return _wrap_like(out, x, gshape)
     del gshape[d]
-    return _wrap_like(out, x, gshape, x._hdim - (d < x._hdim), x._wdim - (d < x._wdim))
+    return _wrap_like(out, x, gshape, dims_without(x._sdims, [d]))

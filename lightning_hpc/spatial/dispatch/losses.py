@@ -15,7 +15,7 @@ from torch import nn
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials, dims_without
 
 
 def _reduction_arg(args, kwargs, pos: int, legacy: tuple[int, int] | None) -> str | None:
@@ -66,12 +66,12 @@ def _loss(func, args, kwargs):
         not target.is_floating_point()
     # targets laid out like the output of the per-element loss
     if class_dim_dropped:
-        if inp._hdim < 1 or inp._wdim < 1:
+        if min(inp._sdims) < 1 or 1 in inp._sdims:
             return NotImplemented
-        out_ndim, hd, wd = inp.dim() - 1, inp._hdim - 1, inp._wdim - 1
+        out_ndim, sdims = inp.dim() - 1, dims_without(inp._sdims, [1])
     else:
-        out_ndim, hd, wd = inp.dim(), inp._hdim, inp._wdim
-    tgt_local = _as_tile(target, ref, out_ndim, hd, wd)
+        out_ndim, sdims = inp.dim(), inp._sdims
+    tgt_local = _as_tile(target, ref, out_ndim, sdims)
     if tgt_local is None:
         return NotImplemented
     largs = [_plain(inp), tgt_local] + [(_replicated_operand(a, ref._grid) if isinstance(a, nn.Parameter) else a)
@@ -83,7 +83,7 @@ def _loss(func, args, kwargs):
         g = list(inp._gshape)
         if class_dim_dropped:
             del g[1]
-        return SpatialTensor.wrap(out, ref._grid, g, hd, wd, fresh=True)
+        return SpatialTensor.wrap(out, ref._grid, g, sdims, fresh=True)
     local_sum = func(*largs, reduction="sum", **kw)
     total = all_reduce_replicated(local_sum, ref._grid.group)
     if red == "sum":
@@ -111,14 +111,14 @@ def _loss(func, args, kwargs):
     return total / den.to(total.dtype)[0]
 
 
-def _as_tile(t, ref: SpatialTensor, ndim: int, hd: int, wd: int):
-    """This tile of a loss target (split like the loss's per-element output), or None."""
+def _as_tile(t, ref: SpatialTensor, ndim: int, sdims: tuple[int, ...]):
+    """This tile of a loss target (split like the loss's per-element output, along ``sdims``), or None."""
     if isinstance(t, SpatialTensor):
-        if t.dim() != ndim or (t._hdim, t._wdim) != (hd, wd) or t._grid is not ref._grid:
+        if t.dim() != ndim or t._sdims != sdims or t._grid is not ref._grid:
             return None
         return _plain(t)
     if not isinstance(t, torch.Tensor):
         return None
-    if t.dim() == ndim and t.shape[hd] == ref._gshape[ref._hdim] and t.shape[wd] == ref._gshape[ref._wdim]:
-        return t[_tile_index(t.shape, hd, wd, ref._grid)]
+    if t.dim() == ndim and [t.shape[d] for d in sdims] == [ref._gshape[d] for d in ref._sdims]:
+        return t[_tile_index(t.shape, sdims, ref._grid)]
     return None

@@ -41,8 +41,9 @@ def _layer_norm(func, args, kwargs):
     # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
     # element-wise affine parameters cut to this tile (their gradients are tile parts, summed by the strategy)
     idx = [slice(None)] * n
+    tile = _tile_index(x._gshape, x._sdims, x._grid)
     for d in x.split_dims:
-        idx[d - d0] = _tile_index(x._gshape, x._hdim, x._wdim, x._grid)[d]
+        idx[d - d0] = tile[d]
     w = w[tuple(idx)] if w is not None else None
     b = b[tuple(idx)] if b is not None else None
     local = _plain(x)
@@ -100,7 +101,7 @@ def _affine(y: torch.Tensor, w, b, view, dtype: torch.dtype) -> torch.Tensor:
 
 def _norm_over_space(x) -> bool:
     """N x C x spatial... with the split dimensions among the spatial ones (statistics over them)."""
-    return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._hdim, x._wdim) >= 2
+    return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._sdims) >= 2
 
 
 @_handles(F.group_norm)
@@ -162,7 +163,7 @@ def _instance_norm(func, args, kwargs):
 @_handles(F.batch_norm)
 def _batch_norm(func, args, kwargs):
     x = args[0] if args else kwargs["input"]
-    if not isinstance(x, SpatialTensor) or x.dim() < 3 or 1 in (x._hdim, x._wdim) or x._hdim == 0 or x._wdim == 0:
+    if not isinstance(x, SpatialTensor) or x.dim() < 3 or min(x._sdims) < 2:
         return NotImplemented
     rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
     weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")

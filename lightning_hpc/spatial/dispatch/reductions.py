@@ -11,7 +11,7 @@ import torch
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
 
 
 @_handles(*_resolve("sum mean nansum"))
@@ -38,17 +38,14 @@ def _reduce(func, args, kwargs):
             if dim_arg is not None else None
         if out is None:
             return NotImplemented
-        g, hd, wd = [], x._hdim, x._wdim
+        g = []
         for d in range(x.dim()):
             if d in dims:
                 if keepdim:
                     g.append(1)
             else:
                 g.append(x._gshape[d])
-        if not keepdim:
-            hd -= sum(1 for d in dims if d < x._hdim)
-            wd -= sum(1 for d in dims if d < x._wdim)
-        return _wrap_like(out, x, g, hd, wd)
+        return _wrap_like(out, x, g, x._sdims if keepdim else dims_without(x._sdims, dims))
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
     summed = (torch.nansum if name == "nansum" else torch.sum)(local, dim=dims, keepdim=keepdim, **kw) \

@@ -12,20 +12,20 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.calls import _arg
 from lightning_hpc.spatial.dispatch.registry import _handles
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nchw, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _nchw, _plain, _wrap_like
 
 
 def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
                  fill: float = 0.0) -> torch.Tensor:
-    """:func:`remap.remap` of the tile ``local`` along H, then W: ``maps`` holds per grid axis
+    """:func:`remap.remap` of the tile ``local`` along each grid axis in turn: ``maps`` holds per grid axis
     ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is); ``dims``: the tensor dimensions of
-    the two axes in ``local`` (default: those of ``x``); ``fill``: the value of outputs without a source."""
+    the axes in ``local`` (default: those of ``x``); ``fill``: the value of outputs without a source."""
     from lightning_hpc.spatial.remap import remap
 
     for axis, m in enumerate(maps):
         if m is not None:
             in_bounds, out_bounds, src = m
-            dim = (x._hdim, x._wdim)[axis] if dims is None else dims[axis]
+            dim = x._sdims[axis] if dims is None else dims[axis]
             local = remap(local, x._grid, axis, dim, in_bounds, out_bounds, src, fill=fill)
     return local
 
@@ -40,13 +40,13 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
         return NotImplemented  # the serial op's error, from the gather path
     fill = 0.0 if value is None else value
     local_pad: list[int] = []
-    maps: list = [None, None]
+    maps: list = [None] * len(x._sdims)
     gshape = list(x._gshape)
     for k in range(len(pad) // 2):
         dim, lo, hi = x.dim() - 1 - k, int(pad[2 * k]), int(pad[2 * k + 1])
         n = gshape[dim]
         if dim in x.split_dims:
-            axis = 0 if dim == x._hdim else 1
+            axis = x._sdims.index(dim)
             parts = x._grid.parts[axis]
             if n + lo + hi < parts:
                 return NotImplemented  # fewer rows than tiles (or the serial op's error): gathered
@@ -71,26 +71,29 @@ def _constant_pad_nd(func, args, kwargs):
 
 @_handles(F.pad, torch._C._nn.pad)
 def _pad(func, args, kwargs):
-    """``F.pad``: constant padding (``nn.ZeroPad2d``, ``nn.ConstantPad2d``; negative amounts crop) of any
-    dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of H and W (the padding of
-    ``nn.Conv2d`` with those ``padding_mode``s): rows moved and mirrored between tiles (:mod:`remap`), the output
-    blocked over the padded extent.  Other modes and dimensions are gathered."""
+    """``F.pad``: constant padding (``nn.ZeroPad2d``, ``nn.ConstantPad3d``; negative amounts crop) of any
+    dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of the spatial dimensions (the
+    padding of ``nn.Conv1d/2d/3d`` with those ``padding_mode``s): rows moved and mirrored between tiles
+    (:mod:`remap`), the output blocked over the padded extent.  Other modes and dimensions are gathered."""
     from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
 
     x = args[0] if args else kwargs["input"]
     pad, mode = _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "mode", "constant")
     if isinstance(x, SpatialTensor) and mode == "constant":
         return _pad_constant(x, pad, _arg(args, kwargs, 3, "value"))
-    if not _nchw(x) or mode not in PAD_MODES or len(pad) != 4:
-        return NotImplemented  # (a non-constant padding of a 4-D input pads H and W: 4 numbers)
-    (wl, wr, ht, hb), maps, gshape = (int(p) for p in pad), [], list(x._gshape)
-    for axis, (lo, hi) in enumerate(((ht, hb), (wl, wr))):
+    if not _channels_first(x) or mode not in PAD_MODES or len(pad) % 2 or not 0 < len(pad) // 2 <= x._grid.ndim:
+        return NotImplemented  # (a non-constant padding pads the last len(pad) // 2 dimensions, all spatial here)
+    k = x._grid.ndim
+    maps: list = [None] * k
+    gshape = list(x._gshape)
+    for j in range(len(pad) // 2):  # F.pad's pairs run from the last dimension backwards
+        axis, lo, hi = k - 1 - j, int(pad[2 * j]), int(pad[2 * j + 1])
         n = x._gshape[2 + axis]
         src = pad_source(n, lo, hi, mode)
         if src is None or n + lo + hi < x._grid.parts[axis]:
             return NotImplemented  # a padding F.pad refuses, or fewer rows than parts: gathered
         parts = x._grid.parts[axis]
-        maps.append((blocked(n, parts), blocked(len(src), parts), src) if lo or hi else None)
+        maps[axis] = (blocked(n, parts), blocked(len(src), parts), src) if lo or hi else None
         gshape[2 + axis] = len(src)
     return _wrap_like(_remap_split(x, _plain(x), maps), x, gshape)
 

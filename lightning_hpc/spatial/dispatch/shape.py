@@ -16,7 +16,7 @@ from lightning_hpc.spatial.dispatch.calls import _arg, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_with, dims_without
 from lightning_hpc.spatial.remap import blocked
 
 
@@ -27,29 +27,29 @@ def _cat(func, args, kwargs):
     spatial = [t for t in tensors if isinstance(t, SpatialTensor)]
     ref = spatial[0]
     dim = _norm_dim(dim, ref.dim())
-    if dim in (ref._hdim, ref._wdim):
+    if dim in ref._sdims:
         return NotImplemented
+    extents = [ref._gshape[d] for d in ref._sdims]
     locs = []
     for t in tensors:
         if isinstance(t, SpatialTensor):
-            if t._grid is not ref._grid or (t._hdim, t._wdim) != (ref._hdim, ref._wdim) or t.dim() != ref.dim() or \
-                    (t._gshape[t._hdim], t._gshape[t._wdim]) != (ref._gshape[ref._hdim], ref._gshape[ref._wdim]):
+            if t._grid is not ref._grid or t._sdims != ref._sdims or t.dim() != ref.dim() or \
+                    [t._gshape[d] for d in t._sdims] != extents:
                 return NotImplemented
             locs.append(_plain(t))
         else:
             if t.dim() != ref.dim():
                 return NotImplemented
-            kind = _align_operand(t, ref.dim(), ref, ref._hdim, ref._wdim)
+            kind = _align_operand(t, ref.dim(), ref, ref._sdims)
             if kind != "full" and not (kind == "broadcast" and not ref.split_dims):
-                if kind == "broadcast" and t.shape[ref._hdim] == ref._gshape[ref._hdim] and \
-                        t.shape[ref._wdim] == ref._gshape[ref._wdim]:
+                if kind == "broadcast" and [t.shape[d] for d in ref._sdims] == extents:
                     kind = "full"
                 else:
                     return NotImplemented
             if t.requires_grad and ref._grid.group is not None:
-                locs.append(_ScatterTile.apply(t, ref._grid, ref._hdim, ref._wdim))
+                locs.append(_ScatterTile.apply(t, ref._grid, ref._sdims))
             else:
-                locs.append(t[_tile_index(t.shape, ref._hdim, ref._wdim, ref._grid)])
+                locs.append(t[_tile_index(t.shape, ref._sdims, ref._grid)])
     out = torch.cat(locs, dim)
     gshape = list(ref._gshape)
     gshape[dim] = out.shape[dim]
@@ -67,16 +67,15 @@ def _chunk(func, args, kwargs):
     else:
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     dim = _norm_dim(dim, x.dim())
-    if dim in (x._hdim, x._wdim):
+    if dim in x._sdims:
         return NotImplemented
     parts = func(_plain(x), *args[1:], **kwargs)
     out = []
     for p in parts:
         if name == "unbind":
-            hd, wd = (x._hdim - (dim < x._hdim), x._wdim - (dim < x._wdim))
             g = list(x._gshape)
             del g[dim]
-            out.append(_wrap_like(p, x, g, hd, wd))
+            out.append(_wrap_like(p, x, g, dims_without(x._sdims, [dim])))
         else:
             g = list(x._gshape)
             g[dim] = p.shape[dim]
@@ -92,7 +91,7 @@ def _permute(func, args, kwargs):
         dims = dims[0]
     dims = [_norm_dim(d, x.dim()) for d in dims]
     out = _plain(x).permute(dims)
-    return _wrap_like(out, x, [x._gshape[d] for d in dims], dims.index(x._hdim), dims.index(x._wdim))
+    return _wrap_like(out, x, [x._gshape[d] for d in dims], tuple(dims.index(d) for d in x._sdims))
 
 
 @_handles(*_resolve("transpose swapaxes swapdims"))
@@ -113,7 +112,7 @@ def _unsqueeze(func, args, kwargs):
     d = d % (x.dim() + 1)
     g = list(x._gshape)
     g.insert(d, 1)
-    return _wrap_like(_plain(x).unsqueeze(d), x, g, x._hdim + (d <= x._hdim), x._wdim + (d <= x._wdim))
+    return _wrap_like(_plain(x).unsqueeze(d), x, g, dims_with(x._sdims, d))
 
 
 @_handles(torch.narrow, torch.Tensor.narrow)
@@ -150,37 +149,37 @@ def _getitem(func, args, kwargs):
             expanded.append(i)
     while sum(1 for i in expanded if i is not None) < x.dim():
         expanded.append(slice(None))
-    src, out_dim, hd, wd, g = 0, 0, None, None, []
+    src, out_dim, g = 0, 0, []
+    new_sdims: list[int | None] = [None] * len(x._sdims)
     split = x.split_dims
-    maps: list = [None, None]  # per grid axis: the rows a slice of a split dimension keeps (moved by a remap)
+    maps: list = [None] * len(x._sdims)  # per grid axis: the rows a slice of a split dimension keeps (a remap)
     for k, i in enumerate(expanded):
         if i is None:
             g.append(1)
             out_dim += 1
             continue
         if isinstance(i, int):
-            if src in (x._hdim, x._wdim):
+            if src in x._sdims:
                 return NotImplemented  # drops a split dimension: gathered
         else:
             kept = range(*i.indices(x._gshape[src]))
             if src in split and i != slice(None):
-                axis = 0 if src == x._hdim else 1
+                axis = x._sdims.index(src)
                 parts = x._grid.parts[axis]
                 if len(kept) < parts:
                     return NotImplemented  # fewer rows than tiles: gathered
                 maps[axis] = (blocked(x._gshape[src], parts), blocked(len(kept), parts), kept)
                 expanded[k] = slice(None)  # the tile keeps all its rows; the remap picks and re-blocks them
-            if src == x._hdim:
-                hd = out_dim
-            if src == x._wdim:
-                wd = out_dim
+            if src in x._sdims:
+                new_sdims[x._sdims.index(src)] = out_dim
             g.append(len(kept))
             out_dim += 1
         src += 1
     out = _plain(x)[tuple(expanded)]
-    if maps != [None, None]:
-        out = _remap_split(x, out, maps, dims=(hd, wd))
-    return _wrap_like(out, x, g, hd, wd)
+    sdims = tuple(d for d in new_sdims if d is not None)
+    if any(m is not None for m in maps):
+        out = _remap_split(x, out, maps, dims=sdims)
+    return _wrap_like(out, x, g, sdims)
 
 
 @_handles(torch.Tensor.__setitem__)

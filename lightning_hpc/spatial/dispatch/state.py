@@ -23,6 +23,10 @@ class DispatchState:
     def __init__(self) -> None:
         self.on_unsupported = "gather"
         self.module_stack: list[tuple[str, str]] = []
+        #: the modules of :attr:`module_stack` themselves (the innermost is the caller of a layer's functional op)
+        self.modules: list[nn.Module] = []
+        #: convolutions wait for the halo after the tile's own convolution (section IV-A; the strategy's setting)
+        self.overlap = False
         self.warned: set[tuple[str, str]] = set()
         self.tile_params: dict[int, nn.Parameter] = {}
         self.depth = 0  # > 0 inside a handler: the ops it runs on local tensors are ours
@@ -35,6 +39,10 @@ class DispatchState:
         name, cls = self.module_stack[-1]
         return f"module '{name}' ({cls})"
 
+    def caller(self) -> nn.Module | None:
+        """The innermost module running (the layer whose functional op is being dispatched), if any."""
+        return self.modules[-1] if self.modules else None
+
     def module_hooks(self, root: nn.Module, prefix: str = "") -> list[Any]:
         """Hooks keeping :attr:`module_stack` (the module names in error and warning messages)."""
         handles = []
@@ -43,10 +51,13 @@ class DispatchState:
 
             def pre(mod, args, entry=entry):
                 self.module_stack.append(entry)
+                self.modules.append(mod)
 
             def post(mod, args, out, entry=entry):
                 if self.module_stack and self.module_stack[-1] == entry:
                     self.module_stack.pop()
+                if self.modules and self.modules[-1] is mod:
+                    self.modules.pop()
 
             handles.append(m.register_forward_pre_hook(pre))
             handles.append(m.register_forward_hook(post, always_call=True))

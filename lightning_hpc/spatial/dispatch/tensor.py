@@ -1,7 +1,8 @@
-"""The split activation: :class:`SpatialTensor` holds one tile of an activation blocked over the spatial grid
-along two of its dimensions (``hdim``, ``wdim``; :func:`lightning_hpc.distributed.partition.block_bounds` over
-each).  Like DTensor's ``Shard`` placements it reports the *global* shape (``x.shape``, ``x.size()``), so user
-code that derives sizes, paddings, crops or coordinates from shapes computes what one process computes.  Its
+"""The split activation: :class:`SpatialTensor` holds one tile of an activation blocked over the spatial grid:
+grid axis ``k`` splits tensor dimension ``sdims[k]`` (:func:`lightning_hpc.distributed.partition.block_bounds`
+over each), like DTensor's ``Shard(sdims[k])`` placement on mesh dimension ``k``.  Like DTensor it reports the
+*global* shape (``x.shape``, ``x.size()``), so user code that derives sizes, paddings, crops or coordinates from
+shapes computes what one process computes.  Its
 ``__torch_function__`` hands every op to :func:`registry._dispatch`, which the registry installs here when it
 is imported (the package's ``__init__`` imports it before any split tensor exists).
 
@@ -38,16 +39,15 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 class SpatialTensor(torch.Tensor):
-    """One tile of an activation split over ``grid`` along ``hdim`` and ``wdim`` (see the package docstring of
-    :mod:`lightning_hpc.spatial.dispatch`)."""
+    """One tile of an activation split over ``grid``: its dimension ``sdims[k]`` blocked over grid axis ``k`` (see
+    the package docstring of :mod:`lightning_hpc.spatial.dispatch`)."""
 
     _grid: SpatialGrid
     _gshape: tuple[int, ...]
-    _hdim: int
-    _wdim: int
+    _sdims: tuple[int, ...]
 
     @staticmethod
-    def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int, wdim: int, *,
+    def wrap(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], sdims: Sequence[int], *,
              fresh: bool = False) -> SpatialTensor:
         """``fresh``: ``local`` is a new result nobody else holds; it becomes the SpatialTensor itself (no alias
         view, so a later in-place op on it is not an in-place op on a view, which autograd would answer with a
@@ -55,14 +55,14 @@ class SpatialTensor(torch.Tensor):
         # the number of dimensions from the global shape (the tile has as many): asking the tensor, once it is a
         # SpatialTensor, would be a dispatched call
         gshape = tuple(map(int, gshape))
-        hdim, wdim = hdim % len(gshape), wdim % len(gshape)
+        sdims = tuple(d % len(gshape) for d in sdims)
         if fresh and type(local) is torch.Tensor:
             local.__class__ = SpatialTensor
             t = cast(SpatialTensor, local)  # its class was just set
         else:
             with torch._C.DisableTorchFunctionSubclass():
                 t = local.as_subclass(SpatialTensor)
-        t._grid, t._gshape, t._hdim, t._wdim = grid, gshape, hdim, wdim
+        t._grid, t._gshape, t._sdims = grid, gshape, sdims
         return t
 
     def dim(self) -> int:  # type: ignore[override]
@@ -80,15 +80,15 @@ class SpatialTensor(torch.Tensor):
 
     def full(self) -> torch.Tensor:
         """The whole activation on every rank (one all-gather; differentiable)."""
-        return _Gather.apply(_plain(self), self._grid, self._gshape, self._hdim, self._wdim)
+        return _Gather.apply(_plain(self), self._grid, self._gshape, self._sdims)
 
     @property
     def split_dims(self) -> tuple[int, ...]:
         """The dimensions actually divided among ranks (a dimension with one part is whole on every rank)."""
-        return tuple(d for d, p in ((self._hdim, self._grid.parts[0]), (self._wdim, self._grid.parts[1])) if p > 1)
+        return tuple(d for d, p in zip(self._sdims, self._grid.parts) if p > 1)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
-        return (f"SpatialTensor(global shape {tuple(self._gshape)}, split dims {(self._hdim, self._wdim)} over "
+        return (f"SpatialTensor(global shape {tuple(self._gshape)}, split dims {self._sdims} over "
                 f"{self._grid.parts}, tile={_plain(self)!r})")
 
     @classmethod
@@ -101,10 +101,16 @@ class SpatialTensor(torch.Tensor):
             _STATE.depth -= 1
 
 
-def split_tensor(full_or_tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], hdim: int = -2,
-                 wdim: int = -1) -> SpatialTensor:
-    """Wrap this rank's tile (already cut) of a tensor of global shape ``gshape``."""
-    return SpatialTensor.wrap(full_or_tile, grid, gshape, hdim, wdim)
+def split_tensor(tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int],
+                 sdims: Sequence[int] | None = None) -> SpatialTensor:
+    """Wrap this rank's tile (already cut) of a tensor of global shape ``gshape``; ``sdims``: the dimensions split
+    over the grid's axes (default: the last ``grid.ndim``)."""
+    return SpatialTensor.wrap(tile, grid, gshape, trailing_dims(grid.ndim) if sdims is None else sdims)
+
+
+def trailing_dims(k: int) -> tuple[int, ...]:
+    """The last ``k`` dimensions, as negative indices (a sample's spatial dimensions)."""
+    return tuple(range(-k, 0))
 
 
 def gather_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -133,18 +139,37 @@ def _spatials(args, kwargs) -> list[SpatialTensor]:
 
 
 def _layout(t: SpatialTensor):
-    return (t._grid, t._gshape, t._hdim, t._wdim)
+    return (t._grid, t._gshape, t._sdims)
 
 
-def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, hdim=None, wdim=None) -> SpatialTensor:
+def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, sdims=None) -> SpatialTensor:
     return SpatialTensor.wrap(local, ref._grid, ref._gshape if gshape is None else gshape,
-                              ref._hdim if hdim is None else hdim, ref._wdim if wdim is None else wdim, fresh=True)
+                              ref._sdims if sdims is None else sdims, fresh=True)
+
+
+def dims_without(sdims: Sequence[int], removed: Sequence[int]) -> tuple[int, ...]:
+    """``sdims`` once the dimensions ``removed`` (none of them split) are dropped from the tensor."""
+    return tuple(s - sum(1 for d in removed if d < s) for s in sdims)
+
+
+def dims_with(sdims: Sequence[int], inserted: int) -> tuple[int, ...]:
+    """``sdims`` once a dimension is inserted at position ``inserted``."""
+    return tuple(s + (inserted <= s) for s in sdims)
 
 
 def _nbytes(t: torch.Tensor, shape) -> int:
     return int(math.prod(shape)) * t.element_size()
 
 
+def _channels_first(x, ndim: int | None = None) -> bool:
+    """``x`` is ``N x C x spatial...`` split along its spatial dimensions in order (as a sample's input is), with
+    ``ndim`` spatial dimensions when given: the layout the tiled kernels take."""
+    if not isinstance(x, SpatialTensor):
+        return False
+    k = x._grid.ndim
+    return (ndim is None or ndim == k) and x.dim() == 2 + k and x._sdims == tuple(range(2, 2 + k))
+
+
 def _nchw(x) -> bool:
-    return isinstance(x, SpatialTensor) and x.dim() == 4 and (x._hdim, x._wdim) == (2, 3)
+    return _channels_first(x, 2)
 

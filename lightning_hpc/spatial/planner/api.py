@@ -46,9 +46,10 @@ class Plan:
     sync: SyncCost | None = None  # the measured loaded synchronisation costs used (None: alpha-beta only)
 
     @property
-    def spatial_parts(self) -> tuple[int, int]:
-        """(ph, pw) of the input layer: the tile each rank of a spatial group reads."""
-        return next(iter(self.distributions.values())).spatial
+    def spatial_parts(self) -> tuple[int, ...]:
+        """The input layer's parts of each spatial dimension (``(ph, pw)`` for images, ``(pd, ph, pw)`` for
+        volumes): the tile each rank of a spatial group reads."""
+        return next(iter(self.distributions.values())).parts(len(self.input_shape) - 1)
 
     @property
     def sample_groups(self) -> int:
@@ -92,7 +93,7 @@ class Plan:
             cost = self.stage_costs.get(name)
             lines.append(f"{name:32s} {str(dist):28s} {'' if cost is None else f'{1e3 * cost.total:16.2f}'}")
         lines += [
-            f"spatial parts (ph, pw) = {self.spatial_parts}, sample groups = {self.sample_groups}",
+            f"spatial parts = {self.spatial_parts}, sample groups = {self.sample_groups}",
             f"compute {1e3 * self.compute_time:.2f} ms + halo {1e3 * self.halo_time:.2f} ms"
             f" + shuffle {1e3 * self.shuffle_time:.2f} ms"
             f" + loaded sync waits {1e3 * self.sync_time:.2f} ms ({self.sync_points} sync points)"
@@ -121,7 +122,8 @@ def plan_for_model(
     sync: SyncCost | None = None,
 ) -> Plan:
     """Choose a distribution for every layer of ``model`` on ``world_size`` processes at mini-batch
-    ``batch_size`` (``input_shape`` = (C, H, W) of one sample) and predict the time per mini-batch.
+    ``batch_size`` (``input_shape`` = (C, H, W) of one image, (C, D, H, W) of a volume or (C, L) of a signal) and
+    predict the time per mini-batch.
 
     ``alpha_beta``: the interconnect (default: :func:`lightning_hpc.perfmodel.calibrate_local` on 2 local
     processes, cached).  ``uniform=True`` keeps one distribution for all layers (the setting of the paper's
@@ -185,8 +187,9 @@ def _plan(
     gradient_reduction: str,
     sync: SyncCost | None = None,
 ) -> Plan:
-    if len(input_shape) != 3:
-        raise ValueError(f"input_shape must be (C, H, W) of one sample, got {list(input_shape)}")
+    if not 2 <= len(input_shape) <= 4:
+        raise ValueError(
+            f"input_shape must be (C, L), (C, H, W) or (C, D, H, W) of one sample, got {list(input_shape)}")
     if alpha_beta is None:
         from lightning_hpc.perfmodel import calibrate_local
 
@@ -199,7 +202,7 @@ def _plan(
     )
     cands = {}
     for s in stages:
-        options = candidate_distributions(s, world_size, batch_size)
+        options = candidate_distributions(s, world_size, batch_size, ndim=len(input_shape) - 1)
         if restrict is not None:
             kept = [d for d in options if restrict(d)]
             if not kept:

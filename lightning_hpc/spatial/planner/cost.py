@@ -1,9 +1,11 @@
 """Cost model of the planner (Dryden et al., IPDPS 2019, sections V-A and V-B).
 
-* V-A, per-layer cost under a distribution ``D = (n, h, w)``: measured local compute (forward + backward at the
-  tile's shape, :class:`lightning_hpc.perfmodel.LayerTimer`), halo exchanges
-  ``2 SR(O n C w) + 2 SR(O n C h) + 4 SR(O^2 n C)`` in forward and again in backward, and the weight-gradient
-  allreduce ``AR(P, |w|)``, with alpha-beta costs from :mod:`lightning_hpc.perfmodel.alphabeta`.
+* V-A, per-layer cost under a distribution ``D = (n, [d,] h, w)``: measured local compute (forward + backward at
+  the tile's shape, :class:`lightning_hpc.perfmodel.LayerTimer`), halo exchanges (the paper's
+  ``2 SR(O n C w) + 2 SR(O n C h) + 4 SR(O^2 n C)`` for an interior tile of an image; here one ``SR`` per block
+  the busiest tile receives, each block's size from the layer's own windows (:mod:`lightning_hpc.spatial.windows`):
+  faces, edges and corners in 3-D) in forward and again in backward, and the weight-gradient allreduce
+  ``AR(P, |w|)``, with alpha-beta costs from :mod:`lightning_hpc.perfmodel.alphabeta`.
 * V-B, whole network: every layer is measured (not only convolutions: on CPUs batch norm and ReLU are not free),
   spatially aggregated batch norm adds two small allreduces over the spatial group, and a change of distribution
   between adjacent layers costs an all-to-all shuffle forward and backward.
@@ -25,6 +27,7 @@ from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
 from lightning_hpc.perfmodel.sync import SyncCost
 from lightning_hpc.spatial.conv import tile_conv_applies
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
+from lightning_hpc.spatial.windows import halo_elements
 
 __all__ = [
     "GRADIENT_REDUCTIONS",
@@ -102,25 +105,20 @@ class CostModel:
 
     def local_shape(self, shape: tuple[int, ...], d: Distribution) -> tuple[int, ...]:
         n = math.ceil(shape[0] / d.n)
-        if len(shape) == 4:
-            return (n, shape[1], math.ceil(shape[2] / d.h), math.ceil(shape[3] / d.w))
+        k = len(shape) - 2
+        if 1 <= k <= 3:
+            return (n, shape[1], *(math.ceil(e / p) for e, p in zip(shape[2:], d.parts(k))))
         return (n, *shape[1:])
 
     def _halo(self, layer: LayerInfo, d: Distribution) -> float:
-        """One halo exchange (section V-A): east/west, north/south and corner send/recvs."""
-        o = layer.halo
-        if o == 0 or len(layer.in_shape) != 4 or (d.h == 1 and d.w == 1):
+        """One halo exchange (section V-A): a send/recv per block the busiest tile receives
+        (:mod:`lightning_hpc.spatial.windows`)."""
+        windows, k = layer.windows, layer.spatial_ndim
+        if windows is None or not 1 <= k <= 3 or d.spatial_size == 1:
             return 0.0
-        n, c, hl, wl = self.local_shape(layer.in_shape, d)
-        sr = lambda elems: alphabeta.send_recv(elems * self.bytes, self.m)  # noqa: E731
-        cost = 0.0
-        if d.h > 1:
-            cost += 2 * sr(o * n * c * wl)
-        if d.w > 1:
-            cost += 2 * sr(o * n * c * hl)
-        if d.h > 1 and d.w > 1:
-            cost += 4 * sr(o * o * n * c)
-        return cost
+        n, c = self.local_shape(layer.in_shape, d)[:2]
+        blocks = halo_elements(windows, layer.in_shape[2:], d.parts(k))
+        return sum(alphabeta.send_recv(e * n * c * self.bytes, self.m) for e in blocks)
 
     def sync_wait(self, kind: str, group: int | None = None) -> float:
         """Measured cost of one synchronisation point of ``kind`` under load beyond its alpha-beta cost (0 without
@@ -143,12 +141,12 @@ class CostModel:
         syncs = 0
         allreduces: list[tuple[str, float]] = []
         backward: list[tuple[str, float]] = []
-        spatial = d.h * d.w
+        spatial = d.spatial_size
         for layer in stage.layers:
             if layer.module is not None and layer.in_shape:
                 shape = self.local_shape(layer.in_shape, d)
                 module = _fresh(layer.module)
-                if isinstance(module, nn.modules.batchnorm._BatchNorm) and math.prod(shape) // shape[1] == 1:
+                if isinstance(module, _BATCH_NORMS) and math.prod(shape) // shape[1] == 1:
                     module.eval()  # one value per channel on this tile: the statistics come from the group
                 t = self.timer.measure(module, shape, device=self.device)
                 fwd, bwd = self.compute_scale * t["forward"], self.compute_scale * t["backward"]
@@ -158,7 +156,7 @@ class CostModel:
             # the network's input needs no gradient, so its layer exchanges no halo in backward
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
-                isinstance(layer.module, nn.Conv2d)
+                type(layer.module) is nn.Conv2d and d.d == 1
                 and tile_conv_applies(layer.module, layer.in_shape[-2], layer.in_shape[-1], (d.h, d.w))
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
@@ -176,7 +174,7 @@ class CostModel:
                 compute += fwd + bwd
                 halo += x + x_bwd
             backward.append((layer.name, bwd))
-            if isinstance(layer.module, nn.BatchNorm2d) and self.aggregate_bn and spatial > 1:
+            if isinstance(layer.module, _BATCH_NORMS) and self.aggregate_bn and spatial > 1:
                 # sum and sum of squares forward, their gradients backward, over the spatial group
                 bn += 2 * alphabeta.allreduce(2 * layer.module.num_features * self.bytes, spatial, self.m)
                 syncs += 2  # this implementation: an all-gather of (mean, var, count) forward, an allreduce backward
@@ -196,8 +194,11 @@ class CostModel:
         forward and backward."""
         if a == b or nbytes == 0:
             return 0.0
-        share = nbytes / (a.n * a.h * a.w)
+        share = nbytes / (a.n * a.spatial_size)
         return 2 * (alphabeta.alltoall(share, self.p, self.m) + self.sync_wait("allreduce"))
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 class _TileCopy(nn.Module):

@@ -1,7 +1,7 @@
 """The network as the planner sees it (Dryden et al., IPDPS 2019, sections V-B and V-C).
 
 * :class:`Distribution`: how a layer's data is split, ``D = (n, h, w)`` parts of the sample, height and width
-  dimensions (section V-A).
+  dimensions (section V-A), and ``d`` parts of the depth of volumes (section I: the same method in 3-D).
 * :func:`trace_layers`: every layer of the model (not only convolutions, section V-B) with its input and output
   shapes and its parents, traced with torch.fx and shape-propagated on the meta device.
 * :func:`build_stages`: layers other than convolutions and linear layers inherit the distribution of their parent
@@ -26,20 +26,31 @@ __all__ = ["Distribution", "LayerInfo", "Stage", "trace_layers", "build_stages"]
 
 @dataclass(frozen=True, order=True)
 class Distribution:
-    """Parts of the sample (N), height (H) and width (W) dimensions; ``n * h * w`` processes hold distinct data
-    and ``replicas`` copies of that layout fill the rest of the world (only for layers too small to split)."""
+    """Parts of the sample (N), height (H) and width (W) dimensions, and of the depth (D) of volumes;
+    ``n * d * h * w`` processes hold distinct data and ``replicas`` copies of that layout fill the rest of the
+    world (only for layers too small to split).  A signal's length is its last dimension: split by ``w``."""
 
     n: int
     h: int
     w: int
     replicas: int = 1
+    d: int = 1
 
     @property
     def spatial(self) -> tuple[int, int]:
+        """(h, w): the parts of an image."""
         return (self.h, self.w)
 
+    def parts(self, ndim: int) -> tuple[int, ...]:
+        """The parts of the last ``ndim`` spatial dimensions: ``(w,)``, ``(h, w)`` or ``(d, h, w)``."""
+        return (self.d, self.h, self.w)[3 - ndim :]
+
+    @property
+    def spatial_size(self) -> int:
+        return self.d * self.h * self.w
+
     def __str__(self) -> str:
-        text = f"N{self.n} x H{self.h} x W{self.w}"
+        text = f"N{self.n} x " + (f"D{self.d} x " if self.d > 1 else "") + f"H{self.h} x W{self.w}"
         return text + (f" (x{self.replicas} replicated)" if self.replicas > 1 else "")
 
 
@@ -55,22 +66,24 @@ class LayerInfo:
 
     @property
     def decides(self) -> bool:
-        """Convolution and linear layers choose a distribution; the others inherit their parent's."""
-        return isinstance(self.module, (nn.Conv2d, nn.Linear))
+        """Convolution (1-3-D, transposed too) and linear layers choose a distribution; the others inherit their
+        parent's."""
+        from lightning_hpc.spatial.windows import CONVOLUTIONS, TRANSPOSED
+
+        return isinstance(self.module, (*CONVOLUTIONS, *TRANSPOSED, nn.Linear))
 
     @property
-    def halo(self) -> int:
-        """Rows/columns of halo a tile needs from each neighbour (section III-A): ``dilation * (k - 1) / 2``."""
-        m = self.module
-        if isinstance(m, nn.Conv2d):
-            return max(m.dilation[0] * (m.kernel_size[0] - 1), m.dilation[1] * (m.kernel_size[1] - 1)) // 2
-        if isinstance(m, (nn.MaxPool2d, nn.AvgPool2d)):
-            k = m.kernel_size if isinstance(m.kernel_size, int) else max(m.kernel_size)
-            s = m.stride if isinstance(m.stride, int) else max(m.stride)
-            return max((k - 1) // 2, 1) if k > s else 0  # overlapping windows need the neighbours' edge
-        if isinstance(m, nn.Upsample) and m.mode != "nearest":
-            return 1
-        return 0
+    def spatial_ndim(self) -> int:
+        """Spatial dimensions of the layer's input (0 for flat features)."""
+        return max(len(self.in_shape) - 2, 0)
+
+    @property
+    def windows(self) -> tuple | None:
+        """The input range each output range reads, per spatial dimension (:mod:`lightning_hpc.spatial.windows`);
+        None when the layer reads no neighbouring rows."""
+        from lightning_hpc.spatial.windows import layer_windows
+
+        return layer_windows(self.module, self.in_shape, self.out_shape)
 
     @property
     def param_bytes(self) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from lightning_hpc.spatial.planner.cost import CostModel
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
+from lightning_hpc.spatial.windows import split_works
 
 __all__ = ["candidate_distributions", "shortest_line_path", "brute_force_line"]
 
@@ -24,34 +25,49 @@ def _divisors(p: int) -> list[int]:
     return [d for d in range(1, p + 1) if p % d == 0]
 
 
-def _spatial_extent(layer: LayerInfo) -> tuple[int, int] | None:
-    shapes = [s for s in (layer.in_shape, layer.out_shape) if len(s) == 4]
+def _spatial_splits(rest: int, k: int) -> list[tuple[int, ...]]:
+    """Every ``(p_1, ..., p_k)`` with product ``rest``."""
+    if k == 1:
+        return [(rest,)]
+    return [(p, *tail) for p in _divisors(rest) for tail in _spatial_splits(rest // p, k - 1)]
+
+
+def _model_ndim(stage: Stage) -> int:
+    return max((layer.spatial_ndim for layer in stage.layers if len(layer.in_shape) >= 3), default=0)
+
+
+def _layer_splits(layer: LayerInfo, k: int, parts: tuple[int, ...]) -> bool:
+    """Whether ``layer`` runs with its ``k`` spatial dimensions split ``parts``: every tile of its input and output
+    holds a row, and its windows' halo plan exists; a layer without spatial dimensions (a linear head) only
+    unsplit."""
+    if not layer.out_shape:
+        return True  # no tensor out (a shape query such as ``x.shape[2]``): nothing to split
+    shapes = [s for s in (layer.in_shape, layer.out_shape) if k and len(s) == 2 + k]
     if not shapes:
-        return None
-    return min(s[2] for s in shapes), min(s[3] for s in shapes)
+        return all(p == 1 for p in parts)
+    if not all(split_works(None, s[2:], parts) for s in shapes):
+        return False
+    return len(layer.in_shape) != 2 + k or split_works(layer.windows, layer.in_shape[2:], parts)
 
 
-def candidate_distributions(stage: Stage, world_size: int, batch_size: int) -> list[Distribution]:
-    """Load-balanced distributions ``n x h x w = P`` that every layer of the stage can run (section V-C):
-    ``n <= N``, and every tile at least as large as the halo it needs (and one row/column).  When nothing
-    fits (e.g. a linear layer with fewer samples than processes), the largest sample split with replicas."""
+def candidate_distributions(
+    stage: Stage, world_size: int, batch_size: int, ndim: int | None = None
+) -> list[Distribution]:
+    """Load-balanced distributions ``n x [d x] h x w = P`` that every layer of the stage can run (section V-C):
+    ``n <= N``, and every tile at least one row and the halo it needs (the halo plan's own test, from the
+    layer's windows).  ``ndim``: the spatial dimensions of the model's input (1, 2 or 3; default: the stage's
+    largest).  When nothing fits (e.g. a linear layer with fewer samples than processes), the largest sample
+    split with replicas."""
+    k = ndim if ndim is not None else _model_ndim(stage)
     out = []
     for n in _divisors(world_size):
         if n > batch_size:
             continue
         rest = world_size // n
-        for h in _divisors(rest):
-            w = rest // h
-            ok = True
-            for layer in stage.layers:
-                extent = _spatial_extent(layer)
-                if extent is None:
-                    ok = ok and h == w == 1
-                    continue
-                need = max(layer.halo, 1)
-                ok = ok and extent[0] // h >= need and extent[1] // w >= need
-            if ok:
-                out.append(Distribution(n, h, w))
+        for parts in _spatial_splits(rest, k) if k else ([()] if rest == 1 else []):
+            if all(_layer_splits(layer, k, parts) for layer in stage.layers):
+                full = (1,) * (3 - k) + tuple(parts)
+                out.append(Distribution(n, full[1], full[2], d=full[0]))
     if not out:
         n = max(d for d in _divisors(world_size) if d <= batch_size)
         out.append(Distribution(n, 1, 1, replicas=world_size // n))

@@ -1,0 +1,175 @@
+"""Spatial parallelism on volumes (Dryden et al., section I: 3-D, surface-to-volume), on this machine's CPU/gloo.
+
+One training step (forward, mean BCE loss, backward) of the 3-D U-Net of ``recipe=volumes_unet3d``
+(``lightning_hpc.models.unet``) on ONE volume of ``size^3`` voxels, through the op dispatch as the strategy runs
+a user's module (split input and target, an unchanged mean loss), on 1, 2 and 4 processes (splits 1x1x1, 2x1x1,
+2x2x1; one torch thread per process).  Per configuration:
+
+* peak memory per rank: the CPU allocator's peak of tensor bytes during the step plus the tensors held before it
+  (``bench/spatial.py``'s measure: what a GPU user reads from ``max_memory_allocated``), as a ratio of the
+  single-process run;
+* halo bytes per step, counted at the exchange (every point-to-point message of the step through
+  ``lightning_hpc.distributed.p2p.exchange``, summed over ranks) beside the window arithmetic's prediction
+  (:func:`lightning_hpc.spatial.windows.halo_elements` of every windowed layer at its traced shape, forward and
+  backward);
+* step time (median of ``--repeats`` steps after one warm-up) beside the planner's prediction for that split
+  (``plan_for_model`` with ``uniform=True`` and the alpha-beta of a local calibration).
+
+Run alone on the machine (e.g. under ``flock`` on a lock file other benchmarks take too):
+      python bench/spatial_volumes.py [--size 64] [--widths 8 16 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Report  # noqa: E402
+from spatial import _allocator_peak  # noqa: E402
+
+from lightning_hpc.distributed import p2p, run_in_processes  # noqa: E402
+from lightning_hpc.models.unet import unet  # noqa: E402
+from lightning_hpc.spatial.dispatch import split_tensor, state  # noqa: E402
+from lightning_hpc.spatial.gradients import reduce_gradients  # noqa: E402
+from lightning_hpc.spatial.split_check import trace_shapes  # noqa: E402
+from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
+from lightning_hpc.spatial.windows import layer_windows  # noqa: E402
+
+SPLITS = ((1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)))
+
+
+def predicted_halo_bytes(widths: list[int], size: int, parts: tuple[int, ...]) -> int:
+    """Bytes every rank together receives per step by the window arithmetic: for each windowed layer, every
+    tile's received blocks (faces, edges, corners) times the channels and 4 bytes, forward and backward (the
+    network's input exchanges in forward only: it needs no gradient)."""
+    import itertools
+
+    from lightning_hpc.spatial.halo_exchange import DimPlan
+
+    model = unet(1, 1, widths)
+    total = 0
+    for name, (in_shape, out_shape) in trace_shapes(model, (1, size, size, size)).items():
+        windows = layer_windows(model.get_submodule(name), in_shape, out_shape)
+        if windows is None or any(n < p for n, p in zip(in_shape[2:], parts)):
+            continue
+        plans = [DimPlan(n, w.out_size(n), p, w) for w, n, p in zip(windows, in_shape[2:], parts)]
+        received = 0
+        for index in itertools.product(*(range(p) for p in parts)):
+            for delta in itertools.product((-1, 0, 1), repeat=3):
+                if any(delta) and all(0 <= i + d < p for i, d, p in zip(index, delta, parts)):
+                    sizes = [plan.recv_range(i, d) for plan, i, d in zip(plans, index, delta)]
+                    received += int(torch.tensor([hi - lo for lo, hi in sizes]).clamp(min=0).prod())
+        directions = 1 if name == "encoders.0.0" else 2
+        total += directions * received * in_shape[1] * 4
+    return total
+
+
+def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    grid = create_hybrid_layout(parts).grid
+    model = unet(1, 1, widths)
+    cut = grid.tile_bounds(size, size, size)
+    shape = tuple(b - a for a, b in cut)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1, *shape, generator=g)  # each rank creates only its own sub-volume
+    y = (torch.rand(1, 1, *shape, generator=g) > 0.9).float()
+    params = list(model.parameters())
+    held = sum(t.numel() * t.element_size() for t in (x, y, *params, *model.buffers()))
+    sent = [0]
+    original = p2p.exchange
+    # every module that posts point-to-point messages imported the one exchange function by name
+    users = [m for name, m in sys.modules.items() if name.startswith("lightning_hpc.")
+             and getattr(m, "exchange", None) is original]
+
+    def counting(sends, recvs, group):
+        sent[0] += sum(buf.numel() * buf.element_size() for buf, _, _ in sends)
+        return original(sends, recvs, group)
+
+    def step() -> None:
+        xs = split_tensor(x, grid, (1, 1, size, size, size))
+        ys = split_tensor(y, grid, (1, 1, size, size, size))
+        loss = F.binary_cross_entropy_with_logits(model(xs), ys)
+        loss.backward()
+        st = state()
+        tile = [p for p in params if id(p) in st.tile_params]
+        reduce_gradients(tile, [p for p in params if id(p) not in st.tile_params], 1)
+        for p in params:
+            p.grad = None
+
+    step()  # warm-up (plans, caches)
+    if dist.is_initialized():
+        dist.barrier()
+    for m in users:
+        m.exchange = counting
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        for m in users:
+            m.exchange = original
+    alloc_peak, _ = _allocator_peak(prof, f"/tmp/spatial_volumes_{os.getpid()}.json")
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"alloc_peak_MiB": (held + alloc_peak) / 2**20, "sent_bytes": sent[0], "step_s": statistics.median(times),
+            "gathers": state().gathers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=int, default=64, help="voxels per side of the volume")
+    ap.add_argument("--widths", type=int, nargs="+", default=[8, 16, 32], help="U-Net widths per level")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-plan", action="store_true", help="skip the planner's predictions (no calibration)")
+    args = ap.parse_args(argv)
+    report = Report("spatial_volumes", meta={"size": args.size, "widths": args.widths,
+                                             "loadavg_start": os.getloadavg(), "note": "gloo, 1 thread per rank"})
+    ab = None
+    if not args.no_plan:
+        from lightning_hpc.perfmodel import calibrate_local
+
+        ab = calibrate_local(2)
+    for procs, parts in SPLITS:
+        res = run_in_processes(_worker, procs, parts, args.size, args.widths, args.repeats, timeout_s=1800,
+                               collective_timeout_s=900)
+        row = report.add(
+            procs=procs, split="x".join(map(str, parts)),
+            alloc_peak_MiB=max(r["alloc_peak_MiB"] for r in res),
+            halo_bytes_measured=sum(r["sent_bytes"] for r in res),
+            halo_bytes_predicted=predicted_halo_bytes(args.widths, args.size, parts),
+            step_s=max(r["step_s"] for r in res), gathers=max(r["gathers"] for r in res),
+        )
+        if ab is not None:
+            from lightning_hpc.spatial.planner import plan_for_model
+
+            plan = plan_for_model(unet(1, 1, args.widths), (1, args.size, args.size, args.size), procs, 1,
+                                  alpha_beta=ab, uniform=True, restrict=lambda d, p=parts: d.parts(3) == p)
+            row["step_s_predicted"] = plan.predicted_step_time
+            row["predicted_vs_measured"] = plan.predicted_step_time / row["step_s"]
+        print(row, flush=True)
+    report.add_ratios("procs", "alloc_peak_MiB", 1, "memory_vs_1proc")
+    report.meta["loadavg_end"] = os.getloadavg()
+    report.print()
+    report.write()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
