@@ -145,6 +145,9 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "",
         "Columns: `ddp` is Lightning's own `DDPStrategy` (the harness: it checks the references); "
         "`spatial` is `SpatialParallelStrategy(spatial_parts=(2, 1))` (reference: one process on the same samples); "
+        "`spatial3d` is `SpatialParallelStrategy(spatial_parts=(2, 1, 1))` with the user's CNN on volumes "
+        "(2 x 4 x 6 x 6 samples, a Conv3d backbone: sub-volumes split along D; the rows whose data are not the "
+        "user's images run as they are); "
         "`kfac_ddp` / `kfac_layered_sgd` / `kfac_horovod` are the `KFAC` callback under that strategy (reference: "
         "KFAC on one process on the global batch); `multigrid_pm` is `MultigridStrategy(mode='pm')` (the trunk's "
         "steps split over the 2 ranks, serial evaluation), `multigrid` is mode 'mg' (an iterative solve, not exact "
