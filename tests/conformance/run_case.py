@@ -803,8 +803,10 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
 
     def trainer(**extra: Any) -> pl.Trainer:
         # a spatial checkpoint resumes on one process as the plain model (one process cannot hold 2 x 1 tiles)
-        one_process = strategy_name in ("spatial", "spatial3d") and world == 1
-        strategy, callbacks = build_strategy("auto" if one_process else strategy_name)
+        base = strategy_name.removeprefix("kfac_")
+        one_process = base in ("spatial", "spatial3d") and world == 1
+        name = strategy_name.replace(base, "auto") if one_process else strategy_name
+        strategy, callbacks = build_strategy(name)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
         if case.plugins is not None:
             kwargs["plugins"] = case.plugins()
