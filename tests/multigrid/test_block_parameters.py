@@ -27,16 +27,22 @@ def _loss(trunk: nn.Module) -> torch.Tensor:
     return trunk(x).pow(2).sum()
 
 
-def _one_process() -> dict:
-    steps = _steps()
-    _loss(steps).backward()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in steps.parameters()]))
-    penalty = sum(p.pow(2).sum() for p in steps.parameters())
-    for p in steps.parameters():
+def _observe(module: nn.Module) -> dict:
+    """What user code sees: the gradient norm over ``module.parameters()``, an L2 penalty over them and the
+    penalty's gradient of each parameter (by name)."""
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters()]))
+    penalty = sum(p.pow(2).sum() for p in module.parameters())
+    for p in module.parameters():
         p.grad = None
     penalty.backward()
     return {"norm": float(norm), "penalty": float(penalty.detach()),
-            "grads": [p.grad.clone() for p in steps.parameters()]}
+            "grads": {n: p.grad.clone() for n, p in module.named_parameters()}}
+
+
+def _one_process() -> dict:
+    steps = _steps()
+    _loss(steps).backward()
+    return _observe(steps)
 
 
 def _ranks(rank: int, world: int, case: str) -> dict:
@@ -53,23 +59,16 @@ def _ranks(rank: int, world: int, case: str) -> dict:
     local = dict(trunk.named_parameters())
     for name, p in local.items():
         p.grad = dict(full.named_parameters())[name].grad.clone()
-    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in trunk.parameters()]))
-    penalty = sum(p.pow(2).sum() for p in trunk.parameters())
-    for p in trunk.parameters():
-        p.grad = None
-    penalty.backward()
-    return {"norm": float(norm), "penalty": float(penalty.detach()),
-            "grads": {n: p.grad.clone() for n, p in trunk.named_parameters()}}
+    return _observe(trunk)
 
 
 def test_norm_and_penalty_over_the_local_steps_are_the_whole_trunks():
     ref = _one_process()
-    names = [n for n, _ in _steps().named_parameters()]
     for got in run_in_processes(_ranks, 2, "plain"):
         assert got["norm"] == pytest.approx(ref["norm"], rel=1e-13)
         assert got["penalty"] == pytest.approx(ref["penalty"], rel=1e-13)
         for name, grad in got["grads"].items():
-            assert torch.allclose(grad, ref["grads"][names.index(name)], rtol=0, atol=1e-15), name
+            assert torch.allclose(grad, ref["grads"][name], rtol=0, atol=1e-15), name
 
 
 @pytest.mark.parametrize("case", [r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy",
