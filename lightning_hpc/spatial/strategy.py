@@ -618,11 +618,12 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         return out
 
 
-def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 10.0) -> None:
+def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 30.0) -> None:
     """Rank 0 failed, and rank 0 hosts the process group's store: its exit would take the message with it, and
     the peers would report only the closed connection.  Its connections are closed now instead (every process
     group aborted, so a peer waiting on it fails at once), and the store stays up until every peer has read the
-    message (each adds one to ``key/read``), for at most ``seconds``."""
+    message (each adds one to ``key/read``), for at most ``seconds`` (a peer busy in a long step reaches its next
+    collective, and so the message, only at the end of that step: on a loaded machine that took over 10 s)."""
     abort_process_groups()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and store.add(f"{key}/read", 0) < world - 1:
