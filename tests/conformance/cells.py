@@ -34,6 +34,10 @@ FEATURES = (
     "boring_adam_f32", "l2_penalty_logged", "tied_weights", "torch_compile", "lbfgs", "swa", "last_batch_one_sample",
 )
 
+#: columns whose cells run in the slow tier (their own CI step): the second spatial layout and K-FAC over it,
+#: each a launch of its own on top of the spatial column's (with their one-process references)
+SLOW_COLUMNS = {"spatial3d", "kfac_spatial"}
+
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
 DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "spatial3d": 1, "kfac_spatial": 1,
                  "multigrid_pm_plain_blocks": 1}

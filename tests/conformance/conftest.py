@@ -21,6 +21,7 @@ from cells import (
     MICRO_BATCHES,
     REFERENCE_DDP,
     ROUNDING_BOUNDED,
+    SLOW_COLUMNS,
     kfac_reference,
     micro_batch_reference,
     under_horovodrun,
@@ -29,9 +30,12 @@ from launch import CaseResult, horovod_importable, launch, read
 
 
 class Runs:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, skip_columns: frozenset[str] = frozenset()) -> None:
         self.root = root
         self.logs: dict[str, str] = {}
+        #: columns whose cells are deselected (the slow ones in the default tier): their references and resumed
+        #: runs are not launched either
+        self.skip_columns = skip_columns
 
     def _ensure(self, key: str, outdir: str, devices: int, items: list[str], data_parallel: int, horovod: bool = False,
                 env: dict[str, str] | None = None) -> str:
@@ -62,7 +66,7 @@ class Runs:
         cells += [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
-                        and kfac_reference(s) == kfac and _selected(c)})
+                        and kfac_reference(s) == kfac and _selected(c) and s not in self.skip_columns})
         key = f"one_{strategy}_dp{data_parallel}"
         log = self._ensure(key, key, 1, [f"{strategy}:{c}" for c in cases], data_parallel)
         return read(self.root / key, strategy, case, log, 1)
@@ -84,7 +88,8 @@ class Runs:
         # the one process reads the union of the data-parallel ranks' batches: one launch per data-parallel size
         dp = DATA_PARALLEL.get(strategy, 2)
         items = [f"{s}:{c}" for s, c in ALL_CELLS
-                 if c.endswith("_2_to_1") and under_horovodrun(s) == horovod and DATA_PARALLEL.get(s, 2) == dp]
+                 if c.endswith("_2_to_1") and under_horovodrun(s) == horovod and DATA_PARALLEL.get(s, 2) == dp
+                 and s not in self.skip_columns]
         for item in items:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs
@@ -118,6 +123,7 @@ def _refusals_last(strategy: str):
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory) -> Runs:
+def runs(tmp_path_factory, request) -> Runs:
     root = tmp_path_factory.mktemp("conformance")
-    return Runs(root)
+    slow_deselected = "not slow" in (request.config.getoption("markexpr") or "")
+    return Runs(root, frozenset(SLOW_COLUMNS) if slow_deselected else frozenset())

@@ -45,6 +45,7 @@ from cells import (
     REFUSED_AT,
     ROUNDING_BOUND,
     ROUNDING_BOUNDED,
+    SLOW_COLUMNS,
     NotApplicable,
     case_of,
     kfac_reference,
@@ -75,9 +76,13 @@ MG_CONVERGENCE = 5.0
 
 
 def _params(cells):
-    """Cells as pytest params, the horovod ones marked ``horovod`` like the rest of the Horovod tests."""
-    return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=[pytest.mark.horovod] if under_horovodrun(c[0]) else [])
-            for c in cells]
+    """Cells as pytest params, the horovod ones marked ``horovod`` like the rest of the Horovod tests, the
+    :data:`SLOW_COLUMNS` ones ``slow``."""
+    def marks(strategy: str) -> list:
+        return ([pytest.mark.horovod] if under_horovodrun(strategy) else []) + \
+            ([pytest.mark.slow] if strategy in SLOW_COLUMNS else [])
+
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=marks(c[0])) for c in cells]
 
 
 @pytest.mark.parametrize(("strategy", "case"), _params(DIFFERS))
