@@ -46,7 +46,7 @@ def _autograd_grad(func, args, kwargs):
             f"spatial: torch.autograd.grad(create_graph=True) in {_STATE.where()} differentiates through split "
             f"activations twice (a gradient penalty on them); the tile exchanges have no second derivative here. "
             f"Compute the penalty on a gathered tensor (lightning_hpc.spatial.dispatch.gather_tensor), or train this "
-            f"module with spatial_parts=(1, 1) or strategy='ddp'"
+            f"module with one tile per sample (spatial_parts=(1, 1), or (1, 1, 1) for volumes) or strategy='ddp'"
         )
     with torch._C.DisableTorchFunctionSubclass():
         grads = torch.autograd.grad(outputs, ins, **kw)

@@ -75,7 +75,8 @@ class ParameterUseCheck(TorchFunctionMode):
                     f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "
                     f"{_STATE.where()} would return this tile's part of its gradient (the strategy sums the tiles "
                     f"after the backward pass). Read the reduced gradients (p.grad) after self.manual_backward(loss) "
-                    f"or in on_before_optimizer_step instead, or train this module with spatial_parts=(1, 1)"
+                    f"or in on_before_optimizer_step instead, or train this module with one tile per sample "
+                    f"(spatial_parts=(1, 1), or (1, 1, 1) for volumes)"
                 )
 
     def raise_if_mixed(self, named: Mapping[int, str]) -> None:
@@ -85,5 +86,6 @@ class ParameterUseCheck(TorchFunctionMode):
                 raise SpatialDispatchError(
                     f"spatial: parameter '{named.get(pid, '?')}' is used on split activations and, by {op} in {where}, "
                     f"on a value replicated over the spatial group; its gradient cannot be reduced exactly. Use "
-                    f"separate parameters for the two uses, or spatial_parts=(1, 1)"
+                    f"separate parameters for the two uses, or one tile per sample (spatial_parts=(1, 1), or "
+                    f"(1, 1, 1) for volumes)"
                 )
