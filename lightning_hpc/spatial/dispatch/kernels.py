@@ -155,19 +155,7 @@ def _convolution(func, args, kwargs, k: int):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
 
 
-@_handles(*_ops("conv1d"))
-def _conv1d(func, args, kwargs):
-    return _convolution(func, args, kwargs, 1)
 
-
-@_handles(*_ops("conv2d"))
-def _conv2d(func, args, kwargs):
-    return _convolution(func, args, kwargs, 2)
-
-
-@_handles(*_ops("conv3d"))
-def _conv3d(func, args, kwargs):
-    return _convolution(func, args, kwargs, 3)
 
 
 def _transposed(func, args, kwargs, k: int):
@@ -194,19 +182,7 @@ def _transposed(func, args, kwargs, k: int):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, *K.output_extents(extents, windows)))
 
 
-@_handles(*_ops("conv_transpose1d"))
-def _conv_transpose1d(func, args, kwargs):
-    return _transposed(func, args, kwargs, 1)
 
-
-@_handles(*_ops("conv_transpose2d"))
-def _conv_transpose2d(func, args, kwargs):
-    return _transposed(func, args, kwargs, 2)
-
-
-@_handles(*_ops("conv_transpose3d"))
-def _conv_transpose3d(func, args, kwargs):
-    return _transposed(func, args, kwargs, 3)
 
 
 # -- pooling -------------------------------------------------------------------------------------------------------
@@ -244,34 +220,10 @@ def _pool(func, args, kwargs, k: int, kind: str):
     return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
 
 
-@_handles(*_ops("max_pool1d", "_max_pool1d"))
-def _max_pool1d(func, args, kwargs):
-    return _pool(func, args, kwargs, 1, "max")
 
 
-@_handles(*_ops("max_pool2d", "_max_pool2d"))
-def _max_pool2d(func, args, kwargs):
-    return _pool(func, args, kwargs, 2, "max")
 
 
-@_handles(*_ops("max_pool3d", "_max_pool3d"))
-def _max_pool3d(func, args, kwargs):
-    return _pool(func, args, kwargs, 3, "max")
-
-
-@_handles(*_ops("avg_pool1d"))
-def _avg_pool1d(func, args, kwargs):
-    return _pool(func, args, kwargs, 1, "avg")
-
-
-@_handles(*_ops("avg_pool2d"))
-def _avg_pool2d(func, args, kwargs):
-    return _pool(func, args, kwargs, 2, "avg")
-
-
-@_handles(*_ops("avg_pool3d"))
-def _avg_pool3d(func, args, kwargs):
-    return _pool(func, args, kwargs, 3, "avg")
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
@@ -319,31 +271,19 @@ def _adaptive_pool(func, args, kwargs, k: int, kind: str):
                                                                          return_indices=with_indices))
 
 
-@_handles(*_ops("adaptive_avg_pool1d"))
-def _adaptive_avg_pool1d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 1, "avg")
+# -- registration: one handler per op family, for each number of spatial dimensions -------------------------------
+def _for_dims(impl: Callable[..., Any], k: int, *extra: str) -> Callable[[Any, tuple, dict], Any]:
+    def handler(func, args, kwargs):
+        return impl(func, args, kwargs, k, *extra)
+
+    return handler
 
 
-@_handles(*_ops("adaptive_avg_pool2d"))
-def _adaptive_avg_pool2d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 2, "avg")
-
-
-@_handles(*_ops("adaptive_avg_pool3d"))
-def _adaptive_avg_pool3d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 3, "avg")
-
-
-@_handles(*_ops("adaptive_max_pool1d", "adaptive_max_pool1d_with_indices", "_adaptive_max_pool1d"))
-def _adaptive_max_pool1d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 1, "max")
-
-
-@_handles(*_ops("adaptive_max_pool2d", "adaptive_max_pool2d_with_indices", "_adaptive_max_pool2d"))
-def _adaptive_max_pool2d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 2, "max")
-
-
-@_handles(*_ops("adaptive_max_pool3d", "adaptive_max_pool3d_with_indices", "_adaptive_max_pool3d"))
-def _adaptive_max_pool3d(func, args, kwargs):
-    return _adaptive_pool(func, args, kwargs, 3, "max")
+for _k in (1, 2, 3):
+    _handles(*_ops(f"conv{_k}d"))(_for_dims(_convolution, _k))
+    _handles(*_ops(f"conv_transpose{_k}d"))(_for_dims(_transposed, _k))
+    _handles(*_ops(f"max_pool{_k}d", f"_max_pool{_k}d"))(_for_dims(_pool, _k, "max"))
+    _handles(*_ops(f"avg_pool{_k}d"))(_for_dims(_pool, _k, "avg"))
+    _handles(*_ops(f"adaptive_avg_pool{_k}d"))(_for_dims(_adaptive_pool, _k, "avg"))
+    _handles(*_ops(f"adaptive_max_pool{_k}d", f"adaptive_max_pool{_k}d_with_indices",
+                   f"_adaptive_max_pool{_k}d"))(_for_dims(_adaptive_pool, _k, "max"))
