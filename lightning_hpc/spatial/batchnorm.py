@@ -16,78 +16,15 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from lightning_hpc.spatial.kernels.normalization import _AggregatedBatchNorm
 from lightning_hpc.spatial.layer import SpatialLayer
 from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = ["SpatialBatchNorm2d", "BN_MODES"]
 
 BN_MODES = ("aggregated", "local")
-
-
-class _AggregatedBatchNorm(torch.autograd.Function):
-    """Batch norm whose statistics cover the whole spatial group, built on PyTorch's fused kernels.
-
-    Forward: per-tile mean and (biased) variance in one pass (the native statistics kernel), one all-gather of
-    ``(mean, var, count)``
-    per channel over the group, combined in float64 with Chan et al.'s pairwise update (no ``E[x^2] - E[x]^2``
-    cancellation), then the native inference kernel normalises with the group statistics (one pass).  Saves
-    only the input (like the native layer).  Backward: the native inference backward gives ``dy * gain`` and the
-    two per-channel tile sums ``sum(dy)``, ``sum(dy * x_hat)`` in one pass; the sums are allreduced (the adjoint
-    of the statistics' reduction) and the statistics' term of Eq. (BN backward) is subtracted in place:
-    ``dx = dy*gain - gain/n * (sum(dy) + x_hat * sum(dy*x_hat))``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, group):  # type: ignore[override]
-        c = x.shape[1]
-        # the native (Welford) statistics kernel of batch norm: one pass, several times faster than var_mean
-        mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
-        local = torch.cat(
-            [
-                mean_l.double(),
-                var_l.double(),
-                torch.tensor([float(x.numel() // c)], dtype=torch.float64, device=x.device),
-            ]
-        )
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local, group=group)
-        stats = torch.stack(parts)  # (ranks, 2C + 1)
-        counts = stats[:, 2 * c : 2 * c + 1]
-        n = float(counts.sum())
-        mean64 = (stats[:, :c] * counts).sum(0) / n
-        var64 = ((stats[:, c : 2 * c] + (stats[:, :c] - mean64) ** 2) * counts).sum(0) / n
-        # the native kernel's mixed mode (bf16/fp16 input under autocast, float32 affine parameters) wants the
-        # statistics in the parameters' dtype, as the serial layer passes its running statistics
-        stat_dtype = weight.dtype if weight is not None else x.dtype
-        mean, var = mean64.to(stat_dtype), var64.to(stat_dtype)
-        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(x, weight, mean, var)
-        ctx.n, ctx.eps, ctx.group, ctx.has_bias = n, eps, group, bias is not None
-        ctx.mark_non_differentiable(mean64, var64)
-        return y, mean64, var64, n
-
-    @staticmethod
-    @once_differentiable  # the exchange in this backward is not itself differentiated
-    def backward(ctx, dy, _dmean, _dvar, _dn):  # type: ignore[override]
-        x, weight, mean, var = ctx.saved_tensors
-        dx, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, mean, var, None, None, False, ctx.eps, [True, True, True])
-        local = torch.stack([sum_dy, sum_dy_xhat])  # d(bias), d(weight) on this tile
-        sums = local.clone()
-        dist.all_reduce(sums, group=ctx.group)
-        invstd = torch.rsqrt(var + ctx.eps)
-        gain = invstd if weight is None else invstd * weight
-        # dx -= gain/n * (S_dy + (x - mean) * invstd * S_dyxhat) = a * x + b, per channel
-        a = gain * invstd * sums[1] / ctx.n
-        b = gain * sums[0] / ctx.n - a * mean
-        view = (1, -1) + (1,) * (x.dim() - 2)  # N x C x spatial... in 1, 2 or 3 dimensions
-        dx.addcmul_(x, a.view(view), value=-1.0).sub_(b.view(view))
-        dweight = local[1] if weight is not None else None
-        dbias = local[0] if ctx.has_bias else None
-        return dx, dweight, dbias, None, None
 
 
 class SpatialBatchNorm2d(nn.BatchNorm2d, SpatialLayer):

@@ -31,9 +31,10 @@ from lightning_hpc.spatial.kernels import convolution_windows
 __all__ = ["declare_tiled_convolutions"]
 
 
-def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
-    """Before the layer runs on an input that is not split: record it padded as the layer pads it (a pre-hook, so
-    the record is there before any forward hook of K-FAC reads it)."""
+def _record_whole_input(module: nn.Conv2d, args: tuple, output: object) -> None:
+    """After the layer ran on an input that is not split: record it padded as the layer pads it.  A forward hook put
+    before all others: it runs after K-FAC's pre-hook asked for the record and before K-FAC's forward hook reads
+    it, whether the declaration or K-FAC's hooks came first."""
     x = args[0] if args else None
     if not getattr(module, "kfac_record_input", False) or not isinstance(x, torch.Tensor) or x.dim() < 3:
         return
@@ -45,13 +46,14 @@ def _record_whole_input(module: nn.Conv2d, args: tuple) -> None:
 
 
 def declare_tiled_convolutions(model: nn.Module, partition_size: int) -> list[Any]:
-    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution (module docstring); returns the
-    hook handles (recording an input that is not split)."""
+    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution (module docstring), before K-FAC's
+    preconditioner is made (it picks its tiled handler by these attributes); returns the hook handles (recording
+    an input that is not split)."""
     handles = []
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             # plain attributes in the instance (not parameters or buffers: nothing a state_dict carries)
             vars(m).update(kfac_partition_size=partition_size, kfac_record_input=False, kfac_padded_input=None,
                            kfac_output_extent=None)
-            handles.append(m.register_forward_pre_hook(_record_whole_input))
+            handles.append(m.register_forward_hook(_record_whole_input, prepend=True))
     return handles
