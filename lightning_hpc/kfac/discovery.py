@@ -7,7 +7,8 @@ convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNo
 (diagonal A) whose weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains).
 Every other module with trainable parameters is listed with its reason: unsupported type, a family
 ``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation subclass with statistics from other
-ranks (``nn.SyncBatchNorm``, the spatial strategy's), a sparse embedding, or a Linear that
+ranks (``nn.SyncBatchNorm``), a normalisation layer the spatial strategy declared as running on tiles
+(``kfac_norm_on_tiles``), a sparse embedding, or a Linear that
 ``nn.MultiheadAttention`` uses functionally (its hooks never fire).
 """
 
@@ -48,6 +49,9 @@ def skip_reason(
     if isinstance(module, (*NORMS, nn.SyncBatchNorm)) and type(module) not in NORMS:
         return (f"{type(module).__name__} normalises with statistics of other ranks or tiles, which K-FAC's "
                 "per-sample gradients of its scale and shift would not see")
+    if isinstance(module, NORMS) and getattr(module, "kfac_norm_on_tiles", False):
+        return (f"{type(module).__name__} runs on spatial tiles: the per-sample gradients of its scale and shift are "
+                "partial sums over the tiles (and a split input's statistics are the whole sample's)")
     if isinstance(module, NORMS) and not isinstance(getattr(module, "weight", None), torch.Tensor):
         return "no affine parameters"
     if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):

@@ -11,6 +11,10 @@ with padding 0 gives exactly the outputs the tile owns.  The strategy declares e
 * ``kfac_padded_input`` / ``kfac_output_extent``: what that forward recorded: the box and the global output
   extents (for the whole-sample normalisation).
 
+Normalisation layers are declared too (``kfac_norm_on_tiles``): on a split activation their per-sample gradients
+are partial sums over the tiles and their statistics the whole sample's, which K-FAC's 2x2 blocks of the scale
+and shift cannot use, so K-FAC leaves them to the optimizer with that reason.
+
 The op dispatch's convolution handler records the box the tile kernel builds
 (:func:`lightning_hpc.spatial.kernels.conv`'s ``record``, :func:`lightning_hpc.spatial.dispatch.kernels.
 kfac_recorder`) when the calling layer asks; an input that is not split (after a global pooling) is recorded
@@ -31,6 +35,11 @@ from lightning_hpc.spatial.kernels import convolution_windows
 __all__ = ["declare_tiled_convolutions"]
 
 
+#: normalisation layers K-FAC would give a block of their own (:data:`lightning_hpc.kfac.layers.NORMS`)
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.InstanceNorm1d,
+          nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
 def _record_whole_input(module: nn.Conv2d, args: tuple, output: object) -> None:
     """After the layer ran on an input that is not split: record it padded as the layer pads it.  A forward hook put
     before all others: it runs after K-FAC's pre-hook asked for the record and before K-FAC's forward hook reads
@@ -46,11 +55,14 @@ def _record_whole_input(module: nn.Conv2d, args: tuple, output: object) -> None:
 
 
 def declare_tiled_convolutions(model: nn.Module, partition_size: int) -> list[Any]:
-    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution (module docstring), before K-FAC's
+    """Declare every ``nn.Conv2d`` of ``model`` to K-FAC as a tiled convolution and every normalisation layer as
+    running on tiles (module docstring), before K-FAC's
     preconditioner is made (it picks its tiled handler by these attributes); returns the hook handles (recording
     an input that is not split)."""
     handles = []
     for m in model.modules():
+        if isinstance(m, _NORMS):
+            vars(m)["kfac_norm_on_tiles"] = True
         if isinstance(m, nn.Conv2d):
             # plain attributes in the instance (not parameters or buffers: nothing a state_dict carries)
             vars(m).update(kfac_partition_size=partition_size, kfac_record_input=False, kfac_padded_input=None,

@@ -304,7 +304,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
         """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
         sample group those are the whole samples of the spatial group, which the aggregated batch norm computes on
-        any device (section III-B): such layers become batch norms, converted like any other.  With several sample
+        any device (section III-B): such layers become batch norms, dispatched like any other.  With several sample
         groups the statistics would also span the other groups' samples, which nothing here computes: refused."""
         assert self.layout is not None
         for name, m in module.named_modules():

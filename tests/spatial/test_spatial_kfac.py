@@ -281,7 +281,7 @@ def test_lightning_trainer_spatial_with_kfac_matches_serial():
     results = run_in_processes(_lightning_fit, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
     factors, params = serial_fcn()
     for res in results:
-        assert res["tiled"] == res["handlers"] == 5  # every conv of the FCN hooked after the strategy converted it
+        assert res["tiled"] == res["handlers"] == 5  # every conv of the FCN, hooked after the strategy declared it
         assert set(res["factors"]) == set(factors)
         for name in factors:
             for k in ("A", "G"):

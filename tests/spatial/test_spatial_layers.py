@@ -18,7 +18,7 @@ from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 
-def tile_conv_applies(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, ...]) -> bool:
+def tile_path_predicted(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, ...]) -> bool:
     """The planner's prediction of the convolution kernel's path (no box copies) for an ``h x w`` input."""
     windows = convolution_windows(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
     return tile_convolution_applies((h, w), parts, windows)
@@ -115,8 +115,8 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
                 pointwise = (k, s, p) == (1, 1, 0)  # no halo: neither path
                 if took["box"] or (not took["tile"] and not pointwise):
                     bad["path"] = f"paths taken {took}, expected the in-place tile convolution"
-                if not tile_conv_applies(conv, h, w, parts):  # the planner's prediction of the path (no box copies)
-                    bad["planner"] = "tile_conv_applies says box path, the layer took the in-place path"
+                if not tile_path_predicted(conv, h, w, parts):  # the planner's prediction of the path (no box copies)
+                    bad["planner"] = "tile_path_predicted says box path, the layer took the in-place path"
                 if bad:
                     failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
     return failures
@@ -146,8 +146,8 @@ def _box_path_taken(rank: int, world: int) -> dict[str, int]:
     return dict(took)
 
 
-def test_tile_conv_applies_only_on_stride_aligned_tiles():
+def test_tile_path_predicted_only_on_stride_aligned_tiles():
     conv = nn.Conv2d(1, 1, 3, stride=2, padding=1)
-    assert tile_conv_applies(conv, 16, 16, (2, 1)) and tile_conv_applies(conv, 16, 16, (2, 2))
-    assert not tile_conv_applies(conv, 18, 16, (2, 1))  # the second tile starts at row 9, not a stride multiple
-    assert tile_conv_applies(conv, 18, 16, (1, 2))
+    assert tile_path_predicted(conv, 16, 16, (2, 1)) and tile_path_predicted(conv, 16, 16, (2, 2))
+    assert not tile_path_predicted(conv, 18, 16, (2, 1))  # the second tile starts at row 9, not a stride multiple
+    assert tile_path_predicted(conv, 18, 16, (1, 2))
