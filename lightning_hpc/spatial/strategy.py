@@ -113,8 +113,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     """
 
     strategy_name = "spatial"
-    #: layers are replaced in ``setup`` (after the callbacks' ``setup``): callbacks that hook layers (K-FAC) must
-    #: attach in ``on_fit_start``
+    #: the layers are prepared in ``setup`` (after the callbacks' ``setup``): SyncBatchNorm becomes a batch norm and
+    #: the convolutions and norms are declared to K-FAC, so callbacks that hook layers (K-FAC) must attach in
+    #: ``on_fit_start`` (the attribute's name is the K-FAC callback's contract)
     replaces_layers_in_setup = True
 
     def __init__(
@@ -175,7 +176,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
         self.layout: HybridLayout | None = None
         self.plan: Any = None
-        self._converted = False
+        self._prepared = False
         self._slice_batches = False
         self._warned_nothing_split = False
 
@@ -267,11 +268,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        self._convert()
+        self._prepare_model()
         super().setup(trainer)
 
-    def _convert(self) -> None:
-        if self._converted:
+    def _prepare_model(self) -> None:
+        if self._prepared:
             return
         assert self.layout is not None and self.lightning_module is not None
         module = self.lightning_module
@@ -299,7 +300,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
         self._count_metrics()
-        self._converted = True
+        self._prepared = True
 
     def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
         """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
