@@ -65,30 +65,34 @@ def _ddp_steps(rank: int, world_size: int, size: int, convs: int, steps: int, wa
 def _spatial_steps(
     rank: int, world_size: int, size: int, convs: int, parts: tuple[int, int], overlap: bool, steps: int, warmup: int
 ) -> list[float]:
-    """Hybrid sample x spatial training steps with the spatial layers (needs lightning_hpc.spatial's
-    tiling/convert/gradients modules, i.e. the spatial branch merged)."""
-    from lightning_hpc.spatial.convert import convert_model, split_parameters
-    from lightning_hpc.spatial.gradients import reduce_gradients
+    """Hybrid sample x spatial training steps: the unchanged model on split activations (the op dispatch runs
+    every op on its tile kernel), gradients reduced as the strategy reduces them."""
+    from lightning_hpc.spatial.dispatch import split_tensor, state
+    from lightning_hpc.spatial.gradients import reduce_model_gradients
+    from lightning_hpc.spatial.split_check import check_split
     from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
     layout = create_hybrid_layout(parts)
     torch.manual_seed(0)
-    model = convert_model(mesh_fcn(convs_per_block=convs), layout.grid, overlap=overlap, input_shape=(18, size, size))
-    tile_params, replicated = split_parameters(model)
+    model = mesh_fcn(convs_per_block=convs)
+    check_split(model, (18, size, size), parts)
+    state().overlap = overlap
+    state().tile_params.clear()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     g = torch.Generator().manual_seed(layout.sample_index)
     x = torch.randn(1, 18, size, size, generator=g)
     y = (torch.rand(1, 1, size, size, generator=g) < 0.02).float()
     rows, cols = tile_slices((size, size), parts, layout.grid.index)
-    x, y = x[..., rows, cols].contiguous(), y[..., rows, cols].contiguous()
+    x = split_tensor(x[..., rows, cols].contiguous(), layout.grid, x.shape)
+    y = split_tensor(y[..., rows, cols].contiguous(), layout.grid, y.shape)
     times = []
     for i in range(warmup + steps):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / (size * size)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
         loss.backward()
-        reduce_gradients(tile_params, replicated, layout.num_sample_groups)
+        reduce_model_gradients(model, layout.num_sample_groups)
         opt.step()
         dist.barrier()
         if i >= warmup:

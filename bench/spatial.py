@@ -10,17 +10,16 @@ Every process runs ONE torch thread (``run_in_processes`` sets it), the 1-proces
             before it (parameters, buffers, input tile, target).  Also reported: the bytes autograd saves for
             backward (saved-tensor hooks), the peak RSS growth during the step (sampled every 5 ms, minus the
             RSS just before it) and the raw peak RSS (includes the ~300 MiB python + torch + gloo footprint).
-            Twice: plain tiles with a loss written with the global pixel count, and op dispatch (SpatialTensor
-            input and target, an unchanged mean loss), as the strategy runs a user's module.
+            The unchanged model on split activations (SpatialTensor input and target, an unchanged mean loss),
+            as the strategy runs a user's module.
 2. scaling: strong scaling of the 1K mesh model (one training step: forward, per-pixel loss, backward,
             gradient reduction, SGD) at mini-batch N = 1 and 2 on 1 and 2 processes, Table I style:
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
             "2 procs/sample" (spatial 2x1).  Configurations interleaved over rounds; medians of all steps.
-4. dispatch: step time of the same model and tile with plain tiles and with op dispatch (SpatialTensor, plain
-            mean loss), alternating step by step; and the all-gathers and bytes an op without a tiled form
-            (torch.flip of a split dimension) costs.
-3. overlap: the same 1K step on 2 processes with the halo exchange overlapped with the interior convolution
-            (section IV-A) and the single-convolution path, alternating step by step in the same processes.
+4. dispatch: step time of a model on split activations, and the all-gathers and bytes an op without a tiled
+            form (torch.flip of a split dimension) costs.
+3. overlap: the same 1K step on 2 processes with the halo awaited after the tile's own convolution (section
+            IV-A) and before it, alternating step by step in the same processes.
 
 The model is the recipes' section VI FCN (``lightning_hpc.models.mesh_fcn``: six blocks of three (1K) or five
 (2K) conv-BN-ReLU with 3x3 filters, stride 2 at the first conv of each block, widths 16-32-64-128-256-256, a
@@ -53,8 +52,9 @@ from harness import Report  # noqa: E402
 from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.distributed.partition import block_range  # noqa: E402
 from lightning_hpc.models.mesh_fcn import DEFAULT_WIDTHS, mesh_fcn  # noqa: E402
-from lightning_hpc.spatial.convert import convert_model, split_parameters  # noqa: E402
-from lightning_hpc.spatial.gradients import reduce_gradients  # noqa: E402
+from lightning_hpc.spatial.dispatch import split_tensor, state  # noqa: E402
+from lightning_hpc.spatial.gradients import reduce_model_gradients  # noqa: E402
+from lightning_hpc.spatial.split_check import check_split  # noqa: E402
 from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
 
 
@@ -103,15 +103,15 @@ def _allocator_peak(prof, path: str) -> tuple[int, int]:
     return (max([0, *totals]), totals[-1] if totals else 0)
 
 
-def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap: bool, dispatch: bool = False):
+def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap: bool):
     from torch.profiler import ProfilerActivity, profile
-
-    from lightning_hpc.spatial.dispatch import split_tensor
 
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(mesh_model(convs), grid, overlap=overlap, input_shape=(18, size, size), dispatch=dispatch)
+    model = mesh_model(convs)
+    check_split(model, (18, size, size), parts)
+    state().overlap = overlap
     # each rank creates only its own tile (as the tile reader does): no rank ever holds the whole sample
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
     x = torch.randn(1, 18, h1 - h0, w1 - w0)
@@ -131,11 +131,9 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if dispatch:  # as the strategy runs it: split activations, the user's unchanged mean loss
-                xs, ys = (split_tensor(t, grid, (1, t.shape[1], size, size)) for t in (x, y))
-                loss = F.binary_cross_entropy_with_logits(model(xs), ys)
-            else:
-                loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / float(size * size)
+            # as the strategy runs it: split activations, the user's unchanged mean loss
+            xs, ys = (split_tensor(t, grid, (1, t.shape[1], size, size)) for t in (x, y))
+            loss = F.binary_cross_entropy_with_logits(model(xs), ys)
         saved_bytes = sum(saved.values())
         loss.backward()
     step = time.perf_counter() - t0
@@ -155,14 +153,14 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     }
 
 
-def bench_memory(report: Report, size: int = 2048, overlap: bool = False, dispatch: bool = False) -> None:
+def bench_memory(report: Report, size: int = 2048, overlap: bool = False) -> None:
     for procs, parts in ((1, (1, 1)), (2, (2, 1)), (4, (2, 2))):
         res = run_in_processes(
-            _memory_worker, procs, parts, size, 5, overlap, dispatch, timeout_s=1800, collective_timeout_s=900
+            _memory_worker, procs, parts, size, 5, overlap, timeout_s=1800, collective_timeout_s=900
         )
         worst = max(res, key=lambda r: r["alloc_peak_MiB"])
         report.add(
-            bench="memory_2k_dispatch" if dispatch else "memory_2k", procs=procs, tiles=f"{parts[0]}x{parts[1]}",
+            bench="memory_2k", procs=procs, tiles=f"{parts[0]}x{parts[1]}",
             alloc_peak_MiB=worst["alloc_peak_MiB"], held_before_MiB=worst["held_before_MiB"],
             step_alloc_peak_MiB=max(r["step_alloc_peak_MiB"] for r in res),
             saved_MiB_max_rank=max(r["saved_MiB"] for r in res),
@@ -184,24 +182,22 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     torch.manual_seed(0)
     layout = create_hybrid_layout(parts)
     grid = layout.grid
-    model = convert_model(
-        mesh_model(3), grid, overlap=overlap is True or overlap == "alternate", input_shape=(18, size, size)
-    )
-    convs = [m for m in model.modules() if hasattr(m, "overlap")]
-    tile_p, rep_p = split_parameters(model)
+    model = mesh_model(3)
+    check_split(model, (18, size, size), parts)
+    state().tile_params.clear()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     s0, s1 = block_range(batch, layout.num_sample_groups, layout.sample_index)
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
     g = torch.Generator().manual_seed(layout.sample_index)
-    x = torch.randn(s1 - s0, 18, h1 - h0, w1 - w0, generator=g)
-    y = (torch.rand(s1 - s0, 1, h1 - h0, w1 - w0, generator=g) > 0.5).float()
-    pixels = float((s1 - s0) * size * size)
+    x = split_tensor(torch.randn(s1 - s0, 18, h1 - h0, w1 - w0, generator=g), grid, (s1 - s0, 18, size, size))
+    y = split_tensor((torch.rand(s1 - s0, 1, h1 - h0, w1 - w0, generator=g) > 0.5).float(), grid,
+                     (s1 - s0, 1, size, size))
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.binary_cross_entropy_with_logits(model(x), y, reduction="sum") / pixels
+        loss = F.binary_cross_entropy_with_logits(model(x), y)
         loss.backward()
-        reduce_gradients(tile_p, rep_p, layout.num_sample_groups)
+        reduce_model_gradients(model, layout.num_sample_groups)
         opt.step()
 
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -209,8 +205,7 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     step()  # warm-up
     for k in range(repeats * len(modes)):
         mode = modes[k % len(modes)]
-        for m in convs:
-            m.overlap = mode
+        state().overlap = mode  # read by the convolution handler at every call
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
@@ -281,44 +276,32 @@ def _small_cnn() -> nn.Module:
 
 
 def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats: int):
-    """Step time of the same model and tile with plain tiles (the converted layers only; loss written with
-    ``global_pixel_count``) and with op dispatch (SpatialTensor input and target, a plain mean loss), alternating
-    step by step in the same processes; also the gathers an op without a tiled form (torch.flip of H) costs."""
-    from lightning_hpc.spatial.dispatch import split_tensor, state
+    """Step time of a model on split activations (SpatialTensor input and target, a plain mean loss); also the
+    gathers an op without a tiled form (torch.flip of H) costs."""
     from lightning_hpc.spatial.tiling import tile_slices
 
     layout = create_hybrid_layout((2, 1))
     grid = layout.grid
     cin = 18 if model_name == "mesh" else 3
     torch.manual_seed(0)
-    make = (lambda: mesh_model(3)) if model_name == "mesh" else _small_cnn
-    plain_model, disp_model = make(), make()
-    disp_model.load_state_dict(plain_model.state_dict())
-    convert_model(plain_model, grid)
-    convert_model(disp_model, grid, dispatch=True)
+    model = mesh_model(3) if model_name == "mesh" else _small_cnn()
+    state().tile_params.clear()
     x = torch.randn(1, cin, size, size)
     y = (torch.rand(1, 1, size, size) > 0.5).float()
     rs, cs = tile_slices((size, size), (2, 1), grid.index)
     xt, yt = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
-    times = {"plain": [], "dispatch": []}
+    times = []
     for step in range(repeats + 1):
-        for mode in ("plain", "dispatch"):
-            model = plain_model if mode == "plain" else disp_model
-            dist.barrier()
-            t0 = time.perf_counter()
-            if mode == "plain":
-                out = model(xt)
-                loss = F.binary_cross_entropy_with_logits(out, yt, reduction="sum") / (size * size)
-            else:
-                xs = split_tensor(xt, grid, x.shape)
-                ys = split_tensor(yt, grid, y.shape)
-                loss = F.binary_cross_entropy_with_logits(model(xs), ys)
-            loss.backward()
-            tile, rep = split_parameters(model)
-            reduce_gradients(tile, rep, 1)
-            model.zero_grad(set_to_none=True)
-            if step:
-                times[mode].append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        xs = split_tensor(xt, grid, x.shape)
+        ys = split_tensor(yt, grid, y.shape)
+        loss = F.binary_cross_entropy_with_logits(model(xs), ys)
+        loss.backward()
+        reduce_model_gradients(model, 1)
+        model.zero_grad(set_to_none=True)
+        if step:
+            times.append(time.perf_counter() - t0)
     st = state()
     g0, b0 = st.gathers, st.gathered_bytes
     xs = split_tensor(xt, grid, x.shape)
@@ -331,11 +314,9 @@ def bench_dispatch(report: Report, repeats: int, size_1k: int) -> None:
     for model_name, size in (("small_cnn", 256), ("mesh", 512), ("mesh", size_1k)):
         res = run_in_processes(_dispatch_worker, 2, model_name, size, repeats, timeout_s=1800)
         t = res[0]["times"]
-        plain, disp = statistics.median(t["plain"]), statistics.median(t["dispatch"])
-        report.add(bench="dispatch_overhead", model=model_name, size=size, procs=2, parts="2x1",
-                   step_s_plain_tiles=plain, step_s_dispatch=disp, overhead=disp / plain - 1.0, steps=len(t["plain"]),
-                   flip_gathers=res[0]["flip_gathers"], flip_gathered_bytes=res[0]["flip_bytes"],
-                   activation_bytes=res[0]["activation_bytes"])
+        report.add(bench="dispatch", model=model_name, size=size, procs=2, parts="2x1",
+                   step_s=statistics.median(t), steps=len(t), flip_gathers=res[0]["flip_gathers"],
+                   flip_gathered_bytes=res[0]["flip_bytes"], activation_bytes=res[0]["activation_bytes"])
         print(report.rows[-1], flush=True)
 
 
@@ -349,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--overlap",
         action="store_true",
-        help="memory/scaling: halo overlapped with the interior convolution "
-        "(section IV-A) instead of one convolution over the extended tile (the default, faster on CPU)",
+        help="memory/scaling: the halo awaited after the tile's own convolution (section IV-A) instead of "
+        "before it (the default)",
     )
     args = ap.parse_args(argv)
     which = args.only or ["memory", "scaling", "overlap"]
@@ -366,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == "memory":
             bench_memory(report, args.size_2k, args.overlap)
-            bench_memory(report, args.size_2k, args.overlap, dispatch=True)
         elif name == "scaling":
             bench_scaling(report, args.repeats, args.size_1k, args.rounds, args.overlap)
         elif name == "dispatch":

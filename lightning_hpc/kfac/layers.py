@@ -641,8 +641,9 @@ class ConvHandler(LayerHandler):
 
 class TiledConvHandler(ConvHandler):
     """A Conv1d / Conv2d / Conv3d that runs on one spatial tile (or sub-volume) of each sample (spatial
-    parallelism, Dryden et al. sections I and III-A), declared by the spatial strategy
-    (:mod:`lightning_hpc.spatial.kfac_contract`).
+    parallelism, Dryden et al. sections I and III-A): a convolution declared by
+    :func:`lightning_hpc.spatial.kfac_contract.declare_tiled_convolutions`, its op on a split activation run by
+    the tile kernel :func:`lightning_hpc.spatial.kernels.conv`.
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and
@@ -835,8 +836,8 @@ class GroupConvTransposeHandler(_OneGroup, ConvTransposeHandler):
         return self.out_per_group * math.prod(self.module.kernel_size)
 
 
-#: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as the spatial
-#: strategy's ``SpatialBatchNorm2d`` or ``nn.SyncBatchNorm`` normalises with statistics from other ranks)
+#: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as
+#: ``nn.SyncBatchNorm`` normalises with statistics from other ranks)
 NORMS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,

@@ -344,8 +344,8 @@ class KFACPreconditioner:
             raise ValueError(
                 f"K-FAC: the model's spatially partitioned layers split each sample over {sorted(sizes)} ranks, which "
                 f"does not fit the communicator's world of {world} ranks (it must be sample groups x one spatial "
-                "group size); convert the model with one spatial grid (spatial_parts) whose size divides the world "
-                "size, and give K-FAC the world communicator"
+                "group size); declare the model's convolutions with one spatial grid (spatial_parts) whose size "
+                "divides the world size, and give K-FAC the world communicator"
             )
 
     # -- hooks -------------------------------------------------------------------------------------------
@@ -356,12 +356,13 @@ class KFACPreconditioner:
 
     def _check_module(self, handler: LayerHandler, module: nn.Module) -> None:
         if module is not handler.module:
-            # A layer replaced by a copy that shares the hook dict (spatial convert_model): its statistics
-            # would be computed for the wrong layer type.
+            # The hook runs on another module than its handler's (a layer replaced by one that took over its hook
+            # dict, or a copy of the model made after the hooks were registered): its statistics would be
+            # recorded for the wrong layer.
             raise RuntimeError(
-                f"K-FAC layer {handler.name!r} was replaced by a {type(module).__name__} after the K-FAC hooks were "
-                "registered (e.g. by lightning_hpc.spatial.convert.convert_model); create the "
-                "KFACPreconditioner after converting the model (the KFAC callback does this by itself)"
+                f"K-FAC layer {handler.name!r}: its hooks ran on another {type(module).__name__} than the one they "
+                "were registered on (a layer replaced, or the model copied, after the K-FAC hooks were registered); "
+                "create the KFACPreconditioner for the model that trains, after any change to its layers"
             )
 
     def _make_pre_hook(self, handler: LayerHandler) -> Callable[..., None]:

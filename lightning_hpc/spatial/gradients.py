@@ -6,6 +6,10 @@ groups (as in data parallelism).  Replicated parameters (heads after a global po
 gradient of their sample group on every rank: they are averaged over all ranks.  Both reductions are one
 allreduce (sum) over the world after scaling by ``1/S`` and ``1/world`` respectively, flattened into a single
 message per dtype.
+
+Which parameters are tile parameters is recorded by the op dispatch while the forward runs
+(:attr:`~lightning_hpc.spatial.dispatch.DispatchState.tile_params`); :func:`reduce_model_gradients` reads that
+record, for the strategy and for plain-torch training loops alike.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.gradients import allreduce_flat
+from lightning_hpc.spatial.dispatch.state import state
 
-__all__ = ["reduce_gradients"]
+__all__ = ["reduce_gradients", "reduce_model_gradients"]
 
 
 def reduce_gradients(
@@ -38,3 +43,15 @@ def reduce_gradients(
                 grads.append(p.grad)
                 scales.append(scale)
     allreduce_flat(grads, scales, group=group)
+
+
+def reduce_model_gradients(model: torch.nn.Module, num_sample_groups: int, group=None) -> None:
+    """After backward: reduce the gradients of every parameter of ``model``.  Parameters the op dispatch met on
+    tiles (recorded since the last ``state().tile_params.clear()``) are summed over the spatial group and averaged
+    over sample groups; all others hold their complete gradient and are averaged (:func:`reduce_gradients`)."""
+    met = state().tile_params
+    tile: list[torch.nn.Parameter] = []
+    replicated: list[torch.nn.Parameter] = []
+    for p in model.parameters():
+        (tile if id(p) in met else replicated).append(p)
+    reduce_gradients(tile, replicated, num_sample_groups, group)

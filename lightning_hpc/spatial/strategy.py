@@ -13,9 +13,10 @@ sampler over sample groups only), and inside a group rank ``k`` holds the tile `
   the batch entries the data module names in ``spatial_tiles``, else the model's input (the first
   ``N x C x spatial...`` tensor with as many spatial dimensions as ``spatial_parts`` has entries); every other
   tensor stays whole and is cut where it meets a split activation (the op dispatch),
-* converts the model's layers (:func:`convert.convert_model`), validating the partition at setup when the input
-  shape is known (``input_shape=`` or the data module's ``input_shape``),
-* sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_gradients`)
+* replaces no layer: every op on a split activation goes through the op dispatch (:mod:`dispatch`) to its tile
+  kernel (:mod:`kernels`); the partition is validated at setup when the input shape is known (``input_shape=`` or
+  the data module's ``input_shape``, :mod:`split_check`),
+* sums tile gradients over the spatial group and averages over sample groups (:func:`gradients.reduce_model_gradients`)
   once per optimizer step (after gradient accumulation),
 * offers ``global_pixel_count(target)`` so a segmentation loss ``sum(per-pixel) / total pixels`` equals the
   whole-sample loss (a split target counts its global extent, a whole one itself), and ``reduce`` for logged
@@ -51,7 +52,7 @@ from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, spl
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
-from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 from lightning_hpc.spatial.split_check import check_split
@@ -90,13 +91,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             ``(pd, ph, pw)`` for ``N x C x D x H x W`` volumes, ``(pl,)`` for ``N x C x L`` signals (any entry may be
             1); ``"auto"`` asks the performance-model planner (:func:`lightning_hpc.spatial.planner.plan_for_model`,
             images); ``None`` splits H of images over all ranks.
-        overlap: let the halo travel while the tile's convolution runs (section IV-A).  On the in-place tile
-            path (tiles aligned to the stride, e.g. even extents) both settings measured the same step time on
-            CPU/gloo; on the fallback paths the overlapped one splits each convolution in five and measured 0.83x
-            (docs/spatial.md).  Default off; turn it on where halo messages are slow relative to compute.
+        overlap: let the halo travel while the tile's convolution runs (section IV-A): on the in-place tile
+            path (tiles aligned to the stride, e.g. even extents) the tile's own convolution runs before the halo
+            is awaited; the box path copies the tile into its box while the halo travels in either setting.
+            Default off; turn it on where halo messages are slow relative to compute.
         batchnorm: ``"aggregated"``, the only value: batch norm on a split activation takes its statistics over
-            the whole sample, as one process does (tile-local statistics would train differently; the plain-torch
-            :func:`~lightning_hpc.spatial.convert.convert_model` keeps ``batchnorm="local"`` for experiments).
+            the whole sample, as one process does (tile-local statistics would train differently and are not
+            offered).
         input_shape: (C, H, W) of one sample, to validate the partition at setup (else taken from the data
             module's ``input_shape`` attribute when it has one, else checked at the first forward).
         timeout: collective timeout (no hangs).
@@ -113,8 +114,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     """
 
     strategy_name = "spatial"
-    #: layers are replaced in ``setup`` (after the callbacks' ``setup``): callbacks that hook layers (K-FAC) must
-    #: attach in ``on_fit_start``
+    #: the layers are prepared in ``setup`` (after the callbacks' ``setup``): SyncBatchNorm becomes a batch norm and
+    #: the convolutions and norms are declared to K-FAC, so callbacks that hook layers (K-FAC) must attach in
+    #: ``on_fit_start`` (the attribute's name is the K-FAC callback's contract)
     replaces_layers_in_setup = True
 
     def __init__(
@@ -175,7 +177,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
         self.layout: HybridLayout | None = None
         self.plan: Any = None
-        self._converted = False
+        self._prepared = False
         self._slice_batches = False
         self._warned_nothing_split = False
 
@@ -267,11 +269,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
-        self._convert()
+        self._prepare_model()
         super().setup(trainer)
 
-    def _convert(self) -> None:
-        if self._converted:
+    def _prepare_model(self) -> None:
+        if self._prepared:
             return
         assert self.layout is not None and self.lightning_module is not None
         module = self.lightning_module
@@ -302,12 +304,12 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._hooks = st.module_hooks(module)
         self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
         self._count_metrics()
-        self._converted = True
+        self._prepared = True
 
     def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
         """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
         sample group those are the whole samples of the spatial group, which the aggregated batch norm computes on
-        any device (section III-B): such layers become batch norms, converted like any other.  With several sample
+        any device (section III-B): such layers become batch norms, dispatched like any other.  With several sample
         groups the statistics would also span the other groups' samples, which nothing here computes: refused."""
         assert self.layout is not None
         for name, m in module.named_modules():
@@ -472,12 +474,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         """Parameters used directly on tiles hold partial sums over the tiles (summed over the spatial group);
         every other parameter holds its complete gradient (averaged), as recorded by the op dispatch."""
         assert self.layout is not None and self.lightning_module is not None
-        met = state().tile_params
-        tile: list[torch.nn.Parameter] = []
-        replicated: list[torch.nn.Parameter] = []
-        for p in self.lightning_module.parameters():
-            (tile if id(p) in met else replicated).append(p)
-        reduce_gradients(tile, replicated, self.layout.num_sample_groups)
+        reduce_model_gradients(self.lightning_module, self.layout.num_sample_groups)
 
     # -- data --------------------------------------------------------------------------------------------------
     @override

@@ -1,7 +1,7 @@
 """The windows of a traced layer along each spatial dimension: which input range an output range reads
-(:class:`~lightning_hpc.spatial.halo_exchange.Window1d` for convolutions and pools,
-:class:`~lightning_hpc.spatial.convtranspose.TransposedWindow1d` for transposed convolutions,
-:class:`~lightning_hpc.spatial.upsample.Interp1d` for interpolation), in 1, 2 or 3 dimensions, and from them the
+(the tile kernels' window functions: :func:`~lightning_hpc.spatial.kernels.convolution_windows`,
+:func:`~lightning_hpc.spatial.kernels.pooling_windows`, :func:`~lightning_hpc.spatial.kernels.transposed_windows`,
+:func:`~lightning_hpc.spatial.kernels.interpolation_windows`), in 1, 2 or 3 dimensions, and from them the
 exact halo a split needs (section III-A: per neighbour, the rows the output tile reads beyond the tile; in 3-D
 faces, edges and corners, so halo bytes follow the surface-to-volume ratio).
 
@@ -18,9 +18,13 @@ from typing import Any
 
 from torch import nn
 
-from lightning_hpc.spatial.convtranspose import TransposedWindow1d
-from lightning_hpc.spatial.halo_exchange import DimPlan, PartitionError, Window1d
-from lightning_hpc.spatial.upsample import Interp1d
+from lightning_hpc.spatial.halo_exchange import DimPlan, PartitionError
+from lightning_hpc.spatial.kernels import (
+    convolution_windows,
+    interpolation_windows,
+    pooling_windows,
+    transposed_windows,
+)
 
 __all__ = ["layer_windows", "split_works", "halo_elements", "CONVOLUTIONS", "TRANSPOSED", "POOLS"]
 
@@ -29,49 +33,30 @@ TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
-def _ntuple(v: Any, k: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * k
-
-
 def layer_windows(module: nn.Module | None, in_shape: Sequence[int], out_shape: Sequence[int]) -> tuple | None:
     """One window per spatial dimension of ``module`` for an input of ``in_shape`` (N, C, *spatial), or None for
     a layer that reads no neighbouring rows (element-wise layers, 1 x 1 stride-1 convolutions excepted: they get
-    windows too, whose halo is empty)."""
+    windows too, whose halo is empty) or has no tiled kernel (gathered by the op dispatch).  The windows are the
+    tile kernels' own (:mod:`lightning_hpc.spatial.kernels`), so the setup check, the planner and the kernels
+    accept the same splits."""
     k = len(in_shape) - 2
     if module is None or k < 1:
         return None
     if isinstance(module, TRANSPOSED):
-        ks, s, p, d, op = (_ntuple(v, k) for v in (module.kernel_size, module.stride, module.padding,
-                                                    module.dilation, module.output_padding))
-        return tuple(TransposedWindow1d(*args) for args in zip(ks, s, p, d, op))
+        return transposed_windows(module.weight.shape, module.stride, module.padding, module.output_padding,
+                                  module.dilation)
     if isinstance(module, CONVOLUTIONS):
-        ks, s, d = (_ntuple(v, k) for v in (module.kernel_size, module.stride, module.dilation))
-        if module.padding == "same":
-            # d(k-1) padding in all, the odd one at the end (torch's rule): the output keeps the input's extent
-            return tuple(_SameWindow(ki, 1, di * (ki - 1) // 2, di) for ki, di in zip(ks, d))
-        p = (0,) * k if module.padding == "valid" else _ntuple(module.padding, k)
-        return tuple(Window1d(*args) for args in zip(ks, s, p, d))
+        return convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
     if isinstance(module, POOLS):
-        ks = _ntuple(module.kernel_size, k)
-        s = _ntuple(module.stride if module.stride is not None else module.kernel_size, k)
-        p = _ntuple(module.padding, k)
-        d = _ntuple(getattr(module, "dilation", 1), k)
-        return tuple(Window1d(*args, ceil_mode=bool(module.ceil_mode)) for args in zip(ks, s, p, d))
+        return pooling_windows(k, module.kernel_size, module.stride, module.padding, getattr(module, "dilation", 1),
+                               bool(module.ceil_mode))
     if isinstance(module, nn.Upsample) and len(out_shape) == len(in_shape):
-        wins = []
-        for n_in, n_out in zip(in_shape[2:], out_shape[2:]):
-            ac = bool(module.align_corners) and module.mode != "nearest"
-            scale = (n_in - 1) / (n_out - 1) if ac and n_out > 1 else n_in / n_out
-            wins.append(Interp1d("nearest" if module.mode == "nearest" else "linear", int(n_in), int(n_out), scale, ac))
-        return tuple(wins)
+        try:
+            return interpolation_windows(in_shape[2:], module.size, module.scale_factor, module.mode,
+                                         module.align_corners, module.recompute_scale_factor)
+        except ValueError:
+            return None  # a mode without a tiled kernel (bicubic, area): the op dispatch gathers it
     return None
-
-
-class _SameWindow(Window1d):
-    """A stride-1 window padded ``span - 1`` in all, ``padding`` of it before: the output has the input's extent."""
-
-    def out_size(self, n: int) -> int:
-        return n
 
 
 def _plans(windows: Sequence[Any], extents: Sequence[int], parts: Sequence[int]) -> list[DimPlan]:

@@ -53,7 +53,6 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveAvgPoolNd"),
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveMaxPoolNd"),
     ("lightning_hpc.kfac.preconditioner", "torch._C"),
-    ("lightning_hpc.spatial.convert", "nn.modules.loss._Loss"),
     ("lightning_hpc.spatial.strategy", "dist.distributed_c10d._get_default_store"),
     *(
         (f"lightning_hpc.spatial.dispatch.{m}", "torch._C")
@@ -61,18 +60,9 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ),
 }
 
-#: the one cycle left, as its set of modules: the tiled layers hand split inputs to the op dispatch and the
-#: dispatch's kernels call the tiled layers' functions (both through imports inside functions).  Kept exact like
-#: KNOWN_PRIVATE; listed as unfinished in docs/architecture.md.
-KNOWN_CYCLES: list[set[str]] = [
-    {
-        "lightning_hpc.spatial.batchnorm",
-        "lightning_hpc.spatial.conv",
-        "lightning_hpc.spatial.dispatch",
-        "lightning_hpc.spatial.dispatch.norms",
-        "lightning_hpc.spatial.layer",
-    }
-]
+#: import cycles left, each as its set of modules (none at present).  Kept exact like KNOWN_PRIVATE: a new cycle
+#: fails, so the list only shrinks.
+KNOWN_CYCLES: list[set[str]] = []
 
 
 @dataclass(frozen=True)

@@ -424,9 +424,9 @@ def test_sharded_checkpoint_on_two_processes_resumes_bitwise(tmp_path):
 
 
 def test_batchnorm_on_one_tile_of_a_split_activation_is_left_to_the_optimizer():
-    """A BatchNorm fed one tile of a split activation without the strategy's declaration: a tile's statistics are
-    not the sample's, so nothing is captured and the layer is left to the optimizer, with the one warning about
-    such layers."""
+    """A BatchNorm on a split activation that was not declared to K-FAC (the spatial strategy's declaration leaves
+    it out at discovery): a tile's share is not the sample's, so nothing is captured and the layer is left to the
+    optimizer, with the one warning about such layers."""
     from lightning_hpc.spatial.dispatch import split_tensor
     from lightning_hpc.spatial.tiling import SpatialGrid
 
@@ -434,7 +434,7 @@ def test_batchnorm_on_one_tile_of_a_split_activation_is_left_to_the_optimizer():
     pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, announce=False)
     x = torch.randn(4, 2, 6, 6)
     with pytest.warns(RuntimeWarning, match=r"hooks of layer '0' \(BatchNorm2d\) did not fire"):
-        tile = model[0](split_tensor(x, SpatialGrid.single(), tuple(x.shape)))  # the norm sees a split input
+        tile = model[0](split_tensor(x, SpatialGrid.single(), tuple(x.shape), (2, 3)))  # the norm sees a split input
         model[2](model[1](tile.as_subclass(torch.Tensor))).sum().backward()
         raw = model[0].weight.grad.clone()
         pre.step()

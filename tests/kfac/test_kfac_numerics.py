@@ -464,12 +464,13 @@ def test_conv_input_sample_fraction_rejects_bad_values(bad):
 
 
 def test_conv_input_subsampling_rejects_tiled_layers():
-    class Tiled(nn.Conv2d):  # offers the tiled-input protocol (TiledConvHandler), like SpatialConv2d
-        kfac_padded_input = None
-        kfac_partition_size = 1
+    from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 
+    tiled = nn.Sequential(nn.Conv2d(2, 3, 3))
+    declare_tiled_convolutions(tiled, 1)  # the tiled-input protocol (TiledConvHandler), as the strategy declares it
     with pytest.raises(ValueError, match="spatially tiled"):
-        KFACPreconditioner(nn.Sequential(Tiled(2, 3, 3)), conv_input_sample_fraction=0.5)
+        KFACPreconditioner(tiled, conv_input_sample_fraction=0.5)
+    KFACPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3)), conv_input_sample_fraction=0.5)  # undeclared: accepted
 
 
 def test_grouped_convolution_on_spatial_tiles_is_left_out_with_the_reason():

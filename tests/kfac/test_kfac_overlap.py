@@ -319,8 +319,9 @@ def test_buckets_are_fixed_by_shapes_in_reverse_order():
 def _run_spatial(rank: int, world_size: int) -> dict:
     """A spatially tiled network (each sample split over the 2 ranks): its tiles' partial factors are summed in
     the same buckets (``partition_size`` scaling at launch)."""
-    from lightning_hpc.spatial.convert import convert_model, split_parameters
-    from lightning_hpc.spatial.gradients import reduce_gradients
+    from lightning_hpc.spatial.dispatch import split_tensor, state
+    from lightning_hpc.spatial.gradients import reduce_model_gradients
+    from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
     from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
     layout = create_hybrid_layout((1, 2))
@@ -332,17 +333,20 @@ def _run_spatial(rank: int, world_size: int) -> dict:
         torch.manual_seed(6)
         net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2, padding=1),
                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))  # fmt: skip
-        model = convert_model(net, layout.grid, input_shape=(3, 9, 10))
-        tile_p, rep_p = split_parameters(model)
+        model = net  # unchanged: its ops on the split input run on tiles (the op dispatch)
+        declare_tiled_convolutions(model, layout.grid.size)
+        state().module_hooks(model)
+        state().tile_params.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01,
                                  kl_clip=0.01, bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap,
                                  announce=False)  # fmt: skip
         tiled = [h.partition_size for h in pre.handlers]
+        xt = split_tensor(x[..., rs, cs], layout.grid, x.shape)
         for _ in range(3):
             opt.zero_grad()
-            F.cross_entropy(model(x[..., rs, cs]), y).backward()
-            reduce_gradients(tile_p, rep_p, layout.num_sample_groups)
+            F.cross_entropy(model(xt), y).backward()
+            reduce_model_gradients(model, layout.num_sample_groups)
             pre.step()
             opt.step()
         out[overlap] = {

@@ -1,14 +1,19 @@
-"""Helpers shared by the spatial tests: compare a spatial layer with the serial layer on one rank's tile."""
+"""Helpers shared by the spatial tests: compare a layer on one rank's split tile (through the op dispatch) with the
+serial layer on the whole input."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.kernels import convolution
 from lightning_hpc.spatial.tiling import tile_slices
 
 TOL = 1e-5
@@ -27,30 +32,53 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / max(1.0, float(b.abs().max())))
 
 
-def compare_layer(
-    ref: torch.nn.Module, make, x_full: torch.Tensor, grid, *, seed: int = 0, grad_sum_group=True
-) -> dict[str, float]:
-    """Run ``ref`` on the whole input and ``make(copy of ref)`` on this rank's tile; return the max abs
-    differences of output tile, input-gradient tile and (group-summed) parameter gradients."""
+def compare_layer(ref: torch.nn.Module, x_full: torch.Tensor, grid, *, seed: int = 0) -> dict[str, float]:
+    """Run ``ref`` on the whole input and a copy of it on this rank's tile, wrapped as a split activation so the op
+    dispatch routes every op to its tile kernel; return the max abs differences of the output tile (the whole
+    output where the layer's output is replicated, e.g. after a global pooling), the input-gradient tile and the
+    parameter gradients (those the dispatch recorded as used on tiles summed over the spatial group first, as the
+    strategy does)."""
     ref = copy.deepcopy(ref)
-    sp = make(copy.deepcopy(ref))
+    sp = copy.deepcopy(ref)
     x = x_full.clone().requires_grad_(True)
     y = ref(x)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 17), dtype=y.dtype)
     (y * g).sum().backward()
 
+    state().tile_params.clear()
     xt = tile_of(x_full, grid).clone().requires_grad_(True)
-    yt = sp(xt)
-    (yt * tile_of(g, grid)).sum().backward()
-    errs = {"out": max_err(yt, tile_of(y.detach(), grid)), "dx": max_err(xt.grad, tile_of(x.grad, grid))}
-    if list(yt.shape) != list(tile_of(y, grid).shape):
+    yt = sp(split_tensor(xt, grid, x_full.shape))
+    (yt * g).sum().backward()  # the plain g is cut to the tile; the sum runs over the whole sample
+    split = isinstance(yt, SpatialTensor)
+    out, expected = (yt.local(), tile_of(y.detach(), grid)) if split else (yt, y)
+    errs = {"out": max_err(out, expected), "dx": max_err(xt.grad, tile_of(x.grad, grid))}
+    if list(out.shape) != list(expected.shape):
         errs["shape"] = float("inf")
-    for (name, p_ref), (_, p_sp) in zip(ref.named_parameters(), sp.named_parameters()):
+    for (name, p_ref), p_sp in zip(ref.named_parameters(), sp.parameters()):
         gsp = p_sp.grad.clone()
-        if grad_sum_group and grid.group is not None:
+        if grid.group is not None and id(p_sp) in state().tile_params:
             dist.all_reduce(gsp, group=grid.group)
         errs["d" + name] = max_err(gsp, p_ref.grad)
     return errs
+
+
+@contextlib.contextmanager
+def conv_paths() -> Iterator[dict[str, int]]:
+    """Within the block, count the convolution kernel's paths (``'tile'``: the in-place tile convolution,
+    ``'box'``: the tile copied into a box with its halo); a pointwise convolution takes neither."""
+    counts = {"tile": 0, "box": 0}
+    functions = {"tile": convolution._TileConv, "box": convolution._BoxConv}
+    for path, fn in functions.items():
+        def counted(*args, path=path, original=fn.apply):
+            counts[path] += 1
+            return original(*args)
+
+        fn.apply = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        for fn in functions.values():
+            del fn.apply  # the inherited autograd.Function.apply again
 
 
 class TileDataModule(pl.LightningDataModule):

@@ -1,7 +1,7 @@
 """Per-op Python work of the op dispatch that is waste, not dispatch: asking a split tensor its number of
-dimensions goes through no ``__torch_function__`` (the handlers ask it several times per op), a converted layer's
-call does not go through ``nn.Module.__setattr__``, and the element-wise ops' broadcasting of global shapes (plain
-Python, not torch's symbolic-shape version) agrees with ``torch.broadcast_shapes``."""
+dimensions goes through no ``__torch_function__`` (the handlers ask it several times per op), a layer's call on a
+split activation does not go through ``nn.Module.__setattr__``, and the element-wise ops' broadcasting of global
+shapes (plain Python, not torch's symbolic-shape version) agrees with ``torch.broadcast_shapes``."""
 
 from __future__ import annotations
 
@@ -33,18 +33,16 @@ def test_dim_is_not_dispatched(monkeypatch):
 
 
 def test_layer_call_does_not_set_module_attributes(monkeypatch):
-    """``tile_call`` keeps the known extent without ``nn.Module.__setattr__`` (which checks parameters, buffers
-    and submodules on every write)."""
-    from lightning_hpc.spatial.conv import SpatialConv2d
-
-    conv = SpatialConv2d.from_module(nn.Conv2d(3, 4, 3, padding=1), SpatialGrid.single(), overlap=False)
+    """A convolution on a split activation (the dispatch's handler and the tile kernel) writes no module attribute
+    through ``nn.Module.__setattr__`` (which checks parameters, buffers and submodules on every write)."""
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = split_tensor(torch.randn(2, 3, 6, 5), SpatialGrid.single(), (2, 3, 6, 5))
     writes: list[str] = []
     real = nn.Module.__setattr__
     monkeypatch.setattr(nn.Module, "__setattr__", lambda self, name, value: (writes.append(name), real(self, name,
                                                                                                          value))[1])
-    out = conv.tile_call(torch.randn(2, 3, 6, 5), (6, 5))
+    out = conv(x)
     assert out.shape == (2, 4, 6, 5) and writes == [], writes
-    assert conv._known_extent is None
 
 
 @pytest.mark.parametrize("shapes", [

@@ -8,6 +8,7 @@ a bias, and a global-average-pool + Linear head (whose factors must not be count
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 
 import lightning.pytorch as pl
@@ -25,10 +26,11 @@ from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.models.mesh_fcn import mesh_fcn
 from lightning_hpc.modules.segmentation import SegmentationModule, pixel_loss_sum
-from lightning_hpc.spatial.convert import convert_model, split_parameters
-from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.dispatch import split_tensor, state
+from lightning_hpc.spatial.gradients import reduce_model_gradients
+from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
 TOL = 1e-5
 BATCH, C, H, W = 4, 3, 13, 11  # 13 and 11 split unevenly over 2 and 4; strided layers make odd extents
@@ -65,7 +67,7 @@ def batch_data():
 
 
 def seg_loss(out, y, samples):
-    """Mean over samples of the summed squared error: the sum over tiles is the whole-sample loss."""
+    """Mean over samples of the summed squared error (of split tensors: summed over the whole sample)."""
     return ((out - y) ** 2).sum() / samples
 
 
@@ -109,22 +111,26 @@ def _spatial_worker(rank: int, world: int, configs):
         grid = layout.grid
         s0, s1 = block_range(BATCH, layout.num_sample_groups, layout.sample_index)
         x, seg_y, cls_y = batch_data()
+        state().overlap = overlap  # the strategy's setting, read by the convolution handler
         for kind in ("seg", "cls"):
-            model = convert_model(seg_net() if kind == "seg" else cls_net(), grid, input_shape=(C, H, W),
-                                  overlap=overlap)
-            tile_p, rep_p = split_parameters(model)
+            model = seg_net() if kind == "seg" else cls_net()
+            # as the strategy does: the unchanged model, its convolutions declared to K-FAC as tiled, the running
+            # modules tracked (the convolution handler records the tile's box for the layer that calls it)
+            declare_tiled_convolutions(model, grid.size)
+            state().module_hooks(model)
+            state().tile_params.clear()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             precond = KFACPreconditioner(model, optimizer=opt, placement=placement, **KFAC_OPTIONS)
-            xt = _tile(x[s0:s1], grid)
+            xt = split_tensor(_tile(x[s0:s1], grid), grid, x[s0:s1].shape)
             if kind == "seg":
-                yt = _tile(seg_y[s0:s1], grid)
+                yt = split_tensor(_tile(seg_y[s0:s1], grid), grid, seg_y[s0:s1].shape)
                 step = lambda: seg_loss(model(xt), yt, s1 - s0)  # noqa: E731
             else:
                 step = lambda: F.cross_entropy(model(xt), cls_y[s0:s1])  # noqa: E731
             local = {}
 
             def before_step(i: int) -> None:
-                reduce_gradients(tile_p, rep_p, layout.num_sample_groups)
+                reduce_model_gradients(model, layout.num_sample_groups)
                 if i == 0:  # this rank's own (tile) factors, to show the reduction is what makes them equal
                     local.update({h.name: h.batch_factors()[0].clone() for h in precond.handlers})
 
@@ -163,7 +169,7 @@ def _check(results):
                 assert max(_rel(res["local"][n], first[n]["A"]) for n in res["tiled"]) > 1e-2, where
 
 
-# both convolution paths: one conv over tile + halo (overlap=False, the default) and the overlapped pieces
+# with and without overlap (K-FAC's recorded forwards take the kernel's box path, the others its tile path)
 CONFIGS_2 = [((2, 1), "balanced", False), ((1, 2), "round_robin", True)]
 CONFIGS_4 = [
     ((2, 2), "balanced", False),
@@ -182,9 +188,11 @@ def test_kfac_factors_and_steps_4_processes():
 
 # -- single process: the 1x1 grid path and the setup errors --------------------------------------------------------
 def test_single_tile_grid_equals_plain_conv():
-    """A converted model on a 1x1 grid records the border-padded input; its factors equal plain K-FAC's."""
+    """Declared convolutions on one tile per sample record the border-padded input (the declaration's hook for an
+    input that is not split); their factors equal plain K-FAC's."""
     ref = serial_run("seg", "balanced")
-    model = convert_model(seg_net(), SpatialGrid.single())
+    model = seg_net()
+    declare_tiled_convolutions(model, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precond = KFACPreconditioner(model, optimizer=opt, **KFAC_OPTIONS)
     assert all(isinstance(h, TiledConvHandler) for h in precond.handlers)
@@ -199,18 +207,18 @@ def test_single_tile_grid_equals_plain_conv():
 
 
 def test_partition_larger_than_world_is_rejected():
-    grid = SpatialGrid(parts=(2, 1), ranks=[0, 1], group=None, local_rank=0)  # a 2-tile grid in a 1-rank world
-    model = convert_model(seg_net(), grid)
+    model = seg_net()
+    declare_tiled_convolutions(model, 2)  # a 2-tile grid in a 1-rank world
     with pytest.raises(ValueError, match=r"split each sample over \[2\] ranks.*world of 1 ranks"):
         KFACPreconditioner(model)
 
 
-def test_hooks_registered_before_conversion_fail_clearly():
+def test_hooks_running_on_another_layer_fail_clearly():
     model = seg_net()
     KFACPreconditioner(model, **KFAC_OPTIONS)
-    convert_model(model, SpatialGrid.single())  # the converted layers share the old layers' hook dicts
-    with pytest.raises(RuntimeError, match="create the KFACPreconditioner after converting the model"):
-        model(batch_data()[0])
+    copied = copy.deepcopy(model)  # a copy made after the hooks shares them: they would see the copy's layers
+    with pytest.raises(RuntimeError, match="create the KFACPreconditioner for the model that trains"):
+        copied(batch_data()[0])
 
 
 # -- Lightning: Trainer(strategy=SpatialParallelStrategy, callbacks=[KFAC]) on the mesh FCN -----------------------
@@ -273,7 +281,7 @@ def test_lightning_trainer_spatial_with_kfac_matches_serial():
     results = run_in_processes(_lightning_fit, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
     factors, params = serial_fcn()
     for res in results:
-        assert res["tiled"] == res["handlers"] == 5  # every conv of the FCN hooked after the strategy converted it
+        assert res["tiled"] == res["handlers"] == 5  # every conv of the FCN, hooked after the strategy declared it
         assert set(res["factors"]) == set(factors)
         for name in factors:
             for k in ("A", "G"):

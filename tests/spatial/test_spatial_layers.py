@@ -1,4 +1,5 @@
-"""Spatial layers vs the serial layers: output, input gradient and weight gradient at fp32 1e-5.
+"""Convolution and pooling layers on split activations (plain ``nn`` layers, their ops routed to the tile kernels by
+the op dispatch) vs the serial layers: output, input gradient and weight gradient at fp32 1e-5.
 
 Each spawned process group runs the whole matrix (many layer configurations x partitions) so the default
 suite stays within a few minutes on a 2-core machine.
@@ -8,13 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spatial_checks import TOL, compare_layer
+from spatial_checks import TOL, compare_layer, conv_paths
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.conv import SpatialConv2d, tile_conv_applies
-from lightning_hpc.spatial.pooling import SpatialAvgPool2d, SpatialMaxPool2d
+from lightning_hpc.spatial.dispatch import state
+from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_applies
 from lightning_hpc.spatial.tiling import create_hybrid_layout
+
+
+def tile_path_predicted(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, ...]) -> bool:
+    """The planner's prediction of the convolution kernel's path (no box copies) for an ``h x w`` input."""
+    windows = convolution_windows(conv.weight.shape, conv.stride, conv.padding, conv.dilation)
+    return tile_convolution_applies((h, w), parts, windows)
 
 # (kernel, stride, padding, dilation)
 CONV_CONFIGS = [
@@ -54,21 +61,14 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             for overlap in (True, False):
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
-                errs = compare_layer(
-                    conv, lambda m: SpatialConv2d.from_module(m, grid, overlap=overlap), x, grid, seed=idx
-                )
+                state().overlap = overlap  # the strategy's setting, read by the convolution handler
+                errs = compare_layer(conv, x, grid, seed=idx)
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
                 if bad:
                     failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
         for idx, (kind, k, s, p, cip) in enumerate(POOL_CONFIGS):
-            if kind == "max":
-                pool, make = nn.MaxPool2d(k, s, p), (lambda m: SpatialMaxPool2d.from_module(m, grid))
-            else:
-                pool, make = (
-                    nn.AvgPool2d(k, s, p, count_include_pad=cip),
-                    (lambda m: SpatialAvgPool2d.from_module(m, grid)),
-                )
-            errs = compare_layer(pool, make, x, grid, seed=100 + idx)
+            pool = nn.MaxPool2d(k, s, p) if kind == "max" else nn.AvgPool2d(k, s, p, count_include_pad=cip)
+            errs = compare_layer(pool, x, grid, seed=100 + idx)
             bad = {key: v for key, v in errs.items() if not v <= TOL}
             if bad:
                 failures.append(f"rank {rank} parts {parts} {kind}pool k{k} s{s} p{p} cip={cip}: {bad}")
@@ -92,8 +92,8 @@ def test_conv_and_pool_match_serial(world, parts_list):
     assert not failures, "\n".join(failures)
 
 
-# the in-place tile convolution (_TileConv2d: no box copy, edge rows recomputed) runs when every tile starts at
-# a multiple of the stride and its output block is the native output of the tile; even extents give that
+# the in-place tile convolution (the kernel's _TileConv: no box copy, edge rows recomputed) runs when every tile
+# starts at a multiple of the stride and its output block is the native output of the tile; even extents give that
 TILE_CONV_CONFIGS = [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (7, 2, 3, 1), (4, 2, 1, 1), (1, 2, 0, 1)]
 
 
@@ -108,20 +108,15 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             for overlap in (True, False):
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
-                made = []
-                errs = compare_layer(
-                    conv,
-                    lambda m: made.append(SpatialConv2d.from_module(m, grid, overlap=overlap)) or made[-1],
-                    x,
-                    grid,
-                    seed=idx,
-                )
+                state().overlap = overlap
+                with conv_paths() as took:
+                    errs = compare_layer(conv, x, grid, seed=idx)
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
-                took = list(made[0]._edge_cache.values())
-                if took != [] and any(r is None for r in took) or (took == [] and (k, s, p) != (1, 1, 0)):
-                    bad["path"] = "box path taken, expected the in-place tile convolution"
-                if not tile_conv_applies(conv, h, w, parts):  # the planner's prediction of the path (no box copies)
-                    bad["planner"] = "tile_conv_applies says box path, the layer took the in-place path"
+                pointwise = (k, s, p) == (1, 1, 0)  # no halo: neither path
+                if took["box"] or (not took["tile"] and not pointwise):
+                    bad["path"] = f"paths taken {took}, expected the in-place tile convolution"
+                if not tile_path_predicted(conv, h, w, parts):  # the planner's prediction of the path (no box copies)
+                    bad["planner"] = "tile_path_predicted says box path, the layer took the in-place path"
                 if bad:
                     failures.append(f"rank {rank} parts {parts} conv k{k} s{s} p{p} d{d} overlap={overlap}: {bad}")
     return failures
@@ -136,8 +131,23 @@ def test_tile_conv_without_box_matches_serial(world, parts_list):
     assert not failures, "\n".join(failures)
 
 
-def test_tile_conv_applies_only_on_stride_aligned_tiles():
+def test_conv_paths_counts_the_box_path():
+    """Negative control of the path check: the second tile of 18 rows starts at row 9, off the stride grid, so it
+    takes the box path, and the counter sees it."""
+    results = run_in_processes(_box_path_taken, 2, timeout_s=120, collective_timeout_s=60)
+    assert all(r["tile"] + r["box"] == 1 for r in results) and results[1]["box"] == 1, results
+
+
+def _box_path_taken(rank: int, world: int) -> dict[str, int]:
+    grid = create_hybrid_layout((2, 1)).grid
+    conv = nn.Conv2d(3, 5, 3, stride=2, padding=1)
+    with conv_paths() as took:
+        compare_layer(conv, torch.randn(1, 3, 18, 16, generator=torch.Generator().manual_seed(1)), grid)
+    return dict(took)
+
+
+def test_tile_path_predicted_only_on_stride_aligned_tiles():
     conv = nn.Conv2d(1, 1, 3, stride=2, padding=1)
-    assert tile_conv_applies(conv, 16, 16, (2, 1)) and tile_conv_applies(conv, 16, 16, (2, 2))
-    assert not tile_conv_applies(conv, 18, 16, (2, 1))  # the second tile starts at row 9, not a stride multiple
-    assert tile_conv_applies(conv, 18, 16, (1, 2))
+    assert tile_path_predicted(conv, 16, 16, (2, 1)) and tile_path_predicted(conv, 16, 16, (2, 2))
+    assert not tile_path_predicted(conv, 18, 16, (2, 1))  # the second tile starts at row 9, not a stride multiple
+    assert tile_path_predicted(conv, 18, 16, (1, 2))

@@ -1,6 +1,7 @@
-"""Whole models: an FCN training step on 1, 2 and 4 processes gives the serial loss and parameters, and
-ResNet-50 on a small input gives the serial outputs and gradients (fp32, 1e-5 relative to each tensor's
-magnitude)."""
+"""Whole models in a plain-torch loop (no Lightning): each rank wraps its tile (``split_tensor``) and runs the
+unchanged model, the op dispatch records the parameters used on tiles and ``reduce_model_gradients`` reduces
+them.  An FCN training step on 1, 2 and 4 processes gives the serial loss and parameters, and ResNet-50 on a
+small input gives the serial outputs and gradients (fp32, 1e-5 relative to each tensor's magnitude)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.partition import block_range
-from lightning_hpc.spatial.convert import convert_model, split_parameters
-from lightning_hpc.spatial.gradients import reduce_gradients
+from lightning_hpc.spatial.dispatch import split_tensor, state
+from lightning_hpc.spatial.gradients import reduce_model_gradients
+from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 SHAPE = (4, 3, 30, 26)  # 30 and 26 split unevenly over 4 and 2; stride-2 layers make them odd
@@ -42,7 +44,8 @@ def data():
 
 
 def pixel_loss(logits, target, total_pixels):
-    """Whole-sample loss: per-pixel losses summed over the tile, divided by the pixels of the whole samples."""
+    """Whole-sample loss: per-pixel losses summed (over the whole sample, for split tensors), divided by the
+    pixels of the whole samples."""
     return F.binary_cross_entropy_with_logits(logits, target, reduction="sum") / total_pixels
 
 
@@ -71,19 +74,22 @@ def _spatial_training(rank: int, world: int, parts_list):
     for parts in parts_list:
         layout = create_hybrid_layout(parts)
         grid = layout.grid
-        model = convert_model(small_fcn(), grid, input_shape=SHAPE[1:])
-        tile_params, rep_params = split_parameters(model)
+        model = small_fcn()
+        check_split(model, SHAPE[1:], parts)  # every layer can be split so (raises naming the layer otherwise)
+        state().tile_params.clear()  # the dispatch records this model's tile parameters afresh
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x, y = data()
         s0, s1 = block_range(SHAPE[0], layout.num_sample_groups, layout.sample_index)
-        xt, yt = tile_of(x[s0:s1], grid), tile_of(y[s0:s1], grid)
+        xs, ys = x[s0:s1], y[s0:s1]
+        xt = split_tensor(tile_of(xs, grid), grid, xs.shape)
+        yt = split_tensor(tile_of(ys, grid), grid, ys.shape)
         losses = []
         for _ in range(STEPS):
             opt.zero_grad()
-            loss = pixel_loss(model(xt), yt, y[s0:s1].numel())
+            loss = pixel_loss(model(xt), yt, ys.numel())  # the sample group's loss, the same on its tiles
             loss.backward()
-            reduce_gradients(tile_params, rep_params, layout.num_sample_groups)
-            total = loss.detach().clone() / layout.num_sample_groups
+            reduce_model_gradients(model, layout.num_sample_groups)
+            total = loss.detach().clone() / (layout.num_sample_groups * grid.size)
             torch.distributed.all_reduce(total)
             losses.append(float(total))
             opt.step()
@@ -111,15 +117,17 @@ def _resnet(rank: int, world: int, parts, shape):
     torch.set_default_dtype(torch.float64)
     ref = resnet50(num_classes=10)
     layout = create_hybrid_layout(parts)
-    sp = convert_model(copy.deepcopy(ref), layout.grid, input_shape=shape[1:])
+    sp = copy.deepcopy(ref)
+    check_split(sp, shape[1:], parts)
+    state().tile_params.clear()
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     xr = x.clone().requires_grad_(True)
     xt = tile_of(x, layout.grid).clone().requires_grad_(True)
-    yr, yt = ref(xr), sp(xt)
+    yr, yt = ref(xr), sp(split_tensor(xt, layout.grid, x.shape))
     g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(4))
     (yr * g).sum().backward()
     (yt * g).sum().backward()
-    reduce_gradients(*split_parameters(sp), layout.num_sample_groups)
+    reduce_model_gradients(sp, layout.num_sample_groups)
     errs = {"out": max_err(yt, yr), "dx": max_err(xt.grad, tile_of(xr.grad, layout.grid))}
     worst = max(
         (max_err(ps.grad, pr.grad), n) for (n, pr), (_, ps) in zip(ref.named_parameters(), sp.named_parameters())

@@ -13,8 +13,8 @@ from spatial_checks import max_err, serial_sgd_fit, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial import groupnorm
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
+from lightning_hpc.spatial.kernels import normalization
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 N, C, H, W = 3, 6, 13, 11
@@ -68,9 +68,9 @@ def _compare(ref: nn.Module, x: torch.Tensor, grid, step: int) -> dict[str, floa
 
 def _norms(rank: int, world: int, dtypes, sabotage: str = "", parts_list=tuple(PARTS)) -> list[str]:
     if sabotage == "local_statistics":  # what the check must catch: tile-local statistics
-        groupnorm._combine = lambda mean, var, m, group: (mean.double(), var.double(), float(m))
+        normalization._combine = lambda mean, var, m, group: (mean.double(), var.double(), float(m))
     elif sabotage == "local_backward":  # and a backward without the sums over the group
-        groupnorm._sum_over_group = lambda sums, group: sums * dist.get_world_size(group)
+        normalization._sum_over_group = lambda sums, group: sums * dist.get_world_size(group)
     fails: list[str] = []
     for parts in parts_list:
         grid = create_hybrid_layout(parts).grid

@@ -11,12 +11,10 @@ from test_spatial_models import data, small_fcn
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.convert import convert_model
 from lightning_hpc.spatial.halo_exchange import PartitionError
-from lightning_hpc.spatial.pooling import SpatialMaxPool2d
 from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
+from lightning_hpc.spatial.tiling import create_hybrid_layout
 
 BATCH, STEPS = 2, 2
 
@@ -136,18 +134,6 @@ def test_sub_volume_thinner_than_the_halo_and_splits_of_other_dimensions_are_ref
     with pytest.raises(PartitionError, match=r"layer '1' \(MaxPool1d\).*along L its output of 5 rows.*largest "
                                              r"split of L that works for this layer is 5"):
         check_split(signal, (1, 20), (8,))
-
-
-def test_unsupported_layers_fail_clearly():
-    grid = SpatialGrid(parts=(2, 1), ranks=[0, 1], group=None, local_rank=0)
-    with pytest.raises(PartitionError, match=r"layer '1' \(GroupNorm\)"):
-        convert_model(nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4)), grid)
-    with pytest.raises(ValueError, match="padding_mode='reflect'"):
-        convert_model(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect")), grid)
-    with pytest.raises(ValueError, match="return_indices"):
-        convert_model(nn.Sequential(nn.MaxPool2d(2, return_indices=True)), grid)
-    # ceil_mode pooling has a tiled form now (tests/spatial/test_spatial_tiled_ops.py)
-    assert isinstance(convert_model(nn.Sequential(nn.MaxPool2d(2, ceil_mode=True)), grid)[0], SpatialMaxPool2d)
 
 
 def test_bad_settings_fail_clearly():

@@ -12,15 +12,17 @@ coordinates from shapes computes what one process computes.  ``__torch_function_
   this tile), ops along dimensions that are not split (softmax/log_softmax, ``F.linear`` on the last dimension,
   ``F.layer_norm`` over unsplit dimensions, ``F.prelu``, ``cat``/``chunk``/``split``/indexing over unsplit
   dimensions, ``permute``/``transpose``), type and device conversions;
-* **tiled kernels**: ``F.conv2d`` (halo exchange, :mod:`conv`), ``F.max_pool2d``/``F.avg_pool2d`` incl.
-  ``ceil_mode`` (:mod:`pooling`), ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
-  ``F.interpolate`` nearest/bilinear (:mod:`upsample`), ``F.adaptive_avg_pool2d`` / ``F.adaptive_max_pool2d``
-  (window sums / maxima over the group, replicated result), ``F.group_norm``/``F.instance_norm``/
-  ``F.layer_norm`` over the split dimensions (statistics over the whole sample, :mod:`groupnorm`),
-  ``F.conv_transpose2d`` (halo exchange, :mod:`convtranspose`), ``F.pad`` in every mode (constant padding and
+* **tiled kernels** (:mod:`lightning_hpc.spatial.kernels`, 1-, 2- and 3-D): ``F.conv1d/2d/3d`` (halo exchange,
+  :mod:`~lightning_hpc.spatial.kernels.convolution`), max / average pooling incl. ``ceil_mode``
+  (:mod:`~lightning_hpc.spatial.kernels.pooling`), ``F.batch_norm`` (statistics over the whole sample),
+  ``F.interpolate`` nearest/linear (:mod:`~lightning_hpc.spatial.kernels.interpolation`), adaptive average /
+  max pooling (window sums / maxima over the group, :mod:`~lightning_hpc.spatial.kernels.adaptive`),
+  ``F.group_norm``/``F.instance_norm``/``F.layer_norm`` over the split dimensions (statistics over the whole
+  sample, :mod:`~lightning_hpc.spatial.kernels.normalization`), transposed convolutions (halo exchange,
+  :mod:`~lightning_hpc.spatial.kernels.transposed`), ``F.pad`` in every mode (constant padding and
   negative padding, i.e. crops, too; ``torch.constant_pad_nd``), slicing of split dimensions
   (``x[..., a:b, c:d]``, ``x[..., ::2, ::2]``, ``narrow``) and ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows
-  moved between tiles, :mod:`remap`);
+  moved between tiles, :mod:`~lightning_hpc.spatial.remap`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the

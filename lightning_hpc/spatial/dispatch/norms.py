@@ -1,7 +1,7 @@
-"""Normalisation layers on tiles: ``F.batch_norm`` (statistics over the whole sample, :mod:`batchnorm`),
-``F.group_norm``/``F.instance_norm``/``F.layer_norm`` over the split dimensions (statistics over the whole
-sample, :mod:`groupnorm`, in the dtype the serial op returns), and ``F.layer_norm`` over unsplit dimensions
-(local).
+"""Normalisation layers on tiles (the kernels: :mod:`~lightning_hpc.spatial.kernels.normalization`): ``F.batch_norm``
+(statistics over the whole sample), ``F.group_norm``/``F.instance_norm``/``F.layer_norm`` over the split
+dimensions (statistics over the whole sample, in the dtype the serial op returns), and ``F.layer_norm`` over
+unsplit dimensions (local).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_i
 from lightning_hpc.spatial.dispatch.calls import _arg
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, aggregated_row_norm
 
 
 @_handles(F.layer_norm)
@@ -50,8 +51,6 @@ def _layer_norm(func, args, kwargs):
     out_dtype = _serial_norm_dtype("layer", local, w, b)
     cdt = _norm_compute_dtype(local, out_dtype)
     rows = local.to(cdt).reshape(math.prod(local.shape[:d0]), -1)
-    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
-
     y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
     return _wrap_like(_affine(y, w, b, None, cdt).to(out_dtype), x)
 
@@ -116,8 +115,6 @@ def _group_norm(func, args, kwargs):
     local = _plain(x)
     if not x.split_dims or x._grid.group is None:
         return _wrap_like(F.group_norm(local, groups, w, b, eps), x)
-    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
-
     out_dtype = _serial_norm_dtype("group", local, w, b)
     cdt = _norm_compute_dtype(local, out_dtype)
     rows = local.to(cdt).reshape(local.shape[0] * groups, -1)
@@ -140,8 +137,6 @@ def _instance_norm(func, args, kwargs):
     local = _plain(x)
     if not use_input_stats or not x.split_dims or x._grid.group is None:  # running statistics: per element
         return _wrap_like(F.instance_norm(local, rm, rv, w, b, use_input_stats, momentum, eps), x)
-    from lightning_hpc.spatial.groupnorm import aggregated_row_norm
-
     out_dtype = _serial_norm_dtype("instance", local, w, b)
     cdt = _norm_compute_dtype(local, out_dtype)
     n, c = local.shape[:2]
@@ -176,10 +171,7 @@ def _batch_norm(func, args, kwargs):
     local = _plain(x)
     if not training or x._grid.group is None:
         return _wrap_like(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x)
-    from lightning_hpc.spatial.batchnorm import _AggregatedBatchNorm
-
-    moved = local if x.dim() == 4 else local
-    y, mean64, var64, n = _AggregatedBatchNorm.apply(moved, weight, bias, eps, x._grid.group)
+    y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
     if rm is not None and rv is not None:
         with torch.no_grad():
             unbiased = var64 * (n / max(n - 1.0, 1.0))

@@ -6,7 +6,6 @@ on tiles (:attr:`DispatchState.tile_params`), and the error every refusal raises
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
@@ -62,11 +61,6 @@ class DispatchState:
             handles.append(m.register_forward_pre_hook(pre))
             handles.append(m.register_forward_hook(post, always_call=True))
         return handles
-
-    def note_params(self, tensors: Iterable[Any]) -> None:
-        for t in tensors:
-            if isinstance(t, nn.Parameter):
-                self.tile_params[id(t)] = t
 
 
 _STATE = DispatchState()

@@ -19,8 +19,8 @@ section V, one concept per module:
   with the rest of backpropagation, one allreduce at a time.
 * :mod:`.api`: :func:`plan_for_model` and the :class:`Plan` it returns.
 
-This package is plain torch: it never imports Lightning, and of the spatial layers only
-:func:`lightning_hpc.spatial.conv.tile_conv_applies` (for the cost of the halo box copies).
+This package is plain torch: it never imports Lightning, and of the tile kernels only
+:func:`lightning_hpc.spatial.kernels.tile_convolution_applies` (for the cost of the halo box copies).
 """
 
 from __future__ import annotations
