@@ -44,7 +44,7 @@ from lightning_hpc.spatial.dispatch import split_tensor, state  # noqa: E402
 from lightning_hpc.spatial.gradients import reduce_gradients  # noqa: E402
 from lightning_hpc.spatial.split_check import trace_shapes  # noqa: E402
 from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
-from lightning_hpc.spatial.windows import layer_windows  # noqa: E402
+from lightning_hpc.spatial.windows import layer_windows, tile_halo_blocks  # noqa: E402
 
 SPLITS = ((1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)))
 
@@ -53,24 +53,16 @@ def predicted_halo_bytes(widths: list[int], size: int, parts: tuple[int, ...]) -
     """Bytes every rank together receives per step by the window arithmetic: for each windowed layer, every
     tile's received blocks (faces, edges, corners) times the channels and 4 bytes, forward and backward (the
     network's input exchanges in forward only: it needs no gradient)."""
-    import itertools
-
-    from lightning_hpc.spatial.halo_exchange import DimPlan
-
     model = unet(1, 1, widths)
+    shapes = trace_shapes(model, (1, size, size, size))
+    first = next(iter(shapes))  # the layer that reads the network's input
     total = 0
-    for name, (in_shape, out_shape) in trace_shapes(model, (1, size, size, size)).items():
+    for name, (in_shape, out_shape) in shapes.items():
         windows = layer_windows(model.get_submodule(name), in_shape, out_shape)
         if windows is None or any(n < p for n, p in zip(in_shape[2:], parts)):
             continue
-        plans = [DimPlan(n, w.out_size(n), p, w) for w, n, p in zip(windows, in_shape[2:], parts)]
-        received = 0
-        for index in itertools.product(*(range(p) for p in parts)):
-            for delta in itertools.product((-1, 0, 1), repeat=3):
-                if any(delta) and all(0 <= i + d < p for i, d, p in zip(index, delta, parts)):
-                    sizes = [plan.recv_range(i, d) for plan, i, d in zip(plans, index, delta)]
-                    received += int(torch.tensor([hi - lo for lo, hi in sizes]).clamp(min=0).prod())
-        directions = 1 if name == "encoders.0.0" else 2
+        received = sum(map(sum, tile_halo_blocks(windows, in_shape[2:], parts).values()))
+        directions = 1 if name == first else 2
         total += directions * received * in_shape[1] * 4
     return total
 

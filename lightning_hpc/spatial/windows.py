@@ -26,7 +26,7 @@ from lightning_hpc.spatial.kernels import (
     transposed_windows,
 )
 
-__all__ = ["layer_windows", "split_works", "halo_elements", "CONVOLUTIONS", "TRANSPOSED", "POOLS"]
+__all__ = ["layer_windows", "split_works", "halo_elements", "tile_halo_blocks", "CONVOLUTIONS", "TRANSPOSED", "POOLS"]
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -76,16 +76,15 @@ def split_works(windows: Sequence[Any] | None, extents: Sequence[int], parts: Se
     return True
 
 
-def halo_elements(windows: Sequence[Any], extents: Sequence[int], parts: Sequence[int]) -> list[int]:
-    """Per message of the busiest tile (the one receiving the most), the elements of one sample and channel it
-    receives: one block per neighbour in {-1, 0, 1}^k (faces, edges, corners), each the product over dimensions
-    of the received rows (a moved dimension) or the tile's own rows its output reads (an unmoved one)."""
-    if all(p == 1 for p in parts):
-        return []
+def tile_halo_blocks(windows: Sequence[Any], extents: Sequence[int], parts: Sequence[int]
+                     ) -> dict[tuple[int, ...], list[int]]:
+    """Per tile, the elements of one sample and channel it receives: one block per neighbour in {-1, 0, 1}^k
+    (faces, edges, corners), each the product over dimensions of the received rows (a moved dimension) or the
+    tile's own rows its output reads (an unmoved one)."""
     plans = _plans(windows, extents, parts)
-    busiest: list[int] = []
+    out: dict[tuple[int, ...], list[int]] = {}
     for index in itertools.product(*(range(p) for p in parts)):
-        blocks = []
+        blocks = out[index] = []
         for delta in itertools.product((-1, 0, 1), repeat=len(parts)):
             if not any(delta) or not all(0 <= i + d < p for i, d, p in zip(index, delta, parts)):
                 continue
@@ -93,6 +92,12 @@ def halo_elements(windows: Sequence[Any], extents: Sequence[int], parts: Sequenc
             count = math.prod(max(hi - lo, 0) for lo, hi in sizes)
             if count:
                 blocks.append(count)
-        if sum(blocks) > sum(busiest):
-            busiest = blocks
-    return busiest
+    return out
+
+
+def halo_elements(windows: Sequence[Any], extents: Sequence[int], parts: Sequence[int]) -> list[int]:
+    """Per message of the busiest tile (the one receiving the most), the elements of one sample and channel it
+    receives (:func:`tile_halo_blocks`)."""
+    if all(p == 1 for p in parts):
+        return []
+    return max(tile_halo_blocks(windows, extents, parts).values(), key=sum)
