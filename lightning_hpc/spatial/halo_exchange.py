@@ -195,16 +195,6 @@ class HaloPlan:
         return len(self.dims)
 
     @property
-    def rows(self) -> DimPlan:
-        """The first split dimension's plan (H of an image)."""
-        return self.dims[0]
-
-    @property
-    def cols(self) -> DimPlan:
-        """The second split dimension's plan (W of an image)."""
-        return self.dims[1]
-
-    @property
     def pads(self) -> tuple[int, ...]:
         """Zero padding that completes the clamped box to the needed box, in ``F.pad`` order (last dimension
         first: for an image ``(left, right, top, bottom)``)."""
