@@ -126,6 +126,9 @@ class KFAC(Callback):
         if self._deferred and self.preconditioner is None:
             self._deferred = False
             self._build(trainer, pl_module)
+        if self.preconditioner is not None and self._pending_state is not None:
+            self.preconditioner.load_state_dict(self._pending_state)
+            self._pending_state = None
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         note = contract_of(trainer.strategy).kfac_note
@@ -140,9 +143,6 @@ class KFAC(Callback):
             rank_zero_warn(report)
         else:
             rank_zero_info(report)
-        if self._pending_state is not None:
-            self.preconditioner.load_state_dict(self._pending_state)
-            self._pending_state = None
 
     @staticmethod
     def check_optimizers(trainer: pl.Trainer) -> None:
@@ -230,7 +230,6 @@ class KFAC(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self.preconditioner is None:
-            self._pending_state = state_dict
-        else:
-            self.preconditioner.load_state_dict(state_dict)
+        # Lightning restores callbacks before the strategy moves the model to its device: the factors are placed
+        # on the layers' device at fit start (on_fit_start), once the parameters are where they train
+        self._pending_state = state_dict

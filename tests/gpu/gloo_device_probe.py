@@ -1,9 +1,11 @@
 """Which collectives gloo runs on a device's tensors (two ranks started by ``test_two_ranks_share_gpu.py``).
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python gloo_device_probe.py DEVICE OUT.json
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python gloo_device_probe.py DEVICE COLLECTIVE OUT.json
 
-Each collective is tried on tensors of DEVICE and its result checked; rank 0 writes ``{name: "ok" | error}``.
-Gloo refuses an unsupported device before communicating, on both ranks alike, so a refusal cannot strand a peer.
+One collective is tried on tensors of DEVICE and its result checked; rank 0 writes ``{name: "ok" | error}``.
+One collective per pair of processes: gloo refuses some unsupported devices with a Python error, but on CUDA
+tensors some of its transports abort the process (``writev ... Bad address`` from a device pointer on an H100),
+which the launcher then records as that collective's answer.
 """
 
 from __future__ import annotations
@@ -78,22 +80,20 @@ def probes(device: torch.device, rank: int) -> dict[str, Callable[[], bool]]:
                                     reduce_scatter_tensor, all_to_all_single, gather, send_recv, isend_irecv)}
 
 
-def main(device_name: str, out: str) -> None:
+def main(device_name: str, name: str, out: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device(device_name)
-    found: dict[str, str] = {}
-    for name, probe in probes(device, rank).items():
-        try:
-            found[name] = "ok" if probe() else "wrong result"
-        except Exception as e:  # noqa: BLE001 - recorded: the probe's answer
-            found[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        dist.barrier()
+    try:
+        answer = "ok" if probes(device, rank)[name]() else "wrong result"
+    except Exception as e:  # noqa: BLE001 - recorded: the probe's answer
+        answer = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(found, f, indent=1)
+            json.dump({name: answer}, f)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
