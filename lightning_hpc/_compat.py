@@ -33,6 +33,8 @@ __all__ = [
     "disable_torch_function_subclass",
     "compiled_module_type",
     "replace_metric_hooks",
+    "all_gather_single",
+    "reduce_scatter_single",
 ]
 
 
@@ -51,6 +53,21 @@ def _private(module: str, name: str) -> Any:
 
 
 # ---- torch ---------------------------------------------------------------------------------------------------
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.all_gather_single`` where torch has it (2.13 does, 2.11 does not), else its older name
+    ``all_gather_into_tensor``: the same collective, without a FutureWarning on new torch or an AttributeError
+    on old."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                          async_op: bool = False) -> Any:
+    """``dist.reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor`` (its older name)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
 def enable_torch_function() -> Any:
     """Context manager re-enabling ``__torch_function__`` dispatch for tensor subclasses inside a region that
     disabled it (``torch._C.DisableTorchFunctionSubclass``): user hooks called from there must see the

@@ -34,6 +34,7 @@ __all__ = [
     "MeshDim",
     "build_mesh",
     "mesh_ranks",
+    "mesh_from_new_groups",
     "mesh_sizes",
     "mesh_2d",
     "group_timeout",
@@ -311,7 +312,33 @@ def build_mesh(
     mesh = mesh_ranks(dist.get_world_size(), dims, ranks)
     timeout = timeout or group_timeout() or default_timeout()
     override = tuple(_backend_config(device_type, d.backend, timeout) for d in dims)
-    return DeviceMesh(device_type, mesh, mesh_dim_names=tuple(d.name for d in dims), backend_override=override)
+    names = tuple(d.name for d in dims)
+    # A world group bound to a device (Lightning binds it on CUDA) makes DeviceMesh split its groups off the world
+    # group, which only NCCL can do: torch's split_group on a gloo world ends in "No device(s) specified".
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None and any(b != "nccl" for b, _ in override):
+        return mesh_from_new_groups(device_type, mesh, names, override)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=names, backend_override=override)
+
+
+def mesh_from_new_groups(device_type: str, mesh: Any, names: tuple[str, ...],
+                         backends: Sequence[tuple[str | None, Any]]):
+    """The DeviceMesh of :func:`build_mesh` from groups made one by one with ``new_group`` (what DeviceMesh does
+    when it cannot split the world group): for every dimension, every row of ``mesh`` along it, in the same order
+    on every rank; ``backends`` gives each dimension's (backend, options).  Collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = dist.get_rank()
+    mine = []
+    for dim, (backend, options) in enumerate(backends):
+        rows = mesh.swapdims(-1, dim).reshape(-1, mesh.size(dim))
+        own = None
+        for row in rows.tolist():
+            group = dist.new_group(ranks=row, backend=backend, pg_options=options,
+                                   timeout=getattr(options, "_timeout", None))
+            if rank in row:
+                own = group
+        mine.append(own)
+    return DeviceMesh.from_group(mine, device_type, mesh, mesh_dim_names=names)
 
 
 def mesh_2d(

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_hpc._compat import all_gather_single, reduce_scatter_single
+
 __all__ = ["ByteCounter", "HeadComm", "pad_dim", "allreduce_ring_bytes"]
 
 
@@ -107,7 +109,7 @@ class HeadComm:
         xm = pad_dim(x, dim, m).movedim(dim, 0).contiguous()
         out = torch.empty((self.k * m, *xm.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.add("all_gather", (self.k - 1) * xm.numel() * xm.element_size())
-        work = dist.all_gather_single(out, xm, group=self.group, async_op=True)
+        work = all_gather_single(out, xm, group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
             parts = [out[r * m : r * m + s] for r, s in enumerate(sizes)]
@@ -125,7 +127,7 @@ class HeadComm:
         xin = torch.cat([pad_dim(b, 0, m) for b in blocks], 0).contiguous()
         out = torch.empty((m, *xin.shape[1:]), dtype=x.dtype, device=x.device)
         self.counter.add("reduce_scatter", (self.k - 1) * out.numel() * out.element_size())
-        work = dist.reduce_scatter_single(out, xin, group=self.group, async_op=True)
+        work = reduce_scatter_single(out, xin, group=self.group, async_op=True)
         mine = sizes[self.rank]
         pending = _Pending(work, lambda: out[:mine].movedim(0, dim))
         return pending if async_op else pending.wait()

@@ -9,8 +9,10 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.groups import (
     DEFAULT_TIMEOUT_S,
     MeshDim,
+    _backend_config,
     build_mesh,
     group_timeout,
+    mesh_from_new_groups,
     mesh_ranks,
     mesh_sizes,
     node_groups,
@@ -56,12 +58,20 @@ def _non_contiguous(rank: int, world_size: int) -> dict:
     # a dimension spanning the whole world is a group of its own, with the world's timeout
     head = build_mesh([MeshDim("head")]).get_group("head")
     ng = node_groups(2, layout=[[0, 2], [1, 3]])
+    # the route taken when the world group is bound to a device (CUDA) and a dimension is not NCCL
+    cfg = _backend_config("cpu", None, group_timeout())
+    own = mesh_from_new_groups("cpu", torch.tensor([[0, 2], [1, 3]]), ("node", "local"), [cfg, cfg])
+    v = torch.tensor([float(rank)])
+    dist.all_reduce(v, group=own.get_group("local"))
     leaders = None
     if ng.leaders is not None:
         leaders = dist.get_process_group_ranks(ng.leaders)
     return {
         "local": dist.get_process_group_ranks(local), "node": dist.get_process_group_ranks(node),
         "local_sum": t.item(), "node_sum": u.item(),
+        "own_local": dist.get_process_group_ranks(own.get_group("local")),
+        "own_node": dist.get_process_group_ranks(own.get_group("node")), "own_local_sum": v.item(),
+        "own_timeout": group_timeout(own.get_group("local")).total_seconds(),
         "timeouts": [group_timeout(g).total_seconds() for g in (local, node, head)],
         # node groups take layered SGD's timeout (default: DEFAULT_TIMEOUT_S), as before they were a mesh
         "node_timeouts": [group_timeout(g).total_seconds() for g in (ng.intra, ng.leaders) if g is not None],
@@ -78,6 +88,10 @@ def test_non_contiguous_host_layout_and_timeouts():
     assert [r["node"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["local_sum"] for r in res] == [2.0, 4.0, 2.0, 4.0]
     assert [r["node_sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]
+    assert [r["own_local"] for r in res] == [r["local"] for r in res]
+    assert [r["own_node"] for r in res] == [r["node"] for r in res]
+    assert [r["own_local_sum"] for r in res] == [2.0, 4.0, 2.0, 4.0]
+    assert all(r["own_timeout"] == WORLD_TIMEOUT_S for r in res)
     assert all(t == WORLD_TIMEOUT_S for r in res for t in r["timeouts"]), [r["timeouts"] for r in res]
     assert all(t == DEFAULT_TIMEOUT_S for r in res for t in r["node_timeouts"])
     assert [len(r["node_timeouts"]) for r in res] == [2, 2, 1, 1]
