@@ -328,7 +328,7 @@ def mesh_from_new_groups(device_type: str, mesh: Any, names: tuple[str, ...],
     from torch.distributed.device_mesh import DeviceMesh
 
     rank = dist.get_rank()
-    mine = []
+    mine: list[dist.ProcessGroup] = []
     for dim, (backend, options) in enumerate(backends):
         rows = mesh.swapdims(-1, dim).reshape(-1, mesh.size(dim))
         own = None
@@ -337,6 +337,7 @@ def mesh_from_new_groups(device_type: str, mesh: Any, names: tuple[str, ...],
                                    timeout=getattr(options, "_timeout", None))
             if rank in row:
                 own = group
+        assert own is not None  # every rank is in one row of every dimension (mesh_ranks)
         mine.append(own)
     return DeviceMesh.from_group(mine, device_type, mesh, mesh_dim_names=names)
 
