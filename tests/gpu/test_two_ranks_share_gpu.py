@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import DEVICE, HERE, largest_difference, load_conformance
@@ -43,19 +44,33 @@ def _env(rank: int, port: int, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _two_ranks(cmd: list[str], cwd: Path, extra: dict[str, str], timeout: float) -> str:
+def _start_pair(cmd: list[str], cwd: Path, extra: dict[str, str]) -> list[subprocess.Popen[str]]:
     port = find_free_port()
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=_env(r, port, extra), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    return [subprocess.Popen(cmd, cwd=cwd, env=_env(r, port, extra), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for r in range(2)]
+
+
+def _finish_pair(procs: list[subprocess.Popen[str]], timeout: float) -> str:
+    """Both ranks' output; a pair still running after ``timeout`` seconds is killed and its log says so (a hang
+    then costs one launch's limit and names the launch, instead of the tier's whole budget)."""
     logs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            logs.append(f"exit code {p.returncode}\n{out[-6000:]}")
+            try:
+                out, _ = p.communicate(timeout=timeout)
+                logs.append(f"exit code {p.returncode}\n{out[-6000:]}")
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                logs.append(f"TIMED OUT after {timeout:.0f} s (killed)\n{(out or '')[-6000:]}")
     finally:
         for p in procs:
             p.kill()
     return "\n--- rank\n".join(logs)
+
+
+def _two_ranks(cmd: list[str], cwd: Path, extra: dict[str, str], timeout: float) -> str:
+    return _finish_pair(_start_pair(cmd, cwd, extra), timeout)
 
 
 def _aborted(log: str) -> str:
@@ -70,18 +85,20 @@ def _aborted(log: str) -> str:
 def gloo_on_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("probe")
     names = sorted({n for needs in NEEDS.values() for n in needs} | {"gather", "reduce_scatter_tensor", "send_recv"})
+    # one pair of processes per collective (a gloo abort ends only that pair), all pairs at once
+    pairs = {name: _start_pair([sys.executable, str(HERE / "gloo_device_probe.py"), DEVICE, name,
+                                str(out / f"{name}.json")], out, {}) for name in names}
     found: dict[str, str] = {}
-    for name in names:  # one pair of processes per collective: a gloo abort ends only that pair
+    for name, procs in pairs.items():
+        log = _finish_pair(procs, timeout=90)
         answer = out / f"{name}.json"
-        log = _two_ranks([sys.executable, str(HERE / "gloo_device_probe.py"), DEVICE, name, str(answer)], out, {},
-                         timeout=60)
         found[name] = json.loads(answer.read_text())[name] if answer.exists() else f"aborted: {_aborted(log)}"
     print(f"gloo on {DEVICE} tensors: {found}")
     return found
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, gloo_on_device: dict[str, str]) -> dict[str, tuple[Path, str]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_on_device: dict[str, str]) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("shared_gpu")
     supported = [item for item, needs in NEEDS.items() if all(gloo_on_device.get(n) == "ok" for n in needs)]
     if not supported:
@@ -90,22 +107,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory, gloo_on_device: dict[str, str
     shared.mkdir()
     extra = {"CONFORMANCE_ACCELERATOR": DEVICE, "CONFORMANCE_NUM_NODES": "2", "CONFORMANCE_PG_BACKEND": "gloo",
              "PYTHONWARNINGS": "ignore"}
-    log = _two_ranks([sys.executable, str(launch.SCRIPT), "1", str(shared), "2", *supported], shared, extra,
-                     timeout=900)
+    logs = {}
+    for item in supported:  # one launch per strategy, each with its own limit: a hang names its strategy
+        logs[item] = _two_ranks([sys.executable, str(launch.SCRIPT), "1", str(shared), "2", item], shared, extra,
+                                timeout=150)
     cpu_log = launch.launch(2, root / "cpu", supported, data_parallel=2, log_name="cpu.log")
-    return {"shared": (shared, log), "cpu": (root / "cpu", cpu_log)}
+    return {"shared": (shared, logs), "cpu": (root / "cpu", cpu_log)}
 
 
 @pytest.mark.parametrize("item", list(NEEDS))
 def test_two_ranks_on_one_gpu_equal_two_cpu_processes(item: str, gloo_on_device: dict[str, str],
-                                                      runs: dict[str, tuple[Path, str]]) -> None:
+                                                      runs: dict[str, tuple[Path, Any]]) -> None:
     missing = sorted(n for n in NEEDS[item] if gloo_on_device.get(n) != "ok")
     if missing:
         pytest.skip(f"{item}: gloo has no {DEVICE} {', '.join(missing)} here ({gloo_on_device[missing[0]]}); "
                     "two ranks of this strategy need two GPUs and NCCL")
     strategy, case = item.split(":")
-    (shared_out, shared_log), (cpu_out, cpu_log) = runs["shared"], runs["cpu"]
-    shared = launch.read(shared_out, strategy, case, shared_log, world=2)
+    (shared_out, shared_logs), (cpu_out, cpu_log) = runs["shared"], runs["cpu"]
+    shared = launch.read(shared_out, strategy, case, shared_logs[item], world=2)
     cpu = launch.read(cpu_out, strategy, case, cpu_log, world=2)
     assert shared.error is None, f"{item} on two ranks sharing {DEVICE}:\n{shared.error}"
     assert cpu.error is None, f"{item} on two CPU processes:\n{cpu.error}"
