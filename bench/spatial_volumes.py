@@ -16,7 +16,7 @@ a user's module (split input and target, an unchanged mean loss), on 1, 2 and 4 
   (``plan_for_model`` with ``uniform=True`` and the alpha-beta of a local calibration).
 
 Run alone on the machine (e.g. under ``flock`` on a lock file other benchmarks take too):
-      python bench/spatial_volumes.py [--size 64] [--widths 8 16 32] [--repeats 3]
+      python bench/spatial_volumes.py [--size 64] [--widths 8 16 32] [--repeats 3] [--splits 1x1x1 2x1x1 1x1x2]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from math import prod
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ from lightning_hpc.spatial.split_check import trace_shapes  # noqa: E402
 from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
 from lightning_hpc.spatial.windows import layer_windows, tile_halo_blocks  # noqa: E402
 
-SPLITS = ((1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)))
+SPLITS = ("1x1x1", "2x1x1", "2x2x1")
 
 
 def predicted_halo_bytes(widths: list[int], size: int, parts: tuple[int, ...]) -> int:
@@ -130,15 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=[8, 16, 32], help="U-Net widths per level")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-plan", action="store_true", help="skip the planner's predictions (no calibration)")
+    ap.add_argument("--splits", nargs="+", default=list(SPLITS), help="D x H x W splits; the first is the baseline "
+                    "of the memory ratio (default: %(default)s)")
+    ap.add_argument("--tag", default="", help="suffix of the result files (bench/results/spatial_volumes<tag>.*)")
     args = ap.parse_args(argv)
-    report = Report("spatial_volumes", meta={"size": args.size, "widths": args.widths,
+    splits = [tuple(int(p) for p in s.split("x")) for s in args.splits]
+    report = Report(f"spatial_volumes{args.tag}", meta={"size": args.size, "widths": args.widths,
                                              "loadavg_start": os.getloadavg(), "note": "gloo, 1 thread per rank"})
     ab = None
     if not args.no_plan:
         from lightning_hpc.perfmodel import calibrate_local
 
         ab = calibrate_local(2)
-    for procs, parts in SPLITS:
+    for parts in splits:
+        procs = prod(parts)
         res = run_in_processes(_worker, procs, parts, args.size, args.widths, args.repeats, timeout_s=1800,
                                collective_timeout_s=900)
         row = report.add(
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             row["step_s_predicted"] = plan.predicted_step_time
             row["predicted_vs_measured"] = plan.predicted_step_time / row["step_s"]
         print(row, flush=True)
-    report.add_ratios("procs", "alloc_peak_MiB", 1, "memory_vs_1proc")
+    report.add_ratios("split", "alloc_peak_MiB", args.splits[0], "memory_vs_baseline")
     report.meta["loadavg_end"] = os.getloadavg()
     report.print()
     report.write()
