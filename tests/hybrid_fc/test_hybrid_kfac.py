@@ -76,3 +76,29 @@ def test_two_ranks_with_kfac_equal_serial_kfac_on_every_layer(tmp_path, layouts)
     # and preconditioning the head matters: K-FAC on the trunk only is far from it
     trunk_only = serial_kfac_params(2, 3, skip_layers="Linear")
     assert max(np.abs(trunk_only[k].numpy() - reference[k]).max() for k in reference) > 1e-3
+
+
+def test_resumed_run_continues_from_the_checkpointed_factors(tmp_path):
+    """hybrid_fc restores a checkpoint after its setup, which Lightning does after ``on_fit_start``: the callback's
+    state arrives once the preconditioner exists and is loaded into it then (it used to wait for an
+    ``on_fit_start`` that had passed, and the resumed run started K-FAC afresh)."""
+    trainer = _fit(HybridParallelStrategy(), KFAC(factor_update_freq=1, inv_update_freq=1))
+    path = tmp_path / "two_steps.ckpt"
+    trainer.save_checkpoint(path)
+    saved = next(c for c in trainer.callbacks if isinstance(c, KFAC)).preconditioner
+    factors = {n: {k: v.clone() for k, v in f.items()} for n, f in saved.factors.items()}
+    resumed = KFAC(factor_update_freq=1, inv_update_freq=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
+                          nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    module = ImageClassifier(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=10)
+    loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), batch_size=4)
+    pl.Trainer(
+        accelerator="cpu", devices=1, strategy=HybridParallelStrategy(), max_steps=2, callbacks=[resumed],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    ).fit(module, train_dataloaders=loader, ckpt_path=path)  # nothing left to train: the restored state is kept
+    assert resumed.preconditioner.steps == 2
+    for name, f in factors.items():
+        for k, v in f.items():
+            assert torch.equal(resumed.preconditioner.factors[name][k], v), (name, k)
