@@ -22,6 +22,7 @@ from cells import (
     REFERENCE_DDP,
     ROUNDING_BOUNDED,
     SLOW_COLUMNS,
+    float32_reference,
     kfac_reference,
     micro_batch_reference,
     under_horovodrun,
@@ -63,7 +64,7 @@ class Runs:
         """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
         strategy = "kfac_auto" if kfac else "auto"
         cells = [*EXACT, *DIFFERS, *ROUNDING_BOUNDED, *BOUNDED, *BOUNDED_MG]
-        cells += [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cells += [(s, float32_reference(c)) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
                         and kfac_reference(s) == kfac and _selected(c) and s not in self.skip_columns})
