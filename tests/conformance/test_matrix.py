@@ -81,7 +81,7 @@ def _params(cells):
     :data:`SLOW_COLUMNS` ones ``slow``."""
     def marks(strategy: str) -> list:
         return ([pytest.mark.horovod] if under_horovodrun(strategy) else []) + \
-            ([pytest.mark.slow] if strategy in SLOW_COLUMNS else [])
+            ([pytest.mark.slow] if strategy.removesuffix("_find_unused") in SLOW_COLUMNS else [])
 
     return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=marks(c[0])) for c in cells]
 
