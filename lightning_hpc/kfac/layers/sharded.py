@@ -11,6 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from lightning_hpc._compat import disable_torch_function_subclass
 from lightning_hpc.kfac.layers.linear import LinearHandler
 from lightning_hpc.kfac.linalg import sym_gram
 
@@ -22,7 +23,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     reduces over its group; the handler means this rank's block)."""
     if type(t) is torch.Tensor:
         return t
-    with torch._C.DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         return t.as_subclass(torch.Tensor)
 
 
