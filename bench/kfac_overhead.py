@@ -89,9 +89,9 @@ def main() -> None:
         ap.error("--overlap needs --processes 2 or more: one process has no factor all-reduce to overlap")
     modes = {"off": ["sync"], "on": ["overlap"], "both": ["sync", "overlap"]}[args.overlap]
     if args.unfold_a:
-        import lightning_hpc.kfac.layers as kfac_layers
+        import lightning_hpc.kfac.layers.conv as kfac_conv
 
-        kfac_layers.SHIFTED_GRAM_MIN_WORK = 1 << 62  # no layer has that much work: every A from the patches
+        kfac_conv.SHIFTED_GRAM_MIN_WORK = 1 << 62  # no layer has that much work: every A from the patches
     default_threads = torch.get_num_threads()
     counts = [default_threads if c.strip() == "default" else int(c) for c in args.threads.split(",")]
     if args.processes > 1:

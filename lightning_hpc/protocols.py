@@ -11,6 +11,9 @@
   to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
 * :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
   samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
+* :class:`ShardedFullyConnected`: what a fully-connected layer of which each rank holds one block (hybrid_fc's
+  head) tells K-FAC so its factors and its preconditioned gradient are the whole layer's, see
+  :class:`lightning_hpc.kfac.layers.ShardedLinearHandler`.
 
 No Lightning import here: the plain-torch cores import this module.
 """
@@ -26,6 +29,7 @@ __all__ = [
     "CommunicationBackendAware",
     "PostponedUpdateSafe",
     "TiledConvolution",
+    "ShardedFullyConnected",
     "contract_of",
     "data_parallel_size",
 ]
@@ -107,3 +111,27 @@ class TiledConvolution(Protocol):
 
     @property
     def kfac_partition_size(self) -> int: ...
+
+
+@runtime_checkable
+class ShardedFullyConnected(Protocol):
+    """``nn.Linear(in_features, out_features)`` of which this rank holds one block (hybrid_fc's head layers).
+
+    ``layout`` ``"col"``: this rank holds the rows ``kfac_block("out")`` of the weight (a block of output neurons)
+    and of the bias, and sees the whole input; ``"row"``: the columns ``kfac_block("in")`` of the weight (a block of
+    input neurons, which is all of the input it sees), the bias block ``kfac_block("out")``, and its output is a
+    partial sum over its inputs whose gradient is the whole output's.  Every call's rows are samples of their own
+    (one sub-batch of the ranks' samples per call), and the output gradients a backward pass delivers are
+    ``1 / kfac_grad_scale`` times those of the mean loss over all ranks' samples (the layer's parameter gradients
+    are scaled by ``kfac_grad_scale``).  ``kfac_gather(t, side, dim)`` concatenates every rank's block of the
+    ``side`` (``"in"`` / ``"out"``) features of ``t`` along ``dim``: a collective over the layer's ranks.
+    """
+
+    in_features: int
+    out_features: int
+    layout: str
+    kfac_grad_scale: float
+
+    def kfac_block(self, side: str) -> tuple[int, int]: ...
+
+    def kfac_gather(self, t: torch.Tensor, side: str, dim: int) -> torch.Tensor: ...

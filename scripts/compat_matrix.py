@@ -152,9 +152,11 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "`spatial3d` is `SpatialParallelStrategy(spatial_parts=(2, 1, 1))` with the user's CNN on volumes "
         "(2 x 4 x 6 x 6 samples, a Conv3d backbone: sub-volumes split along D; the rows whose data are not the "
         "user's images run as they are); "
-        "`kfac_ddp` / `kfac_layered_sgd` / `kfac_horovod` / `kfac_spatial` are the `KFAC` callback under that "
-        "strategy (reference: KFAC on one process on the global batch; for `kfac_spatial`, on the same samples); "
-        "the `spatial3d` and `kfac_spatial` cells run in the slow test tier; `multigrid_pm` is "
+        "`kfac_ddp` / `kfac_layered_sgd` / `kfac_horovod` / `kfac_spatial` / `kfac_hybrid_fc` are the `KFAC` "
+        "callback under that strategy (reference: KFAC on one process on the global batch; for `kfac_spatial`, on "
+        "the same samples; under `kfac_hybrid_fc` every layer is preconditioned, each sharded head layer as the "
+        "whole layer, see docs/kfac.md); "
+        "the `spatial3d`, `kfac_spatial` and `kfac_hybrid_fc` cells run in the slow test tier; `multigrid_pm` is "
         "`MultigridStrategy(mode='pm')` (the trunk's "
         "steps split over the 2 ranks, serial evaluation), `multigrid` is mode 'mg' (an iterative solve, not exact "
         "by design: its cells are bounded (MG) or refused). The multigrid columns train a deep ODE-ResNet (the form "
@@ -196,7 +198,10 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "",
         "bf16-mixed under KFAC has no bound against one process on the global batch (K-FAC's preconditioner "
         "amplifies the per-rank bf16 rounding: the 2-process weights differ from one bf16 process by ~70% of bf16's "
-        "own effect, against 5% without K-FAC); its cells are exact on micro-batches. "
+        "own effect, against 5% without K-FAC); its cells are exact on micro-batches. Under `kfac_hybrid_fc`, whose "
+        "head mixes the ranks' samples in its sub-batches (no micro-batch reference), bf16-mixed is bounded at 1x "
+        "bf16's own effect (measured 0.48x; the head left unpreconditioned: 8.9x) and 16-mixed through "
+        "`KFACMixedPrecision` at 25% of float16's own effect (measured 1%). "
         "Not in this matrix (tested against its own tolerances in `tests/multigrid/`): the multigrid strategy's "
         "mode 'mg' with other hierarchies, cycle counts or depths than the bounded (MG) cells'.",
         "",

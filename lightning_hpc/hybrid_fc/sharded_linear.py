@@ -14,6 +14,7 @@ from torch import nn
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
+from lightning_hpc.hybrid_fc.collectives import HeadComm
 from lightning_hpc.hybrid_fc.functions import scale_grad
 
 __all__ = ["ShardedLinear", "gather_shard_tensors"]
@@ -52,6 +53,8 @@ class ShardedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_bounds = block_bounds(self.out_features, k)
         self.in_bounds = block_bounds(self.in_features, k)
+        #: the scale of the last forward's parameter gradients (1/K for the per-step update; see ``forward``)
+        self.kfac_grad_scale = 1.0 / k
         w = linear.weight.detach()
         if w.is_meta:
             dev = torch.device("cpu") if device is None else torch.device(device)
@@ -86,6 +89,22 @@ class ShardedLinear(nn.Module):
         self.weight = as_block_parameter(self.weight, group)
         if self.bias is not None:
             self.bias = as_block_parameter(self.bias, group)
+
+    # -- what K-FAC asks of a sharded layer (lightning_hpc.protocols.ShardedFullyConnected) ----------------
+    def kfac_block(self, side: str) -> tuple[int, int]:
+        """[start, stop) of this rank's block of the ``"in"`` or ``"out"`` features."""
+        return (self.in_bounds if side == "in" else self.out_bounds)[self.rank]
+
+    def kfac_gather(self, t: torch.Tensor, side: str, dim: int) -> torch.Tensor:
+        """Every rank's block of the ``side`` features of ``t`` (this rank's along ``dim``), concatenated along
+        ``dim``: the whole layer's.  Collective over the head's ranks."""
+        if self.k == 1:
+            return t
+        sizes = self.in_sizes if side == "in" else self.out_sizes
+        # the head's group, which the parameters are blocks over (partition_parameters; None: the world)
+        partition = getattr(self.weight, "_partition", None)
+        group = partition.group if partition is not None else None
+        return HeadComm(group).all_gather(t.contiguous(), sizes, dim=dim)
 
     # -- shard geometry ------------------------------------------------------------------------------------
     @property
@@ -130,6 +149,7 @@ class ShardedLinear(nn.Module):
         """``col``: x (n, in) replicated -> (n, out block).  ``row``: x (n, in block) -> partial sums (n, out).
 
         ``grad_scale`` multiplies the gradients reaching the shard (1/K for the per-step update)."""
+        self.kfac_grad_scale = grad_scale
         # the plain blocks: the layer's own products are the block's, whatever a user reduction over them means
         weight = scale_grad(local_block(self.weight), grad_scale)
         bias = None if self.bias is None else scale_grad(local_block(self.bias), grad_scale)

@@ -294,15 +294,19 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             )
 
     @property
-    def kfac_note(self) -> str | None:
-        """What the :class:`~lightning_hpc.KFAC` callback leaves out under this strategy (warned at its setup)."""
-        if not self._parallelized:
-            return None
-        head = find_hybrid_head(self._search_root())
-        return (
-            f"KFAC preconditions only the data-parallel trunk under strategy='hybrid_fc': the {len(head.shards)} "
-            "sharded fully-connected head layer(s) are not K-FAC layers and get the optimizer's plain gradients"
-        )
+    def kfac_unsupported(self) -> str | None:
+        """The :class:`~lightning_hpc.KFAC` callback preconditions the sharded head layers as whole layers (their
+        factors and gradients gathered at the step, :class:`lightning_hpc.kfac.layers.ShardedLinearHandler`), which
+        needs the head's gradients of the optimizer step: the per-sub-batch update steps the head inside the forward
+        pass instead."""
+        if self.fc_update == "per_subbatch":
+            return (
+                "KFAC under strategy='hybrid_fc' with fc_update='per_subbatch': the head is updated by its own "
+                "optimizer step after every sub-batch, inside the forward pass, where K-FAC preconditions once per "
+                "optimizer step with the whole step's factors. Use fc_update='per_step' (the default: the whole head "
+                "is preconditioned as on one process), or remove the KFAC callback"
+            )
+        return None
 
     def _search_root(self) -> torch.nn.Module:
         """The module searched for the head: the LightningModule, or its ``model_attr`` attribute."""

@@ -19,7 +19,8 @@ It only translates Lightning hooks:
   only (``postponed_update_safe``: layered SGD may run it when it applies its postponed update).  Under a
   strategy that does not follow trainability changes (Lightning's DDP), parameters that became trainable or
   frozen since ``on_fit_start`` are refused here, before the step on their unreduced gradients.
-* ``state_dict`` / ``load_state_dict``: factors, decompositions and counters travel in Lightning checkpoints.
+* ``state_dict`` / ``load_state_dict``: factors, decompositions and counters travel in Lightning checkpoints
+  (restored at ``on_fit_start``, or at once under a strategy that restores the checkpoint after its setup).
 """
 
 from __future__ import annotations
@@ -229,6 +230,12 @@ class KFAC(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
+            return
+        if self.preconditioner is not None:
+            # a strategy that restores the checkpoint after its setup (restore_checkpoint_after_setup: hybrid_fc
+            # restores into its sharded model), which Lightning does after on_fit_start: the layers are hooked and
+            # on their device already
+            self.preconditioner.load_state_dict(state_dict)
             return
         # Lightning restores callbacks before the strategy moves the model to its device: the factors are placed
         # on the layers' device at fit start (on_fit_start), once the parameters are where they train

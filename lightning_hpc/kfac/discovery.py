@@ -32,6 +32,7 @@ from lightning_hpc.kfac.layers import (
     linear_batch_dim,
     make_handlers,
 )
+from lightning_hpc.protocols import ShardedFullyConnected
 
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
 
@@ -58,7 +59,7 @@ def skip_reason(
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups > 1 and \
             hasattr(module, "kfac_padded_input"):
         return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
-    if not isinstance(module, SUPPORTED):
+    if not isinstance(module, (*SUPPORTED, ShardedFullyConnected)):
         return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d, "
                 "nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, "
                 "nn.InstanceNorm1d/2d/3d "

@@ -231,6 +231,15 @@ class KFACPreconditioner:
         before returning (``async_collectives = False``) gets the synchronous path, with a warning."""
         if not self.options.overlap_factor_allreduce or self.comm.world_size == 1:
             return None
+        gathered = [h.name for h in self.handlers if h.gathers_statistics]
+        if gathered:
+            # their factors need a gather over the layer's ranks at the step, which backward hooks cannot run in
+            # the same order on every rank
+            raise ValueError(
+                f"K-FAC overlap_factor_allreduce=True: layer(s) {gathered[:5]} are sharded over ranks (hybrid_fc's "
+                "fully-connected head), whose factors are gathered whole at the optimizer step; use "
+                "overlap_factor_allreduce=False (the default), or skip_layers=[...] to leave them to the optimizer"
+            )
         if not self.comm.async_collectives:
             warnings.warn(
                 f"K-FAC overlap_factor_allreduce: {type(self.comm).__name__} has no asynchronous collectives; the "

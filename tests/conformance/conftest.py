@@ -22,6 +22,7 @@ from cells import (
     REFERENCE_DDP,
     ROUNDING_BOUNDED,
     SLOW_COLUMNS,
+    float32_reference,
     kfac_reference,
     micro_batch_reference,
     under_horovodrun,
@@ -63,10 +64,11 @@ class Runs:
         """One process on the global batch of ``data_parallel`` ranks (with the KFAC callback: ``kfac``)."""
         strategy = "kfac_auto" if kfac else "auto"
         cells = [*EXACT, *DIFFERS, *ROUNDING_BOUNDED, *BOUNDED, *BOUNDED_MG]
-        cells += [(s, c.replace("bf16_mixed", "fp32_for_bf16")) for s, c in BOUNDED]
+        cells += [(s, float32_reference(c)) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
-                        and kfac_reference(s) == kfac and _selected(c) and s not in self.skip_columns})
+                        and kfac_reference(s) == kfac and _selected(c)
+                        and s.removesuffix("_find_unused") not in self.skip_columns})
         key = f"one_{strategy}_dp{data_parallel}"
         log = self._ensure(key, key, 1, [f"{strategy}:{c}" for c in cases], data_parallel)
         return read(self.root / key, strategy, case, log, 1)
@@ -89,7 +91,7 @@ class Runs:
         dp = DATA_PARALLEL.get(strategy, 2)
         items = [f"{s}:{c}" for s, c in ALL_CELLS
                  if c.endswith("_2_to_1") and under_horovodrun(s) == horovod and DATA_PARALLEL.get(s, 2) == dp
-                 and s not in self.skip_columns]
+                 and s.removesuffix("_find_unused") not in self.skip_columns]
         for item in items:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs

@@ -320,14 +320,14 @@ def _numpy(state: dict) -> dict:
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=1, damping=0.01, kl_clip=0.01)
 
 
-def serial_kfac_trunk_params(k: int, steps: int) -> dict[str, torch.Tensor]:
-    """Serial reference of hybrid_fc + KFAC: one process, the concatenated batches, K-FAC on the trunk only (the
-    head's Linear layers are skipped: under hybrid_fc they are sharded and left to the optimizer)."""
+def serial_kfac_params(k: int, steps: int, skip_layers: str | None = None) -> dict[str, torch.Tensor]:
+    """Serial reference of hybrid_fc + KFAC: one process, the concatenated batches, K-FAC on every layer (the
+    sharded head is preconditioned as whole layers); ``skip_layers="Linear"``: the head left to the optimizer."""
     from lightning_hpc.kfac import KFACPreconditioner
 
     ref = small_model()
     opt = sgd(ref.parameters())
-    pre = KFACPreconditioner(ref, optimizer=opt, skip_layers="Linear", **KFAC_OPTIONS)
+    pre = KFACPreconditioner(ref, optimizer=opt, skip_layers=skip_layers, announce=False, **KFAC_OPTIONS)
     for step in range(steps):
         x, y = batch(step, k)
         opt.zero_grad()
@@ -338,10 +338,11 @@ def serial_kfac_trunk_params(k: int, steps: int) -> dict[str, torch.Tensor]:
 
 
 def lightning_equivalence(
-    rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False
+    rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False,
+    layouts: list[str] | None = None,
 ) -> dict:
-    """Train through Lightning's Trainer with HybridParallelStrategy (and the KFAC callback when ``kfac``);
-    return the full parameters afterwards."""
+    """Train through Lightning's Trainer with HybridParallelStrategy (and the KFAC callback when ``kfac``; the head
+    layers' ``layouts`` forced when given); return the full parameters afterwards."""
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -356,7 +357,7 @@ def lightning_equivalence(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=k,
-        strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update),
+        strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update, layouts=layouts),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,

@@ -73,7 +73,7 @@ def test_conv_patch_gram_of_a_strided_input():
 @pytest.mark.parametrize("unbatched", [False, True])
 def test_conv_handler_uses_correlations_exactly(monkeypatch, bias, unbatched):
     """ConvHandler.input_gram (bias folded, unbatched input) equals the unfolded path's sums in float64."""
-    monkeypatch.setattr(layers, "SHIFTED_GRAM_MIN_WORK", 0)
+    monkeypatch.setattr(layers.conv, "SHIFTED_GRAM_MIN_WORK", 0)
     torch.manual_seed(5)
     conv = nn.Conv2d(4, 3, 3, padding=1, bias=bias).double()
     handler = layers.ConvHandler("conv", conv)
@@ -99,7 +99,7 @@ def test_conv_handler_uses_correlations_exactly(monkeypatch, bias, unbatched):
     ids=["stride", "dilation", "reflect", "padding_over_k-1", "1x1"],
 )
 def test_conv_handler_keeps_patches_where_correlations_do_not_apply(monkeypatch, conv):
-    monkeypatch.setattr(layers, "SHIFTED_GRAM_MIN_WORK", 0)
+    monkeypatch.setattr(layers.conv, "SHIFTED_GRAM_MIN_WORK", 0)
     assert layers.ConvHandler("conv", conv)._shifted_padding(torch.randn(2, 8, 9, 9)) is None
 
 
@@ -117,7 +117,7 @@ def test_kfac_factors_equal_with_and_without_correlations(monkeypatch):
     float32 factors through the correlations as through the unfolded patches, to float32 rounding."""
 
     def factors(shifted: bool) -> dict[str, dict[str, torch.Tensor]]:
-        monkeypatch.setattr(layers, "SHIFTED_GRAM_MIN_WORK", 0 if shifted else 1 << 62)
+        monkeypatch.setattr(layers.conv, "SHIFTED_GRAM_MIN_WORK", 0 if shifted else 1 << 62)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, bias=False), nn.ReLU(),
                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))  # fmt: skip

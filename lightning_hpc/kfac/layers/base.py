@@ -1,0 +1,423 @@
+"""The handler every K-FAC layer family builds on (:class:`LayerHandler`): one layer's captured statistics, its
+running factors and their decompositions, and the verbs on them (capture and accumulate, pack for the all-reduce,
+fold into the running average, decompose, precondition, load state). A family's handler says how the layer's input
+and output gradient become the rows of A and G and, where its curvature is not two dense Kronecker factors, the
+forms of its factors (:meth:`LayerHandler.factor_forms`, :mod:`~lightning_hpc.kfac.forms`).
+
+Scaling convention (damping depends on it)
+-------------------------------------------
+Let ``B`` be the number of samples that contributed to the optimizer step on this rank (all micro-batches of
+an accumulated step), ``t`` run over the ``T`` spatial positions of a convolution (``T = 1`` for Linear), ``a``
+be the layer input at one position (for Conv2d, the unfolded ``C_in * kh * kw`` patch; a trailing 1 when the
+layer has a bias, so the bias is folded into A) and ``ds`` the gradient of the *per-sample* loss with respect
+to the layer output at that position. Then (Grosse & Martens, KFC, 2016)::
+
+    A = 1/(B T) * sum_n sum_t a a^T          (mean over samples and positions)
+    G = 1/B     * sum_n sum_t ds ds^T        (mean over samples, sum over positions)
+
+so ``A (x) G`` equals KFC's ``Omega (x) Gamma = (sum_t E[a a^T]) (x) (1/T sum_t E[ds ds^T])`` and also the
+product used by the SC20 code (which puts 1/T on A and T^2 on G); the eigen method (Eq 13-15) only sees that
+product, so the paper's damping values carry over. For a Linear layer both are the usual batch means.
+
+The loss of an optimizer step is assumed to be the mean over its ``B`` samples (``batch_averaged=True``, as
+``F.cross_entropy`` and Lightning's division of accumulated losses by the number of micro-batches give), so
+``ds = B * grad_output`` and ``G = B * sum grad_output grad_output^T``. With ``batch_averaged=False`` (a summed
+loss) ``ds = grad_output`` and ``G = 1/B * sum grad_output grad_output^T``.
+
+Factors are formed in float32, or in float64 for a float64 model (:func:`stat_dtype`).  Statistics are accumulated
+as raw sums while the micro-batches run and normalised once in
+:meth:`LayerHandler.batch_factors`, so an accumulated step covers all of its micro-batches exactly.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
+from lightning_hpc.kfac.methods import ComputeMethod
+
+__all__ = ["LayerHandler", "stat_dtype"]
+
+
+def stat_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype factor statistics are formed in: float32, or the tensor's own when it is wider (a float64 model
+    gets float64 factors, so its K-FAC steps do not depend on how the batch is split over ranks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class LayerHandler:
+    """Factor statistics and gradient reshaping for one layer.
+
+    ``a_dim`` / ``g_dim`` are the sides of A and G. The gradient is handled as the matrix
+    ``[W | b]`` of shape ``(g_dim, a_dim)``.
+    """
+
+    #: ranks whose batch factors are partial sums of one sample group's factor (> 1 for spatially tiled layers)
+    partition_size: int = 1
+    #: the layer must be told before a capturing forward (see :meth:`prepare_capture`)
+    records_input: bool = False
+    #: least dtype the statistics are computed in: float32, or float64 with ``factor_dtype=float64``
+    stat_dtype: torch.dtype = torch.float32
+    #: the statistics are completed by a collective when the step forms the factors (a sharded layer's)
+    gathers_statistics: bool = False
+
+    def dtype_for(self, t: torch.Tensor) -> torch.dtype:
+        """The dtype this layer's statistics of ``t`` are formed in: :attr:`stat_dtype`, or ``t``'s own when it
+        is wider (:func:`stat_dtype`: a float64 model gets float64 factors)."""
+        return torch.promote_types(stat_dtype(t), self.stat_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The layer's weight parameter (typed: ``nn.Module.__getattr__`` is not)."""
+        return cast(torch.Tensor, self.module.weight)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The layer's bias parameter; only used when :attr:`has_bias`."""
+        return cast(torch.Tensor, self.module.bias)
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        bias = getattr(module, "bias", None)
+        #: the bias is folded into A (and preconditioned with the weight) only when it trains: a frozen bias is
+        #: neither part of the factors nor given a ``.grad``
+        self.has_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
+        #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
+        self.max_calls_per_forward = 0
+        # never reset: a hook of a discarded forward pass must not match a later call's token
+        self._next_token = 0
+        self._forward_id = 0
+        self.reset_statistics()
+        #: the running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
+        #: factor update
+        self.factors: dict[str, torch.Tensor] = {}
+        #: the decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
+        #: until the first decomposition, and on ranks outside the layer's gradient-worker group
+        self.decompositions: dict[str, torch.Tensor] = {}
+
+    # -- sizes -------------------------------------------------------------------------------------------
+    @property
+    def a_dim(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def g_dim(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # -- statistics --------------------------------------------------------------------------------------
+    def reset_statistics(self) -> None:
+        """Forget what the hooks captured (called after every optimizer step and on skipped AMP steps)."""
+        self.discard_committed()
+        # A call's input statistics wait here until its output gradient arrives (then both are committed): a
+        # forward pass that is never backpropagated (a skipped training_step, a loss not used) leaves nothing.
+        self._pending: dict[int, tuple[torch.Tensor, int, int, int]] = {}
+        self._in_forward = False
+
+    def discard_committed(self) -> None:
+        """Forget the statistics of completed backward passes (calls still waiting for theirs are kept)."""
+        self.a_sum: torch.Tensor | None = None
+        self.a_rows = 0
+        self.g_sum: torch.Tensor | None = None
+        self.samples = 0
+        self.g_samples = 0
+        #: calls committed since the statistics were last discarded (tells whether they changed since a point)
+        self.commits = 0
+        #: dtype of the captured output gradients (float16 ones carry an AMP loss scale)
+        self.g_dtype: torch.dtype | None = None
+        # Samples are counted once per forward pass (its largest call), not once per call: a layer applied k
+        # times per sample is one layer at k positions (KFC's weight sharing), so its G equals the one of a single
+        # call on the k inputs stacked along a position dimension. A forward pass is the calls between two
+        # backward passes of the layer.
+        self._forward_counted: dict[int, tuple[int, int]] = {}  # forward id -> (samples counted, calls committed)
+
+    def sample_count(self, x: torch.Tensor) -> int:
+        """Samples in the captured input ``x`` (its batch dimension; 1 for an unbatched input)."""
+        return x.shape[0] if x.dim() > 1 else 1
+
+    def is_stale(self) -> bool:
+        """True when statistics from a completed backward pass are held but the weight's gradient was cleared
+        since (``zero_grad`` without :meth:`KFACPreconditioner.step`, e.g. a step skipped by the user or a
+        grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
+        if self.g_sum is None:
+            return False
+        grad = self.weight.grad
+        return grad is None or not bool(grad.any())
+
+    def prepare_capture(self, capturing: bool) -> None:
+        """Called before the layer's forward when :attr:`records_input` is set."""
+
+    def captured_input(self, inputs: tuple) -> torch.Tensor | None:
+        """The tensor whose statistics form A, taken after the forward (default: the layer's input)."""
+        return inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+
+    def input_rows(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
+        """The layer input as rows ``a`` (one per sample and position), float32, bias column appended."""
+        raise NotImplementedError
+
+    def output_rows(self, g: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
+        """The output gradient as rows (one per sample and position), float32."""
+        raise NotImplementedError
+
+    def _with_bias(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.has_bias:
+            return rows
+        return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(sum of a a^T over the rows of x, number of rows)``; handlers compute it without forming the rows.
+
+        :meth:`input_rows` / :meth:`output_rows` are the plain definitions; the grams are computed from
+        cache-sized chunks with a symmetric product (:func:`~lightning_hpc.kfac.linalg.sym_gram`) instead.
+        """
+        rows = self.input_rows(x)
+        return rows.t() @ rows, rows.shape[0]
+
+    def output_gram(self, g: torch.Tensor) -> torch.Tensor:
+        rows = self.output_rows(g)
+        return rows.t() @ rows
+
+    def _fold_bias(self, gram: torch.Tensor, colsum: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """``[[sum a a^T, sum a], [sum a^T, rows]]``: the bias's constant-1 input appended analytically."""
+        if not self.has_bias:
+            return gram
+        assert colsum is not None
+        k = gram.shape[0]
+        out = gram.new_empty(k + 1, k + 1)
+        out[:k, :k] = gram
+        out[:k, k] = colsum
+        out[k, :k] = colsum
+        out[k, k] = rows
+        return out
+
+    #: the layer has no statistics for one tile of a split activation (a tensor subclass that carries its
+    #: partition, e.g. the spatial strategy's): such an input is refused instead of giving one tile's factors
+    refuses_split_input: bool = False
+
+    def captures(self, x: torch.Tensor) -> bool:
+        """Whether this forward's input gives the layer statistics (False: the call is not captured)."""
+        return True
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse, naming the layer and the fix, an input this handler's statistics do not cover."""
+        if self.refuses_split_input and type(x) is not torch.Tensor:
+            raise RuntimeError(
+                f"K-FAC layer {self.name!r} ({type(self.module).__name__}) got a {type(x).__name__} input (one tile "
+                "of a split activation): K-FAC has no tiled statistics for this layer type; leave it to the "
+                f"optimizer with KFAC(skip_layers=[{self.name.split('#')[0]!r}])"
+            )
+
+    @torch.no_grad()
+    def capture_input(self, x: torch.Tensor) -> int:
+        """Compute the input statistics of one call; returns the token :meth:`capture_output_grad` commits."""
+        self.check_input(x)
+        # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
+        with torch.autocast(x.device.type, enabled=False):
+            contrib, rows = self.input_gram(x)
+        if not self._in_forward:  # first call since the last backward pass: a new forward pass
+            self._in_forward = True
+            self._forward_id += 1
+        token = self._next_token
+        self._next_token += 1
+        self._pending[token] = (contrib, rows, self.sample_count(x), self._forward_id)
+        return token
+
+    @torch.no_grad()
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        """Add the output-gradient statistics of the call ``token`` and commit its input statistics; False when
+        they had been discarded since its forward pass (nothing committed)."""
+        self._in_forward = False  # the backward pass ends the forward pass's calls
+        pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
+        if pending is None:  # statistics discarded since the forward pass
+            return False
+        a, rows, n, forward_id = pending
+        with torch.autocast(g.device.type, enabled=False):
+            self.accumulate(a, rows, g)
+        self.g_samples += g.shape[0]
+        self.g_dtype = g.dtype
+        counted, calls = self._forward_counted.get(forward_id, (0, 0))
+        if n > counted:
+            self.samples += n - counted
+        self._forward_counted[forward_id] = (max(n, counted), calls + 1)
+        self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
+        self.commits += 1
+        return True
+
+    def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
+        """Add one call's statistics to the sums: its input statistic (:meth:`input_gram`, computed in the forward
+        pass) and ``rows``, and the Gram of its output gradient ``g``."""
+        contrib = self.output_gram(g)
+        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+        self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
+        self.a_rows += rows
+
+    def awaiting_output_grads(self) -> bool:
+        """Calls of the latest forward pass whose output gradient has not arrived yet (a layer called several
+        times per forward pass receives one per call; a call whose output does not reach the loss never does)."""
+        return any(p[3] == self._forward_id for p in self._pending.values())
+
+    @property
+    def has_statistics(self) -> bool:
+        return self.a_sum is not None and self.g_sum is not None
+
+    def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, G) of the captured micro-batches following the module docstring's convention.
+
+        ``grad_scale`` is the loss scale the output gradients were multiplied by (AMP); G is unscaled by it.
+        """
+        if not self.has_statistics:
+            raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
+        assert self.a_sum is not None and self.g_sum is not None
+        b = max(self.samples, 1)
+        a = self.a_sum / self.a_rows
+        g = self.g_sum * (b if batch_averaged else 1.0 / b)
+        if grad_scale != 1.0:
+            g = g / (grad_scale * grad_scale)
+        return a, g
+
+    # -- factor forms ------------------------------------------------------------------------------------
+    #: what the setup report says about the layer's factors when they are not KFC's dense A and G
+    form_note: str = ""
+    #: the factors built from output gradients: an AMP loss scale enters them squared (see :meth:`unscale`)
+    output_gradient_factors: tuple[str, ...] = ("G",)
+
+    def factor_forms(self) -> dict[str, FactorForm]:
+        """The layer's factors by name and form (:mod:`.forms`): KFC's dense A and G."""
+        return {"A": DenseForm(self.a_dim), "G": DenseForm(self.g_dim)}
+
+    def layer_forms(self) -> LayerForms:
+        """The factors and the gradient matrix's shape, as the placement and ``plan-kfac`` price them."""
+        return LayerForms(self.factor_forms(), (self.g_dim, self.a_dim))
+
+    def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
+        """This step's factors by name (:meth:`factor_forms`), from the captured micro-batches."""
+        return dict(zip(("A", "G"), self.batch_factors(grad_scale, batch_averaged)))
+
+    def packed_numel(self, symmetric: bool) -> int:
+        """Elements of this layer's factors in the all-reduce (:meth:`pack_factors`)."""
+        return sum(form.packed_numel(symmetric) for form in self.factor_forms().values())
+
+    def pack_factors(self, factors: dict[str, torch.Tensor], symmetric: bool) -> torch.Tensor:
+        """This step's factors as the one vector the all-reduce averages, each packed by its form (``symmetric``:
+        upper triangles). A spatially tiled layer's partial factors are scaled by :attr:`partition_size`: a sample
+        group's factor is the sum over its ranks (:class:`TiledConvHandler`), so the world mean becomes the mean
+        over sample groups of those sums."""
+        scale = self.partition_size
+        return torch.cat([form.pack(factors[k] * scale if scale > 1 else factors[k], symmetric)
+                          for k, form in self.factor_forms().items()])  # fmt: skip
+
+    def unpack_factors(self, flat: torch.Tensor, symmetric: bool) -> dict[str, torch.Tensor]:
+        """The factors from :meth:`pack_factors`'s (averaged) vector."""
+        out, offset = {}, 0
+        for k, form in self.factor_forms().items():
+            size = form.packed_numel(symmetric)
+            out[k] = form.unpack(flat[offset : offset + size], symmetric)
+            offset += size
+        return out
+
+    def unscale(self, factors: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
+        """``factors`` with the output-gradient ones divided by ``grad_scale**2`` (statistics reduced before the
+        loss scale was known: the overlapped all-reduce)."""
+        if grad_scale == 1.0:
+            return factors
+        s = grad_scale * grad_scale
+        return {k: v / s if k in self.output_gradient_factors else v for k, v in factors.items()}
+
+    def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
+                     damping: float) -> torch.Tensor:
+        """The preconditioned ``(g_dim, a_dim)`` gradient matrix from the layer's decompositions (keys
+        ``f"{name}_{factor}"``): ``(A (x) G + damping I)^-1 vec(grad)`` by the compute method (Eq 13-15 / 11-12)."""
+        return method.precondition(grad, decompositions, damping)
+
+    # -- running factors and decompositions ---------------------------------------------------------------
+    def fold(self, batch: dict[str, torch.Tensor], decay: float, dtype: torch.dtype) -> None:
+        """Fold this step's (rank-averaged) factors into the running averages stored in ``dtype`` (Eq 16-17:
+        ``decay`` weighs the old average; the first update takes the batch factors)."""
+        if not self.factors:
+            self.factors = {k: f.to(dtype, copy=True) for k, f in batch.items()}
+            return
+        for k, new in batch.items():
+            running = self.factors[k]
+            if new.dtype == dtype:
+                running.mul_(decay).add_(new, alpha=1.0 - decay)
+            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
+                running.copy_(running.to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
+
+    def result_shapes(self, kind: str, method: ComputeMethod) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the decomposition of factor ``kind`` (what a broadcast or checkpoint carries)."""
+        return self.factor_forms()[kind].result_shapes(method)
+
+    def decompose(self, kind: str, method: ComputeMethod, damping: float, dtype: torch.dtype,
+                  storage: torch.dtype) -> dict[str, torch.Tensor]:
+        """The decomposition of the running factor ``kind`` computed in ``dtype``, stored in ``storage``. When every
+        fallback fails (:mod:`.linalg`), the previous decomposition, or before any an identity factor's (the step
+        is then a damped SGD step): what the layer's other workers receive, so every rank stays identical."""
+        form = self.factor_forms()[kind]
+        factor = self.factors[kind]
+        res = form.decompose(factor, method, damping, dtype, f"{self.name}.{kind}")
+        if res is None:
+            if self.decompositions:
+                res = {k: self.decompositions[f"{k}_{kind}"] for k in form.result_shapes(method)}
+            else:
+                res = form.identity(method, damping, dtype, factor.device)
+        return {k: v.to(storage) for k, v in res.items()}
+
+    def set_decomposition(self, kind: str, res: dict[str, torch.Tensor]) -> None:
+        """Keep ``res`` (:meth:`decompose`'s, computed here or received) as factor ``kind``'s decomposition."""
+        for k, v in res.items():
+            self.decompositions[f"{k}_{kind}"] = v
+
+    def decomposition_of(self, kind: str, method: ComputeMethod) -> dict[str, torch.Tensor]:
+        """Factor ``kind``'s part of :attr:`decompositions`, by its own names (for a broadcast)."""
+        return {k: self.decompositions[f"{k}_{kind}"] for k in self.result_shapes(kind, method)}
+
+    def load_state(self, factors: dict[str, torch.Tensor], decompositions: dict[str, torch.Tensor],
+                   factor_dtype: torch.dtype, inverse_dtype: torch.dtype) -> None:
+        """Take a checkpoint's running factors and decompositions (empty dicts: none), on the layer's device in the
+        storage dtypes."""
+        device = self.weight.device
+        self.factors = {k: v.to(device, factor_dtype) for k, v in factors.items()}
+        self.decompositions = {k: v.to(device, inverse_dtype) for k, v in decompositions.items()}
+
+    def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:
+        decompositions stored narrower are widened to it first)."""
+        d = self.decompositions
+        if any(v.dtype != dtype for v in d.values()):
+            d = {k: v.to(dtype) for k, v in d.items()}
+        return self.precondition(grad, d, method, damping)
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    #: the rows of ``weight`` (and ``bias``) this handler preconditions: all of them, or one group's
+    rows: slice = slice(None)
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """``[dW | db]`` (this handler's :attr:`rows`) as a ``(g_dim, a_dim)`` matrix, or None when the weight has
+        no gradient."""
+        w = self.weight
+        if w.grad is None:
+            return None
+        mat = w.grad[self.rows].reshape(self.g_dim, -1)
+        if self.has_bias:
+            b = self.bias
+            bgrad = b.grad if b.grad is not None else torch.zeros_like(b)
+            mat = torch.cat([mat, bgrad[self.rows].reshape(-1, 1)], dim=1)
+        return mat
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` (this handler's :attr:`rows`) in place (dtype of
+        the gradient kept)."""
+        w = self.weight
+        assert w.grad is not None
+        n_w = mat.shape[1] - (1 if self.has_bias else 0)
+        w.grad[self.rows].copy_(mat[:, :n_w].reshape_as(w.grad[self.rows]))
+        if self.has_bias:
+            b = self.bias
+            if b.grad is None:
+                b.grad = torch.zeros_like(b)
+            b.grad[self.rows].copy_(mat[:, n_w])

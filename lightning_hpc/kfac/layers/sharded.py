@@ -1,0 +1,155 @@
+"""K-FAC for a fully-connected layer split over ranks (hybrid_fc's head,
+:class:`~lightning_hpc.protocols.ShardedFullyConnected`): the whole layer's Linear factors (Martens & Grosse 2015),
+the side each rank sees as a block gathered at the step, so every rank preconditions the layer as one process does
+and keeps its own block of the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from lightning_hpc._compat import disable_torch_function_subclass
+from lightning_hpc.kfac.layers.linear import LinearHandler
+from lightning_hpc.kfac.linalg import sym_gram
+
+__all__ = ["ShardedLinearHandler"]
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor of a model-parallel block (a :class:`~lightning_hpc.distributed.partitioned.BlockTensor`
+    reduces over its group; the handler means this rank's block)."""
+    if type(t) is torch.Tensor:
+        return t
+    with disable_torch_function_subclass():
+        return t.as_subclass(torch.Tensor)
+
+
+class ShardedLinearHandler(LinearHandler):
+    """A fully-connected layer of which this rank holds one block (:class:`~lightning_hpc.protocols.
+    ShardedFullyConnected`: hybrid_fc's head), preconditioned as the whole layer, as one process does.
+
+    Each call is one sub-batch of the ranks' samples, the same rows on every rank, so the rows of all calls are the
+    step's samples (counted per call, not as positions of one forward pass).  The side of the layer a rank sees
+    whole gives its factor's Gram at once (a column block's input, a row block's output gradient); the other side's
+    rows are kept per call and all-gathered along the features at the step, so A and G are the whole layer's, from
+    every sample, and equal on every rank (the world mean of the factor all-reduce leaves them so).  The output
+    gradients carry ``1 / kfac_grad_scale`` times the mean loss's, undone before they enter G.  At the step the
+    gradient ``[dW | db]`` is gathered whole, preconditioned (and KL-clipped) as one process does it, and each rank
+    keeps its block.  The gathers are collectives at the step, in layer order: the overlapped factor all-reduce,
+    which would run them from backward hooks, is refused for such layers (:class:`KFACPreconditioner`)."""
+
+    gathers_statistics = True
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__(name, module)
+        self._token = -1  # the call whose output gradient is being committed
+
+    def reset_statistics(self) -> None:
+        super().reset_statistics()
+        #: the gradient scale of each pending call (the layer's ``kfac_grad_scale`` at its forward)
+        self._scales: dict[int, float] = {}
+
+    @property
+    def _layout(self) -> str:
+        return str(cast(Any, self.module).layout)
+
+    def discard_committed(self) -> None:
+        super().discard_committed()
+        #: (token, rows) of the side seen as a block: a row layer's inputs, a column layer's output gradients
+        self._blocks: list[tuple[int, torch.Tensor]] = []
+
+    def is_stale(self) -> bool:
+        if not self.commits:
+            return False
+        grad = self.weight.grad
+        return grad is None or not bool(_plain(grad).any())
+
+    @property
+    def has_statistics(self) -> bool:
+        return self.commits > 0
+
+    def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._layout == "col":  # the whole input: its Gram now
+            return super().input_gram(x)
+        rows = x.detach().reshape(-1, x.shape[-1]).to(self.dtype_for(x))
+        return rows, rows.shape[0]  # this rank's input block: gathered at the step
+
+    def capture_input(self, x: torch.Tensor) -> int:
+        self._in_forward = False  # every call is a sub-batch of samples of its own, not a position
+        token = super().capture_input(x)
+        self._scales[token] = float(cast(Any, self.module).kfac_grad_scale)
+        return token
+
+    def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
+        key = token if token is not None else max(self._pending, default=-1)
+        scale = self._scales.pop(key, 1.0)
+        self._token = key
+        return super().capture_output_grad(g * scale if scale != 1.0 else g, token)
+
+    def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
+        self.a_rows += rows
+        if self._layout == "col":
+            self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
+            self._blocks.append((self._token, self.output_rows(g)))
+        else:
+            contrib = self.output_gram(g)
+            self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+            self._blocks.append((self._token, input_stat))
+
+    def _gather_statistics(self) -> None:
+        """The whole layer's Gram of the blocked side, from every rank's block of every call (collective)."""
+        if not self._blocks:
+            return
+        m = cast(Any, self.module)
+        rows = torch.cat([r for _, r in sorted(self._blocks, key=lambda item: item[0])])
+        self._blocks = []
+        if self._layout == "col":
+            self.g_sum = sym_gram(m.kfac_gather(rows, "out", 1))[0]
+        else:
+            whole = m.kfac_gather(rows, "in", 1)
+            gram, colsum = sym_gram(whole, colsum=self.has_bias)
+            self.a_sum = self._fold_bias(gram, colsum, whole.shape[0])
+
+    def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        self._gather_statistics()
+        return super().batch_factors(grad_scale, batch_averaged)
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The whole layer's ``[dW | db]`` (collective: every rank's blocks gathered)."""
+        w = self.weight
+        if w.grad is None:
+            return None
+        m = cast(Any, self.module)
+        wg = _plain(w.grad)
+        bg = None
+        if self.has_bias:
+            bg = _plain(self.bias.grad) if self.bias.grad is not None else torch.zeros_like(_plain(self.bias))
+        if self._layout == "col":
+            mat = wg if bg is None else torch.cat([wg, bg.reshape(-1, 1)], dim=1)
+            return m.kfac_gather(mat, "out", 0)
+        mat = m.kfac_gather(wg, "in", 1)
+        if bg is not None:
+            mat = torch.cat([mat, m.kfac_gather(bg, "out", 0).reshape(-1, 1)], dim=1)
+        return mat
+
+    @torch.no_grad()
+    def set_grad_matrix(self, mat: torch.Tensor) -> None:
+        """This rank's blocks of the whole layer's preconditioned ``[dW | db]``."""
+        w = self.weight
+        assert w.grad is not None
+        m = cast(Any, self.module)
+        n_w = mat.shape[1] - (1 if self.has_bias else 0)
+        o0, o1 = m.kfac_block("out")
+        if self._layout == "col":
+            _plain(w.grad).copy_(mat[o0:o1, :n_w])
+        else:
+            i0, i1 = m.kfac_block("in")
+            _plain(w.grad).copy_(mat[:, i0:i1])
+        if self.has_bias:
+            b = self.bias
+            if b.grad is None:
+                b.grad = torch.zeros_like(b)
+            _plain(b.grad).copy_(mat[o0:o1, n_w])
