@@ -256,6 +256,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             metrics.activate(self.layout)
             refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
         _RUNS[0] += 1
+        if self._failures is not None:  # set up again without a teardown: the earlier run's listener ends
+            self._failures.stop()
         self._failures = _failure_messages(f"lightning_hpc/spatial/failure/{_RUNS[0]}")
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
