@@ -89,7 +89,9 @@ def compiled_module_type() -> type:
 
 def abort_process_groups() -> None:
     """Abort every process group of this process (torch's private registry of them), so that peers waiting on
-    this rank fail at once instead of at a collective timeout; a backend without ``abort`` is left as it is."""
+    this rank fail at once instead of at a collective timeout where the backend's ``abort`` closes its
+    connections (NCCL); gloo's closes nothing (torch 2.13: its peers are released when this process exits), and
+    a backend without ``abort`` is left as it is."""
     world = _private("torch.distributed.distributed_c10d", "_world")
     for group in list(world.pg_names):
         try:

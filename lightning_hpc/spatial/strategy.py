@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -44,6 +43,7 @@ from typing_extensions import override
 
 from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.failure import FailureMessages
 from lightning_hpc.distributed.partitioned import refuse_compiled
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
@@ -180,6 +180,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._prepared = False
         self._slice_batches = False
         self._warned_nothing_split = False
+        self._failures: FailureMessages | None = None  # a peer's failure message reaches this rank (setup)
 
     # -- layout ------------------------------------------------------------------------------------------------
     @property
@@ -255,7 +256,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             metrics.activate(self.layout)
             refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
         _RUNS[0] += 1
-        self._failure_key = f"lightning_hpc/spatial/failure/{_RUNS[0]}"
+        if self._failures is not None:  # set up again without a teardown: the earlier run's listener ends
+            self._failures.stop()
+        self._failures = _failure_messages(f"lightning_hpc/spatial/failure/{_RUNS[0]}")
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
             dm.set_spatial_tile(self.layout.grid.index, parts)
@@ -362,6 +365,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._failures is not None:
+            self._failures.stop()
+            self._failures = None
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
             refuse_reentrant(False)
@@ -426,31 +432,28 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failure on one rank ends every rank promptly with its message: the failing rank leaves the message in
-        the process group's store (and its exit closes its connections, so a peer waiting in a halo exchange
-        fails at once instead of at the collective timeout; rank 0, which hosts the store, closes them first and
-        keeps the store until its peers have read the message); a rank that failed because its peer went away
-        reports the peer's message."""
+        """A failure on one rank ends every rank promptly with its message: the failing rank hands the message to
+        every peer through the store (each peer's listening thread takes it at once, whatever its main thread is
+        waiting on) before it goes on to end; its exit closes its connections, so a peer waiting on it in a halo
+        exchange or a collective fails at once instead of at the collective timeout, and a rank that failed
+        because its peer went away reports the peer's message.  Rank 0 also aborts its process groups (backends
+        whose ``abort`` closes their connections, NCCL, release the peers before its exit; gloo's closes
+        nothing).  A refusal raised on every rank at once is each rank's own message, and no rank waits for
+        another to read it longer than the hand-over takes."""
         super().on_exception(exception)
-        key = getattr(self, "_failure_key", None)
-        if key is None or not dist.is_initialized():
-            return
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - no store: nothing to share
+        failures = self._failures
+        if failures is None or not dist.is_initialized():
             return
         rank, text = dist.get_rank(), f"{type(exception).__name__}: {exception}"
         try:
             if any(s in text for s in _COMM_FAILURE):
-                store.wait([key], timedelta(seconds=3))
-                peer = store.get(key).decode()
-                store.add(f"{key}/read", 1)
-                if not peer.startswith(f"rank {rank}:"):
+                peer = failures.received()
+                if peer is not None and not peer.startswith(f"rank {rank}:"):
                     exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
             else:
-                store.set(key, f"rank {rank}: {text}")
+                failures.publish(f"rank {rank}: {text}")
                 if rank == 0:
-                    _keep_store_until_read(store, key, dist.get_world_size())
+                    abort_process_groups()
         except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
             pass
 
@@ -615,16 +618,20 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         return out
 
 
-def _keep_store_until_read(store: Any, key: str, world: int, seconds: float = 30.0) -> None:
-    """Rank 0 failed, and rank 0 hosts the process group's store: its exit would take the message with it, and
-    the peers would report only the closed connection.  Its connections are closed now instead (every process
-    group aborted, so a peer waiting on it fails at once), and the store stays up until every peer has read the
-    message (each adds one to ``key/read``), for at most ``seconds`` (a peer busy in a long step reaches its next
-    collective, and so the message, only at the end of that step: on a loaded machine that took over 10 s)."""
-    abort_process_groups()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and store.add(f"{key}/read", 0) < world - 1:
-        time.sleep(0.05)
+def _failure_messages(key: str) -> FailureMessages | None:
+    """This rank's listener for a peer's failure message during one run (None: one process, or no store)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nothing to share
+        return None
+    failures = FailureMessages(store, key, dist.get_rank(), dist.get_world_size())
+    try:
+        failures.start()
+    except Exception:  # noqa: BLE001 - a store that cannot be cloned: failures end the peers without a message
+        return None
+    return failures
 
 
 def _paths(batch: Any, prefix: tuple = ()) -> list[tuple[tuple, Tensor]]:

@@ -468,22 +468,15 @@ def _one_rank_fails(rank, world, failing=1):
     return {"error": None, "seconds": time.monotonic() - t0}
 
 
-@pytest.mark.parametrize("failing", [
-    1,
-    pytest.param(0, marks=pytest.mark.xfail(strict=True, reason=(
-        "known defect since convolutions run through the op dispatch's tile kernels: when rank 0 fails, its peer "
-        "ends promptly but its read of rank 0's message fails on a closed store connection (also with a store of "
-        "its own for the message; cause not established), so it reports gloo's closed connection; strict: the "
-        "test fails as soon as the message arrives again"))),
-])
+@pytest.mark.parametrize("failing", [1, 0])
 def test_failure_on_one_rank_ends_every_rank_promptly(failing, monkeypatch):
     """One rank fails before its second step while its peer enters it (halo exchanges): the peer must not wait
     for the 100 s collective timeout, and ends with the failing rank's message -- also when the failing rank is
-    rank 0, which hosts the store the message travels through (its peer saw only gloo's closed connection).
+    rank 0, which hosts the store the message travels through: gloo releases the peer only when rank 0's process
+    exits, which takes the store with it, so the message must reach the peer before (its peer saw only gloo's
+    closed connection when it read the store after its release).
 
-    The ranks are fresh interpreters, as torchrun and Lightning start them: ranks forked from the test harness's
-    forkserver lose their store connection when rank 0 aborts its process groups (seen with torch 2.13; the
-    cause is not established), which no launcher of a real run does."""
+    The ranks are fresh interpreters, as torchrun and Lightning start them."""
     monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "spawn")
     results = run_in_processes(_one_rank_fails, 2, failing, timeout_s=120, collective_timeout_s=100)
     peer = 1 - failing
