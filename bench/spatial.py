@@ -333,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         help="memory/scaling: the halo awaited after the tile's own convolution (section IV-A) instead of "
         "before it (the default)",
     )
+    ap.add_argument("--tag", default="", help="suffix of the result files (bench/results/spatial_<bench><tag>.*)")
     args = ap.parse_args(argv)
     which = args.only or ["memory", "scaling", "overlap"]
     for name in which:
         report = Report(
-            f"spatial_{name}",
+            f"spatial_{name}{args.tag}",
             meta={
                 "note": "2 CPU cores shared with other jobs; gloo; 1 thread per rank",
                 "widths": DEFAULT_WIDTHS,
