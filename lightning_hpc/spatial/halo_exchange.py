@@ -144,10 +144,6 @@ class DimPlan:
         """Entries of tile ``p`` that tile ``p + delta`` needs."""
         return intersect(self.needs_clamped[p + delta], self.owns[p])
 
-    def halo_size(self, p: int) -> int:
-        """Entries tile ``p`` receives along this dimension (for the performance model and the tests)."""
-        return sum(e - s for d in (-1, 1) if 0 <= p + d < self.parts for (s, e) in [self.recv_range(p, d)])
-
 
 def _neighbors(grid: SpatialGrid) -> Iterator[tuple[int, ...]]:
     """Every ``delta`` in ``{-1, 0, 1}^k`` except 0 whose tile exists (no periodic wrap)."""
@@ -202,10 +198,6 @@ class HaloPlan:
         for (lo, hi), (clo, chi) in zip(reversed(self.need), reversed(self.need_clamped)):
             out += [clo - lo, hi - chi]
         return tuple(out)
-
-    @property
-    def communicates(self) -> bool:
-        return bool(self.sends or self.recvs)
 
     def local(self, ranges: Sequence[Range]) -> tuple[Any, ...]:
         """The index of this tile's part holding the global ``ranges`` of its split dimensions."""

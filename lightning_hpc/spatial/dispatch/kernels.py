@@ -155,9 +155,6 @@ def _convolution(func, args, kwargs, k: int):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
 
 
-
-
-
 def _transposed(func, args, kwargs, k: int):
     a = _bind(_conv_transpose, args, kwargs)
     x = _spatial_input(a, k)
@@ -180,9 +177,6 @@ def _transposed(func, args, kwargs, k: int):
     except PartitionError:
         return NotImplemented  # a tile thinner than its halo, or an output tile in a stride gap: gathered (exact)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, *K.output_extents(extents, windows)))
-
-
-
 
 
 # -- pooling -------------------------------------------------------------------------------------------------------
@@ -218,12 +212,6 @@ def _pool(func, args, kwargs, k: int, kind: str):
                                                           a["padding"], a["ceil_mode"], a["count_include_pad"],
                                                           a["divisor_override"]))
     return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
-
-
-
-
-
-
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
