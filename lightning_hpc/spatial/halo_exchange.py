@@ -43,7 +43,6 @@ __all__ = [
     "HaloExchange",
     "Halo",
     "halo_exchange",
-    "own_slices",
     "trailing",
     "direction_id",
     "direction_delta",
@@ -189,15 +188,6 @@ class HaloPlan:
     @property
     def ndim(self) -> int:
         return len(self.dims)
-
-    @property
-    def pads(self) -> tuple[int, ...]:
-        """Zero padding that completes the clamped box to the needed box, in ``F.pad`` order (last dimension
-        first: for an image ``(left, right, top, bottom)``)."""
-        out: list[int] = []
-        for (lo, hi), (clo, chi) in zip(reversed(self.need), reversed(self.need_clamped)):
-            out += [clo - lo, hi - chi]
-        return tuple(out)
 
     def local(self, ranges: Sequence[Range]) -> tuple[Any, ...]:
         """The index of this tile's part holding the global ``ranges`` of its split dimensions."""
@@ -375,11 +365,9 @@ class Halo:
             blocks[delta] = (buf, tuple(ranges))
         return cls(x, blocks, plan)
 
-    def box(self, *bounds: int, pad_value: float = 0.0, own: torch.Tensor | None = None,
-            own_zero: bool = False) -> torch.Tensor:
+    def box(self, *bounds: int, pad_value: float = 0.0, own_zero: bool = False) -> torch.Tensor:
         """The input box ``[lo_0, hi_0) x [lo_1, hi_1) x ...`` over the split dimensions, ``bounds`` given flat as
-        ``lo_0, hi_0, lo_1, hi_1, ...`` (global; outside the sample: ``pad_value``).  ``own``: the part of the box
-        inside this tile when the caller already sliced it (see :func:`own_slices`); ``own_zero``: zeros in place
+        ``lo_0, hi_0, lo_1, hi_1, ...`` (global; outside the sample: ``pad_value``).  ``own_zero``: zeros in place
         of the tile's part (only the received halo and the padding).  Assembled from the (up to ``3^k``) pieces
         by concatenation along the last dimension first, then padded: autograd flows to the tile and to each
         received block."""
@@ -408,8 +396,6 @@ class Halo:
                 return None
             if not any(delta) and own_zero:
                 return src.new_zeros(*src.shape[: src.dim() - k], *(b - a for a, b in cut))
-            if not any(delta) and own is not None:
-                return own
             return src[trailing(slice(a - r[0], b - r[0]) for (a, b), r in zip(cut, ranges))]
 
         def assemble(prefix: tuple[int, ...]) -> torch.Tensor | None:
@@ -425,44 +411,6 @@ class Halo:
         if any(pads):
             out = F.pad(out, pads, value=pad_value)
         return out
-
-
-class _OwnSlices(torch.autograd.Function):
-    """Several slices (views, no copy) of one tile; backward accumulates their gradients into ONE tile-sized
-    buffer, where separate slicing would allocate a zero-filled tile per slice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, boxes: list[tuple[Any, ...]]):  # type: ignore[override]
-        ctx.shape, ctx.boxes = x.shape, boxes
-        return tuple(x[sl] for sl in boxes)
-
-    @staticmethod
-    @once_differentiable  # a sum of slices: nothing to differentiate twice
-    def backward(ctx, *grads):  # type: ignore[override]
-        out = None
-        for sl, g in zip(ctx.boxes, grads):
-            if g is None:
-                continue
-            if out is None:
-                out = g.new_zeros(ctx.shape)
-            out[sl] += g
-        return out, None
-
-
-def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
-    """For global input boxes given flat as ``(lo_0, hi_0, lo_1, hi_1, ...)``, the part of each inside this rank's
-    tile (``None`` if empty), taken through one autograd node."""
-    local: list[tuple[Any, ...]] = []
-    keep: list[int | None] = []
-    for bounds in boxes:
-        cut = [intersect((bounds[2 * e], bounds[2 * e + 1]), own) for e, own in enumerate(plan.own)]
-        if all(b > a for a, b in cut):
-            keep.append(len(local))
-            local.append(plan.local(cut))
-        else:
-            keep.append(None)
-    views = _OwnSlices.apply(x, local) if local else ()
-    return [views[k] if k is not None else None for k in keep]
 
 
 def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, HaloExchange]:
