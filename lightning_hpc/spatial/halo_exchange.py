@@ -47,8 +47,6 @@ __all__ = [
     "direction_id",
     "direction_delta",
     "BACKWARD_TAG_OFFSET",
-    "start_halo_exchange",
-    "finish_halo_exchange",
 ]
 
 Range = tuple[int, int]
@@ -237,7 +235,8 @@ class HaloExchange:
         self._backward_posted = True
         self.local_shape: torch.Size | None = None
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
         for w in self._works:
             w.wait()
         self._works = []
@@ -266,7 +265,7 @@ class HaloExchange:
 
     def finish_forward(self) -> list[torch.Tensor]:
         """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
-        self._wait()
+        self.wait()
         bufs = self._recv_bufs
         self._meta = [(b.shape, b.dtype, b.device) for b in bufs]
         self._recv_bufs, self._send_bufs = [], []
@@ -292,10 +291,6 @@ class HaloExchange:
             recvs.append((buf, peer, tag + d))
         self._works = exchange(sends, recvs, plan.grid.group)
 
-    def wait(self) -> None:
-        """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
-        self._wait()
-
     def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """Add the halo gradients our neighbours computed for the entries we own into the tile's gradient
         (``inplace``: into ``grad`` itself, which the caller owns)."""
@@ -304,7 +299,7 @@ class HaloExchange:
             self.post_backward([None] * len(self.plan.recvs))
         if not self._works and not self._recv_bufs:
             return grad
-        self._wait()
+        self.wait()
         if self._recv_bufs:
             if not inplace:
                 grad = grad.clone()
@@ -347,23 +342,16 @@ class _HaloFinish(torch.autograd.Function):
 
 
 class Halo:
-    """A tile plus its received halo blocks (keyed by the ``delta`` of the tile they come from);
-    :meth:`box` assembles any global input box from them."""
+    """A tile plus its received halo blocks (``bufs``, in ``plan.recvs`` order, as
+    :meth:`HaloExchange.finish_forward` gives them); :meth:`box` assembles any global input box from them."""
 
-    def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, ...], tuple[torch.Tensor, tuple[Range, ...]]],
-                 plan: HaloPlan) -> None:
-        self.x, self.blocks, self.plan = x, blocks, plan
-
-    @classmethod
-    def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> Halo:
-        """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives
-        them)."""
-        blocks = {}
+    def __init__(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], plan: HaloPlan) -> None:
+        self.x, self.plan = x, plan
+        #: the received blocks and their global ranges, keyed by the ``delta`` of the tile they come from
+        self.blocks: dict[tuple[int, ...], tuple[torch.Tensor, tuple[Range, ...]]] = {}
         for (_, d, *ranges), buf in zip(plan.recvs, bufs):
             # a received message carries its sender's direction: the sender lies at minus that
-            delta = tuple(-e for e in direction_delta(d, plan.ndim))
-            blocks[delta] = (buf, tuple(ranges))
-        return cls(x, blocks, plan)
+            self.blocks[tuple(-e for e in direction_delta(d, plan.ndim))] = (buf, tuple(ranges))
 
     def box(self, *bounds: int, pad_value: float = 0.0, own_zero: bool = False) -> torch.Tensor:
         """The input box ``[lo_0, hi_0) x [lo_1, hi_1) x ...`` over the split dimensions, ``bounds`` given flat as
@@ -413,21 +401,9 @@ class Halo:
         return out
 
 
-def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, HaloExchange]:
-    """Post the halo sends/receives of ``x``; returns ``x`` (tracked) and the exchange to finish later."""
-    exchange = HaloExchange(plan)
-    return _HaloStart.apply(x, exchange), exchange
-
-
-def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange) -> Halo:
-    """Wait for the halos; returns the tile with its received blocks (autograd-tracked)."""
-    out = _HaloFinish.apply(x_started, exchange)
-    x, bufs = out[0], out[1:]
-    return Halo.from_blocks(x, list(bufs), exchange.plan)
-
-
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:
     """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, ``pad_value``
-    outside the sample)."""
-    xs, ex = start_halo_exchange(x, plan)
-    return finish_halo_exchange(xs, ex).box(*(b for r in plan.need for b in r), pad_value=pad_value)
+    outside the sample), autograd-tracked through the exchange (:class:`_HaloStart`, :class:`_HaloFinish`)."""
+    exchange = HaloExchange(plan)
+    x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
+    return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)

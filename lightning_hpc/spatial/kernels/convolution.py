@@ -299,7 +299,7 @@ class _TileConv(torch.autograd.Function):
         y = spec.conv(x, weight, bias, padding)
         if blocks is None:
             blocks = exchange.finish_forward()
-        halo = Halo.from_blocks(x, blocks, plan)
+        halo = Halo(x, blocks, plan)
         k = plan.ndim
         for region, box in regions:
             y[_rel(region, plan.out)] = spec.conv(halo.box(*_flat(box)), weight, bias, [0] * k)
@@ -314,7 +314,7 @@ class _TileConv(torch.autograd.Function):
         plan, spec = ctx.plan, ctx.spec
         k = plan.ndim
         need_x, need_w, need_b = _grad_mask(ctx)
-        halo = Halo.from_blocks(x, blocks, plan)
+        halo = Halo(x, blocks, plan)
         halo_grads = [torch.zeros_like(b) for b in blocks] if need_x else []
         grad_w_edges = []
         for region, box in ctx.regions:
