@@ -245,23 +245,21 @@ class HaloExchange:
         lead = tuple(like)[: len(like) - self.plan.ndim]
         return torch.empty(*lead, *(hi - lo for lo, hi in ranges), dtype=dtype, device=device)
 
+    def _post(self, tag: int, sends: list[tuple], recvs: list[tuple]) -> None:
+        """Post ``(buffer, peer, direction id)`` sends and receives, one message per peer and direction, tagged
+        ``tag`` + direction id, as one batch (NCCL-safe)."""
+        self._send_bufs, self._recv_bufs = [b for b, _, _ in sends], [b for b, _, _ in recvs]
+        self._works = exchange([(b, peer, tag + d) for b, peer, d in sends],
+                               [(b, peer, tag + d) for b, peer, d in recvs], self.plan.grid.group)
+
     # -- forward -------------------------------------------------------------------------------------------
     def post_forward(self, x: torch.Tensor) -> None:
         self.local_shape = x.shape
         self._xmeta = (x.dtype, x.device)
         plan = self.plan
-        self._send_bufs, self._recv_bufs = [], []
-        # one message per peer and direction, tagged by direction; posted as one batch (NCCL-safe)
-        recvs, sends, tag = [], [], self.tag
-        for peer, d, *ranges in plan.recvs:
-            buf = self._buffer(x.shape, ranges, x.dtype, x.device)
-            self._recv_bufs.append(buf)
-            recvs.append((buf, peer, tag + d))
-        for peer, d, *ranges in plan.sends:
-            buf = x[plan.local(ranges)].contiguous()
-            self._send_bufs.append(buf)
-            sends.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, plan.grid.group)
+        recvs = [(self._buffer(x.shape, ranges, x.dtype, x.device), peer, d) for peer, d, *ranges in plan.recvs]
+        sends = [(x[plan.local(ranges)].contiguous(), peer, d) for peer, d, *ranges in plan.sends]
+        self._post(self.tag, sends, recvs)
 
     def finish_forward(self) -> list[torch.Tensor]:
         """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
@@ -277,19 +275,12 @@ class HaloExchange:
         """Send the gradient of each received halo block back to its owner; post receives for ours."""
         plan = self.plan
         self._backward_posted = True
-        self._send_bufs, self._recv_bufs = [], []
-        recvs, sends, tag = [], [], self.tag + BACKWARD_TAG_OFFSET
-        for (peer, d, *_), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
-            buf = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-            self._send_bufs.append(buf)
-            sends.append((buf, peer, tag + d))
+        sends = [(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous(), peer, d)
+                 for (peer, d, *_), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta)]
         assert self.local_shape is not None
         dtype, device = self._xmeta
-        for peer, d, *ranges in plan.sends:
-            buf = self._buffer(self.local_shape, ranges, dtype, device)
-            self._recv_bufs.append(buf)
-            recvs.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, plan.grid.group)
+        recvs = [(self._buffer(self.local_shape, ranges, dtype, device), peer, d) for peer, d, *ranges in plan.sends]
+        self._post(self.tag + BACKWARD_TAG_OFFSET, sends, recvs)
 
     def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """Add the halo gradients our neighbours computed for the entries we own into the tile's gradient
