@@ -157,7 +157,7 @@ class CostModel:
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
                 type(layer.module) is nn.Conv2d and d.d == 1
-                and tile_convolution_applies(layer.in_shape[-2:], (d.h, d.w), layer.windows)
+                and tile_convolution_applies(layer.in_shape[-2:], (d.h, d.w), layer.windows or ())  # (x > 0: windows)
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
                 # a convolution on stride-aligned tiles convolves the tile in place and copies only edge rows
