@@ -43,13 +43,10 @@ __all__ = [
     "HaloExchange",
     "Halo",
     "halo_exchange",
-    "own_slices",
     "trailing",
     "direction_id",
     "direction_delta",
     "BACKWARD_TAG_OFFSET",
-    "start_halo_exchange",
-    "finish_halo_exchange",
 ]
 
 Range = tuple[int, int]
@@ -144,10 +141,6 @@ class DimPlan:
         """Entries of tile ``p`` that tile ``p + delta`` needs."""
         return intersect(self.needs_clamped[p + delta], self.owns[p])
 
-    def halo_size(self, p: int) -> int:
-        """Entries tile ``p`` receives along this dimension (for the performance model and the tests)."""
-        return sum(e - s for d in (-1, 1) if 0 <= p + d < self.parts for (s, e) in [self.recv_range(p, d)])
-
 
 def _neighbors(grid: SpatialGrid) -> Iterator[tuple[int, ...]]:
     """Every ``delta`` in ``{-1, 0, 1}^k`` except 0 whose tile exists (no periodic wrap)."""
@@ -193,19 +186,6 @@ class HaloPlan:
     @property
     def ndim(self) -> int:
         return len(self.dims)
-
-    @property
-    def pads(self) -> tuple[int, ...]:
-        """Zero padding that completes the clamped box to the needed box, in ``F.pad`` order (last dimension
-        first: for an image ``(left, right, top, bottom)``)."""
-        out: list[int] = []
-        for (lo, hi), (clo, chi) in zip(reversed(self.need), reversed(self.need_clamped)):
-            out += [clo - lo, hi - chi]
-        return tuple(out)
-
-    @property
-    def communicates(self) -> bool:
-        return bool(self.sends or self.recvs)
 
     def local(self, ranges: Sequence[Range]) -> tuple[Any, ...]:
         """The index of this tile's part holding the global ``ranges`` of its split dimensions."""
@@ -255,7 +235,8 @@ class HaloExchange:
         self._backward_posted = True
         self.local_shape: torch.Size | None = None
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
         for w in self._works:
             w.wait()
         self._works = []
@@ -264,27 +245,25 @@ class HaloExchange:
         lead = tuple(like)[: len(like) - self.plan.ndim]
         return torch.empty(*lead, *(hi - lo for lo, hi in ranges), dtype=dtype, device=device)
 
+    def _post(self, tag: int, sends: list[tuple], recvs: list[tuple]) -> None:
+        """Post ``(buffer, peer, direction id)`` sends and receives, one message per peer and direction, tagged
+        ``tag`` + direction id, as one batch (NCCL-safe)."""
+        self._send_bufs, self._recv_bufs = [b for b, _, _ in sends], [b for b, _, _ in recvs]
+        self._works = exchange([(b, peer, tag + d) for b, peer, d in sends],
+                               [(b, peer, tag + d) for b, peer, d in recvs], self.plan.grid.group)
+
     # -- forward -------------------------------------------------------------------------------------------
     def post_forward(self, x: torch.Tensor) -> None:
         self.local_shape = x.shape
         self._xmeta = (x.dtype, x.device)
         plan = self.plan
-        self._send_bufs, self._recv_bufs = [], []
-        # one message per peer and direction, tagged by direction; posted as one batch (NCCL-safe)
-        recvs, sends, tag = [], [], self.tag
-        for peer, d, *ranges in plan.recvs:
-            buf = self._buffer(x.shape, ranges, x.dtype, x.device)
-            self._recv_bufs.append(buf)
-            recvs.append((buf, peer, tag + d))
-        for peer, d, *ranges in plan.sends:
-            buf = x[plan.local(ranges)].contiguous()
-            self._send_bufs.append(buf)
-            sends.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, plan.grid.group)
+        recvs = [(self._buffer(x.shape, ranges, x.dtype, x.device), peer, d) for peer, d, *ranges in plan.recvs]
+        sends = [(x[plan.local(ranges)].contiguous(), peer, d) for peer, d, *ranges in plan.sends]
+        self._post(self.tag, sends, recvs)
 
     def finish_forward(self) -> list[torch.Tensor]:
         """Wait for the halos; the received blocks, in ``plan.recvs`` order."""
-        self._wait()
+        self.wait()
         bufs = self._recv_bufs
         self._meta = [(b.shape, b.dtype, b.device) for b in bufs]
         self._recv_bufs, self._send_bufs = [], []
@@ -296,23 +275,12 @@ class HaloExchange:
         """Send the gradient of each received halo block back to its owner; post receives for ours."""
         plan = self.plan
         self._backward_posted = True
-        self._send_bufs, self._recv_bufs = [], []
-        recvs, sends, tag = [], [], self.tag + BACKWARD_TAG_OFFSET
-        for (peer, d, *_), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta):
-            buf = torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-            self._send_bufs.append(buf)
-            sends.append((buf, peer, tag + d))
+        sends = [(torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous(), peer, d)
+                 for (peer, d, *_), g, (shape, dtype, device) in zip(plan.recvs, grads, self._meta)]
         assert self.local_shape is not None
         dtype, device = self._xmeta
-        for peer, d, *ranges in plan.sends:
-            buf = self._buffer(self.local_shape, ranges, dtype, device)
-            self._recv_bufs.append(buf)
-            recvs.append((buf, peer, tag + d))
-        self._works = exchange(sends, recvs, plan.grid.group)
-
-    def wait(self) -> None:
-        """Complete the messages posted so far (the received blocks stay for :meth:`finish_backward`)."""
-        self._wait()
+        recvs = [(self._buffer(self.local_shape, ranges, dtype, device), peer, d) for peer, d, *ranges in plan.sends]
+        self._post(self.tag + BACKWARD_TAG_OFFSET, sends, recvs)
 
     def finish_backward(self, grad: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """Add the halo gradients our neighbours computed for the entries we own into the tile's gradient
@@ -322,7 +290,7 @@ class HaloExchange:
             self.post_backward([None] * len(self.plan.recvs))
         if not self._works and not self._recv_bufs:
             return grad
-        self._wait()
+        self.wait()
         if self._recv_bufs:
             if not inplace:
                 grad = grad.clone()
@@ -365,29 +333,20 @@ class _HaloFinish(torch.autograd.Function):
 
 
 class Halo:
-    """A tile plus its received halo blocks (keyed by the ``delta`` of the tile they come from);
-    :meth:`box` assembles any global input box from them."""
+    """A tile plus its received halo blocks (``bufs``, in ``plan.recvs`` order, as
+    :meth:`HaloExchange.finish_forward` gives them); :meth:`box` assembles any global input box from them."""
 
-    def __init__(self, x: torch.Tensor, blocks: dict[tuple[int, ...], tuple[torch.Tensor, tuple[Range, ...]]],
-                 plan: HaloPlan) -> None:
-        self.x, self.blocks, self.plan = x, blocks, plan
-
-    @classmethod
-    def from_blocks(cls, x: torch.Tensor, bufs: list[torch.Tensor], plan: HaloPlan) -> Halo:
-        """The tile and its received blocks (in ``plan.recvs`` order, as :meth:`HaloExchange.finish_forward` gives
-        them)."""
-        blocks = {}
+    def __init__(self, x: torch.Tensor, bufs: Sequence[torch.Tensor], plan: HaloPlan) -> None:
+        self.x, self.plan = x, plan
+        #: the received blocks and their global ranges, keyed by the ``delta`` of the tile they come from
+        self.blocks: dict[tuple[int, ...], tuple[torch.Tensor, tuple[Range, ...]]] = {}
         for (_, d, *ranges), buf in zip(plan.recvs, bufs):
             # a received message carries its sender's direction: the sender lies at minus that
-            delta = tuple(-e for e in direction_delta(d, plan.ndim))
-            blocks[delta] = (buf, tuple(ranges))
-        return cls(x, blocks, plan)
+            self.blocks[tuple(-e for e in direction_delta(d, plan.ndim))] = (buf, tuple(ranges))
 
-    def box(self, *bounds: int, pad_value: float = 0.0, own: torch.Tensor | None = None,
-            own_zero: bool = False) -> torch.Tensor:
+    def box(self, *bounds: int, pad_value: float = 0.0, own_zero: bool = False) -> torch.Tensor:
         """The input box ``[lo_0, hi_0) x [lo_1, hi_1) x ...`` over the split dimensions, ``bounds`` given flat as
-        ``lo_0, hi_0, lo_1, hi_1, ...`` (global; outside the sample: ``pad_value``).  ``own``: the part of the box
-        inside this tile when the caller already sliced it (see :func:`own_slices`); ``own_zero``: zeros in place
+        ``lo_0, hi_0, lo_1, hi_1, ...`` (global; outside the sample: ``pad_value``).  ``own_zero``: zeros in place
         of the tile's part (only the received halo and the padding).  Assembled from the (up to ``3^k``) pieces
         by concatenation along the last dimension first, then padded: autograd flows to the tile and to each
         received block."""
@@ -416,8 +375,6 @@ class Halo:
                 return None
             if not any(delta) and own_zero:
                 return src.new_zeros(*src.shape[: src.dim() - k], *(b - a for a, b in cut))
-            if not any(delta) and own is not None:
-                return own
             return src[trailing(slice(a - r[0], b - r[0]) for (a, b), r in zip(cut, ranges))]
 
         def assemble(prefix: tuple[int, ...]) -> torch.Tensor | None:
@@ -435,59 +392,9 @@ class Halo:
         return out
 
 
-class _OwnSlices(torch.autograd.Function):
-    """Several slices (views, no copy) of one tile; backward accumulates their gradients into ONE tile-sized
-    buffer, where separate slicing would allocate a zero-filled tile per slice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, boxes: list[tuple[Any, ...]]):  # type: ignore[override]
-        ctx.shape, ctx.boxes = x.shape, boxes
-        return tuple(x[sl] for sl in boxes)
-
-    @staticmethod
-    @once_differentiable  # a sum of slices: nothing to differentiate twice
-    def backward(ctx, *grads):  # type: ignore[override]
-        out = None
-        for sl, g in zip(ctx.boxes, grads):
-            if g is None:
-                continue
-            if out is None:
-                out = g.new_zeros(ctx.shape)
-            out[sl] += g
-        return out, None
-
-
-def own_slices(x: torch.Tensor, plan: HaloPlan, boxes: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
-    """For global input boxes given flat as ``(lo_0, hi_0, lo_1, hi_1, ...)``, the part of each inside this rank's
-    tile (``None`` if empty), taken through one autograd node."""
-    local: list[tuple[Any, ...]] = []
-    keep: list[int | None] = []
-    for bounds in boxes:
-        cut = [intersect((bounds[2 * e], bounds[2 * e + 1]), own) for e, own in enumerate(plan.own)]
-        if all(b > a for a, b in cut):
-            keep.append(len(local))
-            local.append(plan.local(cut))
-        else:
-            keep.append(None)
-    views = _OwnSlices.apply(x, local) if local else ()
-    return [views[k] if k is not None else None for k in keep]
-
-
-def start_halo_exchange(x: torch.Tensor, plan: HaloPlan) -> tuple[torch.Tensor, HaloExchange]:
-    """Post the halo sends/receives of ``x``; returns ``x`` (tracked) and the exchange to finish later."""
-    exchange = HaloExchange(plan)
-    return _HaloStart.apply(x, exchange), exchange
-
-
-def finish_halo_exchange(x_started: torch.Tensor, exchange: HaloExchange) -> Halo:
-    """Wait for the halos; returns the tile with its received blocks (autograd-tracked)."""
-    out = _HaloFinish.apply(x_started, exchange)
-    x, bufs = out[0], out[1:]
-    return Halo.from_blocks(x, list(bufs), exchange.plan)
-
-
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:
     """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, ``pad_value``
-    outside the sample)."""
-    xs, ex = start_halo_exchange(x, plan)
-    return finish_halo_exchange(xs, ex).box(*(b for r in plan.need for b in r), pad_value=pad_value)
+    outside the sample), autograd-tracked through the exchange (:class:`_HaloStart`, :class:`_HaloFinish`)."""
+    exchange = HaloExchange(plan)
+    x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
+    return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)

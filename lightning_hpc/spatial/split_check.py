@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_hpc.spatial.halo_exchange import DimPlan, PartitionError
+from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.tiling import parts_text
-from lightning_hpc.spatial.windows import layer_windows
+from lightning_hpc.spatial.windows import layer_windows, split_works
 
 __all__ = ["check_split", "trace_shapes", "DIM_NAMES"]
 
@@ -56,18 +56,6 @@ def trace_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tupl
     return shapes
 
 
-def _works(window, n: int, parts: int) -> bool:
-    if n < parts:
-        return False
-    if window is None:
-        return True
-    try:
-        DimPlan(n, window.out_size(n), parts, window)
-    except PartitionError:
-        return False
-    return True
-
-
 def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[int]) -> None:
     """Raise :class:`PartitionError` (or ``ValueError`` for a split of the wrong number of dimensions) for the first
     layer of ``model`` that cannot run on one sample of ``input_shape`` = (C, *spatial) split ``parts``."""
@@ -87,11 +75,11 @@ def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[in
             continue
         windows = layer_windows(module, in_shape, out_shape)
         for axis, (n, p) in enumerate(zip(in_shape[2:], parts)):
-            window = windows[axis] if windows else None
+            window = (windows[axis],) if windows else None
             n_out = out_shape[2 + axis] if len(out_shape) == 2 + k else n
-            if _works(window, n, p) and (len(out_shape) != 2 + k or n_out >= p):
+            if split_works(window, (n,), (p,)) and (len(out_shape) != 2 + k or n_out >= p):
                 continue
-            best = max(q for q in range(1, p + 1) if _works(window, n, q) and n_out >= q)
+            best = max(q for q in range(1, p + 1) if split_works(window, (n,), (q,)) and n_out >= q)
             suggestion = list(parts)
             suggestion[axis] = best
             reason = (f"its output of {n_out} rows has fewer rows than the {p} parts" if n_out < p else

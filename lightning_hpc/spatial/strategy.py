@@ -160,8 +160,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if batchnorm != "aggregated":
             raise ValueError(
                 f"batchnorm={batchnorm!r}: under the spatial strategy batch norm on a split activation always takes "
-                "its "
-                f"statistics over the whole sample (equal to one process); tile-local statistics would train "
+                f"its statistics over the whole sample (equal to one process); tile-local statistics would train "
                 f"differently. Use batchnorm='aggregated' (the default)"
             )
         if on_unsupported not in ("gather", "error"):
@@ -219,14 +218,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if self._parts_setting is None:
             return (world, 1)
         if self._parts_setting == "auto":
-            try:
-                from lightning_hpc.spatial.planner import plan_for_model
-            except ImportError as e:
-                raise RuntimeError(
-                    "spatial_parts='auto' needs the performance-model planner "
-                    "(lightning_hpc.spatial.planner.plan_for_model), which is not available: "
-                    f"{e}. Pass spatial_parts=(ph, pw) instead"
-                ) from e
+            from lightning_hpc.spatial.planner import plan_for_model
+
             shape = self._input_shape()
             if shape is None:
                 raise ValueError(
@@ -393,8 +386,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         st = state()
-        st.module_stack.clear()
-        st.modules.clear()
+        st.clear_modules()
         st.on_unsupported = self.on_unsupported
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
@@ -459,8 +451,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        state().module_stack.clear()
-        state().modules.clear()
+        state().clear_modules()
         return super().validation_step(*args, **kwargs)
 
     @override
@@ -468,8 +459,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         """Predictions leave the strategy whole: every split tensor ``predict_step`` returns is gathered here,
         while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
         ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
-        state().module_stack.clear()
-        state().modules.clear()
+        state().clear_modules()
         out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
 
@@ -602,13 +592,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         group counts once."""
         if not isinstance(tensor, Tensor) or not dist.is_initialized() or self.layout is None:
             return tensor
-        if reduce_op in (None, "mean", "avg"):
-            mean = True
-        elif reduce_op in ("sum", dist.ReduceOp.SUM):
-            mean = False
-        else:
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        if group is not None:
+        mean = reduce_op in (None, "mean", "avg")
+        if group is not None or not (mean or reduce_op in ("sum", dist.ReduceOp.SUM)):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         out = tensor.detach().clone().to(torch.float32 if not tensor.is_floating_point() else tensor.dtype)
         out = out / self.layout.grid.size  # every tile holds the whole value: count it once

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeout
@@ -113,18 +112,6 @@ class SpatialGrid:
         for the 3^3 directions of a 3-D exchange, forward and backward)."""
         self._uid = (self._uid + 1) % (1 << 18)
         return self._uid * 64
-
-    def global_extent(self, *local: int, device: torch.device | None = None) -> tuple[int, ...]:
-        """Global extents of a tiled tensor's split dimensions from this tile's extents: the extent along a
-        dimension sums the tiles' extents along it over one line of tiles (one small all-reduce over the group)."""
-        if self.group is None or self.size == 1:
-            return tuple(int(n) for n in local)
-        idx = self.index
-        # a tile contributes its extent along dimension d when it lies on the line through the origin along d
-        sizes = [n if all(i == 0 for e, i in enumerate(idx) if e != d) else 0 for d, n in enumerate(local)]
-        t = torch.tensor(sizes, dtype=torch.int64, device=device)
-        dist.all_reduce(t, group=self.group)
-        return tuple(int(v) for v in t.tolist())
 
     def tile_bounds(self, *extent: int, index: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
         """``((lo, hi), ...)`` of tile ``index`` (default: this rank's) along each split dimension of the given

@@ -5,7 +5,7 @@
 exact halo a split needs (section III-A: per neighbour, the rows the output tile reads beyond the tile; in 3-D
 faces, edges and corners, so halo bytes follow the surface-to-volume ratio).
 
-The acceptance test of a split is the halo plan's own (:class:`~lightning_hpc.spatial.halo_exchange.DimPlan`):
+The acceptance test of a split is the halo plan's own (:func:`~lightning_hpc.spatial.kernels.check_partition`):
 a tile thinner than its halo is refused the same way at setup and here.  Plain torch.
 """
 
@@ -18,8 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_hpc.spatial.halo_exchange import DimPlan, PartitionError
+from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels import (
+    check_partition,
     convolution_windows,
     interpolation_windows,
     pooling_windows,
@@ -59,10 +60,6 @@ def layer_windows(module: nn.Module | None, in_shape: Sequence[int], out_shape: 
     return None
 
 
-def _plans(windows: Sequence[Any], extents: Sequence[int], parts: Sequence[int]) -> list[DimPlan]:
-    return [DimPlan(n, w.out_size(n), p, w) for w, n, p in zip(windows, extents, parts)]
-
-
 def split_works(windows: Sequence[Any] | None, extents: Sequence[int], parts: Sequence[int]) -> bool:
     """Whether every tile of ``extents`` split ``parts`` holds at least one row and the halo it needs."""
     if any(n < p for n, p in zip(extents, parts)):
@@ -70,7 +67,7 @@ def split_works(windows: Sequence[Any] | None, extents: Sequence[int], parts: Se
     if windows is None:
         return True
     try:
-        _plans(windows, extents, parts)
+        check_partition(extents, parts, windows)
     except PartitionError:
         return False
     return True
@@ -81,7 +78,7 @@ def tile_halo_blocks(windows: Sequence[Any], extents: Sequence[int], parts: Sequ
     """Per tile, the elements of one sample and channel it receives: one block per neighbour in {-1, 0, 1}^k
     (faces, edges, corners), each the product over dimensions of the received rows (a moved dimension) or the
     tile's own rows its output reads (an unmoved one)."""
-    plans = _plans(windows, extents, parts)
+    plans = check_partition(extents, parts, windows)
     out: dict[tuple[int, ...], list[int]] = {}
     for index in itertools.product(*(range(p) for p in parts)):
         blocks = out[index] = []

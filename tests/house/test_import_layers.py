@@ -56,7 +56,7 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("lightning_hpc.spatial.strategy", "dist.distributed_c10d._get_default_store"),
     *(
         (f"lightning_hpc.spatial.dispatch.{m}", "torch._C")
-        for m in ("backward", "creation", "elementwise", "kernels", "registry", "relayout", "tensor")
+        for m in ("backward", "creation", "elementwise", "registry", "relayout", "tensor")
     ),
 }
 

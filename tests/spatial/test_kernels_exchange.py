@@ -22,7 +22,6 @@ from lightning_hpc.spatial.halo_exchange import (
     direction_delta,
     direction_id,
     halo_exchange,
-    own_slices,
 )
 from lightning_hpc.spatial.kernels import pooling as kernel_pooling
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
@@ -67,7 +66,8 @@ def test_centre_tile_of_3x3x3_grid_talks_to_26_neighbours_in_one_round():
 def test_border_tile_plan_pads_only_outside_the_sample():
     grid = _grid((2, 1, 2), (0, 0, 1))
     plan = K.halo_plan(grid, (6, 5, 7), [Window1d(3, 1, 1)] * 3)
-    assert plan.pads == (0, 1, 1, 1, 1, 0)  # F.pad order: W (last tile: right), H (whole: both), D (first: left)
+    # beyond the sample only where it ends: D before (first tile), H on both sides (whole), W after (last tile)
+    assert plan.need == ((-1, 4), (-1, 6), (3, 8)) and plan.need_clamped == ((0, 4), (0, 5), (3, 7))
     assert {d for _, d, *_ in plan.recvs} == {direction_id((-1, 0, 1)), direction_id((0, 0, 1)),
                                               direction_id((-1, 0, 0))}
 
@@ -99,21 +99,6 @@ def test_window_functions_follow_torch_arguments():
     assert K.transposed_windows((4, 6, 3), 2, 1, 1)[0].out_size(7) == 14
     assert [w.n_out for w in K.interpolation_windows((9, 13), scale_factor=1.7)] == [15, 22]
     assert K.adaptive_windows(10, 3) == [(0, 4), (3, 7), (6, 10)]
-
-
-def test_own_slices_of_a_3d_tile_share_one_gradient_buffer():
-    grid = _grid((2, 1, 2), (1, 0, 0))
-    plan = K.halo_plan(grid, (6, 5, 8), [Window1d(3, 1, 1)] * 3)
-    assert plan.own == ((3, 6), (0, 5), (0, 4))
-    x = torch.randn(1, 2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
-    a, b, none = own_slices(x, plan, [(2, 5, 0, 5, 3, 6), (4, 6, 1, 2, 0, 1), (0, 3, 0, 5, 0, 4)])
-    assert none is None  # the box lies in the tile above
-    assert torch.equal(a, x[:, :, 0:2, :, 3:4]) and torch.equal(b, x[:, :, 1:3, 1:2, 0:1])
-    (a.sum() + 2 * b.sum()).backward()
-    want = torch.zeros_like(x)
-    want[:, :, 0:2, :, 3:4] += 1
-    want[:, :, 1:3, 1:2, 0:1] += 2
-    assert torch.equal(x.grad, want)
 
 
 def _padded_box(x: torch.Tensor, plan: HaloPlan, pad_value: float) -> torch.Tensor:

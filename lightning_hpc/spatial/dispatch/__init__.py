@@ -35,12 +35,9 @@ coordinates from shapes computes what one process computes.  ``__torch_function_
   split again.  With ``on_unsupported="error"`` this raises instead.  In-place ops that cannot be done on a tile
   are always refused.
 
-Gradient convention: the gradient of a tile is that tile's part; the gradient of a plain (replicated) tensor is
-complete on every rank.  Ops where a replicated tensor that needs a gradient meets a tile (a squeeze-and-
-excitation gate, a weight computed by a parametrization) all-reduce that gradient (:class:`_CompleteGrad`);
-leaf parameters used directly by a tile op are recorded (:attr:`DispatchState.tile_params`): their gradients
-are partial sums over the tiles and the strategy sums them over the spatial group.  A parameter used both on
-tiles and on replicated values is refused (:meth:`DispatchState.check_parameters`).
+Gradient convention (:mod:`.autograd`): the gradient of a tile is that tile's part; the gradient of a plain
+(replicated) tensor is complete on every rank.  A parameter used both on tiles and on replicated values is
+refused (:mod:`.parameter_check`).
 
 Modules: :mod:`.tensor` (the split tensor, making and gathering one), :mod:`.state` (policy, module names, counters),
 :mod:`.parameter_check` (parameters used on tiles and on replicated values), :mod:`.autograd` (the gradient

@@ -12,6 +12,7 @@ plain (replicated) tensor is complete on every rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,3 +114,8 @@ def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
     if t.requires_grad and grid.group is not None:
         return _CompleteGrad.apply(t, grid.group)
     return t
+
+
+def _replicated_operands(grid: SpatialGrid, *ts: torch.Tensor | None) -> tuple[Any, ...]:
+    """:func:`_replicated_operand` of each tensor (``None``, an absent weight or bias, stays ``None``)."""
+    return tuple(None if t is None else _replicated_operand(t, grid) for t in ts)

@@ -49,7 +49,3 @@ def _norm_dim(d: int, n: int) -> int:
 
 def _arg(args, kwargs, pos, name, default=None):
     return args[pos] if len(args) > pos else kwargs.get(name, default)
-
-
-def _tuple2(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else (v, v)

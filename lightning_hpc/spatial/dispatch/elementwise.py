@@ -27,7 +27,7 @@ def _align_operand(t, out_ndim: int, ref: SpatialTensor, sdims: tuple[int, ...])
     return None
 
 
-def _localize(args, kwargs, spatial: list[SpatialTensor], keep_out_dims: bool = True):
+def _localize(args, kwargs, spatial: list[SpatialTensor]):
     """Local operands for an op whose output is laid out like the broadcast of its operands, or None."""
     ref = spatial[0]
     tensors = [t for t in _flat(args, kwargs) if isinstance(t, torch.Tensor)]

@@ -40,7 +40,6 @@ def _fallback(func, args, kwargs):
     spatial = _spatials(args, kwargs)
     if not spatial:
         return func(*args, **kwargs)
-    name = getattr(func, "__name__", "")
     if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:
         _unsupported(func, "changes a split activation in place in a way that has no tiled form",
@@ -63,7 +62,6 @@ def _fallback(func, args, kwargs):
         return a
 
     out = func(*[full_of(a) for a in args], **{k: full_of(v) for k, v in kwargs.items()})
-    del name
     return _resplit(out, ref)
 
 

@@ -23,31 +23,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial import kernels as K
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
 from lightning_hpc.spatial.dispatch.reductions import _reduce
-from lightning_hpc.spatial.dispatch.registry import _handles
+from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
 from lightning_hpc.spatial.kernels.plan import ntuple
-
-
-def _ops(*names: str) -> list[Any]:
-    """The torch callables of these names that exist in this torch (``F.x`` first, then ``torch.x``)."""
-    out = []
-    for name in names:
-        for owner in (F, torch, torch._C._nn):
-            fn = getattr(owner, name, None)
-            if fn is not None and fn not in out:
-                out.append(fn)
-    return out
 
 
 # -- the ops' signatures (torch's parameter names and defaults) -------------------------------------------------
@@ -97,12 +87,6 @@ def _run(op: str, fn: Callable[[], Any]) -> Any:
         raise SpatialDispatchError(f"spatial: {op} in {_STATE.where()}: {e}") from None
 
 
-def _operands(x: SpatialTensor, weight: torch.Tensor, bias: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias as replicated operands of a tile op (:func:`_replicated_operand`)."""
-    return _replicated_operand(weight, x._grid), None if bias is None else _replicated_operand(bias, x._grid)
-
-
 def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None] | None:
     """The tile kernel's ``record`` callback for ``module`` when K-FAC captures its statistics
     (:mod:`lightning_hpc.spatial.kfac_contract`), else None."""
@@ -148,14 +132,11 @@ def _convolution(func, args, kwargs, k: int):
     caller = _STATE.caller()
     # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
     record = kfac_recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
-    weight, bias = _operands(x, weight, bias)
+    weight, bias = _replicated_operands(x._grid, weight, bias)
     out = _run(f"F.conv{k}d", lambda: K.conv(_plain(x), weight, bias, x._grid, extents, a["stride"],
                                                      a["padding"], a["dilation"], groups, overlap=_STATE.overlap,
                                                      record=record))
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
-
-
-
 
 
 def _transposed(func, args, kwargs, k: int):
@@ -173,16 +154,13 @@ def _transposed(func, args, kwargs, k: int):
     except ValueError:
         return NotImplemented
     extents = _extents(x)
-    weight, bias = _operands(x, weight, bias)
+    weight, bias = _replicated_operands(x._grid, weight, bias)
     try:
         out = K.conv_transpose(_plain(x), weight, bias, x._grid, extents, a["stride"], a["padding"],
                                a["output_padding"], groups, a["dilation"])
     except PartitionError:
         return NotImplemented  # a tile thinner than its halo, or an output tile in a stride gap: gathered (exact)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[1] * groups, *K.output_extents(extents, windows)))
-
-
-
 
 
 # -- pooling -------------------------------------------------------------------------------------------------------
@@ -218,12 +196,6 @@ def _pool(func, args, kwargs, k: int, kind: str):
                                                           a["padding"], a["ceil_mode"], a["count_include_pad"],
                                                           a["divisor_override"]))
     return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
-
-
-
-
-
-
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
@@ -272,18 +244,11 @@ def _adaptive_pool(func, args, kwargs, k: int, kind: str):
 
 
 # -- registration: one handler per op family, for each number of spatial dimensions -------------------------------
-def _for_dims(impl: Callable[..., Any], k: int, *extra: str) -> Callable[[Any, tuple, dict], Any]:
-    def handler(func, args, kwargs):
-        return impl(func, args, kwargs, k, *extra)
-
-    return handler
-
-
 for _k in (1, 2, 3):
-    _handles(*_ops(f"conv{_k}d"))(_for_dims(_convolution, _k))
-    _handles(*_ops(f"conv_transpose{_k}d"))(_for_dims(_transposed, _k))
-    _handles(*_ops(f"max_pool{_k}d", f"_max_pool{_k}d"))(_for_dims(_pool, _k, "max"))
-    _handles(*_ops(f"avg_pool{_k}d"))(_for_dims(_pool, _k, "avg"))
-    _handles(*_ops(f"adaptive_avg_pool{_k}d"))(_for_dims(_adaptive_pool, _k, "avg"))
-    _handles(*_ops(f"adaptive_max_pool{_k}d", f"adaptive_max_pool{_k}d_with_indices",
-                   f"_adaptive_max_pool{_k}d"))(_for_dims(_adaptive_pool, _k, "max"))
+    _handles(*_resolve(f"conv{_k}d"))(partial(_convolution, k=_k))
+    _handles(*_resolve(f"conv_transpose{_k}d"))(partial(_transposed, k=_k))
+    _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"))(partial(_pool, k=_k, kind="max"))
+    _handles(*_resolve(f"avg_pool{_k}d"))(partial(_pool, k=_k, kind="avg"))
+    _handles(*_resolve(f"adaptive_avg_pool{_k}d"))(partial(_adaptive_pool, k=_k, kind="avg"))
+    _handles(*_resolve(f"adaptive_max_pool{_k}d adaptive_max_pool{_k}d_with_indices _adaptive_max_pool{_k}d"))(
+        partial(_adaptive_pool, k=_k, kind="max"))

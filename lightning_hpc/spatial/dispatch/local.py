@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
@@ -33,8 +33,7 @@ def _linear(func, args, kwargs):
         return NotImplemented
     w = args[1] if len(args) > 1 else kwargs["weight"]
     b = args[2] if len(args) > 2 else kwargs.get("bias")
-    w = _replicated_operand(w, x._grid)
-    b = _replicated_operand(b, x._grid) if b is not None else None
+    w, b = _replicated_operands(x._grid, w, b)
     out = F.linear(_plain(x), w, b)
     gshape = tuple(x._gshape[:-1]) + (out.shape[-1],)
     return _wrap_like(out, x, gshape)

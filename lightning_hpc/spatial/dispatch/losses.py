@@ -18,22 +18,6 @@ from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials, dims_without
 
 
-def _reduction_arg(args, kwargs, pos: int, legacy: tuple[int, int] | None) -> str | None:
-    if legacy is not None:
-        for p, key in zip(legacy, ("size_average", "reduce")):
-            v = args[p] if len(args) > p else kwargs.get(key)
-            if v is not None:
-                return None
-    return args[pos] if len(args) > pos else kwargs.get("reduction", "mean")
-
-
-_LOSS_SIG = {
-    # name: (position of reduction, legacy positions, target position)
-    "cross_entropy": 5, "nll_loss": 5, "binary_cross_entropy_with_logits": 5, "binary_cross_entropy": 5,
-    "mse_loss": 4, "l1_loss": 4, "smooth_l1_loss": 4, "huber_loss": 2,
-}
-
-
 @_handles(*_resolve("cross_entropy nll_loss binary_cross_entropy_with_logits binary_cross_entropy mse_loss l1_loss "
                     "smooth_l1_loss huber_loss"))
 def _loss(func, args, kwargs):

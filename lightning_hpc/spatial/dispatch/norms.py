@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operands, _tile_index
 from lightning_hpc.spatial.dispatch.calls import _arg
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
@@ -26,17 +26,14 @@ def _layer_norm(func, args, kwargs):
     n = len(shape)
     if not isinstance(x, SpatialTensor):
         return NotImplemented
-    w = args[2] if len(args) > 2 else kwargs.get("weight")
-    b = args[3] if len(args) > 3 else kwargs.get("bias")
-    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
     if any(isinstance(t, SpatialTensor) for t in (w, b)):
         return NotImplemented
     d0 = x.dim() - n
     inside = [d >= d0 for d in x.split_dims]
     if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
         return NotImplemented  # split dims both normalised and not, or a wrong shape: gathered (the serial error)
-    w = _replicated_operand(w, x._grid) if w is not None else None
-    b = _replicated_operand(b, x._grid) if b is not None else None
+    w, b = _replicated_operands(x._grid, w, b)
     if not any(inside) or x._grid.group is None:
         return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
     # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
@@ -48,11 +45,7 @@ def _layer_norm(func, args, kwargs):
     w = w[tuple(idx)] if w is not None else None
     b = b[tuple(idx)] if b is not None else None
     local = _plain(x)
-    out_dtype = _serial_norm_dtype("layer", local, w, b)
-    cdt = _norm_compute_dtype(local, out_dtype)
-    rows = local.to(cdt).reshape(math.prod(local.shape[:d0]), -1)
-    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
-    return _wrap_like(_affine(y, w, b, None, cdt).to(out_dtype), x)
+    return _row_norm("layer", x, local, math.prod(local.shape[:d0]), w, b, None, eps)[0]
 
 
 _NORM_DTYPES: dict[tuple, torch.dtype] = {}
@@ -82,10 +75,25 @@ def _serial_norm_dtype(kind: str, x: torch.Tensor, w, b) -> torch.dtype:
     return dtype
 
 
-def _norm_compute_dtype(x: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
-    """Normalisation on a tile in float32 (float64 when the input or the result is float64): the serial kernels
-    accumulate reduced-precision inputs in float32 too."""
-    return torch.float64 if torch.float64 in (x.dtype, out_dtype) else torch.float32
+def _row_norm(kind: str, x: SpatialTensor, local: torch.Tensor, rows: int, w, b, view, eps: float):
+    """``F.{kind}_norm`` of the tile ``local`` of ``x`` viewed as ``rows`` rows, each normalised with the statistics
+    of the whole row over the spatial group, then the affine parameters (shaped by ``view``), in the dtype the
+    serial op returns.  Also returns the float64 per-row mean and biased variance."""
+    out_dtype = _serial_norm_dtype(kind, local, w, b)
+    # computed in float32 (float64 when the input or the result is float64): the serial kernels accumulate
+    # reduced-precision inputs in float32 too
+    cdt = torch.float64 if torch.float64 in (local.dtype, out_dtype) else torch.float32
+    y, mean64, var64 = aggregated_row_norm(local.to(cdt).reshape(rows, -1), eps, x._grid.group)
+    return _wrap_like(_affine(y.reshape(local.shape), w, b, view, cdt).to(out_dtype), x), mean64, var64
+
+
+def _update_running(rm, rv, mean: torch.Tensor, unbiased: torch.Tensor, momentum: float) -> None:
+    """The serial layer's update of its running statistics by the batch's mean and unbiased variance."""
+    with torch.no_grad():
+        if rm is not None:
+            rm.mul_(1 - momentum).add_(mean.to(rm.dtype), alpha=momentum)
+        if rv is not None:
+            rv.mul_(1 - momentum).add_(unbiased.to(rv.dtype), alpha=momentum)
 
 
 def _affine(y: torch.Tensor, w, b, view, dtype: torch.dtype) -> torch.Tensor:
@@ -110,17 +118,12 @@ def _group_norm(func, args, kwargs):
     w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
     if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (w, b)) or x._gshape[1] % groups:
         return NotImplemented
-    w = _replicated_operand(w, x._grid) if w is not None else None
-    b = _replicated_operand(b, x._grid) if b is not None else None
+    w, b = _replicated_operands(x._grid, w, b)
     local = _plain(x)
     if not x.split_dims or x._grid.group is None:
         return _wrap_like(F.group_norm(local, groups, w, b, eps), x)
-    out_dtype = _serial_norm_dtype("group", local, w, b)
-    cdt = _norm_compute_dtype(local, out_dtype)
-    rows = local.to(cdt).reshape(local.shape[0] * groups, -1)
-    y = aggregated_row_norm(rows, eps, x._grid.group)[0].reshape(local.shape)
     view = (1, -1) + (1,) * (x.dim() - 2)
-    return _wrap_like(_affine(y, w, b, view, cdt).to(out_dtype), x)
+    return _row_norm("group", x, local, local.shape[0] * groups, w, b, view, eps)[0]
 
 
 @_handles(F.instance_norm)
@@ -132,27 +135,20 @@ def _instance_norm(func, args, kwargs):
     eps = _arg(args, kwargs, 7, "eps", 1e-5)
     if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (rm, rv, w, b)):
         return NotImplemented
-    w = _replicated_operand(w, x._grid) if w is not None else None
-    b = _replicated_operand(b, x._grid) if b is not None else None
+    w, b = _replicated_operands(x._grid, w, b)
     local = _plain(x)
     if not use_input_stats or not x.split_dims or x._grid.group is None:  # running statistics: per element
         return _wrap_like(F.instance_norm(local, rm, rv, w, b, use_input_stats, momentum, eps), x)
-    out_dtype = _serial_norm_dtype("instance", local, w, b)
-    cdt = _norm_compute_dtype(local, out_dtype)
     n, c = local.shape[:2]
-    y, mean64, var64 = aggregated_row_norm(local.to(cdt).reshape(n * c, -1), eps, x._grid.group)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    out, mean64, var64 = _row_norm("instance", x, local, n * c, w, b, view, eps)
     if rm is not None or rv is not None:
         # as the serial op: each instance's statistics update the running ones with the momentum, averaged over
         # the batch (the variance unbiased over the whole spatial extent)
         count = math.prod(x._gshape[2:])
-        with torch.no_grad():
-            if rm is not None:
-                rm.mul_(1 - momentum).add_(mean64.view(n, c).mean(0).to(rm.dtype), alpha=momentum)
-            if rv is not None:
-                unbiased = var64 * (count / max(count - 1.0, 1.0))
-                rv.mul_(1 - momentum).add_(unbiased.view(n, c).mean(0).to(rv.dtype), alpha=momentum)
-    view = (1, -1) + (1,) * (x.dim() - 2)
-    return _wrap_like(_affine(y.reshape(local.shape), w, b, view, cdt).to(out_dtype), x)
+        unbiased = var64 * (count / max(count - 1.0, 1.0))
+        _update_running(rm, rv, mean64.view(n, c).mean(0), unbiased.view(n, c).mean(0), momentum)
+    return out
 
 
 @_handles(F.batch_norm)
@@ -166,15 +162,11 @@ def _batch_norm(func, args, kwargs):
     eps = _arg(args, kwargs, 7, "eps", 1e-5)
     if any(isinstance(t, SpatialTensor) for t in (rm, rv, weight, bias)):
         return NotImplemented
-    weight = _replicated_operand(weight, x._grid) if weight is not None else None
-    bias = _replicated_operand(bias, x._grid) if bias is not None else None
+    weight, bias = _replicated_operands(x._grid, weight, bias)
     local = _plain(x)
     if not training or x._grid.group is None:
         return _wrap_like(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x)
     y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
     if rm is not None and rv is not None:
-        with torch.no_grad():
-            unbiased = var64 * (n / max(n - 1.0, 1.0))
-            rm.mul_(1 - momentum).add_(mean64.to(rm.dtype), alpha=momentum)
-            rv.mul_(1 - momentum).add_(unbiased.to(rv.dtype), alpha=momentum)
+        _update_running(rm, rv, mean64, var64 * (n / max(n - 1.0, 1.0)), momentum)
     return _wrap_like(y, x)

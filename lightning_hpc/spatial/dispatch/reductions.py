@@ -24,20 +24,18 @@ def _reduce(func, args, kwargs):
     keepdim = args[2] if len(args) > 2 else kw.pop("keepdim", False)
     if len(args) > 3:
         return NotImplemented
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+    every = dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0)  # over all dimensions
+    if every:
         dims = list(range(x.dim()))
-        dim_arg = None
     else:
         dims = [_norm_dim(d, x.dim()) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
-        dim_arg = dims
     name = func.__name__
     local = _plain(x)
     split = set(x.split_dims)
     if not split & set(dims):  # along unsplit dimensions only: stays split
-        out = func(local, dim=dims if dim_arg is not None else None, keepdim=keepdim, **kw) \
-            if dim_arg is not None else None
-        if out is None:
+        if every:
             return NotImplemented
+        out = func(local, dim=dims, keepdim=keepdim, **kw)
         g = []
         for d in range(x.dim()):
             if d in dims:
@@ -48,8 +46,8 @@ def _reduce(func, args, kwargs):
         return _wrap_like(out, x, g, x._sdims if keepdim else dims_without(x._sdims, dims))
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
-    summed = (torch.nansum if name == "nansum" else torch.sum)(local, dim=dims, keepdim=keepdim, **kw) \
-        if dim_arg is not None else (torch.nansum if name == "nansum" else torch.sum)(local, **kw)
+    local_sum = torch.nansum if name == "nansum" else torch.sum
+    summed = local_sum(local, **kw) if every else local_sum(local, dim=dims, keepdim=keepdim, **kw)
     total = all_reduce_replicated(summed, x._grid.group)
     if name == "mean":
         count = math.prod(x._gshape[d] for d in dims)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.calls import _arg
 from lightning_hpc.spatial.dispatch.registry import _handles
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _nchw, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 
 
 def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
@@ -102,7 +102,7 @@ def _pad(func, args, kwargs):
 def _pixel_shuffle(func, args, kwargs):
     """Local on each tile (its rows become ``r`` times as many), then re-blocked over the ``r``-times extent."""
     x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "upscale_factor"))
-    if not _nchw(x) or x._gshape[1] % (r * r):
+    if not _channels_first(x, 2) or x._gshape[1] % (r * r):
         return NotImplemented
     from lightning_hpc.spatial.remap import blocked
 
@@ -116,7 +116,7 @@ def _pixel_shuffle(func, args, kwargs):
 def _pixel_unshuffle(func, args, kwargs):
     """Re-blocked so every tile holds ``r`` times the rows of its output tile (:mod:`remap`), then local."""
     x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "downscale_factor"))
-    if not _nchw(x) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
+    if not _channels_first(x, 2) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
         return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
     from lightning_hpc.spatial.remap import blocked
 

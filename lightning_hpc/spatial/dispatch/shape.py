@@ -62,11 +62,7 @@ def _chunk(func, args, kwargs):
     if not isinstance(x, SpatialTensor):
         return NotImplemented
     name = func.__name__
-    if name == "unbind":
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    else:
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    dim = _norm_dim(dim, x.dim())
+    dim = _norm_dim(_arg(args, kwargs, 1 if name == "unbind" else 2, "dim", 0), x.dim())
     if dim in x._sdims:
         return NotImplemented
     parts = func(_plain(x), *args[1:], **kwargs)

@@ -38,6 +38,11 @@ class DispatchState:
         name, cls = self.module_stack[-1]
         return f"module '{name}' ({cls})"
 
+    def clear_modules(self) -> None:
+        """Forget the modules of an earlier step (one that raised leaves its modules on the stack)."""
+        self.module_stack.clear()
+        self.modules.clear()
+
     def caller(self) -> nn.Module | None:
         """The innermost module running (the layer whose functional op is being dispatched), if any."""
         return self.modules[-1] if self.modules else None

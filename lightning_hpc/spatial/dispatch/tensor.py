@@ -1,10 +1,8 @@
 """The split activation: :class:`SpatialTensor` holds one tile of an activation blocked over the spatial grid:
 grid axis ``k`` splits tensor dimension ``sdims[k]`` (:func:`lightning_hpc.distributed.partition.block_bounds`
-over each), like DTensor's ``Shard(sdims[k])`` placement on mesh dimension ``k``.  Like DTensor it reports the
-*global* shape (``x.shape``, ``x.size()``), so user code that derives sizes, paddings, crops or coordinates from
-shapes computes what one process computes.  Its
-``__torch_function__`` hands every op to :func:`registry._dispatch`, which the registry installs here when it
-is imported (the package's ``__init__`` imports it before any split tensor exists).
+over each), like DTensor's ``Shard(sdims[k])`` placement on mesh dimension ``k``, and reports the *global* shape
+(see the package docstring).  Its ``__torch_function__`` hands every op to :func:`registry._dispatch`, which the
+registry installs here when it is imported (the package's ``__init__`` imports it before any split tensor exists).
 
 Also the functions that make, cut and gather split tensors (:func:`split_tensor`, :func:`gather_tensor`,
 :func:`local_tile`) and wrap a handler's local result with its global layout.
@@ -105,12 +103,7 @@ def split_tensor(tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int],
                  sdims: Sequence[int] | None = None) -> SpatialTensor:
     """Wrap this rank's tile (already cut) of a tensor of global shape ``gshape``; ``sdims``: the dimensions split
     over the grid's axes (default: the last ``grid.ndim``)."""
-    return SpatialTensor.wrap(tile, grid, gshape, trailing_dims(grid.ndim) if sdims is None else sdims)
-
-
-def trailing_dims(k: int) -> tuple[int, ...]:
-    """The last ``k`` dimensions, as negative indices (a sample's spatial dimensions)."""
-    return tuple(range(-k, 0))
+    return SpatialTensor.wrap(tile, grid, gshape, tuple(range(-grid.ndim, 0)) if sdims is None else sdims)
 
 
 def gather_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -168,8 +161,4 @@ def _channels_first(x, ndim: int | None = None) -> bool:
         return False
     k = x._grid.ndim
     return (ndim is None or ndim == k) and x.dim() == 2 + k and x._sdims == tuple(range(2, 2 + k))
-
-
-def _nchw(x) -> bool:
-    return _channels_first(x, 2)
 

@@ -28,8 +28,7 @@ from lightning_hpc.spatial.halo_exchange import trailing
 from lightning_hpc.spatial.kernels.plan import check_tile
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["adaptive_windows", "adaptive_output_size", "adaptive_avg_pool", "adaptive_max_pool",
-           "adaptive_avg_pool_partial", "adaptive_max_pool_partial"]
+__all__ = ["adaptive_windows", "adaptive_output_size", "adaptive_avg_pool", "adaptive_max_pool"]
 
 Range = tuple[int, int]
 
@@ -57,28 +56,6 @@ def _selection(n: int, m: int, lo: int, hi: int, dtype: torch.dtype, device: tor
     idx = torch.arange(lo, hi, device=device)
     bounds = torch.tensor(adaptive_windows(n, m), device=device)
     return ((idx[None, :] >= bounds[:, :1]) & (idx[None, :] < bounds[:, 1:])).to(dtype)
-
-
-def adaptive_avg_pool_partial(x: torch.Tensor, group: Any, extents: Sequence[int], origin: Sequence[int],
-                              size: Sequence[int]) -> torch.Tensor:
-    """``F.adaptive_avg_pool{k}d`` of a split activation to ``size``, replicated on every rank of ``group``: each
-    window's sum over this tile (whose split dimensions, the last ``len(extents)``, start at global ``origin``),
-    summed over the group and divided by the window's size."""
-    k = len(extents)
-    # float32 sums for reduced-precision inputs, as the serial kernel accumulates them
-    cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    part = x.to(cdt)
-    counts = torch.ones((), dtype=cdt, device=x.device)
-    with torch.autocast(x.device.type, enabled=False):  # autocast would run the sums as a bf16 matrix product
-        for e, (n, o, m) in enumerate(zip(extents, origin, size)):
-            dim = x.dim() - k + e
-            sel = _selection(n, m, o, o + x.shape[dim], cdt, x.device)
-            part = (part.movedim(dim, -1) @ sel.T).movedim(-1, dim)
-            shape = [1] * k
-            shape[e] = m
-            sizes = [b - a for a, b in adaptive_windows(n, m)]
-            counts = counts * torch.tensor(sizes, dtype=cdt, device=x.device).view(shape)
-    return (all_reduce_replicated(part, group) / counts).to(x.dtype)
 
 
 class _AdaptiveMax(torch.autograd.Function):
@@ -144,14 +121,6 @@ class _AdaptiveMax(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None
 
 
-def adaptive_max_pool_partial(x: torch.Tensor, group: Any, extents: Sequence[int], origin: Sequence[int],
-                              size: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.adaptive_max_pool{k}d(..., return_indices=True)`` of a split activation, replicated on every rank of
-    ``group``: each window's maximum over the group and its index into the flattened split dimensions (the first
-    maximum in row-major order, as the serial kernel; ties across tiles resolve the same way)."""
-    return _AdaptiveMax.apply(x, group, tuple(extents), tuple(origin), tuple(size))
-
-
 def _origin(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], op: str) -> tuple[int, ...]:
     check_tile(x, grid, extents, op)
     return tuple(lo for lo, _ in grid.tile_bounds(*extents))
@@ -162,7 +131,22 @@ def adaptive_avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int]
     (``x``: this rank's tile of a sample whose split dimensions have global ``extents``)."""
     size = adaptive_output_size(output_size, extents)
     origin = _origin(x, grid, extents, f"adaptive_avg_pool{grid.ndim}d")
-    return adaptive_avg_pool_partial(x, grid.group, extents, origin, size)
+    # each window's sum over this tile, summed over the group and divided by the window's size
+    k = len(extents)
+    # float32 sums for reduced-precision inputs, as the serial kernel accumulates them
+    cdt = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    part = x.to(cdt)
+    counts = torch.ones((), dtype=cdt, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):  # autocast would run the sums as a bf16 matrix product
+        for e, (n, o, m) in enumerate(zip(extents, origin, size)):
+            dim = x.dim() - k + e
+            sel = _selection(n, m, o, o + x.shape[dim], cdt, x.device)
+            part = (part.movedim(dim, -1) @ sel.T).movedim(-1, dim)
+            shape = [1] * k
+            shape[e] = m
+            sizes = [b - a for a, b in adaptive_windows(n, m)]
+            counts = counts * torch.tensor(sizes, dtype=cdt, device=x.device).view(shape)
+    return (all_reduce_replicated(part, grid.group) / counts).to(x.dtype)
 
 
 def adaptive_max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], output_size: Any,
@@ -171,5 +155,5 @@ def adaptive_max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int]
     the indices are the serial op's (into the flattened global split dimensions)."""
     size = adaptive_output_size(output_size, extents)
     origin = _origin(x, grid, extents, f"adaptive_max_pool{grid.ndim}d")
-    vals, idx = adaptive_max_pool_partial(x, grid.group, extents, origin, size)
+    vals, idx = _AdaptiveMax.apply(x, grid.group, tuple(extents), origin, tuple(size))
     return (vals, idx) if return_indices else vals

@@ -42,7 +42,6 @@ from lightning_hpc.spatial.tiling import SpatialGrid
 __all__ = [
     "conv",
     "convolution_windows",
-    "planned_convolution",
     "edge_regions",
     "tile_convolution_applies",
     "extended_box",
@@ -114,8 +113,8 @@ class _Spec:
 
 
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
-                extents: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
-                path: str = "auto", overlap: bool = False, record: Recorder | None = None) -> torch.Tensor:
+         extents: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
+         path: str = "auto", overlap: bool = False, record: Recorder | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.conv{k}d(x_global, weight, bias, stride, padding, dilation, groups)``.
 
     ``x``: this rank's tile (``N x C x ...``, its last ``grid.ndim`` dimensions split, blocked over
@@ -129,41 +128,30 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid:
     if dtype is not None:
         with torch.autocast(x.device.type, enabled=False):
             return conv(autocast_cast(x, dtype), autocast_cast(weight, dtype),
-                               None if bias is None else autocast_cast(bias, dtype), grid, extents, stride, padding,
-                               dilation, groups, path=path, overlap=overlap, record=record)
+                        None if bias is None else autocast_cast(bias, dtype), grid, extents, stride, padding,
+                        dilation, groups, path=path, overlap=overlap, record=record)
     k = grid.ndim
     op = f"conv{k}d"
     if weight.dim() != k + 2:
         raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
     windows = convolution_windows(weight.shape, stride, padding, dilation)
     plan = halo_plan(grid, extents, windows, op, tile=x)
-    return planned_convolution(x, weight, bias, plan, windows, groups, path=path, overlap=overlap, record=record)
-
-
-def planned_convolution(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: HaloPlan,
-                        windows: Sequence[Window1d], groups: int = 1, *, path: str = "auto", overlap: bool = False,
-                        record: Recorder | None = None,
-                        regions: list[tuple[Region, Region]] | None = None) -> torch.Tensor:
-    """:func:`conv` with the halo plan already made (``windows``: :func:`convolution_windows` of the call;
-    ``regions``: :func:`edge_regions` of the plan when the caller caches them).  No autocast cast here."""
-    k = plan.ndim
     if path not in ("auto", "tile", "box"):
-        raise ValueError(f"conv{k}d: path={path!r}; expected 'auto', 'tile' or 'box'")
+        raise ValueError(f"{op}: path={path!r}; expected 'auto', 'tile' or 'box'")
     spec = _Spec(tuple(windows), int(groups), bool(overlap))
     if all(w.kernel == 1 and w.stride == 1 and w.padding == 0 and w.symmetric for w in windows):
         if record is not None:  # pointwise: the tile is its own box, no halo
             record(x.detach(), tuple(dim.n_out for dim in plan.dims))
         return spec.conv(x, weight, bias, [0] * k)
     if record is None and path != "box":
-        if regions is None:
-            key = ("edge_regions", tuple(windows))
-            if key not in plan.memo:  # a pure function of the (cached) plan
-                plan.memo[key] = edge_regions(plan, windows)
-            regions = plan.memo[key]
+        key = ("edge_regions", tuple(windows))
+        if key not in plan.memo:  # a pure function of the (cached) plan
+            plan.memo[key] = edge_regions(plan, windows)
+        regions = plan.memo[key]
         if regions is not None:
             return _TileConv.apply(x, weight, bias, spec, plan, regions)
         if path == "tile":
-            raise ValueError(f"conv{k}d: the in-place tile path does not apply to tile {plan.index} (a tile starts "
+            raise ValueError(f"{op}: the in-place tile path does not apply to tile {plan.index} (a tile starts "
                              f"off the stride grid or its output block is not the tile's own output)")
     return _BoxConv.apply(x, weight, bias, spec, plan, record)
 
@@ -311,7 +299,7 @@ class _TileConv(torch.autograd.Function):
         y = spec.conv(x, weight, bias, padding)
         if blocks is None:
             blocks = exchange.finish_forward()
-        halo = Halo.from_blocks(x, blocks, plan)
+        halo = Halo(x, blocks, plan)
         k = plan.ndim
         for region, box in regions:
             y[_rel(region, plan.out)] = spec.conv(halo.box(*_flat(box)), weight, bias, [0] * k)
@@ -326,7 +314,7 @@ class _TileConv(torch.autograd.Function):
         plan, spec = ctx.plan, ctx.spec
         k = plan.ndim
         need_x, need_w, need_b = _grad_mask(ctx)
-        halo = Halo.from_blocks(x, blocks, plan)
+        halo = Halo(x, blocks, plan)
         halo_grads = [torch.zeros_like(b) for b in blocks] if need_x else []
         grad_w_edges = []
         for region, box in ctx.regions:

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.spatial.halo_exchange import HaloPlan, halo_exchange
+from lightning_hpc.spatial.halo_exchange import halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["Interp1d", "interpolation_windows", "interpolate", "planned_interpolate"]
+__all__ = ["Interp1d", "interpolation_windows", "interpolate"]
 
 _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
@@ -123,8 +123,14 @@ def interpolation_windows(extents: Sequence[int], size: Any = None, scale_factor
     return tuple(out)
 
 
-def planned_interpolate(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Interp1d]) -> torch.Tensor:
-    """:func:`interpolate` with the halo plan already made."""
+def interpolate(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], size: Any = None, scale_factor: Any = None,
+                mode: str = "nearest", align_corners: bool | None = None,
+                recompute_scale_factor: bool | None = None) -> torch.Tensor:
+    """This rank's output tile of ``F.interpolate(x_global, size, scale_factor, mode, align_corners,
+    recompute_scale_factor)`` (``x``: this rank's tile of a sample whose split dimensions have global
+    ``extents``; the output is blocked over the output's global extents)."""
+    windows = interpolation_windows(extents, size, scale_factor, mode, align_corners, recompute_scale_factor)
+    plan = halo_plan(grid, extents, windows, f"interpolate({mode})", tile=x)
     xp = halo_exchange(x, plan)  # interpolation never reaches outside the sample: no padding
     k = plan.ndim
     for e in reversed(range(k)):  # the last dimension innermost, as torch nests the weights
@@ -141,15 +147,3 @@ def planned_interpolate(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Inter
         lam = lam.view(shape)
         xp = ((1 - lam) * a + lam * b).to(x.dtype)
     return xp
-
-
-def interpolate(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], size: Any = None, scale_factor: Any = None,
-                mode: str = "nearest", align_corners: bool | None = None,
-                recompute_scale_factor: bool | None = None) -> torch.Tensor:
-    """This rank's output tile of ``F.interpolate(x_global, size, scale_factor, mode, align_corners,
-    recompute_scale_factor)`` (``x``: this rank's tile of a sample whose split dimensions have global
-    ``extents``; the output is blocked over the output's global extents)."""
-    op = f"interpolate({mode})"
-    windows = interpolation_windows(extents, size, scale_factor, mode, align_corners, recompute_scale_factor)
-    plan = halo_plan(grid, extents, windows, op, tile=x)
-    return planned_interpolate(x, plan, windows)

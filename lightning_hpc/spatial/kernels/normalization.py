@@ -92,8 +92,7 @@ class _AggregatedRowNorm(torch.autograd.Function):
 def aggregated_row_norm(rows: torch.Tensor, eps: float, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalise each row of ``rows`` (``(R, m)``, this tile's part of every row) with the statistics of the whole
     row over ``group``.  Returns the normalised tile and the float64 per-row mean and biased variance."""
-    y, mean64, var64 = _AggregatedRowNorm.apply(rows, float(eps), group)
-    return y, mean64, var64
+    return _AggregatedRowNorm.apply(rows, float(eps), group)
 
 
 class _AggregatedBatchNorm(torch.autograd.Function):
@@ -146,5 +145,4 @@ def aggregated_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: to
     """Training-mode batch norm of this rank's tile ``x`` (N x C x spatial...) with the statistics of the whole
     sample over ``group``.  Returns the normalised tile, the float64 per-channel mean and biased variance and the
     element count per channel (for the running statistics' unbiased variance)."""
-    y, mean64, var64, n = _AggregatedBatchNorm.apply(x, weight, bias, float(eps), group)
-    return y, mean64, var64, n
+    return _AggregatedBatchNorm.apply(x, weight, bias, float(eps), group)

@@ -60,14 +60,11 @@ def largest_split(n: int, parts: int, window: Any) -> int:
     return 1
 
 
-def check_partition(extents: Sequence[int], parts: Sequence[int], windows: Sequence[Any], op: str = "") -> None:
-    """Raise :class:`PartitionError` unless every tile of ``extents`` split ``parts`` (blocked) can compute its
-    output block from its own entries and its direct neighbours' (section III-A); the message names the
-    dimension and the largest split of it that works."""
-    _plans(tuple(extents), tuple(parts), tuple(windows), op)
-
-
-def _plans(extents: tuple[int, ...], parts: tuple[int, ...], windows: tuple[Any, ...], op: str) -> list[DimPlan]:
+def check_partition(extents: Sequence[int], parts: Sequence[int], windows: Sequence[Any],
+                    op: str = "") -> list[DimPlan]:
+    """The plan of each split dimension; :class:`PartitionError` unless every tile of ``extents`` split ``parts``
+    (blocked) can compute its output block from its own entries and its direct neighbours' (section III-A): the
+    message names the dimension and the largest split of it that works."""
     if not len(extents) == len(parts) == len(windows):
         raise ValueError(f"{op}: {len(extents)} extents, {len(parts)} parts and {len(windows)} windows: one per split "
                          f"dimension")
@@ -100,7 +97,7 @@ def halo_plan(grid: SpatialGrid, extents: Sequence[int], windows: Sequence[Any],
     if plan is None or plan.grid is not grid:
         if tile is not None:
             check_tile(tile, grid, extents, op)
-        plan = HaloPlan(grid, *_plans(extents, grid.parts, windows, op))
+        plan = HaloPlan(grid, *check_partition(extents, grid.parts, windows, op))
         if len(_CACHE) > 256:
             _CACHE.clear()
         _CACHE[key] = plan

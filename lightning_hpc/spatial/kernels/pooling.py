@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.halo_exchange import HaloPlan, Window1d, halo_exchange
+from lightning_hpc.spatial.halo_exchange import Window1d, halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["pooling_windows", "max_pool", "avg_pool", "planned_max_pool", "planned_avg_pool", "pool_divisors"]
+__all__ = ["pooling_windows", "max_pool", "avg_pool", "pool_divisors"]
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -55,13 +55,6 @@ def _window_args(windows: Sequence[Window1d]) -> tuple[list[int], list[int], lis
     return [w.kernel for w in windows], [w.stride for w in windows], [w.dilation for w in windows]
 
 
-def planned_max_pool(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Window1d]) -> torch.Tensor:
-    """:func:`max_pool` with the halo plan already made."""
-    box = halo_exchange(x, plan, pad_value=float("-inf"))  # -inf never wins a maximum: torch skips the padding
-    kernel, stride, dilation = _window_args(windows)
-    return _MAX[plan.ndim](box, kernel, stride, 0, dilation)
-
-
 def _sum_pool(box: torch.Tensor, kernel: list[int], stride: list[int]) -> torch.Tensor:
     """Window sums (``divisor_override=1``, which ``F.avg_pool1d`` lacks: 1-D runs as 2-D with a unit height)."""
     k = len(kernel)
@@ -70,12 +63,16 @@ def _sum_pool(box: torch.Tensor, kernel: list[int], stride: list[int]) -> torch.
     return (F.avg_pool2d if k == 2 else F.avg_pool3d)(box, kernel, stride, 0, divisor_override=1)
 
 
-def planned_avg_pool(x: torch.Tensor, plan: HaloPlan, windows: Sequence[Window1d], count_include_pad: bool = True,
-                     divisor_override: int | None = None) -> torch.Tensor:
-    """:func:`avg_pool` with the halo plan already made."""
+def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
+             padding: Any = 0, ceil_mode: bool = False, count_include_pad: bool = True,
+             divisor_override: int | None = None) -> torch.Tensor:
+    """This rank's output tile of ``F.avg_pool{k}d(x_global, kernel_size, stride, padding, ceil_mode,
+    count_include_pad, divisor_override)`` (``divisor_override``: 2-D and 3-D in torch, accepted for 1-D too)."""
+    k = grid.ndim
+    windows = pooling_windows(k, kernel_size, stride, padding, 1, ceil_mode)
+    plan = halo_plan(grid, extents, windows, f"avg_pool{k}d", tile=x)
     box = halo_exchange(x, plan, pad_value=0.0)
     kernel, stride, _ = _window_args(windows)
-    k = plan.ndim
     key = ("pool_divisors", tuple(windows), count_include_pad)
     if key not in plan.memo:  # a pure function of the (cached) plan
         plan.memo[key] = [pool_divisors(win, o0, o1, dim.n, count_include_pad) for win, (o0, o1), dim in
@@ -103,15 +100,7 @@ def max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_
     the output's global extents).  ``return_indices`` is not offered (indices would be global positions)."""
     k = grid.ndim
     windows = pooling_windows(k, kernel_size, stride, padding, dilation, ceil_mode)
-    return planned_max_pool(x, halo_plan(grid, extents, windows, f"max_pool{k}d", tile=x), windows)
-
-
-def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
-             padding: Any = 0, ceil_mode: bool = False, count_include_pad: bool = True,
-             divisor_override: int | None = None) -> torch.Tensor:
-    """This rank's output tile of ``F.avg_pool{k}d(x_global, kernel_size, stride, padding, ceil_mode,
-    count_include_pad, divisor_override)`` (``divisor_override``: 2-D and 3-D in torch, accepted for 1-D too)."""
-    k = grid.ndim
-    windows = pooling_windows(k, kernel_size, stride, padding, 1, ceil_mode)
-    plan = halo_plan(grid, extents, windows, f"avg_pool{k}d", tile=x)
-    return planned_avg_pool(x, plan, windows, count_include_pad, divisor_override)
+    plan = halo_plan(grid, extents, windows, f"max_pool{k}d", tile=x)
+    box = halo_exchange(x, plan, pad_value=float("-inf"))  # -inf never wins a maximum: torch skips the padding
+    kernel, stride, dilation = _window_args(windows)
+    return _MAX[k](box, kernel, stride, 0, dilation)

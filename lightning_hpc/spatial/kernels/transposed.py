@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.halo_exchange import HaloPlan, PartitionError, halo_exchange, trailing
+from lightning_hpc.spatial.halo_exchange import PartitionError, halo_exchange, trailing
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
 from lightning_hpc.spatial.tiling import SpatialGrid
 
-__all__ = ["TransposedWindow1d", "transposed_windows", "conv_transpose", "transposed_from_box"]
+__all__ = ["TransposedWindow1d", "transposed_windows", "conv_transpose"]
 
 Range = tuple[int, int]
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -44,11 +44,6 @@ class TransposedWindow1d:
     @property
     def span(self) -> int:
         return self.dilation * (self.kernel - 1) + 1
-
-    @property
-    def exact_on_tiles(self) -> bool:
-        """Every output has an input in its window (no stride gaps): the local kernel covers every output."""
-        return self.stride <= self.span
 
     def out_size(self, n: int) -> int:
         return (n - 1) * self.stride - 2 * self.padding + self.span + self.output_padding
@@ -73,13 +68,21 @@ def transposed_windows(weight_shape: Sequence[int], stride: Any = 1, padding: An
                  zip(weight_shape[2:], s, p, d, op))
 
 
-def transposed_from_box(box: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: HaloPlan,
-                        windows: Sequence[TransposedWindow1d], groups: int = 1) -> torch.Tensor:
-    """This output tile from the exchanged input box ``plan.need`` (zeros outside the sample): the local
-    transposed convolution without padding, cut to the tile."""
-    k = plan.ndim
+def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
+                   extents: Sequence[int], stride: Any = 1, padding: Any = 0, output_padding: Any = 0,
+                   groups: int = 1, dilation: Any = 1) -> torch.Tensor:
+    """This rank's output tile of ``F.conv_transpose{k}d(x_global, weight, bias, stride, padding, output_padding,
+    groups, dilation)`` (``x``: this rank's tile of a sample whose split dimensions have global ``extents``; the
+    output is blocked over the output's global extents)."""
+    k = grid.ndim
+    op = f"conv_transpose{k}d"
+    if weight.dim() != k + 2:
+        raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
+    windows = transposed_windows(weight.shape, stride, padding, output_padding, dilation)
+    plan = halo_plan(grid, extents, windows, op, tile=x)
+    box = halo_exchange(x, plan)
     if any(hi <= lo for lo, hi in plan.need):
-        raise PartitionError(f"conv_transpose{k}d: output tile {plan.out} reads no input (it lies in a stride gap "
+        raise PartitionError(f"{op}: output tile {plan.out} reads no input (it lies in a stride gap "
                              f"of {[w.stride for w in windows]}); use fewer parts")
     stride, dilation = [w.stride for w in windows], [w.dilation for w in windows]
     shape = [s * (n - 1) + w.span for s, n, w in zip(stride, box.shape[-k:], windows)]  # the local result's extents
@@ -95,18 +98,3 @@ def transposed_from_box(box: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     # outputs in a stride gap past the local result: only the bias reaches them
     y = F.pad(_CONVT[k](box, weight, None, stride, 0, 0, groups, dilation), pads)[trailing(cut)]
     return y if bias is None else y + bias.to(y.dtype).view(-1, *([1] * k))
-
-
-def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
-                   extents: Sequence[int], stride: Any = 1, padding: Any = 0, output_padding: Any = 0,
-                   groups: int = 1, dilation: Any = 1) -> torch.Tensor:
-    """This rank's output tile of ``F.conv_transpose{k}d(x_global, weight, bias, stride, padding, output_padding,
-    groups, dilation)`` (``x``: this rank's tile of a sample whose split dimensions have global ``extents``; the
-    output is blocked over the output's global extents)."""
-    k = grid.ndim
-    op = f"conv_transpose{k}d"
-    if weight.dim() != k + 2:
-        raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
-    windows = transposed_windows(weight.shape, stride, padding, output_padding, dilation)
-    plan = halo_plan(grid, extents, windows, op, tile=x)
-    return transposed_from_box(halo_exchange(x, plan), weight, bias, plan, windows, groups)

@@ -144,6 +144,10 @@ def plan_for_model(
         raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
     import torch.distributed as dist
 
+    def plan() -> Plan:
+        return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
+                     aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync)
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Inside a job (a strategy planning at setup): measured times differ between ranks, so rank 0 plans and
         # every rank gets the same plan; alpha-beta is calibrated on the job's own process group (collective).
@@ -154,20 +158,14 @@ def plan_for_model(
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = _plan(
-                    model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
-                    aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync,
-                )
+                box[0] = plan()
             except Exception as e:  # every rank must leave the broadcast, then all raise the same error
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]
-    return _plan(
-        model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
-        aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync,
-    )
+    return plan()
 
 
 def _plan(

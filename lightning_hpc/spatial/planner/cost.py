@@ -25,7 +25,7 @@ from torch import nn
 
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
 from lightning_hpc.perfmodel.sync import SyncCost
-from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_applies
+from lightning_hpc.spatial.kernels import tile_convolution_applies
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
 from lightning_hpc.spatial.windows import halo_elements
 
@@ -157,8 +157,7 @@ class CostModel:
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
                 type(layer.module) is nn.Conv2d and d.d == 1
-                and tile_convolution_applies(layer.in_shape[-2:], (d.h, d.w), convolution_windows(
-                    layer.module.weight.shape, layer.module.stride, layer.module.padding, layer.module.dilation))
+                and tile_convolution_applies(layer.in_shape[-2:], (d.h, d.w), layer.windows or ())  # (x > 0: windows)
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
                 # a convolution on stride-aligned tiles convolves the tile in place and copies only edge rows

@@ -36,11 +36,6 @@ class Distribution:
     replicas: int = 1
     d: int = 1
 
-    @property
-    def spatial(self) -> tuple[int, int]:
-        """(h, w): the parts of an image."""
-        return (self.h, self.w)
-
     def parts(self, ndim: int) -> tuple[int, ...]:
         """The parts of the last ``ndim`` spatial dimensions: ``(w,)``, ``(h, w)`` or ``(d, h, w)``."""
         return (self.d, self.h, self.w)[3 - ndim :]
