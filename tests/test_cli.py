@@ -31,8 +31,8 @@ FAST = {
         "trainer.accelerator=cpu",
         "trainer.devices=2",
     ],
-    "digits_odenet": [],
-    # run (with their own size overrides) by the test named here
+    # run by the test named here (with their own size overrides or further checks)
+    "digits_odenet": "tests/multigrid/test_multigrid_strategy.py",
     "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
     "mesh_tangling_2k": "tests/mesh_tangling/test_recipes.py",
     "volumes_unet3d": "tests/spatial/test_volume_recipe.py",
