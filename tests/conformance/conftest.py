@@ -27,7 +27,7 @@ from cells import (
     micro_batch_reference,
     under_horovodrun,
 )
-from launch import CaseResult, horovod_importable, launch, read
+from launch import CaseResult, horovod_importable, launch, launch_forked, read
 
 
 class Runs:
@@ -41,8 +41,12 @@ class Runs:
     def _ensure(self, key: str, outdir: str, devices: int, items: list[str], data_parallel: int, horovod: bool = False,
                 env: dict[str, str] | None = None) -> str:
         if key not in self.logs:
-            self.logs[key] = launch(devices, self.root / outdir, items, data_parallel, horovod=horovod, env_extra=env,
-                                    log_name=f"{key}.log", processes=devices)
+            if horovod:
+                self.logs[key] = launch(devices, self.root / outdir, items, data_parallel, horovod=True,
+                                        env_extra=env, log_name=f"{key}.log", processes=devices)
+            else:  # forked ranks: no interpreter start, no import of Lightning per launch
+                self.logs[key] = launch_forked(devices, self.root / outdir, items, data_parallel, env_extra=env,
+                                               log_name=f"{key}.log")
         return self.logs[key]
 
     def two(self, strategy: str, case: str) -> CaseResult:

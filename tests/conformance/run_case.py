@@ -892,10 +892,12 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
 
 
 def main(devices: int, outdir: str, data_parallel: int, items: list[str]) -> None:
+    import time
     for item in items:
         strategy, case = item.split(":")
+        t0 = time.perf_counter()
         run_one(strategy, case, devices, Path(outdir) / strategy / case, data_parallel)
-        print(f"CASE {item} DONE", flush=True)
+        print(f"CASE {item} DONE {time.perf_counter() - t0:.2f}", flush=True)
 
 
 if __name__ == "__main__":
