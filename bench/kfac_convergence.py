@@ -1,25 +1,30 @@
-"""K-FAC convergence on real data: digits CNN, SGD vs SGD + K-FAC, epochs and time to 97% validation accuracy.
+"""K-FAC convergence on real data: digits CNN or ResNet, SGD vs SGD + K-FAC vs Adam, epochs and time to 97% val acc.
 
-Same model (``small_cnn``), data split, batch size, momentum and weight decay for both; K-FAC preconditions the
-gradients SGD then applies. A run trains until the validation accuracy, checked ``--evals-per-epoch`` times per
-epoch (fractional epochs), reaches ``--target``; time counts training only (evaluation excluded for both), as
-wall time and as process CPU time (one thread: on a loaded shared machine the CPU time is the meaningful cost).
+Same model (``--model``: ``small_cnn``, or ``resnet``: the CIFAR ResNet-8, its smallest depth), data split, batch
+size and weight decay (1e-4) for all; SGD and K-FAC use momentum 0.9, K-FAC preconditions the gradients SGD then
+applies; Adam (``torch.optim.Adam``, the 1e-4 weight decay added to the gradient as for SGD) has its own lr grid.
+A run trains until the validation accuracy, checked ``--evals-per-epoch`` times per epoch (fractional epochs),
+reaches ``--target``; time counts training only (evaluation excluded for all), as wall time and as process CPU
+time (one thread: on a loaded shared machine the CPU time is the meaningful cost).
 
-Tuning is the same for both methods and uses seeds (``--tune-seeds``) disjoint from the reported ones (``--seeds``):
+Tuning is the same for all methods and uses seeds (``--tune-seeds``) disjoint from the reported ones (``--seeds``):
 
-1. ``lr``: both methods over the same learning-rate grid (K-FAC with the ``--damping`` / ``--kl-clip`` /
-   interval defaults); each method keeps its best lr (lowest median epochs to target; CPU time breaks ties);
+1. ``lr``: SGD and K-FAC over the same learning-rate grid (K-FAC with the ``--damping`` / ``--kl-clip`` /
+   interval defaults), Adam over ``--adam-lrs``; each method keeps its best lr (lowest median epochs to target;
+   CPU time breaks ties);
 2. ``kfac``: K-FAC's damping x kl_clip x (factor, decomposition) interval grid at its best lr;
-3. ``lr2``: the lr grid again for K-FAC with the best K-FAC setting (SGD has nothing more to tune);
-4. ``final``: both methods at their chosen settings on the reported seeds (median of those).
+3. ``lr2``: the lr grid again for K-FAC with the best K-FAC setting (SGD and Adam have nothing more to tune);
+4. ``final``: all methods at their chosen settings on the reported seeds (median of those).
 
 A run that does not reach the target within ``--sweep-max-epochs`` (tuning) or ``--max-epochs`` (final) counts as
-never reaching it. ``--stages final`` with explicit ``--sgd-lr`` / ``--kfac-lr`` / ... reruns only the comparison.
+never reaching it. ``--stages final`` with explicit ``--sgd-lr`` / ``--kfac-lr`` / ``--adam-lr`` / ... reruns only
+the comparison.
 ``--select time`` picks instead the lowest median CPU time among the K-FAC settings within ``--epoch-ratio`` x
 SGD's tuned epochs. ``--sample-fraction(s)`` runs the optional A-subsampling variant
 (``conv_input_sample_fraction``, off at 1.0); ``--tag`` suffixes the result files so runs do not overwrite each other.
 
-    python bench/kfac_convergence.py [--stages lr kfac lr2 final] [--seeds 0 1 2] [--tune-seeds 10 11 12]
+    python bench/kfac_convergence.py [--model small_cnn|resnet] [--stages lr kfac lr2 final] [--seeds 0 1 2]
+        [--tune-seeds 10 11 12]
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ from torch.utils.data import DataLoader
 
 from lightning_hpc.data.digits import load_digits_tensors
 from lightning_hpc.kfac import KFACPreconditioner
-from lightning_hpc.models import small_cnn
+from lightning_hpc.models import cifar_resnet, small_cnn
 
 STAGES = ("lr", "kfac", "lr2", "final")
+#: 1x8x8 digits, 10 classes; ResNet-8 is the smallest CIFAR ResNet (6n+2, n=1)
+MODELS = {"small_cnn": lambda: small_cnn(1, 10), "resnet": lambda: cifar_resnet(8, 10, in_channels=1)}
 #: K-FAC settings a configuration names (the tuned ones and the optional A-subsampling variant, off at 1.0)
 KFAC_KEYS = (
     "damping",
@@ -58,8 +65,11 @@ def run(method: str, seed: int, lr: float, kfac: dict, max_epochs: int, args: ar
     train, val = load_digits_tensors(0.2, seed=0)
     loader = DataLoader(train, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
     xv, yv = val.tensors
-    model = small_cnn(1, 10)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
+    model = MODELS[args.model]()
+    if method == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
     pre = KFACPreconditioner(model, optimizer=opt, **kfac) if method == "kfac" else None
     steps_per_epoch = len(loader)
     eval_every = max(1, steps_per_epoch // args.evals_per_epoch)
@@ -133,6 +143,7 @@ def _best(rows: list[dict], select: str = "epochs", epoch_cap: float = math.inf)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=tuple(MODELS), default="small_cnn")
     ap.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="reported seeds")
     ap.add_argument("--tune-seeds", type=int, nargs="+", default=[10, 11, 12], help="seeds of the tuning sweeps")
@@ -141,6 +152,7 @@ def main() -> None:
     ap.add_argument("--sweep-max-epochs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.05, 0.1, 0.2, 0.4])
+    ap.add_argument("--adam-lrs", type=float, nargs="+", default=[3e-4, 1e-3, 3e-3, 1e-2])
     ap.add_argument("--dampings", type=float, nargs="+", default=[0.001, 0.003, 0.01, 0.03])
     ap.add_argument("--kl-clips", type=float, nargs="+", default=[0.001, 0.01, 0.1])
     ap.add_argument("--intervals", nargs="+", default=["1:5", "1:10", "5:20"], help="factor:decomposition intervals")
@@ -167,6 +179,7 @@ def main() -> None:
     )
     ap.add_argument("--sgd-lr", type=float, default=0.05, help="used when the lr stage is skipped")
     ap.add_argument("--kfac-lr", type=float, default=0.05, help="used when the lr / lr2 stages are skipped")
+    ap.add_argument("--adam-lr", type=float, default=1e-3, help="used when the lr stage is skipped")
     ap.add_argument("--damping", type=float, default=0.003)
     ap.add_argument("--kl-clip", type=float, default=0.01)
     ap.add_argument("--factor-every", type=int, default=1)
@@ -199,7 +212,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sgd_lr, kfac_lr = args.sgd_lr, args.kfac_lr
+    sgd_lr, kfac_lr, adam_lr = args.sgd_lr, args.kfac_lr, args.adam_lr
     kfac = {"damping": args.damping, "kl_clip": args.kl_clip, "factor_update_freq": args.factor_every,
             "inv_update_freq": args.decomp_every, "factor_decay": args.factor_decay,
             "conv_input_sample_fraction": args.sample_fraction, "compute_method": args.compute_method}  # fmt: skip
@@ -219,6 +232,7 @@ def main() -> None:
         sgd_best = _best([tune("lr", "sgd", lr, {}) for lr in args.lrs], args.select)
         sgd_lr, sgd_epochs = sgd_best["lr"], sgd_best["median_epochs"]
         kfac_lr = _best([tune("lr", "kfac", lr, kfac) for lr in args.lrs])["lr"]
+        adam_lr = _best([tune("lr", "adam", lr, {}) for lr in args.adam_lrs], args.select)["lr"]
     if args.select == "time" and sgd_epochs is None and ("kfac" in args.stages or "lr2" in args.stages):
         ap.error("--select time needs SGD's tuned epochs: run the lr stage or pass --sgd-tuned-epochs")
     cap = args.epoch_ratio * sgd_epochs if sgd_epochs is not None else math.inf
@@ -249,9 +263,10 @@ def main() -> None:
         return
 
     report = Report("kfac_convergence" + args.tag)
-    report.meta.update(vars(args), chosen_sgd_lr=sgd_lr, chosen_kfac_lr=kfac_lr, chosen_kfac=kfac,
+    report.meta.update(vars(args), chosen_sgd_lr=sgd_lr, chosen_kfac_lr=kfac_lr, chosen_adam_lr=adam_lr,
+                       chosen_kfac=kfac,
                        note="shared 2-core machine: wall times are noisy; CPU time (one thread) is the step's own work")
-    for method, lr, opts in (("sgd", sgd_lr, {}), ("kfac", kfac_lr, kfac)):
+    for method, lr, opts in (("sgd", sgd_lr, {}), ("kfac", kfac_lr, kfac), ("adam", adam_lr, {})):
         row = report.add(**evaluate_config(method, lr, opts, args.seeds, args.max_epochs, args))
         print(row, flush=True)
     report.add_ratios("method", "median_epochs", "sgd", ratio_name="epochs_vs_sgd")
@@ -262,7 +277,7 @@ def main() -> None:
     report.plot_bars(
         "method",
         "median_epochs",
-        title=f"Epochs to {args.target:.0%} val acc (digits CNN, median of {len(args.seeds)} seeds)",
+        title=f"Epochs to {args.target:.0%} val acc (digits {args.model}, median of {len(args.seeds)} seeds)",
         ylabel="epochs",
     )
 
