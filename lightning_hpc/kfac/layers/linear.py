@@ -23,7 +23,7 @@ class LinearHandler(LayerHandler):
     G the per-sample sum over positions. ``batch_dim`` is 0 (batch first) unless the layer sits in a module
     with ``batch_first=False`` (torch's ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` /
     ``MultiheadAttention``, or a user module that sets that attribute), then 1: see
-    :func:`linear_batch_dims`.
+    :func:`linear_batch_dim`.
     """
 
     module: nn.Linear
