@@ -11,20 +11,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lightning_hpc._compat import disable_torch_function_subclass
+from lightning_hpc.distributed.partitioned import local_block
 from lightning_hpc.kfac.layers.linear import LinearHandler
 from lightning_hpc.kfac.linalg import sym_gram
 
 __all__ = ["ShardedLinearHandler"]
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor of a model-parallel block (a :class:`~lightning_hpc.distributed.partitioned.BlockTensor`
-    reduces over its group; the handler means this rank's block)."""
-    if type(t) is torch.Tensor:
-        return t
-    with disable_torch_function_subclass():
-        return t.as_subclass(torch.Tensor)
 
 
 class ShardedLinearHandler(LinearHandler):
@@ -65,7 +56,7 @@ class ShardedLinearHandler(LinearHandler):
         if not self.commits:
             return False
         grad = self.weight.grad
-        return grad is None or not bool(_plain(grad).any())
+        return grad is None or not bool(local_block(grad).any())
 
     @property
     def has_statistics(self) -> bool:
@@ -123,10 +114,10 @@ class ShardedLinearHandler(LinearHandler):
         if w.grad is None:
             return None
         m = cast(Any, self.module)
-        wg = _plain(w.grad)
+        wg = local_block(w.grad)
         bg = None
         if self.has_bias:
-            bg = _plain(self.bias.grad) if self.bias.grad is not None else torch.zeros_like(_plain(self.bias))
+            bg = local_block(self.bias.grad) if self.bias.grad is not None else torch.zeros_like(local_block(self.bias))
         if self._layout == "col":
             mat = wg if bg is None else torch.cat([wg, bg.reshape(-1, 1)], dim=1)
             return m.kfac_gather(mat, "out", 0)
@@ -144,12 +135,12 @@ class ShardedLinearHandler(LinearHandler):
         n_w = mat.shape[1] - (1 if self.has_bias else 0)
         o0, o1 = m.kfac_block("out")
         if self._layout == "col":
-            _plain(w.grad).copy_(mat[o0:o1, :n_w])
+            local_block(w.grad).copy_(mat[o0:o1, :n_w])
         else:
             i0, i1 = m.kfac_block("in")
-            _plain(w.grad).copy_(mat[:, i0:i1])
+            local_block(w.grad).copy_(mat[:, i0:i1])
         if self.has_bias:
             b = self.bias
             if b.grad is None:
                 b.grad = torch.zeros_like(b)
-            _plain(b.grad).copy_(mat[o0:o1, n_w])
+            local_block(b.grad).copy_(mat[o0:o1, n_w])
