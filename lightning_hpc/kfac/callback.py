@@ -96,6 +96,8 @@ class KFAC(Callback):
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
+        #: on_fit_start has run in this fit: the model is on its device, so restored state can be placed at once
+        self._fit_started = False
         #: the parameters trainable when training started, under a strategy that cannot follow a change
         self._trainable: TrainableSet | None = None
 
@@ -107,7 +109,10 @@ class KFAC(Callback):
     # -- setup -------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.preconditioner is not None:
+        if stage != "fit":
+            return
+        self._fit_started = False
+        if self.preconditioner is not None:
             return
         self.check_precision(trainer)
         contract = contract_of(trainer.strategy)
@@ -130,6 +135,7 @@ class KFAC(Callback):
         if self.preconditioner is not None and self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+        self._fit_started = True
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         note = contract_of(trainer.strategy).kfac_note
@@ -231,12 +237,13 @@ class KFAC(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self.preconditioner is not None:
+        if self.preconditioner is not None and self._fit_started:
             # a strategy that restores the checkpoint after its setup (restore_checkpoint_after_setup: hybrid_fc
             # restores into its sharded model), which Lightning does after on_fit_start: the layers are hooked and
             # on their device already
             self.preconditioner.load_state_dict(state_dict)
             return
-        # Lightning restores callbacks before the strategy moves the model to its device: the factors are placed
-        # on the layers' device at fit start (on_fit_start), once the parameters are where they train
+        # Lightning restores callbacks before the strategy moves the model to its device (the preconditioner may be
+        # built already, in setup): the factors are placed on the layers' device at fit start (on_fit_start), once
+        # the parameters are where they train
         self._pending_state = state_dict

@@ -155,6 +155,51 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path):
             assert torch.equal(f[k], resumed_kfac.preconditioner.factors[name][k])
 
 
+class _PlacingStrategy(pl.strategies.SingleDeviceStrategy):
+    """Records when its setup has placed the model on the device (on a GPU: after the move to it)."""
+
+    placed = False
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        self.placed = True
+
+
+def test_restored_factors_are_placed_after_the_strategy_places_the_model(tmp_path):
+    """Lightning restores callbacks before the strategy moves the model to its device, and the callback built its
+    preconditioner in setup already: loading the factors then would put them where the model was, not where it
+    trains (on a GPU: the CPU). They must be loaded once the strategy has placed the model."""
+    trainer = _trainer(1, [_kfac()])
+    trainer.fit(_module(), _loader())
+    ckpt = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    kfac, seen = _kfac(), []
+    strategy = _PlacingStrategy(device=torch.device("cpu"))
+
+    original_setup = KFAC.setup
+
+    def setup_then_spy(self, trainer, pl_module, stage):
+        original_setup(self, trainer, pl_module, stage)
+        pre = self.preconditioner
+        if pre is not None:
+            load = pre.load_state_dict
+
+            def recorded(state):
+                seen.append(("load", strategy.placed))
+                load(state)
+
+            pre.load_state_dict = recorded
+
+    kfac.setup = setup_then_spy.__get__(kfac)
+    pl.Trainer(max_epochs=2, strategy=strategy, callbacks=[kfac], logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0).fit(_module(), _loader(), ckpt_path=ckpt)
+    loads = [placed for what, placed in seen if what == "load"]
+    assert loads == [True], seen
+    assert kfac.preconditioner.steps == 10
+
+
 def test_fp16_without_kfac_plugin_fails_at_setup():
     # (On CPU Lightning turns precision="16-mixed" into bf16; its fp16 plugin is what a GPU run would get.)
     trainer = _trainer(1, [_kfac()], plugins=[MixedPrecision("16-mixed", "cpu")])
