@@ -16,8 +16,10 @@ Every process runs ONE torch thread (``run_in_processes`` sets it), the 1-proces
             gradient reduction, SGD) at mini-batch N = 1 and 2 on 1 and 2 processes, Table I style:
             "1 proc/sample" (N = 1: one process; N = 2: sample parallel over 2 processes, or one process) and
             "2 procs/sample" (spatial 2x1).  Configurations interleaved over rounds; medians of all steps.
-4. dispatch: step time of a model on split activations, and the all-gathers and bytes an op without a tiled
-            form (torch.flip of a split dimension) costs.
+4. dispatch: one training step of the unchanged model on split activations against the same step written
+            against the tile kernels on plain tiles (the op dispatch's overhead), alternating step by step in
+            the same 2 processes (small CNN at 256^2, the 1K model at 512^2 and 1024^2); and the all-gathers and
+            bytes an op without a tiled form (torch.flip of a split dimension) costs.
 3. overlap: the same 1K step on 2 processes with the halo awaited after the tile's own convolution (section
             IV-A) and before it, alternating step by step in the same processes.
 
@@ -275,8 +277,49 @@ def _small_cnn() -> nn.Module:
                          nn.Upsample(scale_factor=2), nn.Conv2d(32, 1, 1))
 
 
+def _kernel_step_forward(model: nn.Module, x: torch.Tensor, grid, extents: tuple[int, ...]) -> torch.Tensor:
+    """The same forward as the dispatched one on a plain tile, calling the tile kernels directly: what a
+    hand-written spatial-parallel model would run (no ``SpatialTensor``, no handler lookup, no argument binding).
+    The benchmark's models are sequences of the layers below only."""
+    from lightning_hpc.spatial import kernels as K
+    from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm
+
+    for layer in (m for m in model.modules() if not list(m.children())):
+        if isinstance(layer, nn.Conv2d):
+            x = K.conv(x, layer.weight, layer.bias, grid, extents, layer.stride, layer.padding, layer.dilation,
+                       layer.groups)
+            extents = K.output_extents(extents, K.convolution_windows(layer.weight.shape, layer.stride,
+                                                                      layer.padding, layer.dilation))
+        elif isinstance(layer, nn.BatchNorm2d):
+            x, mean, var, n = aggregated_batch_norm(x, layer.weight, layer.bias, layer.eps, grid.group)
+            with torch.no_grad():  # the running statistics, as the layer (and the dispatched step) updates them
+                assert layer.running_mean is not None and layer.running_var is not None
+                momentum = 0.1 if layer.momentum is None else layer.momentum
+                layer.running_mean.mul_(1 - momentum).add_(mean.float(), alpha=momentum)
+                layer.running_var.mul_(1 - momentum).add_((var * (n / max(n - 1.0, 1.0))).float(), alpha=momentum)
+        elif isinstance(layer, nn.ReLU):
+            x = F.relu(x, inplace=layer.inplace)
+        elif isinstance(layer, nn.MaxPool2d):
+            windows = K.pooling_windows(2, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+                                        layer.ceil_mode)
+            x = K.max_pool(x, grid, extents, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+                           layer.ceil_mode)
+            extents = K.output_extents(extents, windows)
+        elif isinstance(layer, nn.Upsample):
+            windows = K.interpolation_windows(extents, layer.size, layer.scale_factor, layer.mode,
+                                              layer.align_corners)
+            x = K.interpolate(x, grid, extents, layer.size, layer.scale_factor, layer.mode, layer.align_corners)
+            extents = K.output_extents(extents, windows)
+        else:
+            raise TypeError(f"the kernel baseline has no call for {type(layer).__name__}")
+    return x
+
+
 def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats: int):
-    """Step time of a model on split activations (SpatialTensor input and target, a plain mean loss); also the
+    """One training step (forward, mean loss, backward, gradient reduction) of the unchanged model on split
+    activations (``SpatialTensor`` input and target, a plain mean loss), alternating step by step with the same
+    step written against the tile kernels directly (plain tiles, the loss as a local sum over the global pixel
+    count, its value all-reduced as the dispatched mean is): the difference is the op dispatch's cost.  Also the
     gathers an op without a tiled form (torch.flip of H) costs."""
     from lightning_hpc.spatial.tiling import tile_slices
 
@@ -285,28 +328,49 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
     cin = 18 if model_name == "mesh" else 3
     torch.manual_seed(0)
     model = mesh_model(3) if model_name == "mesh" else _small_cnn()
-    state().tile_params.clear()
     x = torch.randn(1, cin, size, size)
     y = (torch.rand(1, 1, size, size) > 0.5).float()
     rs, cs = tile_slices((size, size), (2, 1), grid.index)
     xt, yt = x[..., rs, cs].contiguous(), y[..., rs, cs].contiguous()
-    times = []
-    for step in range(repeats + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def dispatched() -> torch.Tensor:
         xs = split_tensor(xt, grid, x.shape)
         ys = split_tensor(yt, grid, y.shape)
         loss = F.binary_cross_entropy_with_logits(model(xs), ys)
         loss.backward()
-        reduce_model_gradients(model, 1)
-        model.zero_grad(set_to_none=True)
-        if step:
-            times.append(time.perf_counter() - t0)
+        return loss
+
+    def kernels() -> torch.Tensor:
+        out = _kernel_step_forward(model, xt, grid, (size, size))
+        loss = F.binary_cross_entropy_with_logits(out, yt, reduction="sum") / y.numel()
+        loss.backward()
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=grid.group)
+        return value
+
+    times: dict[str, list[float]] = {"dispatch": [], "kernels": []}
+    losses: dict[str, float] = {}
+    for step in range(repeats + 1):
+        for mode, fn in (("dispatch", dispatched), ("kernels", kernels)) if step % 2 else \
+                (("kernels", kernels), ("dispatch", dispatched)):
+            # every parameter of these models meets tiles (no head after a global pooling): both steps sum all
+            # gradients over the spatial group
+            state().tile_params.clear()
+            state().tile_params.update({id(p): p for p in model.parameters()})
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = fn()
+            reduce_model_gradients(model, 1)
+            elapsed = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            losses[mode] = float(loss)
+            if step:
+                times[mode].append(elapsed)
     st = state()
     g0, b0 = st.gathers, st.gathered_bytes
     xs = split_tensor(xt, grid, x.shape)
     torch.flip(xs, (2,))
-    return {"times": times, "flip_gathers": st.gathers - g0, "flip_bytes": st.gathered_bytes - b0,
+    return {"times": times, "losses": losses, "flip_gathers": st.gathers - g0, "flip_bytes": st.gathered_bytes - b0,
             "activation_bytes": x.numel() * x.element_size()}
 
 
@@ -314,8 +378,11 @@ def bench_dispatch(report: Report, repeats: int, size_1k: int) -> None:
     for model_name, size in (("small_cnn", 256), ("mesh", 512), ("mesh", size_1k)):
         res = run_in_processes(_dispatch_worker, 2, model_name, size, repeats, timeout_s=1800)
         t = res[0]["times"]
+        dispatch, kernels = statistics.median(t["dispatch"]), statistics.median(t["kernels"])
         report.add(bench="dispatch", model=model_name, size=size, procs=2, parts="2x1",
-                   step_s=statistics.median(t), steps=len(t), flip_gathers=res[0]["flip_gathers"],
+                   step_s=dispatch, kernel_step_s=kernels, overhead=dispatch / kernels - 1.0,
+                   steps=len(t["dispatch"]), loss_dispatch=res[0]["losses"]["dispatch"],
+                   loss_kernels=res[0]["losses"]["kernels"], flip_gathers=res[0]["flip_gathers"],
                    flip_gathered_bytes=res[0]["flip_bytes"], activation_bytes=res[0]["activation_bytes"])
         print(report.rows[-1], flush=True)
 
