@@ -1,8 +1,30 @@
-"""Reading an op call: its tensor operands, positional-or-keyword arguments, the op's name as the user wrote it
-(for messages) and whether it changes its first operand in place.
+"""Reading an op call: its arguments by name (bound once against the op's signature), its tensor operands, the
+op's name as the user wrote it (for messages) and whether it changes its first operand in place.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+_SIGNATURES: dict[Callable, inspect.Signature] = {}
+
+
+def bind_call(op: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments by name with defaults applied (``inspect.Signature.bind``: positional and keyword forms
+    alike, nothing read by index), from ``op``'s signature: torch's Python functionals (``F.batch_norm``), or a
+    stub with the parameter names and defaults of a builtin op.  None when they do not fit the signature (the
+    gathered call then raises the serial op's error)."""
+    sig = _SIGNATURES.get(op)
+    if sig is None:
+        sig = _SIGNATURES[op] = inspect.signature(op)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _flat(args, kwargs):
@@ -45,7 +67,3 @@ def _is_inplace(func) -> bool:
 
 def _norm_dim(d: int, n: int) -> int:
     return d % n
-
-
-def _arg(args, kwargs, pos, name, default=None):
-    return args[pos] if len(args) > pos else kwargs.get(name, default)

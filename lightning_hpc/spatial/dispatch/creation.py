@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
-from lightning_hpc.spatial.dispatch.calls import _arg
+from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
 
@@ -43,11 +43,10 @@ def _new(func, args, kwargs):
 
 @_handles(F.dropout, F.dropout2d)
 def _dropout(func, args, kwargs):
-    x = args[0] if args else kwargs["input"]
-    if not isinstance(x, SpatialTensor):
+    a = bind_call(func, args, kwargs)
+    if a is None or not isinstance(a["input"], SpatialTensor):
         return NotImplemented
-    p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
-    inplace = _arg(args, kwargs, 3, "inplace", False)
+    x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
     if not training or p == 0.0:
         return x
     if func is F.dropout2d:

@@ -21,7 +21,6 @@ over the spatial group).  Calls a kernel cannot do exactly (an unbatched input, 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
+from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.reductions import _reduce
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
@@ -49,23 +49,6 @@ def _avg_pool(input, kernel_size, stride=None, padding=0, ceil_mode=False, count
 def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: E704
                  recompute_scale_factor=None, antialias=False): ...
 def _adaptive(input, output_size, return_indices=False): ...  # noqa: E704
-
-
-_SIGNATURES: dict[Callable, inspect.Signature] = {}
-
-
-def _bind(stub: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """The call's arguments by name with defaults applied, or None when they do not fit the signature (the
-    gathered call then raises the serial op's error)."""
-    sig = _SIGNATURES.get(stub)
-    if sig is None:
-        sig = _SIGNATURES[stub] = inspect.signature(stub)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return bound.arguments
 
 
 def _spatial_input(a: dict[str, Any] | None, k: int) -> SpatialTensor | None:
@@ -101,7 +84,7 @@ def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None
 
 # -- convolution ---------------------------------------------------------------------------------------------------
 def _convolution(func, args, kwargs, k: int):
-    a = _bind(_conv, args, kwargs)
+    a = bind_call(_conv, args, kwargs)
     if a is None:
         return NotImplemented
     x, weight, bias = a["input"], a["weight"], a["bias"]
@@ -140,7 +123,7 @@ def _convolution(func, args, kwargs, k: int):
 
 
 def _transposed(func, args, kwargs, k: int):
-    a = _bind(_conv_transpose, args, kwargs)
+    a = bind_call(_conv_transpose, args, kwargs)
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
@@ -171,7 +154,7 @@ def _whole_window(x: SpatialTensor, windows: tuple) -> bool:
 
 
 def _pool(func, args, kwargs, k: int, kind: str):
-    a = _bind(_max_pool if kind == "max" else _avg_pool, args, kwargs)
+    a = bind_call(_max_pool if kind == "max" else _avg_pool, args, kwargs)
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
@@ -201,7 +184,7 @@ def _pool(func, args, kwargs, k: int, kind: str):
 # -- interpolation -------------------------------------------------------------------------------------------------
 @_handles(F.interpolate)
 def _interpolate_call(func, args, kwargs):
-    a = _bind(_interpolate, args, kwargs)
+    a = bind_call(_interpolate, args, kwargs)
     x = None if a is None else a["input"]
     if not _channels_first(x) or a is None:  # (any number of split dimensions: the mode says which it takes)
         return NotImplemented
@@ -224,7 +207,7 @@ def _interpolate_call(func, args, kwargs):
 def _adaptive_pool(func, args, kwargs, k: int, kind: str):
     """Size 1 of an average: the global mean.  Otherwise each output window's partial sum (maximum) on each tile,
     combined over the spatial group (:mod:`lightning_hpc.spatial.kernels.adaptive`); the result is replicated."""
-    a = _bind(_adaptive, args, kwargs)
+    a = bind_call(_adaptive, args, kwargs)
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented

@@ -10,43 +10,32 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
-from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials, dims_without
+from lightning_hpc.spatial.dispatch.calls import bind_call
+from lightning_hpc.spatial.dispatch.registry import _handles
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, dims_without
+
+_LOSSES = ("cross_entropy nll_loss binary_cross_entropy_with_logits binary_cross_entropy mse_loss l1_loss "
+           "smooth_l1_loss huber_loss").split()
 
 
-@_handles(*_resolve("cross_entropy nll_loss binary_cross_entropy_with_logits binary_cross_entropy mse_loss l1_loss "
-                    "smooth_l1_loss huber_loss"))
+# the functionals only (their Python signatures name every argument); torch's builtins of the same name take the
+# reduction as an enum and are left to the gather path
+@_handles(*(getattr(F, name) for name in _LOSSES))
 def _loss(func, args, kwargs):
-    name = func.__name__
-    spatial = _spatials(args, kwargs)
-    ref = spatial[0]
-    inp = args[0] if args else kwargs["input"]
-    target = args[1] if len(args) > 1 else kwargs["target"]
-    if not isinstance(inp, SpatialTensor):
+    a = bind_call(func, args, kwargs)
+    if a is None or not isinstance(a["input"], SpatialTensor):
         return NotImplemented
-    kw = dict(kwargs)
-    args = list(args)
-    if name == "huber_loss":
-        red = args[2] if len(args) > 2 else kw.get("reduction", "mean")
-        legacy_set = False
-    else:
-        legacy = (2, 3) if name in ("mse_loss", "l1_loss", "smooth_l1_loss") else (3, 4)
-        if name in ("cross_entropy", "nll_loss"):
-            legacy = (3, 5)
-        legacy_set = any((args[p] if len(args) > p else kw.get(k)) is not None
-                         for p, k in zip(legacy, ("size_average", "reduce")))
-        rpos = 6 if name in ("cross_entropy", "nll_loss") else (5 if name.startswith("binary") else 4)
-        red = args[rpos] if len(args) > rpos else kw.get("reduction", "mean")
-        if len(args) > rpos:
-            args = args[:rpos]
-    if legacy_set or red not in ("mean", "sum", "none"):
+    inp, target, red = a.pop("input"), a.pop("target"), a.pop("reduction")
+    # the legacy size_average / reduce arguments override the reduction: gathered, as the serial op reads them
+    if a.pop("size_average", None) is not None or a.pop("reduce", None) is not None or \
+            red not in ("mean", "sum", "none"):
         return NotImplemented
-    kw.pop("reduction", None)
-    class_dim_dropped = name in ("cross_entropy", "nll_loss") and isinstance(target, torch.Tensor) and \
+    class_dim_dropped = func.__name__ in ("cross_entropy", "nll_loss") and isinstance(target, torch.Tensor) and \
         not target.is_floating_point()
     # targets laid out like the output of the per-element loss
     if class_dim_dropped:
@@ -55,43 +44,37 @@ def _loss(func, args, kwargs):
         out_ndim, sdims = inp.dim() - 1, dims_without(inp._sdims, [1])
     else:
         out_ndim, sdims = inp.dim(), inp._sdims
-    tgt_local = _as_tile(target, ref, out_ndim, sdims)
-    if tgt_local is None:
+    tgt_local = _as_tile(target, inp, out_ndim, sdims)
+    if tgt_local is None or any(isinstance(v, SpatialTensor) for v in a.values()):
         return NotImplemented
-    largs = [_plain(inp), tgt_local] + [(_replicated_operand(a, ref._grid) if isinstance(a, nn.Parameter) else a)
-                                        for a in args[2:]]
-    if any(isinstance(a, SpatialTensor) for a in largs[2:]) or any(isinstance(v, SpatialTensor) for v in kw.values()):
-        return NotImplemented
+    rest = {k: _replicated_operand(v, inp._grid) if isinstance(v, nn.Parameter) else v for k, v in a.items()}
     if red == "none":
-        out = func(*largs, reduction="none", **kw)
+        out = func(_plain(inp), tgt_local, reduction="none", **rest)
         g = list(inp._gshape)
         if class_dim_dropped:
             del g[1]
-        return SpatialTensor.wrap(out, ref._grid, g, sdims, fresh=True)
-    local_sum = func(*largs, reduction="sum", **kw)
-    total = all_reduce_replicated(local_sum, ref._grid.group)
+        return SpatialTensor.wrap(out, inp._grid, g, sdims, fresh=True)
+    local_sum = func(_plain(inp), tgt_local, reduction="sum", **rest)
+    total = all_reduce_replicated(local_sum, inp._grid.group)
     if red == "sum":
         return total
-    if class_dim_dropped:
-        weight = args[2] if len(args) > 2 else kw.get("weight")
-        ignore = args[4] if len(args) > 4 else kw.get("ignore_index", -100)
-        smoothing = kw.get("label_smoothing", args[7] if len(args) > 7 else 0.0)
-        if smoothing and weight is not None:
-            return NotImplemented
-        valid = tgt_local != ignore
-        if weight is not None:
-            den = (weight.detach()[tgt_local.clamp(min=0) * valid] * valid).sum().double()
-        else:
-            den = valid.sum().double()
-    else:
+    if not class_dim_dropped:
         # every element counts: the global count follows from the global shape (no second all-reduce)
         count = math.prod(inp._gshape)
-        if name == "cross_entropy":  # class probabilities as the target: the mean is over N x spatial
+        if func.__name__ == "cross_entropy":  # class probabilities as the target: the mean is over N x spatial
             count //= inp._gshape[1]
         return total / count
+    weight, ignore = a["weight"], a["ignore_index"]
+    if a.get("label_smoothing") and weight is not None:
+        return NotImplemented
+    valid = tgt_local != ignore
+    if weight is not None:
+        den = (weight.detach()[tgt_local.clamp(min=0) * valid] * valid).sum().double()
+    else:
+        den = valid.sum().double()
     den = den.reshape(1).to(local_sum.device)
-    if ref._grid.group is not None:
-        dist.all_reduce(den, group=ref._grid.group)
+    if inp._grid.group is not None:
+        dist.all_reduce(den, group=inp._grid.group)
     return total / den.to(total.dtype)[0]
 
 

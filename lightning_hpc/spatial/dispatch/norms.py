@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _arg
+from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
 from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, aggregated_row_norm
@@ -20,15 +20,12 @@ from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, a
 
 @_handles(F.layer_norm)
 def _layer_norm(func, args, kwargs):
-    x = args[0]
-    shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+    a = bind_call(func, args, kwargs)
+    if a is None or not isinstance(a["input"], SpatialTensor) or _split_operand(a, "weight", "bias"):
+        return NotImplemented
+    x, shape, w, b, eps = a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"]
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = len(shape)
-    if not isinstance(x, SpatialTensor):
-        return NotImplemented
-    w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
-    if any(isinstance(t, SpatialTensor) for t in (w, b)):
-        return NotImplemented
     d0 = x.dim() - n
     inside = [d >= d0 for d in x.split_dims]
     if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
@@ -111,12 +108,18 @@ def _norm_over_space(x) -> bool:
     return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._sdims) >= 2
 
 
+def _split_operand(a: dict, *names: str) -> bool:
+    """A parameter or running statistic given as a split tensor: no tiled form (gathered)."""
+    return any(isinstance(a[k], SpatialTensor) for k in names)
+
+
 @_handles(F.group_norm)
 def _group_norm(func, args, kwargs):
-    x = args[0] if args else kwargs["input"]
-    groups = _arg(args, kwargs, 1, "num_groups")
-    w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
-    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (w, b)) or x._gshape[1] % groups:
+    a = bind_call(func, args, kwargs)
+    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "weight", "bias"):
+        return NotImplemented
+    x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
+    if x._gshape[1] % groups:
         return NotImplemented
     w, b = _replicated_operands(x._grid, w, b)
     local = _plain(x)
@@ -128,13 +131,12 @@ def _group_norm(func, args, kwargs):
 
 @_handles(F.instance_norm)
 def _instance_norm(func, args, kwargs):
-    x = args[0] if args else kwargs["input"]
-    rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
-    w, b = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
-    use_input_stats, momentum = _arg(args, kwargs, 5, "use_input_stats", True), _arg(args, kwargs, 6, "momentum", 0.1)
-    eps = _arg(args, kwargs, 7, "eps", 1e-5)
-    if not _norm_over_space(x) or any(isinstance(t, SpatialTensor) for t in (rm, rv, w, b)):
+    a = bind_call(func, args, kwargs)
+    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight",
+                                                                        "bias"):
         return NotImplemented
+    x, rm, rv, w, b = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
+    use_input_stats, momentum, eps = a["use_input_stats"], a["momentum"], a["eps"]
     w, b = _replicated_operands(x._grid, w, b)
     local = _plain(x)
     if not use_input_stats or not x.split_dims or x._grid.group is None:  # running statistics: per element
@@ -153,15 +155,12 @@ def _instance_norm(func, args, kwargs):
 
 @_handles(F.batch_norm)
 def _batch_norm(func, args, kwargs):
-    x = args[0] if args else kwargs["input"]
-    if not isinstance(x, SpatialTensor) or x.dim() < 3 or min(x._sdims) < 2:
+    a = bind_call(func, args, kwargs)
+    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight",
+                                                                        "bias"):
         return NotImplemented
-    rm, rv = _arg(args, kwargs, 1, "running_mean"), _arg(args, kwargs, 2, "running_var")
-    weight, bias = _arg(args, kwargs, 3, "weight"), _arg(args, kwargs, 4, "bias")
-    training, momentum = _arg(args, kwargs, 5, "training", False), _arg(args, kwargs, 6, "momentum", 0.1)
-    eps = _arg(args, kwargs, 7, "eps", 1e-5)
-    if any(isinstance(t, SpatialTensor) for t in (rm, rv, weight, bias)):
-        return NotImplemented
+    x, rm, rv, weight, bias = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
+    training, momentum, eps = a["training"], a["momentum"], a["eps"]
     weight, bias = _replicated_operands(x._grid, weight, bias)
     local = _plain(x)
     if not training or x._grid.group is None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.dispatch.calls import _arg
+from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 
@@ -62,11 +62,14 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
     return _wrap_like(_remap_split(x, local, maps, fill=fill), x, gshape)
 
 
+def _constant_pad_nd_args(input, pad, value=0): ...  # noqa: E704  (torch.constant_pad_nd's signature)
+
+
 @_handles(torch.constant_pad_nd)
 def _constant_pad_nd(func, args, kwargs):
     """``torch.constant_pad_nd``: :func:`_pad_constant`."""
-    x = args[0] if args else kwargs["input"]
-    return _pad_constant(x, _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "value"))
+    a = bind_call(_constant_pad_nd_args, args, kwargs)
+    return NotImplemented if a is None else _pad_constant(a["input"], a["pad"], a["value"])
 
 
 @_handles(F.pad, torch._C._nn.pad)
@@ -77,10 +80,12 @@ def _pad(func, args, kwargs):
     (:mod:`remap`), the output blocked over the padded extent.  Other modes and dimensions are gathered."""
     from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
 
-    x = args[0] if args else kwargs["input"]
-    pad, mode = _arg(args, kwargs, 1, "pad"), _arg(args, kwargs, 2, "mode", "constant")
+    a = bind_call(F.pad, args, kwargs)  # (torch._C._nn.pad has the same parameters)
+    if a is None:
+        return NotImplemented
+    x, pad, mode = a["input"], a["pad"], a["mode"]
     if isinstance(x, SpatialTensor) and mode == "constant":
-        return _pad_constant(x, pad, _arg(args, kwargs, 3, "value"))
+        return _pad_constant(x, pad, a["value"])
     if not _channels_first(x) or mode not in PAD_MODES or len(pad) % 2 or not 0 < len(pad) // 2 <= x._grid.ndim:
         return NotImplemented  # (a non-constant padding pads the last len(pad) // 2 dimensions, all spatial here)
     k = x._grid.ndim
@@ -98,10 +103,17 @@ def _pad(func, args, kwargs):
     return _wrap_like(_remap_split(x, _plain(x), maps), x, gshape)
 
 
+def _pixel_shuffle_args(input, upscale_factor): ...  # noqa: E704  (torch's signatures)
+def _pixel_unshuffle_args(input, downscale_factor): ...  # noqa: E704
+
+
 @_handles(torch.pixel_shuffle)
 def _pixel_shuffle(func, args, kwargs):
     """Local on each tile (its rows become ``r`` times as many), then re-blocked over the ``r``-times extent."""
-    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "upscale_factor"))
+    a = bind_call(_pixel_shuffle_args, args, kwargs)
+    if a is None:
+        return NotImplemented
+    x, r = a["input"], int(a["upscale_factor"])
     if not _channels_first(x, 2) or x._gshape[1] % (r * r):
         return NotImplemented
     from lightning_hpc.spatial.remap import blocked
@@ -115,7 +127,10 @@ def _pixel_shuffle(func, args, kwargs):
 @_handles(torch.pixel_unshuffle)
 def _pixel_unshuffle(func, args, kwargs):
     """Re-blocked so every tile holds ``r`` times the rows of its output tile (:mod:`remap`), then local."""
-    x, r = (args[0] if args else kwargs["input"]), int(_arg(args, kwargs, 1, "downscale_factor"))
+    a = bind_call(_pixel_unshuffle_args, args, kwargs)
+    if a is None:
+        return NotImplemented
+    x, r = a["input"], int(a["downscale_factor"])
     if not _channels_first(x, 2) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
         return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
     from lightning_hpc.spatial.remap import blocked

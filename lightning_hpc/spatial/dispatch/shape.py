@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _arg, _norm_dim
+from lightning_hpc.spatial.dispatch.calls import _norm_dim, bind_call
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
@@ -56,13 +56,20 @@ def _cat(func, args, kwargs):
     return _wrap_like(out, ref, gshape)
 
 
+# the signatures' parts the handlers read (the sections argument has a different name in each op)
+def _sectioned(input, sections=None, dim=0, **_): ...  # noqa: E704
+def _unbind(input, dim=0): ...  # noqa: E704
+def _narrow_args(input, dim, start, length): ...  # noqa: E704
+
+
 @_handles(*_resolve("chunk split tensor_split unbind"))
 def _chunk(func, args, kwargs):
-    x = args[0]
-    if not isinstance(x, SpatialTensor):
-        return NotImplemented
     name = func.__name__
-    dim = _norm_dim(_arg(args, kwargs, 1 if name == "unbind" else 2, "dim", 0), x.dim())
+    a = bind_call(_unbind if name == "unbind" else _sectioned, args, kwargs)
+    if a is None or not isinstance(a["input"], SpatialTensor):
+        return NotImplemented
+    x = a["input"]
+    dim = _norm_dim(a["dim"], x.dim())
     if dim in x._sdims:
         return NotImplemented
     parts = func(_plain(x), *args[1:], **kwargs)
@@ -114,8 +121,10 @@ def _unsqueeze(func, args, kwargs):
 @_handles(torch.narrow, torch.Tensor.narrow)
 def _narrow(func, args, kwargs):
     """``narrow(dim, start, length)``: the slice ``start:start + length`` of ``dim`` (:func:`_getitem`)."""
-    x = args[0] if args else kwargs["input"]
-    dim, start, length = (_arg(args, kwargs, k, name) for k, name in ((1, "dim"), (2, "start"), (3, "length")))
+    a = bind_call(_narrow_args, args, kwargs)
+    if a is None:
+        return NotImplemented
+    x, dim, start, length = a["input"], a["dim"], a["start"], a["length"]
     if not isinstance(x, SpatialTensor) or not all(isinstance(v, int) for v in (dim, start, length)):
         return NotImplemented
     dim = _norm_dim(dim, x.dim())
