@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -375,3 +376,25 @@ def test_sync_calibration_must_match_the_world_size():
             timer=FlopTimer(),
             sync=_sync(2),
         )
+
+
+@pytest.mark.parametrize("conv_cls,shape,parts", [
+    (nn.Conv3d, (1, 2, 16, 16, 16), (2, 2, 1)),
+    (nn.Conv2d, (1, 2, 16, 16), (1, 2)),
+    (nn.Conv1d, (1, 2, 64), (2,)),
+])
+def test_box_copies_charged_only_where_the_kernel_copies(conv_cls, shape, parts):
+    """The in-place tile path copies no box: the planner charges box copies to a convolution of any dimension only
+    when its tiles are off the stride grid (here: a stride-2 convolution over an odd extent split in two)."""
+    def copies(extent: int) -> float:
+        k = len(shape) - 2
+        model = nn.Sequential(conv_cls(2, 2, 3, padding=1), conv_cls(2, 2, 3, stride=2, padding=1))
+        stages = build_stages(trace_layers(model, (*shape[:2], *(extent,) * k)))
+        costs = CostModel(AlphaBeta(alpha=1e-5, beta=1e-9), world_size=math.prod(parts), batch_size=1,
+                          timer=FlopTimer())
+        d = Distribution(1, *([1] * (3 - k) + list(parts))[1:], d=([1] * (3 - k) + list(parts))[0])
+        assert d.parts(k) == parts
+        return costs.stage_cost(stages[1], d).copies
+
+    assert copies(shape[-1]) == 0.0  # even extents: every tile starts on the stride grid
+    assert copies(shape[-1] + 1) > 0.0  # 17 = 9 + 8: the second tile starts at an odd row of a stride-2 window

@@ -156,8 +156,8 @@ class CostModel:
             # the network's input needs no gradient, so its layer exchanges no halo in backward
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
-                type(layer.module) is nn.Conv2d and d.d == 1
-                and tile_convolution_applies(layer.in_shape[-2:], (d.h, d.w), layer.windows or ())  # (x > 0: windows)
+                type(layer.module) in _CONVOLUTIONS  # (x > 0: it has windows)
+                and tile_convolution_applies(layer.in_shape[2:], d.parts(len(layer.in_shape) - 2), layer.windows or ())
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
                 # a convolution on stride-aligned tiles convolves the tile in place and copies only edge rows
@@ -199,6 +199,7 @@ class CostModel:
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class _TileCopy(nn.Module):
