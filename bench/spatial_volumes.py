@@ -13,7 +13,9 @@ a user's module (split input and target, an unchanged mean loss), on 1, 2 and 4 
   (:func:`lightning_hpc.spatial.windows.halo_elements` of every windowed layer at its traced shape, forward and
   backward);
 * step time (median of ``--repeats`` steps after one warm-up) beside the planner's prediction for that split
-  (``plan_for_model`` with ``uniform=True`` and the alpha-beta of a local calibration).
+  (``plan_for_model`` with ``uniform=True``, restricted to the split, as ``bench/mesh_planner.py`` predicts on
+  this host: layer times measured in the run, the measured compute contention of the processes sharing the cores,
+  the loaded synchronisation term; also alpha-beta only).
 
 Run alone on the machine (e.g. under ``flock`` on a lock file other benchmarks take too):
       python bench/spatial_volumes.py [--size 64] [--widths 8 16 32] [--repeats 3] [--splits 1x1x1 2x1x1 1x1x2]
@@ -125,6 +127,32 @@ def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats:
             "gathers": state().gathers}
 
 
+def _predict(parts: tuple[int, ...], args: argparse.Namespace, ab) -> dict[str, float]:
+    """The planner's step time for this split (``uniform``, restricted to it), as ``bench/mesh_planner.py``
+    predicts on this host: layer times measured now (a fresh cache: the same load as the run), compute scaled by
+    the measured slowdown of ``procs`` one-thread processes sharing the cores (``compute_contention``), one fused
+    gradient allreduce (what the step does), and the loaded synchronisation cost of ``procs`` busy processes
+    (``calibrate_sync``); also the same plan with alpha-beta only."""
+    import tempfile
+
+    from lightning_hpc.perfmodel import LayerTimer, calibrate_sync, compute_contention
+    from lightning_hpc.spatial.planner import plan_for_model
+
+    procs = prod(parts)
+    scale = compute_contention(procs, repeats=5, rounds=5)
+    sync = calibrate_sync(procs, use_cache=False) if procs > 1 else None
+    out = {"compute_scale": scale}
+    torch.set_num_threads(1)  # the layer times of one-thread ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        timer = LayerTimer(cache_file=os.path.join(tmp, "times.json"))
+        for key, s in (("step_s_predicted", sync), ("step_s_predicted_ab", None)):
+            plan = plan_for_model(unet(1, 1, args.widths), (1, args.size, args.size, args.size), procs, 1,
+                                  alpha_beta=ab, timer=timer, uniform=True, compute_scale=scale, sync=s,
+                                  gradient_reduction="single", restrict=lambda d: d.parts(3) == parts)
+            out[key] = plan.predicted_step_time
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=64, help="voxels per side of the volume")
@@ -155,12 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             step_s=max(r["step_s"] for r in res), gathers=max(r["gathers"] for r in res),
         )
         if ab is not None:
-            from lightning_hpc.spatial.planner import plan_for_model
-
-            plan = plan_for_model(unet(1, 1, args.widths), (1, args.size, args.size, args.size), procs, 1,
-                                  alpha_beta=ab, uniform=True, restrict=lambda d, p=parts: d.parts(3) == p)
-            row["step_s_predicted"] = plan.predicted_step_time
-            row["predicted_vs_measured"] = plan.predicted_step_time / row["step_s"]
+            row.update(_predict(parts, args, ab))
+            row["predicted_vs_measured"] = row["step_s_predicted"] / row["step_s"]
+            row["predicted_ab_vs_measured"] = row["step_s_predicted_ab"] / row["step_s"]
         print(row, flush=True)
     report.add_ratios("split", "alloc_peak_MiB", args.splits[0], "memory_vs_baseline")
     report.meta["loadavg_end"] = os.getloadavg()
