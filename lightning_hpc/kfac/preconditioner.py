@@ -673,8 +673,9 @@ class KFACPreconditioner:
             # Rows (output units) and columns (inputs) whose gradient is exactly zero stay exactly zero: the
             # eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to
             # steps of about +-lr, and which differs with the number of processes. No sync: a mask, not a test.
+            # Rows and columns of each block of a stacked (groups, g_dim, a_dim) gradient are its own.
             zero = grads[name] == 0
-            precond[name] = p.masked_fill(zero.all(dim=1, keepdim=True) | zero.all(dim=0, keepdim=True), 0.0)
+            precond[name] = p.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
         nu = 1.0
         kl_clip = self.current_kl_clip()
         if kl_clip:
@@ -782,6 +783,7 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). With a gradient-worker
         fraction below 1 each rank keeps only its worker group's decompositions; decompositions missing from an older
         checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
+        state = self._stack_group_entries(state)
         unknown = sorted(set(state.get("factors", {})) - set(self._by_name))
         if unknown:
             raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
@@ -796,3 +798,29 @@ class KFACPreconditioner:
             keep = h.name in saved and (not self._sharded() or self._is_worker(i))
             h.load_state(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, self.factor_dtype,
                          self.inverse_dtype)
+
+    def _stack_group_entries(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the entries of a checkpoint that kept each group of a grouped convolution as a layer of
+        its own (``<layer>#g<i>``, one block each) stacked into the layer's ``(groups, ...)`` factors and
+        decompositions: the same blocks in the layout :class:`~.layers.GroupConvHandler` keeps. A layer with only
+        some of its groups' entries, or with entries of both layouts, is refused."""
+        sections = {key: dict(state.get(key, {})) for key in ("factors", "decompositions")}
+        for h in self.handlers:
+            if h.groups == 1:
+                continue
+            names = [f"{h.name}#g{i}" for i in range(h.groups)]
+            for key, section in sections.items():
+                found = [n for n in names if n in section]
+                if not found:
+                    continue
+                parts = [section.pop(n, None) for n in names]
+                keys = {tuple(sorted(p)) for p in parts if p is not None}
+                if len(found) != len(names) or h.name in section or len(keys) != 1:
+                    raise ValueError(
+                        f"K-FAC checkpoint: the {key} of grouped layer {h.name!r} are neither one entry nor one "
+                        f"'{h.name}#g<i>' entry with the same tensors for each of its {h.groups} groups (found "
+                        f"{found[:5]}{' and the whole layer' if h.name in section else ''}); it was written for "
+                        "another model"
+                    )
+                section[h.name] = {k: torch.stack([p[k] for p in parts if p is not None]) for k in next(iter(keys))}
+        return {**state, **sections}
