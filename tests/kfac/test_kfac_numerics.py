@@ -370,6 +370,32 @@ def test_kl_clip_matches_eq18_by_hand():
         torch.testing.assert_close(clipped[n], unclipped[n] * nu, rtol=1e-5, atol=1e-7)
 
 
+def test_kl_clip_uses_each_layers_parameter_group_lr():
+    """Eq 18 weighs each layer by the lr of the optimizer parameter group holding its weight; a layer whose weight
+    is in no group, with no lr to fall back on, is refused by name."""
+    torch.manual_seed(7)
+    m, orphan = _cnn(), _cnn()
+    x, y = torch.randn(8, 2, 7, 7), torch.randint(0, 5, (8,))
+    opt = torch.optim.SGD([{"params": [m[0].weight], "lr": 2.0},
+                           {"params": [q for q in m.parameters() if q is not m[0].weight], "lr": 0.1}])
+    kappa = 1e-6
+    p = KFACPreconditioner(m, optimizer=opt, inv_update_freq=1, damping=0.01, kl_clip=kappa, announce=False)
+    F.cross_entropy(m(x), y).backward()
+    raw = {h.name: h.grad_matrix().clone() for h in p.handlers}
+    p.step()
+    nu = p.last_nu
+    assert nu < 1.0  # the test must exercise the clipping branch
+    lrs = {"0": 2.0, "2": 0.1, "5": 0.1}
+    vg = sum(lr**2 * abs(float((p.handlers[i].grad_matrix().double() / nu * raw[name].double()).sum()))
+             for i, (name, lr) in enumerate(lrs.items()))
+    assert nu == pytest.approx(math.sqrt(kappa / vg), rel=1e-5)
+    opt = torch.optim.SGD([q for q in orphan.parameters() if q is not orphan[2].weight], lr=0.1)
+    p = KFACPreconditioner(orphan, optimizer=opt, kl_clip=kappa, announce=False)
+    F.cross_entropy(orphan(x), y).backward()
+    with pytest.raises(ValueError, match="the weight of layer '2' is in none of the optimizer's parameter groups"):
+        p.step()
+
+
 def test_eigh_fallback_float64_then_jitter(monkeypatch):
     real = torch.linalg.eigh
     calls = []
