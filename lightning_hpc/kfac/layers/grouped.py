@@ -7,8 +7,8 @@ One handler per layer keeps the blocks of all groups stacked: A and G are ``(gro
 (:class:`~lightning_hpc.kfac.forms.BlockDiagonalForm`), formed by one batched Gram per side
 (:func:`~lightning_hpc.kfac.linalg.group_gram`), decomposed by one batched ``eigh`` / inverse and applied by one
 batched product per side (:func:`~lightning_hpc.kfac.linalg.precondition_eigen`) to the stacked ``(groups, g_dim,
-a_dim)`` gradient matrices. A depthwise layer of ``C`` channels is thus ``C`` tiny blocks handled as one tensor
-each, not ``C`` layers.
+a_dim)`` gradient matrices. The ``C`` tiny blocks of a depthwise layer of ``C`` channels are thus one tensor per
+factor and a few batched operations per step, not ``C`` layers' worth of hooks, decompositions and products.
 """
 
 from __future__ import annotations
