@@ -30,7 +30,9 @@ __all__ = ["GroupConvHandler", "GroupConvTransposeHandler"]
 
 class _Grouped(LayerHandler):
     """The groups of a grouped (transposed) convolution as a stack of blocks: :attr:`a_dim` / :attr:`g_dim` are the
-    sides of one group's A and G (put before the layer's handler in the bases)."""
+    sides of one group's A and G (put before the layer's handler in the bases). The statistics are the stacked
+    grams of :meth:`input_gram` / :meth:`output_gram`; a group's rows are the ungrouped handler's
+    :meth:`input_rows` / :meth:`output_rows` restricted to its channels."""
 
     in_per_group: int
     out_per_group: int
