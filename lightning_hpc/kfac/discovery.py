@@ -112,8 +112,6 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
                 note = "bias left to the optimizer" if bias.requires_grad else "bias frozen: weight only"
             if sequences and cast(Any, handler).batch_dim != 0:
                 note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
-            if len(handlers) > 1:
-                note = ", ".join(filter(None, [note, f"{len(handlers)} groups: a Kronecker block per group"]))
             note = ", ".join(filter(None, [note, handler.form_note]))
             report.preconditioned.append((name, type(module).__name__, note))
         elif any(p.requires_grad for p in module.parameters(recurse=False)):

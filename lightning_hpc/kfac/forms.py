@@ -15,7 +15,8 @@ layer type:
   inverse method ``1 / (d + damping)``.
 * :class:`BlockDiagonalForm` -- ``c`` independent symmetric ``k x k`` blocks, ``(c, k, k)``: the per-channel
   ``(scale, shift)`` Fisher blocks of a normalisation layer's affine parameters (KFAC-JAX's scale-and-shift
-  blocks). Each block is decomposed on its own (batched); all-reduced as the blocks' upper triangles.
+  blocks), and the per-group KFC factors of a grouped or depthwise convolution. All blocks are decomposed by one
+  batched ``eigh`` / inverse; all-reduced as the blocks' upper triangles.
 
 A decomposition is a dict of tensors named by :meth:`FactorForm.result_shapes`, the same names as the method's
 for a dense factor (``d``/``q`` or ``inv``), so checkpoints and broadcasts treat every form alike.
@@ -225,11 +226,12 @@ class BlockDiagonalForm(FactorForm):
 
 @dataclass(frozen=True)
 class LayerForms:
-    """A layer's factors by name, in order, and the shape of its gradient matrix: what the placement and
-    ``plan-kfac`` price. A plain ``(n_A, n_G)`` pair stands for the Kronecker layer of two dense factors."""
+    """A layer's factors by name, in order, and the shape of its gradient matrix (``(groups, g_dim, a_dim)`` for a
+    stack of blocks): what the placement and ``plan-kfac`` price. A plain ``(n_A, n_G)`` pair stands for the
+    Kronecker layer of two dense factors."""
 
     factors: Mapping[str, FactorForm]
-    grad_shape: tuple[int, int]
+    grad_shape: tuple[int, ...]
 
 
 #: what the placement and ``plan-kfac`` take per layer: ``(n_A, n_G)`` of a Kronecker layer, or its forms

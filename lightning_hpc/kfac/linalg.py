@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 __all__ = [
     "JITTERS",
     "conv_patch_gram",
+    "group_gram",
     "precondition_eigen",
     "precondition_inverse",
     "safe_damped_inverse",
@@ -129,6 +130,38 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
         # acc_f's upper triangle (Fortran) is acc's lower triangle (C order); acc's upper triangle is still 0:
         # adding the transposed strict lower triangle mirrors it (one tril, one add).
         acc += acc.tril(-1).t()
+    return acc, sums
+
+
+def group_gram(t: torch.Tensor, k_dims: int = 1,
+               colsum: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sym_gram` of every group at once: ``(G, k, k)`` with ``[i] = sum_n sum_p a_{n,i,p} a_{n,i,p}^T`` for
+    ``t`` of shape ``(N, G, *K, *P)`` (any strides), and the ``(G, k)`` sums ``sum a`` when ``colsum``: the
+    block-diagonal factors of a grouped (or depthwise) layer, one block per group, from one batched product
+    (``baddbmm``) per chunk of samples instead of one Gram per group.
+
+    Chunks of samples are copied into one cache-sized ``(G, k, chunk * P)`` buffer (at least one sample's rows),
+    as :func:`sym_gram` does; a batch whose rows fit one chunk takes one copy and one batched product. Exact sums up
+    to the summation order of floating point.
+    """
+    n, groups = t.shape[:2]
+    kshape, pshape = tuple(t.shape[2 : 2 + k_dims]), tuple(t.shape[2 + k_dims :])
+    k, p = math.prod(kshape), math.prod(pshape)
+    per_chunk = max(1, min(n, GRAM_CHUNK_ELEMENTS // max(1, groups * k * p)))
+    if per_chunk == n:  # one copy (none when t is already laid out as rows) and one batched product
+        rows = t.movedim(0, 1 + k_dims).reshape(groups, k, n * p)
+        return rows @ rows.mT, (rows.sum(dim=-1) if colsum else None)
+    buf = t.new_empty(groups * k * per_chunk * p)
+    acc = t.new_zeros(groups, k, k)
+    sums = t.new_zeros(groups, k) if colsum else None
+    for start in range(0, n, per_chunk):
+        m = min(per_chunk, n - start)
+        chunk = buf[: groups * k * m * p].view(groups, *kshape, m, *pshape)
+        chunk.copy_(t[start : start + m].movedim(0, 1 + k_dims))
+        rows = chunk.view(groups, k, m * p)
+        acc.baddbmm_(rows, rows.mT)
+        if sums is not None:
+            sums += rows.sum(dim=-1)
     return acc, sums
 
 
@@ -334,13 +367,16 @@ def safe_damped_inverse(
 def precondition_eigen(
     grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float
 ) -> torch.Tensor:
-    """Eq 13-15 on a ``(g_dim, a_dim)`` gradient matrix; computed in the decomposition dtype."""
+    """Eq 13-15 on a ``(g_dim, a_dim)`` gradient matrix; computed in the decomposition dtype. Leading dimensions
+    are a batch of independent blocks (a grouped layer's ``(G, g_dim, a_dim)`` gradients with ``(G, n, n)``
+    eigenvectors and ``(G, n)`` eigenvalues): one batched product per side for all of them."""
     g = grad.to(qa.dtype)
-    v1 = qg.t() @ g @ qa
-    v2 = v1 / (dg.unsqueeze(1) * da.unsqueeze(0) + damping)
-    return qg @ v2 @ qa.t()
+    v1 = qg.mT @ g @ qa
+    v2 = v1 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+    return qg @ v2 @ qa.mT
 
 
 def precondition_inverse(grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor) -> torch.Tensor:
-    """Eq 12: ``(G + damping I)^-1 grad (A + damping I)^-1`` with the damped inverses precomputed."""
+    """Eq 12: ``(G + damping I)^-1 grad (A + damping I)^-1`` with the damped inverses precomputed (batched over
+    leading dimensions, as :func:`precondition_eigen`)."""
     return g_inv @ grad.to(a_inv.dtype) @ a_inv

@@ -641,17 +641,18 @@ class KFACPreconditioner:
     def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
         return h.preconditioned(grad, self.method, self.damping, self.decomposition_dtype)
 
-    def _layer_lr(self, h: LayerHandler, lr: float | None) -> float | None:
+    def _layer_lrs(self, lr: float | None) -> Callable[[LayerHandler], float | None]:
+        """Each layer's learning rate for Eq 18: ``lr`` when given, else the lr of the first optimizer parameter
+        group holding the layer's weight, else the preconditioner's ``lr`` (None: none known). The groups are
+        indexed once per step: searching them for every layer cost as much as a fifth of a preconditioning step."""
         if lr is not None:
-            return float(lr)
-        if self.optimizer is not None:
-            w = h.module.weight
-            for group in self.optimizer.param_groups:
-                if any(p is w for p in group["params"]):
-                    return float(group["lr"])
-        if self.lr is not None:
-            return float(self.lr() if callable(self.lr) else self.lr)
-        return None
+            return lambda h: float(lr)
+        by_param: dict[int, float] = {}
+        for group in self.optimizer.param_groups if self.optimizer is not None else ():
+            for p in group["params"]:
+                by_param.setdefault(id(p), float(group["lr"]))
+        default = None if self.lr is None else float(self.lr() if callable(self.lr) else self.lr)
+        return lambda h: by_param.get(id(h.module.weight), default)
 
     def _precondition(self, lr: float | None) -> None:
         world = self.comm.world_size
@@ -673,17 +674,19 @@ class KFACPreconditioner:
             # Rows (output units) and columns (inputs) whose gradient is exactly zero stay exactly zero: the
             # eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to
             # steps of about +-lr, and which differs with the number of processes. No sync: a mask, not a test.
+            # Rows and columns of each block of a stacked (groups, g_dim, a_dim) gradient are its own.
             zero = grads[name] == 0
-            precond[name] = p.masked_fill(zero.all(dim=1, keepdim=True) | zero.all(dim=0, keepdim=True), 0.0)
+            precond[name] = p.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
         nu = 1.0
         kl_clip = self.current_kl_clip()
         if kl_clip:
             # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
             vg_sum = 0.0
+            lr_of = self._layer_lrs(lr)
             for h in self.handlers:
                 if h.name not in precond:
                     continue
-                layer_lr = self._layer_lr(h, lr)
+                layer_lr = lr_of(h)
                 if layer_lr is None:
                     where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
                              if self.optimizer is not None else "")
@@ -782,6 +785,7 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict`'s output (the same checkpoint on every rank). With a gradient-worker
         fraction below 1 each rank keeps only its worker group's decompositions; decompositions missing from an older
         checkpoint are recomputed from the saved factors at the next step (then not bitwise)."""
+        state = self._stack_group_entries(state)
         unknown = sorted(set(state.get("factors", {})) - set(self._by_name))
         if unknown:
             raise ValueError(f"K-FAC checkpoint has factors for layers this model does not register: {unknown[:5]}")
@@ -796,3 +800,29 @@ class KFACPreconditioner:
             keep = h.name in saved and (not self._sharded() or self._is_worker(i))
             h.load_state(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, self.factor_dtype,
                          self.inverse_dtype)
+
+    def _stack_group_entries(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the entries of a checkpoint that kept each group of a grouped convolution as a layer of
+        its own (``<layer>#g<i>``, one block each) stacked into the layer's ``(groups, ...)`` factors and
+        decompositions: the same blocks in the layout :class:`~.layers.GroupConvHandler` keeps. A layer with only
+        some of its groups' entries, or with entries of both layouts, is refused."""
+        sections = {key: dict(state.get(key, {})) for key in ("factors", "decompositions")}
+        for h in self.handlers:
+            if h.groups == 1:
+                continue
+            names = [f"{h.name}#g{i}" for i in range(h.groups)]
+            for key, section in sections.items():
+                found = [n for n in names if n in section]
+                if not found:
+                    continue
+                parts = [section.pop(n, None) for n in names]
+                keys = {tuple(sorted(p)) for p in parts if p is not None}
+                if len(found) != len(names) or h.name in section or len(keys) != 1:
+                    raise ValueError(
+                        f"K-FAC checkpoint: the {key} of grouped layer {h.name!r} are neither one entry nor one "
+                        f"'{h.name}#g<i>' entry with the same tensors for each of its {h.groups} groups (found "
+                        f"{found[:5]}{' and the whole layer' if h.name in section else ''}); it was written for "
+                        "another model"
+                    )
+                section[h.name] = {k: torch.stack([p[k] for p in parts if p is not None]) for k in next(iter(keys))}
+        return {**state, **sections}

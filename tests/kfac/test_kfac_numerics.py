@@ -159,15 +159,16 @@ GROUPED = {
 
 @pytest.mark.parametrize("name", sorted(GROUPED))
 def test_grouped_convolution_factors_and_solve_per_group(name):
-    """A grouped / depthwise convolution is a Kronecker block per group: each group's A and G equal an independent
-    computation on its input and output channels, and its preconditioned rows equal the dense solve of its block."""
+    """A grouped / depthwise convolution is a Kronecker block per group, all groups in one handler: each group's
+    block of the stacked A and G equals an independent computation on its input and output channels, and its
+    preconditioned rows equal the dense solve of its block."""
     torch.manual_seed(4)
     layer = GROUPED[name]().double()
     x = torch.randn(5, layer.in_channels, *EXTENT[len(layer.kernel_size)], dtype=torch.float64)
     damping = 0.05
     p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=damping, decomposition_dtype="float64",
                            announce=False)
-    assert [h.name for h in p.handlers] == [f"#g{i}" for i in range(layer.groups)]
+    assert [h.name for h in p.handlers] == [""]
     out = layer(x)
     out.retain_grad()
     target = torch.randn(out.shape[0], math.prod(out.shape[1:]), dtype=torch.float64)
@@ -182,13 +183,112 @@ def test_grouped_convolution_factors_and_solve_per_group(name):
             rows_a = torch.cat([rows_a, torch.ones(rows_a.shape[0], 1, dtype=rows_a.dtype)], 1)
         ds = x.shape[0] * out.grad[:, i * co : (i + 1) * co].movedim(1, -1).reshape(-1, co)
         a_ref, g_ref = rows_a.t() @ rows_a / rows_a.shape[0], ds.t() @ ds / x.shape[0]
-        f = p.factors[f"#g{i}"]
-        torch.testing.assert_close(f["A"].double(), a_ref, rtol=1e-7, atol=1e-9)
-        torch.testing.assert_close(f["G"].double(), g_ref, rtol=1e-7, atol=1e-9 * g_ref.abs().max().item())
+        f = p.factors[""]
+        torch.testing.assert_close(f["A"][i].double(), a_ref, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(f["G"][i].double(), g_ref, rtol=1e-7, atol=1e-9 * g_ref.abs().max().item())
         block = raw[i * co : (i + 1) * co]
         dense = torch.kron(g_ref, a_ref) + damping * torch.eye(a_ref.shape[0] * co, dtype=torch.float64)
         want = torch.linalg.solve(dense, block.reshape(-1)).reshape(block.shape)
         torch.testing.assert_close(got[i * co : (i + 1) * co], want, rtol=1e-6, atol=1e-8 * want.abs().max().item())
+
+
+UNEQUAL_GROUPS = {
+    "grouped": lambda: nn.Conv2d(6, 6, 3, padding=1, groups=3),
+    "depthwise_multiplier_nobias": lambda: nn.Conv2d(4, 8, 3, padding=1, groups=4, bias=False),
+}
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("name", sorted(UNEQUAL_GROUPS))
+def test_batched_groups_are_not_mixed(name, method):
+    """The stacked blocks of a grouped layer stay apart in the batched factors, decompositions and products: with
+    input and output channels whose scales differ by orders of magnitude, the whole layer's preconditioned
+    gradient equals the one of independent per-group dense references (the block-diagonal Kronecker solve for the
+    eigen method, ``(G_i + damping I)^-1 grad_i (A_i + damping I)^-1`` for the inverse one). The same references
+    with two groups' blocks swapped are checked to be far off, so channels or groups taken from the wrong block
+    would fail it."""
+    torch.manual_seed(11)
+    layer = UNEQUAL_GROUPS[name]().double()
+    groups, n = layer.groups, 5
+    in_scale = torch.logspace(-1.5, 1.5, layer.in_channels, dtype=torch.float64)[torch.randperm(layer.in_channels)]
+    out_scale = torch.logspace(-2, 2, layer.out_channels, dtype=torch.float64)[torch.randperm(layer.out_channels)]
+    x = torch.randn(n, layer.in_channels, 7, 7, dtype=torch.float64) * in_scale.view(1, -1, 1, 1)
+    damping = 0.01
+    p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=damping, compute_method=method,
+                           decomposition_dtype="float64", factor_dtype="float64", announce=False)
+    out = layer(x)
+    out.retain_grad()
+    target = (torch.randn(out.shape, dtype=torch.float64) * out_scale.view(1, -1, 1, 1)).reshape(n, -1)
+    _loss(out, target).backward()
+    raw = _grad_matrix(layer).detach().clone()
+    p.step()
+    got = _grad_matrix(layer)
+    ci, co = layer.in_channels // groups, layer.out_channels // groups
+    blocks = []
+    for i in range(groups):
+        rows_a = _explicit_patches(x[:, i * ci : (i + 1) * ci], layer)
+        if layer.bias is not None:
+            rows_a = torch.cat([rows_a, torch.ones(rows_a.shape[0], 1, dtype=rows_a.dtype)], 1)
+        ds = n * out.grad[:, i * co : (i + 1) * co].movedim(1, -1).reshape(-1, co)
+        blocks.append((rows_a.t() @ rows_a / rows_a.shape[0], ds.t() @ ds / n))
+
+    def reference(order: list[int]) -> torch.Tensor:
+        parts = []
+        for i, j in enumerate(order):  # group i's gradient with group j's factors
+            a, g = blocks[j]
+            grad = raw[i * co : (i + 1) * co]
+            if method == "eigen":
+                dense = torch.kron(g, a) + damping * torch.eye(a.shape[0] * co, dtype=torch.float64)
+                parts.append(torch.linalg.solve(dense, grad.reshape(-1)).reshape(grad.shape))
+            else:
+                eye_a, eye_g = torch.eye(a.shape[0], dtype=a.dtype), torch.eye(co, dtype=a.dtype)
+                parts.append(torch.linalg.solve(g + damping * eye_g, grad) @ torch.linalg.inv(a + damping * eye_a))
+        return torch.cat(parts)
+
+    want = reference(list(range(groups)))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9 * want.abs().max().item())
+    swapped = reference([1, 0, *range(2, groups)])
+    assert (swapped - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_silent_group_keeps_an_exactly_zero_weight_gradient():
+    """Zero rows and columns of the gradient stay exactly zero block by block: a depthwise channel whose input is
+    zero has a zero weight gradient (only its bias moves), and its preconditioned weight gradient is exactly zero
+    though the other channels' columns are not."""
+    torch.manual_seed(12)
+    layer = nn.Conv2d(3, 3, 3, padding=1, groups=3)
+    p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=0.01, announce=False)
+    x = torch.randn(4, 3, 6, 6)
+    x[:, 1] = 0.0
+    _loss(layer(x), torch.randn(4, 3 * 36)).backward()
+    assert torch.equal(layer.weight.grad[1], torch.zeros(1, 3, 3)) and layer.bias.grad[1] != 0
+    p.step()
+    assert torch.equal(layer.weight.grad[1], torch.zeros(1, 3, 3))
+    assert layer.weight.grad[[0, 2]].ne(0).all() and layer.bias.grad.ne(0).all()
+
+
+def test_checkpoint_with_a_layer_per_group_is_stacked():
+    """A checkpoint that kept each group of a grouped convolution as a layer of its own (``<layer>#g<i>``) loads
+    into the stacked blocks unchanged; one with only some of the groups is refused, naming the layer."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.Flatten(), nn.Linear(64, 3))
+    pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, announce=False)
+    F.cross_entropy(model(torch.randn(5, 4, 4, 4)), torch.randint(0, 3, (5,))).backward()
+    pre.step()
+    state = pre.state_dict()
+    per_group = copy.deepcopy(state)
+    for key in ("factors", "decompositions"):
+        whole = per_group[key].pop("0")
+        per_group[key].update({f"0#g{i}": {k: v[i].clone() for k, v in whole.items()} for i in range(2)})
+    other = KFACPreconditioner(copy.deepcopy(model), inv_update_freq=1, kl_clip=None, announce=False)
+    other.load_state_dict(per_group)
+    for key in ("factors", "decompositions"):
+        for name, tensors in state[key].items():
+            got = getattr(other, key)[name]
+            assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    del per_group["factors"]["0#g1"]
+    with pytest.raises(ValueError, match=r"grouped layer '0'.*0#g0"):
+        KFACPreconditioner(copy.deepcopy(model), announce=False).load_state_dict(per_group)
 
 
 def test_running_average_eq16_17():
@@ -268,6 +368,32 @@ def test_kl_clip_matches_eq18_by_hand():
     assert nu_got == pytest.approx(nu, rel=1e-5)
     for n in raw:
         torch.testing.assert_close(clipped[n], unclipped[n] * nu, rtol=1e-5, atol=1e-7)
+
+
+def test_kl_clip_uses_each_layers_parameter_group_lr():
+    """Eq 18 weighs each layer by the lr of the optimizer parameter group holding its weight; a layer whose weight
+    is in no group, with no lr to fall back on, is refused by name."""
+    torch.manual_seed(7)
+    m, orphan = _cnn(), _cnn()
+    x, y = torch.randn(8, 2, 7, 7), torch.randint(0, 5, (8,))
+    opt = torch.optim.SGD([{"params": [m[0].weight], "lr": 2.0},
+                           {"params": [q for q in m.parameters() if q is not m[0].weight], "lr": 0.1}])
+    kappa = 1e-6
+    p = KFACPreconditioner(m, optimizer=opt, inv_update_freq=1, damping=0.01, kl_clip=kappa, announce=False)
+    F.cross_entropy(m(x), y).backward()
+    raw = {h.name: h.grad_matrix().clone() for h in p.handlers}
+    p.step()
+    nu = p.last_nu
+    assert nu < 1.0  # the test must exercise the clipping branch
+    lrs = {"0": 2.0, "2": 0.1, "5": 0.1}
+    vg = sum(lr**2 * abs(float((p.handlers[i].grad_matrix().double() / nu * raw[name].double()).sum()))
+             for i, (name, lr) in enumerate(lrs.items()))
+    assert nu == pytest.approx(math.sqrt(kappa / vg), rel=1e-5)
+    opt = torch.optim.SGD([q for q in orphan.parameters() if q is not orphan[2].weight], lr=0.1)
+    p = KFACPreconditioner(orphan, optimizer=opt, kl_clip=kappa, announce=False)
+    F.cross_entropy(orphan(x), y).backward()
+    with pytest.raises(ValueError, match="the weight of layer '2' is in none of the optimizer's parameter groups"):
+        p.step()
 
 
 def test_eigh_fallback_float64_then_jitter(monkeypatch):
@@ -554,14 +680,14 @@ GROUPED_TRANSPOSED = {
 def test_grouped_transposed_convolution_block_per_group(name):
     """A grouped transposed convolution is a block per group: each group's A (its input channels) and G (the
     scatter windows of its output channels, by index arithmetic) equal an independent computation, and its rows of
-    the weight gradient equal the dense solve of its own block."""
+    the weight gradient equal the dense solve of its own block (all groups stacked in one handler)."""
     torch.manual_seed(6)
     layer = GROUPED_TRANSPOSED[name]().double()
     x = torch.randn(4, layer.in_channels, *EXTENT[len(layer.kernel_size)], dtype=torch.float64)
     damping = 0.05
     p = KFACPreconditioner(layer, inv_update_freq=1, kl_clip=None, damping=damping, decomposition_dtype="float64",
                            factor_dtype="float64", announce=False)
-    assert [h.name for h in p.handlers] == [f"#g{i}" for i in range(layer.groups)]
+    assert [h.name for h in p.handlers] == [""]
     out = layer(x)
     out.retain_grad()
     target = torch.randn(out.shape[0], math.prod(out.shape[1:]), dtype=torch.float64)
@@ -575,9 +701,9 @@ def test_grouped_transposed_convolution_block_per_group(name):
         raw = w_raw[i * ci : (i + 1) * ci].reshape(ci, -1).t()
         torch.testing.assert_close(rows_g.t() @ rows_a, raw)  # the group's weight gradient: the sides' ordering
         a_ref, g_ref = rows_a.t() @ rows_a / rows_a.shape[0], (n * rows_g).t() @ (n * rows_g) / n
-        f = p.factors[f"#g{i}"]
-        torch.testing.assert_close(f["A"], a_ref, rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(f["G"], g_ref, rtol=1e-9, atol=1e-12 * g_ref.abs().max().item())
+        f = p.factors[""]
+        torch.testing.assert_close(f["A"][i], a_ref, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(f["G"][i], g_ref, rtol=1e-9, atol=1e-12 * g_ref.abs().max().item())
         dense = torch.kron(g_ref, a_ref) + damping * torch.eye(a_ref.shape[0] * g_ref.shape[0], dtype=torch.float64)
         want = torch.linalg.solve(dense, raw.reshape(-1)).reshape(raw.shape)
         got = layer.weight.grad[i * ci : (i + 1) * ci].reshape(ci, -1).t()
@@ -597,5 +723,5 @@ def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer
     KFACPreconditioner(model, inv_update_freq=1, announce=False)
     x = torch.randn(2, 2, 6, 6)
     model(x).sum().backward()  # a plain tensor: captured
-    with pytest.raises(RuntimeError, match=r"K-FAC layer '0(#g0)?' .*skip_layers=\['0'\]"):
+    with pytest.raises(RuntimeError, match=r"K-FAC layer '0' .*skip_layers=\['0'\]"):
         model(split_tensor(x, SpatialGrid.single(), tuple(x.shape)))

@@ -8,7 +8,7 @@ A handler owns one layer's statistics, factors and decompositions and how its gr
 * :mod:`.conv`: ``nn.Conv1d/2d/3d`` (KFC, Grosse & Martens 2016);
 * :mod:`.tiled`: a convolution on one spatial tile of each sample (spatial parallelism);
 * :mod:`.transposed`: ``nn.ConvTranspose1d/2d/3d`` (KFC with its sides swapped);
-* :mod:`.grouped`: one block per group of a grouped (transposed) convolution;
+* :mod:`.grouped`: grouped (transposed) convolutions, a block per group, all groups batched;
 * :mod:`.norm`: normalisation layers' affine parameters (a 2x2 block per channel, KFAC-JAX's scale and shift);
 * :mod:`.embedding`: ``nn.Embedding`` (a diagonal A).
 """
@@ -78,7 +78,7 @@ def layer_type_of(module: nn.Module) -> str | None:
 
 
 def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
-    """The handlers of a supported module (one per group of a grouped convolution), else none.
+    """The handler of a supported module in a list (empty: none).
 
     A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample."""
@@ -89,13 +89,13 @@ def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
     if isinstance(module, CONVOLUTIONS):
         tiled = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and hasattr(module, "kfac_padded_input")
         if module.groups > 1:  # tiled grouped convolutions are left out (discovery.skip_reason says why)
-            return [] if tiled else [GroupConvHandler(name, module, i) for i in range(module.groups)]
+            return [] if tiled else [GroupConvHandler(name, module)]
         if tiled:
             return [TiledConvHandler(name, module)]
         return [ConvHandler(name, module)]
     if isinstance(module, TRANSPOSED_CONVOLUTIONS):
         if module.groups > 1:
-            return [GroupConvTransposeHandler(name, module, i) for i in range(module.groups)]
+            return [GroupConvTransposeHandler(name, module)]
         return [ConvTransposeHandler(name, module)]
     if type(module) in NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
         return [NormAffineHandler(name, module)]

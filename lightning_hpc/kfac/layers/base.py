@@ -181,16 +181,17 @@ class LayerHandler:
         return rows.t() @ rows
 
     def _fold_bias(self, gram: torch.Tensor, colsum: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """``[[sum a a^T, sum a], [sum a^T, rows]]``: the bias's constant-1 input appended analytically."""
+        """``[[sum a a^T, sum a], [sum a^T, rows]]``: the bias's constant-1 input appended analytically (to every
+        block of a stack of them, ``(..., k, k)`` grams with ``(..., k)`` sums)."""
         if not self.has_bias:
             return gram
         assert colsum is not None
-        k = gram.shape[0]
-        out = gram.new_empty(k + 1, k + 1)
-        out[:k, :k] = gram
-        out[:k, k] = colsum
-        out[k, :k] = colsum
-        out[k, k] = rows
+        k = gram.shape[-1]
+        out = gram.new_empty(*gram.shape[:-2], k + 1, k + 1)
+        out[..., :k, :k] = gram
+        out[..., :k, k] = colsum
+        out[..., k, :k] = colsum
+        out[..., k, k] = rows
         return out
 
     #: the layer has no statistics for one tile of a split activation (a tensor subclass that carries its
@@ -290,7 +291,7 @@ class LayerHandler:
 
     def layer_forms(self) -> LayerForms:
         """The factors and the gradient matrix's shape, as the placement and ``plan-kfac`` price them."""
-        return LayerForms(self.factor_forms(), (self.g_dim, self.a_dim))
+        return LayerForms(self.factor_forms(), self.grad_shape)
 
     def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
         """This step's factors by name (:meth:`factor_forms`), from the captured micro-batches."""
@@ -392,32 +393,37 @@ class LayerHandler:
         return self.precondition(grad, d, method, damping)
 
     # -- gradients ---------------------------------------------------------------------------------------
-    #: the rows of ``weight`` (and ``bias``) this handler preconditions: all of them, or one group's
-    rows: slice = slice(None)
+    #: independent blocks of the layer's gradient matrix (a grouped convolution's groups): :meth:`grad_matrix` is
+    #: then a stack ``(groups, g_dim, a_dim)`` of them
+    groups: int = 1
+
+    @property
+    def grad_shape(self) -> tuple[int, ...]:
+        """Shape of :meth:`grad_matrix`: ``(g_dim, a_dim)``, or ``(groups, g_dim, a_dim)`` for several groups."""
+        return (self.groups, self.g_dim, self.a_dim) if self.groups > 1 else (self.g_dim, self.a_dim)
 
     def grad_matrix(self) -> torch.Tensor | None:
-        """``[dW | db]`` (this handler's :attr:`rows`) as a ``(g_dim, a_dim)`` matrix, or None when the weight has
-        no gradient."""
+        """``[dW | db]`` as a ``(g_dim, a_dim)`` matrix (a stack ``(groups, g_dim, a_dim)`` for a layer of several
+        :attr:`groups`), or None when the weight has no gradient."""
         w = self.weight
         if w.grad is None:
             return None
-        mat = w.grad[self.rows].reshape(self.g_dim, -1)
+        mat = w.grad.reshape(*self.grad_shape[:-1], -1)
         if self.has_bias:
             b = self.bias
             bgrad = b.grad if b.grad is not None else torch.zeros_like(b)
-            mat = torch.cat([mat, bgrad[self.rows].reshape(-1, 1)], dim=1)
+            mat = torch.cat([mat, bgrad.reshape(*self.grad_shape[:-1], 1)], dim=-1)
         return mat
 
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
-        """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` (this handler's :attr:`rows`) in place (dtype of
-        the gradient kept)."""
+        """Write :meth:`grad_matrix`'s layout back into ``.grad`` in place (dtype of the gradient kept)."""
         w = self.weight
         assert w.grad is not None
-        n_w = mat.shape[1] - (1 if self.has_bias else 0)
-        w.grad[self.rows].copy_(mat[:, :n_w].reshape_as(w.grad[self.rows]))
+        n_w = mat.shape[-1] - (1 if self.has_bias else 0)
+        w.grad.copy_(mat[..., :n_w].reshape_as(w.grad))
         if self.has_bias:
             b = self.bias
             if b.grad is None:
                 b.grad = torch.zeros_like(b)
-            b.grad[self.rows].copy_(mat[:, n_w])
+            b.grad.copy_(mat[..., n_w].reshape_as(b.grad))

@@ -18,7 +18,7 @@ from lightning_hpc.kfac.linalg import sym_gram
 
 __all__ = ["TRANSPOSED_CONVOLUTIONS", "ConvTransposeHandler"]
 
-#: the transposed convolutions K-FAC preconditions (grouped ones by :class:`GroupConvTransposeHandler`)
+#: the transposed convolutions K-FAC preconditions (grouped ones by :class:`~.grouped.GroupConvTransposeHandler`)
 TRANSPOSED_CONVOLUTIONS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
@@ -83,10 +83,10 @@ class ConvTransposeHandler(LayerHandler):
 
     def grad_matrix(self) -> torch.Tensor | None:
         w = self.weight
-        return None if w.grad is None else w.grad[self.rows].reshape(self.a_dim, -1).t()
+        return None if w.grad is None else w.grad.reshape(*self.grad_shape[:-2], self.a_dim, -1).mT
 
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         w = self.weight
         assert w.grad is not None
-        w.grad[self.rows].copy_(mat.t().reshape_as(w.grad[self.rows]))
+        w.grad.copy_(mat.mT.reshape_as(w.grad))
