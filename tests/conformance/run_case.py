@@ -899,9 +899,8 @@ def main(devices: int, outdir: str, data_parallel: int, items: list[str]) -> Non
     for item in items:
         strategy, case = item.split(":")
         if "torch._dynamo" in sys.modules:
-            # code compiled by an earlier case (torch.compile) must not stand in for this case's: under the KFAC
-            # callback its hooks on the modules then never ran (measured: kfac_horovod x torch_compile after
-            # horovod x torch_compile in one launch, 0.5 from one process)
+            # each case compiles (torch.compile) from scratch, as in a process of its own: run after
+            # horovod x torch_compile in the same launch, kfac_horovod x torch_compile ended 0.5 away from one process
             sys.modules["torch._dynamo"].reset()
         t0 = time.perf_counter()
         run_one(strategy, case, devices, Path(outdir) / strategy / case, data_parallel)
