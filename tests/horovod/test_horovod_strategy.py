@@ -1,10 +1,9 @@
 """HorovodStrategy under ``horovodrun -np 2 --gloo`` against Lightning's DDP on the same data and seeds.
 
-One Horovod run (the first case of the shared 2-process launch, conftest.py) and one DDP run (2 processes each,
-started together) of ImageClassifier(small_cnn) on digits:
-2 epochs x 5 batches of 16 per rank with accumulate_grad_batches=2 (each epoch ends on an incomplete
-accumulation window), SGD with momentum and weight decay, a StepLR schedule, dropout and BatchNorm, and
-different initial weights on each rank (both strategies must start from rank 0's).
+One Horovod run (the first case of the shared 2-process launch, conftest.py) and one DDP run (2 processes each) of
+ImageClassifier(small_cnn) on digits: 2 epochs x 5 batches of 16 per rank with accumulate_grad_batches=2 (each
+epoch ends on an incomplete accumulation window), SGD with momentum and weight decay, a StepLR schedule, dropout
+and BatchNorm, and different initial weights on each rank (both strategies must start from rank 0's).
 """
 
 from __future__ import annotations
@@ -18,12 +17,15 @@ from hvd_launch import (
     DIGITS_ARGS,
     DIGITS_BATCHES,
     DIGITS_EPOCHS,
+    REPO,
     WORKERS,
     finish,
     horovodrun_command,
     requires_horovod,
     start,
 )
+
+from lightning_hpc.distributed import run_in_processes
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -32,14 +34,21 @@ BATCH_SIZE = 16  # train_digits.py's
 SCRIPT = str(WORKERS / "train_digits.py")
 
 
+def _ddp_rank(rank: int, world: int, out: str) -> None:
+    sys.path.insert(0, str(WORKERS))
+    import train_digits
+
+    train_digits.main([out, "--strategy", "ddp", *DIGITS_ARGS])
+
+
 @pytest.fixture(scope="module")
 def runs(two_ranks, tmp_path_factory):
     """{"horovod": [rank0, rank1], "ddp": [rank0, rank1], "dir": {...}}: the Horovod run is the ``digits_vs_ddp``
-    case of the shared 2-process launch (with :data:`hvd_launch.HVD_OPTIONS`), the DDP run is started here, while
-    that launch runs."""
+    case of the shared 2-process launch (with :data:`hvd_launch.HVD_OPTIONS`); the DDP run's 2 ranks fork from the
+    forkserver (Lightning imported there once) into a process group that Lightning takes as launched externally."""
     root = tmp_path_factory.mktemp("ddp_reference")
-    # Lightning's own launcher starts the second DDP process
-    finish(start([sys.executable, SCRIPT, str(root / "ddp"), "--strategy", "ddp", *DIGITS_ARGS]), timeout_s=420)
+    run_in_processes(_ddp_rank, 2, str(root / "ddp"), timeout_s=420, collective_timeout_s=120,
+                     env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     return {
         "horovod": two_ranks.ranks("digits_vs_ddp"),
         "ddp": [torch.load(root / "ddp" / f"rank{r}.pt", weights_only=False) for r in range(2)],
