@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -72,6 +73,42 @@ def read_metrics(run_dir: Path) -> dict:
 def cli(tmp_path):
     def _run(*args, **kwargs):
         return run_cli(list(args), tmp_path, **kwargs)
+
+    _run.cwd = tmp_path
+    return _run
+
+
+@pytest.fixture
+def cli_in_process(tmp_path, monkeypatch, capfd):
+    """As :func:`cli`, but the command runs in this process (``lightning_hpc.cli.main.main``), which has imported
+    Lightning already: rank 0 of a multi-process recipe runs here, and Lightning starts the other ranks as
+    ``python -m lightning_hpc train`` children, as under the installed command.  Returns a CompletedProcess
+    (stdout+stderr, this process's and the children's, merged)."""
+    from lightning_hpc.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    for key in LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def _run(*args, check=True):
+        capfd.readouterr()  # what earlier runs in this test printed is theirs
+        handlers, level = logging.root.handlers[:], logging.root.level
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # Hydra reports a job's error and exits
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            # Hydra's job logging adds handlers on the capture streams of this test: later tests must not log there
+            for handler in set(logging.root.handlers) - set(handlers):
+                handler.close()
+            logging.root.handlers[:] = handlers
+            logging.root.setLevel(level)
+        out, err = capfd.readouterr()
+        proc = subprocess.CompletedProcess(["lightning-hpc", *args], code, out + err)
+        if check and code != 0:
+            raise AssertionError(f"lightning-hpc {' '.join(args)} failed ({code}):\n{proc.stdout[-6000:]}")
+        return proc
 
     _run.cwd = tmp_path
     return _run

@@ -1,7 +1,11 @@
 """End-to-end runs of ``lightning-hpc train`` (Hydra composition, DDP children, outputs, sweeps; resume: see
-test_cli_resume_and_help.py)."""
+test_cli_resume_and_help.py).  The command runs in the test's process (``cli_in_process``: Lightning is imported
+already), its other ranks as ``python -m lightning_hpc train`` children, as Lightning starts them under the installed
+command."""
 
 import csv
+import runpy
+import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -54,11 +58,11 @@ def test_recipe_composes_and_objects_are_targets(recipe):
     OmegaConf.to_container(cfg.model, resolve=True)  # interpolations resolve
 
 
-def test_default_recipe_trains_digits_to_97_percent_on_two_processes(cli):
+def test_default_recipe_trains_digits_to_97_percent_on_two_processes(cli_in_process):
     # precision=32 is the recipe's own (a numeric group option: the rank Lightning re-launches must get it quoted)
-    proc = cli("train", "precision=32", "trainer.enable_progress_bar=false")
+    proc = cli_in_process("train", "precision=32", "trainer.enable_progress_bar=false")
     assert "MEMBER: 2/2" in proc.stdout, "the default recipe must run 2 DDP processes"
-    (run,) = run_dirs(cli.cwd, "digits")
+    (run,) = run_dirs(cli_in_process.cwd, "digits")
     m = read_metrics(run)
     assert m["metrics"]["val/acc"] >= 0.97, m
     assert "Final metrics" in proc.stdout and "Checkpoint:" in proc.stdout
@@ -67,18 +71,19 @@ def test_default_recipe_trains_digits_to_97_percent_on_two_processes(cli):
 
 
 @pytest.mark.parametrize("recipe", sorted(FAST))
-def test_recipe_fast_dev_run(cli, recipe):
+def test_recipe_fast_dev_run(cli_in_process, recipe):
     if recipe not in recipe_names():
         pytest.skip(f"recipe {recipe} not shipped")
     if isinstance(FAST[recipe], str):
         pytest.skip(f"covered by {FAST[recipe]}")
-    cli("train", f"recipe={recipe}", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false", *FAST[recipe])
+    cli_in_process("train", f"recipe={recipe}", "trainer.fast_dev_run=true", "trainer.enable_progress_bar=false",
+                   *FAST[recipe])
 
 
-def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_overrides_take_effect(cli):
+def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_overrides_take_effect(cli_in_process):
     # resuming from last.ckpt through the CLI is owned by test_cli_resume_and_help.py (exact steps and epochs);
     # resuming under DDP through Trainer.fit by the conformance matrix's ddp:resume cell
-    proc = cli(
+    proc = cli_in_process(
         "train",
         "trainer.max_epochs=2",
         "+trainer.limit_train_batches=2",
@@ -89,10 +94,10 @@ def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_override
         "optimizer.lr=0.01,0.02",
     )
     assert proc.stdout.count("MEMBER: 2/2") == 2
-    (sweep,) = (cli.cwd / "multirun" / "digits").iterdir()
+    (sweep,) = (cli_in_process.cwd / "multirun" / "digits").iterdir()
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"], jobs
-    assert not (cli.cwd / "outputs").exists(), "children must write into the job folder, not a new run dir"
+    assert not (cli_in_process.cwd / "outputs").exists(), "children must write into the job folder, not a new run dir"
     for job, lr in zip(jobs, (0.01, 0.02)):
         assert read_metrics(sweep / job)["epochs"] == 2
         with open(sweep / job / "csv" / "version_0" / "metrics.csv") as f:
@@ -100,8 +105,8 @@ def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_override
         assert lrs == {lr}, f"job {job}"
 
 
-def test_missing_imagenet_folder_fails_before_training(cli, tmp_path):
-    proc = cli(
+def test_missing_imagenet_folder_fails_before_training(cli_in_process, tmp_path):
+    proc = cli_in_process(
         "train", "recipe=resnet_imagenet", f"data.root={tmp_path}/nope", "trainer.fast_dev_run=true", check=False
     )
     assert proc.returncode != 0
@@ -109,9 +114,12 @@ def test_missing_imagenet_folder_fails_before_training(cli, tmp_path):
     assert "Epoch 0" not in proc.stdout
 
 
-def test_unknown_recipe(cli):
-    proc = cli("train", "recipe=nope", check=False)
-    assert proc.returncode == 2 and "available: " in proc.stdout
+def test_unknown_recipe(monkeypatch, capsys):
+    # `python -m lightning_hpc train recipe=nope`, its module run here: the exit code reaches the process
+    monkeypatch.setattr(sys, "argv", ["lightning-hpc", "train", "recipe=nope"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("lightning_hpc", run_name="__main__")
+    assert exited.value.code == 2 and "available: " in capsys.readouterr().err
 
 
 def test_hydra_argv_keeps_overrides_in_one_run():

@@ -1,6 +1,6 @@
-"""Launches shared by the conformance tests: every cell of one strategy runs in one 2-process launch, every
-one-process reference of one kind in one launch (see ``launch.py``); launches run once per session, when a
-test first needs them."""
+"""Launches shared by the conformance tests: every cell of one strategy runs in one 2-process launch (the
+strategies under ``horovodrun`` share one), every one-process reference of one kind in one launch (see
+``launch.py``); launches run once per session, when a test first needs them."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from cells import (
     MG_MORE_CYCLES,
     MICRO_BATCHES,
     REFERENCE_DDP,
+    REFUSED,
+    REFUSED_AT,
     ROUNDING_BOUNDED,
     SLOW_COLUMNS,
     float32_reference,
@@ -50,18 +52,19 @@ class Runs:
         return self.logs[key]
 
     def two(self, strategy: str, case: str) -> CaseResult:
-        """The case under ``strategy`` on 2 processes (the launch runs every cell of that strategy)."""
-        if under_horovodrun(strategy) and not horovod_importable():
+        """The case under ``strategy`` on 2 processes (the launch runs every cell of that strategy; the strategies
+        under ``horovodrun`` share one launch, which costs seconds to start)."""
+        horovod = under_horovodrun(strategy)
+        if horovod and not horovod_importable():
             print("horovod.torch is not importable: build it with scripts/install-horovod.sh")
             pytest.skip("horovod.torch is not importable (scripts/install-horovod.sh builds it)")
-        cases = sorted(
-            {c for s, c in ALL_CELLS if s == strategy and not c.endswith("_2_to_1")}
-            | {c for (s, c), reference in REFERENCE_DDP.items() if strategy in (s, reference)},
-            key=_refusals_last(strategy),
-        )
-        cases = [c for c in cases if _selected(c)]
-        log = self._ensure(f"two_{strategy}", "two", 2, [f"{strategy}:{c}" for c in cases],
-                           DATA_PARALLEL.get(strategy, 2), horovod=under_horovodrun(strategy))
+        strategies = HOROVODRUN_STRATEGIES if horovod else (strategy,)
+        data_parallel = {DATA_PARALLEL.get(s, 2) for s in strategies}
+        assert len(data_parallel) == 1, f"strategies {strategies} of one launch differ in data-parallel size"
+        items = sorted(((s, c) for s in strategies for c in _two_process_cases(s) if _selected(c)),
+                       key=_refusals_last)
+        log = self._ensure("two_horovodrun" if horovod else f"two_{strategy}", "two", 2,
+                           [f"{s}:{c}" for s, c in items], data_parallel.pop(), horovod=horovod)
         return read(self.root / "two", strategy, case, log, 2)
 
     def one(self, case: str, data_parallel: int, kfac: bool = False) -> CaseResult:
@@ -90,7 +93,9 @@ class Runs:
     def resumed_on_one(self, strategy: str, case: str) -> CaseResult:
         """The second epoch of ``case`` on one process, from the checkpoint the 2-process run wrote after its
         first epoch (all strategies in one launch)."""
-        horovod = under_horovodrun(strategy)  # one process under horovodrun -np 1
+        # a Horovod strategy's one process is a Horovod world of size 1 (hvd.init() without a launcher): forked
+        # like the others, so no horovodrun -np 1 to start
+        horovod = under_horovodrun(strategy)
         # the one process reads the union of the data-parallel ranks' batches: one launch per data-parallel size
         dp = DATA_PARALLEL.get(strategy, 2)
         items = [f"{s}:{c}" for s, c in ALL_CELLS
@@ -100,9 +105,7 @@ class Runs:
             s, c = item.split(":")
             self.two(s, _reference_case(c))  # the first epochs
         key = ("resumed_on_one_horovod" if horovod else "resumed_on_one") + f"_dp{dp}"
-        log = self._ensure(
-            key, key, 1, items, dp, horovod=horovod, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")}
-        )
+        log = self._ensure(key, key, 1, items, dp, env={"CONFORMANCE_RESUME_FROM": str(self.root / "two")})
         return read(self.root / key, strategy, case, log, 1)
 
 
@@ -120,12 +123,20 @@ def _reference_case(case: str) -> str:
     return case.replace("_2_to_1", "")
 
 
-def _refusals_last(strategy: str):
-    """Cases that raise run after those that train."""
-    from cells import REFUSED, REFUSED_AT
+#: the strategies whose cells run under ``horovodrun`` (one 2-process launch for all of them)
+HOROVODRUN_STRATEGIES = tuple(sorted({s for s, _ in ALL_CELLS if under_horovodrun(s)}))
+_REFUSED = {(s, c) for s, c, _ in REFUSED} | {(s, c) for s, c, _, _ in REFUSED_AT}
 
-    refused = {c for s, c, _ in REFUSED if s == strategy} | {c for s, c, _, _ in REFUSED_AT if s == strategy}
-    return lambda case: (case in refused, case)
+
+def _two_process_cases(strategy: str) -> set[str]:
+    """The cases a 2-process launch runs under ``strategy``: its cells, and the cells whose DDP reference it is."""
+    return ({c for s, c in ALL_CELLS if s == strategy and not c.endswith("_2_to_1")}
+            | {c for (s, c), reference in REFERENCE_DDP.items() if strategy in (s, reference)})
+
+
+def _refusals_last(item: tuple[str, str]) -> tuple[bool, str, str]:
+    """Cases that raise run after those that train (in a shared launch, after every strategy's training cases)."""
+    return (item in _REFUSED, *item)
 
 
 @pytest.fixture(scope="session")

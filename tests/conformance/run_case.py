@@ -37,7 +37,6 @@ from typing_extensions import override
 
 import lightning_hpc  # noqa: F401  makes the strategy names known to Lightning
 
-torch.set_num_threads(1)
 WORLD, B, N, CLIP = 2, 4, 64, 0.05
 #: where the cases run (the GPU tier, tests/gpu, runs the same cases with ``cuda``); ``CONFORMANCE_NUM_NODES`` and
 #: ``CONFORMANCE_PG_BACKEND`` let two ranks share one GPU (each a "node" of one device, gloo between them)
@@ -893,8 +892,16 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
 
 def main(devices: int, outdir: str, data_parallel: int, items: list[str]) -> None:
     import time
+
+    # one thread per rank, set here and not at import: test_matrix.py imports this module for CASES, and the test
+    # process keeps its own threads
+    torch.set_num_threads(1)
     for item in items:
         strategy, case = item.split(":")
+        if "torch._dynamo" in sys.modules:
+            # each case compiles (torch.compile) from scratch, as in a process of its own: run after
+            # horovod x torch_compile in the same launch, kfac_horovod x torch_compile ended 0.5 away from one process
+            sys.modules["torch._dynamo"].reset()
         t0 = time.perf_counter()
         run_one(strategy, case, devices, Path(outdir) / strategy / case, data_parallel)
         print(f"CASE {item} DONE {time.perf_counter() - t0:.2f}", flush=True)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from hvd_launch import WORKERS, horovodrun_command, requires_horovod, run_checked
+from hvd_launch import WORKERS, requires_horovod
 
 from lightning_hpc.distributed import run_in_processes
 
@@ -34,9 +34,8 @@ def _close(got, want, tol: float, what: str) -> None:
         )
 
 
-def test_kfac_on_horovod_equals_kfac_on_torch_distributed(tmp_path):
-    run_checked([*horovodrun_command(2), sys.executable, str(WORKERS / "kfac_case.py"), str(tmp_path)], timeout_s=300)
-    hvd = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def test_kfac_on_horovod_equals_kfac_on_torch_distributed(two_ranks):
+    hvd = two_ranks.ranks("kfac_case")
     ref = run_in_processes(kfac_case.torch_case, 2, timeout_s=300, collective_timeout_s=120)
     initial = [p.detach() for p in kfac_case.model().parameters()]
     assert set(hvd[0]) == set(ref[0]) == {*kfac_case.PLACEMENTS, "balanced+overlap"}
@@ -47,30 +46,23 @@ def test_kfac_on_horovod_equals_kfac_on_torch_distributed(tmp_path):
         _close(hvd[1][placement], hvd[0][placement], 1e-6, f"{placement}: ranks differ")
 
 
-def test_kfac_callback_follows_the_strategy(tmp_path):
+def test_kfac_callback_follows_the_strategy(two_ranks):
     """Under ``strategy="horovod"`` the callback's ``communicator="auto"`` is Horovod's.  That it trains as under
     ``ddp`` is the conformance matrix's: its ``kfac_horovod`` and ``kfac_ddp`` cells each equal one K-FAC process
     (1e-9), with the callback's default communicator; ``ddp`` picking torch.distributed: test_backend_select.py."""
-    script = str(WORKERS / "train_digits.py")
-    common = ["--kfac", "--batches", "4", "--epochs", "1", "--accumulate", "1"]
-    run_checked([*horovodrun_command(2), sys.executable, script, str(tmp_path), "--strategy", "horovod", *common],
-                timeout_s=420)
-    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    runs = two_ranks.ranks("kfac_callback")
     for rank in range(2):
         assert runs[rank]["kfac_comm"] == "HorovodCommunicator"
     _close([runs[1]["params"][k] for k in sorted(runs[1]["params"])],
            [runs[0]["params"][k] for k in sorted(runs[0]["params"])], 1e-6, "ranks differ")
 
 
-def test_layered_sgd_on_horovod_process_sets_equals_synchronous_sgd(tmp_path):
-    run_checked(
-        [*horovodrun_command(4), sys.executable, str(WORKERS / "layered_case.py"), str(tmp_path)], timeout_s=300
-    )
+def test_layered_sgd_on_horovod_process_sets_equals_synchronous_sgd(four_ranks):
+    hvd = four_ranks.ranks("layered_case")
     serial = layered_case.serial()
     initial = [p.detach().numpy() for p in layered_case.model().parameters()]
     assert any(not torch.allclose(torch.as_tensor(s), torch.as_tensor(i)) for s, i in zip(serial, initial))
-    for rank in range(4):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, got in enumerate(hvd):
         assert got["intra_group"] == "ProcessSet"
         assert got["leaders_group"] == ("ProcessSet" if rank in (0, 2) else None)
         _close(got["params"], serial, 1e-6, f"rank {rank}")
@@ -94,13 +86,10 @@ def _serial_layered_trainer() -> list[torch.Tensor]:
     return [p.detach() for p in net.parameters()]
 
 
-def test_layered_sgd_strategy_under_horovodrun_picks_horovod_process_sets(tmp_path):
-    run_checked(
-        [*horovodrun_command(4), sys.executable, str(WORKERS / "layered_trainer.py"), str(tmp_path)], timeout_s=420
-    )
+def test_layered_sgd_strategy_under_horovodrun_picks_horovod_process_sets(four_ranks):
+    hvd = four_ranks.ranks("layered_trainer")
     serial = _serial_layered_trainer()
-    for rank in range(4):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    for rank, got in enumerate(hvd):
         assert got["rank"] == rank and got["world_size"] == 4 and got["global_step"] == layered_trainer.BATCHES
         assert got["comm"] == "HorovodCommunicator" and got["intra_group"] == "ProcessSet"
         _close(got["params"], serial, 1e-6, f"rank {rank}")

@@ -2,7 +2,8 @@
 
 The same sequence of collectives (workers/collectives.py: allreduce mean/sum, sync and async, several in
 flight at once, broadcast from a global rank, allgather, groups {0,1} {2,3} and leaders {0,2}, barriers)
-runs under ``horovodrun -np 4 --gloo`` and under torch.distributed; every output must match on every rank.
+runs under ``horovodrun -np 4 --gloo`` (the ``four_ranks`` launch) and under torch.distributed; every output must
+match on every rank.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from hvd_launch import WORKERS, horovodrun_command, requires_horovod, run_checked
+from hvd_launch import WORKERS, requires_horovod
 
 from lightning_hpc.distributed import run_in_processes
 
@@ -21,9 +22,8 @@ sys.path.insert(0, str(WORKERS))
 import collectives  # noqa: E402
 
 
-def test_horovod_collectives_equal_torch_distributed(tmp_path):
-    run_checked([*horovodrun_command(4), sys.executable, str(WORKERS / "collectives.py"), str(tmp_path)], timeout_s=300)
-    hvd = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+def test_horovod_collectives_equal_torch_distributed(four_ranks):
+    hvd = four_ranks.ranks("collectives")
     ref = run_in_processes(collectives.torch_case, 4, timeout_s=240)
     ref = [{k: torch.from_numpy(v) if hasattr(v, "dtype") else v for k, v in r.items()} for r in ref]
     for rank in range(4):

@@ -1,9 +1,9 @@
 """HorovodStrategy under ``horovodrun -np 2 --gloo`` against Lightning's DDP on the same data and seeds.
 
-One Horovod run and one DDP run (2 processes each, started together) of ImageClassifier(small_cnn) on digits:
-2 epochs x 5 batches of 16 per rank with accumulate_grad_batches=2 (each epoch ends on an incomplete
-accumulation window), SGD with momentum and weight decay, a StepLR schedule, dropout and BatchNorm, and
-different initial weights on each rank (both strategies must start from rank 0's).
+One Horovod run (the first case of the shared 2-process launch, conftest.py) and one DDP run (2 processes each) of
+ImageClassifier(small_cnn) on digits: 2 epochs x 5 batches of 16 per rank with accumulate_grad_batches=2 (each
+epoch ends on an incomplete accumulation window), SGD with momentum and weight decay, a StepLR schedule, dropout
+and BatchNorm, and different initial weights on each rank (both strategies must start from rank 0's).
 """
 
 from __future__ import annotations
@@ -12,43 +12,48 @@ import sys
 
 import pytest
 import torch
-from hvd_launch import WORKERS, finish, horovodrun_command, requires_horovod, start
+from hvd_launch import (
+    DIGITS_ACCUMULATE,
+    DIGITS_ARGS,
+    DIGITS_BATCHES,
+    DIGITS_EPOCHS,
+    REPO,
+    WORKERS,
+    finish,
+    horovodrun_command,
+    requires_horovod,
+    start,
+)
+
+from lightning_hpc.distributed import run_in_processes
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
-EPOCHS, BATCHES, BATCH_SIZE, ACCUMULATE = 2, 5, 16, 2
+EPOCHS, BATCHES, ACCUMULATE = DIGITS_EPOCHS, DIGITS_BATCHES, DIGITS_ACCUMULATE
+BATCH_SIZE = 16  # train_digits.py's
 SCRIPT = str(WORKERS / "train_digits.py")
-# non-default fusion buffer, cycle time and grouped allreduce: same sums, so still equal to DDP
-HVD_OPTIONS = '{"fusion_threshold_mb": 1, "cycle_time_ms": 2, "num_groups": 2}'
+
+
+def _ddp_rank(rank: int, world: int, out: str) -> None:
+    sys.path.insert(0, str(WORKERS))
+    import train_digits
+
+    train_digits.main([out, "--strategy", "ddp", *DIGITS_ARGS])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{"horovod": [rank0, rank1], "ddp": [rank0, rank1], "dir": {...}} from one run of each strategy."""
-    root = tmp_path_factory.mktemp("hvd_vs_ddp")
-    common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
-    procs = {
-        "horovod": start(
-            [
-                *horovodrun_command(2),
-                sys.executable,
-                SCRIPT,
-                str(root / "horovod"),
-                "--strategy",
-                "horovod",
-                "--hvd-options",
-                HVD_OPTIONS,
-                *common,
-            ]
-        ),
-        # Lightning's own launcher starts the second DDP process
-        "ddp": start([sys.executable, SCRIPT, str(root / "ddp"), "--strategy", "ddp", *common]),
+def runs(two_ranks, tmp_path_factory):
+    """{"horovod": [rank0, rank1], "ddp": [rank0, rank1], "dir": {...}}: the Horovod run is the ``digits_vs_ddp``
+    case of the shared 2-process launch (with :data:`hvd_launch.HVD_OPTIONS`); the DDP run's 2 ranks fork from the
+    forkserver (Lightning imported there once) into a process group that Lightning takes as launched externally."""
+    root = tmp_path_factory.mktemp("ddp_reference")
+    run_in_processes(_ddp_rank, 2, str(root / "ddp"), timeout_s=420, collective_timeout_s=120,
+                     env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    return {
+        "horovod": two_ranks.ranks("digits_vs_ddp"),
+        "ddp": [torch.load(root / "ddp" / f"rank{r}.pt", weights_only=False) for r in range(2)],
+        "dir": {"horovod": two_ranks.case_dir("digits_vs_ddp"), "ddp": root / "ddp"},
     }
-    for proc in procs.values():
-        finish(proc, timeout_s=420)
-    out = {name: [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in procs}
-    out["dir"] = {name: root / name for name in procs}
-    return out
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -127,9 +132,8 @@ def test_checkpoint_written_by_rank0_only_and_loads_in_one_process(runs):
 @pytest.mark.slow
 def test_fp16_compression_stays_close_to_ddp(runs, tmp_path):
     """fp16 gradient compression (Horovod's Compression.fp16) changes rounding only: close to DDP, not equal."""
-    common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
     finish(start([*horovodrun_command(2), sys.executable, SCRIPT, str(tmp_path), "--strategy", "horovod",
-                  "--hvd-options", '{"compression": "fp16"}', *common]), timeout_s=420)
+                  "--hvd-options", '{"compression": "fp16"}', *DIGITS_ARGS]), timeout_s=420)
     hvd = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert hvd["hvd_optimizer"]["compression"] == "FP16Compressor"
     diff = _max_diff(hvd["params"], runs["ddp"][0]["params"])
@@ -139,9 +143,8 @@ def test_fp16_compression_stays_close_to_ddp(runs, tmp_path):
 @pytest.mark.slow
 def test_ddp_under_horovodrun_with_horovod_environment(runs, tmp_path):
     """DDP-derived strategies run under horovodrun: HorovodEnvironment gives ranks and a torch rendezvous."""
-    common = ["--batches", str(BATCHES), "--epochs", str(EPOCHS), "--accumulate", str(ACCUMULATE)]
     finish(start([*horovodrun_command(2), sys.executable, SCRIPT, str(tmp_path), "--strategy", "ddp_under_horovodrun",
-                  *common]), timeout_s=420)
+                  *DIGITS_ARGS]), timeout_s=420)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert got["strategy"] == "DDPStrategy" and got["rank"] == rank and got["world_size"] == 2

@@ -1,47 +1,32 @@
-"""Launch-level behaviour: a recipe with ``strategy=horovod`` under horovodrun, and devices/num_nodes checks."""
+"""Launch-level behaviour: a recipe with ``strategy=horovod`` under horovodrun, and devices/num_nodes checks (both
+cases of the shared 2-process launch, conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from hvd_launch import REPO, horovodrun_command, requires_horovod, run_checked, worker_env
+from hvd_launch import requires_horovod
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 
-def test_digits_recipe_fast_dev_run_under_horovodrun(tmp_path):
-    out = run_checked(
-        [
-            *horovodrun_command(2), sys.executable, "-m", "lightning_hpc", "train", "recipe=digits",
-            "strategy=horovod", "trainer.fast_dev_run=true", f"hydra.run.dir={tmp_path}",
-        ],
-        timeout_s=300,
-    )
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["global_step"] == 1, out.stdout[-3000:]  # fast_dev_run: one optimizer step
-    assert "[1]<" in out.stdout, "horovodrun did not run a second rank"
-    assert "_target_: lightning_hpc.HorovodStrategy" in (tmp_path / ".hydra" / "config.yaml").read_text()
+def test_digits_recipe_fast_dev_run_under_horovodrun(two_ranks):
+    """``lightning-hpc train recipe=digits strategy=horovod`` on every rank of the shared 2-process launch."""
+    run = two_ranks.case_dir("digits_recipe")
+    out = two_ranks.finish()
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["global_step"] == 1, out[-3000:]  # fast_dev_run: one optimizer step
+    assert "[1]<stdout>:CASE digits_recipe DONE on rank 1" in out, "horovodrun did not run the recipe on a second rank"
+    assert "_target_: lightning_hpc.HorovodStrategy" in (run / ".hydra" / "config.yaml").read_text()
 
 
-def test_devices_and_num_nodes_must_match_the_launch():
-    # a plain `python` process is a Horovod world of size 1 (one process, one node); one subprocess, two checks
-    code = (
-        "import lightning.pytorch as pl, lightning_hpc\n"
-        "for kwargs in ({'devices': 2}, {'num_nodes': 2}):\n"
-        "    try:\n"
-        "        pl.Trainer(strategy='horovod', accelerator='cpu', logger=False, **kwargs)\n"
-        "        print('NO ERROR', kwargs)\n"
-        "    except ValueError as err:\n"
-        "        print('ERROR:', err)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=180
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "NO ERROR" not in out.stdout, out.stdout
-    assert "devices=2 but Horovod started 1 process(es) on this node" in out.stdout, out.stdout
-    assert "num_nodes=2 but Horovod runs on 1 node(s)" in out.stdout, out.stdout
-    assert out.stdout.count("horovodrun -np") == 2
+def test_devices_and_num_nodes_must_match_the_launch(two_ranks):
+    # Trainer(strategy="horovod") with devices=3, then num_nodes=2, on each rank of a 2-process launch on one node
+    for rank in two_ranks.ranks("launch_checks"):
+        assert rank["local_size"] == 2
+        errors = rank["errors"]
+        assert errors["devices"] is not None and errors["num_nodes"] is not None, errors
+        assert "devices=3 but Horovod started 2 process(es) on this node" in errors["devices"], errors
+        assert "num_nodes=2 but Horovod runs on 1 node(s)" in errors["num_nodes"], errors
+        assert all("horovodrun -np" in err for err in errors.values()), errors

@@ -1,4 +1,5 @@
-"""K-FAC through the command line: Hydra recipes with callbacks=kfac, and plan-kfac."""
+"""K-FAC through the command line: Hydra recipes with callbacks=kfac (``lightning-hpc train`` in the test's process,
+``cli_in_process``), and plan-kfac."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_recipes_pick_the_kfac_schedule(recipe, epochs, milestones, damping, inv
     assert "kfac" not in sgd.callbacks and sgd.trainer.max_epochs != epochs
 
 
-def test_resnet_cifar_kfac_fast_dev_run(cli):
-    cli(
+def test_resnet_cifar_kfac_fast_dev_run(cli_in_process):
+    cli_in_process(
         "train",
         "recipe=resnet_cifar",
         "callbacks=kfac",
@@ -52,13 +53,13 @@ def test_resnet_cifar_kfac_fast_dev_run(cli):
     )
 
 
-def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli):
-    proc = cli(
+def test_digits_kfac_two_ddp_processes_checkpoint_holds_kfac_state(cli_in_process):
+    proc = cli_in_process(
         "train", "callbacks=kfac", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
         "callbacks.kfac.inv_update_freq=5", "callbacks.kfac.damping=0.003",
     )
     assert "MEMBER: 2/2" in proc.stdout
-    (run,) = sorted((cli.cwd / "outputs" / "digits").iterdir())
+    (run,) = sorted((cli_in_process.cwd / "outputs" / "digits").iterdir())
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("KFAC")]
     assert state["steps"] == ckpt["global_step"] > 0

@@ -1,6 +1,6 @@
 """Trainer-level layered SGD: 4 CPU processes as 2 node groups x 2 against DDP and serial SGD.
 
-One launch of 4 processes (tests/layered_sgd/trainer_script.py) runs five fits; this file computes the serial
+One launch of 4 processes (tests/layered_sgd/trainer_script.py) runs seven fits; this file computes the serial
 reference (one process, the concatenated global batch) and compares, in float64, at 1e-9:
 parameters after 6 steps (momentum, weight decay, StepLR per step, gradient clipping), the gradients and lr
 that ``on_before_optimizer_step`` sees, the weights that validation sees, accumulate_grad_batches=2, the
@@ -9,8 +9,6 @@ mid-epoch checkpoint, and the continuation from it.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from lightning_hpc.distributed import find_free_port
+from lightning_hpc.distributed import run_in_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_script as ts  # noqa: E402
@@ -59,27 +57,17 @@ def _reference(steps: int, accumulate: int = 1):
     return params, grads, lrs, opt
 
 
+def _trainer_rank(rank: int, world: int, out: str) -> None:
+    ts.main(Path(out))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("layered_trainer")
-    port = str(find_free_port())
-    procs = []
-    for rank in range(ts.WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(ts.WORLD),
-                   NODE_RANK="0", LOCAL_RANK=str(rank), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        env.pop("LOCAL_WORLD_SIZE", None)
-        procs.append(subprocess.Popen([sys.executable, str(Path(ts.__file__)), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=900)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-5000:]}"
+    # ranks forked from the forkserver (Lightning imported there once), in a process group they join before the
+    # first Trainer, which takes it as launched externally (as under torchrun)
+    run_in_processes(_trainer_rank, ts.WORLD, str(out), timeout_s=900, collective_timeout_s=300,
+                     env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     return {
         name: torch.load(out / f"{name}.pt", weights_only=False)
         for name in ("layered", "ddp", "layered_accum", "layered_resumed", "ddp_resumed", "layered_kfac", "ddp_kfac")

@@ -1,4 +1,5 @@
-"""One rank of the Trainer-level layered SGD test (launched 4 times by test_layered_strategy.py, like torchrun would).
+"""One rank of the Trainer-level layered SGD test (``main`` on 4 ranks forked by test_layered_strategy.py; as a script,
+started 4 times with torchrun's variables).
 
 Runs several ``Trainer.fit`` calls in the same process group (to pay the slow process start-up once) and, on
 rank 0, saves what each run saw: final parameters, the gradients seen by ``on_before_optimizer_step``, the
@@ -13,8 +14,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-torch.set_num_threads(1)
 
 WORLD, LOCAL_BATCH, BATCHES = 4, 4, 8
 N = WORLD * LOCAL_BATCH * BATCHES
@@ -38,6 +37,8 @@ def flat(tensors) -> torch.Tensor:
 
 
 def main(out: Path) -> None:
+    # here, not at import: test_layered_strategy.py imports this module, and the test process keeps its threads
+    torch.set_num_threads(1)
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 

@@ -1,36 +1,29 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""The mesh tangling recipes through ``lightning-hpc train`` (``cli_in_process``: rank 0 in the test's process, rank 1
+a ``python -m lightning_hpc train`` child), fast_dev_run on small inputs."""
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _fast_dev_run(recipe, tmp_path, devices, *extra):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "lightning_hpc", "train", f"recipe={recipe}", "trainer.fast_dev_run=true",
-        "input_shape=[18,128,128]", "data.train_samples=2", "data.val_samples=1", "trainer.accelerator=cpu",
-        f"trainer.devices={devices}", f"hydra.run.dir={tmp_path}", *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _fast_dev_run(cli_in_process, recipe, devices, *extra):
+    proc = cli_in_process(
+        "train", f"recipe={recipe}", "trainer.fast_dev_run=true", "input_shape=[18,128,128]", "data.train_samples=2",
+        "data.val_samples=1", "trainer.accelerator=cpu", f"trainer.devices={devices}",
+        f"hydra.run.dir={cli_in_process.cwd}", *extra,
+    )  # fmt: skip
     assert "val/iou" in proc.stdout and "train/loss" in proc.stdout
-    return proc.stdout + proc.stderr
+    return proc.stdout
 
 
-def test_mesh_tangling_1k_fast_dev_run_ddp(tmp_path):
-    _fast_dev_run("mesh_tangling_1k", tmp_path, devices=2)
+def test_mesh_tangling_1k_fast_dev_run_ddp(cli_in_process):
+    _fast_dev_run(cli_in_process, "mesh_tangling_1k", devices=2)
 
 
 @pytest.mark.slow
-def test_mesh_tangling_2k_fast_dev_run_ddp(tmp_path):
-    _fast_dev_run("mesh_tangling_2k", tmp_path, devices=2)
+def test_mesh_tangling_2k_fast_dev_run_ddp(cli_in_process):
+    _fast_dev_run(cli_in_process, "mesh_tangling_2k", devices=2)
 
 
-def test_mesh_tangling_1k_fast_dev_run_spatial_tiles(tmp_path):
+def test_mesh_tangling_1k_fast_dev_run_spatial_tiles(cli_in_process):
     """The recipe under the spatial strategy: each of 2 ranks reads and computes one half (W split) of the sample."""
-    out = _fast_dev_run("mesh_tangling_1k", tmp_path, 2, "strategy=spatial", "strategy.spatial_parts=[1,2]")
+    out = _fast_dev_run(cli_in_process, "mesh_tangling_1k", 2, "strategy=spatial", "strategy.spatial_parts=[1,2]")
     assert "MEMBER: 2/2" in out

@@ -1,8 +1,5 @@
 """The Lightning adapter: registration, per-cycle residual logging, the digits_odenet recipe."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -55,25 +52,9 @@ def test_fit_logs_residuals_and_matches_serial_step():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
 
 
-def test_digits_odenet_recipe_fast_dev_run(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_hpc",
-            "train",
-            "recipe=digits_odenet",
-            "trainer.fast_dev_run=true",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_digits_odenet_recipe_fast_dev_run(cli_in_process):
+    proc = cli_in_process("train", "recipe=digits_odenet", "trainer.fast_dev_run=true",
+                          f"hydra.run.dir={cli_in_process.cwd}")
     assert "multigrid/forward_residual_1" in proc.stdout
 
 

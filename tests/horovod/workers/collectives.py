@@ -1,7 +1,8 @@
 """The same sequence of collectives through any :class:`Communicator`, for comparing backends.
 
 ``exercise(comm)`` needs 4 ranks.  ``torch_case`` runs it on torch.distributed (via run_in_processes);
-``python collectives.py OUT`` under ``horovodrun -np 4 --gloo`` runs it on Horovod and writes OUT/rank{r}.pt.
+``main(OUT)`` (run_cases.py) or ``python collectives.py OUT`` under ``horovodrun -np 4 --gloo`` runs it on Horovod
+and writes OUT/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -79,12 +80,15 @@ def torch_case(rank: int, world_size: int) -> dict[str, object]:
     return {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
-if __name__ == "__main__":
+def main(out: Path) -> None:
     torch.set_num_threads(1)
     from lightning_hpc.distributed import get_communicator
 
     comm = get_communicator("horovod")
     result = exercise(comm)
-    out_dir = Path(sys.argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(result, out_dir / f"rank{comm.rank}.pt")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, out / f"rank{comm.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

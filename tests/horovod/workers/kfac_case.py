@@ -3,7 +3,8 @@
 ``train(rank, world, comm, placement)`` runs K-FAC-preconditioned SGD on a small CNN for a few steps, each
 rank on its slice of a fixed global batch, gradients averaged through ``comm`` (what the strategy does), and
 returns the final parameters.  ``torch_case`` runs it on torch.distributed (via run_in_processes);
-``python kfac_case.py OUT`` under ``horovodrun -np N --gloo`` runs it on Horovod and writes OUT/rank{r}.pt.
+``main(OUT)`` (run_cases.py) or ``python kfac_case.py OUT`` under ``horovodrun -np N --gloo`` runs it on Horovod
+and writes OUT/rank{r}.pt.
 Each placement runs once, and ``balanced`` once more with the factor all-reduce launched from the backward hooks
 (``overlap_factor_allreduce``, key ``"balanced+overlap"``).
 """
@@ -69,12 +70,15 @@ def torch_case(rank: int, world: int) -> dict[str, list[np.ndarray]]:
     return cases(rank, world, TorchDistributedCommunicator())
 
 
-if __name__ == "__main__":
+def main(out: Path) -> None:
     torch.set_num_threads(1)
     from lightning_hpc.distributed import get_communicator
 
     comm = get_communicator("horovod")
     result = cases(comm.rank, comm.world_size, comm)
-    out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{comm.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

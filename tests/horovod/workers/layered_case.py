@@ -3,8 +3,8 @@
 4 ranks as 2 node groups x 2 (Horovod process sets under HorovodCommunicator): hierarchical gradient
 allreduce (reduce to the group leader, leaders' allreduce on the communicator thread, broadcast back) and the
 postponed update, for 6 steps of SGD with momentum, weight decay and StepLR in float64.  ``serial()`` is
-Algorithm 1 on the concatenated global batch.  ``python layered_case.py OUT`` under
-``horovodrun -np 4 --gloo`` writes OUT/rank{r}.pt.
+Algorithm 1 on the concatenated global batch.  ``main(OUT)`` (run_cases.py) or ``python layered_case.py OUT``
+under ``horovodrun -np 4 --gloo`` writes OUT/rank{r}.pt.
 """
 
 from __future__ import annotations
@@ -88,12 +88,15 @@ def layered(comm: Communicator) -> dict[str, object]:
     }
 
 
-if __name__ == "__main__":
+def main(out: Path) -> None:
     torch.set_num_threads(1)
     from lightning_hpc.distributed import get_communicator
 
     comm = get_communicator("horovod")
     result = layered(comm)
-    out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.save(result, out / f"rank{comm.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-torch.set_num_threads(1)
-
 WORLD, PER_NODE, LOCAL_BATCH, BATCHES = 4, 2, 4, 4
 N = WORLD * LOCAL_BATCH * BATCHES
 LR, MOMENTUM, WD = 0.3, 0.9, 1e-2
@@ -37,6 +35,8 @@ def optim(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRSch
 
 
 def main(out: Path) -> None:
+    # here, not at import: the tests import this module for its constants and must keep their own threads
+    torch.set_num_threads(1)
     import lightning.pytorch as pl
 
     from lightning_hpc.layered_sgd.strategy import LayeredSGDStrategy

@@ -3,7 +3,8 @@
 Run under ``horovodrun -np 2 --gloo python train_digits.py OUT --strategy horovod`` or as
 ``python train_digits.py OUT --strategy ddp`` (Lightning launches the second DDP process itself).  Every rank
 writes ``OUT/rank{r}.pt``: final parameters and buffers, the dataset indices it read, logged metrics, the
-number of checkpoint writes it did.  The tests compare horovod against ddp.
+number of checkpoint writes it did, the torch threads it trained with.  The tests compare horovod against ddp.
+``run_cases.py`` calls :func:`main` with the same arguments to share a launch with other cases.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ import os
 from functools import partial
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.distributed import _num_cpus_available
+from torch.utils.data import Dataset
 
-torch.set_num_threads(1)
-
-import lightning.pytorch as pl  # noqa: E402
-from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-
-from lightning_hpc import ImageClassifier  # noqa: E402
-from lightning_hpc.data import DigitsDataModule  # noqa: E402
-from lightning_hpc.models import small_cnn  # noqa: E402
+from lightning_hpc import ImageClassifier
+from lightning_hpc.data import DigitsDataModule
+from lightning_hpc.models import small_cnn
 
 
 class IndexRecording(Dataset):
@@ -51,18 +50,32 @@ class RecordingDigits(DigitsDataModule):
 class CountingCheckpointIO(TorchCheckpointIO):
     """Counts the checkpoint files this process writes."""
 
-    saves = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.saves = 0
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        CountingCheckpointIO.saves += 1
+        self.saves += 1
         super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class ThreadsAtFirstBatch(pl.Callback):
+    """The torch threads this rank trains with (the strategy sets them in its setup), and what they are a share of."""
+
+    def __init__(self) -> None:
+        self.threads: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self.threads:
+            local = int(os.environ.get("HOROVOD_LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
+            self.threads = {"threads": torch.get_num_threads(), "cpus": _num_cpus_available(), "local": local}
 
 
 def step_lr(optimizer: torch.optim.Optimizer, steps_per_epoch: float) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--strategy", default="horovod")
@@ -72,7 +85,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--hvd-options", default="{}", help="HorovodStrategy keyword arguments, as JSON")
     parser.add_argument("--kfac", action="store_true", help="add the K-FAC callback (communicator='auto')")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     rank = int(os.environ.get("HOROVOD_RANK", os.environ.get("LOCAL_RANK", 0)))
     pl.seed_everything(0, workers=True)
@@ -85,8 +98,9 @@ def main() -> None:
     )
     data = RecordingDigits(batch_size=16)
     io = CountingCheckpointIO()
+    threads = ThreadsAtFirstBatch()
     callbacks: list[pl.Callback] = [
-        pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0)
+        pl.callbacks.ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, save_top_k=0), threads
     ]
     kfac = None
     if args.kfac:
@@ -146,7 +160,8 @@ def main() -> None:
             "buffers": {k: v.detach().clone() for k, v in model.model.named_buffers()},
             "seen": data.train_set.seen,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "saves": CountingCheckpointIO.saves,
+            "saves": io.saves,
+            "threads": threads.threads,
             "hvd_optimizer": hvd_optimizer,
             "kfac_comm": type(kfac.preconditioner.comm).__name__ if kfac is not None else None,
             "global_step": trainer.global_step,
