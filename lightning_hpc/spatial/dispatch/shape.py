@@ -66,8 +66,8 @@ def _narrow_args(input, dim, start, length): ...  # noqa: E704
 def _chunk(func, args, kwargs):
     name = func.__name__
     a = bind_call(_unbind if name == "unbind" else _sectioned, args, kwargs)
-    if a is None or not isinstance(a["input"], SpatialTensor):
-        return NotImplemented
+    if a is None or not args or args[0] is not a["input"] or not isinstance(args[0], SpatialTensor):
+        return NotImplemented  # (the op is rerun below on the tile with the other arguments as given)
     x = a["input"]
     dim = _norm_dim(a["dim"], x.dim())
     if dim in x._sdims:
