@@ -173,6 +173,7 @@ class KFACPreconditioner:
         self.steps = 0
         self.epoch = 0
         self._warned: set[str] = set()
+        self._forward_hooks_ran = False  # since the last step (the refusal of a forward that bypassed them)
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
         self._check_partitions()
@@ -396,6 +397,7 @@ class KFACPreconditioner:
 
     def _make_forward_hook(self, index: int, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            self._forward_hooks_ran = True  # (capturing or not: an eval-mode or no-grad forward ran the hooks too)
             self._check_module(handler, module)
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
             if not self._capturing(module):
@@ -427,6 +429,7 @@ class KFACPreconditioner:
             self.overlap.abandon()
         for h in self.handlers:
             h.reset_statistics()
+        self._forward_hooks_ran = False
 
     # -- step --------------------------------------------------------------------------------------------
     def _resolve_grad_scale(self, grad_scale: float | None) -> float:
@@ -525,6 +528,18 @@ class KFACPreconditioner:
     def _active_layers(self, fired: list[float]) -> list[LayerHandler]:
         """The layers whose hooks fired on every rank (``fired``: the fraction of ranks, per layer); one warning
         for each other layer, the first time."""
+        if self.handlers and not any(f > 0 for f in fired) and not self._forward_hooks_ran:
+            # No layer captured anything on any rank and no forward hook ran here since the last step, though the
+            # step has gradients: the forward bypassed the hooks (an eval-mode forward runs them and is only
+            # warned about below).  Ranks run the same code, so every rank refuses at this factor step, before
+            # the optimizer's update.
+            raise RuntimeError(
+                f"K-FAC: none of the hooks of the {len(self.handlers)} layers it preconditions fired in a training "
+                "step whose gradients reached them: the forward ran code that does not call the modules' hooks. "
+                "The usual cause is torch.compile reusing code it compiled for the same module class before K-FAC "
+                "registered its hooks (compiled code is not guarded on hooks added to another instance); call "
+                "torch._dynamo.reset() before training the compiled model under K-FAC"
+            )
         active: list[LayerHandler] = []
         for h, f in zip(self.handlers, fired):
             if f >= 1.0 - 1e-6:
