@@ -900,7 +900,8 @@ def main(devices: int, outdir: str, data_parallel: int, items: list[str]) -> Non
         strategy, case = item.split(":")
         if "torch._dynamo" in sys.modules:
             # each case compiles (torch.compile) from scratch, as in a process of its own: run after
-            # horovod x torch_compile in the same launch, kfac_horovod x torch_compile ended 0.5 away from one process
+            # horovod x torch_compile in the same launch, kfac_horovod x torch_compile would reuse the code compiled
+            # without K-FAC's hooks (which K-FAC refuses)
             sys.modules["torch._dynamo"].reset()
         t0 = time.perf_counter()
         run_one(strategy, case, devices, Path(outdir) / strategy / case, data_parallel)
