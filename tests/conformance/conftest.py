@@ -1,6 +1,6 @@
 """Launches shared by the conformance tests: every cell of one strategy runs in one 2-process launch (the
 strategies under ``horovodrun`` share one), every one-process reference of one kind in one launch (see
-``launch.py``); launches run once per session, when a test first needs them."""
+``launch.py``); launches run once per pytest run, when a test first needs them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Horovod cases of the default tier in two ``horovodrun`` launches, one per world size (``hvd_launch.TWO_RANKS``,
 ``hvd_launch.FOUR_RANKS``, run by workers/run_cases.py).
 
-Each launch starts once per session, when a test first needs it; every test reads its own case's result files, so
+Each launch starts once per pytest run, when a test first needs it; every test reads its own case's result files, so
 each check stays its own test.  A launch that exits with an error fails every test that reads it, with its output.
 """
 
@@ -27,7 +27,7 @@ def two_ranks(tmp_path_factory) -> Iterator[SharedLaunch]:
     env.pop("OMP_NUM_THREADS")  # what the strategy does without it is checked (test_horovod_threads.py)
     launch = SharedLaunch(2, tmp_path_factory.mktemp("horovod_np2"), TWO_RANKS, env, timeout_s=540)
     yield launch
-    launch.finish()  # no launch outlives the session
+    launch.finish()  # no launch outlives the pytest run
 
 
 @pytest.fixture(scope="session")
