@@ -13,7 +13,7 @@ from lightning_hpc.kfac.layers import (
     LinearHandler,
     NormAffineHandler,
     TiledConvHandler,
-    make_handlers,
+    make_handler,
 )
 from lightning_hpc.kfac.methods import (
     COMPUTE_METHODS,
@@ -58,7 +58,7 @@ __all__ = [
     "Placement",
     "TiledConvHandler",
     "assign_factors",
-    "make_handlers",
+    "make_handler",
     "make_placement",
     "placement_summary",
 ]

@@ -30,7 +30,7 @@ from lightning_hpc.kfac.layers import (
     LinearHandler,
     layer_type_of,
     linear_batch_dim,
-    make_handlers,
+    make_handler,
 )
 from lightning_hpc.protocols import ShardedFullyConnected
 
@@ -99,13 +99,12 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
     for name, module in modules.items():
         reason = skip_reason(name, module, modules, patterns, layer_types)
         if reason is None:
-            handlers = make_handlers(name, module)
-            assert handlers
-            handler = handlers[0]
+            handler = make_handler(name, module)
+            assert handler is not None
             sequences = isinstance(handler, (LinearHandler, EmbeddingHandler)) or isinstance(module, FEATURE_NORMS)
             if sequences:  # layers whose leading input dimensions are a sample dimension and positions
                 cast(Any, handler).batch_dim = linear_batch_dim(name, modules)
-            report.handlers.extend(handlers)
+            report.handlers.append(handler)
             bias = getattr(module, "bias", None)
             note = ""
             if isinstance(bias, torch.Tensor) and not handler.has_bias:

@@ -1,4 +1,4 @@
-"""Per-layer K-FAC handlers, one file per layer family, and the choice of a module's handlers (:func:`make_handlers`).
+"""Per-layer K-FAC handlers, one file per layer family, and the choice of a module's handler (:func:`make_handler`).
 
 A handler owns one layer's statistics, factors and decompositions and how its gradient is preconditioned with them:
 
@@ -48,7 +48,7 @@ __all__ = [
     "TiledConvHandler",
     "layer_type_of",
     "linear_batch_dim",
-    "make_handlers",
+    "make_handler",
 ]
 
 #: module types K-FAC preconditions; every other layer is left to the optimizer
@@ -77,28 +77,28 @@ def layer_type_of(module: nn.Module) -> str | None:
     return next((name for name, types in LAYER_TYPES.items() if isinstance(module, types)), None)
 
 
-def make_handlers(name: str, module: nn.Module) -> list[LayerHandler]:
-    """The handler of a supported module in a list (empty: none).
+def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
+    """The handler of a supported module, else None.
 
     A Conv2d offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample."""
     if isinstance(module, ShardedFullyConnected):
-        return [ShardedLinearHandler(name, module)]
+        return ShardedLinearHandler(name, module)
     if isinstance(module, nn.Linear):
-        return [LinearHandler(name, module)]
+        return LinearHandler(name, module)
     if isinstance(module, CONVOLUTIONS):
         tiled = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and hasattr(module, "kfac_padded_input")
         if module.groups > 1:  # tiled grouped convolutions are left out (discovery.skip_reason says why)
-            return [] if tiled else [GroupConvHandler(name, module)]
+            return None if tiled else GroupConvHandler(name, module)
         if tiled:
-            return [TiledConvHandler(name, module)]
-        return [ConvHandler(name, module)]
+            return TiledConvHandler(name, module)
+        return ConvHandler(name, module)
     if isinstance(module, TRANSPOSED_CONVOLUTIONS):
         if module.groups > 1:
-            return [GroupConvTransposeHandler(name, module)]
-        return [ConvTransposeHandler(name, module)]
+            return GroupConvTransposeHandler(name, module)
+        return ConvTransposeHandler(name, module)
     if type(module) in NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
-        return [NormAffineHandler(name, module)]
+        return NormAffineHandler(name, module)
     if isinstance(module, nn.Embedding):
-        return [EmbeddingHandler(name, module)]
-    return []
+        return EmbeddingHandler(name, module)
+    return None
