@@ -7,17 +7,24 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
-from lightning_hpc.spatial.dispatch.calls import _norm_dim
+from lightning_hpc.spatial.dispatch.calls import _norm_dim, bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
 
 
+# the parts of the ops' signatures the handlers read (torch's names and defaults; the builtins have no signature)
+def _softmax_args(input, dim=None, *_, **__): ...  # noqa: E704  (dtype and the rest pass through as given)
+def _linear_args(input, weight, bias=None): ...  # noqa: E704
+def _prelu_args(input, weight): ...  # noqa: E704
+def _extremum_args(input, dim=None, keepdim=False): ...  # noqa: E704
+
+
 @_handles(*_resolve("softmax log_softmax"))
 def _softmax(func, args, kwargs):
-    x = args[0]
-    if not isinstance(x, SpatialTensor):
-        return NotImplemented
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    a = bind_call(_softmax_args, args, kwargs)
+    if a is None or not args or args[0] is not a["input"] or not isinstance(args[0], SpatialTensor):
+        return NotImplemented  # (the op is rerun on the tile with its arguments as given)
+    x, dim = a["input"], a["dim"]
     if dim is None or _norm_dim(dim, x.dim()) in x.split_dims:
         return NotImplemented
     rest = [_plain(a) if isinstance(a, SpatialTensor) else a for a in args]
@@ -26,13 +33,13 @@ def _softmax(func, args, kwargs):
 
 @_handles(F.linear)
 def _linear(func, args, kwargs):
-    x = args[0]
-    params = list(args[1:]) + list(kwargs.values())
-    if not isinstance(x, SpatialTensor) or (x.dim() - 1) in x.split_dims or \
-            any(isinstance(p, SpatialTensor) for p in params):
+    a = bind_call(_linear_args, args, kwargs)
+    if a is None:
         return NotImplemented
-    w = args[1] if len(args) > 1 else kwargs["weight"]
-    b = args[2] if len(args) > 2 else kwargs.get("bias")
+    x, w, b = a["input"], a["weight"], a["bias"]
+    if not isinstance(x, SpatialTensor) or (x.dim() - 1) in x.split_dims or \
+            isinstance(w, SpatialTensor) or isinstance(b, SpatialTensor):
+        return NotImplemented
     w, b = _replicated_operands(x._grid, w, b)
     out = F.linear(_plain(x), w, b)
     gshape = tuple(x._gshape[:-1]) + (out.shape[-1],)
@@ -41,7 +48,10 @@ def _linear(func, args, kwargs):
 
 @_handles(F.prelu)
 def _prelu(func, args, kwargs):
-    x, w = args[0], (args[1] if len(args) > 1 else kwargs["weight"])
+    a = bind_call(_prelu_args, args, kwargs)
+    if a is None:
+        return NotImplemented
+    x, w = a["input"], a["weight"]
     if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or 1 in x._sdims:
         return NotImplemented
     return _wrap_like(F.prelu(_plain(x), _replicated_operand(w, x._grid)), x)
@@ -51,11 +61,10 @@ def _prelu(func, args, kwargs):
 def _arg_extremum(func, args, kwargs):
     """``argmax``/``argmin`` along a dimension that is not laid out over the grid (a segmentation's class
     per pixel, ``out.argmax(1)``): per pixel, so on the tile; the result stays split."""
-    x = args[0]
-    if not isinstance(x, SpatialTensor) or len(args) > 3 or set(kwargs) - {"dim", "keepdim"}:
+    a = bind_call(_extremum_args, args, kwargs)  # (an ``out=`` does not bind: gathered)
+    if a is None or not isinstance(a["input"], SpatialTensor):
         return NotImplemented
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    x, dim, keepdim = a["input"], a["dim"], bool(a["keepdim"])
     if dim is None:
         return NotImplemented  # over every element: gathered
     d = _norm_dim(dim, x.dim())
