@@ -282,6 +282,7 @@ def _kernel_step_forward(model: nn.Module, x: torch.Tensor, grid, extents: tuple
     hand-written spatial-parallel model would run (no ``SpatialTensor``, no handler lookup, no argument binding).
     The benchmark's models are sequences of the layers below only."""
     from lightning_hpc.spatial import kernels as K
+    from lightning_hpc.spatial.dispatch.norms import _update_running
     from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm
 
     for layer in (m for m in model.modules() if not list(m.children())):
@@ -292,11 +293,9 @@ def _kernel_step_forward(model: nn.Module, x: torch.Tensor, grid, extents: tuple
                                                                       layer.padding, layer.dilation))
         elif isinstance(layer, nn.BatchNorm2d):
             x, mean, var, n = aggregated_batch_norm(x, layer.weight, layer.bias, layer.eps, grid.group)
-            with torch.no_grad():  # the running statistics, as the layer (and the dispatched step) updates them
-                assert layer.running_mean is not None and layer.running_var is not None
-                momentum = 0.1 if layer.momentum is None else layer.momentum
-                layer.running_mean.mul_(1 - momentum).add_(mean.float(), alpha=momentum)
-                layer.running_var.mul_(1 - momentum).add_((var * (n / max(n - 1.0, 1.0))).float(), alpha=momentum)
+            # the running statistics, as the layer (and the dispatched step) updates them
+            momentum = 0.1 if layer.momentum is None else layer.momentum
+            _update_running(layer.running_mean, layer.running_var, mean, var * (n / max(n - 1.0, 1.0)), momentum)
         elif isinstance(layer, nn.ReLU):
             x = F.relu(x, inplace=layer.inplace)
         elif isinstance(layer, nn.MaxPool2d):
