@@ -40,7 +40,8 @@ def _fallback(func, args, kwargs):
     spatial = _spatials(args, kwargs)
     if not spatial:
         return func(*args, **kwargs)
-    if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
+    # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
+    if (_is_inplace(func) or _inplace_call(kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:
         _unsupported(func, "changes a split activation in place in a way that has no tiled form",
                      "Write it out of place, so it is computed on the tiles: x = torch.where(cond, value, x) or "
