@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
+from lightning_hpc.spatial.remap import PAD_MODES, blocked, remap
 
 
 def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
@@ -19,8 +20,6 @@ def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int
     """:func:`remap.remap` of the tile ``local`` along each grid axis in turn: ``maps`` holds per grid axis
     ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is); ``dims``: the tensor dimensions of
     the axes in ``local`` (default: those of ``x``); ``fill``: the value of outputs without a source."""
-    from lightning_hpc.spatial.remap import remap
-
     for axis, m in enumerate(maps):
         if m is not None:
             in_bounds, out_bounds, src = m
@@ -33,7 +32,7 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
     """Constant ``F.pad`` (negative amounts crop) of any dimensions: the unsplit ones padded on the tile, each
     split one by a remap whose leading pad rows land on the first tiles and trailing ones on the last
     (:func:`remap.constant_pad_source`).  An output with fewer rows than tiles is gathered."""
-    from lightning_hpc.spatial.remap import blocked, constant_pad_source
+    from lightning_hpc.spatial.remap import constant_pad_source  # (looked up per call: a substitute takes effect)
 
     if len(pad) % 2 or len(pad) > 2 * x.dim():
         return NotImplemented  # the serial op's error, from the gather path
@@ -76,7 +75,7 @@ def _pad(func, a, args, kwargs):
     dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of the spatial dimensions (the
     padding of ``nn.Conv1d/2d/3d`` with those ``padding_mode``s): rows moved and mirrored between tiles
     (:mod:`remap`), the output blocked over the padded extent.  Other modes and dimensions are gathered."""
-    from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
+    from lightning_hpc.spatial.remap import pad_source  # (looked up per call: a substitute takes effect)
 
     x, pad, mode = a["input"], a["pad"], a["mode"]
     if isinstance(x, SpatialTensor) and mode == "constant":
@@ -108,8 +107,6 @@ def _pixel_shuffle(func, a, args, kwargs):
     x, r = a["input"], int(a["upscale_factor"])
     if not _channels_first(x, 2) or x._gshape[1] % (r * r):
         return NotImplemented
-    from lightning_hpc.spatial.remap import blocked
-
     local = torch.pixel_shuffle(_plain(x), r)
     maps = [(blocked(n, p, r), blocked(n * r, p), range(n * r)) for n, p in zip(x._gshape[2:], x._grid.parts)]
     gshape = (x._gshape[0], x._gshape[1] // (r * r), x._gshape[2] * r, x._gshape[3] * r)
@@ -122,8 +119,6 @@ def _pixel_unshuffle(func, a, args, kwargs):
     x, r = a["input"], int(a["downscale_factor"])
     if not _channels_first(x, 2) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
         return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
-    from lightning_hpc.spatial.remap import blocked
-
     maps = [(blocked(n, p), blocked(n // r, p, r), range(n)) for n, p in zip(x._gshape[2:], x._grid.parts)]
     local = _remap_split(x, _plain(x), maps)
     gshape = (x._gshape[0], x._gshape[1] * r * r, x._gshape[2] // r, x._gshape[3] // r)
