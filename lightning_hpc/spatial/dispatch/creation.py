@@ -52,8 +52,8 @@ def _dropout(func, a, args, kwargs):
     if not training or p == 0.0:
         return x
     if func is F.dropout2d:
-        if x.dim() not in (3, 4) or x.dim() == 3:
-            return NotImplemented
+        if x.dim() != 4:
+            return NotImplemented  # (not N x C x H x W: gathered)
         shape = tuple(x._gshape[:2]) + (1, 1)
         mask = F.dropout2d(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
     else:
@@ -63,5 +63,4 @@ def _dropout(func, a, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             x.mul_(mask)
         return x
-    local = _plain(x)
-    return _wrap_like(local * mask, x)
+    return _wrap_like(_plain(x) * mask, x)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name, bind_call
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
@@ -49,10 +49,7 @@ def _localize(args, kwargs, spatial: list[SpatialTensor]):
                 raise _NotLocal
             if kind == "full":
                 off = out_ndim - a.dim()
-                own = tuple(d - off for d in sdims)
-                if a.requires_grad and ref._grid.group is not None:
-                    return _ScatterTile.apply(a, ref._grid, own)
-                return a[_tile_index(a.shape, own, ref._grid)]
+                return _tile_of(a, ref._grid, tuple(d - off for d in sdims))
             return _replicated_operand(a, ref._grid)
         if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
             return type(a)(local_of(v) for v in a)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
 from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced
 
 
 # the parts of the ops' signatures the handlers read (torch's names and defaults; the builtins have no signature)
@@ -57,10 +57,4 @@ def _arg_extremum(func, a, args, kwargs):
     d = _norm_dim(dim, x.dim())
     if d in x._sdims:
         return NotImplemented
-    out = func(_plain(x), d, keepdim)
-    gshape = list(x._gshape)
-    if keepdim:
-        gshape[d] = 1
-        return _wrap_like(out, x, gshape)
-    del gshape[d]
-    return _wrap_like(out, x, gshape, dims_without(x._sdims, [d]))
+    return _wrap_reduced(func(_plain(x), d, keepdim), x, [d], keepdim)

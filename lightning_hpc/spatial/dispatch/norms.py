@@ -23,8 +23,7 @@ def _layer_norm(func, a, args, kwargs):
         return NotImplemented
     x, shape, w, b, eps = a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"]
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    n = len(shape)
-    d0 = x.dim() - n
+    d0 = x.dim() - len(shape)
     inside = [d >= d0 for d in x.split_dims]
     if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
         return NotImplemented  # split dims both normalised and not, or a wrong shape: gathered (the serial error)
@@ -33,12 +32,8 @@ def _layer_norm(func, a, args, kwargs):
         return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
     # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
     # element-wise affine parameters cut to this tile (their gradients are tile parts, summed by the strategy)
-    idx = [slice(None)] * n
-    tile = _tile_index(x._gshape, x._sdims, x._grid)
-    for d in x.split_dims:
-        idx[d - d0] = tile[d]
-    w = w[tuple(idx)] if w is not None else None
-    b = b[tuple(idx)] if b is not None else None
+    idx = _tile_index(x._gshape, x._sdims, x._grid)[d0:]
+    w, b = (None if t is None else t[idx] for t in (w, b))
     local = _plain(x)
     return _row_norm("layer", x, local, math.prod(local.shape[:d0]), w, b, None, eps)[0]
 

@@ -11,7 +11,7 @@ import torch
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_reduced
 
 
 # the ops' signatures (torch's names and defaults; ``axis`` is numpy's name of ``dim``)
@@ -37,15 +37,7 @@ def _reduce(func, a, args, kwargs):
     if not split & set(dims):  # along unsplit dimensions only: stays split
         if every:
             return NotImplemented
-        out = func(local, dim=dims, keepdim=keepdim, dtype=dtype)
-        g = []
-        for d in range(x.dim()):
-            if d in dims:
-                if keepdim:
-                    g.append(1)
-            else:
-                g.append(x._gshape[d])
-        return _wrap_like(out, x, g, x._sdims if keepdim else dims_without(x._sdims, dims))
+        return _wrap_reduced(func(local, dim=dims, keepdim=keepdim, dtype=dtype), x, dims, keepdim)
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
     local_sum = torch.nansum if name == "nansum" else torch.sum

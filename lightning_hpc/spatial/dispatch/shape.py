@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _tile_of
 from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_with, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced, dims_with
 from lightning_hpc.spatial.remap import blocked
 
 
@@ -61,10 +61,7 @@ def _cat(func, a, args, kwargs):
                     kind = "full"
                 else:
                     return NotImplemented
-            if t.requires_grad and ref._grid.group is not None:
-                locs.append(_ScatterTile.apply(t, ref._grid, ref._sdims))
-            else:
-                locs.append(t[_tile_index(t.shape, ref._sdims, ref._grid)])
+            locs.append(_tile_of(t, ref._grid, ref._sdims))
     out = torch.cat(locs, dim)
     gshape = list(ref._gshape)
     gshape[dim] = out.shape[dim]
@@ -81,17 +78,10 @@ def _chunk(func, a, args, kwargs):
     if dim in x._sdims:
         return NotImplemented
     parts = _call_with(func, args, kwargs, x, _plain(x))  # the other arguments as given
-    out = []
-    for p in parts:
-        if func.__name__ == "unbind":
-            g = list(x._gshape)
-            del g[dim]
-            out.append(_wrap_like(p, x, g, dims_without(x._sdims, [dim])))
-        else:
-            g = list(x._gshape)
-            g[dim] = p.shape[dim]
-            out.append(_wrap_like(p, x, g))
-    return tuple(out)
+    if func.__name__ == "unbind":
+        return tuple(_wrap_reduced(p, x, [dim], False) for p in parts)
+    g = list(x._gshape)
+    return tuple(_wrap_like(p, x, g[:dim] + [p.shape[dim]] + g[dim + 1:]) for p in parts)
 
 
 def _permuted(x: SpatialTensor, dims) -> SpatialTensor:
@@ -156,14 +146,10 @@ def _getitem(func, a, args, kwargs):
     n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
     if items.count(Ellipsis) > 1:
         return NotImplemented
-    expanded: list[Any] = []
-    for i in items:
-        if i is Ellipsis:
-            expanded.extend([slice(None)] * (x.dim() - n_real))
-        else:
-            expanded.append(i)
-    while sum(1 for i in expanded if i is not None) < x.dim():
-        expanded.append(slice(None))
+    if Ellipsis not in items:
+        items = (*items, Ellipsis)  # the dimensions not indexed are whole
+    e = items.index(Ellipsis)
+    expanded: list[Any] = [*items[:e], *[slice(None)] * (x.dim() - n_real), *items[e + 1:]]
     src, out_dim, g = 0, 0, []
     new_sdims: list[int | None] = [None] * len(x._sdims)
     split = x.split_dims
