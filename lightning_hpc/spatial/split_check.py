@@ -16,18 +16,16 @@ import torch
 from torch import nn
 
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kernels.plan import dim_names
 from lightning_hpc.spatial.tiling import parts_text
 from lightning_hpc.spatial.windows import layer_windows, split_works
 
-__all__ = ["check_split", "trace_shapes", "DIM_NAMES"]
+__all__ = ["check_split", "trace_shapes"]
 
 #: layers whose output is replicated over the spatial group, whatever its extent (partial window sums or maxima
 #: combined over the group)
 _REPLICATED_OUTPUT = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
                       nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
-
-#: the names of the spatial dimensions of signals, images and volumes
-DIM_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
 
 def trace_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -64,9 +62,9 @@ def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[in
         raise ValueError(
             f"spatial_parts={parts_text(parts)} splits {k} spatial dimension(s), but one sample has shape "
             f"{tuple(input_shape)} (channels and {len(input_shape) - 1} spatial dimension(s)); give one part per "
-            f"spatial dimension: {DIM_NAMES.get(len(input_shape) - 1, '?')}"
+            f"spatial dimension: {dim_names(len(input_shape) - 1)}"
         )
-    names = DIM_NAMES[k]
+    names = dim_names(k)
     for name, (in_shape, out_shape) in trace_shapes(model, input_shape).items():
         if len(in_shape) != 2 + k or any(n < p for n, p in zip(in_shape[2:], parts)):
             continue  # not an activation of the sample's layout, or one after a global pooling (not split)

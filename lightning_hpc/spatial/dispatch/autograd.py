@@ -3,7 +3,8 @@ plain (replicated) tensor is complete on every rank.
 
 * :class:`_CompleteGrad`: a replicated value that needs a gradient and meets tiles (a squeeze-and-excitation
   gate, a weight computed by a parametrization) gets that gradient all-reduced over the spatial group;
-* :class:`_ScatterTile`: this tile of a replicated whole tensor, its gradient summed over the group;
+* :class:`_ScatterTile`: this tile of a replicated whole tensor, its gradient summed over the group
+  (:func:`_tile_of`);
 * :class:`_Gather`: the whole activation on every rank, backward keeping this tile's part;
 * :func:`_replicated_operand`: how a replicated operand joins a tile op (a leaf parameter is recorded in
   :attr:`DispatchState.tile_params`, its partial gradient summed by the strategy).
@@ -67,6 +68,14 @@ class _ScatterTile(torch.autograd.Function):
         full[_tile_index(ctx.shape, sdims, grid)] = g
         dist.all_reduce(full, group=grid.group)
         return full, None, None
+
+
+def _tile_of(t: torch.Tensor, grid: SpatialGrid, sdims: Sequence[int]) -> torch.Tensor:
+    """This tile of a replicated whole tensor split along ``sdims``: through :class:`_ScatterTile` when it needs a
+    gradient (complete on every rank), else a plain index."""
+    if t.requires_grad and grid.group is not None:
+        return _ScatterTile.apply(t, grid, sdims)
+    return t[_tile_index(t.shape, sdims, grid)]
 
 
 def _gather_raw(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], sdims: Sequence[int]) -> torch.Tensor:

@@ -8,6 +8,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 _SIGNATURES: dict[Callable, inspect.Signature] = {}
 
 
@@ -25,6 +27,11 @@ def bind_call(op: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         return None
     bound.apply_defaults()
     return bound.arguments
+
+
+def _grad_inputs(inputs) -> tuple:
+    """``torch.autograd.grad``'s ``inputs``: one tensor or a sequence of them."""
+    return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
 def _flat(args, kwargs):
@@ -51,15 +58,21 @@ def _op_name(func) -> str:
     return f"torch.{name}"
 
 
-def _inplace_call(func, args, kwargs) -> bool:
-    """``F.relu(x, inplace=True)`` and friends: the functional form of an in-place op."""
-    if kwargs.get("inplace") is True:
-        return True
-    mod = getattr(func, "__module__", "") or ""
-    return mod.startswith("torch.nn.functional") and len(args) > 1 and args[-1] is True
+def _call_with(func, args, kwargs, x, by):
+    """``func`` called with its arguments as given, but ``by`` in place of the operand ``x`` (wherever it was
+    passed, positionally or by name)."""
+    return func(*(by if v is x else v for v in args), **{k: by if v is x else v for k, v in kwargs.items()})
+
+
+def _inplace_call(kwargs) -> bool:
+    """``F.relu(x, inplace=True)`` and friends: the functional form of an in-place op.  The functionals hand
+    ``inplace`` to the dispatch by name, however the caller passed it."""
+    return kwargs.get("inplace") is True
 
 
 def _is_inplace(func) -> bool:
+    """An in-place method (``x.add_(y)``, ``x[i] = v``): it changes its ``self``, which a method call always
+    passes first, positionally."""
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name in (
         "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__", "__setitem__")

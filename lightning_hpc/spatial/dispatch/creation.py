@@ -9,49 +9,51 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
-from lightning_hpc.spatial.dispatch.calls import bind_call
+from lightning_hpc.spatial.dispatch.calls import _call_with
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
 
 
-@_handles(*_resolve("zeros_like ones_like empty_like full_like"))
-def _like(func, args, kwargs):
-    x = args[0]
-    if not isinstance(x, SpatialTensor) or "size" in kwargs:
-        return NotImplemented
-    return _wrap_like(func(_plain(x), *args[1:], **kwargs), x)
+# the part of the ops' signatures the handlers read; the rest passes through as given
+def _tensor_args(input, *_, dtype=None, device=None, **__): ...  # noqa: E704
 
 
-@_handles(*_resolve("rand_like randn_like randint_like"))
-def _random_like(func, args, kwargs):
-    """Drawn for the whole activation from the global stream (as one process draws it), then cut to the tile."""
-    x = args[0]
+@_handles(*_resolve("zeros_like ones_like empty_like full_like"), signature=_tensor_args)
+def _like(func, a, args, kwargs):
+    x = a["input"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
-    kw = dict(kwargs)
-    kw.setdefault("dtype", x.dtype)
-    kw.setdefault("device", x.device)
-    full = func(torch.empty(x._gshape, dtype=kw["dtype"], device=kw["device"]), *args[1:], **kw)
+    return _wrap_like(_call_with(func, args, kwargs, x, _plain(x)), x)
+
+
+@_handles(*_resolve("rand_like randn_like randint_like"), signature=_tensor_args)
+def _random_like(func, a, args, kwargs):
+    """Drawn for the whole activation from the global stream (as one process draws it), then cut to the tile."""
+    x = a["input"]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    whole = torch.empty(x._gshape, dtype=x.dtype if a["dtype"] is None else a["dtype"],
+                        device=x.device if a["device"] is None else a["device"])
+    full = _call_with(func, args, kwargs, x, whole)
     return _wrap_like(full[_tile_index(full.shape, x._sdims, x._grid)], x)
 
 
-@_handles(*_resolve("new_zeros new_ones new_empty new_full new_tensor"))
-def _new(func, args, kwargs):
+@_handles(*_resolve("new_zeros new_ones new_empty new_full new_tensor"), signature=_tensor_args)
+def _new(func, a, args, kwargs):
     """Plain tensors of the size the caller gives (sizes read from ``x.shape`` are global)."""
-    return func(_plain(args[0]), *args[1:], **kwargs)
+    return _call_with(func, args, kwargs, a["input"], _plain(a["input"]))
 
 
 @_handles(F.dropout, F.dropout2d)
-def _dropout(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not isinstance(a["input"], SpatialTensor):
+def _dropout(func, a, args, kwargs):
+    if not isinstance(a["input"], SpatialTensor):
         return NotImplemented
     x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
     if not training or p == 0.0:
         return x
     if func is F.dropout2d:
-        if x.dim() not in (3, 4) or x.dim() == 3:
-            return NotImplemented
+        if x.dim() != 4:
+            return NotImplemented  # (not N x C x H x W: gathered)
         shape = tuple(x._gshape[:2]) + (1, 1)
         mask = F.dropout2d(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
     else:
@@ -61,5 +63,4 @@ def _dropout(func, args, kwargs):
         with torch._C.DisableTorchFunctionSubclass():
             x.mul_(mask)
         return x
-    local = _plain(x)
-    return _wrap_like(local * mask, x)
+    return _wrap_like(_plain(x) * mask, x)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _ScatterTile, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
+from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name, bind_call
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
 
@@ -49,10 +49,7 @@ def _localize(args, kwargs, spatial: list[SpatialTensor]):
                 raise _NotLocal
             if kind == "full":
                 off = out_ndim - a.dim()
-                own = tuple(d - off for d in sdims)
-                if a.requires_grad and ref._grid.group is not None:
-                    return _ScatterTile.apply(a, ref._grid, own)
-                return a[_tile_index(a.shape, own, ref._grid)]
+                return _tile_of(a, ref._grid, tuple(d - off for d in sdims))
             return _replicated_operand(a, ref._grid)
         if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
             return type(a)(local_of(v) for v in a)
@@ -86,17 +83,23 @@ class _NotLocal(Exception):
     pass
 
 
+def _copy_args(input, other, non_blocking=False): ...  # noqa: E704  (Tensor.copy_'s Python binding)
+
+
 def _elementwise(func, args, kwargs):
     spatial = _spatials(args, kwargs)
     loc = _localize(args, kwargs, spatial)
     if loc is None:
         return NotImplemented
     largs, lkw, gshape, sdims = loc
+    # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
     if _is_inplace(func) and not isinstance(args[0], SpatialTensor):
         return NotImplemented  # a replicated tensor updated from tiles: gather (fallback refuses in-place)
-    if getattr(func, "__name__", "") == "copy_" and not isinstance(args[1], SpatialTensor):
-        return NotImplemented
-    if _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(func, args, kwargs)):
+    if getattr(func, "__name__", "") == "copy_":
+        a = bind_call(_copy_args, args, kwargs)
+        if a is None or not isinstance(a["other"], SpatialTensor):
+            return NotImplemented
+    if _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(kwargs)):
         # on the SpatialTensor itself, not on an alias of it (see SpatialTensor.wrap)
         with torch._C.DisableTorchFunctionSubclass():
             func(args[0], *largs[1:], **lkw)

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _tile_of
 from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, _op_name
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _spatials
@@ -40,7 +40,8 @@ def _fallback(func, args, kwargs):
     spatial = _spatials(args, kwargs)
     if not spatial:
         return func(*args, **kwargs)
-    if (_is_inplace(func) or _inplace_call(func, args, kwargs)) and isinstance(args[0], SpatialTensor) or \
+    # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
+    if (_is_inplace(func) or _inplace_call(kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:
         _unsupported(func, "changes a split activation in place in a way that has no tiled form",
                      "Write it out of place, so it is computed on the tiles: x = torch.where(cond, value, x) or "
@@ -70,10 +71,7 @@ def _resplit(out, ref: SpatialTensor):
     if isinstance(out, torch.Tensor) and not isinstance(out, SpatialTensor):
         if out.dim() == ref.dim() and all(out.shape[d] >= p for d, p in zip(ref._sdims, ref._grid.parts)) and \
                 (out.is_floating_point() or not out.requires_grad):
-            if out.requires_grad and ref._grid.group is not None:
-                local = _ScatterTile.apply(out, ref._grid, ref._sdims)
-            else:
-                local = out[_tile_index(out.shape, ref._sdims, ref._grid)]
+            local = _tile_of(out, ref._grid, ref._sdims)
             return SpatialTensor.wrap(local, ref._grid, tuple(out.shape), ref._sdims, fresh=True)
         return out
     if isinstance(out, (list, tuple)) and not hasattr(out, "_fields"):

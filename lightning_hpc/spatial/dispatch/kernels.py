@@ -1,6 +1,6 @@
 """Tiled convolution, pooling and interpolation calls on split activations, in 1, 2 and 3 spatial dimensions.
 
-Each handler binds the call's arguments once against the op's signature (``inspect.Signature.bind`` of a stub
+Each handler gets the call's arguments bound once against the op's signature (``inspect.Signature.bind`` of a stub
 with torch's parameter names and defaults: positional and keyword forms alike, nothing read by index), checks
 the layout (``N x C x spatial...`` split along its spatial dimensions in order), and runs the plain kernel of
 :mod:`lightning_hpc.spatial.kernels` on the local tile (halo exchange of exactly the rows the op's windows read,
@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
-from lightning_hpc.spatial.dispatch.calls import bind_call
-from lightning_hpc.spatial.dispatch.reductions import _reduce
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
@@ -51,10 +49,8 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
 def _adaptive(input, output_size, return_indices=False): ...  # noqa: E704
 
 
-def _spatial_input(a: dict[str, Any] | None, k: int) -> SpatialTensor | None:
+def _spatial_input(a: dict[str, Any], k: int) -> SpatialTensor | None:
     """The split input of a ``k``-D op when it is laid out as the kernels take it."""
-    if a is None:
-        return None
     x = a["input"]
     return x if _channels_first(x, k) else None
 
@@ -83,10 +79,7 @@ def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None
 
 
 # -- convolution ---------------------------------------------------------------------------------------------------
-def _convolution(func, args, kwargs, k: int):
-    a = bind_call(_conv, args, kwargs)
-    if a is None:
-        return NotImplemented
+def _convolution(func, a, args, kwargs, k: int):
     x, weight, bias = a["input"], a["weight"], a["bias"]
     if not isinstance(weight, torch.Tensor) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor):
         return NotImplemented
@@ -122,12 +115,10 @@ def _convolution(func, args, kwargs, k: int):
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
 
 
-def _transposed(func, args, kwargs, k: int):
-    a = bind_call(_conv_transpose, args, kwargs)
+def _transposed(func, a, args, kwargs, k: int):
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
-    assert a is not None
     weight, bias, groups = a["weight"], a["bias"], int(a["groups"])
     if not isinstance(weight, torch.Tensor) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor) \
             or weight.dim() != k + 2 or x._gshape[1] != weight.shape[0]:
@@ -153,12 +144,10 @@ def _whole_window(x: SpatialTensor, windows: tuple) -> bool:
     return all(w.kernel == n and w.padding == 0 and w.dilation == 1 for w, n in zip(windows, _extents(x)))
 
 
-def _pool(func, args, kwargs, k: int, kind: str):
-    a = bind_call(_max_pool if kind == "max" else _avg_pool, args, kwargs)
+def _pool(func, a, args, kwargs, k: int, kind: str):
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
-    assert a is not None
     if kind == "max" and a["return_indices"]:
         return NotImplemented  # indices of a sliding max pool would be tile positions: gathered
     try:
@@ -169,7 +158,7 @@ def _pool(func, args, kwargs, k: int, kind: str):
     extents = _extents(x)
     if _whole_window(x, windows) and not (kind == "avg" and a["divisor_override"] is not None):
         if kind == "avg":
-            return _reduce(torch.mean, (x, tuple(range(2, 2 + k)), True), {})
+            return x.mean(tuple(range(2, 2 + k)), keepdim=True)  # (the global reduction)
         return _run(f"F.max_pool{k}d", lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, (1,) * k))
     if kind == "max":
         out = _run(f"F.max_pool{k}d", lambda: K.max_pool(_plain(x), x._grid, extents, a["kernel_size"], a["stride"],
@@ -182,14 +171,10 @@ def _pool(func, args, kwargs, k: int, kind: str):
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
-@_handles(F.interpolate)
-def _interpolate_call(func, args, kwargs):
-    a = bind_call(_interpolate, args, kwargs)
-    x = None if a is None else a["input"]
-    if not _channels_first(x) or a is None:  # (any number of split dimensions: the mode says which it takes)
-        return NotImplemented
-    assert isinstance(x, SpatialTensor)
-    if a["antialias"]:
+@_handles(F.interpolate, signature=_interpolate)
+def _interpolate_call(func, a, args, kwargs):
+    x = a["input"]
+    if not _channels_first(x) or a["antialias"]:  # (any number of split dimensions: the mode says which it takes)
         return NotImplemented
     extents = _extents(x)
     try:
@@ -204,14 +189,12 @@ def _interpolate_call(func, args, kwargs):
 
 
 # -- adaptive pooling ----------------------------------------------------------------------------------------------
-def _adaptive_pool(func, args, kwargs, k: int, kind: str):
+def _adaptive_pool(func, a, args, kwargs, k: int, kind: str):
     """Size 1 of an average: the global mean.  Otherwise each output window's partial sum (maximum) on each tile,
     combined over the spatial group (:mod:`lightning_hpc.spatial.kernels.adaptive`); the result is replicated."""
-    a = bind_call(_adaptive, args, kwargs)
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
-    assert a is not None
     extents = _extents(x)
     try:
         size = adaptive_output_size(a["output_size"], extents)
@@ -219,7 +202,7 @@ def _adaptive_pool(func, args, kwargs, k: int, kind: str):
         return NotImplemented  # None entries or an invalid size: gathered, the serial op's error
     if kind == "avg":
         if all(s == 1 for s in size):
-            return _reduce(torch.mean, (x, tuple(range(2, 2 + k)), True), {})
+            return x.mean(tuple(range(2, 2 + k)), keepdim=True)  # (the global reduction)
         return _run(f"F.adaptive_avg_pool{k}d", lambda: K.adaptive_avg_pool(_plain(x), x._grid, extents, size))
     with_indices = bool(a["return_indices"]) or "with_indices" in getattr(func, "__name__", "")
     return _run(f"F.adaptive_max_pool{k}d", lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, size,
@@ -228,10 +211,10 @@ def _adaptive_pool(func, args, kwargs, k: int, kind: str):
 
 # -- registration: one handler per op family, for each number of spatial dimensions -------------------------------
 for _k in (1, 2, 3):
-    _handles(*_resolve(f"conv{_k}d"))(partial(_convolution, k=_k))
-    _handles(*_resolve(f"conv_transpose{_k}d"))(partial(_transposed, k=_k))
-    _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"))(partial(_pool, k=_k, kind="max"))
-    _handles(*_resolve(f"avg_pool{_k}d"))(partial(_pool, k=_k, kind="avg"))
-    _handles(*_resolve(f"adaptive_avg_pool{_k}d"))(partial(_adaptive_pool, k=_k, kind="avg"))
-    _handles(*_resolve(f"adaptive_max_pool{_k}d adaptive_max_pool{_k}d_with_indices _adaptive_max_pool{_k}d"))(
-        partial(_adaptive_pool, k=_k, kind="max"))
+    _handles(*_resolve(f"conv{_k}d"), signature=_conv)(partial(_convolution, k=_k))
+    _handles(*_resolve(f"conv_transpose{_k}d"), signature=_conv_transpose)(partial(_transposed, k=_k))
+    _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"), signature=_max_pool)(partial(_pool, k=_k, kind="max"))
+    _handles(*_resolve(f"avg_pool{_k}d"), signature=_avg_pool)(partial(_pool, k=_k, kind="avg"))
+    _handles(*_resolve(f"adaptive_avg_pool{_k}d"), signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="avg"))
+    _handles(*_resolve(f"adaptive_max_pool{_k}d adaptive_max_pool{_k}d_with_indices _adaptive_max_pool{_k}d"),
+             signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="max"))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
-from lightning_hpc.spatial.dispatch.calls import _norm_dim, bind_call
+from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced
 
 
 # the parts of the ops' signatures the handlers read (torch's names and defaults; the builtins have no signature)
@@ -19,23 +19,16 @@ def _prelu_args(input, weight): ...  # noqa: E704
 def _extremum_args(input, dim=None, keepdim=False): ...  # noqa: E704
 
 
-@_handles(*_resolve("softmax log_softmax"))
-def _softmax(func, args, kwargs):
-    a = bind_call(_softmax_args, args, kwargs)
-    if a is None or not args or args[0] is not a["input"] or not isinstance(args[0], SpatialTensor):
-        return NotImplemented  # (the op is rerun on the tile with its arguments as given)
+@_handles(*_resolve("softmax log_softmax"), signature=_softmax_args)
+def _softmax(func, a, args, kwargs):
     x, dim = a["input"], a["dim"]
-    if dim is None or _norm_dim(dim, x.dim()) in x.split_dims:
+    if not isinstance(x, SpatialTensor) or dim is None or _norm_dim(dim, x.dim()) in x.split_dims:
         return NotImplemented
-    rest = [_plain(a) if isinstance(a, SpatialTensor) else a for a in args]
-    return _wrap_like(func(*rest, **kwargs), x)
+    return _wrap_like(_call_with(func, args, kwargs, x, _plain(x)), x)
 
 
-@_handles(F.linear)
-def _linear(func, args, kwargs):
-    a = bind_call(_linear_args, args, kwargs)
-    if a is None:
-        return NotImplemented
+@_handles(F.linear, signature=_linear_args)
+def _linear(func, a, args, kwargs):
     x, w, b = a["input"], a["weight"], a["bias"]
     if not isinstance(x, SpatialTensor) or (x.dim() - 1) in x.split_dims or \
             isinstance(w, SpatialTensor) or isinstance(b, SpatialTensor):
@@ -46,34 +39,22 @@ def _linear(func, args, kwargs):
     return _wrap_like(out, x, gshape)
 
 
-@_handles(F.prelu)
-def _prelu(func, args, kwargs):
-    a = bind_call(_prelu_args, args, kwargs)
-    if a is None:
-        return NotImplemented
+@_handles(F.prelu, signature=_prelu_args)
+def _prelu(func, a, args, kwargs):
     x, w = a["input"], a["weight"]
     if not isinstance(x, SpatialTensor) or isinstance(w, SpatialTensor) or 1 in x._sdims:
         return NotImplemented
     return _wrap_like(F.prelu(_plain(x), _replicated_operand(w, x._grid)), x)
 
 
-@_handles(*_resolve("argmax argmin"))
-def _arg_extremum(func, args, kwargs):
+@_handles(*_resolve("argmax argmin"), signature=_extremum_args)  # (an ``out=`` does not bind: gathered)
+def _arg_extremum(func, a, args, kwargs):
     """``argmax``/``argmin`` along a dimension that is not laid out over the grid (a segmentation's class
     per pixel, ``out.argmax(1)``): per pixel, so on the tile; the result stays split."""
-    a = bind_call(_extremum_args, args, kwargs)  # (an ``out=`` does not bind: gathered)
-    if a is None or not isinstance(a["input"], SpatialTensor):
-        return NotImplemented
     x, dim, keepdim = a["input"], a["dim"], bool(a["keepdim"])
-    if dim is None:
+    if not isinstance(x, SpatialTensor) or dim is None:
         return NotImplemented  # over every element: gathered
     d = _norm_dim(dim, x.dim())
     if d in x._sdims:
         return NotImplemented
-    out = func(_plain(x), d, keepdim)
-    gshape = list(x._gshape)
-    if keepdim:
-        gshape[d] = 1
-        return _wrap_like(out, x, gshape)
-    del gshape[d]
-    return _wrap_like(out, x, gshape, dims_without(x._sdims, [d]))
+    return _wrap_reduced(func(_plain(x), d, keepdim), x, [d], keepdim)

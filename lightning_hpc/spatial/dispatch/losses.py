@@ -15,7 +15,6 @@ from torch import nn
 
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
-from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, dims_without
 
@@ -26,9 +25,8 @@ _LOSSES = ("cross_entropy nll_loss binary_cross_entropy_with_logits binary_cross
 # the functionals only (their Python signatures name every argument); torch's builtins of the same name take the
 # reduction as an enum and are left to the gather path
 @_handles(*(getattr(F, name) for name in _LOSSES))
-def _loss(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not isinstance(a["input"], SpatialTensor):
+def _loss(func, a, args, kwargs):
+    if not isinstance(a["input"], SpatialTensor):
         return NotImplemented
     inp, target, red = a.pop("input"), a.pop("target"), a.pop("reduction")
     # the legacy size_average / reduce arguments override the reduction: gathered, as the serial op reads them

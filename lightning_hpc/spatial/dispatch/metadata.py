@@ -10,23 +10,28 @@ import torch
 from lightning_hpc.spatial.dispatch.registry import _handles
 
 
-@_handles(torch.Tensor.size)
-def _size(func, args, kwargs):
-    t = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+# the ops' signatures (the builtins have none; the Python methods name their tensor ``self``)
+def _size_args(input, dim=None): ...  # noqa: E704
+def _input_args(input): ...  # noqa: E704
+def _format_args(input, format_spec): ...  # noqa: E704
+
+
+@_handles(torch.Tensor.size, signature=_size_args)
+def _size(func, a, args, kwargs):
+    t, dim = a["input"], a["dim"]
     return torch.Size(t._gshape) if dim is None else t._gshape[dim]
 
 
-@_handles(torch.Tensor.numel, torch.numel)
-def _numel(func, args, kwargs):
-    return int(math.prod(args[0]._gshape))
+@_handles(torch.Tensor.numel, torch.numel, signature=_input_args)
+def _numel(func, a, args, kwargs):
+    return int(math.prod(a["input"]._gshape))
 
 
-@_handles(torch.Tensor.__len__)
-def _len(func, args, kwargs):
-    return args[0]._gshape[0]
+@_handles(torch.Tensor.__len__, signature=_input_args)
+def _len(func, a, args, kwargs):
+    return a["input"]._gshape[0]
 
 
-@_handles(torch.Tensor.__format__)
-def _format(func, args, kwargs):
-    return repr(args[0])
+@_handles(torch.Tensor.__format__, signature=_format_args)
+def _format(func, a, args, kwargs):
+    return repr(a["input"])

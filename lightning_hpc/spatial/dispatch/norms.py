@@ -12,21 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands, _tile_index
-from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
 from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, aggregated_row_norm
 
 
 @_handles(F.layer_norm)
-def _layer_norm(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not isinstance(a["input"], SpatialTensor) or _split_operand(a, "weight", "bias"):
+def _layer_norm(func, a, args, kwargs):
+    if not isinstance(a["input"], SpatialTensor) or _split_operand(a, "weight", "bias"):
         return NotImplemented
     x, shape, w, b, eps = a["input"], a["normalized_shape"], a["weight"], a["bias"], a["eps"]
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    n = len(shape)
-    d0 = x.dim() - n
+    d0 = x.dim() - len(shape)
     inside = [d >= d0 for d in x.split_dims]
     if any(inside) and not all(inside) or tuple(x._gshape[d0:]) != shape:
         return NotImplemented  # split dims both normalised and not, or a wrong shape: gathered (the serial error)
@@ -35,12 +32,8 @@ def _layer_norm(func, args, kwargs):
         return _wrap_like(F.layer_norm(_plain(x), shape, w, b, eps), x)
     # over split dimensions (LayerNorm([C, H, W])): statistics per leading index over the whole sample, and the
     # element-wise affine parameters cut to this tile (their gradients are tile parts, summed by the strategy)
-    idx = [slice(None)] * n
-    tile = _tile_index(x._gshape, x._sdims, x._grid)
-    for d in x.split_dims:
-        idx[d - d0] = tile[d]
-    w = w[tuple(idx)] if w is not None else None
-    b = b[tuple(idx)] if b is not None else None
+    idx = _tile_index(x._gshape, x._sdims, x._grid)[d0:]
+    w, b = (None if t is None else t[idx] for t in (w, b))
     local = _plain(x)
     return _row_norm("layer", x, local, math.prod(local.shape[:d0]), w, b, None, eps)[0]
 
@@ -114,9 +107,8 @@ def _split_operand(a: dict, *names: str) -> bool:
 
 
 @_handles(F.group_norm)
-def _group_norm(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "weight", "bias"):
+def _group_norm(func, a, args, kwargs):
+    if not _norm_over_space(a["input"]) or _split_operand(a, "weight", "bias"):
         return NotImplemented
     x, groups, w, b, eps = a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"]
     if x._gshape[1] % groups:
@@ -130,10 +122,8 @@ def _group_norm(func, args, kwargs):
 
 
 @_handles(F.instance_norm)
-def _instance_norm(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight",
-                                                                        "bias"):
+def _instance_norm(func, a, args, kwargs):
+    if not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight", "bias"):
         return NotImplemented
     x, rm, rv, w, b = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
     use_input_stats, momentum, eps = a["use_input_stats"], a["momentum"], a["eps"]
@@ -154,10 +144,8 @@ def _instance_norm(func, args, kwargs):
 
 
 @_handles(F.batch_norm)
-def _batch_norm(func, args, kwargs):
-    a = bind_call(func, args, kwargs)
-    if a is None or not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight",
-                                                                        "bias"):
+def _batch_norm(func, a, args, kwargs):
+    if not _norm_over_space(a["input"]) or _split_operand(a, "running_mean", "running_var", "weight", "bias"):
         return NotImplemented
     x, rm, rv, weight, bias = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
     training, momentum, eps = a["training"], a["momentum"], a["eps"]

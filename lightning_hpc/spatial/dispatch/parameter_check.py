@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_hpc.spatial.dispatch.calls import _flat, _op_name
+from lightning_hpc.spatial.dispatch.calls import _flat, _grad_inputs, _op_name, bind_call
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 
@@ -68,8 +68,8 @@ class ParameterUseCheck(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _refuse_tile_parameter_grad(self, args, kwargs) -> None:
-        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
-        for t in (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs):
+        a = bind_call(torch.autograd.grad, args, kwargs)
+        for t in _grad_inputs(a["inputs"]) if a is not None else ():
             if isinstance(t, nn.Parameter) and id(t) in _STATE.tile_params:
                 raise SpatialDispatchError(
                     f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "

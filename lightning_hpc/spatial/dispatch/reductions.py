@@ -11,18 +11,20 @@ import torch
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_reduced
 
 
-@_handles(*_resolve("sum mean nansum"))
-def _reduce(func, args, kwargs):
-    x = args[0]
-    if not isinstance(x, SpatialTensor) or any(isinstance(a, SpatialTensor) for a in args[1:]):
-        return NotImplemented
-    kw = dict(kwargs)
-    dim = args[1] if len(args) > 1 else kw.pop("dim", kw.pop("axis", None))
-    keepdim = args[2] if len(args) > 2 else kw.pop("keepdim", False)
-    if len(args) > 3:
+# the ops' signatures (torch's names and defaults; ``axis`` is numpy's name of ``dim``)
+def _reduce_args(input, dim=None, keepdim=False, *, dtype=None, axis=None): ...  # noqa: E704
+def _norm_args(input, p="fro", dim=None, keepdim=False, out=None, dtype=None): ...  # noqa: E704
+def _vector_norm_args(input, ord=2, dim=None, keepdim=False, *, dtype=None, out=None): ...  # noqa: E704
+
+
+@_handles(*_resolve("sum mean nansum"), signature=_reduce_args)
+def _reduce(func, a, args, kwargs):
+    x, keepdim, dtype = a["input"], a["keepdim"], a["dtype"]
+    dim = a["dim"] if a["axis"] is None else a["axis"]
+    if not isinstance(x, SpatialTensor):
         return NotImplemented
     every = dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0)  # over all dimensions
     if every:
@@ -35,19 +37,11 @@ def _reduce(func, args, kwargs):
     if not split & set(dims):  # along unsplit dimensions only: stays split
         if every:
             return NotImplemented
-        out = func(local, dim=dims, keepdim=keepdim, **kw)
-        g = []
-        for d in range(x.dim()):
-            if d in dims:
-                if keepdim:
-                    g.append(1)
-            else:
-                g.append(x._gshape[d])
-        return _wrap_like(out, x, g, x._sdims if keepdim else dims_without(x._sdims, dims))
+        return _wrap_reduced(func(local, dim=dims, keepdim=keepdim, dtype=dtype), x, dims, keepdim)
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
     local_sum = torch.nansum if name == "nansum" else torch.sum
-    summed = local_sum(local, **kw) if every else local_sum(local, dim=dims, keepdim=keepdim, **kw)
+    summed = local_sum(local, dtype=dtype) if every else local_sum(local, dim=dims, keepdim=keepdim, dtype=dtype)
     total = all_reduce_replicated(summed, x._grid.group)
     if name == "mean":
         count = math.prod(x._gshape[d] for d in dims)
@@ -55,21 +49,16 @@ def _reduce(func, args, kwargs):
     return total
 
 
-@_handles(torch.norm, torch.Tensor.norm, torch.linalg.vector_norm)
-def _norm(func, args, kwargs):
+@_handles(torch.linalg.vector_norm, signature=_vector_norm_args)
+@_handles(torch.norm, torch.Tensor.norm, signature=_norm_args)
+def _norm(func, a, args, kwargs):
     """Vector p-norms (``p`` finite, ``"fro"`` = 2) as ``sum(|x|^p)^(1/p)``: the sum is the global reduction
     above, so a gradient norm taken in a hook or a logged activation norm is one process's value."""
-    x = args[0]
-    if not isinstance(x, SpatialTensor) or len(args) > 4:
-        return NotImplemented
-    kw = dict(kwargs)
-    p = args[1] if len(args) > 1 else kw.pop("ord" if func is torch.linalg.vector_norm else "p", 2)
-    dim = args[2] if len(args) > 2 else kw.pop("dim", None)
-    keepdim = args[3] if len(args) > 3 else kw.pop("keepdim", False)
-    dtype = kw.pop("dtype", None)
-    if kw:
-        return NotImplemented  # out=: left to the general path
+    x, dim, keepdim, dtype = a["input"], a["dim"], a["keepdim"], a["dtype"]
+    p = a["ord"] if "ord" in a else a["p"]
     p = 2.0 if p == "fro" else p
+    if not isinstance(x, SpatialTensor) or a["out"] is not None:
+        return NotImplemented  # out=: left to the general path
     if not isinstance(p, (int, float)) or not math.isfinite(p) or p <= 0:
         return NotImplemented  # inf / 0 / nuclear norms: gathered
     v = x if dtype is None else x.to(dtype)

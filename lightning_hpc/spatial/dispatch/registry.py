@@ -1,7 +1,8 @@
 """The handler table and the dispatch entry.
 
-Handler modules register a function for the torch ops they compute on tiles with :func:`_handles`;
-:func:`_dispatch` (called by :meth:`SpatialTensor.__torch_function__`) runs the registered handler, or routes
+Handler modules register a function for the torch ops they compute on tiles with :func:`_handles`, which names the
+signature the calls are bound against; :func:`_dispatch` (called by :meth:`SpatialTensor.__torch_function__`) binds
+the call's arguments once and runs the registered handler with them, or routes
 attribute reads (``x.shape``, ``x.grad``), metadata queries, hook registrations and the element-wise ops
 (:mod:`.elementwise`); whatever is left, or what a handler declines (``NotImplemented``), goes to the gather
 path (:mod:`.fallback`).
@@ -9,24 +10,30 @@ path (:mod:`.fallback`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch import tensor as _tensor_module
+from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.elementwise import _elementwise
 from lightning_hpc.spatial.dispatch.fallback import _fallback
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
 
-_HANDLERS: dict[Any, Any] = {}
+_HANDLERS: dict[Any, tuple[Callable, Callable | None]] = {}
 
 
-def _handles(*funcs):
+def _handles(*funcs, signature: Callable | None = None):
+    """Register the decorated ``handler(func, a, args, kwargs)`` for the ops ``funcs``, ``a`` the call's arguments
+    by name (:func:`bind_call` against ``signature``, a stub with a builtin op's parameter names and defaults, else
+    the op's own).  A call that does not bind, or that the handler declines (``NotImplemented``), goes to the
+    gather path.  Returns the handler itself, which may be registered again with another signature."""
     def deco(fn):
         for f in funcs:
             if f is not None:
-                _HANDLERS[f] = fn
+                _HANDLERS[f] = (fn, signature)
         return fn
     return deco
 
@@ -72,9 +79,11 @@ _META = set(_resolve("dim ndimension is_contiguous is_floating_point is_complex 
 
 
 def _dispatch(func, args, kwargs):
-    handler = _HANDLERS.get(func)
-    if handler is not None:
-        out = handler(func, args, kwargs)
+    entry = _HANDLERS.get(func)
+    if entry is not None:
+        handler, signature = entry
+        a = bind_call(func if signature is None else signature, args, kwargs)
+        out = NotImplemented if a is None else handler(func, a, args, kwargs)
         if out is not NotImplemented:
             return out
     elif getattr(func, "__name__", None) == "__get__":
@@ -94,7 +103,7 @@ def _dispatch(func, args, kwargs):
 def _property(func, args, kwargs):
     owner = getattr(func, "__self__", None)
     name = getattr(owner, "__name__", "")
-    t = args[0]
+    t = args[0]  # a descriptor's __get__(instance, owner): the instance is always passed first, positionally
     if name == "shape":
         return torch.Size(t._gshape)
     if name in ("data",):

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
+from lightning_hpc.spatial.remap import PAD_MODES, blocked, remap
 
 
 def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
@@ -20,8 +20,6 @@ def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int
     """:func:`remap.remap` of the tile ``local`` along each grid axis in turn: ``maps`` holds per grid axis
     ``(in_bounds, out_bounds, src)`` or None (that dimension stays as it is); ``dims``: the tensor dimensions of
     the axes in ``local`` (default: those of ``x``); ``fill``: the value of outputs without a source."""
-    from lightning_hpc.spatial.remap import remap
-
     for axis, m in enumerate(maps):
         if m is not None:
             in_bounds, out_bounds, src = m
@@ -34,7 +32,7 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
     """Constant ``F.pad`` (negative amounts crop) of any dimensions: the unsplit ones padded on the tile, each
     split one by a remap whose leading pad rows land on the first tiles and trailing ones on the last
     (:func:`remap.constant_pad_source`).  An output with fewer rows than tiles is gathered."""
-    from lightning_hpc.spatial.remap import blocked, constant_pad_source
+    from lightning_hpc.spatial.remap import constant_pad_source  # (looked up per call: a substitute takes effect)
 
     if len(pad) % 2 or len(pad) > 2 * x.dim():
         return NotImplemented  # the serial op's error, from the gather path
@@ -65,24 +63,20 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
 def _constant_pad_nd_args(input, pad, value=0): ...  # noqa: E704  (torch.constant_pad_nd's signature)
 
 
-@_handles(torch.constant_pad_nd)
-def _constant_pad_nd(func, args, kwargs):
+@_handles(torch.constant_pad_nd, signature=_constant_pad_nd_args)
+def _constant_pad_nd(func, a, args, kwargs):
     """``torch.constant_pad_nd``: :func:`_pad_constant`."""
-    a = bind_call(_constant_pad_nd_args, args, kwargs)
-    return NotImplemented if a is None else _pad_constant(a["input"], a["pad"], a["value"])
+    return _pad_constant(a["input"], a["pad"], a["value"])
 
 
-@_handles(F.pad, torch._C._nn.pad)
-def _pad(func, args, kwargs):
+@_handles(F.pad, torch._C._nn.pad, signature=F.pad)  # (torch._C._nn.pad has the same parameters)
+def _pad(func, a, args, kwargs):
     """``F.pad``: constant padding (``nn.ZeroPad2d``, ``nn.ConstantPad3d``; negative amounts crop) of any
     dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of the spatial dimensions (the
     padding of ``nn.Conv1d/2d/3d`` with those ``padding_mode``s): rows moved and mirrored between tiles
     (:mod:`remap`), the output blocked over the padded extent.  Other modes and dimensions are gathered."""
-    from lightning_hpc.spatial.remap import PAD_MODES, blocked, pad_source
+    from lightning_hpc.spatial.remap import pad_source  # (looked up per call: a substitute takes effect)
 
-    a = bind_call(F.pad, args, kwargs)  # (torch._C._nn.pad has the same parameters)
-    if a is None:
-        return NotImplemented
     x, pad, mode = a["input"], a["pad"], a["mode"]
     if isinstance(x, SpatialTensor) and mode == "constant":
         return _pad_constant(x, pad, a["value"])
@@ -107,34 +101,24 @@ def _pixel_shuffle_args(input, upscale_factor): ...  # noqa: E704  (torch's sign
 def _pixel_unshuffle_args(input, downscale_factor): ...  # noqa: E704
 
 
-@_handles(torch.pixel_shuffle)
-def _pixel_shuffle(func, args, kwargs):
+@_handles(torch.pixel_shuffle, signature=_pixel_shuffle_args)
+def _pixel_shuffle(func, a, args, kwargs):
     """Local on each tile (its rows become ``r`` times as many), then re-blocked over the ``r``-times extent."""
-    a = bind_call(_pixel_shuffle_args, args, kwargs)
-    if a is None:
-        return NotImplemented
     x, r = a["input"], int(a["upscale_factor"])
     if not _channels_first(x, 2) or x._gshape[1] % (r * r):
         return NotImplemented
-    from lightning_hpc.spatial.remap import blocked
-
     local = torch.pixel_shuffle(_plain(x), r)
     maps = [(blocked(n, p, r), blocked(n * r, p), range(n * r)) for n, p in zip(x._gshape[2:], x._grid.parts)]
     gshape = (x._gshape[0], x._gshape[1] // (r * r), x._gshape[2] * r, x._gshape[3] * r)
     return _wrap_like(_remap_split(x, local, maps), x, gshape)
 
 
-@_handles(torch.pixel_unshuffle)
-def _pixel_unshuffle(func, args, kwargs):
+@_handles(torch.pixel_unshuffle, signature=_pixel_unshuffle_args)
+def _pixel_unshuffle(func, a, args, kwargs):
     """Re-blocked so every tile holds ``r`` times the rows of its output tile (:mod:`remap`), then local."""
-    a = bind_call(_pixel_unshuffle_args, args, kwargs)
-    if a is None:
-        return NotImplemented
     x, r = a["input"], int(a["downscale_factor"])
     if not _channels_first(x, 2) or any(n % r or n // r < p for n, p in zip(x._gshape[2:], x._grid.parts)):
         return NotImplemented  # an extent not divisible by r (the serial error) or fewer output rows than parts
-    from lightning_hpc.spatial.remap import blocked
-
     maps = [(blocked(n, p), blocked(n // r, p, r), range(n)) for n, p in zip(x._gshape[2:], x._grid.parts)]
     local = _remap_split(x, _plain(x), maps)
     gshape = (x._gshape[0], x._gshape[1] * r * r, x._gshape[2] // r, x._gshape[3] // r)

@@ -11,22 +11,37 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _ScatterTile, _tile_index
-from lightning_hpc.spatial.dispatch.calls import _norm_dim, bind_call
+from lightning_hpc.spatial.dispatch.autograd import _tile_of
+from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, dims_with, dims_without
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced, dims_with
 from lightning_hpc.spatial.remap import blocked
 
 
-@_handles(*_resolve("cat concat concatenate"))
-def _cat(func, args, kwargs):
-    tensors = list(args[0] if args else kwargs["tensors"])
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+# the signatures' parts the handlers read (the builtins have none; the sections argument of chunk/split/tensor_split
+# has a different name in each op, the numpy-style aliases name dimensions ``axis``)
+def _cat_args(tensors, dim=0, *, axis=None): ...  # noqa: E704
+def _sectioned(input, sections=None, dim=0, **_): ...  # noqa: E704
+def _unbind(input, dim=0): ...  # noqa: E704
+def _permute_args(input, *given, dims=None): ...  # noqa: E704  (x.permute(0, 2, 1) or one sequence, or dims=)
+def _transpose_args(input, dim0, dim1): ...  # noqa: E704
+def _swapaxes_args(input, axis0, axis1): ...  # noqa: E704
+def _unsqueeze_args(input, dim): ...  # noqa: E704
+def _narrow_args(input, dim, start, length): ...  # noqa: E704
+def _getitem_args(input, index): ...  # noqa: E704
+def _setitem_args(input, index, value): ...  # noqa: E704
+
+
+@_handles(*_resolve("cat concat concatenate"), signature=_cat_args)
+def _cat(func, a, args, kwargs):
+    tensors = list(a["tensors"])
     spatial = [t for t in tensors if isinstance(t, SpatialTensor)]
+    if not spatial:
+        return NotImplemented  # (split only in an ``out=``, which does not bind)
     ref = spatial[0]
-    dim = _norm_dim(dim, ref.dim())
+    dim = _norm_dim(a["dim"] if a["axis"] is None else a["axis"], ref.dim())
     if dim in ref._sdims:
         return NotImplemented
     extents = [ref._gshape[d] for d in ref._sdims]
@@ -46,84 +61,69 @@ def _cat(func, args, kwargs):
                     kind = "full"
                 else:
                     return NotImplemented
-            if t.requires_grad and ref._grid.group is not None:
-                locs.append(_ScatterTile.apply(t, ref._grid, ref._sdims))
-            else:
-                locs.append(t[_tile_index(t.shape, ref._sdims, ref._grid)])
+            locs.append(_tile_of(t, ref._grid, ref._sdims))
     out = torch.cat(locs, dim)
     gshape = list(ref._gshape)
     gshape[dim] = out.shape[dim]
     return _wrap_like(out, ref, gshape)
 
 
-# the signatures' parts the handlers read (the sections argument has a different name in each op)
-def _sectioned(input, sections=None, dim=0, **_): ...  # noqa: E704
-def _unbind(input, dim=0): ...  # noqa: E704
-def _narrow_args(input, dim, start, length): ...  # noqa: E704
-
-
-@_handles(*_resolve("chunk split tensor_split unbind"))
-def _chunk(func, args, kwargs):
-    name = func.__name__
-    a = bind_call(_unbind if name == "unbind" else _sectioned, args, kwargs)
-    if a is None or not args or args[0] is not a["input"] or not isinstance(args[0], SpatialTensor):
-        return NotImplemented  # (the op is rerun below on the tile with the other arguments as given)
+@_handles(*_resolve("unbind"), signature=_unbind)
+@_handles(*_resolve("chunk split tensor_split"), signature=_sectioned)
+def _chunk(func, a, args, kwargs):
     x = a["input"]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
     dim = _norm_dim(a["dim"], x.dim())
     if dim in x._sdims:
         return NotImplemented
-    parts = func(_plain(x), *args[1:], **kwargs)
-    out = []
-    for p in parts:
-        if name == "unbind":
-            g = list(x._gshape)
-            del g[dim]
-            out.append(_wrap_like(p, x, g, dims_without(x._sdims, [dim])))
-        else:
-            g = list(x._gshape)
-            g[dim] = p.shape[dim]
-            out.append(_wrap_like(p, x, g))
-    return tuple(out)
+    parts = _call_with(func, args, kwargs, x, _plain(x))  # the other arguments as given
+    if func.__name__ == "unbind":
+        return tuple(_wrap_reduced(p, x, [dim], False) for p in parts)
+    g = list(x._gshape)
+    return tuple(_wrap_like(p, x, g[:dim] + [p.shape[dim]] + g[dim + 1:]) for p in parts)
 
 
-@_handles(torch.Tensor.permute, torch.permute)
-def _permute(func, args, kwargs):
-    x = args[0]
-    dims = args[1:] if len(args) > 1 else kwargs["dims"]
-    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
-        dims = dims[0]
+def _permuted(x: SpatialTensor, dims) -> SpatialTensor:
     dims = [_norm_dim(d, x.dim()) for d in dims]
     out = _plain(x).permute(dims)
     return _wrap_like(out, x, [x._gshape[d] for d in dims], tuple(dims.index(d) for d in x._sdims))
 
 
-@_handles(*_resolve("transpose swapaxes swapdims"))
-def _transpose(func, args, kwargs):
-    x = args[0]
+@_handles(torch.Tensor.permute, torch.permute, signature=_permute_args)
+def _permute(func, a, args, kwargs):
+    x, given, dims = a["input"], a["given"], a["dims"]
+    if len(given) == 1 and isinstance(given[0], (list, tuple)):
+        given = given[0]
+    if not isinstance(x, SpatialTensor) or (dims is None) == (not given):
+        return NotImplemented  # no dims, or given twice: the serial op's error
+    return _permuted(x, given if dims is None else dims)
+
+
+@_handles(*_resolve("swapaxes"), signature=_swapaxes_args)
+@_handles(*_resolve("transpose swapdims"), signature=_transpose_args)
+def _transpose(func, a, args, kwargs):
+    x = a["input"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
-    d0, d1 = (_norm_dim(d, x.dim()) for d in args[1:3])
+    d0, d1 = (_norm_dim(d, x.dim()) for d in ((a["dim0"], a["dim1"]) if "dim0" in a else (a["axis0"], a["axis1"])))
     perm = list(range(x.dim()))
     perm[d0], perm[d1] = perm[d1], perm[d0]
-    return _permute(func, (x, perm), {})
+    return _permuted(x, perm)
 
 
-@_handles(*_resolve("unsqueeze"))
-def _unsqueeze(func, args, kwargs):
-    x = args[0]
-    d = args[1] if len(args) > 1 else kwargs["dim"]
-    d = d % (x.dim() + 1)
+@_handles(*_resolve("unsqueeze"), signature=_unsqueeze_args)
+def _unsqueeze(func, a, args, kwargs):
+    x = a["input"]
+    d = a["dim"] % (x.dim() + 1)
     g = list(x._gshape)
     g.insert(d, 1)
     return _wrap_like(_plain(x).unsqueeze(d), x, g, dims_with(x._sdims, d))
 
 
-@_handles(torch.narrow, torch.Tensor.narrow)
-def _narrow(func, args, kwargs):
+@_handles(torch.narrow, torch.Tensor.narrow, signature=_narrow_args)
+def _narrow(func, a, args, kwargs):
     """``narrow(dim, start, length)``: the slice ``start:start + length`` of ``dim`` (:func:`_getitem`)."""
-    a = bind_call(_narrow_args, args, kwargs)
-    if a is None:
-        return NotImplemented
     x, dim, start, length = a["input"], a["dim"], a["start"], a["length"]
     if not isinstance(x, SpatialTensor) or not all(isinstance(v, int) for v in (dim, start, length)):
         return NotImplemented
@@ -132,12 +132,12 @@ def _narrow(func, args, kwargs):
         start += x._gshape[dim]  # as narrow counts a negative start
     if not (0 <= start and length >= 0 and start + length <= x._gshape[dim]):
         return NotImplemented  # the serial op's error, from the gather path
-    return _getitem(func, (x, (slice(None),) * dim + (slice(start, start + length),)), {})
+    return _getitem(func, {"input": x, "index": (slice(None),) * dim + (slice(start, start + length),)}, args, kwargs)
 
 
-@_handles(torch.Tensor.__getitem__)
-def _getitem(func, args, kwargs):
-    x, idx = args[0], args[1]
+@_handles(torch.Tensor.__getitem__, signature=_getitem_args)
+def _getitem(func, a, args, kwargs):
+    x, idx = a["input"], a["index"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
     items = idx if isinstance(idx, tuple) else (idx,)
@@ -146,14 +146,10 @@ def _getitem(func, args, kwargs):
     n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
     if items.count(Ellipsis) > 1:
         return NotImplemented
-    expanded: list[Any] = []
-    for i in items:
-        if i is Ellipsis:
-            expanded.extend([slice(None)] * (x.dim() - n_real))
-        else:
-            expanded.append(i)
-    while sum(1 for i in expanded if i is not None) < x.dim():
-        expanded.append(slice(None))
+    if Ellipsis not in items:
+        items = (*items, Ellipsis)  # the dimensions not indexed are whole
+    e = items.index(Ellipsis)
+    expanded: list[Any] = [*items[:e], *[slice(None)] * (x.dim() - n_real), *items[e + 1:]]
     src, out_dim, g = 0, 0, []
     new_sdims: list[int | None] = [None] * len(x._sdims)
     split = x.split_dims
@@ -187,13 +183,13 @@ def _getitem(func, args, kwargs):
     return _wrap_like(out, x, g, sdims)
 
 
-@_handles(torch.Tensor.__setitem__)
-def _setitem(func, args, kwargs):
+@_handles(torch.Tensor.__setitem__, signature=_setitem_args)
+def _setitem(func, a, args, kwargs):
     """``x[mask] = value`` with a boolean mask of ``x``'s dimensions (split like it, or whole: cut to the tile) and
     one value: ``x.masked_fill_(mask, value)``, element-wise on the tile.  Any other assignment into a split
     activation goes to the gather path, which refuses in-place edits."""
-    x, idx, value = args[0], args[1], args[2]
-    if not isinstance(x, SpatialTensor) or kwargs or not isinstance(idx, torch.Tensor) or idx.dtype != torch.bool \
+    x, idx, value = a["input"], a["index"], a["value"]
+    if not isinstance(x, SpatialTensor) or not isinstance(idx, torch.Tensor) or idx.dtype != torch.bool \
             or idx.dim() != x.dim():
         return NotImplemented
     if isinstance(value, torch.Tensor):

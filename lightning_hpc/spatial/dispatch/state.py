@@ -21,9 +21,8 @@ class DispatchState:
 
     def __init__(self) -> None:
         self.on_unsupported = "gather"
-        self.module_stack: list[tuple[str, str]] = []
-        #: the modules of :attr:`module_stack` themselves (the innermost is the caller of a layer's functional op)
-        self.modules: list[nn.Module] = []
+        #: the running modules, innermost last (the caller of a layer's functional op): name, class name, module
+        self.module_stack: list[tuple[str, str, nn.Module]] = []
         #: convolutions wait for the halo after the tile's own convolution (section IV-A; the strategy's setting)
         self.overlap = False
         self.warned: set[tuple[str, str]] = set()
@@ -35,33 +34,29 @@ class DispatchState:
     def where(self) -> str:
         if not self.module_stack:
             return "the LightningModule's step (outside any module)"
-        name, cls = self.module_stack[-1]
+        name, cls, _ = self.module_stack[-1]
         return f"module '{name}' ({cls})"
 
     def clear_modules(self) -> None:
         """Forget the modules of an earlier step (one that raised leaves its modules on the stack)."""
         self.module_stack.clear()
-        self.modules.clear()
 
     def caller(self) -> nn.Module | None:
         """The innermost module running (the layer whose functional op is being dispatched), if any."""
-        return self.modules[-1] if self.modules else None
+        return self.module_stack[-1][2] if self.module_stack else None
 
     def module_hooks(self, root: nn.Module, prefix: str = "") -> list[Any]:
         """Hooks keeping :attr:`module_stack` (the module names in error and warning messages)."""
         handles = []
         for name, m in root.named_modules(prefix=prefix):
-            entry = (name or type(m).__name__, type(m).__name__)
+            entry = (name or type(m).__name__, type(m).__name__, m)
 
             def pre(mod, args, entry=entry):
                 self.module_stack.append(entry)
-                self.modules.append(mod)
 
             def post(mod, args, out, entry=entry):
                 if self.module_stack and self.module_stack[-1] == entry:
                     self.module_stack.pop()
-                if self.modules and self.modules[-1] is mod:
-                    self.modules.pop()
 
             handles.append(m.register_forward_pre_hook(pre))
             handles.append(m.register_forward_hook(post, always_call=True))

@@ -140,6 +140,12 @@ def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, sdims=None)
                               ref._sdims if sdims is None else sdims, fresh=True)
 
 
+def _wrap_reduced(out: torch.Tensor, x: SpatialTensor, dims: Sequence[int], keepdim: bool) -> SpatialTensor:
+    """``out``, the tile of ``x`` reduced over some of its unsplit dimensions ``dims``, with its global layout."""
+    g = [1 if d in dims else n for d, n in enumerate(x._gshape) if keepdim or d not in dims]
+    return _wrap_like(out, x, g, x._sdims if keepdim else dims_without(x._sdims, dims))
+
+
 def dims_without(sdims: Sequence[int], removed: Sequence[int]) -> tuple[int, ...]:
     """``sdims`` once the dimensions ``removed`` (none of them split) are dropped from the tensor."""
     return tuple(s - sum(1 for d in removed if d < s) for s in sdims)

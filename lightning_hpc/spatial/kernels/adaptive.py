@@ -142,10 +142,8 @@ def adaptive_avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int]
             dim = x.dim() - k + e
             sel = _selection(n, m, o, o + x.shape[dim], cdt, x.device)
             part = (part.movedim(dim, -1) @ sel.T).movedim(-1, dim)
-            shape = [1] * k
-            shape[e] = m
-            sizes = [b - a for a, b in adaptive_windows(n, m)]
-            counts = counts * torch.tensor(sizes, dtype=cdt, device=x.device).view(shape)
+            sizes = counts.new_tensor([b - a for a, b in adaptive_windows(n, m)])
+            counts = counts * sizes.view([-1 if j == e else 1 for j in range(k)])
     return (all_reduce_replicated(part, grid.group) / counts).to(x.dtype)
 
 

@@ -142,8 +142,6 @@ def interpolate(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], size
             xp = a
             continue
         b = xp.index_select(axis, i1 - lo)
-        shape = [1] * k
-        shape[e] = -1
-        lam = lam.view(shape)
+        lam = lam.view([-1 if j == e else 1 for j in range(k)])  # along dimension e of the split ones
         xp = ((1 - lam) * a + lam * b).to(x.dtype)
     return xp

@@ -83,13 +83,9 @@ def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_
     sums = _sum_pool(box, kernel, stride)
     if divisor_override:
         return sums / divisor_override
-    counts: torch.Tensor | None = None
-    for e, div in enumerate(divs):
-        shape = [1] * k
-        shape[e] = len(div)
-        t = torch.tensor(div, dtype=sums.dtype, device=sums.device).view(shape)
-        counts = t if counts is None else counts * t
-    assert counts is not None
+    counts = torch.ones((), dtype=sums.dtype, device=sums.device)
+    for e, div in enumerate(divs):  # per output, the product of its window's counts along each dimension
+        counts = counts * sums.new_tensor(div).view([-1 if j == e else 1 for j in range(k)])
     return sums / counts
 
 

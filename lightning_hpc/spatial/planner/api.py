@@ -142,97 +142,72 @@ def plan_for_model(
     """
     if world_size < 1 or batch_size < 1:
         raise ValueError(f"world_size and batch_size must be >= 1, got {world_size}, {batch_size}")
-    import torch.distributed as dist
-
-    def plan() -> Plan:
-        return _plan(model, input_shape, world_size, batch_size, alpha_beta, timer, uniform, restrict, overlap_halo,
-                     aggregate_bn, compute_scale, optimizer, device, gradient_reduction, sync)
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # Inside a job (a strategy planning at setup): measured times differ between ranks, so rank 0 plans and
-        # every rank gets the same plan; alpha-beta is calibrated on the job's own process group (collective).
-        if alpha_beta is None:
-            from lightning_hpc.perfmodel import calibrate
-
-            alpha_beta = calibrate()
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                box[0] = plan()
-            except Exception as e:  # every rank must leave the broadcast, then all raise the same error
-                box[0] = e
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
-    return plan()
-
-
-def _plan(
-    model: nn.Module,
-    input_shape: Sequence[int],
-    world_size: int,
-    batch_size: int,
-    alpha_beta: AlphaBeta | None,
-    timer: LayerTimer | None,
-    uniform: bool,
-    restrict: Callable[[Distribution], bool] | None,
-    overlap_halo: bool,
-    aggregate_bn: bool,
-    compute_scale: float,
-    optimizer: str,
-    device: str | torch.device,
-    gradient_reduction: str,
-    sync: SyncCost | None = None,
-) -> Plan:
     if not 2 <= len(input_shape) <= 4:
         raise ValueError(
             f"input_shape must be (C, L), (C, H, W) or (C, D, H, W) of one sample, got {list(input_shape)}")
-    if alpha_beta is None:
-        from lightning_hpc.perfmodel import calibrate_local
+    import torch.distributed as dist
 
-        alpha_beta = calibrate_local(2)
-    layers = trace_layers(model, (batch_size, *input_shape))
-    stages = build_stages(layers)
-    costs = CostModel(
-        alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale,
-        device=device, gradient_reduction=gradient_reduction, sync=sync,
-    )
-    cands = {}
-    for s in stages:
-        options = candidate_distributions(s, world_size, batch_size, ndim=len(input_shape) - 1)
-        if restrict is not None:
-            kept = [d for d in options if restrict(d)]
-            if not kept:
-                raise ValueError(
-                    f"no candidate distribution of layer {s.name} (input {list(s.head.in_shape)}) passes the "
-                    f"restriction; candidates: {[str(d) for d in options]}"
-                )
-            options = kept
-        cands[s.name] = options
-    assignment, method = _assign(stages, cands, costs, uniform)
-    sim = _simulate(stages, assignment, costs)
-    opt = compute_scale * _optimizer_time(model, optimizer)
-    stage_of = {}
-    for s in stages:
-        for layer in s.layers:
-            stage_of[layer.name] = s.name
-    return Plan(
-        world_size=world_size,
-        batch_size=batch_size,
-        input_shape=tuple(input_shape),
-        distributions={layer.name: assignment[stage_of[layer.name]] for layer in layers},
-        stage_costs={s.name: costs.stage_cost(s, assignment[s.name]) for s in stages},
-        shuffle_time=sim["shuffle"],
-        compute_time=sim["compute"],
-        halo_time=sim["halo"],
-        allreduce_time=sim["allreduce"],
-        exposed_allreduce_time=sim["exposed_allreduce"],
-        optimizer_time=opt,
-        predicted_step_time=sim["end"] + opt,
-        model=alpha_beta,
-        method=method,
-        sync_points=int(sim["sync_points"]),
-        sync_time=sim["sync_time"],
-        sync=costs.sync,
-    )
+    # inside a job (a strategy planning at setup) alpha-beta is calibrated on the job's own process group
+    in_job = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if alpha_beta is None:
+        from lightning_hpc.perfmodel import calibrate, calibrate_local
+
+        alpha_beta = calibrate() if in_job else calibrate_local(2)
+
+    def plan() -> Plan:
+        assert alpha_beta is not None
+        layers = trace_layers(model, (batch_size, *input_shape))
+        stages = build_stages(layers)
+        costs = CostModel(
+            alpha_beta, world_size, batch_size, timer, overlap_halo, aggregate_bn, compute_scale,
+            device=device, gradient_reduction=gradient_reduction, sync=sync,
+        )
+        cands = {}
+        for s in stages:
+            options = candidate_distributions(s, world_size, batch_size, ndim=len(input_shape) - 1)
+            if restrict is not None:
+                kept = [d for d in options if restrict(d)]
+                if not kept:
+                    raise ValueError(
+                        f"no candidate distribution of layer {s.name} (input {list(s.head.in_shape)}) passes the "
+                        f"restriction; candidates: {[str(d) for d in options]}"
+                    )
+                options = kept
+            cands[s.name] = options
+        assignment, method = _assign(stages, cands, costs, uniform)
+        sim = _simulate(stages, assignment, costs)
+        opt = compute_scale * _optimizer_time(model, optimizer)
+        stage_of = {layer.name: s.name for s in stages for layer in s.layers}
+        return Plan(
+            world_size=world_size,
+            batch_size=batch_size,
+            input_shape=tuple(input_shape),
+            distributions={layer.name: assignment[stage_of[layer.name]] for layer in layers},
+            stage_costs={s.name: costs.stage_cost(s, assignment[s.name]) for s in stages},
+            shuffle_time=sim["shuffle"],
+            compute_time=sim["compute"],
+            halo_time=sim["halo"],
+            allreduce_time=sim["allreduce"],
+            exposed_allreduce_time=sim["exposed_allreduce"],
+            optimizer_time=opt,
+            predicted_step_time=sim["end"] + opt,
+            model=alpha_beta,
+            method=method,
+            sync_points=int(sim["sync_points"]),
+            sync_time=sim["sync_time"],
+            sync=costs.sync,
+        )
+
+    if not in_job:
+        return plan()
+    # measured times differ between ranks, so rank 0 plans and every rank gets the same plan (or error)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = plan()
+        except Exception as e:  # every rank must leave the broadcast, then all raise the same error
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]

@@ -27,7 +27,7 @@ from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
 from lightning_hpc.perfmodel.sync import SyncCost
 from lightning_hpc.spatial.kernels import tile_convolution_applies
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
-from lightning_hpc.spatial.windows import halo_elements
+from lightning_hpc.spatial.windows import CONVOLUTIONS, halo_elements
 
 __all__ = [
     "GRADIENT_REDUCTIONS",
@@ -156,7 +156,7 @@ class CostModel:
             # the network's input needs no gradient, so its layer exchanges no halo in backward
             x_bwd = x if layer.parents else 0.0
             if x > 0 and layer.module is not None and not (
-                type(layer.module) in _CONVOLUTIONS  # (x > 0: it has windows)
+                type(layer.module) in CONVOLUTIONS  # (x > 0: it has windows)
                 and tile_convolution_applies(layer.in_shape[2:], d.parts(len(layer.in_shape) - 2), layer.windows or ())
             ):
                 # the spatial layer copies its tile into a box with the halo (forward) and rebuilds it (backward);
@@ -199,7 +199,6 @@ class CostModel:
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class _TileCopy(nn.Module):

@@ -21,6 +21,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from lightning_hpc.spatial.windows import CONVOLUTIONS, TRANSPOSED, layer_windows
+
 __all__ = ["Distribution", "LayerInfo", "Stage", "trace_layers", "build_stages"]
 
 
@@ -63,8 +65,6 @@ class LayerInfo:
     def decides(self) -> bool:
         """Convolution (1-3-D, transposed too) and linear layers choose a distribution; the others inherit their
         parent's."""
-        from lightning_hpc.spatial.windows import CONVOLUTIONS, TRANSPOSED
-
         return isinstance(self.module, (*CONVOLUTIONS, *TRANSPOSED, nn.Linear))
 
     @property
@@ -76,8 +76,6 @@ class LayerInfo:
     def windows(self) -> tuple | None:
         """The input range each output range reads, per spatial dimension (:mod:`lightning_hpc.spatial.windows`);
         None when the layer reads no neighbouring rows."""
-        from lightning_hpc.spatial.windows import layer_windows
-
         return layer_windows(self.module, self.in_shape, self.out_shape)
 
     @property

@@ -121,12 +121,8 @@ def _line_paths_order(stages: list[Stage], weight: dict[str, float], fixed: set[
         p = max(s.parents, key=lambda q: (score[q], -index[q]))
         score[s.name] = (score[p][0] + own[0], score[p][1] + own[1])
         prev[s.name] = p
-    children = {s.name: 0 for s in stages}
-    for s in stages:
-        for p in s.parents:
-            children[p] += 1
-    sinks = [s.name for s in stages if children[s.name] == 0]
-    end = max(sinks, key=lambda q: score[q])
+    parents = {p for s in stages for p in s.parents}
+    end = max((s.name for s in stages if s.name not in parents), key=lambda q: score[q])  # the heaviest sink
     path = [end]
     while (before := prev[path[-1]]) is not None:
         path.append(before)
@@ -153,9 +149,7 @@ def _assign(
         return choice
 
     if uniform:  # one distribution for the whole network (what the paper's experiments use)
-        common = set(cands[stages[0].name])
-        for s in stages[1:]:
-            common &= set(cands[s.name])
+        common = set.intersection(*(set(cands[s.name]) for s in stages))
         if not common:
             raise ValueError("no single distribution fits every layer; plan per layer (uniform=False)")
         best = min(sorted(common), key=lambda d: sum(costs.stage_cost(s, d).total for s in stages))

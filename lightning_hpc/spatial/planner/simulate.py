@@ -21,7 +21,6 @@ def _simulate(stages: list[Stage], assignment: dict[str, Distribution], costs: C
     overlapping what is left.  With a loaded-sync calibration only the measured fraction of an allreduce that
     computation can hide (:attr:`SyncCost.overlap_fraction`) is hidden: the rest takes the cores from backward."""
     chosen = [(s, costs.stage_cost(s, assignment[s.name])) for s in stages]
-    local = sum(c.local for _, c in chosen)
     compute = sum(c.compute for _, c in chosen)
     halo = sum(c.halo + c.copies + c.bn_stats for _, c in chosen)
     sync_time = sum(c.sync_wait for _, c in chosen)
@@ -60,7 +59,6 @@ def _simulate(stages: list[Stage], assignment: dict[str, Distribution], costs: C
     hideable = 1.0 if costs.sync is None else costs.sync.overlap_fraction
     end = max(clock + (1.0 - hideable) * total_ar, busy_until)
     return {
-        "local": local,
         "compute": compute,
         "halo": halo,
         "shuffle": shuffle,
