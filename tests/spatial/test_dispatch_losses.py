@@ -59,3 +59,22 @@ def test_mean_losses_on_tiles_equal_one_process():
                 value, grad, (rs, cs) = res[name]
                 assert abs(value - float(ref)) < 1e-12, (parts, name, value, float(ref))
                 assert (grad - full.grad[..., rs, cs]).abs().max() < 1e-12, (parts, name)
+
+
+def _run_learned_target(rank, world, parts):
+    grid = create_hybrid_layout(parts).grid
+    x, _, _, binary = _data()
+    rs, cs = tile_slices((H, W), parts, grid.index)
+    target = binary.clone().requires_grad_(True)  # whole on every rank, like a learned target or a teacher's output
+    F.mse_loss(split_tensor(x[..., rs, cs].clone(), grid, x.shape), target).backward()
+    return target.grad
+
+
+def test_a_whole_target_that_needs_a_gradient_gets_one_process_gradient():
+    """The target's gradient is the whole one on every rank (each rank's tile only holds part of it)."""
+    x, _, _, binary = _data()
+    target = binary.clone().requires_grad_(True)
+    F.mse_loss(x, target).backward()
+    for parts in ((2, 1), (1, 2)):
+        for grad in run_in_processes(_run_learned_target, 2, parts):
+            assert (grad - target.grad).abs().max() < 1e-12, parts

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.spatial.collectives import all_reduce_replicated
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, dims_without
 
@@ -77,7 +77,8 @@ def _loss(func, a, args, kwargs):
 
 
 def _as_tile(t, ref: SpatialTensor, ndim: int, sdims: tuple[int, ...]):
-    """This tile of a loss target (split like the loss's per-element output, along ``sdims``), or None."""
+    """This tile of a loss target (split like the loss's per-element output, along ``sdims``), or None. A whole
+    target that needs a gradient (a teacher's output, a learned target) gets the whole gradient on every rank."""
     if isinstance(t, SpatialTensor):
         if t.dim() != ndim or t._sdims != sdims or t._grid is not ref._grid:
             return None
@@ -85,5 +86,5 @@ def _as_tile(t, ref: SpatialTensor, ndim: int, sdims: tuple[int, ...]):
     if not isinstance(t, torch.Tensor):
         return None
     if t.dim() == ndim and [t.shape[d] for d in sdims] == [ref._gshape[d] for d in ref._sdims]:
-        return t[_tile_index(t.shape, sdims, ref._grid)]
+        return _tile_of(t, ref._grid, sdims)
     return None
