@@ -710,12 +710,13 @@ def test_grouped_transposed_convolution_block_per_group(name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("layer", [nn.ConvTranspose2d(2, 2, 2, stride=2), nn.Conv2d(2, 2, 3, padding=1, groups=2)],
-                         ids=["transposed", "grouped"])
+@pytest.mark.parametrize("layer", [nn.ConvTranspose2d(2, 2, 2, stride=2), nn.Conv2d(2, 2, 3, padding=1, groups=2),
+                                   nn.Conv2d(2, 2, 3, padding=1)],
+                         ids=["transposed", "grouped", "undeclared_conv"])
 def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer):
     """Under the spatial strategy a layer's input is one tile of a split activation: a layer type whose K-FAC
-    statistics have no tiled form is refused at the first capture, naming it and the fix, not given one tile's
-    factors."""
+    statistics have no tiled form, or a convolution the strategy did not declare tiled, is refused at the first
+    capture, naming it and the fix, not given one tile's factors."""
     from lightning_hpc.spatial.dispatch import split_tensor
     from lightning_hpc.spatial.tiling import SpatialGrid
 

@@ -64,10 +64,9 @@ class ConvHandler(LayerHandler):
     def spatial_dims(self) -> int:
         return len(self.module.kernel_size)
 
-    @property
-    def refuses_split_input(self) -> bool:  # type: ignore[override]
-        # Conv2d on split activations is the tiled handler's; Conv1d / Conv3d have no tiled statistics yet
-        return self.spatial_dims != 2
+    #: one tile of a split activation has statistics only through the tiled handler (a convolution the spatial
+    #: strategy declared, :class:`TiledConvHandler`); a plain handler would take one tile's factors for the sample's
+    refuses_split_input = True  # type: ignore[assignment]
 
     @property
     def a_dim(self) -> int:
