@@ -158,9 +158,7 @@ def group_gram(t: torch.Tensor, k_dims: int = 1,
     block-diagonal factors of a grouped (or depthwise) layer, one block per group, from one batched product
     (``baddbmm``) per chunk of samples instead of one Gram per group.
 
-    A contiguous ``t`` with at least as many positions as vector entries (``P >= K``: a convolution's output
-    gradients) is summed per sample without a copy (:func:`_per_sample_gram`). Otherwise chunks of samples are
-    copied into one cache-sized ``(G, k, chunk * P)`` buffer (at least one sample's rows),
+    Chunks of samples are copied into one cache-sized ``(G, k, chunk * P)`` buffer (at least one sample's rows),
     as :func:`sym_gram` does; a batch whose rows fit one chunk takes one copy and one batched product. Exact sums up
     to the summation order of floating point.
     """
