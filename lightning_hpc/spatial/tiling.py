@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeout
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.spatial.decisions import DecisionCache
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts", "parts_text"]
 
@@ -62,6 +63,8 @@ class SpatialGrid:
     group: dist.ProcessGroup | None
     local_rank: int
     _uid: int = field(default=0, repr=False)
+    #: the op dispatch's decisions for split tensors on this grid (:mod:`lightning_hpc.spatial.decisions`)
+    decisions: DecisionCache = field(default_factory=DecisionCache, repr=False, compare=False)
 
     @classmethod
     def single(cls, ndim: int = 2) -> SpatialGrid:

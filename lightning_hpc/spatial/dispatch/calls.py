@@ -13,20 +13,71 @@ import torch
 _SIGNATURES: dict[Callable, inspect.Signature] = {}
 
 
+class _Binder:
+    """How every call of one op with one call shape (its number of positional arguments and its keyword names)
+    binds to the op's parameters: decided once by ``inspect.Signature.bind`` (which also rejects a call that does
+    not fit), then replayed with plain dict updates, so a repeated call pays no signature binding."""
+
+    __slots__ = ("positional", "defaults", "var_positional", "var_keyword", "extra_keywords")
+
+    def __init__(self, sig: inspect.Signature, nargs: int, keywords: tuple[str, ...]) -> None:
+        params = list(sig.parameters.values())
+        self.var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        self.var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+        by_position = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        #: the parameters the positional arguments bind to (any further ones go to ``*args``)
+        self.positional = tuple(by_position[:nargs])
+        #: the keywords that only ``**kwargs`` takes
+        named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        self.extra_keywords = frozenset(k for k in keywords if k not in named)
+        #: what ``apply_defaults`` adds for the parameters the call leaves out (``*args`` / ``**kwargs`` are made
+        #: per call: a shared empty container could be changed by a handler)
+        self.defaults = {p.name: p.default for p in params if p.default is not p.empty
+                         and p.name not in keywords and p.name not in self.positional}
+
+    def __call__(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        out = dict(self.defaults)
+        out.update(zip(self.positional, args))
+        if self.var_positional is not None:
+            out[self.var_positional] = tuple(args[len(self.positional):])
+        if self.extra_keywords:
+            out.update((k, v) for k, v in kwargs.items() if k not in self.extra_keywords)
+            out[self.var_keyword] = {k: v for k, v in kwargs.items() if k in self.extra_keywords}  # type: ignore[index]
+        else:
+            out.update(kwargs)
+            if self.var_keyword is not None:
+                out[self.var_keyword] = {}
+        return out
+
+
+#: per (op, number of positional arguments, keyword names): its :class:`_Binder`, or None where such a call does
+#: not fit the signature
+_BINDERS: dict[tuple[Callable, int, tuple[str, ...]], _Binder | None] = {}
+
+
 def bind_call(op: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """The call's arguments by name with defaults applied (``inspect.Signature.bind``: positional and keyword forms
-    alike, nothing read by index), from ``op``'s signature: torch's Python functionals (``F.batch_norm``), or a
-    stub with the parameter names and defaults of a builtin op.  None when they do not fit the signature (the
-    gathered call then raises the serial op's error)."""
-    sig = _SIGNATURES.get(op)
-    if sig is None:
-        sig = _SIGNATURES[op] = inspect.signature(op)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return bound.arguments
+    """The call's arguments by name with defaults applied (what ``inspect.Signature.bind`` + ``apply_defaults``
+    give: positional and keyword forms alike, nothing read by index), from ``op``'s signature: torch's Python
+    functionals (``F.batch_norm``), or a stub with the parameter names and defaults of a builtin op.  None when
+    they do not fit the signature (the gathered call then raises the serial op's error).  The binding of a call
+    shape is decided once (:class:`_Binder`)."""
+    key = (op, len(args), tuple(kwargs))
+    binder = _BINDERS.get(key, _UNSEEN)
+    if binder is _UNSEEN:
+        sig = _SIGNATURES.get(op)
+        if sig is None:
+            sig = _SIGNATURES[op] = inspect.signature(op)
+        try:
+            sig.bind(*range(len(args)), **dict.fromkeys(kwargs))
+        except TypeError:
+            binder = None
+        else:
+            binder = _Binder(sig, len(args), key[2])
+        _BINDERS[key] = binder
+    return None if binder is None else binder(args, kwargs)  # type: ignore[operator]
+
+
+_UNSEEN: Any = object()
 
 
 def _grad_inputs(inputs) -> tuple:

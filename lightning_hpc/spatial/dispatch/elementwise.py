@@ -86,26 +86,99 @@ class _NotLocal(Exception):
 def _copy_args(input, other, non_blocking=False): ...  # noqa: E704  (Tensor.copy_'s Python binding)
 
 
+# what becomes of each operand of an element-wise call (:class:`_Decision`)
+_AS_IS, _TILE, _CUT, _REPLICATED = range(4)
+
+
+class _Decision:
+    """An element-wise call's decision, made from its operands' layouts and shapes: per operand, whether it is
+    passed as it is, is a split tensor's tile, is cut to this tile or joins as a replicated operand; the output's
+    global shape and split dimensions; and whether the op changes its first operand in place."""
+
+    __slots__ = ("args", "kwargs", "gshape", "sdims", "grid", "inplace", "cut_dims")
+
+    def __init__(self, func, args, kwargs, spatial: list[SpatialTensor], loc) -> None:
+        largs, lkw, self.gshape, self.sdims = loc
+        self.grid = spatial[0]._grid
+        out_ndim = len(self.gshape)
+        self.cut_dims: dict[int, tuple[int, ...]] = {}
+
+        def action(a, key) -> int:
+            if isinstance(a, SpatialTensor):
+                return _TILE
+            if isinstance(a, torch.Tensor):
+                if _align_operand(a, out_ndim, spatial[0], self.sdims) == "full":
+                    off = out_ndim - a.dim()
+                    self.cut_dims[key] = tuple(d - off for d in self.sdims)
+                    return _CUT
+                return _REPLICATED
+            return _AS_IS
+
+        self.args = tuple(action(a, i) for i, a in enumerate(args))
+        self.kwargs = {k: action(v, k) for k, v in kwargs.items()}
+        self.inplace = _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(kwargs))
+
+    def local(self, a, action: int, key):
+        if action == _TILE:
+            return _plain(a)
+        if action == _CUT:
+            return _tile_of(a, self.grid, self.cut_dims[key])
+        if action == _REPLICATED:
+            return _replicated_operand(a, self.grid)
+        return a
+
+
+def _operand_key(a):
+    """An operand as the decision sees it: a split tensor's layout, a plain tensor's shape (and whether it is a
+    parameter or needs a gradient, which decide how it joins), or only the kind of a non-tensor value (passed
+    through as it is).  A sequence holding tensors has no key (the call is decided afresh)."""
+    if isinstance(a, SpatialTensor):
+        return (id(a._grid), a._gshape, a._sdims)
+    if isinstance(a, torch.Tensor):
+        return (a.shape, isinstance(a, torch.nn.Parameter), a.requires_grad)
+    if isinstance(a, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in a):
+        raise _NotLocal
+    return None
+
+
+def _decide(func, args, kwargs, spatial: list[SpatialTensor]) -> _Decision | None:
+    loc = _localize(args, kwargs, spatial)
+    # the operand an in-place op changes is its first (a method's self; the input a functional hands on first):
+    # a replicated tensor updated from tiles is gathered (the fallback refuses in-place)
+    if loc is None or _is_inplace(func) and not isinstance(args[0], SpatialTensor):
+        return None
+    return _Decision(func, args, kwargs, spatial, loc)
+
+
 def _elementwise(func, args, kwargs):
     spatial = _spatials(args, kwargs)
-    loc = _localize(args, kwargs, spatial)
-    if loc is None:
-        return NotImplemented
-    largs, lkw, gshape, sdims = loc
-    # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
-    if _is_inplace(func) and not isinstance(args[0], SpatialTensor):
-        return NotImplemented  # a replicated tensor updated from tiles: gather (fallback refuses in-place)
     if getattr(func, "__name__", "") == "copy_":
         a = bind_call(_copy_args, args, kwargs)
         if a is None or not isinstance(a["other"], SpatialTensor):
             return NotImplemented
-    if _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(kwargs)):
+    try:
+        key = (func, tuple(_operand_key(a) for a in args), tuple((k, _operand_key(v)) for k, v in kwargs.items()))
+    except _NotLocal:  # operands inside a list (no hot element-wise op takes one): localized for this call only
+        loc = _localize(args, kwargs, spatial)
+        if loc is None or _is_inplace(func) and not isinstance(args[0], SpatialTensor):
+            return NotImplemented
+        largs, lkw, gshape, sdims = loc
+        inplace = _is_inplace(func) or (isinstance(args[0], SpatialTensor) and _inplace_call(kwargs))
+        grid = spatial[0]._grid
+    else:
+        dec = spatial[0]._grid.decisions.get(key, lambda: _decide(func, args, kwargs, spatial))
+        if dec is None:
+            return NotImplemented
+        largs = [dec.local(a, act, i) for i, (a, act) in enumerate(zip(args, dec.args))]
+        lkw = {k: dec.local(v, dec.kwargs[k], k) for k, v in kwargs.items()}
+        gshape, sdims, inplace, grid = dec.gshape, dec.sdims, dec.inplace, dec.grid
+    if inplace:
         # on the SpatialTensor itself, not on an alias of it (see SpatialTensor.wrap)
         with torch._C.DisableTorchFunctionSubclass():
             func(args[0], *largs[1:], **lkw)
         return args[0]
     out = func(*largs, **lkw)
     if isinstance(out, torch.Tensor) and out.dim() == len(gshape):
-        return SpatialTensor.wrap(out, spatial[0]._grid, gshape, sdims, fresh=True)
+        return SpatialTensor.wrap(out, grid, gshape, sdims, fresh=True)
     raise SpatialDispatchError(
         f"spatial: internal error: {_op_name(func)} in {_STATE.where()} gave an unexpected result")

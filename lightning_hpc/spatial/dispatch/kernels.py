@@ -94,25 +94,46 @@ def _convolution(func, a, args, kwargs, k: int):
     x = _spatial_input(a, k)
     if x is None or weight.dim() != k + 2:
         return NotImplemented
-    groups, channels = int(a["groups"]), x._gshape[1]
-    if weight.shape[1] * groups != channels:
-        raise SpatialDispatchError(
-            f"spatial: F.conv{k}d in {_STATE.where()}: the input has {channels} channels but the weight "
-            f"{tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * groups}; fix the layer's "
-            f"in_channels")
-    try:
-        windows = K.convolution_windows(weight.shape, a["stride"], a["padding"], a["dilation"])
-    except ValueError:
-        return NotImplemented  # an argument torch refuses: its own error from the gathered call
-    extents = _extents(x)
+    stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
+    key = (f"conv{k}d", x._gshape, x._sdims, weight.shape, _hashable(stride), _hashable(padding),
+           _hashable(dilation), groups, _STATE.overlap)
+
+    def decide() -> K.ConvPlan | None:
+        channels = x._gshape[1]
+        if weight.shape[1] * int(groups) != channels:
+            raise SpatialDispatchError(
+                f"spatial: F.conv{k}d in {_STATE.where()}: the input has {channels} channels but the weight "
+                f"{tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * int(groups)}; fix the "
+                f"layer's in_channels")
+        try:
+            return _run(f"F.conv{k}d", lambda: K.plan_conv(x._grid, _extents(x), weight.shape, stride, padding,
+                                                           dilation, int(groups), overlap=_STATE.overlap,
+                                                           tile=_plain(x)))
+        except ValueError:
+            return None  # an argument torch refuses: its own error from the gathered call
+
+    cp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
+    if cp is None:
+        return NotImplemented
     caller = _STATE.caller()
     # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
     record = kfac_recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
     weight, bias = _replicated_operands(x._grid, weight, bias)
-    out = _run(f"F.conv{k}d", lambda: K.conv(_plain(x), weight, bias, x._grid, extents, a["stride"],
-                                                     a["padding"], a["dilation"], groups, overlap=_STATE.overlap,
-                                                     record=record))
-    return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *K.output_extents(extents, windows)))
+    out = K.run_conv(_plain(x), weight, bias, cp, record)
+    return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *cp.out_extents))
+
+
+def _hashable(v: Any) -> Any:
+    """A call argument as part of a decision key (torch takes lists where it takes tuples)."""
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _hashable_key(key: tuple) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 def _transposed(func, a, args, kwargs, k: int):

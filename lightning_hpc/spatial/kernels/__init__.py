@@ -16,7 +16,14 @@ halo): the halo plan and a setup-time acceptance check (:func:`check_partition`)
 
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_avg_pool, adaptive_max_pool, adaptive_windows
-from lightning_hpc.spatial.kernels.convolution import conv, convolution_windows, tile_convolution_applies
+from lightning_hpc.spatial.kernels.convolution import (
+    ConvPlan,
+    conv,
+    convolution_windows,
+    plan_conv,
+    run_conv,
+    tile_convolution_applies,
+)
 from lightning_hpc.spatial.kernels.interpolation import interpolate, interpolation_windows
 from lightning_hpc.spatial.kernels.plan import check_partition, halo_plan, largest_split, output_extents
 from lightning_hpc.spatial.kernels.pooling import avg_pool, max_pool, pooling_windows
@@ -29,6 +36,9 @@ __all__ = [
     "largest_split",
     "output_extents",
     "conv",
+    "ConvPlan",
+    "plan_conv",
+    "run_conv",
     "convolution_windows",
     "tile_convolution_applies",
     "max_pool",

@@ -41,6 +41,9 @@ from lightning_hpc.spatial.tiling import SpatialGrid
 
 __all__ = [
     "conv",
+    "ConvPlan",
+    "plan_conv",
+    "run_conv",
     "convolution_windows",
     "edge_regions",
     "tile_convolution_applies",
@@ -112,6 +115,76 @@ class _Spec:
             [0] * k, self.groups, list(mask))
 
 
+@dataclass(frozen=True)
+class ConvPlan:
+    """Everything one convolution call decides from its layout and arguments alone (no tensor values): the
+    windows, the halo plan, which path runs and the output extents.  A pure function of (grid position, global
+    extents, weight shape, stride, padding, dilation, groups, overlap, path): made once per distinct call by
+    :func:`plan_conv` and replayed by :func:`run_conv` (the op dispatch caches it per call site)."""
+
+    spec: _Spec
+    plan: HaloPlan
+    #: the in-place tile path's edge regions, or None where only the box path applies
+    regions: list | None
+    pointwise: bool
+    #: no tile of the grid exchanges anything and this tile's own native convolution is its output tile: the
+    #: native op with its own autograd (the halo exchange's tag counter still advances, so every rank agrees)
+    native: bool
+    out_extents: tuple[int, ...]
+    path: str
+
+
+def plan_conv(grid: SpatialGrid, extents: Sequence[int], weight_shape: Sequence[int], stride: Any = 1,
+              padding: Any = 0, dilation: Any = 1, groups: int = 1, *, path: str = "auto", overlap: bool = False,
+              tile: torch.Tensor | None = None) -> ConvPlan:
+    """The :class:`ConvPlan` of ``F.conv{k}d`` over a tile of ``grid`` (``tile`` checked against the plan's
+    block when given)."""
+    k = grid.ndim
+    op = f"conv{k}d"
+    if len(weight_shape) != k + 2:
+        raise ValueError(f"{op}: weight of shape {tuple(weight_shape)} for a grid of {k} split dimensions")
+    if path not in ("auto", "tile", "box"):
+        raise ValueError(f"{op}: path={path!r}; expected 'auto', 'tile' or 'box'")
+    windows = convolution_windows(weight_shape, stride, padding, dilation)
+    plan = halo_plan(grid, extents, windows, op, tile=tile)
+    spec = _Spec(tuple(windows), int(groups), bool(overlap))
+    pointwise = all(w.kernel == 1 and w.stride == 1 and w.padding == 0 and w.symmetric for w in windows)
+    regions = None
+    if not pointwise and path != "box":
+        key = ("edge_regions", tuple(windows))
+        if key not in plan.memo:  # a pure function of the (cached) plan
+            plan.memo[key] = edge_regions(plan, windows)
+        regions = plan.memo[key]
+        if regions is None and path == "tile":
+            raise ValueError(f"{op}: the in-place tile path does not apply to tile {plan.index} (a tile starts "
+                             f"off the stride grid or its output block is not the tile's own output)")
+    exchange_free = all(o0 <= lo and hi <= o1 for d in plan.dims for (o0, o1), (lo, hi) in zip(d.owns,
+                                                                                                d.needs_clamped))
+    return ConvPlan(spec, plan, regions, pointwise, bool(exchange_free and regions == []),
+                    tuple(dim.n_out for dim in plan.dims), path)
+
+
+def run_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
+             record: Recorder | None = None) -> torch.Tensor:
+    """This rank's output tile of the convolution ``cp`` plans, on the tile ``x`` (see :func:`conv`)."""
+    dtype = autocast_dtype(x)
+    if dtype is not None:
+        with torch.autocast(x.device.type, enabled=False):
+            return run_conv(autocast_cast(x, dtype), autocast_cast(weight, dtype),
+                            None if bias is None else autocast_cast(bias, dtype), cp, record)
+    spec, k = cp.spec, len(cp.spec.windows)
+    if cp.pointwise:
+        if record is not None:  # pointwise: the tile is its own box, no halo
+            record(x.detach(), cp.out_extents)
+        return spec.conv(x, weight, bias, [0] * k)
+    if record is None and cp.regions is not None:
+        if cp.native:
+            cp.plan.grid.next_tag()  # as the exchange of any other path would: the ranks' tags stay in step
+            return spec.conv(x, weight, bias, [w.padding for w in spec.windows])
+        return _TileConv.apply(x, weight, bias, spec, cp.plan, cp.regions)
+    return _BoxConv.apply(x, weight, bias, spec, cp.plan, record)
+
+
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: SpatialGrid,
          extents: Sequence[int], stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
          path: str = "auto", overlap: bool = False, record: Recorder | None = None) -> torch.Tensor:
@@ -123,37 +196,9 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid:
     applies, else the box), ``'tile'`` (an error where it does not apply) or ``'box'``; ``overlap``: the tile
     path waits for the halo after the tile's convolution (and, in backward, after its backward).  ``record``:
     the K-FAC hook (module docstring).  Under autocast the operands are cast as autocast casts a convolution's,
-    so the result is the serial op's in the same dtype."""
-    dtype = autocast_dtype(x)
-    if dtype is not None:
-        with torch.autocast(x.device.type, enabled=False):
-            return conv(autocast_cast(x, dtype), autocast_cast(weight, dtype),
-                        None if bias is None else autocast_cast(bias, dtype), grid, extents, stride, padding,
-                        dilation, groups, path=path, overlap=overlap, record=record)
-    k = grid.ndim
-    op = f"conv{k}d"
-    if weight.dim() != k + 2:
-        raise ValueError(f"{op}: weight of shape {tuple(weight.shape)} for a grid of {k} split dimensions")
-    windows = convolution_windows(weight.shape, stride, padding, dilation)
-    plan = halo_plan(grid, extents, windows, op, tile=x)
-    if path not in ("auto", "tile", "box"):
-        raise ValueError(f"{op}: path={path!r}; expected 'auto', 'tile' or 'box'")
-    spec = _Spec(tuple(windows), int(groups), bool(overlap))
-    if all(w.kernel == 1 and w.stride == 1 and w.padding == 0 and w.symmetric for w in windows):
-        if record is not None:  # pointwise: the tile is its own box, no halo
-            record(x.detach(), tuple(dim.n_out for dim in plan.dims))
-        return spec.conv(x, weight, bias, [0] * k)
-    if record is None and path != "box":
-        key = ("edge_regions", tuple(windows))
-        if key not in plan.memo:  # a pure function of the (cached) plan
-            plan.memo[key] = edge_regions(plan, windows)
-        regions = plan.memo[key]
-        if regions is not None:
-            return _TileConv.apply(x, weight, bias, spec, plan, regions)
-        if path == "tile":
-            raise ValueError(f"{op}: the in-place tile path does not apply to tile {plan.index} (a tile starts "
-                             f"off the stride grid or its output block is not the tile's own output)")
-    return _BoxConv.apply(x, weight, bias, spec, plan, record)
+    so the result is the serial op's in the same dtype.  (:func:`plan_conv` + :func:`run_conv`.)"""
+    return run_conv(x, weight, bias, plan_conv(grid, extents, weight.shape, stride, padding, dilation, groups,
+                                               path=path, overlap=overlap, tile=x), record)
 
 
 def native_padding(plan: HaloPlan, windows: Sequence[Window1d]) -> tuple[int, ...]:
