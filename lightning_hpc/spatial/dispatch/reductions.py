@@ -37,6 +37,8 @@ def _reduce(func, a, args, kwargs):
     if not split & set(dims):  # along unsplit dimensions only: stays split
         if every:
             return NotImplemented
+        if len(set(dims)) == x.dim() and not keepdim:  # every dimension, none divided (one tile): a plain scalar
+            return func(local, dim=dims, keepdim=keepdim, dtype=dtype)
         return _wrap_reduced(func(local, dim=dims, keepdim=keepdim, dtype=dtype), x, dims, keepdim)
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
