@@ -120,3 +120,14 @@ def _without_shapes(rank, world, parts, calls):
 def test_negative_control_a_key_without_shapes_reuses_wrong_decisions():
     errs = run_in_processes(_without_shapes, 2, (1, 2), _CALLS, timeout_s=120)
     assert max(max(e) for e in errs) > 1e-3, errs
+
+
+def test_inplace_keyword_is_part_of_the_decision():
+    """``F.relu(x)`` then ``F.relu(x, inplace=True)`` on the same layout: the second changes ``x`` itself (a key
+    without the keyword's value replays the out-of-place decision and leaves ``x`` unchanged)."""
+    grid = SpatialGrid.single()
+    x = split_tensor(torch.randn(2, 3, 4, 4), grid, (2, 3, 4, 4))
+    out = F.relu(x)
+    assert (x.local() < 0).any() and (out.local() >= 0).all()
+    same = F.relu(x, inplace=True)
+    assert same is x and (x.local() >= 0).all()

@@ -127,4 +127,4 @@ def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
 
 def _replicated_operands(grid: SpatialGrid, *ts: torch.Tensor | None) -> tuple[Any, ...]:
     """:func:`_replicated_operand` of each tensor (``None``, an absent weight or bias, stays ``None``)."""
-    return tuple(None if t is None else _replicated_operand(t, grid) for t in ts)
+    return tuple([None if t is None else _replicated_operand(t, grid) for t in ts])

@@ -157,7 +157,9 @@ def _elementwise(func, args, kwargs):
         if a is None or not isinstance(a["other"], SpatialTensor):
             return NotImplemented
     try:
-        key = (func, tuple(_operand_key(a) for a in args), tuple((k, _operand_key(v)) for k, v in kwargs.items()))
+        # of the non-tensor arguments only ``inplace=True`` changes the decision (the others pass through as given)
+        key = (func, tuple(_operand_key(a) for a in args), tuple((k, _operand_key(v)) for k, v in kwargs.items()),
+               _inplace_call(kwargs))
     except _NotLocal:  # operands inside a list (no hot element-wise op takes one): localized for this call only
         loc = _localize(args, kwargs, spatial)
         if loc is None or _is_inplace(func) and not isinstance(args[0], SpatialTensor):

@@ -103,7 +103,7 @@ def _norm_over_space(x) -> bool:
 
 def _split_operand(a: dict, *names: str) -> bool:
     """A parameter or running statistic given as a split tensor: no tiled form (gathered)."""
-    return any(isinstance(a[k], SpatialTensor) for k in names)
+    return any([isinstance(a[k], SpatialTensor) for k in names])
 
 
 @_handles(F.group_norm)

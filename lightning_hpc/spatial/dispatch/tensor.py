@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 
@@ -52,14 +51,16 @@ class SpatialTensor(torch.Tensor):
         whole-tensor copy in backward)."""
         # the number of dimensions from the global shape (the tile has as many): asking the tensor, once it is a
         # SpatialTensor, would be a dispatched call
-        gshape = tuple(map(int, gshape))
-        sdims = tuple(d % len(gshape) for d in sdims)
+        if type(gshape) is not tuple or type(sdims) is not tuple or (sdims and min(sdims) < 0):
+            gshape = tuple(map(int, gshape))
+            sdims = tuple(d % len(gshape) for d in sdims)
+        t: SpatialTensor
         if fresh and type(local) is torch.Tensor:
             local.__class__ = SpatialTensor
-            t = cast(SpatialTensor, local)  # its class was just set
+            t = local  # type: ignore[assignment]  # its class was just set (typing.cast costs a call per op)
         else:
             with torch._C.DisableTorchFunctionSubclass():
-                t = local.as_subclass(SpatialTensor)
+                t = local.as_subclass(SpatialTensor)  # type: ignore[assignment]
         t._grid, t._gshape, t._sdims = grid, gshape, sdims
         return t
 
