@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
+from lightning_hpc.kfac.batched import PreconditionBuckets
 from lightning_hpc.kfac.collectives import allreduce_mean, broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler
@@ -176,6 +177,7 @@ class KFACPreconditioner:
         self._forward_hooks_ran = False  # since the last step (the refusal of a forward that bypassed them)
         #: KL-clip factor nu of the last step (Eq 18), for logging
         self.last_nu = 1.0
+        self._buckets = PreconditionBuckets()
         self._check_partitions()
         self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
         #: draws the A-factor sample subsets (only used when conv_input_sample_fraction < 1; saved in checkpoints)
@@ -653,8 +655,11 @@ class KFACPreconditioner:
         )
 
     # preconditioning ------------------------------------------------------------------------------------
-    def _precondition_layer(self, h: LayerHandler, grad: torch.Tensor) -> torch.Tensor:
-        return h.preconditioned(grad, self.method, self.damping, self.decomposition_dtype)
+    def _precondition_layers(self, handlers: Sequence[LayerHandler],
+                             grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The preconditioned gradients of ``handlers`` (each with decompositions), bucket by bucket
+        (:mod:`lightning_hpc.kfac.batched`), their exactly-zero rows and columns kept zero."""
+        return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype)
 
     def _layer_lrs(self, lr: float | None) -> Callable[[LayerHandler], float | None]:
         """Each layer's learning rate for Eq 18: ``lr`` when given, else the lr of the first optimizer parameter
@@ -676,28 +681,21 @@ class KFACPreconditioner:
             g = h.grad_matrix()
             if g is not None and h.factors:
                 grads[h.name] = g
-        precond: dict[str, torch.Tensor] = {}
         if world > 1 and self.grid.broadcasts_gradients:
             precond = self._precondition_by_workers(grads)
         else:
-            for h in self.handlers:
-                if h.name in grads and h.decompositions:
-                    precond[h.name] = self._precondition_layer(h, grads[h.name])
+            precond = self._precondition_layers([h for h in self.handlers if h.name in grads and h.decompositions],
+                                                grads)
         if not precond:
             return
-        for name, p in precond.items():
-            # Rows (output units) and columns (inputs) whose gradient is exactly zero stay exactly zero: the
-            # eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to
-            # steps of about +-lr, and which differs with the number of processes. No sync: a mask, not a test.
-            # Rows and columns of each block of a stacked (groups, g_dim, a_dim) gradient are its own.
-            zero = grads[name] == 0
-            precond[name] = p.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
         nu = 1.0
         kl_clip = self.current_kl_clip()
         if kl_clip:
-            # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr.
-            vg_sum = 0.0
+            # Eq 18: nu = min(1, sqrt(kappa / (alpha^2 sum_i |P_i . grad_i|))), alpha the layer's current lr; the
+            # per-layer products stay on the device and are summed there: one host sync per step, not per layer
             lr_of = self._layer_lrs(lr)
+            terms: list[torch.Tensor] = []
+            lr_squares: list[float] = []
             for h in self.handlers:
                 if h.name not in precond:
                     continue
@@ -709,7 +707,12 @@ class KFACPreconditioner:
                         f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
                         "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
                     )
-                vg_sum += layer_lr**2 * abs(float((precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum()))
+                p = precond[h.name]
+                terms.append((p * grads[h.name].to(p.dtype)).sum())
+                lr_squares.append(layer_lr**2)
+            # summed in float64, as the per-layer Python floats were
+            vg_sum = float((torch.stack(terms).to(torch.float64).abs() * torch.tensor(
+                lr_squares, dtype=torch.float64, device=terms[0].device)).sum()) if terms else 0.0
             if vg_sum > 0:
                 nu = min(1.0, math.sqrt(kl_clip / vg_sum))
         self.last_nu = nu
@@ -725,6 +728,7 @@ class KFACPreconditioner:
         rank = self.comm.rank
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         local: dict[Hashable, dict[str, torch.Tensor]] = {}
+        mine: list[LayerHandler] = []
         for i, h in enumerate(self.handlers):
             # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
             if h.name not in grads:
@@ -733,9 +737,10 @@ class KFACPreconditioner:
             items.setdefault(source, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
             if source == rank:
                 if h.decompositions:
-                    local[h.name] = {"p": self._precondition_layer(h, grads[h.name])}
+                    mine.append(h)
                 else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
                     local[h.name] = {"p": grads[h.name]}
+        local.update({name: {"p": p} for name, p in self._precondition_layers(mine, grads).items()})
         out = broadcast_by_owner(
             self.comm, items, local, self.decomposition_dtype, self._comm_device(), self._row_group
         )
