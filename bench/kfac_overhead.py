@@ -56,7 +56,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
-from lightning_hpc.models import cifar_resnet
+from lightning_hpc.kfac.batched import PreconditionBuckets
+from lightning_hpc.models import build_model, cifar_resnet
 
 #: factor all-reduce modes: ``overlap_factor_allreduce`` value and the suffix of their step kinds
 MODES = {"sync": (False, ""), "overlap": (True, "_overlap")}
@@ -68,7 +69,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--depth", type=int, default=32)
-    ap.add_argument("--model", choices=["resnet", "mobilenet"], default="resnet",
+    ap.add_argument("--size", type=int, default=32, help="input height and width")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="also time the precondition-only step with every layer preconditioned alone (no buckets)")
+    ap.add_argument("--model", choices=["resnet", "mobilenet", "convnext", "efficientnet", "mobilenetv3"],
+                    default="resnet",
                     help="CIFAR ResNet of --depth, or the MobileNet-style net of depthwise-separable blocks")
     ap.add_argument("--width", type=float, default=0.5, help="MobileNet width multiplier (channels x width)")
     ap.add_argument("--layer-types", nargs="+", default=None, metavar="TYPE",
@@ -98,11 +103,13 @@ def main() -> None:
         counts = [1]  # one thread per rank (run_in_processes): the ranks share the cores
     # several processes write their own files (kfac_overhead_2proc.*) unless a tag says otherwise
     tag = args.tag or (f"_{args.processes}proc" if args.processes > 1 else "")
-    if args.model == "mobilenet" and not args.tag:
-        tag = "_mobilenet" + tag  # its own files: the ResNet-32 results stay
+    if args.model != "resnet" and not args.tag:
+        tag = f"_{args.model}" + tag  # its own files: the ResNet-32 results stay
     report = Report("kfac_overhead" + tag)
     report.meta.update(
-        model=f"cifar_resnet{args.depth}" if args.model == "resnet" else f"mobilenet_width{args.width:g}",
+        model=f"cifar_resnet{args.depth}" if args.model == "resnet" else f"mobilenet_width{args.width:g}"
+        if args.model == "mobilenet" else args.model,
+        size=args.size,
         layer_types=args.layer_types or "all",
         batch=args.batch,
         threads=counts,
@@ -186,6 +193,17 @@ def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> floa
     ) / d
 
 
+class _PerLayer(PreconditionBuckets):
+    """Every layer its own bucket: the per-layer product chains batched preconditioning replaced (the
+    ``--per-layer`` comparison)."""
+
+    def precondition(self, handlers, grads, method, damping, dtype):  # type: ignore[no-untyped-def]
+        out: dict[str, torch.Tensor] = {}
+        for h in handlers:
+            out.update(super().precondition([h], grads, method, damping, dtype))
+        return out
+
+
 def _measure_rank(rank: int, world_size: int, args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
     return measure(args, 1, modes)
 
@@ -200,10 +218,12 @@ def measure(
     torch.manual_seed(0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model0 = cifar_resnet(args.depth) if args.model == "resnet" else mobilenet(args.width)
+    model0 = cifar_resnet(args.depth) if args.model == "resnet" else mobilenet(args.width) \
+        if args.model == "mobilenet" else build_model(args.model)
     g = torch.Generator().manual_seed(rank)
     batch = args.batch // world
-    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 3, args.size, args.size, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
 
     def wrap(m: nn.Module) -> nn.Module:  # the strategy's gradient averaging, overlapped with the backward pass
         return DistributedDataParallel(m) if world > 1 else m
@@ -243,6 +263,16 @@ def measure(
         "sgd": lambda: sgd_step(),
         "kfac_precondition": lambda: kfac_step(first, False, False),
     }
+    if args.per_layer:  # the same precondition-only step with every layer preconditioned alone (no buckets)
+        def per_layer_step() -> None:
+            pre = kfac[first][2]
+            batched, pre._buckets = pre._buckets, _PerLayer()
+            try:
+                kfac_step(first, False, False)
+            finally:
+                pre._buckets = batched
+
+        kinds["kfac_precondition_per_layer"] = per_layer_step
     for mode in modes:
         suffix = MODES[mode][1]
         kinds[f"kfac_factors{suffix}"] = lambda mode=mode: kfac_step(mode, True, False)

@@ -2,6 +2,7 @@
 
 from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
 from lightning_hpc.models.mesh_fcn import MeshFCN, mesh_fcn
+from lightning_hpc.models.modern_cnns import convnext, efficientnet, mobilenetv3
 from lightning_hpc.models.ode_resnet import (
     ODEResNet,
     ResidualStep,
@@ -43,12 +44,16 @@ __all__ = [
     "ResidualStep",
     "ode_resnet",
     "paper_inference_net",
+    "convnext",
+    "efficientnet",
+    "mobilenetv3",
     "build_model",
 ]
 
 
 def build_model(name: str, **kwargs):
-    """Build a model of the zoo by name: ``resnet50``, ``cifar_resnet32``, ``alexnet``, ``small_cnn``."""
+    """Build a model of the zoo by name: ``resnet50``, ``cifar_resnet32``, ``alexnet``, ``small_cnn``, ``convnext``,
+    ``efficientnet``, ``mobilenetv3``, ..."""
     if name.startswith("resnet") and name[6:].isdigit():
         return resnet(int(name[6:]), **kwargs)
     if name.startswith("cifar_resnet") and name[12:].isdigit():
@@ -63,7 +68,12 @@ def build_model(name: str, **kwargs):
         return ode_resnet(**kwargs)
     if name == "unet":
         return unet(**kwargs)
+    if name in _MODERN:
+        return _MODERN[name](**kwargs)
     raise ValueError(
         f"unknown model {name!r}; known: resnet18..152, cifar_resnet20..110, alexnet, mesh_fcn, small_cnn, ode_resnet, "
-        "unet"
+        "unet, convnext, efficientnet, mobilenetv3"
     )
+
+
+_MODERN = {"convnext": convnext, "efficientnet": efficientnet, "mobilenetv3": mobilenetv3}
