@@ -58,3 +58,17 @@ def test_build_model_by_name():
 
 def test_small_cnn_digits_shape():
     assert small_cnn(1, 10)(torch.randn(4, 1, 8, 8)).shape == (4, 10)
+
+
+@pytest.mark.parametrize("name,params", [("efficientnet", 5_288_548), ("mobilenetv3", 2_542_856)])
+def test_modern_cnns_have_the_reference_parameter_counts(name, params):
+    """EfficientNet-B0 and MobileNetV3-Small at 1000 classes: the parameter counts of the reference
+    implementations (torchvision's efficientnet_b0 and mobilenet_v3_small), so widths, depths, SE sizes and heads
+    are the papers'."""
+    assert sum(p.numel() for p in build_model(name, num_classes=1000).parameters()) == params
+
+
+def test_convnext_atto_shapes_and_size():
+    m = build_model("convnext", num_classes=1000)
+    assert abs(sum(p.numel() for p in m.parameters()) - 3.7e6) < 0.01 * 3.7e6  # ConvNeXt-atto: 3.7M parameters
+    assert m(torch.randn(2, 3, 64, 64)).shape == (2, 1000)

@@ -1,5 +1,9 @@
 """Plain ``nn.Module`` models: they never import strategies (a strategy adapts the model)."""
 
+from collections.abc import Callable
+
+from torch import nn
+
 from lightning_hpc.models.alexnet import AlexNetOneTower, alexnet_one_tower
 from lightning_hpc.models.mesh_fcn import MeshFCN, mesh_fcn
 from lightning_hpc.models.modern_cnns import convnext, efficientnet, mobilenetv3
@@ -76,4 +80,5 @@ def build_model(name: str, **kwargs):
     )
 
 
-_MODERN = {"convnext": convnext, "efficientnet": efficientnet, "mobilenetv3": mobilenetv3}
+_MODERN: dict[str, Callable[..., nn.Module]] = {"convnext": convnext, "efficientnet": efficientnet,
+                                               "mobilenetv3": mobilenetv3}
