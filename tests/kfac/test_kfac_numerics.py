@@ -488,6 +488,7 @@ def test_sym_gram_uses_syrk_only_with_one_torch_thread(monkeypatch, threads):
     assert (spy.calls > 0) == (threads == 1)
 
 
+@pytest.mark.slow  # a wall-clock ratio: meaningful only on a machine with nothing else running (not the default tier)
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 cores to run torch on 2 threads")
 def test_kfac_step_is_not_slowed_by_a_second_blas_pool():
     """Regression: a K-FAC factor step at 2 torch threads costs at most twice the 1-thread step (it was 7-8x:
