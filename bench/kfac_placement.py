@@ -15,8 +15,8 @@ import math
 import torch
 from harness import Report, timeit
 
+from lightning_hpc.cli.plan_kfac import plan
 from lightning_hpc.kfac.placement import PLACEMENTS
-from lightning_hpc.kfac.plan import plan
 
 
 def eigh_exponent(sizes: tuple[int, ...] = (128, 256, 512, 1024)) -> tuple[float, list[tuple[int, float]]]:

@@ -21,7 +21,7 @@ DEFAULT_RECIPE = "digits"
 SUBCOMMANDS = {
     "train": "lightning_hpc.cli.main:train_main",
     "recipes": "lightning_hpc.cli.main:recipes_main",
-    "plan-kfac": "lightning_hpc.kfac.plan:main",
+    "plan-kfac": "lightning_hpc.cli.plan_kfac:main",
     "plan-spatial": "lightning_hpc.cli.plan_spatial:main",
     "mesh-data": "lightning_hpc.data.mesh_tangling.cli:main",
 }

@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpc.models.ode_resnet import ResidualStep, residual_steps
+from lightning_hpc.models.ode_resnet import ResidualStep
 from lightning_hpc.multigrid.adjoint import AdjointPropagator, parameter_gradients
 from lightning_hpc.multigrid.fas import mgrit_solve
 from lightning_hpc.multigrid.hierarchy import Hierarchy
+from lightning_hpc.multigrid.ode_form import residual_steps
 from lightning_hpc.multigrid.options import MultigridOptions
 from lightning_hpc.multigrid.parallel import LayerChain
 from lightning_hpc.multigrid.partition import LayerPartition

@@ -34,7 +34,8 @@ from torch import nn
 
 from lightning_hpc.distributed.partitioned import as_block_parameter
 from lightning_hpc.distributed.state import gather_keyed_tensors
-from lightning_hpc.models.ode_resnet import ResidualStep, residual_steps
+from lightning_hpc.models.ode_resnet import ResidualStep
+from lightning_hpc.multigrid.ode_form import residual_steps
 from lightning_hpc.multigrid.parallel import LayerChain
 from lightning_hpc.multigrid.partition import LayerPartition
 

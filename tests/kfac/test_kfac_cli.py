@@ -10,8 +10,8 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from lightning_hpc.cli import plan_kfac as plan_mod
 from lightning_hpc.cli.config_paths import conf_dir, recipes_dir
-from lightning_hpc.kfac import plan as plan_mod
 
 
 def _compose(recipe: str, *overrides: str):

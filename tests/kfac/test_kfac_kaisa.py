@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
+from lightning_hpc.cli.plan_kfac import communication_plan
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
 from lightning_hpc.distributed.groups import group_timeout
 from lightning_hpc.kfac import PLACEMENTS, KFACOptions, KFACPreconditioner
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
-from lightning_hpc.kfac.plan import communication_plan
 
 STEPS = 5
 GLOBAL_BATCH = 16
@@ -260,7 +260,7 @@ def test_communication_plan_hand_computed():
 
 
 def test_plan_kfac_reports_every_fraction(capsys):
-    from lightning_hpc.kfac import plan as plan_mod
+    from lightning_hpc.cli import plan_kfac as plan_mod
 
     assert plan_mod.main(["--model", "cifar_resnet20", "--world-size", "4", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)

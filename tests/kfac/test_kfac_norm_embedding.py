@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from kfac_checks import average_gradients_like_ddp
 from torch import nn
 
+from lightning_hpc.cli.plan_kfac import communication_plan
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.comm import TorchDistributedCommunicator
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.layers import EmbeddingHandler, NormAffineHandler
-from lightning_hpc.kfac.plan import communication_plan
 
 DAMPING = 0.05
 

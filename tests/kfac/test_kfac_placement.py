@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from lightning_hpc.cli.plan_kfac import model_factor_dims
 from lightning_hpc.kfac.placement import assign_factors, placement_summary
-from lightning_hpc.kfac.plan import model_factor_dims
 
 
 def test_round_robin_fewer_ranks_than_layers_keeps_a_and_g_together():

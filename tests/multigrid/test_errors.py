@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from lightning_hpc.models import ResidualStep, ode_resnet
-from lightning_hpc.models.ode_resnet import NotResidualError
 from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings, check_layer_partition
+from lightning_hpc.multigrid.ode_form import NotResidualError
 from lightning_hpc.multigrid.strategy import MultigridStrategy
 
 

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.models import ODEResNet, ResidualStep, build_model, ode_resnet, paper_inference_net
-from lightning_hpc.models.ode_resnet import NotResidualError, residual_steps
+from lightning_hpc.multigrid.ode_form import NotResidualError, residual_steps
 
 
 def test_ode_resnet_is_forward_euler():
