@@ -63,6 +63,12 @@ class LayerHandler:
     stat_dtype: torch.dtype = torch.float32
     #: the statistics are completed by a collective when the step forms the factors (a sharded layer's)
     gathers_statistics: bool = False
+    #: the layer is a subclass with its own forward: its statistics are those of the functional calls on its weight
+    #: (:class:`~lightning_hpc.kfac.subclasses.CallTracer`), not of the module's input and output
+    traced: bool = False
+    #: why the layer was left to the optimizer after setup (a traced layer whose forward uses its weight otherwise);
+    #: None while it is preconditioned
+    left_out: str | None = None
 
     def dtype_for(self, t: torch.Tensor) -> torch.dtype:
         """The dtype this layer's statistics of ``t`` are formed in: :attr:`stat_dtype`, or ``t``'s own when it
