@@ -13,7 +13,7 @@ parametrization such as ``weight_norm``).
 
 A subclass of a handled type is handled as its base class when it keeps the base's forward; with a forward of its
 own, a Linear, convolution or normalisation subclass is followed through the functional op it calls and listed as
-decided at its first training forward (:mod:`.subclasses`); any other is left out.
+decided at its first forward with gradients (:mod:`.subclasses`); any other is left out.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ class LayerReport:
         lines = [f"K-FAC preconditions {len(self.preconditioned)} layer(s):"]
         lines += [f"  {n or '<root>'} ({t}){' [' + note + ']' if note else ''}" for n, t, note in self.preconditioned]
         if self.pending:
-            lines.append(f"decided at their first training forward ({len(self.pending)} subclass(es) with their own "
-                         "forward: preconditioned if it uses its weight only in the op its base class calls):")
+            lines.append(f"decided at their first forward with gradients ({len(self.pending)} subclass(es) with their "
+                         "own forward: preconditioned if it uses its weight only in the op its base class calls):")
             lines += [f"  {n or '<root>'} ({t}): {note}" for n, t, note in self.pending]
         if self.skipped:
             lines.append(f"left to the optimizer ({len(self.skipped)} module(s) with trainable parameters):")

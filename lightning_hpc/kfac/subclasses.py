@@ -19,7 +19,7 @@ sequence number from the forward's start on) from its outputs: an edge into the 
 accumulator from a node that no captured call created is another use of it (``StdConv2d``'s standardised weight, a
 weight scaled or reshaped before the op, a custom autograd function on it), and the layer is then left to the
 optimizer with that reason, as it is when a call's arguments differ from the module's. Since this is known only
-once the forward has run, the setup report lists such layers as decided at their first training forward.
+once the forward has run, the setup report lists such layers as decided at their first forward with gradients.
 
 A weight that is not a parameter of the module (``torch.nn.utils.parametrizations.weight_norm`` or any
 parametrization, the older ``weight_norm`` hook) is known at setup: its gradient goes to other parameters.

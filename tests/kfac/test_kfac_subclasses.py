@@ -284,7 +284,7 @@ def test_report_lists_exactly_the_layers_whose_gradients_step_changes():
         for name, reason in REASONS.items():
             assert reason in skipped[name], (name, skipped[name])
     text = pre.describe_layers()
-    assert "StdConv2d" in text and "decided at their first training forward" not in text
+    assert "StdConv2d" in text and "decided at their first forward with gradients" not in text
 
 
 class _no_warning:
@@ -312,3 +312,26 @@ def test_eval_and_no_grad_forwards_decide_nothing():
     model(x).sum().backward()  # grad-enabled eval forward: the call is the base class's, and nothing is captured
     assert [n for n, *_ in pre.preconditioned_modules] == ["0", "1", "2.fc"] and not pre.skipped_modules
     assert all(h.g_sum is None for h in pre.handlers)
+
+
+def test_compiled_subclass_equals_the_explicit_model():
+    """Under torch.compile the tracer's hooks still capture the padded input: the factors and gradients of the
+    eager plain-torch model (F.pad + nn.Conv2d)."""
+    torch._dynamo.reset()
+    make, make_reference = PAIRS["conv2d_same"]
+    torch.manual_seed(2)
+    model, reference = make().double(), make_reference().double()
+    for p, q in zip(_trainable(model), _trainable(reference), strict=True):
+        q.data.copy_(p.data)
+    pre, ref = _kfac(model), _kfac(reference)
+    compiled = torch.compile(model)
+    try:
+        for seed in range(2):
+            _step(compiled, pre, seed)
+            _step(reference, ref, seed)
+    finally:
+        torch._dynamo.reset()
+    for p, q in zip(_trainable(model), _trainable(reference), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(pre.factors["0"]["A"], ref.factors["1"]["A"], rtol=1e-10, atol=1e-12)
+    assert [n for n, *_ in pre.preconditioned_modules] == ["0", "1.fc"]
