@@ -60,7 +60,8 @@ def skip_reason(
         return (f"{type(module).__name__} normalises with statistics of other ranks' samples too, which K-FAC's "
                 "per-sample gradients of its scale and shift would not see")
     if isinstance(module, nn.utils.parametrize.ParametrizationList):
-        return "the parameters a parametrization computes its module's weight from (see that module)"
+        owner, _, rest = name.rpartition(".parametrizations.")
+        return f"the parameters from which a parametrization computes {owner or '<root>'}'s {rest!r}"
     if isinstance(module, NORMS) and not isinstance(getattr(module, "weight", None), torch.Tensor):
         return "no affine parameters"
     if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ __all__ = [
     "FunctionalOp",
     "computed_weight",
     "has_own_forward",
+    "trainable_bias",
 ]
 
 #: the methods a subclass overrides to compute something else than its base class
@@ -54,6 +55,13 @@ def has_own_forward(module: nn.Module, base: type[nn.Module]) -> bool:
     """Whether a class between ``type(module)`` and the torch class ``base`` defines its own forward."""
     mro = type(module).__mro__
     return any(name in vars(cls) for cls in mro[: mro.index(base)] for name in OWN_FORWARD_METHODS)
+
+
+def trainable_bias(module: nn.Module) -> torch.Tensor | None:
+    """The module's bias when it is a parameter of the module that trains, else None (absent, frozen, or computed
+    from other parameters by a parametrization: its gradient then goes to those)."""
+    bias = module._parameters.get("bias")
+    return bias if isinstance(bias, nn.Parameter) and bias.requires_grad else None
 
 
 def computed_weight(module: nn.Module) -> str | None:
@@ -124,8 +132,8 @@ class FunctionalOp:
     def mismatch(self, module: nn.Module, call: dict[str, Any]) -> str | None:
         """Why the call does not compute the base class's op on the module's parameters (None: it does)."""
         m: Any = module
-        bias = getattr(m, "bias", None)
-        if isinstance(bias, torch.Tensor) and bias.requires_grad and call.get("bias") is not bias:
+        bias = trainable_bias(module)
+        if bias is not None and call.get("bias") is not bias:
             return f"its forward calls {self.label} with a bias other than its trainable bias"
         checks: list[tuple[str, Any, Any]] = []
         if "groups" in call:
@@ -206,9 +214,8 @@ class CallTracer(TorchFunctionMode):
 
     def params(self) -> list[torch.Tensor]:
         """The parameters whose gradients the captured calls must account for: the weight and a trainable bias."""
-        m: Any = self.module
-        bias = getattr(m, "bias", None)
-        return [m.weight] + ([bias] if isinstance(bias, torch.Tensor) and bias.requires_grad else [])
+        bias = trainable_bias(self.module)
+        return [cast(torch.Tensor, self.module.weight)] + ([bias] if bias is not None else [])
 
     def start(self) -> None:
         self.active = True

@@ -335,3 +335,29 @@ def test_compiled_subclass_equals_the_explicit_model():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(pre.factors["0"]["A"], ref.factors["1"]["A"], rtol=1e-10, atol=1e-12)
     assert [n for n, *_ in pre.preconditioned_modules] == ["0", "1.fc"]
+
+
+class Double(nn.Module):
+    def forward(self, b: torch.Tensor) -> torch.Tensor:
+        return 2.0 * b
+
+
+def test_parametrized_bias_is_left_to_the_optimizer_and_the_weight_block_is_exact():
+    """A bias computed by a parametrization gets its gradient on the parametrization's parameter: the weight is
+    preconditioned alone, as a Linear whose (same) bias is frozen; before, the computed bias was folded into A."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 5), Head(5)).double()
+    reference = nn.Sequential(nn.Flatten(), nn.Linear(192, 5), Head(5)).double()
+    reference.load_state_dict(model.state_dict())
+    nn.utils.parametrize.register_parametrization(model[1], "bias", Double())
+    with torch.no_grad():
+        model[1].parametrizations.bias.original.copy_(reference[1].bias / 2)
+    reference[1].bias.requires_grad_(False)
+    pre, ref = _kfac(model), _kfac(reference)
+    assert ("1", "ParametrizedLinear", "bias left to the optimizer") in pre.preconditioned_modules
+    assert ("1.parametrizations.bias", "ParametrizationList",
+            "the parameters from which a parametrization computes 1's 'bias'") in pre.skipped_modules
+    for seed in range(2):
+        _step(model, pre, seed)
+        _step(reference, ref, seed)
+        torch.testing.assert_close(model[1].weight.grad, reference[1].weight.grad, rtol=1e-10, atol=1e-12)

@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
 from lightning_hpc.kfac.methods import ComputeMethod
+from lightning_hpc.kfac.subclasses import trainable_bias
 
 __all__ = ["LayerHandler", "stat_dtype"]
 
@@ -88,10 +89,10 @@ class LayerHandler:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
-        bias = getattr(module, "bias", None)
-        #: the bias is folded into A (and preconditioned with the weight) only when it trains: a frozen bias is
-        #: neither part of the factors nor given a ``.grad``
-        self.has_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
+        #: the bias is folded into A (and preconditioned with the weight) only when it is a parameter that trains: a
+        #: frozen bias is neither part of the factors nor given a ``.grad``, and one computed by a parametrization
+        #: has its gradient on other parameters
+        self.has_bias = trainable_bias(module) is not None
         #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
         self.max_calls_per_forward = 0
         # never reset: a hook of a discarded forward pass must not match a later call's token
