@@ -355,3 +355,16 @@ def test_parametrized_bias_is_left_to_the_optimizer_and_the_weight_block_is_exac
         _step(model, pre, seed)
         _step(reference, ref, seed)
         torch.testing.assert_close(model[1].weight.grad, reference[1].weight.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hook_computed_weights_are_left_out_at_setup():
+    """The older weight_norm / spectral_norm hooks replace the weight parameter by ``weight_g``/``weight_v`` or
+    ``weight_orig``: left out at setup with the parameters named (listed as preconditioned before)."""
+    model = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 4)), nn.utils.spectral_norm(nn.Linear(4, 4)),
+                          nn.Linear(4, 2))
+    pre = _kfac(model)
+    assert [n for n, *_ in pre.preconditioned_modules] == ["2"]
+    skipped = {n: why for n, _, why in pre.skipped_modules}
+    assert skipped["0"].startswith("its weight is computed from other parameters (weight_g, weight_v;")
+    assert skipped["1"].startswith("its weight is computed from other parameters (weight_orig;")
