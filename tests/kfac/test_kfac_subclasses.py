@@ -6,15 +6,18 @@ gradients ``step()`` changes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kfac_checks import average_gradients_like_ddp
 from torch import nn
 from torch.nn.utils import parametrizations
 
+from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
 
 DAMPING = 0.03
@@ -368,3 +371,50 @@ def test_hook_computed_weights_are_left_out_at_setup():
     skipped = {n: why for n, _, why in pre.skipped_modules}
     assert skipped["0"].startswith("its weight is computed from other parameters (weight_g, weight_v;")
     assert skipped["1"].startswith("its weight is computed from other parameters (weight_orig;")
+
+
+def _train_mixed(rank: int, world: int, placement: str, overlap: bool) -> tuple[list, list[str]]:
+    """4 steps of the mixed model on 8 samples: each of ``world`` ranks its share, one process the two halves as
+    accumulated micro-batches (BatchNorm normalises each half alike)."""
+    torch.manual_seed(5)
+    model = Mixed().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=2, inv_update_freq=2, damping=DAMPING,
+                             kl_clip=0.01, placement=placement, decomposition_dtype="float64",
+                             factor_dtype="float64", overlap_factor_allreduce=overlap, announce=False)
+    parts = 2 // world
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(8, 3, 9, 9, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        for j in range(parts):
+            lo = (rank * parts + j) * 4
+            context = pre.no_sync() if j < parts - 1 else contextlib.nullcontext()
+            with context, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                (F.cross_entropy(model(x[lo : lo + 4]), y[lo : lo + 4]) / parts).backward()
+        average_gradients_like_ddp(model)
+        pre.step()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()], [n for n, *_ in pre.preconditioned_modules]
+
+
+MIXED_CASES = [("balanced", False), ("layer_wise", False), ("balanced", True)]
+
+
+def _run_mixed(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    return {case: _train_mixed(rank, world, *case) for case in MIXED_CASES}
+
+
+def test_two_processes_equal_one_process_on_the_mixed_model():
+    """Every rank decides alike which subclasses it follows; 2 gloo processes (KAISA's layer_wise and the
+    overlapped all-reduce included) equal one process (float64)."""
+    one = _run_mixed(0, 1)
+    for rank, res in enumerate(run_in_processes(_run_mixed, 2, timeout_s=300, collective_timeout_s=120)):
+        for case in MIXED_CASES:
+            assert set(res[case][1]) == set(one[case][1]) == PRECONDITIONED, (rank, case)
+            for got, want in zip(res[case][0], one[case][0], strict=True):
+                torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-9, atol=1e-10,
+                                           msg=lambda m, case=case, rank=rank: f"{case} rank {rank}: {m}")
