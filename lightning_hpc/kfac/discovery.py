@@ -60,8 +60,8 @@ def skip_reason(
         return (f"{type(module).__name__} normalises with statistics of other ranks' samples too, which K-FAC's "
                 "per-sample gradients of its scale and shift would not see")
     if isinstance(module, nn.utils.parametrize.ParametrizationList):
-        owner, _, rest = name.rpartition(".parametrizations.")
-        return f"the parameters from which a parametrization computes {owner or '<root>'}'s {rest!r}"
+        owner, _, tensor = f".{name}".rpartition(".parametrizations.")
+        return f"the parameters from which a parametrization computes {owner[1:] or '<root>'}'s {tensor!r}"
     if isinstance(module, NORMS) and not isinstance(getattr(module, "weight", None), torch.Tensor):
         return "no affine parameters"
     if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
@@ -102,7 +102,7 @@ class LayerReport:
     handlers: list[LayerHandler] = field(default_factory=list)
     preconditioned: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
-    #: subclasses with their own forward, preconditioned or left out once a training forward has shown which
+    #: subclasses with their own forward, preconditioned or left out once a forward with gradients has shown which
     #: (:meth:`settle`)
     pending: list[tuple[str, str, str]] = field(default_factory=list)
 
