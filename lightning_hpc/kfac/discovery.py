@@ -6,9 +6,14 @@ convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNo
 ``nn.LayerNorm`` / ``nn.RMSNorm`` / ``nn.InstanceNorm1d/2d/3d`` (a 2x2 block per channel) or an ``nn.Embedding``
 (diagonal A) whose weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains).
 Every other module with trainable parameters is listed with its reason: unsupported type, a family
-``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation subclass with statistics from other
-ranks (``nn.SyncBatchNorm``) or tiles (declared by the spatial strategy), a sparse embedding, or a Linear that
-``nn.MultiheadAttention`` uses functionally (its hooks never fire).
+``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation layer with statistics from other
+ranks (``nn.SyncBatchNorm``) or tiles (declared by the spatial strategy), a sparse embedding, a Linear that
+``nn.MultiheadAttention`` uses functionally (its hooks never fire), or a weight computed from other parameters (a
+parametrization such as ``weight_norm``).
+
+A subclass of a handled type is handled as its base class when it keeps the base's forward; with a forward of its
+own, a Linear, convolution or normalisation subclass is followed through the functional op it calls and listed as
+decided at its first forward with gradients (:mod:`.subclasses`); any other is left out.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from lightning_hpc.kfac.layers import (
     EmbeddingHandler,
     LayerHandler,
     LinearHandler,
+    base_type,
     layer_type_of,
     linear_batch_dim,
     make_handler,
 )
+from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, computed_weight, has_own_forward
 from lightning_hpc.protocols import ShardedFullyConnected
 
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
@@ -49,9 +56,12 @@ def skip_reason(
     if getattr(module, "kfac_split_statistics", False):
         return (f"{type(module).__name__} normalises a split activation (spatial parallelism): the per-sample "
                 "gradients of its scale and shift are sums over every tile, which K-FAC's block does not gather")
-    if isinstance(module, (*NORMS, nn.SyncBatchNorm)) and type(module) not in NORMS:
-        return (f"{type(module).__name__} normalises with statistics of other ranks or tiles, which K-FAC's "
+    if isinstance(module, nn.SyncBatchNorm):
+        return (f"{type(module).__name__} normalises with statistics of other ranks' samples too, which K-FAC's "
                 "per-sample gradients of its scale and shift would not see")
+    if isinstance(module, nn.utils.parametrize.ParametrizationList):
+        owner, _, tensor = f".{name}".rpartition(".parametrizations.")
+        return f"the parameters from which a parametrization computes {owner[1:] or '<root>'}'s {tensor!r}"
     if isinstance(module, NORMS) and not isinstance(getattr(module, "weight", None), torch.Tensor):
         return "no affine parameters"
     if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
@@ -67,6 +77,17 @@ def skip_reason(
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
         return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
+    base = base_type(module)
+    if base is not None:
+        computed = computed_weight(module)
+        if computed is not None:
+            return computed
+        if has_own_forward(module, base):
+            if base not in FUNCTIONAL_OPS:
+                return (f"a subclass of nn.{base.__name__} with its own forward, which K-FAC does not follow (it "
+                        "follows those of Linear, Conv1d/2d/3d and normalisation subclasses)")
+            if hasattr(module, "kfac_padded_input"):
+                return "a spatially tiled convolution with its own forward, which K-FAC does not follow"
     if not module.weight.requires_grad:
         return "weight frozen (requires_grad=False)"
     if any(p.search(name) or p.search(type(module).__name__) for p in patterns):
@@ -81,10 +102,34 @@ class LayerReport:
     handlers: list[LayerHandler] = field(default_factory=list)
     preconditioned: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    #: subclasses with their own forward, preconditioned or left out once a forward with gradients has shown which
+    #: (:meth:`settle`)
+    pending: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def settle(self, name: str, reason: str | None) -> None:
+        """Move layer ``name`` from :attr:`pending` to :attr:`preconditioned` (``reason`` None), or from either to
+        :attr:`skipped` with ``reason``."""
+        sources = (self.pending,) if reason is None else (self.pending, self.preconditioned)
+        for source in sources:
+            entry = next((e for e in source if e[0] == name), None)
+            if entry is None:
+                continue
+            source.remove(entry)
+            if reason is None:
+                order = [h.name for h in self.handlers]
+                self.preconditioned.append(entry)
+                self.preconditioned.sort(key=lambda e: order.index(e[0]))
+            else:
+                self.skipped.append((entry[0], entry[1], reason))
+            return
 
     def describe(self) -> str:
         lines = [f"K-FAC preconditions {len(self.preconditioned)} layer(s):"]
         lines += [f"  {n or '<root>'} ({t}){' [' + note + ']' if note else ''}" for n, t, note in self.preconditioned]
+        if self.pending:
+            lines.append(f"decided at their first forward with gradients ({len(self.pending)} subclass(es) with their "
+                         "own forward: preconditioned if it uses its weight only in the op its base class calls):")
+            lines += [f"  {n or '<root>'} ({t}): {note}" for n, t, note in self.pending]
         if self.skipped:
             lines.append(f"left to the optimizer ({len(self.skipped)} module(s) with trainable parameters):")
             lines += [f"  {n or '<root>'} ({t}): {why}" for n, t, why in self.skipped]
@@ -112,7 +157,15 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
             if sequences and cast(Any, handler).batch_dim != 0:
                 note = ", ".join(filter(None, [note, "sequence-first input: samples on dim 1"]))
             note = ", ".join(filter(None, [note, handler.form_note]))
-            report.preconditioned.append((name, type(module).__name__, note))
-        elif any(p.requires_grad for p in module.parameters(recurse=False)):
+            base = base_type(module)
+            if base is not None and has_own_forward(module, base):
+                handler.traced = True
+                note = ", ".join(filter(None, [f"own forward: the statistics of its {FUNCTIONAL_OPS[base].label} "
+                                               "calls on its weight", note]))
+                report.pending.append((name, type(module).__name__, note))
+            else:
+                report.preconditioned.append((name, type(module).__name__, note))
+        elif any(p.requires_grad for p in module.parameters(recurse=base_type(module) is not None)):
+            # (a handled type's parameters include those a parametrization computes its weight from)
             report.skipped.append((name, type(module).__name__, reason))
     return report

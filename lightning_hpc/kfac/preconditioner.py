@@ -50,12 +50,13 @@ from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommuni
 from lightning_hpc.kfac.batched import PreconditionBuckets
 from lightning_hpc.kfac.collectives import allreduce_mean, broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
-from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler
+from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler, base_type
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
 from lightning_hpc.kfac.schedules import value_at
+from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, CallTracer, ConvGeometry
 
 __all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
 
@@ -192,11 +193,15 @@ class KFACPreconditioner:
         #: the overlapped factor all-reduce (None: reduced synchronously at the step)
         self.overlap: OverlappedFactorAllreduce | None = self._make_overlap()
         self._hooks = [
-            h.module.register_forward_hook(self._make_forward_hook(i, h)) for i, h in enumerate(self.handlers)
+            h.module.register_forward_hook(self._make_forward_hook(i, h))
+            for i, h in enumerate(self.handlers) if not h.traced
         ]
         self._hooks += [
             h.module.register_forward_pre_hook(self._make_pre_hook(h)) for h in self.handlers if h.records_input
         ]
+        for i, h in enumerate(self.handlers):
+            if h.traced:
+                self._hooks += self._register_tracer(i, h)
 
     @classmethod
     def from_options(cls, model: nn.Module, options: KFACOptions, **runtime: Any) -> KFACPreconditioner:
@@ -402,23 +407,76 @@ class KFACPreconditioner:
             self._forward_hooks_ran = True  # (capturing or not: an eval-mode or no-grad forward ran the hooks too)
             self._check_module(handler, module)
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
-            if not self._capturing(module):
-                return
-            if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad or not handler.captures(x):
-                return
-            if handler.is_stale():
-                # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
-                if self.overlap is not None:
-                    self.overlap.abandon()  # and whatever that backward pass launched
-                for h in self.handlers:
-                    h.discard_committed()
-            token = handler.capture_input(x)
-            # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
-            # spatial tile: the tiled handler expects the tile's own part)
-            with torch._C.DisableTorchFunctionSubclass():
-                output.register_hook(self._output_grad_hook(index, handler, token))
+            self._capture(index, handler, module, x, output)
 
         return hook
+
+    def _register_tracer(self, index: int, handler: LayerHandler) -> list[Any]:
+        """The hooks of a subclass with its own forward (:mod:`.subclasses`): a :class:`CallTracer` follows each
+        forward that builds a graph, captures the calls of its base class's op on its weight, and leaves the layer to
+        the optimizer when the weight reaches the result any other way."""
+        module = handler.module
+        op = FUNCTIONAL_OPS[base_type(module)]  # type: ignore[index]  # discovery traces these types only
+
+        def on_call(x: torch.Tensor, output: torch.Tensor, geometry: ConvGeometry | None) -> None:
+            if handler.left_out is not None:
+                return
+            if isinstance(handler, ConvHandler):
+                handler.call_geometry = geometry  # the call's padding, stride and dilation: A of what it convolves
+            try:
+                self._capture(index, handler, module, x, output)
+            finally:
+                if isinstance(handler, ConvHandler):
+                    handler.call_geometry = None
+
+        tracer = CallTracer(module, op, on_call)
+
+        def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            self._check_module(handler, module)
+            if handler.left_out is None and torch.is_grad_enabled():
+                tracer.start()
+
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            self._forward_hooks_ran = True
+            used, reason = tracer.finish(output)
+            if reason is not None:
+                self._leave_out(handler, reason)
+            elif used and handler.left_out is None:
+                self.layer_report.settle(handler.name, None)
+
+        return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(hook, always_call=True)]
+
+    def _leave_out(self, handler: LayerHandler, reason: str) -> None:
+        """Leave a traced layer to the optimizer from now on: it is reported with ``reason``, said once, and keeps
+        no statistics, factors or decompositions (so :meth:`step` no longer changes its gradient)."""
+        if handler.left_out is not None:
+            return
+        handler.left_out = reason
+        handler.reset_statistics()
+        handler.factors, handler.decompositions = {}, {}
+        self.layer_report.settle(handler.name, reason)
+        self._warn_once(f"left_out:{handler.name}", f"K-FAC leaves layer {handler.name!r} "
+                        f"({type(handler.module).__name__}) to the optimizer: {reason}", stacklevel=4)
+
+    def _capture(self, index: int, handler: LayerHandler, module: nn.Module, x: torch.Tensor | None,
+                 output: Any) -> None:
+        """Capture one call of the layer: ``x`` is what A is formed from, ``output`` the tensor whose gradient
+        forms G (the module's, or the traced functional call's)."""
+        if not self._capturing(module):
+            return
+        if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad or not handler.captures(x):
+            return
+        if handler.is_stale():
+            # statistics of a backward pass whose step() never ran (gradients cleared since): drop them all
+            if self.overlap is not None:
+                self.overlap.abandon()  # and whatever that backward pass launched
+            for h in self.handlers:
+                h.discard_committed()
+        token = handler.capture_input(x)
+        # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
+        # spatial tile: the tiled handler expects the tile's own part)
+        with torch._C.DisableTorchFunctionSubclass():
+            output.register_hook(self._output_grad_hook(index, handler, token))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -546,7 +604,7 @@ class KFACPreconditioner:
         for h, f in zip(self.handlers, fired):
             if f >= 1.0 - 1e-6:
                 active.append(h)
-            else:
+            elif h.left_out is None:  # (a layer left out since setup was said to be when it was)
                 self._warn_once(
                     h.name,
                     f"K-FAC: the hooks of layer {h.name!r} ({type(h.module).__name__}) did not fire in a training "

@@ -46,6 +46,7 @@ __all__ = [
     "NormAffineHandler",
     "ShardedLinearHandler",
     "TiledConvHandler",
+    "base_type",
     "layer_type_of",
     "linear_batch_dim",
     "make_handler",
@@ -67,6 +68,14 @@ LAYER_TYPES: dict[str, tuple[type[nn.Module], ...]] = {
     "norm": NORMS,
     "embedding": (nn.Embedding,),
 }
+
+
+def base_type(module: nn.Module) -> type[nn.Module] | None:
+    """The class of :data:`SUPPORTED` that ``module`` is an instance of, nearest in its method resolution order
+    (None: none, or a sharded fully-connected layer, which is not a subclass of a torch layer)."""
+    if isinstance(module, ShardedFullyConnected):
+        return None
+    return next((cls for cls in type(module).__mro__ if cls in SUPPORTED), None)
 
 
 def layer_type_of(module: nn.Module) -> str | None:
@@ -97,7 +106,7 @@ def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
         if module.groups > 1:
             return GroupConvTransposeHandler(name, module)
         return ConvTransposeHandler(name, module)
-    if type(module) in NORMS and isinstance(getattr(module, "weight", None), torch.Tensor):
+    if isinstance(module, NORMS) and isinstance(getattr(module, "weight", None), torch.Tensor):
         return NormAffineHandler(name, module)
     if isinstance(module, nn.Embedding):
         return EmbeddingHandler(name, module)

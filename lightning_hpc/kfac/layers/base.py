@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
 from lightning_hpc.kfac.methods import ComputeMethod
+from lightning_hpc.kfac.subclasses import trainable_bias
 
 __all__ = ["LayerHandler", "stat_dtype"]
 
@@ -63,6 +64,12 @@ class LayerHandler:
     stat_dtype: torch.dtype = torch.float32
     #: the statistics are completed by a collective when the step forms the factors (a sharded layer's)
     gathers_statistics: bool = False
+    #: the layer is a subclass with its own forward: its statistics are those of the functional calls on its weight
+    #: (:class:`~lightning_hpc.kfac.subclasses.CallTracer`), not of the module's input and output
+    traced: bool = False
+    #: why the layer was left to the optimizer after setup (a traced layer whose forward uses its weight otherwise);
+    #: None while it is preconditioned
+    left_out: str | None = None
 
     def dtype_for(self, t: torch.Tensor) -> torch.dtype:
         """The dtype this layer's statistics of ``t`` are formed in: :attr:`stat_dtype`, or ``t``'s own when it
@@ -82,10 +89,10 @@ class LayerHandler:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name = name
         self.module = module
-        bias = getattr(module, "bias", None)
-        #: the bias is folded into A (and preconditioned with the weight) only when it trains: a frozen bias is
-        #: neither part of the factors nor given a ``.grad``
-        self.has_bias = isinstance(bias, torch.Tensor) and bias.requires_grad
+        #: the bias is folded into A (and preconditioned with the weight) only when it is a parameter that trains: a
+        #: frozen bias is neither part of the factors nor given a ``.grad``, and one computed by a parametrization
+        #: has its gradient on other parameters
+        self.has_bias = trainable_bias(module) is not None
         #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
         self.max_calls_per_forward = 0
         # never reset: a hook of a discarded forward pass must not match a later call's token

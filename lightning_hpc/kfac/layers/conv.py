@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.linalg import conv_patch_gram, sym_gram
+from lightning_hpc.kfac.subclasses import ConvGeometry
 
 __all__ = ["CONVOLUTIONS", "SHIFTED_GRAM_MIN_WORK", "ConvHandler", "sliding_windows"]
 
@@ -60,6 +61,15 @@ class ConvHandler(LayerHandler):
     #: inputs that come padded already (:class:`TiledConvHandler`)
     shifted_gram: bool = True
 
+    #: the geometry of the call being captured (a subclass's own forward, :mod:`~lightning_hpc.kfac.subclasses`);
+    #: None: the module's own (``nn.ConvNd.forward``)
+    call_geometry: ConvGeometry | None = None
+
+    @property
+    def geometry(self) -> ConvGeometry:
+        """Stride, dilation and padding the captured input went through: the captured call's, else the module's."""
+        return self.call_geometry or ConvGeometry.of_module(self.module)
+
     @property
     def spatial_dims(self) -> int:
         return len(self.module.kernel_size)
@@ -87,15 +97,14 @@ class ConvHandler(LayerHandler):
         dilation takes every ``d``-th element of a ``d (k - 1) + 1`` window. One later copy lays the patches out
         as needed, about 40% cheaper on CPU than ``F.unfold`` (im2col) followed by a transposed copy.
         """
-        m = self.module
-        return sliding_windows(self._pad(self._batched(x.detach().to(self.dtype_for(x)))), m.kernel_size, m.stride,
-                               m.dilation)
+        geo = self.geometry
+        return sliding_windows(self._pad(self._batched(x.detach().to(self.dtype_for(x)))), self.module.kernel_size,
+                               geo.stride, geo.dilation)
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-        if any(m._reversed_padding_repeated_twice):
-            x = F.pad(x, m._reversed_padding_repeated_twice, mode=mode)
+        geo = self.geometry
+        if any(geo.padding):
+            x = F.pad(x, geo.padding, mode="constant" if geo.mode == "zeros" else geo.mode)
         return x
 
     def input_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,12 +154,12 @@ class ConvHandler(LayerHandler):
         :func:`~lightning_hpc.kfac.linalg.conv_patch_gram` (stride 1, no dilation, zero padding of at most
         ``k - 1``, a kernel larger than 1x1, on CPU, and enough work: below :data:`SHIFTED_GRAM_MIN_WORK` its
         fixed cost of some 30 small products exceeds what it saves); else None (the unfolded patches)."""
-        m = self.module
+        geo = self.geometry
         if self.spatial_dims != 2:
             return None
-        (kh, kw), (left, right, top, bottom) = m.kernel_size, m._reversed_padding_repeated_twice  # type: ignore[misc]
+        (kh, kw), (left, right, top, bottom) = self.module.kernel_size, geo.padding  # type: ignore[misc]
         if (not self.shifted_gram or x.device.type != "cpu" or x.dim() not in (3, 4) or kh * kw == 1
-                or m.stride != (1, 1) or m.dilation != (1, 1) or m.padding_mode != "zeros"
+                or geo.stride != (1, 1) or geo.dilation != (1, 1) or geo.mode != "zeros"
                 or max(top, bottom) >= kh or max(left, right) >= kw):  # fmt: skip
             return None
         pads = top, bottom, left, right

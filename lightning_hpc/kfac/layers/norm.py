@@ -19,8 +19,9 @@ from lightning_hpc.kfac.methods import ComputeMethod
 
 __all__ = ["FEATURE_NORMS", "NORMS", "NormAffineHandler"]
 
-#: normalisation layers whose affine parameters are preconditioned (exact types: a subclass such as
-#: ``nn.SyncBatchNorm`` normalises with statistics from other ranks)
+#: normalisation layers whose affine parameters are preconditioned (``nn.SyncBatchNorm``, which normalises with
+#: statistics from other ranks, is none of them; a subclass of one is handled as it is, see
+#: :mod:`~lightning_hpc.kfac.subclasses`)
 NORMS: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
@@ -98,7 +99,7 @@ class NormAffineHandler(LayerHandler):
             if extra == 0:
                 return t.unsqueeze(0)
             return t.movedim(self.batch_dim, 0) if extra >= 2 else t
-        batched = _INSTANCE_NORM_DIMS.get(type(m))
+        batched = next((d for t, d in _INSTANCE_NORM_DIMS.items() if isinstance(m, t)), None)
         return t.unsqueeze(0) if batched is not None and t.dim() == batched - 1 else t
 
     def sample_count(self, x: torch.Tensor) -> int:
@@ -125,7 +126,7 @@ class NormAffineHandler(LayerHandler):
             return F.rms_norm(x, m.normalized_shape, eps=m.eps)
         if isinstance(m, nn.GroupNorm):
             return F.group_norm(x, m.num_groups, eps=m.eps)
-        assert type(m) in _INSTANCE_NORM_DIMS  # BatchNorm: _batch_centered
+        assert isinstance(m, tuple(_INSTANCE_NORM_DIMS))  # BatchNorm: _batch_centered
         return F.instance_norm(x, eps=float(cast(Any, m).eps))
 
     def _batch_centered(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
