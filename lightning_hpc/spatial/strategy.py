@@ -55,7 +55,7 @@ from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
-from lightning_hpc.spatial.split_check import check_split
+from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -284,11 +284,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 check_split(target, shape, self.layout.grid.parts)
             except (PartitionError, ValueError):
                 raise
-            # the shape trace is an early check only; the first step checks every op
+            # the shape trace is an early check only (the model is left as it was); the first step checks every op
+            except ShapeTraceError as e:
+                log.warning(f"SpatialParallelStrategy: {e}; the split is checked at the first training step instead")
             except Exception as e:  # noqa: BLE001
                 log.warning(
-                    f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
-                    f"{str(e)[:200]}); partitions are checked at the first training step instead"
+                    f"SpatialParallelStrategy: the setup-time split check failed ({type(e).__name__}: "
+                    f"{str(e)[:200]}); the split is checked at the first training step instead"
                 )
         self._sync_batchnorm_to_batchnorm(module)
         # no layer is replaced: every op on a split activation is dispatched to its tile kernel
