@@ -1,6 +1,8 @@
 """Tensors made from a split one: ``*_like`` and ``new_*`` (sizes read from ``x.shape`` are global), and the
 random ops: ``rand_like``/``randn_like`` and ``F.dropout``/``F.dropout2d`` draw the whole activation's values
-from the (same) global stream on every rank and keep this tile's part, so the masks equal one process's.
+from the global stream on every rank and keep this tile's part, so the masks equal one process's (the strategy
+keeps the generators where the user's script left them and gives every rank rank 0's, :meth:`~lightning_hpc.
+spatial.strategy.SpatialParallelStrategy.configure_ddp`).
 """
 
 from __future__ import annotations
