@@ -10,17 +10,19 @@ dimension and the largest split of that dimension that works.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.plan import dim_names
 from lightning_hpc.spatial.tiling import parts_text
 from lightning_hpc.spatial.windows import layer_windows, split_works
 
-__all__ = ["check_split", "trace_shapes"]
+__all__ = ["ShapeTraceError", "check_split", "trace_shapes"]
 
 #: layers whose output is replicated over the spatial group, whatever its extent (partial window sums or maxima
 #: combined over the group)
@@ -28,24 +30,102 @@ _REPLICATED_OUTPUT = (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvg
                       nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 
 
+class ShapeTraceError(RuntimeError):
+    """The meta-device trace of one sample failed in a layer (an op without a meta kernel, a value read on the
+    host, ...); the model is left exactly as it was, and the strategy checks the split at the first step instead."""
+
+
+def _stand_in(t: Tensor) -> Tensor:
+    """A meta tensor of ``t``'s shape, dtype and kind (a parameter stays a parameter: layers may test for one)."""
+    m = torch.empty_like(t, device="meta")
+    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+
+
+@contextlib.contextmanager
+def _on_meta(model: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` replaced by a meta stand-in for the duration, then the very same
+    objects put back, whatever the trace did.
+
+    Each module's own slots are swapped once (``modules()`` lists a submodule registered under several names
+    once), and one tensor held in several slots (tied weights) gets one stand-in, so it stays tied during the
+    trace. ``torch.func.functional_call`` swaps per *name* instead: a submodule registered under two names is
+    swapped twice, the second swap saves the first one's meta tensor as the "original" and puts it back on exit,
+    which left such models on the meta device. Parametrizations need nothing special: their ``original`` is a
+    parameter of a submodule like any other. Plain tensor attributes (the ``weight`` the hook forms
+    ``nn.utils.weight_norm``/``spectral_norm`` compute, a table a layer made at its first call) get stand-ins too
+    (a meta activation cannot meet a real tensor) and are put back; ones the trace added are removed, so a layer
+    that caches at its first call makes its cache again at the first real call.
+    """
+    stand_ins: dict[int, Tensor] = {}
+    saved: list[tuple[dict[str, Any], str, Tensor]] = []  # (where, key, the original object)
+    had: list[tuple[nn.Module, set[str]]] = []
+    try:
+        for m in model.modules():
+            had.append((m, set(vars(m))))
+            attributes = [k for k, v in vars(m).items() if isinstance(v, Tensor)]
+            places: list[tuple[dict[str, Any], list[str]]] = [
+                (m._parameters, list(m._parameters)), (m._buffers, list(m._buffers)), (vars(m), attributes)]
+            for slots, keys in places:
+                for k in keys:
+                    v = slots[k]
+                    if v is None:
+                        continue
+                    saved.append((slots, k, v))
+                    if id(v) not in stand_ins:
+                        stand_ins[id(v)] = _stand_in(v)
+                    slots[k] = stand_ins[id(v)]
+        yield
+    finally:
+        for slots, k, v in reversed(saved):
+            slots[k] = v
+        for m, before in had:
+            for k in set(vars(m)) - before:
+                if isinstance(vars(m)[k], Tensor) and vars(m)[k].device.type == "meta":
+                    delattr(m, k)
+
+
 def trace_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """``(input shape, output shape)`` of every leaf module's first call for one sample of ``input_shape``
-    (C, *spatial), traced on the meta device."""
+    (C, *spatial), traced on the meta device (nothing allocated, nothing computed) in the dtype of the model's
+    first floating parameter.
+
+    The model's parameters, buffers and tensor attributes are the same objects, with the same values, afterwards
+    (:func:`_on_meta`); a failing trace raises :class:`ShapeTraceError` naming the innermost layer that was running.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[misc]
+            # its first call would make its parameters (on the meta device) and turn the layer into its eager class
+            raise ShapeTraceError(
+                f"layer '{name}' ({type(m).__name__}) has lazy parameters that are not made yet; the shape trace "
+                f"would make them"
+            )
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    running: list[str] = []  # the layers whose forward has begun and not ended: the innermost one failed
     handles = []
     for name, m in model.named_modules():
-        if next(m.children(), None) is None:
-            def hook(mod, args, out, name=name):
-                if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
-                    shapes.setdefault(name, (tuple(args[0].shape), tuple(out.shape)))
-            handles.append(m.register_forward_hook(hook))
-    state = {k: torch.empty_like(v, device="meta")
-             for k, v in list(model.named_parameters()) + list(model.named_buffers())}
+        def enter(mod: nn.Module, args: Any, name: str = name) -> None:
+            running.append(name)
+
+        def leave(mod: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            running.pop()
+            if next(mod.children(), None) is None and args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+                shapes.setdefault(name, (tuple(args[0].shape), tuple(out.shape)))
+        handles.append(m.register_forward_pre_hook(enter))
+        handles.append(m.register_forward_hook(leave))
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
     modes = {m: m.training for m in model.modules()}
     model.eval()  # shapes do not depend on the mode; training-mode batch norm with momentum=None reads a counter
     try:
-        with torch.no_grad():
-            torch.func.functional_call(model, state, (torch.empty((1, *input_shape), device="meta"),))
+        with _on_meta(model), torch.no_grad():
+            model(torch.empty((1, *input_shape), device="meta", dtype=dtype))
+    except Exception as e:
+        where = running[-1] if running else ""
+        layer = f"layer '{where}' ({type(model.get_submodule(where)).__name__})" if where else (
+            f"the model's own forward ({type(model).__name__})")
+        raise ShapeTraceError(
+            f"the shape trace of one sample {tuple(input_shape)} on the meta device failed in {layer}: "
+            f"{type(e).__name__}: {str(e)[:300]}"
+        ) from e
     finally:
         for h in handles:
             h.remove()

@@ -45,7 +45,13 @@ from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import FailureMessages
 from lightning_hpc.distributed.partitioned import refuse_compiled
-from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
+from lightning_hpc.distributed.start_equal import (
+    generator_states,
+    module_state_tensors,
+    set_generator_states,
+    start_equal,
+    start_equal_generators,
+)
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
@@ -55,7 +61,7 @@ from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
-from lightning_hpc.spatial.split_check import check_split
+from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
     create_hybrid_layout,
@@ -233,6 +239,16 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         return self._parts_setting  # type: ignore[return-value]
 
     @override
+    def setup_distributed(self) -> None:
+        # DDPStrategy.setup_distributed reseeds every generator with the seed of the user's seed_everything
+        # (Lightning's reset_seed). The user seeded once and then built the model, which drew its initial weights
+        # from that stream: reseeded, the ranks drew every dropout mask from the state before the weights, one
+        # process from the state after them. The generators stay where the user's script left them.
+        states = generator_states()
+        super().setup_distributed()
+        set_generator_states(states)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # process group
         parts = self._resolve_parts()
@@ -284,11 +300,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 check_split(target, shape, self.layout.grid.parts)
             except (PartitionError, ValueError):
                 raise
-            # the shape trace is an early check only; the first step checks every op
+            # the shape trace is an early check only (the model is left as it was); the first step checks every op
+            except ShapeTraceError as e:
+                log.warning(f"SpatialParallelStrategy: {e}; the split is checked at the first training step instead")
             except Exception as e:  # noqa: BLE001
                 log.warning(
-                    f"SpatialParallelStrategy: the setup-time shape trace of the model failed ({type(e).__name__}: "
-                    f"{str(e)[:200]}); partitions are checked at the first training step instead"
+                    f"SpatialParallelStrategy: the setup-time split check failed ({type(e).__name__}: "
+                    f"{str(e)[:200]}); the split is checked at the first training step instead"
                 )
         self._sync_batchnorm_to_batchnorm(module)
         # no layer is replaced: every op on a split activation is dispatched to its tile kernel
@@ -371,6 +389,10 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # no DDP wrapper: gradients need a sum over tiles and a mean over samples (reduce_gradients); start equal
         assert self.model is not None
         start_equal(module_state_tensors(self.model))
+        # every rank draws the whole activation's random values and keeps its tile's (dispatch/creation.py): the
+        # tiles of one mask must come from one stream, rank 0's (one process's where the user seeded before building
+        # the model), also where the ranks were not seeded alike
+        start_equal_generators(self.root_device)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -191,6 +191,22 @@ class CoordsStridesNorms(nn.Module):
         return self.out(torch.cat([a, b], 1))
 
 
+class SharedSubmodules(nn.Module):
+    """Blocks registered under two names, as MONAI's ``DynUNet`` keeps its blocks as attributes and again in a
+    list of skip layers (the setup-time shape trace left such layers' parameters on the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_block = nn.Sequential(nn.Conv2d(C, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.bottleneck = nn.Sequential(nn.Conv2d(4, 4, 3, padding=2, dilation=2), nn.ReLU())
+        self.skip_layers = nn.ModuleList([self.input_block, self.bottleneck])
+        self.head = nn.Conv2d(8, CLASSES, 1)
+
+    def forward(self, x):
+        skip = self.skip_layers[0](x)
+        return self.head(torch.cat([skip, self.bottleneck(skip)], dim=1))
+
+
 class WrongChannels(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -246,6 +262,7 @@ IDIOMS = {
     "flatten_head_params_after_pool": (FlattenHead, "cls"),
     "dropout": (Dropouts, "seg"),
     "coords_strides_norms": (CoordsStridesNorms, "seg"),
+    "shared_submodules": (SharedSubmodules, "seg"),
 }
 
 
@@ -414,7 +431,7 @@ def test_idioms_equal_one_process(parts, serial_refs):
     # ops without a tiled form were gathered, and said so with the op, the module and the bytes
     assert "Tensor.flatten in module 'model'" in warned and "bytes per rank" in warned, warned
     # constant padding to the skip's size, centre crops and strided slices are tiled: the U-Nets gather nothing
-    for name in ("unet_pad_to_skip", "unet_centre_crop", "coords_strides_norms"):
+    for name in ("unet_pad_to_skip", "unet_centre_crop", "coords_strides_norms", "shared_submodules"):
         assert not results[0][name]["warnings"], (name, results[0][name]["warnings"])
     # transposed convolution, group and instance norm have tiled forms: never gathered
     assert "conv_transpose2d" not in warned and "group_norm" not in warned and "instance_norm" not in warned, warned

@@ -23,6 +23,7 @@ from lightning_hpc.spatial.tiling import SpatialGrid, tile_slices
 
 N, C_IN, CLASSES, BATCH = 4, 2, 3, 2
 VOLUME = (9, 8, 7)
+IMAGE = (9, 7)  # the images of tests that reuse these data (``kind="image"``)
 SIGNAL = 23
 TOL = 1e-9  # float64
 
@@ -88,7 +89,7 @@ class Segmenter(pl.LightningModule):
 
 def _data(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    extent = VOLUME if kind == "volume" else (SIGNAL,)
+    extent = {"volume": VOLUME, "image": IMAGE}.get(kind, (SIGNAL,))
     return (torch.randn(N, C_IN, *extent, generator=g, dtype=torch.float64),
             torch.randint(0, CLASSES, (N, *extent), generator=g))
 
