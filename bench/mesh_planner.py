@@ -67,7 +67,7 @@ def _spatial_steps(
 ) -> list[float]:
     """Hybrid sample x spatial training steps: the unchanged model on split activations (the op dispatch runs
     every op on its tile kernel), gradients reduced as the strategy reduces them."""
-    from lightning_hpc.spatial.dispatch import split_tensor, state
+    from lightning_hpc.spatial.dispatch import split_tensor
     from lightning_hpc.spatial.gradients import reduce_model_gradients
     from lightning_hpc.spatial.split_check import check_split
     from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
@@ -76,8 +76,8 @@ def _spatial_steps(
     torch.manual_seed(0)
     model = mesh_fcn(convs_per_block=convs)
     check_split(model, (18, size, size), parts)
-    state().overlap = overlap
-    state().tile_params.clear()
+    layout.grid.policy.overlap = overlap
+    layout.grid.tile_params.clear()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     g = torch.Generator().manual_seed(layout.sample_index)
     x = torch.randn(1, 18, size, size, generator=g)
@@ -92,7 +92,7 @@ def _spatial_steps(
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
         loss.backward()
-        reduce_model_gradients(model, layout.num_sample_groups)
+        reduce_model_gradients(model, layout.num_sample_groups, layout.grid.tile_params)
         opt.step()
         dist.barrier()
         if i >= warmup:

@@ -113,7 +113,7 @@ def _memory_worker(rank: int, world: int, parts, size: int, convs: int, overlap:
     grid = layout.grid
     model = mesh_model(convs)
     check_split(model, (18, size, size), parts)
-    state().overlap = overlap
+    grid.policy.overlap = overlap
     # each rank creates only its own tile (as the tile reader does): no rank ever holds the whole sample
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
     x = torch.randn(1, 18, h1 - h0, w1 - w0)
@@ -186,7 +186,7 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     grid = layout.grid
     model = mesh_model(3)
     check_split(model, (18, size, size), parts)
-    state().tile_params.clear()
+    grid.tile_params.clear()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     s0, s1 = block_range(batch, layout.num_sample_groups, layout.sample_index)
     (h0, h1), (w0, w1) = grid.tile_bounds(size, size)
@@ -199,7 +199,7 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
         opt.zero_grad(set_to_none=True)
         loss = F.binary_cross_entropy_with_logits(model(x), y)
         loss.backward()
-        reduce_model_gradients(model, layout.num_sample_groups)
+        reduce_model_gradients(model, layout.num_sample_groups, grid.tile_params)
         opt.step()
 
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -207,7 +207,7 @@ def _train_worker(rank: int, world: int, parts, batch: int, size: int, overlap, 
     step()  # warm-up
     for k in range(repeats * len(modes)):
         mode = modes[k % len(modes)]
-        state().overlap = mode  # read by the convolution handler at every call
+        grid.policy.overlap = mode  # read by the convolution handler at every call
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
@@ -354,12 +354,12 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
                 (("kernels", kernels), ("dispatch", dispatched)):
             # every parameter of these models meets tiles (no head after a global pooling): both steps sum all
             # gradients over the spatial group
-            state().tile_params.clear()
-            state().tile_params.update({id(p): p for p in model.parameters()})
+            grid.tile_params.clear()
+            grid.tile_params.update({id(p): p for p in model.parameters()})
             dist.barrier()
             t0 = time.perf_counter()
             loss = fn()
-            reduce_model_gradients(model, 1)
+            reduce_model_gradients(model, 1, grid.tile_params)
             elapsed = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
             losses[mode] = float(loss)

@@ -98,9 +98,8 @@ def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats:
         ys = split_tensor(y, grid, (1, 1, size, size, size))
         loss = F.binary_cross_entropy_with_logits(model(xs), ys)
         loss.backward()
-        st = state()
-        tile = [p for p in params if id(p) in st.tile_params]
-        reduce_gradients(tile, [p for p in params if id(p) not in st.tile_params], 1)
+        tile = [p for p in params if id(p) in grid.tile_params]
+        reduce_gradients(tile, [p for p in params if id(p) not in grid.tile_params], 1)
         for p in params:
             p.grad = None
 

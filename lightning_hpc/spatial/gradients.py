@@ -7,20 +7,20 @@ gradient of their sample group on every rank: they are averaged over all ranks. 
 allreduce (sum) over the world after scaling by ``1/S`` and ``1/world`` respectively, flattened into a single
 message per dtype.
 
-Which parameters are tile parameters is recorded by the op dispatch while the forward runs
-(:attr:`~lightning_hpc.spatial.dispatch.DispatchState.tile_params`); :func:`reduce_model_gradients` reads that
-record, for the strategy and for plain-torch training loops alike.
+Which parameters are tile parameters is recorded by the op dispatch while the forward runs, on the grid of the
+split tensors (:attr:`~lightning_hpc.spatial.tiling.SpatialGrid.tile_params`); :func:`reduce_model_gradients`
+reads that record, for the strategy and for plain-torch training loops alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.gradients import allreduce_flat
-from lightning_hpc.spatial.dispatch.state import state
 
 __all__ = ["reduce_gradients", "reduce_model_gradients"]
 
@@ -45,11 +45,13 @@ def reduce_gradients(
     allreduce_flat(grads, scales, group=group)
 
 
-def reduce_model_gradients(model: torch.nn.Module, num_sample_groups: int, group=None) -> None:
+def reduce_model_gradients(model: torch.nn.Module, num_sample_groups: int, tile_params: Mapping[int, Any],
+                           group=None) -> None:
     """After backward: reduce the gradients of every parameter of ``model``.  Parameters the op dispatch met on
-    tiles (recorded since the last ``state().tile_params.clear()``) are summed over the spatial group and averaged
-    over sample groups; all others hold their complete gradient and are averaged (:func:`reduce_gradients`)."""
-    met = state().tile_params
+    tiles (``tile_params``: the grid's record, :attr:`SpatialGrid.tile_params`, since the strategy last cleared it)
+    are summed over the spatial group and averaged over sample groups; all others hold their complete gradient and
+    are averaged (:func:`reduce_gradients`)."""
+    met = tile_params
     tile: list[torch.nn.Parameter] = []
     replicated: list[torch.nn.Parameter] = []
     for p in model.parameters():

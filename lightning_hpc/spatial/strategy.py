@@ -61,6 +61,7 @@ from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
+from lightning_hpc.spatial.policy import DispatchPolicy
 from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
 from lightning_hpc.spatial.tiling import (
     HybridLayout,
@@ -259,6 +260,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 f"prod(spatial_parts), or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
+        # this run's settings travel with its grid (every split tensor holds it), not with the process
+        self.layout.grid.policy = DispatchPolicy(overlap=self.overlap, on_unsupported=self.on_unsupported)
         if self.layout.grid.size > 1:
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
@@ -312,9 +315,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # no layer is replaced: every op on a split activation is dispatched to its tile kernel
         # (lightning_hpc.spatial.dispatch); K-FAC learns which convolutions run on tiles from a declaration
         st = state()
-        st.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
+        grid = self.layout.grid
+        grid.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         st.warned.clear()
-        st.overlap = self.overlap
         self._hooks = st.module_hooks(module)
         self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
         self._count_metrics()
@@ -407,9 +410,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        st = state()
-        st.clear_modules()
-        st.on_unsupported = self.on_unsupported
+        state().clear_modules()
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
             return super().training_step(*args, **kwargs)
@@ -417,7 +418,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
         names = ParameterNames(self.lightning_module)  # listed only if a message needs them
-        check = ParameterUseCheck(names)
+        check = ParameterUseCheck(self.layout.grid.tile_params, names)
         with check:
             out = super().training_step(*args, **kwargs)
         check.raise_if_mixed(names)
@@ -489,7 +490,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         """Parameters used directly on tiles hold partial sums over the tiles (summed over the spatial group);
         every other parameter holds its complete gradient (averaged), as recorded by the op dispatch."""
         assert self.layout is not None and self.lightning_module is not None
-        reduce_model_gradients(self.lightning_module, self.layout.num_sample_groups)
+        reduce_model_gradients(self.lightning_module, self.layout.num_sample_groups, self.layout.grid.tile_params)
 
     # -- data --------------------------------------------------------------------------------------------------
     @override

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeout
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.decisions import DecisionCache
+from lightning_hpc.spatial.policy import DispatchPolicy
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts", "parts_text"]
 
@@ -65,6 +66,11 @@ class SpatialGrid:
     _uid: int = field(default=0, repr=False)
     #: the op dispatch's decisions for split tensors on this grid (:mod:`lightning_hpc.spatial.decisions`)
     decisions: DecisionCache = field(default_factory=DecisionCache, repr=False, compare=False)
+    #: the strategy's settings for the op dispatch on this grid's split tensors
+    policy: DispatchPolicy = field(default_factory=DispatchPolicy, repr=False, compare=False)
+    #: the leaf parameters met on this grid's tiles since the strategy last cleared it (by ``id``): their gradients
+    #: are partial sums over the tiles, which the strategy sums over the spatial group
+    tile_params: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def single(cls, ndim: int = 2) -> SpatialGrid:

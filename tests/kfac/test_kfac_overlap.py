@@ -336,7 +336,7 @@ def _run_spatial(rank: int, world_size: int) -> dict:
         model = net  # unchanged: its ops on the split input run on tiles (the op dispatch)
         declare_tiled_convolutions(model, layout.grid.size)
         state().module_hooks(model)
-        state().tile_params.clear()
+        layout.grid.tile_params.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01,
                                  kl_clip=0.01, bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap,
@@ -346,7 +346,7 @@ def _run_spatial(rank: int, world_size: int) -> dict:
         for _ in range(3):
             opt.zero_grad()
             F.cross_entropy(model(xt), y).backward()
-            reduce_model_gradients(model, layout.num_sample_groups)
+            reduce_model_gradients(model, layout.num_sample_groups, layout.grid.tile_params)
             pre.step()
             opt.step()
         out[overlap] = {

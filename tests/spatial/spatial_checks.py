@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor
 from lightning_hpc.spatial.kernels import convolution
 from lightning_hpc.spatial.tiling import tile_slices
 
@@ -45,7 +45,7 @@ def compare_layer(ref: torch.nn.Module, x_full: torch.Tensor, grid, *, seed: int
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 17), dtype=y.dtype)
     (y * g).sum().backward()
 
-    state().tile_params.clear()
+    grid.tile_params.clear()
     xt = tile_of(x_full, grid).clone().requires_grad_(True)
     yt = sp(split_tensor(xt, grid, x_full.shape))
     (yt * g).sum().backward()  # the plain g is cut to the tile; the sum runs over the whole sample
@@ -56,7 +56,7 @@ def compare_layer(ref: torch.nn.Module, x_full: torch.Tensor, grid, *, seed: int
         errs["shape"] = float("inf")
     for (name, p_ref), p_sp in zip(ref.named_parameters(), sp.parameters()):
         gsp = p_sp.grad.clone()
-        if grid.group is not None and id(p_sp) in state().tile_params:
+        if grid.group is not None and id(p_sp) in grid.tile_params:
             dist.all_reduce(gsp, group=grid.group)
         errs["d" + name] = max_err(gsp, p_ref.grad)
     return errs

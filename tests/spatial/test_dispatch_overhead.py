@@ -67,7 +67,7 @@ def test_parameter_names_are_listed_only_when_a_message_needs_them():
     real = model.named_parameters
     model.named_parameters = lambda *a, **k: (walks.append(1), real(*a, **k))[1]  # type: ignore[method-assign]
     names = ParameterNames(model)
-    check = ParameterUseCheck(names)
+    check = ParameterUseCheck({}, names)
     with check:
         model[1](torch.randn(2, 4)).sum()
     check.raise_if_mixed(names)

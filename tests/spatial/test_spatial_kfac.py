@@ -111,14 +111,14 @@ def _spatial_worker(rank: int, world: int, configs):
         grid = layout.grid
         s0, s1 = block_range(BATCH, layout.num_sample_groups, layout.sample_index)
         x, seg_y, cls_y = batch_data()
-        state().overlap = overlap  # the strategy's setting, read by the convolution handler
+        grid.policy.overlap = overlap  # the strategy's setting, read by the convolution handler
         for kind in ("seg", "cls"):
             model = seg_net() if kind == "seg" else cls_net()
             # as the strategy does: the unchanged model, its convolutions declared to K-FAC as tiled, the running
             # modules tracked (the convolution handler records the tile's box for the layer that calls it)
             declare_tiled_convolutions(model, grid.size)
             state().module_hooks(model)
-            state().tile_params.clear()
+            grid.tile_params.clear()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             precond = KFACPreconditioner(model, optimizer=opt, placement=placement, **KFAC_OPTIONS)
             xt = split_tensor(_tile(x[s0:s1], grid), grid, x[s0:s1].shape)
@@ -130,7 +130,7 @@ def _spatial_worker(rank: int, world: int, configs):
             local = {}
 
             def before_step(i: int) -> None:
-                reduce_model_gradients(model, layout.num_sample_groups)
+                reduce_model_gradients(model, layout.num_sample_groups, grid.tile_params)
                 if i == 0:  # this rank's own (tile) factors, to show the reduction is what makes them equal
                     local.update({h.name: h.batch_factors()[0].clone() for h in precond.handlers})
 

@@ -13,7 +13,6 @@ from spatial_checks import TOL, compare_layer, conv_paths
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.dispatch import state
 from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_applies
 from lightning_hpc.spatial.tiling import create_hybrid_layout
 
@@ -61,7 +60,7 @@ def _layer_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             for overlap in (True, False):
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
-                state().overlap = overlap  # the strategy's setting, read by the convolution handler
+                grid.policy.overlap = overlap  # the strategy's setting, read by the convolution handler
                 errs = compare_layer(conv, x, grid, seed=idx)
                 bad = {key: v for key, v in errs.items() if not v <= TOL}
                 if bad:
@@ -108,7 +107,7 @@ def _tile_conv_matrix(rank: int, world: int, parts_list, shape) -> list[str]:
             for overlap in (True, False):
                 conv = nn.Conv2d(c, 5, k, stride=s, padding=p, dilation=d, bias=True)
                 torch.nn.init.normal_(conv.weight, std=0.3)
-                state().overlap = overlap
+                grid.policy.overlap = overlap
                 with conv_paths() as took:
                     errs = compare_layer(conv, x, grid, seed=idx)
                 bad = {key: v for key, v in errs.items() if not v <= TOL}

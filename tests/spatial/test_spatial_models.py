@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.partition import block_range
-from lightning_hpc.spatial.dispatch import split_tensor, state
+from lightning_hpc.spatial.dispatch import split_tensor
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.split_check import check_split
 from lightning_hpc.spatial.tiling import create_hybrid_layout
@@ -76,7 +76,7 @@ def _spatial_training(rank: int, world: int, parts_list):
         grid = layout.grid
         model = small_fcn()
         check_split(model, SHAPE[1:], parts)  # every layer can be split so (raises naming the layer otherwise)
-        state().tile_params.clear()  # the dispatch records this model's tile parameters afresh
+        grid.tile_params.clear()  # the dispatch records this model's tile parameters afresh
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         x, y = data()
         s0, s1 = block_range(SHAPE[0], layout.num_sample_groups, layout.sample_index)
@@ -88,7 +88,7 @@ def _spatial_training(rank: int, world: int, parts_list):
             opt.zero_grad()
             loss = pixel_loss(model(xt), yt, ys.numel())  # the sample group's loss, the same on its tiles
             loss.backward()
-            reduce_model_gradients(model, layout.num_sample_groups)
+            reduce_model_gradients(model, layout.num_sample_groups, grid.tile_params)
             total = loss.detach().clone() / (layout.num_sample_groups * grid.size)
             torch.distributed.all_reduce(total)
             losses.append(float(total))
@@ -119,7 +119,7 @@ def _resnet(rank: int, world: int, parts, shape):
     layout = create_hybrid_layout(parts)
     sp = copy.deepcopy(ref)
     check_split(sp, shape[1:], parts)
-    state().tile_params.clear()
+    layout.grid.tile_params.clear()
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
     xr = x.clone().requires_grad_(True)
     xt = tile_of(x, layout.grid).clone().requires_grad_(True)
@@ -127,7 +127,7 @@ def _resnet(rank: int, world: int, parts, shape):
     g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(4))
     (yr * g).sum().backward()
     (yt * g).sum().backward()
-    reduce_model_gradients(sp, layout.num_sample_groups)
+    reduce_model_gradients(sp, layout.num_sample_groups, layout.grid.tile_params)
     errs = {"out": max_err(yt, yr), "dx": max_err(xt.grad, tile_of(xr.grad, layout.grid))}
     worst = max(
         (max_err(ps.grad, pr.grad), n) for (n, pr), (_, ps) in zip(ref.named_parameters(), sp.named_parameters())

@@ -7,7 +7,7 @@ plain (replicated) tensor is complete on every rank.
   (:func:`_tile_of`);
 * :class:`_Gather`: the whole activation on every rank, backward keeping this tile's part;
 * :func:`_replicated_operand`: how a replicated operand joins a tile op (a leaf parameter is recorded in
-  :attr:`DispatchState.tile_params`, its partial gradient summed by the strategy).
+  :attr:`SpatialGrid.tile_params`, its partial gradient summed by the strategy).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.dispatch.state import _STATE
 from lightning_hpc.spatial.tiling import SpatialGrid
 
 
@@ -80,7 +79,9 @@ def _tile_of(t: torch.Tensor, grid: SpatialGrid, sdims: Sequence[int]) -> torch.
 
 def _gather_raw(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], sdims: Sequence[int]) -> torch.Tensor:
     """The whole tensor from every rank's tile: tiles padded to the largest tile (all_gather needs one size),
-    gathered, and each placed at its bounds."""
+    gathered, and each placed at its bounds.  A grid of one tile holds the whole tensor already."""
+    if grid.group is None:
+        return local.clone()
     k = len(sdims)
     moved = local.movedim(tuple(sdims), tuple(range(-k, 0))).contiguous()
     bounds = [block_bounds(gshape[d], p) for d, p in zip(sdims, grid.parts)]
@@ -118,7 +119,7 @@ def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
     """A replicated tensor used with tiles: parameters are recorded (partial gradient, summed by the strategy),
     other tensors needing a gradient get it completed over the group."""
     if isinstance(t, nn.Parameter):
-        _STATE.tile_params[id(t)] = t
+        grid.tile_params[id(t)] = t
         return t
     if t.requires_grad and grid.group is not None:
         return _CompleteGrad.apply(t, grid.group)

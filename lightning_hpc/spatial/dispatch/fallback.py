@@ -21,7 +21,7 @@ def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, i
     """Refuse, or warn once before gathering."""
     op, where = _op_name(func), _STATE.where()
     nbytes = sum(_nbytes(t, t._gshape) for t in spatial)
-    if inplace or _STATE.on_unsupported == "error":
+    if inplace or (_STATE.on_unsupported or spatial[0]._grid.policy.on_unsupported) == "error":
         raise SpatialDispatchError(
             f"spatial: {op} in {where} {reason}; it would compute something different on a tile than on the whole "
             f"sample. {fix}"

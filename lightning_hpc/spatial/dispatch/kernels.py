@@ -96,7 +96,7 @@ def _convolution(func, a, args, kwargs, k: int):
         return NotImplemented
     stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
     key = (f"conv{k}d", x._gshape, x._sdims, weight.shape, _hashable(stride), _hashable(padding),
-           _hashable(dilation), groups, _STATE.overlap)
+           _hashable(dilation), groups, x._grid.policy.overlap)
 
     def decide() -> K.ConvPlan | None:
         channels = x._gshape[1]
@@ -107,7 +107,7 @@ def _convolution(func, a, args, kwargs, k: int):
                 f"layer's in_channels")
         try:
             return _run(f"F.conv{k}d", lambda: K.plan_conv(x._grid, _extents(x), weight.shape, stride, padding,
-                                                           dilation, int(groups), overlap=_STATE.overlap,
+                                                           dilation, int(groups), overlap=x._grid.policy.overlap,
                                                            tile=_plain(x)))
         except ValueError:
             return None  # an argument torch refuses: its own error from the gathered call

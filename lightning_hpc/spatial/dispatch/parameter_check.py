@@ -44,11 +44,13 @@ class ParameterNames(Mapping[int, str]):
 
 class ParameterUseCheck(TorchFunctionMode):
     """Records parameters used by ops outside the tile dispatch (on replicated values).  A parameter whose
-    gradient is a partial sum over tiles (:attr:`DispatchState.tile_params`) that is also used on replicated
-    values would get that part counted once per tile: :meth:`raise_if_mixed` refuses it."""
+    gradient is a partial sum over tiles (``tile_params``: the grid's record, :attr:`SpatialGrid.tile_params`)
+    that is also used on replicated values would get that part counted once per tile: :meth:`raise_if_mixed`
+    refuses it."""
 
-    def __init__(self, names: Mapping[int, str] | None = None) -> None:
+    def __init__(self, tile_params: Mapping[int, nn.Parameter], names: Mapping[int, str] | None = None) -> None:
         super().__init__()
+        self.tile_params = tile_params
         self.replicated: dict[int, tuple[nn.Parameter, str, str]] = {}
         self.names: Mapping[int, str] = {} if names is None else names  # (not `or`: that would list them)
 
@@ -70,7 +72,7 @@ class ParameterUseCheck(TorchFunctionMode):
     def _refuse_tile_parameter_grad(self, args, kwargs) -> None:
         a = bind_call(torch.autograd.grad, args, kwargs)
         for t in _grad_inputs(a["inputs"]) if a is not None else ():
-            if isinstance(t, nn.Parameter) and id(t) in _STATE.tile_params:
+            if isinstance(t, nn.Parameter) and id(t) in self.tile_params:
                 raise SpatialDispatchError(
                     f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "
                     f"{_STATE.where()} would return this tile's part of its gradient (the strategy sums the tiles "
@@ -80,7 +82,7 @@ class ParameterUseCheck(TorchFunctionMode):
                 )
 
     def raise_if_mixed(self, named: Mapping[int, str]) -> None:
-        for pid in _STATE.tile_params:
+        for pid in self.tile_params:
             if pid in self.replicated:
                 _, op, where = self.replicated[pid]
                 raise SpatialDispatchError(

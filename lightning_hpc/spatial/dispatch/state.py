@@ -1,6 +1,8 @@
-"""The dispatcher's per-process state: the policy for ops without a tiled form (:func:`on_unsupported`), the
-active module names for messages, the warnings already given, the gather counters and the leaf parameters met
-on tiles (:attr:`DispatchState.tile_params`), and the error every refusal raises.
+"""The dispatcher's per-process state: the active module names for messages, the warnings already given, the gather
+counters, a temporary override of the grids' policy for ops without a tiled form (:func:`on_unsupported`), and the
+error every refusal raises.  The strategy's settings (overlap, ``on_unsupported``) and the record of parameters met
+on tiles belong to the grid the split tensors carry (:attr:`SpatialGrid.policy`, :attr:`SpatialGrid.tile_params`),
+not to this state.
 """
 
 from __future__ import annotations
@@ -10,23 +12,22 @@ from typing import Any
 
 from torch import nn
 
+from lightning_hpc.spatial.policy import ON_UNSUPPORTED
+
 
 class SpatialDispatchError(RuntimeError):
     """An op on a spatially split activation that cannot be computed exactly (or gathering was disabled)."""
 
 
 class DispatchState:
-    """Per-process state: the active module names (for messages), the warnings already given, the policy for
-    ops without a tiled form and the parameters met on tiles."""
+    """Per-process state: the active module names (for messages), the warnings already given and a temporary
+    override of what happens to ops without a tiled form (None: each grid's own policy)."""
 
     def __init__(self) -> None:
-        self.on_unsupported = "gather"
+        self.on_unsupported: str | None = None
         #: the running modules, innermost last (the caller of a layer's functional op): name, class name, module
         self.module_stack: list[tuple[str, str, nn.Module]] = []
-        #: convolutions wait for the halo after the tile's own convolution (section IV-A; the strategy's setting)
-        self.overlap = False
         self.warned: set[tuple[str, str]] = set()
-        self.tile_params: dict[int, nn.Parameter] = {}
         self.depth = 0  # > 0 inside a handler: the ops it runs on local tensors are ours
         self.gathers = 0
         self.gathered_bytes = 0
@@ -72,8 +73,9 @@ def state() -> DispatchState:
 
 @contextlib.contextmanager
 def on_unsupported(mode: str):
-    """Temporarily set what happens to ops without a tiled form: ``"gather"`` (default) or ``"error"``."""
-    if mode not in ("gather", "error"):
+    """Within the block, every split tensor's ops without a tiled form are gathered (``"gather"``) or refused
+    (``"error"``), whatever its grid's policy says."""
+    if mode not in ON_UNSUPPORTED:
         raise ValueError(f"on_unsupported={mode!r}: choose 'gather' or 'error'")
     old, _STATE.on_unsupported = _STATE.on_unsupported, mode
     try:
