@@ -131,3 +131,15 @@ def test_hydra_argv_keeps_overrides_in_one_run():
         "-cn",
         "x",
     ]
+
+
+def test_cfg_job_prints_the_composed_config_with_its_value_apart(monkeypatch, capsys):
+    """``lightning-hpc train --cfg job recipe=digits`` as ``train --help`` shows Hydra's ``--cfg {job,hydra,all}``:
+    the value given apart stays next to its flag (it was taken for an override: "expected one argument")."""
+    assert _hydra_argv(["--cfg", "job", "a=1", "-p", "trainer"], []) == ["a=1", "--cfg", "job", "-p", "trainer"]
+    monkeypatch.setattr(sys, "argv", ["lightning-hpc", "train", "--cfg", "job", "recipe=digits"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("lightning_hpc", run_name="__main__")
+    assert exited.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert "trainer:" in out and "max_epochs" in out, out[-2000:]

@@ -39,6 +39,10 @@ def _split_recipe(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 #: Hydra flags that take a value (the value must stay next to its flag when arguments are reordered).
 _HYDRA_VALUE_FLAGS = {
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
     "-cp",
     "--config-path",
     "-cn",
