@@ -39,6 +39,7 @@ from lightning_hpc.distributed.partitioned import (
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
@@ -204,6 +205,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         head_layers = "the fully-connected head's layers"
         refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)

@@ -77,6 +77,7 @@ from lightning_hpc.distributed.groups import (
     hosts_layout,
     local_world_size_from_env,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.distributed.trainability import TrainableSet
 from lightning_hpc.layered_sgd.hierarchical import (
@@ -362,6 +363,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         for opt in self.optimizers:
             if isinstance(opt, LBFGS):

@@ -36,6 +36,7 @@ from lightning_hpc.distributed.partitioned import (
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
 from lightning_hpc.multigrid.function import MultigridODEBlock
@@ -221,6 +222,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         if self._sharded() is not None:

@@ -45,6 +45,7 @@ from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import FailureMessages
 from lightning_hpc.distributed.partitioned import refuse_compiled
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
@@ -265,6 +266,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         self._prepare_model()
         super().setup(trainer)
 
