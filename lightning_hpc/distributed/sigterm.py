@@ -27,7 +27,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+from lightning_hpc._compat import replace_sigterm_notifier
 
 __all__ = ["sigterm_without_collective"]
 
@@ -43,7 +43,7 @@ class _RecordSigterm:
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         connector = self.connector
         trainer = connector.trainer
-        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        log.info(f"[rank: {trainer.local_rank}] Received SIGTERM: {signum}")  # Lightning's message
         if not connector.received_sigterm:
             launcher = trainer.strategy.launcher
             if launcher is not None:
@@ -51,16 +51,9 @@ class _RecordSigterm:
         connector.received_sigterm = True
 
 
-def sigterm_without_collective(trainer: Any) -> bool:
+def sigterm_without_collective(trainer: Any) -> None:
     """Make ``trainer``'s SIGTERM handling free of collectives (see the module docstring); call it before
-    ``Trainer`` registers its signal handlers (a strategy's ``setup``).  Returns False, changing nothing, when the
-    trainer has no such notifier (another Lightning version) or when not on the main thread (no handler is
-    installed there)."""
-    connector = getattr(trainer, "_signal_connector", None)
-    notifier = getattr(connector, "_sigterm_notifier_fn", None)
-    if notifier is None or threading.current_thread() is not threading.main_thread():
-        return False
-    if not isinstance(notifier, _RecordSigterm):
-        # an instance attribute shadows the method: register_signal_handlers() installs this one
-        connector._sigterm_notifier_fn = _RecordSigterm(connector)  # type: ignore[union-attr]
-    return True
+    ``Trainer`` registers its signal handlers (a strategy's ``setup``).  Off the main thread nothing changes
+    (Lightning installs no handler there)."""
+    if threading.current_thread() is threading.main_thread():
+        replace_sigterm_notifier(trainer, _RecordSigterm)
