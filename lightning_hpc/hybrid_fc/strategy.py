@@ -167,7 +167,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         """The head's group: the ``"head"`` dimension of a 1-D mesh over the world (one head shard per rank)."""
         dims = [MeshDim("head", what="ranks sharing the fully-connected head")]
         timeout = self._timeout if isinstance(self._timeout, datetime.timedelta) else None
-        return build_mesh(dims, device_type=(device or self.root_device).type, timeout=timeout).get_group("head")
+        self._device_mesh = build_mesh(dims, device_type=(device or self.root_device).type, timeout=timeout)
+        return self._device_mesh.get_group("head")
 
     def _parallelize(self, device: torch.device | None = None) -> None:
         if self._parallelized:

@@ -330,6 +330,15 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             groups = layout or [list(range(g, g + group_size)) for g in range(0, self.world_size, group_size)]
             print(f"layered SGD node groups: {groups}", flush=True)
         self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
+        if isinstance(self.comm, TorchDistributedCommunicator) and torch.distributed.is_initialized():
+            # data parallel over every rank: a 1-D mesh over the world group (no new group is made)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            world = torch.distributed.group.WORLD
+            assert world is not None  # initialised
+            self._device_mesh = DeviceMesh.from_group(world, self.root_device.type, mesh_dim_names=("data",))
+        else:
+            self._no_device_mesh = "the ranks communicate through Horovod, not torch.distributed"
         assert self.lightning_module is not None
         self._build_buckets()
         self._sync_from_rank0(with_parameters=True)

@@ -244,6 +244,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 f"prod(spatial_parts), or change spatial_parts"
             )
         self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
+        self._device_mesh = self.layout.mesh
         if self.layout.grid.size > 1:
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
