@@ -4,8 +4,8 @@ preempted job or ``timeout`` do), to rank 0 only and to rank 1 only.
 
 Before, Lightning's SIGTERM handler ran a broadcast from inside the signal handler, in the middle of whatever
 collectives the rank was running; under these strategies the ranks' collectives then no longer matched and every
-rank waited until the process group's timeout (multigrid: alive after 60 s with the signal to one rank, in every
-try).  The bound on the processes' end is a hang detector (they end in seconds), not a timing.
+rank waited until the process group's timeout (multigrid: both ranks alive 60 s after the signal in 4 of 6 tries,
+to every rank, to rank 0 and to rank 1 alike: a race).  The bound on the processes' end is a hang detector (they end in seconds), not a timing.
 """
 
 from __future__ import annotations
