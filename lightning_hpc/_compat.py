@@ -29,6 +29,7 @@ __all__ = [
     "optimizers_to_device",
     "automatic_optimizer_step_progress",
     "replace_hydra_subprocess_command",
+    "replace_sigterm_notifier",
     "enable_torch_function",
     "disable_torch_function_subclass",
     "compiled_module_type",
@@ -180,6 +181,26 @@ def replace_hydra_subprocess_command(command: Callable[..., Any]) -> None:
         if not hasattr(module, "_hydra_subprocess_cmd"):
             raise CompatError(f"{name} has no _hydra_subprocess_cmd: this Lightning version changed its launcher")
         module._hydra_subprocess_cmd = command
+
+
+def replace_sigterm_notifier(trainer: Any, make: Callable[[Any], Callable[[int, Any], None]]) -> bool:
+    """Make ``trainer`` install ``make(connector)`` as its SIGTERM notifier in place of Lightning's
+    ``_SignalConnector._sigterm_notifier_fn`` (an instance attribute shadows the method, and
+    ``register_signal_handlers`` installs it); ``connector`` has ``trainer`` and ``received_sigterm``.  Lightning
+    has no public hook for it.  Returns False when the notifier is already ``make``'s (a second setup)."""
+    connector: Any = getattr(trainer, "_signal_connector", None)
+    current = getattr(connector, "_sigterm_notifier_fn", None)
+    if current is None or not hasattr(connector, "received_sigterm"):
+        raise CompatError(
+            "trainer._signal_connector._sigterm_notifier_fn is missing in this Lightning version; lightning_hpc was "
+            "checked with lightning 2.2-2.6"
+        )
+    if getattr(current, "replaced_by", None) is make:
+        return False
+    notifier = make(connector)
+    notifier.replaced_by = make  # type: ignore[attr-defined]
+    connector._sigterm_notifier_fn = notifier
+    return True
 
 
 # ---- torchmetrics ----------------------------------------------------------------------------------------------

@@ -20,9 +20,12 @@ No Lightning import here: the plain-torch cores import this module.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "StrategyContract",
@@ -61,6 +64,25 @@ class StrategyContract:
     def data_parallel_size(self) -> int:
         """Ranks that see different samples (the world size unless ranks also split samples or layers)."""
         return int(self.world_size)  # type: ignore[attr-defined]
+
+    #: set by the strategy when it makes its process groups (setup); ``None`` before that, and where it has none
+    _device_mesh: DeviceMesh | None = None
+    #: why there is no mesh after setup (``None``: the usual reason, before setup or one process alone)
+    _no_device_mesh: str | None = None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ranks as a torch ``DeviceMesh`` with named dimensions, as Lightning's ``ModelParallelStrategy``
+        exposes it: its groups (``device_mesh.get_group(name)``) are the strategy's own (``"data"`` for layered
+        SGD, ``("data", "layer")`` for multigrid, ``("sample", "tile")`` for the spatial strategy, ``"head"`` for
+        hybrid_fc).  Raises before the strategy is set up and in a run without torch.distributed."""
+        if self._device_mesh is None:
+            reason = self._no_device_mesh or (
+                "the mesh is made with the strategy's process groups, when Trainer sets it up on initialised "
+                "torch.distributed (in or after the setup hooks of a fit / validate / test / predict)"
+            )
+            raise RuntimeError(f"{type(self).__name__}.device_mesh is not available: {reason}")
+        return self._device_mesh
 
 
 _DEFAULTS = StrategyContract()

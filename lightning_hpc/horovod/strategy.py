@@ -121,6 +121,8 @@ def _mark_step_tracked(optimizer: Optimizer) -> None:
 class HorovodStrategy(StrategyContract, ParallelStrategy):
     """Data parallelism with Horovod's allreduce (see the module docstring for what maps to what).
 
+    ``device_mesh`` raises: Horovod's ranks have no torch.distributed process group to make a mesh of.
+
     Args:
         compression: ``"none"`` or ``"fp16"`` (gradients cast to float16 for the allreduce), or a
             ``horovod.torch.Compression`` class.
@@ -143,6 +145,8 @@ class HorovodStrategy(StrategyContract, ParallelStrategy):
     strategy_name = "horovod"
     #: techniques with ``communicator="auto"`` (K-FAC, layered SGD) use HorovodCommunicator under this strategy
     communication_backend = "horovod"
+
+    _no_device_mesh = "Horovod's ranks communicate through Horovod, without a torch.distributed process group"
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from lightning_hpc.distributed.partitioned import (
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
@@ -166,7 +167,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         """The head's group: the ``"head"`` dimension of a 1-D mesh over the world (one head shard per rank)."""
         dims = [MeshDim("head", what="ranks sharing the fully-connected head")]
         timeout = self._timeout if isinstance(self._timeout, datetime.timedelta) else None
-        return build_mesh(dims, device_type=(device or self.root_device).type, timeout=timeout).get_group("head")
+        self._device_mesh = build_mesh(dims, device_type=(device or self.root_device).type, timeout=timeout)
+        return self._device_mesh.get_group("head")
 
     def _parallelize(self, device: torch.device | None = None) -> None:
         if self._parallelized:
@@ -204,6 +206,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         head_layers = "the fully-connected head's layers"
         refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)

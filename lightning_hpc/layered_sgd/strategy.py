@@ -22,19 +22,23 @@ How one optimizer step is split (automatic optimization):
   the optimizer hyper-parameters and ``trainer.global_step`` step ``t`` had.
 - Code that observes the step sees what one process sees: when the LightningModule overrides ``optimizer_step``
   (code after ``optimizer.step()`` expects the new weights), ``on_before_optimizer_step`` (a value it logs
-  belongs to this step's log line) or ``on_train_batch_end`` (it may read the new weights), or a callback other
-  than Lightning's non-observing ones implements ``on_before_optimizer_step`` / ``on_train_batch_end`` (an EMA,
-  a weight projection, a logged gradient norm), the run updates at once, inside ``optimizer_step`` as DDP does
-  (the reduction still overlaps the backward pass), and says so once.  A callback declaring
-  ``postponed_update_safe = True`` (the K-FAC callback) keeps the postponed update.
+  belongs to this step's log line) or ``on_train_batch_end`` (it may read the new weights), or a callback runs code
+  of its own in ``on_before_optimizer_step`` / ``on_train_batch_end`` (an EMA, a weight projection, a logged
+  gradient norm), the run updates at once, inside ``optimizer_step`` as DDP does (the reduction still overlaps
+  the backward pass), and says so once.  Callbacks are judged by the class that implements each hook, not by
+  ``isinstance``: Lightning's progress bars, ``ModelCheckpoint``, ``Timer`` and monitors are trusted for their own
+  implementations only (a ``ModelCheckpoint`` subclass overriding ``on_train_batch_end`` is an observer), and a
+  ``postponed_update_safe = True`` declaration (the K-FAC callback) covers the hooks of the declaring class and
+  its bases, not a subclass's overrides.
+- ``on_after_backward`` runs inside the backward pass, where DDP shows the gradient averaged over the ranks.  When
+  the module or a callback implements it, the backward pass inside ``optimizer_step`` completes the reduction
+  before that hook runs (it sees the average; accumulation micro-batches show the rank's own gradient, as with
+  DDP's ``no_sync``), the update is applied at once, and the run says so once.
 - A parameter whose ``requires_grad`` changes (``BackboneFinetuning`` unfreezing the backbone, a callback freezing
   a layer) is reduced from that step on: the buckets are rebuilt for the trainable parameters before the step's
   backward pass.
 - Pending updates are flushed before validation/test, checkpointing (``lightning_module_state_dict``), the end
   of every training epoch and the end of training, so nothing observes stale weights and no step is lost.
-
-Known, documented difference: ``on_after_backward`` (which runs *inside* backward, before the deferral point)
-sees the rank's local gradients, not the global average.  Use ``on_before_optimizer_step`` to read gradients.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ from lightning.pytorch.callbacks import (
     DeviceStatsMonitor,
     ModelCheckpoint,
     ProgressBar,
+    RichProgressBar,
     SpikeDetection,
     ThroughputMonitor,
     Timer,
+    TQDMProgressBar,
 )
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -71,6 +77,7 @@ from lightning_hpc.distributed.groups import (
     hosts_layout,
     local_world_size_from_env,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.distributed.trainability import TrainableSet
 from lightning_hpc.layered_sgd.hierarchical import (
@@ -115,27 +122,74 @@ class _FlushBeforeReaders(Callback):
         self._strategy.flush()
 
 
-#: Lightning's callbacks whose ``on_train_batch_end`` reads no parameter (ModelCheckpoint's save reads them through
-#: ``lightning_module_state_dict``, which applies the pending update first)
-_NOT_OBSERVING = (ProgressBar, ModelCheckpoint, Timer, DeviceStatsMonitor, ThroughputMonitor, SpikeDetection)
+#: Lightning's callbacks whose own step hooks read no parameter (ModelCheckpoint's save reads them through
+#: ``lightning_module_state_dict``, which applies the pending update first).  Only their *own* implementations are
+#: trusted: a subclass that overrides one of the hooks runs code of its own there and is an observer.
+_NOT_OBSERVING: tuple[type[Callback], ...] = (
+    Callback, ProgressBar, TQDMProgressBar, RichProgressBar, ModelCheckpoint, Timer, DeviceStatsMonitor,
+    ThroughputMonitor, SpikeDetection,
+)
 #: hooks of the LightningModule / of callbacks that run between the optimizer step and the next batch's start
 _MODULE_STEP_HOOKS = ("optimizer_step", "on_before_optimizer_step", "on_train_batch_end")
 _CALLBACK_STEP_HOOKS = ("on_before_optimizer_step", "on_train_batch_end")
+#: the hook that runs inside the backward pass, where DDP shows the averaged gradient
+_BACKWARD_HOOK = "on_after_backward"
+
+
+def _defining_class(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose own body defines the attribute ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def _trusted_up_to(cb: Callback) -> type | None:
+    """The class that declared ``postponed_update_safe = True`` for ``cb`` (the instance's own class when the
+    instance set it); ``None`` when nothing declared it.  The declaration covers the hooks as that class (and its
+    bases) implement them, not overrides a subclass added after it."""
+    if "postponed_update_safe" in getattr(cb, "__dict__", {}):
+        return type(cb) if cb.__dict__["postponed_update_safe"] is True else None
+    if not isinstance(cb, PostponedUpdateSafe):
+        return None
+    declaring = _defining_class(type(cb), "postponed_update_safe")
+    return declaring if vars(declaring)["postponed_update_safe"] is True else None
+
+
+def _user_hooks(cb: Callback, hooks: tuple[str, ...], honour_safe: bool) -> list[str]:
+    """The hooks of ``hooks`` that ``cb`` runs user code in: implementations that are neither ``Callback``'s
+    no-op nor one of Lightning's non-observing callbacks' own, nor (``honour_safe``) covered by a
+    ``postponed_update_safe`` declaration.  Decided by which class defines each hook, not by ``isinstance``."""
+    cls, safe = type(cb), _trusted_up_to(cb) if honour_safe else None
+    found = []
+    for hook in hooks:
+        impl = getattr(cls, hook)
+        if any(impl is getattr(known, hook) for known in _NOT_OBSERVING if issubclass(cls, known)):
+            continue
+        if safe is not None and issubclass(safe, _defining_class(cls, hook)):
+            continue
+        found.append(hook)
+    return found
 
 
 def step_observers(module: pl.LightningModule, callbacks: list[Callback]) -> list[str]:
-    """The user code that would see the postponed update (``Class.hook``): hooks overridden by the module, and
-    step hooks of callbacks that neither are Lightning's non-observing ones nor declare
-    ``postponed_update_safe = True``."""
+    """The user code that would see the postponed update (``Class.hook``): step hooks overridden by the module,
+    and step hooks callbacks implement with code of their own (see :func:`_user_hooks`)."""
     found = [f"{type(module).__name__}.{h}" for h in _MODULE_STEP_HOOKS
              if getattr(type(module), h) is not getattr(pl.LightningModule, h)]
     for cb in callbacks:
-        if isinstance(cb, (_FlushBeforeReaders, *_NOT_OBSERVING)):
-            continue
-        if isinstance(cb, PostponedUpdateSafe) and cb.postponed_update_safe:
-            continue
-        found += [f"{type(cb).__name__}.{h}" for h in _CALLBACK_STEP_HOOKS
-                  if getattr(type(cb), h) is not getattr(Callback, h)]
+        if not isinstance(cb, _FlushBeforeReaders):
+            found += [f"{type(cb).__name__}.{h}" for h in _user_hooks(cb, _CALLBACK_STEP_HOOKS, honour_safe=True)]
+    return found
+
+
+def backward_observers(module: pl.LightningModule, callbacks: list[Callback]) -> list[str]:
+    """The user code in ``on_after_backward`` (``Class.on_after_backward``), module or callbacks.  It runs inside
+    the backward pass, before the postponed reduction would complete; DDP shows it the averaged gradient, so a
+    run with any of it completes the reduction first.  A ``postponed_update_safe`` declaration does not cover it:
+    the hook reads gradients at a point the postponement moves, not after it."""
+    found = [f"{type(module).__name__}.{_BACKWARD_HOOK}"] if (
+        type(module).on_after_backward is not pl.LightningModule.on_after_backward) else []
+    for cb in callbacks:
+        if not isinstance(cb, _FlushBeforeReaders):
+            found += [f"{type(cb).__name__}.{h}" for h in _user_hooks(cb, (_BACKWARD_HOOK,), honour_safe=False)]
     return found
 
 
@@ -203,6 +257,11 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         self.comm: Communicator | None = None
         #: the user code that observes the step (empty: the update is postponed); set at setup for fit
         self.observers: list[str] = []
+        #: the user code in ``on_after_backward`` (non-empty: the reduction completes before that hook runs and
+        #: the update is applied at once); set at setup for fit
+        self.backward_observers: list[str] = []
+        #: True once the backward pass inside optimizer_step has made the gradients global (backward observers)
+        self._reduced_in_backward = False
         self._trainable: TrainableSet | None = None
 
     # ------------------------------------------------------------------ topology
@@ -271,6 +330,15 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             groups = layout or [list(range(g, g + group_size)) for g in range(0, self.world_size, group_size)]
             print(f"layered SGD node groups: {groups}", flush=True)
         self.allreduce = HierarchicalAllreduce(self.groups, self.comm, timeout_s=self.timeout_seconds)
+        if isinstance(self.comm, TorchDistributedCommunicator) and torch.distributed.is_initialized():
+            # data parallel over every rank: a 1-D mesh over the world group (no new group is made)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            world = torch.distributed.group.WORLD
+            assert world is not None  # initialised
+            self._device_mesh = DeviceMesh.from_group(world, self.root_device.type, mesh_dim_names=("data",))
+        else:
+            self._no_device_mesh = "the ranks communicate through Horovod, not torch.distributed"
         assert self.lightning_module is not None
         self._build_buckets()
         self._sync_from_rank0(with_parameters=True)
@@ -304,6 +372,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         for opt in self.optimizers:
             if isinstance(opt, LBFGS):
@@ -323,6 +392,19 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         if trainer.state.fn == "fit" and self.lightning_module is not None:
             # set by Lightning, undeclared on Trainer
             self.observers = step_observers(self.lightning_module, trainer.callbacks)  # type: ignore[attr-defined]
+            # set by Lightning, undeclared on Trainer
+            self.backward_observers = backward_observers(
+                self.lightning_module, trainer.callbacks  # type: ignore[attr-defined]
+            )
+            if self.backward_observers:
+                rank_zero_warn(
+                    f"strategy='layered_sgd': {', '.join(self.backward_observers)} reads gradients inside the "
+                    "backward pass, where DDP shows the average over the ranks; this run completes the reduction "
+                    "before on_after_backward, so it sees that average (the rank's own gradient on accumulation "
+                    "micro-batches, as with DDP's no_sync), and updates the weights at once (no postponed update). "
+                    "The reduction still overlaps the backward pass. Read gradients in on_before_optimizer_step "
+                    "to keep the postponed update"
+                )
             if self.observers:
                 rank_zero_warn(
                     f"strategy='layered_sgd' updates the weights at once in this run (no postponed update): "
@@ -361,11 +443,17 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             )
         self._follow_trainability()
         assert self.update is not None
-        self._reduce_in_backward = True
+        self._reduce_in_backward, self._reduced_in_backward = True, False
         try:
             closure_result = closure()
         finally:
             self._reduce_in_backward = False
+        if self._reduced_in_backward:
+            # on_after_backward saw the global gradient (see backward): the step runs now, with this step's settings
+            self._reduced_in_backward = False
+            return self.precision_plugin.optimizer_step(
+                optimizer, model=model, closure=lambda: closure_result, **kwargs
+            )
         self.update.begin([optimizer])
         self._pending = {
             "optimizer": optimizer,
@@ -415,21 +503,43 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The backward pass inside :meth:`optimizer_step` starts bucket reductions from gradient hooks; any
-        other (accumulation micro-batches) only accumulates local gradients; under manual optimization the
-        gradients are made global right after the pass, as DDP does."""
-        if self._reduce_in_backward or self.update is None:
+        other (accumulation micro-batches) only accumulates local gradients.  Under manual optimization, and in
+        a run whose ``on_after_backward`` is user code, the backward pass that reduces completes the reduction
+        before ``on_after_backward``, so that hook sees the global gradient, as under DDP (whose reducer
+        finishes inside the backward pass)."""
+        if self.update is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+        module = self.lightning_module
+        assert module is not None
+        if self._reduce_in_backward:
+            if not self.backward_observers:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            self._reduced_in_backward = True
+            return self._backward_then_reduce(closure_loss, optimizer, *args, **kwargs)
+        if not module.automatic_optimization:
             self._follow_trainability()  # nothing is pending under manual optimization
-        with self.update.no_sync():
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        if not self.lightning_module.automatic_optimization:
             # As DDP does: gradients are global when manual_backward returns.  Averaging the accumulated
             # gradient after each backward pass is exact: mean_r(avg(g_1) + g_2^r) = avg(g_1) + avg(g_2).
-            self.update.begin()
-            self.update.finish_gradients()
-        return loss
+            with self.update.no_sync():
+                return self._backward_then_reduce(closure_loss, optimizer, *args, **kwargs)
+        with self.update.no_sync():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _backward_then_reduce(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """Lightning's ``Strategy.backward`` with the reduction completed between the backward pass and the
+        precision plugin's ``post_backward`` (which runs the ``on_after_backward`` hooks)."""
+        module, update = self.lightning_module, self.update
+        assert module is not None and update is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        update.begin()  # the buckets the gradient hooks have not started yet
+        update.finish_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

@@ -9,6 +9,8 @@ process group (one process) every operation is local.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -96,7 +98,15 @@ class LayerChain:
 def layer_data_groups(
     layer_parallel_size: int, device_type: str = "cpu"
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, int, int]:
-    """The 2-D mesh data x layer: (data group, layer group, data index, layer index) of this rank.
+    """The 2-D mesh data x layer (:func:`layer_data_mesh`): (data group, layer group, data index, layer index)
+    of this rank.  Collective: every rank calls it."""
+    mesh = layer_data_mesh(layer_parallel_size, device_type)
+    rank = dist.get_rank()
+    return mesh.get_group("data"), mesh.get_group("layer"), rank // layer_parallel_size, rank % layer_parallel_size
+
+
+def layer_data_mesh(layer_parallel_size: int, device_type: str = "cpu") -> Any:
+    """The ``("data", "layer")`` DeviceMesh of the world.
 
     Ranks r = d * P + l: the P ranks of one layer chain are contiguous (same node when P divides the ranks per
     node, where the boundary exchanges are cheapest); ranks with the same l hold the same layers and average
@@ -107,9 +117,7 @@ def layer_data_groups(
     # validated (an error naming layer_parallel_size); the groups get the world's (the strategy's) timeout
     layer = MeshDim("layer", layer_parallel_size, setting=f"layer_parallel_size={layer_parallel_size}",
                     what="ranks of one layer-parallel chain")
-    mesh = build_mesh([MeshDim("data"), layer], device_type=device_type)
-    rank = dist.get_rank()
-    return mesh.get_group("data"), mesh.get_group("layer"), rank // layer_parallel_size, rank % layer_parallel_size
+    return build_mesh([MeshDim("data"), layer], device_type=device_type)
 
 
 def average_gradients(params: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:

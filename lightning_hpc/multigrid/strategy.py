@@ -36,11 +36,12 @@ from lightning_hpc.distributed.partitioned import (
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
-from lightning_hpc.multigrid.parallel import average_gradients, layer_data_groups
+from lightning_hpc.multigrid.parallel import average_gradients, layer_data_mesh
 from lightning_hpc.multigrid.partition import check_layer_partition
 from lightning_hpc.multigrid.pm import PartitionedODEBlock
 from lightning_hpc.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
@@ -182,9 +183,11 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             device_type = self.root_device.type
-            self.data_group, self.layer_group, self._data_index, self._layer_index = layer_data_groups(
-                self.layer_parallel_size, device_type
-            )
+            mesh = layer_data_mesh(self.layer_parallel_size, device_type)
+            rank, lp = dist.get_rank(), self.layer_parallel_size
+            self._device_mesh = mesh
+            self.data_group, self.layer_group = mesh.get_group("data"), mesh.get_group("layer")
+            self._data_index, self._layer_index = rank // lp, rank % lp
             # no DDP wrapper broadcasts the initial weights: do it here so every replica starts equal
             start_equal(module_state_tensors(self.lightning_module))
         layer_group = self.layer_group if self.layer_parallel_size > 1 else None
@@ -221,6 +224,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         if self._sharded() is not None:

@@ -45,6 +45,7 @@ from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import FailureMessages
 from lightning_hpc.distributed.partitioned import refuse_compiled
+from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import (
     generator_states,
     module_state_tensors,
@@ -262,6 +263,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.layout = create_hybrid_layout(parts, timeout=self._timeout, device_type=self.root_device.type)
         # this run's settings travel with its grid (every split tensor holds it), not with the process
         self.layout.grid.policy = DispatchPolicy(overlap=self.overlap, on_unsupported=self.on_unsupported)
+        self._device_mesh = self.layout.mesh
         if self.layout.grid.size > 1:
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
@@ -284,6 +286,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     # -- model -------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
+        sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         self._prepare_model()
         super().setup(trainer)
 

@@ -150,6 +150,8 @@ class HybridLayout:
     num_sample_groups: int
     sample_index: int
     replica_group: dist.ProcessGroup | None = None
+    #: the ``("sample", "tile")`` DeviceMesh the groups come from (``None`` outside torch.distributed)
+    mesh: Any = None
 
     @property
     def world_size(self) -> int:
@@ -177,4 +179,4 @@ def create_hybrid_layout(parts: tuple[int, ...], timeout: datetime.timedelta | N
     grid = SpatialGrid(parts=parts, ranks=[int(r) for r in mesh["tile"].mesh.tolist()], group=group,
                        local_rank=rank % size)
     return HybridLayout(grid=grid, num_sample_groups=world // size, sample_index=rank // size,
-                        replica_group=mesh.get_group("sample"))
+                        replica_group=mesh.get_group("sample"), mesh=mesh)

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import (
     Callback,
     LearningRateMonitor,
     ModelCheckpoint,
+    Timer,
     TQDMProgressBar,
     WeightAveraging,
 )
@@ -24,7 +25,7 @@ from typing_extensions import override
 
 from lightning_hpc import KFAC
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainabilityChanged, TrainableSet
-from lightning_hpc.layered_sgd.strategy import step_observers
+from lightning_hpc.layered_sgd.strategy import backward_observers, step_observers
 
 
 class Plain(pl.LightningModule):
@@ -78,6 +79,82 @@ def test_nothing_observes_with_lightnings_own_callbacks_and_kfac():
 )
 def test_user_code_around_the_step_is_an_observer(module, callbacks, expected):
     assert step_observers(module, [TQDMProgressBar(), *callbacks]) == expected
+
+
+class CheckpointReadingWeights(ModelCheckpoint):
+    @override
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(*args, **kwargs)
+
+
+class CheckpointWithExtraState(ModelCheckpoint):
+    """Overrides no step hook: Lightning's own ``on_train_batch_end`` still runs."""
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+
+class BarShowingWeightNorm(TQDMProgressBar):
+    @override
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(*args, **kwargs)
+
+
+class TimerProjecting(Timer):
+    @override
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(*args, **kwargs)
+
+
+class KFACLoggingNorm(KFAC):
+    """Adds its own ``on_before_optimizer_step`` after KFAC declared itself safe: the declaration is KFAC's."""
+
+    @override
+    def on_before_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().on_before_optimizer_step(*args, **kwargs)
+
+
+class KFACLoggingNormDeclared(KFACLoggingNorm):
+    postponed_update_safe = True
+
+
+@pytest.mark.parametrize(
+    ("callback", "expected"),
+    [
+        (CheckpointReadingWeights(), ["CheckpointReadingWeights.on_train_batch_end"]),
+        (BarShowingWeightNorm(), ["BarShowingWeightNorm.on_train_batch_end"]),
+        (TimerProjecting(), ["TimerProjecting.on_train_batch_end"]),
+        (KFACLoggingNorm(), ["KFACLoggingNorm.on_before_optimizer_step"]),
+        (CheckpointWithExtraState(), []),
+        (KFACLoggingNormDeclared(), []),
+    ],
+)
+def test_a_subclass_of_a_trusted_callback_is_judged_by_the_hooks_it_overrides(callback, expected):
+    """Lightning's checkpointing, progress bar and timer (and a ``postponed_update_safe`` class) are trusted for
+    their own hook implementations only: a subclass that overrides a step hook runs user code there."""
+    assert step_observers(Plain(), [callback]) == expected
+
+
+class GradCheck(Plain):
+    @override
+    def on_after_backward(self) -> None:
+        pass
+
+
+class CallbackGradCheck(Callback):
+    postponed_update_safe = True  # covers the step hooks, not the backward pass
+
+    @override
+    def on_after_backward(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_on_after_backward_in_user_code_is_found():
+    assert backward_observers(Plain(), [TQDMProgressBar(), ModelCheckpoint(), KFAC(), CountsSteps()]) == []
+    assert backward_observers(GradCheck(), [CallbackGradCheck()]) == [
+        "GradCheck.on_after_backward", "CallbackGradCheck.on_after_backward"]
+    assert step_observers(GradCheck(), [CallbackGradCheck()]) == []
 
 
 def test_trainable_set_names_the_changes_and_refuses_them():
