@@ -88,6 +88,17 @@ def compiled_module_type() -> type:
     return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
 
 
+def autograd_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread gets (torch has no public getter): nodes
+    made between two readings were made by the ops run between them."""
+    return int(torch._C._autograd._get_sequence_nr())  # type: ignore[attr-defined]
+
+
+def default_store() -> Any:
+    """The default process group's store (torch has no public getter)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def abort_process_groups() -> None:
     """Abort every process group of this process (torch's private registry of them), so that peers waiting on
     this rank fail at once instead of at a collective timeout where the backend's ``abort`` closes its

@@ -23,7 +23,11 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["FailureMessages"]
+import torch.distributed as dist
+
+from lightning_hpc._compat import abort_process_groups, default_store
+
+__all__ = ["FailureMessages", "RunFailures"]
 
 #: how long one wait of the listening thread lasts before it waits again (it ends when stopped or messaged)
 _WAIT = timedelta(days=1)
@@ -128,3 +132,74 @@ class FailureMessages:
             except Exception:  # noqa: BLE001 - no store left: the thread has ended (or ends with the process)
                 pass
         thread.join(timeout)
+
+
+#: the text of an error a rank gets when a peer went away (its exit closed the connections): such a rank reports
+#: the peer's message instead of its own
+_COMM_FAILURE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "Timed out",
+)
+
+
+class RunFailures:
+    """A strategy's failure sharing over its runs: :meth:`start` once the process group is up (each run listens
+    under a key of its own), :meth:`share` from the strategy's ``on_exception``, :meth:`stop` at teardown.  ``name``
+    prefixes a message that reached a rank from its peer (``"spatial: rank 1: ValueError: ... -- which ended this
+    rank too"``)."""
+
+    _runs = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.messages: FailureMessages | None = None
+
+    def start(self) -> None:
+        """Listen for a peer's failure message during this run (nothing in one process, or without a store)."""
+        self.stop()  # set up again without a teardown: the earlier run's listener ends
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            return
+        RunFailures._runs += 1
+        try:
+            store = default_store()
+        except Exception:  # noqa: BLE001 - no store: nothing to share
+            return
+        messages = FailureMessages(store, f"lightning_hpc/{self.name}/failure/{RunFailures._runs}", dist.get_rank(),
+                                   dist.get_world_size())
+        try:
+            messages.start()
+        except Exception:  # noqa: BLE001 - a store that cannot be cloned: failures end the peers without a message
+            return
+        self.messages = messages
+
+    def stop(self) -> None:
+        if self.messages is not None:
+            self.messages.stop()
+            self.messages = None
+
+    def share(self, exception: BaseException) -> None:
+        """A failure on this rank ends every rank promptly with its message: the message goes to every peer
+        through the store (each peer's listening thread takes it at once, whatever its main thread waits on)
+        before this rank goes on to end; its exit closes its connections, so a peer waiting on it in a collective
+        fails at once instead of at the collective timeout, and a rank that failed because its peer went away
+        reports the peer's message (``exception``'s text is replaced).  Rank 0 also aborts its process groups
+        (backends whose ``abort`` closes their connections, NCCL, release the peers before its exit; gloo's
+        closes nothing).  A refusal raised on every rank at once is each rank's own message."""
+        messages = self.messages
+        if messages is None or not dist.is_initialized():
+            return
+        rank, text = dist.get_rank(), f"{type(exception).__name__}: {exception}"
+        try:
+            if any(s in text for s in _COMM_FAILURE):
+                peer = messages.received()
+                if peer is not None and not peer.startswith(f"rank {rank}:"):
+                    exception.args = (f"{self.name}: {peer} -- which ended this rank too ({text[:300]})",)
+            else:
+                messages.publish(f"rank {rank}: {text}")
+                if rank == 0:
+                    abort_process_groups()
+        except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
+            pass

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
@@ -110,6 +111,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         kwargs.setdefault("find_unused_parameters", False)
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(**kwargs)
+        self._failures = RunFailures("hybrid_fc")
         self.head, self.scheme, self.fc_update = head, scheme, fc_update
         self.layouts = list(layouts) if layouts is not None else None
         self.model_attr = model_attr
@@ -207,6 +209,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
+        self._failures.start()  # a failing rank's message reaches every peer promptly
         super().setup(trainer)
         head_layers = "the fully-connected head's layers"
         refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)
@@ -349,6 +352,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                 "A parameter of the data-parallel trunk took no part in the loss returned by training_step. "
                 + _UNUSED_FIX,
             )
+        self._failures.share(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._failures.stop()
+        super().teardown()
 
     # -- checkpoints: full, unsharded ------------------------------------------------------------------------
     @override

@@ -34,8 +34,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.utils import _ntuple, _reverse_repeat_tuple
 from torch.overrides import TorchFunctionMode
+
+from lightning_hpc._compat import autograd_sequence_nr
 
 __all__ = [
     "FUNCTIONAL_OPS",
@@ -95,8 +96,10 @@ class ConvGeometry:
     def of_call(cls, kernel: Sequence[int], stride: Any, padding: Any, dilation: Any) -> ConvGeometry:
         """The geometry of ``F.convNd(x, w, b, stride, padding, dilation)`` with a ``kernel``-sized weight: zero
         padding, ``'same'`` split as ``nn.ConvNd`` splits it (the odd element on the far side)."""
-        tup = _ntuple(len(kernel))
-        dil = tuple(tup(dilation))
+        def tup(v: Any) -> tuple[int, ...]:  # an int or one per dimension, as torch takes them
+            return tuple(int(e) for e in v) if isinstance(v, (tuple, list)) else (int(v),) * len(kernel)
+
+        dil = tup(dilation)
         if padding == "valid":
             pads: tuple[int, ...] = (0,) * 2 * len(kernel)
         elif padding == "same":
@@ -106,8 +109,8 @@ class ConvGeometry:
                 flat += [total // 2, total - total // 2]
             pads = tuple(flat)
         else:
-            pads = tuple(_reverse_repeat_tuple(tuple(tup(padding)), 2))
-        return cls(tuple(tup(stride)), dil, pads)
+            pads = tuple(p for p in reversed(tup(padding)) for _ in range(2))  # F.pad's order: last dim first
+        return cls(tup(stride), dil, pads)
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ class CallTracer(TorchFunctionMode):
 
     def start(self) -> None:
         self.active = True
-        self._start = torch._C._autograd._get_sequence_nr()
+        self._start = autograd_sequence_nr()
         self._captured = []
         self._mismatch = None
         self.__enter__()
@@ -236,9 +239,9 @@ class CallTracer(TorchFunctionMode):
         if mismatch is not None:
             self._mismatch = self._mismatch or mismatch
             return func(*args, **kwargs)
-        first = torch._C._autograd._get_sequence_nr()
+        first = autograd_sequence_nr()
         out = func(*args, **kwargs)
-        self._captured.append((first, torch._C._autograd._get_sequence_nr()))
+        self._captured.append((first, autograd_sequence_nr()))
         x = call["input"]
         if isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor):
             geometry = None

@@ -71,6 +71,7 @@ from lightning_hpc._compat import automatic_optimizer_step_progress
 from lightning_hpc.distributed.backend import communicator_for
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.groups import (
     check_divisible,
     gather_hostnames,
@@ -239,6 +240,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
             kwargs["cluster_environment"] = launched
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(**kwargs)
+        self._failures = RunFailures("layered_sgd")
         self.procs_per_node_setting = procs_per_node
         self._communicator_setting = communicator
         self._layered_timeout_s = layered_timeout_s
@@ -373,6 +375,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
+        self._failures.start()  # a failing rank's message reaches every peer promptly
         super().setup(trainer)
         for opt in self.optimizers:
             if isinstance(opt, LBFGS):
@@ -584,6 +587,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
         if self.allreduce is not None:
             self.allreduce.close()
         super().on_exception(exception)
+        self._failures.share(exception)
 
     def _teardown_barrier(self) -> None:
         """Every rank waits here until all have finished their collectives.  Under Horovod a rank that exits
@@ -612,6 +616,7 @@ class LayeredSGDStrategy(StrategyContract, DDPStrategy):
                 # set by Lightning, undeclared on Trainer
                 trainer.callbacks.remove(self._flush_callback)  # type: ignore[attr-defined]
         self._flush_callback = None
+        self._failures.stop()
         super().teardown()
 
     @classmethod

@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
     refuse_compiled,
@@ -95,6 +96,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             raise ValueError(f"layer_parallel_size must be >= 1, got {layer_parallel_size}")
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(timeout=timeout, **kwargs)
+        self._failures = RunFailures("multigrid")
         # validated now so a bad setting fails before any process is started
         self.options = MultigridOptions(
             cfactor=cfactor,
@@ -223,8 +225,19 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._wrap_model()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failures.share(exception)  # every rank ends promptly with the failing rank's message
+
+    @override
+    def teardown(self) -> None:
+        self._failures.stop()
+        super().teardown()
+
+    @override
     def setup(self, trainer: Any) -> None:
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
+        self._failures.start()  # a failing rank's message reaches every peer promptly
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         if self._sharded() is not None:

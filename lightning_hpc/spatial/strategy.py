@@ -41,9 +41,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hpc._compat import abort_process_groups
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
-from lightning_hpc.distributed.failure import FailureMessages
+from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.partitioned import refuse_compiled
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import (
@@ -73,15 +72,6 @@ from lightning_hpc.spatial.tiling import (
 )
 
 __all__ = ["SpatialParallelStrategy"]
-
-_RUNS = [0]  # counts setups, the same on every rank: keys of one run's failure message in the store
-_COMM_FAILURE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "DistBackendError",
-    "Timed out",
-)
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +177,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._prepared = False
         self._slice_batches = False
         self._warned_nothing_split = False
-        self._failures: FailureMessages | None = None  # a peer's failure message reaches this rank (setup)
+        self._failures = RunFailures("spatial")  # a peer's failure message reaches this rank
 
     # -- layout ------------------------------------------------------------------------------------------------
     @property
@@ -269,10 +259,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
             metrics.activate(self.layout)
             refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
-        _RUNS[0] += 1
-        if self._failures is not None:  # set up again without a teardown: the earlier run's listener ends
-            self._failures.stop()
-        self._failures = _failure_messages(f"lightning_hpc/spatial/failure/{_RUNS[0]}")
+        self._failures.start()
         dm = self._datamodule()
         if dm is not None and hasattr(dm, "set_spatial_tile"):
             dm.set_spatial_tile(self.layout.grid.index, parts)
@@ -382,9 +369,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._failures is not None:
-            self._failures.stop()
-            self._failures = None
+        self._failures.stop()
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
             refuse_reentrant(False)
@@ -450,30 +435,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failure on one rank ends every rank promptly with its message: the failing rank hands the message to
-        every peer through the store (each peer's listening thread takes it at once, whatever its main thread is
-        waiting on) before it goes on to end; its exit closes its connections, so a peer waiting on it in a halo
-        exchange or a collective fails at once instead of at the collective timeout, and a rank that failed
-        because its peer went away reports the peer's message.  Rank 0 also aborts its process groups (backends
-        whose ``abort`` closes their connections, NCCL, release the peers before its exit; gloo's closes
-        nothing).  A refusal raised on every rank at once is each rank's own message, and no rank waits for
-        another to read it longer than the hand-over takes."""
+        """A failure on one rank ends every rank promptly with its message (:class:`RunFailures`)."""
         super().on_exception(exception)
-        failures = self._failures
-        if failures is None or not dist.is_initialized():
-            return
-        rank, text = dist.get_rank(), f"{type(exception).__name__}: {exception}"
-        try:
-            if any(s in text for s in _COMM_FAILURE):
-                peer = failures.received()
-                if peer is not None and not peer.startswith(f"rank {rank}:"):
-                    exception.args = (f"spatial: {peer} -- which ended this rank too ({text[:300]})",)
-            else:
-                failures.publish(f"rank {rank}: {text}")
-                if rank == 0:
-                    abort_process_groups()
-        except Exception:  # noqa: BLE001 - best effort: the original exception is raised anyway
-            pass
+        self._failures.share(exception)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -627,22 +591,6 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         if mean:
             out = out / self.layout.num_sample_groups
         return out
-
-
-def _failure_messages(key: str) -> FailureMessages | None:
-    """This rank's listener for a peer's failure message during one run (None: one process, or no store)."""
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: nothing to share
-        return None
-    failures = FailureMessages(store, key, dist.get_rank(), dist.get_world_size())
-    try:
-        failures.start()
-    except Exception:  # noqa: BLE001 - a store that cannot be cloned: failures end the peers without a message
-        return None
-    return failures
 
 
 def _paths(batch: Any, prefix: tuple = ()) -> list[tuple[tuple, Tensor]]:

@@ -1,0 +1,67 @@
+"""A failure on one rank ends every rank promptly with the failing rank's message under layered_sgd, hybrid_fc and
+multigrid (the spatial strategy's own test is in tests/spatial/test_conformance.py): one rank fails before its
+second step while its peer enters the step's collectives; the peer must not wait for the 100 s collective timeout,
+and it ends with the failing rank's message, also when the failing rank is rank 0 (which hosts the store the
+message travels through).  The ranks are fresh interpreters, as torchrun and Lightning start them."""
+
+from __future__ import annotations
+
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hpc import HybridParallelStrategy, ImageClassifier, LayeredSGDStrategy, MultigridStrategy
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.models import ode_resnet
+
+
+def _model(name: str) -> nn.Module:
+    if name == "multigrid":
+        return ode_resnet(in_channels=3, width=4, num_steps=4, num_classes=10, input_size=(8, 8))
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
+                         nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _strategy(name: str):
+    if name == "layered_sgd":
+        return LayeredSGDStrategy(procs_per_node=1)
+    if name == "hybrid_fc":
+        return HybridParallelStrategy()
+    return MultigridStrategy(layer_parallel_size=2, mode="pm")
+
+
+def _one_rank_fails(rank: int, world: int, name: str, failing: int) -> dict:
+    torch.manual_seed(0)
+    module = ImageClassifier(_model(name), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=10)
+
+    class FailOnOneRank(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == failing and batch_idx == 1:
+                raise RuntimeError(f"bad sample on rank {failing}")
+
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(name), max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[FailOnOneRank()])
+    loader = DataLoader(TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))), batch_size=4)
+    t0 = time.monotonic()
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+@pytest.mark.parametrize("name", ["layered_sgd", "hybrid_fc", "multigrid"])
+def test_failure_on_one_rank_ends_every_rank_with_its_message(name, failing, monkeypatch):
+    monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "spawn")
+    results = run_in_processes(_one_rank_fails, 2, name, failing, timeout_s=150, collective_timeout_s=100)
+    peer = 1 - failing
+    assert f"bad sample on rank {failing}" in results[failing]["error"]
+    assert results[peer]["error"] is not None, f"rank {peer} finished although its peer failed"
+    assert f"bad sample on rank {failing}" in results[peer]["error"], results[peer]["error"]
+    assert max(r["seconds"] for r in results) < 60, results  # not the 100 s collective timeout
