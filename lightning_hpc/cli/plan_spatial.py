@@ -2,9 +2,12 @@
 
     lightning-hpc plan-spatial recipe=mesh_tangling_1k --world-size 8 [--json] [key=value ...]
 
-Prints the distribution chosen for every layer and the predicted time per mini-batch.  Layer times are measured
-on this machine (cached in ``$LIGHTNING_HPC_CACHE``); alpha and beta come from a short gloo calibration between
-two local processes unless given (``--alpha/--beta``, e.g. measured on the target cluster).
+Prints the split the strategy would run (one ``spatial_parts`` for the whole model, as
+``SpatialParallelStrategy`` runs it; ``--per-layer``: the paper's search, a distribution per layer, with shuffles
+between them), each layer's distribution and stage cost under it, and the predicted time per mini-batch.  Layer
+times are measured on this machine the first time (cached in ``$LIGHTNING_HPC_CACHE``; progress goes to stderr,
+stage by stage); alpha and beta come from a short gloo calibration between two local processes unless given
+(``--alpha/--beta``, e.g. measured on the target cluster).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True, help="number of processes")
     p.add_argument("--batch-size", type=int, default=None, help="mini-batch size N (default: the recipe's batch_size)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--uniform", action="store_true", help="one distribution for every layer")
+    p.add_argument("--per-layer", action="store_true",
+                   help="a distribution per layer (the paper's search; the strategy runs one split for all layers)")
     p.add_argument("--sample-only", action="store_true", help="pure sample (data) parallelism")
     p.add_argument("--overlap-halo", action="store_true", help="model halo exchanges hidden behind interior compute")
     p.add_argument("--local-bn", action="store_true", help="tile-local batch norm (no statistics allreduce)")
@@ -76,6 +80,7 @@ def main(argv: Sequence[str]) -> int:
 
     from lightning_hpc.perfmodel import AlphaBeta
     from lightning_hpc.spatial.planner import plan_for_model
+    from lightning_hpc.spatial.planner.search import NoSingleSplitError
 
     torch.set_num_threads(max(args.threads, 1))
     try:
@@ -89,17 +94,31 @@ def main(argv: Sequence[str]) -> int:
     ab = AlphaBeta(args.alpha, args.beta) if args.alpha is not None else None
     scale = max(1.0, args.world_size * args.threads / args.cores) if args.cores else 1.0
     restrict = (lambda d: d.spatial_size == 1) if args.sample_only else None
+    print(f"plan-spatial: {recipe}, {args.world_size} processes: tracing the model"
+          + ("" if ab is not None else ", calibrating alpha-beta between 2 local processes")
+          + "; layer times are measured on this machine the first time (cached)", file=sys.stderr, flush=True)
     sync = None
     if args.loaded_sync:
         from lightning_hpc.perfmodel import calibrate_sync
 
         sync = calibrate_sync(args.world_size)
-    try:
-        plan = plan_for_model(
-            model, input_shape, args.world_size, batch, alpha_beta=ab, uniform=args.uniform, restrict=restrict,
+    def planned(uniform: bool):
+        return plan_for_model(
+            model, input_shape, args.world_size, batch, alpha_beta=ab, uniform=uniform, restrict=restrict,
             overlap_halo=args.overlap_halo, aggregate_bn=not args.local_bn, compute_scale=scale,
             gradient_reduction=args.gradient_reduction, sync=sync,
+            progress=lambda line: print(f"plan-spatial: {line}", file=sys.stderr, flush=True),
         )
+
+    try:
+        try:
+            plan = planned(uniform=not args.per_layer)
+        except NoSingleSplitError:
+            print("plan-spatial: no single split suits every layer of this model at this input size and world size "
+                  "(SpatialParallelStrategy runs one split for all layers, so it cannot run this configuration: "
+                  "use fewer processes per sample or a larger input); the per-layer plan follows",
+                  file=sys.stderr, flush=True)
+            plan = planned(uniform=False)
     except ValueError as e:
         print(f"plan-spatial: {e}", file=sys.stderr)
         return 2

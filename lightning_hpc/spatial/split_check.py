@@ -11,6 +11,7 @@ dimension and the largest split of that dimension that works.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -136,7 +137,9 @@ def trace_shapes(model: nn.Module, input_shape: Sequence[int]) -> dict[str, tupl
 
 def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[int]) -> None:
     """Raise :class:`PartitionError` (or ``ValueError`` for a split of the wrong number of dimensions) for the first
-    layer of ``model`` that cannot run on one sample of ``input_shape`` = (C, *spatial) split ``parts``."""
+    layer of ``model`` that cannot run on one sample of ``input_shape`` = (C, *spatial) split ``parts``.  The fixes
+    it names come in this order: the same number of ranks per sample split along other dimensions (a split that
+    works for every layer), the largest split of the failing dimension that works for this layer, a larger input."""
     k = len(parts)
     if len(input_shape) != 1 + k:
         raise ValueError(
@@ -144,8 +147,40 @@ def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[in
             f"{tuple(input_shape)} (channels and {len(input_shape) - 1} spatial dimension(s)); give one part per "
             f"spatial dimension: {dim_names(len(input_shape) - 1)}"
         )
+    shapes = trace_shapes(model, input_shape)
+    failure = _first_failure(model, shapes, tuple(parts))
+    if failure is None:
+        return
+    name, module, in_shape, axis, best, reason = failure
     names = dim_names(k)
-    for name, (in_shape, out_shape) in trace_shapes(model, input_shape).items():
+    suggestion = list(parts)
+    suggestion[axis] = best
+    same_ranks = [alt for alt in _splits_of(math.prod(parts), k) if alt != tuple(parts)
+                  and _first_failure(model, shapes, alt) is None]
+    other = (f"split the same {math.prod(parts)} ranks per sample as spatial_parts={list(same_ranks[0])}, which "
+             f"every layer takes; or " if same_ranks else "")
+    raise PartitionError(
+        f"layer '{name}' ({type(module).__name__}) with input {'x'.join(map(str, in_shape[2:]))} "
+        f"({' x '.join(names)}) cannot be split {parts_text(parts)}: along {names[axis]} {reason}. Fix: {other}the "
+        f"largest split of {names[axis]} that works for this layer is {best} (e.g. spatial_parts={suggestion}); or "
+        f"use a larger input"
+    )
+
+
+def _splits_of(ranks: int, k: int) -> list[tuple[int, ...]]:
+    """Every ``k``-tuple of parts whose product is ``ranks``, the splits of the last dimensions first (W, then H:
+    on CPUs torch's fast convolution path keeps a W split's peak low)."""
+    if k == 1:
+        return [(ranks,)]
+    out = [(q, *rest) for q in range(1, ranks + 1) if ranks % q == 0 for rest in _splits_of(ranks // q, k - 1)]
+    return sorted(out)
+
+
+def _first_failure(model: nn.Module, shapes: dict, parts: tuple[int, ...]) -> tuple | None:
+    """The first layer that cannot run split ``parts``: (name, module, input shape, axis, the largest split of
+    that axis that works for it, why), or None."""
+    k = len(parts)
+    for name, (in_shape, out_shape) in shapes.items():
         if len(in_shape) != 2 + k or any(n < p for n, p in zip(in_shape[2:], parts)):
             continue  # not an activation of the sample's layout, or one after a global pooling (not split)
         module = model.get_submodule(name)
@@ -158,13 +193,7 @@ def check_split(model: nn.Module, input_shape: Sequence[int], parts: Sequence[in
             if split_works(window, (n,), (p,)) and (len(out_shape) != 2 + k or n_out >= p):
                 continue
             best = max(q for q in range(1, p + 1) if split_works(window, (n,), (q,)) and n_out >= q)
-            suggestion = list(parts)
-            suggestion[axis] = best
             reason = (f"its output of {n_out} rows has fewer rows than the {p} parts" if n_out < p else
                       f"a tile of {n // p} rows is thinner than the halo the layer reads")
-            raise PartitionError(
-                f"layer '{name}' ({type(module).__name__}) with input {'x'.join(map(str, in_shape[2:]))} "
-                f"({' x '.join(names)}) cannot be split {parts_text(parts)}: along {names[axis]} {reason}. The "
-                f"largest split of {names[axis]} that works for this layer is {best} (e.g. spatial_parts="
-                f"{suggestion}); or use a larger input"
-            )
+            return name, module, in_shape, axis, best, reason
+    return None

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
@@ -60,6 +61,7 @@ from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.kernels.plan import dim_names
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 from lightning_hpc.spatial.policy import DispatchPolicy
 from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
@@ -254,6 +256,11 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # this run's settings travel with its grid (every split tensor holds it), not with the process
         self.layout.grid.policy = DispatchPolicy(overlap=self.overlap, on_unsupported=self.on_unsupported)
         self._device_mesh = self.layout.mesh
+        how = {"auto": " (planned)", None: " (the default: H split over every rank)"}
+        chosen = how.get(self._parts_setting, "") if not isinstance(self._parts_setting, tuple) else ""
+        rank_zero_info(
+            f"SpatialParallelStrategy: {parts_text(parts)} ({' x '.join(dim_names(len(parts)))}) tiles per sample, "
+            f"{self.layout.num_sample_groups} sample group(s) of {self.layout.grid.size} rank(s){chosen}")
         if self.layout.grid.size > 1:
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
             # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)

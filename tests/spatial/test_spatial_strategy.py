@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -66,8 +68,13 @@ def _fit(rank: int, world: int, parts):
         accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
     trainer.fit(module, datamodule=dm)
     return {
+        "said": said,
         "tile": dm.tile,
         "loss": float(trainer.callback_metrics["train/loss"]),
         "params": [p.detach().numpy().copy() for p in module.model.parameters()],
@@ -86,6 +93,9 @@ def test_lightning_fit_matches_serial():
         for p, q in zip(res["params"], ref_params):
             assert float((torch.from_numpy(p) - q).abs().max()) <= TOL
         assert "not divisible by spatial_parts=3x1" in res["errors"]["divisible"]
+    # the split that runs is logged once (rank 0)
+    assert "SpatialParallelStrategy: 2x1 (H x W) tiles per sample, 1 sample group(s) of 2 rank(s)" in \
+        results[0]["said"], results[0]["said"]
 
 
 def test_strategy_is_registered():
@@ -160,3 +170,17 @@ def test_cli_fast_dev_run_with_spatial_strategy(tmp_path):
            f"hydra.run.dir={tmp_path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_refusal_offers_a_split_of_the_same_ranks_first():
+    """A volume too thin along D for 4 parts: the first fix named splits the same 4 ranks along other dimensions
+    (one every layer takes), before shrinking the failing dimension's split (which would leave ranks idle)."""
+    volume = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 5, padding=4, dilation=2))
+    with pytest.raises(PartitionError, match=r"along D.*Fix: split the same 4 ranks per sample as "
+                                             r"spatial_parts=\[1, 1, 4\], which every layer takes; or the largest "
+                                             r"split of D"):
+        check_split(volume, (1, 8, 16, 16), (4, 1, 1))
+    check_split(volume, (1, 8, 16, 16), (1, 1, 4))  # the offered fix works
+    tiny = nn.Sequential(nn.Conv2d(1, 1, 7, padding=3))  # no split of 6 ranks works on 6x6: only the shrink is named
+    with pytest.raises(PartitionError, match=r"Fix: the largest split of H"):
+        check_split(tiny, (1, 6, 6), (6, 1))

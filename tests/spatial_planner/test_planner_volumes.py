@@ -75,3 +75,13 @@ def test_plan_spatial_cli_plans_the_volume_recipe(tmp_path, monkeypatch, capsys)
     for layer in out["layers"]:
         d = layer["distribution"]
         assert d["n"] * d["d"] * d["h"] * d["w"] * d["replicas"] == 4
+    # one split for the whole model (what the strategy runs), every layer under it
+    assert out["method"] == "uniform" and len({str(layer["distribution"]) for layer in out["layers"]}) == 1
+    assert main(argv[:-1]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[2].startswith("split: ") and "(D x H x W) tiles per sample" in lines[2], lines[:3]
+    rows = [line for line in lines[4:] if line.split() and line.split()[0] not in ("spatial", "compute", "predicted")]
+    assert rows and all(" D" in row and " H" in row and " W" in row for row in rows), rows  # volumes name D
+    assert not any(row.split()[0].startswith(("getattr", "getitem", "add", "cat")) for row in rows), rows
+    assert "stage 1/" in captured.err and "tracing the model" in captured.err  # progress while it measures

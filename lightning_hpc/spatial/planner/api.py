@@ -17,7 +17,7 @@ from lightning_hpc.perfmodel import AlphaBeta, LayerTimer
 from lightning_hpc.perfmodel.sync import SyncCost
 from lightning_hpc.spatial.planner.cost import CostModel, StageCost
 from lightning_hpc.spatial.planner.graph import Distribution, build_stages, trace_layers
-from lightning_hpc.spatial.planner.search import _assign, candidate_distributions
+from lightning_hpc.spatial.planner.search import NoSingleSplitError, _assign, candidate_distributions
 from lightning_hpc.spatial.planner.simulate import _optimizer_time, _simulate
 
 __all__ = ["Plan", "plan_for_model"]
@@ -44,6 +44,8 @@ class Plan:
     sync_points: int = 0  # synchronisation points per step (halo exchanges, collectives, shuffles, allreduces)
     sync_time: float = 0.0  # loaded synchronisation cost beyond alpha-beta of the non-gradient ones (s)
     sync: SyncCost | None = None  # the measured loaded synchronisation costs used (None: alpha-beta only)
+    #: the module class of each layer that is a module (the others are functions such as ``add`` or ``cat``)
+    layer_types: dict[str, str] | None = None
 
     @property
     def spatial_parts(self) -> tuple[int, ...]:
@@ -84,14 +86,26 @@ class Plan:
         }
 
     def table(self) -> str:
+        """The plan as text: the split (one for the whole model when planned ``uniform``, as the strategy runs
+        it), then each layer of the model (the modules, by the names ``named_modules`` gives them) with its
+        distribution and the cost of the stage it heads."""
+        ndim = len(self.input_shape) - 1
+        names = {1: "L", 2: "H x W", 3: "D x H x W"}[ndim]
+        split = " x ".join(str(p) for p in self.spatial_parts)
         lines = [
             f"plan for {self.world_size} processes, mini-batch {self.batch_size}, input {list(self.input_shape)}"
             f" ({self.method})",
-            f"{'layer':32s} {'distribution':28s} {'stage cost (ms)':>16s}",
+            f"split: {split} ({names}) tiles per sample x {self.sample_groups} sample group(s)"
+            + (" for every layer" if self.method == "uniform" else " at the input (layers below differ)"),
+            f"{'layer':32s} {'type':16s} {'distribution':30s} {'stage cost (ms)':>16s}",
         ]
         for name, dist in self.distributions.items():
+            kind = (self.layer_types or {}).get(name)
+            if self.layer_types is not None and kind is None:
+                continue  # a function of the traced graph (add, cat, getattr ...): not a layer of the model
             cost = self.stage_costs.get(name)
-            lines.append(f"{name:32s} {str(dist):28s} {'' if cost is None else f'{1e3 * cost.total:16.2f}'}")
+            lines.append(f"{name:32s} {kind or '':16s} {dist.label(ndim):30s} "
+                         f"{'' if cost is None else f'{1e3 * cost.total:16.2f}'}")
         lines += [
             f"spatial parts = {self.spatial_parts}, sample groups = {self.sample_groups}",
             f"compute {1e3 * self.compute_time:.2f} ms + halo {1e3 * self.halo_time:.2f} ms"
@@ -120,6 +134,7 @@ def plan_for_model(
     device: str | torch.device = "cpu",
     gradient_reduction: str = "per-layer",
     sync: SyncCost | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Choose a distribution for every layer of ``model`` on ``world_size`` processes at mini-batch
     ``batch_size`` (``input_shape`` = (C, H, W) of one image, (C, D, H, W) of a volume or (C, L) of a signal) and
@@ -135,7 +150,8 @@ def plan_for_model(
     (:func:`lightning_hpc.perfmodel.sync.calibrate_sync` on ``world_size`` processes); every halo exchange,
     batch-norm collective, shuffle and gradient allreduce of the plan is then charged its alpha-beta cost plus
     that measured extra, and only the measured share of an allreduce is hidden behind backward.  Default None:
-    the plain alpha-beta model of section V-A (right for ranks with cores to spare).
+    the plain alpha-beta model of section V-A (right for ranks with cores to spare).  ``progress`` receives a line
+    before each stage's candidates are costed (layer times are measured then, unless cached).
 
     Called inside a distributed job, rank 0 plans (alpha-beta calibrated on the job's process group) and
     broadcasts the plan, so every rank uses the same one.
@@ -174,6 +190,16 @@ def plan_for_model(
                     )
                 options = kept
             cands[s.name] = options
+        if progress is not None:  # cost what the search will cost, stage by stage, saying so (measured times
+            # are cached: the search then reads them)
+            common = set.intersection(*(set(c) for c in cands.values())) if uniform and cands else None
+            if common is not None and not common:
+                raise NoSingleSplitError("no single distribution fits every layer; plan per layer (uniform=False)")
+            for i, s in enumerate(stages):
+                todo = [d for d in cands[s.name] if common is None or d in common]
+                progress(f"stage {i + 1}/{len(stages)}: {s.name} ({len(todo)} distributions)")
+                for d in todo:
+                    costs.stage_cost(s, d)
         assignment, method = _assign(stages, cands, costs, uniform)
         sim = _simulate(stages, assignment, costs)
         opt = compute_scale * _optimizer_time(model, optimizer)
@@ -196,6 +222,7 @@ def plan_for_model(
             sync_points=int(sim["sync_points"]),
             sync_time=sim["sync_time"],
             sync=costs.sync,
+            layer_types={layer.name: type(layer.module).__name__ for layer in layers if layer.module is not None},
         )
 
     if not in_job:

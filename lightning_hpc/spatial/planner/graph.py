@@ -46,9 +46,15 @@ class Distribution:
     def spatial_size(self) -> int:
         return self.d * self.h * self.w
 
-    def __str__(self) -> str:
-        text = f"N{self.n} x " + (f"D{self.d} x " if self.d > 1 else "") + f"H{self.h} x W{self.w}"
+    def label(self, ndim: int = 2) -> str:
+        """``N2 x D1 x H2 x W1`` for a volume (``ndim`` 3), ``N2 x H2 x W1`` for an image, ``N2 x L2`` for a
+        signal: every spatial dimension named, split or not."""
+        names = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}[ndim]
+        text = " x ".join([f"N{self.n}", *(f"{k}{p}" for k, p in zip(names, self.parts(ndim)))])
         return text + (f" (x{self.replicas} replicated)" if self.replicas > 1 else "")
+
+    def __str__(self) -> str:
+        return self.label(3 if self.d > 1 else 2)
 
 
 @dataclass

@@ -21,6 +21,11 @@ from lightning_hpc.spatial.windows import split_works
 __all__ = ["candidate_distributions", "shortest_line_path", "brute_force_line"]
 
 
+
+class NoSingleSplitError(ValueError):
+    """No one distribution suits every layer of the model at this size (a planned ``uniform`` run is impossible;
+    a per-layer plan may exist)."""
+
 def _divisors(p: int) -> list[int]:
     return [d for d in range(1, p + 1) if p % d == 0]
 
@@ -151,7 +156,7 @@ def _assign(
     if uniform:  # one distribution for the whole network (what the paper's experiments use)
         common = set.intersection(*(set(cands[s.name]) for s in stages))
         if not common:
-            raise ValueError("no single distribution fits every layer; plan per layer (uniform=False)")
+            raise NoSingleSplitError("no single distribution fits every layer; plan per layer (uniform=False)")
         best = min(sorted(common), key=lambda d: sum(costs.stage_cost(s, d).total for s in stages))
         return {s.name: best for s in stages}, "uniform"
     if _is_line(stages):
