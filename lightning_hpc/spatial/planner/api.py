@@ -195,6 +195,10 @@ def plan_for_model(
             common = set.intersection(*(set(c) for c in cands.values())) if uniform and cands else None
             if common is not None and not common:
                 raise NoSingleSplitError("no single distribution fits every layer; plan per layer (uniform=False)")
+            total = sum(len([d for d in cands[s.name] if common is None or d in common]) for s in stages)
+            progress(f"costing {len(stages)} stages under {total} (stage, distribution) pairs: each layer's forward "
+                     f"and backward at its tile's shape is timed on this machine unless cached (for large volumes on "
+                     f"a CPU, minutes the first time; seconds from the cache)")
             for i, s in enumerate(stages):
                 todo = [d for d in cands[s.name] if common is None or d in common]
                 progress(f"stage {i + 1}/{len(stages)}: {s.name} ({len(todo)} distributions)")
