@@ -11,21 +11,32 @@ equal to one process (float64): written here as a user of those libraries writes
 
 Each runs on 2 processes at 2x1 and 1x2 (images), 1x1x2 (volumes) or 2 (signals) under
 ``on_unsupported("error")`` (a gather raises) with the gather counter checked, and its value and the input's
-gradient equal one process's to 1e-12.
+gradient equal one process's to 1e-12.  (The FPN's ``torch.cat`` merge was tiled before: kept beside the stack.)
+
+And ``Trainer.fit`` of a 3-D U-Net with ``Dropout3d`` and the DiceCE + one_hot loss on sub-volumes split 1x1x2
+(the volume tests' data), seeded once before the model is built: the losses and parameters of one process, and
+nothing gathered in the whole fit.
 """
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import seed_everything
+from test_dropout_seeding import DropoutUNet
+from test_volumes import BATCH, SubVolumes, _trainer
+from test_volumes import N as N_VOLUMES
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor, state
+from lightning_hpc.spatial.strategy import SpatialParallelStrategy
 from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
 TOL = 1e-12
+FIT_TOL = 1e-9  # float64, after a few optimizer steps (as the volume tests)
 N, CLASSES = 2, 3
 
 
@@ -316,3 +327,107 @@ def test_idiom_on_split_activations_gathers_nothing_and_equals_one_process(name)
             if out_ref is not None:
                 assert _close(res["out"], out_ref), what
             assert _close(res["grad"], grad_ref[(..., *res["cut"])]), what
+
+
+# ---- Trainer.fit: a 3-D U-Net with Dropout3d and MONAI's DiceCE + one_hot on sub-volumes -------------------------
+
+
+class DiceCESegmenter(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = DropoutUNet(3)
+        self.loss = MonaiDiceCELoss()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss(self.model(x), y.unsqueeze(1))  # MONAI's labels carry a channel dimension
+        self.log("train_loss", loss)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _fit_dice_ce(rank: int, world: int, parts: tuple[int, ...] | None) -> dict:
+    seed_everything(0)  # once, before the model is built, as a user's script does
+    module = DiceCESegmenter()
+    strategy = {} if parts is None else {"strategy": SpatialParallelStrategy(spatial_parts=parts),
+                                         "use_distributed_sampler": False}
+    trainer = _trainer(devices=world, **strategy)
+    before = state().gathers
+    trainer.fit(module, datamodule=SubVolumes("volume"))
+    return {"params": [p.detach().clone() for p in module.parameters()], "losses": module.losses,
+            "gathers": state().gathers - before}
+
+
+def test_unet_with_dropout3d_and_dice_ce_one_hot_loss_fits_sub_volumes_as_one_process_gathering_nothing():
+    (ref,) = run_in_processes(_fit_dice_ce, 1, None, timeout_s=300, collective_timeout_s=60)
+    assert len(ref["losses"]) == 2 * N_VOLUMES // BATCH
+    for rank, res in enumerate(run_in_processes(_fit_dice_ce, 2, (1, 1, 2), timeout_s=600,
+                                                collective_timeout_s=120)):
+        what = f"1x1x2 rank {rank}"
+        assert res["gathers"] == 0, (what, res["gathers"])
+        for step, (loss, r) in enumerate(zip(res["losses"], ref["losses"], strict=True)):
+            assert abs(loss - r) <= FIT_TOL * max(1.0, abs(r)), (what, step, loss, r)
+        for k, (p, r) in enumerate(zip(res["params"], ref["params"], strict=True)):
+            err = float((p - r).abs().max())
+            assert err <= FIT_TOL, f"{what}: parameter {k} differs by {err:.3g}"
+
+
+# ---- what still gathers on a merged view: exact, and counted ------------------------------------------------------
+
+
+def _scatter_into_viewed(x, y):
+    o = torch.zeros(x.shape, dtype=x.dtype)
+    channel0 = o[:, 0]  # a view of the plain tensor: it must see the one-hot as one process's does
+    o.scatter_(1, y.unsqueeze(1), 1.0)
+    return channel0 * 1.0, (x * o).sum()
+
+
+GATHERED = {  # each gathers (the op has no tiled form on the layout), and equals one process
+    "softmax over the merged positions": lambda x, y: (
+        x.flatten(2).softmax(-1).view_as(x), (x.flatten(2).softmax(-1) * x.flatten(2)).sum()),
+    "a slice of the merged dimension": lambda x, y: (None, (x.reshape(N, CLASSES, -1)[..., 3:11] ** 2).sum()),
+    "cumsum along the merged dimension, viewed back": lambda x, y: (
+        x.reshape(N, -1).cumsum(1).reshape(x.shape), x.reshape(N, -1).cumsum(1).mean()),
+    "scatter_ into a plain tensor whose view is kept": _scatter_into_viewed,
+}
+
+
+def _gathered_run(rank, world, parts):
+    grid = create_hybrid_layout(parts).grid
+    shape = (N, CLASSES, 7, 6)
+    x, y = _data(shape)
+    cut = tile_slices(shape[2:], parts, grid.index)
+    out = {}
+    for name, run in GATHERED.items():
+        tile = x[(..., *cut)].clone().requires_grad_(True)
+        before = state().gathers
+        res, loss = run(split_tensor(tile, grid, x.shape), split_tensor(y[(..., *cut)].clone(), grid, y.shape))
+        loss.backward()
+        out[name] = {"out": _whole(res), "loss": loss.detach(), "grad": tile.grad, "cut": cut,
+                     "gathers": state().gathers - before}
+    return out
+
+
+def test_ops_without_a_tiled_form_on_a_merged_view_are_gathered_and_equal_one_process():
+    shape = (N, CLASSES, 7, 6)
+    refs = {}
+    for name, run in GATHERED.items():
+        x, y = _data(shape)
+        x.requires_grad_(True)
+        out, loss = run(x, y)
+        loss.backward()
+        refs[name] = (_whole(out), loss.detach(), x.grad)
+    for parts in ((2, 1), (1, 2)):
+        for rank, res in enumerate(run_in_processes(_gathered_run, 2, parts, timeout_s=300,
+                                                    collective_timeout_s=120)):
+            for name, (out_ref, loss_ref, grad_ref) in refs.items():
+                got, what = res[name], f"{name} at {parts} rank {rank}"
+                assert got["gathers"] > 0, what
+                assert _close(got["loss"], loss_ref), (what, got["loss"], loss_ref)
+                if out_ref is not None:
+                    assert _close(got["out"], out_ref), what
+                assert _close(got["grad"], grad_ref[(..., *got["cut"])]), what
