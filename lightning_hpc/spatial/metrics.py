@@ -54,6 +54,7 @@ from torch import nn
 
 from lightning_hpc._compat import replace_metric_hooks, stat_scores_base
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
+from lightning_hpc.spatial.dispatch.flat import FlatSpatialTensor
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.tiling import HybridLayout
 
@@ -185,6 +186,11 @@ def _counting_update(metric: Any, update: Callable[..., Any]) -> Callable[..., A
         layout = _ACTIVE[-1] if _ACTIVE else None
         if layout is None or not metric._defaults:  # no states: its members count for themselves
             return update(*args, **kwargs)
+        if any(isinstance(a, FlatSpatialTensor) for a in (*args, *kwargs.values())):
+            # a view merging split dimensions: its tile is not a block, so a whole target beside it could not be
+            # cut to it; the metric gets it whole (as one process), as before such views were tiled
+            args = tuple(a.full() if isinstance(a, FlatSpatialTensor) else a for a in args)
+            kwargs = {k: v.full() if isinstance(v, FlatSpatialTensor) else v for k, v in kwargs.items()}
         inputs = (*args, *kwargs.values())
         split = [a for a in inputs if isinstance(a, SpatialTensor)]
         # a tile cut out by hand (dispatch.local_tile) is a tile too; one of its operands is enough to say so

@@ -55,6 +55,7 @@ from lightning_hpc.spatial.dispatch import (  # noqa: F401
     backward,
     creation,
     elementwise,
+    flat,
     kernels,
     local,
     losses,

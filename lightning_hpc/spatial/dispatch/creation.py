@@ -1,14 +1,14 @@
 """Tensors made from a split one: ``*_like`` and ``new_*`` (sizes read from ``x.shape`` are global), and the
-random ops: ``rand_like``/``randn_like`` and ``F.dropout``/``F.dropout2d`` take the values one process draws for the
-whole activation from the global stream and keep this tile's part, so the masks equal one process's (the strategy
-keeps the generators where the user's script left them and gives every rank rank 0's, :meth:`~lightning_hpc.
-spatial.strategy.SpatialParallelStrategy.configure_ddp`).
+random ops: ``rand_like``/``randn_like`` and ``F.dropout``/``F.dropout1d``/``F.dropout2d``/``F.dropout3d`` take
+the values one process draws for the whole activation from the global stream and keep this tile's part, so the
+masks equal one process's (the strategy keeps the generators where the user's script left them and gives every
+rank rank 0's, :meth:`~lightning_hpc.spatial.strategy.SpatialParallelStrategy.configure_ddp`).
 
 ``F.dropout`` on the CPU holds only the tile's mask and a quarter of it in uniforms (:func:`_tile_keep`), where
 this torch draws the mask as a serial stream (checked once, :func:`_serial_dropout_stream`): torch's CPU generator
 is an mt19937, which cannot jump ahead, so every rank still draws the whole activation's values (to advance the
-stream as one process does), but keeps none but its tile's. ``F.dropout2d``'s mask is one value per sample and
-channel; ``rand_like``/``randn_like`` and other devices draw the whole tensor.
+stream as one process does), but keeps none but its tile's. The channel dropouts' mask is one value per sample
+and channel; ``rand_like``/``randn_like`` and other devices draw the whole tensor.
 """
 
 from __future__ import annotations
@@ -56,18 +56,34 @@ def _new(func, a, args, kwargs):
     return _call_with(func, args, kwargs, a["input"], _plain(a["input"]))
 
 
-@_handles(F.dropout, F.dropout2d)
+#: the channel dropouts: the numbers of dimensions each takes (torch warns about the others and still computes
+#: them, except ``dropout1d``), and whether it reads a tensor of that many dimensions as one sample without a batch
+#: dimension (torch draws one mask value per channel then, per sample and channel otherwise)
+_CHANNEL_DROPOUT: dict = {
+    F.dropout1d: (lambda n: n in (2, 3), lambda n: n == 2),
+    F.dropout2d: (lambda n: n >= 2, lambda n: False),
+    F.dropout3d: (lambda n: n >= 2, lambda n: n != 5),
+}
+
+
+@_handles(F.dropout, *_CHANNEL_DROPOUT)
 def _dropout(func, a, args, kwargs):
     if not isinstance(a["input"], SpatialTensor):
         return NotImplemented
     x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
     if not training or p == 0.0:
         return x
-    if func is F.dropout2d:
-        if x.dim() != 4:
-            return NotImplemented  # (not N x C x H x W: gathered)
-        shape = tuple(x._gshape[:2]) + (1, 1)
-        mask = F.dropout2d(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+    if func in _CHANNEL_DROPOUT:
+        # one mask value per (sample, channel), drawn as one process draws it: the same op on ones of the mask's
+        # shape draws the same values (torch's feature noise is input.new_empty(N, C, 1, ...).bernoulli_(1 - p))
+        takes, unbatched = _CHANNEL_DROPOUT[func]
+        if not takes(x.dim()):
+            return NotImplemented  # (torch's error, from the gather path)
+        kept = 1 if unbatched(x.dim()) else 2
+        if set(range(kept)) & set(x.split_dims):
+            return NotImplemented  # samples or channels split: gathered
+        shape = tuple(x._gshape[:kept]) + (1,) * (x.dim() - kept)
+        mask = func(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
     elif p == 1.0:  # torch multiplies by a zero and draws nothing
         mask = torch.zeros((), dtype=x.dtype, device=x.device)
     elif x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and 0.0 < p < 1.0 and (

@@ -1,8 +1,9 @@
-"""Shape ops that keep the split dimensions whole: ``cat``/``chunk``/``split``/``unbind`` and indexing over
-unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``; and slicing of split dimensions
+"""Shape ops that keep the split dimensions whole: ``cat``/``stack``/``chunk``/``split``/``unbind`` and indexing
+over unsplit dimensions, ``permute``/``transpose``, ``unsqueeze``/``squeeze``, ``scatter``/``scatter_`` along an
+unsplit dimension (a one-hot label); and slicing of split dimensions
 (``x[..., a:b:s, c:d:t]``, ``narrow``: a centre crop, a strided subsample), whose kept rows are moved to the
-blocked layout of the output's extent (:mod:`remap`).  Integer indices of split dimensions and views that merge
-them go to the gather path.
+blocked layout of the output's extent (:mod:`remap`).  Integer indices of split dimensions go to the gather
+path; views that merge them are :mod:`.flat`'s.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.spatial.dispatch.autograd import _tile_of
+from lightning_hpc.spatial.dispatch.autograd import _tile_index, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
+from lightning_hpc.spatial.dispatch.flat import squeezed_dims
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced, dims_with
@@ -23,6 +25,9 @@ from lightning_hpc.spatial.remap import blocked
 # the signatures' parts the handlers read (the builtins have none; the sections argument of chunk/split/tensor_split
 # has a different name in each op, the numpy-style aliases name dimensions ``axis``)
 def _cat_args(tensors, dim=0, *, axis=None): ...  # noqa: E704
+def _stack_args(tensors, dim=0): ...  # noqa: E704
+def _squeeze_args(input, dim=None): ...  # noqa: E704
+def _scatter_args(input, dim, index, src=None, value=None, *, reduce=None): ...  # noqa: E704
 def _sectioned(input, sections=None, dim=0, **_): ...  # noqa: E704
 def _unbind(input, dim=0): ...  # noqa: E704
 def _permute_args(input, *given, dims=None): ...  # noqa: E704  (x.permute(0, 2, 1) or one sequence, or dims=)
@@ -44,28 +49,57 @@ def _cat(func, a, args, kwargs):
     dim = _norm_dim(a["dim"] if a["axis"] is None else a["axis"], ref.dim())
     if dim in ref._sdims:
         return NotImplemented
+    locs = _aligned_tiles(tensors, ref)
+    if locs is None:
+        return NotImplemented
+    out = torch.cat(locs, dim)
+    gshape = list(ref._gshape)
+    gshape[dim] = out.shape[dim]
+    return _wrap_like(out, ref, gshape)
+
+
+def _aligned_tiles(tensors, ref: SpatialTensor) -> list[torch.Tensor] | None:
+    """The tiles of operands joined along an unsplit dimension: split ones laid out as ``ref``, plain ones
+    spanning its split extents (cut to this tile) or, on one tile, broadcast; None for anything else."""
     extents = [ref._gshape[d] for d in ref._sdims]
     locs = []
     for t in tensors:
         if isinstance(t, SpatialTensor):
             if t._grid is not ref._grid or t._sdims != ref._sdims or t.dim() != ref.dim() or \
                     [t._gshape[d] for d in t._sdims] != extents:
-                return NotImplemented
+                return None
             locs.append(_plain(t))
         else:
             if t.dim() != ref.dim():
-                return NotImplemented
+                return None
             kind = _align_operand(t, ref.dim(), ref, ref._sdims)
             if kind != "full" and not (kind == "broadcast" and not ref.split_dims):
                 if kind == "broadcast" and [t.shape[d] for d in ref._sdims] == extents:
                     kind = "full"
                 else:
-                    return NotImplemented
+                    return None
             locs.append(_tile_of(t, ref._grid, ref._sdims))
-    out = torch.cat(locs, dim)
-    gshape = list(ref._gshape)
-    gshape[dim] = out.shape[dim]
-    return _wrap_like(out, ref, gshape)
+    return locs
+
+
+@_handles(torch.stack, signature=_stack_args)
+def _stack(func, a, args, kwargs):
+    """``torch.stack`` of split tensors laid out alike (a decoder merging its pyramid, ``torch.stack(fs).sum(0)``):
+    the new dimension is never split, so the tiles are stacked; the split dimensions after it move by one."""
+    tensors = list(a["tensors"])
+    spatial = [t for t in tensors if isinstance(t, SpatialTensor)]
+    if not spatial:
+        return NotImplemented
+    ref = spatial[0]
+    if any(t.dim() != ref.dim() or tuple(t.shape) != tuple(ref._gshape) for t in tensors):
+        return NotImplemented  # (the serial op's error)
+    locs = _aligned_tiles(tensors, ref)
+    if locs is None:
+        return NotImplemented
+    dim = _norm_dim(a["dim"], ref.dim() + 1)
+    g = list(ref._gshape)
+    g.insert(dim, len(tensors))
+    return _wrap_like(torch.stack(locs, dim), ref, g, dims_with(ref._sdims, dim))
 
 
 @_handles(*_resolve("unbind"), signature=_unbind)
@@ -119,6 +153,78 @@ def _unsqueeze(func, a, args, kwargs):
     g = list(x._gshape)
     g.insert(d, 1)
     return _wrap_like(_plain(x).unsqueeze(d), x, g, dims_with(x._sdims, d))
+
+
+@_handles(*_resolve("squeeze"), signature=_squeeze_args)
+def _squeeze(func, a, args, kwargs):
+    """``squeeze`` of dimensions that are not laid out over the grid (a label's channel, ``y.squeeze(1)``)."""
+    x = a["input"]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    dims = squeezed_dims(x, a["dim"])
+    if dims is None or set(dims) & set(x._sdims):
+        return NotImplemented  # (a grid axis of one part over a dimension of size 1: gathered)
+    return _wrap_reduced(_plain(x).squeeze(tuple(dims)), x, dims, False)
+
+
+@_handles(*_resolve("scatter scatter_ scatter_add scatter_add_"), signature=_scatter_args)
+def _scatter(func, a, args, kwargs):
+    """``scatter``/``scatter_``/``scatter_add`` along a dimension that is not split, with an index (and a source)
+    split like the output: per position, so on the tiles.  A one-hot label written as MONAI writes it,
+    ``torch.zeros(N, C, *spatial).scatter_(1, label, 1)``, scatters into a plain zeros tensor of the whole
+    sample: its tile is taken, and the in-place form turns that tensor itself into the split result (its
+    storage set to the tile), so it equals one process's afterwards without holding the whole sample."""
+    x, dim, index, src = a["input"], a["dim"], a["index"], a["src"]
+    if not isinstance(index, SpatialTensor) or not isinstance(dim, int) or a["value"] is not None and \
+            isinstance(a["value"], torch.Tensor):
+        return NotImplemented
+    dim = _norm_dim(dim, index.dim())
+    ref = index
+    if isinstance(x, SpatialTensor):
+        if x._grid is not ref._grid or x._sdims != ref._sdims or x.dim() != ref.dim() or \
+                [x._gshape[d] for d in x._sdims] != [ref._gshape[d] for d in ref._sdims]:
+            return NotImplemented
+    elif not isinstance(x, torch.Tensor) or x.dim() != ref.dim() or \
+            [x.shape[d] for d in ref._sdims] != [ref._gshape[d] for d in ref._sdims]:
+        return NotImplemented
+    if dim in ref._sdims:
+        return NotImplemented
+    if isinstance(src, torch.Tensor):
+        src_tile = _aligned_tiles([src], ref)
+        if src_tile is None or tuple(src.shape) != tuple(ref._gshape):
+            return NotImplemented
+    inplace = func.__name__.endswith("_")
+    if inplace and not isinstance(x, SpatialTensor) and (
+            x.requires_grad or x._base is not None
+            or _storage_users(x) != _storage_users(torch.zeros(1))):
+        # a plain tensor changed in place becomes the split result: only where nothing else sees it (no view of
+        # it, no graph), else the whole sample is gathered and written as one process writes it
+        return NotImplemented
+    tiles = {id(index): _plain(index)}
+    if isinstance(src, torch.Tensor):
+        tiles[id(src)] = src_tile[0]
+    if isinstance(x, SpatialTensor):
+        tiles[id(x)] = _plain(x)
+    else:  # this tile of the plain tensor (a copy for the in-place form: the whole one is replaced, not written)
+        tiles[id(x)] = x[_tile_index(x.shape, ref._sdims, ref._grid)].clone() if inplace else \
+            _tile_of(x, ref._grid, ref._sdims)
+    largs = [tiles.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in args]
+    lkw = {k: tiles.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if inplace and isinstance(x, SpatialTensor):
+        with torch._C.DisableTorchFunctionSubclass():  # on the split tensor itself, not on an alias of it
+            func(x, *largs[1:], **lkw)
+        return x
+    out = func(*largs, **lkw)
+    gshape = tuple(x._gshape) if isinstance(x, SpatialTensor) else tuple(x.shape)
+    if not inplace:
+        return _wrap_like(out, ref, gshape)
+    x.set_(out)
+    return SpatialTensor.wrap(x, ref._grid, gshape, ref._sdims, fresh=True)
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold ``t``'s storage: a tensor alone reads as a fresh one does."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 @_handles(torch.narrow, torch.Tensor.narrow, signature=_narrow_args)
