@@ -17,8 +17,14 @@ a user's module (split input and target, an unchanged mean loss), on 1, 2 and 4 
   this host: layer times measured in the run, the measured compute contention of the processes sharing the cores,
   the loaded synchronisation term; also alpha-beta only).
 
+``--loss dicece`` trains the segmentation a MONAI user writes instead: the U-Net with a ``Dropout3d`` before its
+head, 2 classes, the label one-hot encoded by ``scatter_`` into a ``zeros_like`` of the logits (MONAI's
+``one_hot``) and a Dice + cross-entropy loss (MONAI's ``DiceCELoss``: soft Dice over the voxels per class,
+``squeeze`` of the label for the cross-entropy); the ``gathers`` column then shows that none of it is gathered.
+
 Run alone on the machine (e.g. under ``flock`` on a lock file other benchmarks take too):
       python bench/spatial_volumes.py [--size 64] [--widths 8 16 32] [--repeats 3] [--splits 1x1x1 2x1x1 1x1x2]
+                                      [--loss bce|dicece]
 """
 
 from __future__ import annotations
@@ -70,17 +76,38 @@ def predicted_halo_bytes(widths: list[int], size: int, parts: tuple[int, ...]) -
     return total
 
 
-def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats: int):
+def dice_ce(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """MONAI's ``DiceCELoss(softmax=True, to_onehot_y=True)`` on ``N x C x D x H x W`` logits and an ``N x 1 x ...``
+    integer label, written as MONAI writes it (``one_hot`` by ``scatter_`` into zeros, soft Dice per class over the
+    voxels, cross-entropy on the squeezed label)."""
+    onehot = torch.zeros_like(logits).scatter_(1, label, 1.0)
+    probs = logits.softmax(1)
+    dims = tuple(range(2, logits.dim()))
+    intersection = (probs * onehot).sum(dims)
+    denominator = probs.sum(dims) + onehot.sum(dims)
+    dice = 1.0 - (2.0 * intersection + 1e-5) / (denominator + 1e-5)
+    return dice.mean() + F.cross_entropy(logits, label.squeeze(1))
+
+
+def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats: int, loss_kind: str = "bce"):
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
     grid = create_hybrid_layout(parts).grid
-    model = unet(1, 1, widths)
+    if loss_kind == "dicece":
+        net = unet(1, 2, widths)
+        net.head = torch.nn.Sequential(torch.nn.Dropout3d(0.2), net.head)  # dropout before the head, as users add it
+        model: torch.nn.Module = net
+    else:
+        model = unet(1, 1, widths)
     cut = grid.tile_bounds(size, size, size)
     shape = tuple(b - a for a, b in cut)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1, *shape, generator=g)  # each rank creates only its own sub-volume
-    y = (torch.rand(1, 1, *shape, generator=g) > 0.9).float()
+    if loss_kind == "dicece":
+        y = (torch.rand(1, 1, *shape, generator=g) > 0.9).long()
+    else:
+        y = (torch.rand(1, 1, *shape, generator=g) > 0.9).float()
     params = list(model.parameters())
     held = sum(t.numel() * t.element_size() for t in (x, y, *params, *model.buffers()))
     sent = [0]
@@ -96,7 +123,8 @@ def _worker(rank: int, world: int, parts, size: int, widths: list[int], repeats:
     def step() -> None:
         xs = split_tensor(x, grid, (1, 1, size, size, size))
         ys = split_tensor(y, grid, (1, 1, size, size, size))
-        loss = F.binary_cross_entropy_with_logits(model(xs), ys)
+        out = model(xs)
+        loss = dice_ce(out, ys) if loss_kind == "dicece" else F.binary_cross_entropy_with_logits(out, ys)
         loss.backward()
         tile = [p for p in params if id(p) in grid.tile_params]
         reduce_gradients(tile, [p for p in params if id(p) not in grid.tile_params], 1)
@@ -161,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), help="D x H x W splits; the first is the baseline "
                     "of the memory ratio (default: %(default)s)")
     ap.add_argument("--tag", default="", help="suffix of the result files (bench/results/spatial_volumes<tag>.*)")
+    ap.add_argument("--loss", choices=["bce", "dicece"], default="bce",
+                    help="dicece: a Dropout3d U-Net with MONAI-style one-hot + Dice-CE (see the module docstring)")
     args = ap.parse_args(argv)
     splits = [tuple(int(p) for p in s.split("x")) for s in args.splits]
-    report = Report(f"spatial_volumes{args.tag}", meta={"size": args.size, "widths": args.widths,
+    report = Report(f"spatial_volumes{args.tag}", meta={"size": args.size, "widths": args.widths, "loss": args.loss,
                                              "loadavg_start": os.getloadavg(), "note": "gloo, 1 thread per rank"})
     ab = None
     if not args.no_plan:
@@ -172,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         ab = calibrate_local(2)
     for parts in splits:
         procs = prod(parts)
-        res = run_in_processes(_worker, procs, parts, args.size, args.widths, args.repeats, timeout_s=1800,
+        res = run_in_processes(_worker, procs, parts, args.size, args.widths, args.repeats, args.loss, timeout_s=1800,
                                collective_timeout_s=900)
         row = report.add(
             procs=procs, split="x".join(map(str, parts)),

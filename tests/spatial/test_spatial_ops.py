@@ -76,3 +76,20 @@ def test_ops_match_serial(world, parts_list):
     results = run_in_processes(_ops, world, parts_list, timeout_s=300, collective_timeout_s=120)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
+
+
+def test_one_tile_reductions_over_laid_out_dimensions_are_plain_and_not_gathered():
+    """On a grid of one tile (1x1x1: the baseline of the volume benchmarks) a sum over the volume's dimensions
+    is the serial result, plain, with nothing gathered (it used to keep a layout naming the removed dimensions and
+    gather the next reduction)."""
+    from lightning_hpc.spatial.dispatch import state
+    from lightning_hpc.spatial.tiling import SpatialGrid
+
+    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
+    xs = split_tensor(x, SpatialGrid.single(3), x.shape)
+    before = state().gathers
+    with on_unsupported("error"):
+        per_class = xs.sum((2, 3, 4))
+        total = per_class.mean()
+    assert type(per_class) is torch.Tensor and torch.equal(per_class, x.sum((2, 3, 4)))
+    assert torch.equal(total, x.sum((2, 3, 4)).mean()) and state().gathers == before

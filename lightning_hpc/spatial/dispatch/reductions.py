@@ -34,11 +34,13 @@ def _reduce(func, a, args, kwargs):
     name = func.__name__
     local = _plain(x)
     split = set(x.split_dims)
+    if not split and not keepdim and set(dims) & set(x._sdims):
+        # no dimension divided (a grid of one tile: the tile is the whole tensor) and a laid-out dimension reduced
+        # away: the serial op's result, plain (a layout without that dimension has nothing to say)
+        return func(local, dtype=dtype) if every else func(local, dim=dims, keepdim=False, dtype=dtype)
     if not split & set(dims):  # along unsplit dimensions only: stays split
         if every:
             return NotImplemented
-        if len(set(dims)) == x.dim() and not keepdim:  # every dimension, none divided (one tile): a plain scalar
-            return func(local, dim=dims, keepdim=keepdim, dtype=dtype)
         return _wrap_reduced(func(local, dim=dims, keepdim=keepdim, dtype=dtype), x, dims, keepdim)
     if not split <= set(dims):
         return NotImplemented  # partly over the split dimensions: only a subgroup would reduce
