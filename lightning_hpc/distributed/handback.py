@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hpc.distributed.partitioned import local_block
+
 __all__ = ["ended_normally", "rebind_optimizer"]
 
 
@@ -46,4 +48,7 @@ def rebind_optimizer(
     for group, group_params in zip(optimizer.param_groups, params):
         group["params"] = list(group_params)
     optimizer.state.clear()  # keyed by the split parameters, which the model no longer holds
-    optimizer.load_state_dict(dict(state))
+    # plain tensors: a momentum buffer of a block parameter is a block, whose reductions would be collectives
+    plain = {i: {k: local_block(v) if torch.is_tensor(v) else v for k, v in entry.items()}
+             for i, entry in state["state"].items()}
+    optimizer.load_state_dict({**state, "state": plain})
