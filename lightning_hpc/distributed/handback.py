@@ -29,12 +29,11 @@ def ended_normally(module: Any) -> bool:
     """Whether the LightningModule ``module``'s trainer is tearing down a stage that ran to its end on this rank
     (Lightning sets ``INTERRUPTED`` before its teardown after an exception or a SIGTERM), so every rank of the
     run reaches the same teardown and a collective there meets its peers."""
-    from lightning.pytorch.trainer.states import TrainerStatus
-
     trainer = getattr(module, "_trainer", None)
     if trainer is None:
         return False
-    return trainer.state.status == TrainerStatus.RUNNING and not getattr(trainer, "received_sigterm", False)
+    # TrainerStatus is a str enum: compared by value, so this core module does not import Lightning
+    return trainer.state.status == "running" and not getattr(trainer, "received_sigterm", False)
 
 
 def rebind_optimizer(
