@@ -161,7 +161,12 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "steps split over the 2 ranks, serial evaluation), `multigrid` is mode 'mg' (an iterative solve, not exact "
         "by design: its cells are bounded (MG) or refused). The multigrid columns train a deep ODE-ResNet (the form "
         "their strategy is for) with each feature; the rows that are modules of their own (the GAN, "
-        "`backbone_classifier`, `flatten_linear` and Lightning's demo modules) run as they are there.",
+        "`backbone_classifier`, `flatten_linear` and Lightning's demo modules) run as they are there. After every "
+        "stage (`fit`, `validate`, `test`, `predict`) the split strategies (`hybrid_fc`, `multigrid_pm`, `multigrid`) "
+        "hand the user's module back whole on every rank: the user's containers, every parameter whole (the sharded "
+        "head gathered into the user's `nn.Linear` layers, every residual step present), so `state_dict()` loads "
+        "strictly into the user's class and the forward runs on one rank alone "
+        "(`tests/hybrid_fc/test_hybrid_handback.py`, `tests/multigrid/test_handback.py`).",
         "",
         "| feature | " + " | ".join(f"`{s}`" for s in c.COLUMNS) + " |",
         "|---|" + "---|" * len(c.COLUMNS),

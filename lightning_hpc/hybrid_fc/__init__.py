@@ -24,6 +24,7 @@ from lightning_hpc.hybrid_fc.parallel import (
     materialize_meta,
     parallelize_head,
     trunk_parameters,
+    unparallelize_head,
 )
 from lightning_hpc.hybrid_fc.schemes import SCHEMES
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
@@ -52,4 +53,5 @@ __all__ = [
     "plan_layout",
     "shard_optimizer_state",
     "trunk_parameters",
+    "unparallelize_head",
 ]

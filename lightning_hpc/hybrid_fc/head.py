@@ -161,6 +161,8 @@ class HybridHead(nn.Module):
                 idx += 1
         self.exchange = make_exchange(scheme, self.comm, self.xcomm, overlap)
         self._subbatch: SubbatchContext | None = None
+        #: the head as the user built it (``parallel.UserHead``, set by ``parallelize_head``; not a child module)
+        self.user_head: Any = None
         #: full (weight, bias) of every linear while :meth:`whole_head_inference` is open (else None)
         self._whole: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
@@ -293,20 +295,23 @@ class HybridHead(nn.Module):
         forward would need every rank in each batch.  The result equals the sharded head's (the same products on
         whole rows instead of blocks of them).  Costs the full head's memory on each rank while open; yields its
         size in bytes."""
+        self._whole = self.gather_layers()
+        try:
+            yield sum(t.numel() * t.element_size() for w, b in self._whole for t in (w, b) if t is not None)
+        finally:
+            self._whole = None
+
+    def gather_layers(self, cpu: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The full (weight, bias) of every linear layer of the head, on every rank (collective over the head's
+        group; ``cpu``: each gathered tensor lands in host memory as it arrives)."""
         shards = {
-            (i, pname): (shard, pname, getattr(shard, pname))
+            f"{i}.{pname}": (shard, pname, getattr(shard, pname))
             for i, shard in enumerate(self.shards)
             for pname in ("weight", "bias")
             if getattr(shard, pname) is not None
         }
-        by_key = {f"{i}.{pname}": entry for (i, pname), entry in shards.items()}
-        gathered = gather_shard_tensors(by_key, self.comm.group, rank0_only=False, cpu=False)
-        full = {(i, pname): gathered[f"{i}.{pname}"] for i, pname in shards}
-        self._whole = [(full[(i, "weight")], full.get((i, "bias"))) for i in range(len(self.shards))]
-        try:
-            yield sum(t.numel() * t.element_size() for t in full.values())
-        finally:
-            self._whole = None
+        full = gather_shard_tensors(shards, self.comm.group, rank0_only=False, cpu=cpu)
+        return [(full[f"{i}.weight"], full.get(f"{i}.bias")) for i in range(len(self.shards))]
 
     @contextlib.contextmanager
     def subbatch_update(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
 __all__ = [
     "parallelize_head",
+    "unparallelize_head",
+    "UserHead",
     "find_hybrid_head",
     "head_parameters",
     "trunk_parameters",
@@ -49,6 +52,19 @@ def linear_layers_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Linear.__init__ = original  # type: ignore[method-assign]
+
+
+@dataclass
+class UserHead:
+    """The head as the user built it, kept while it is split so :func:`unparallelize_head` can put it back:
+    ``container`` is the ``nn.Sequential`` the head's layers are children of (the whole head, or the model with
+    the trunk in front), ``path`` its dotted place in the model given to :func:`parallelize_head` (``""``: that
+    model itself), ``linears`` the head's ``nn.Linear`` layers in order.  While split, the linear layers live on
+    the meta device (shape and type only: the shards hold the values, no rank keeps the full head)."""
+
+    container: nn.Sequential
+    path: str
+    linears: list[nn.Linear]
 
 
 class _TrunkThenHead(nn.Module):
@@ -225,6 +241,9 @@ def parallelize_head(
         head_init=head_init,
         overlap=overlap,
     )
+    for lin in linears:
+        lin.to("meta")  # the shards hold the values now: free the full layers, keep the user's modules
+    hybrid.user_head = UserHead(spec.parent, spec.parent_name, linears)
     if spec.whole_parent:
         parent_name, _, attr = spec.parent_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, hybrid)
@@ -238,6 +257,37 @@ def parallelize_head(
     if meta:
         materialize_meta(model, device if device is not None else "cpu", group)
     return model
+
+
+def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, dict[int, nn.Parameter]]:
+    """The inverse of :func:`parallelize_head`: the user's head container back in its place in ``model``, its
+    ``nn.Linear`` layers holding the full trained weights (gathered from every rank's shards, on every rank:
+    collective over the head's group; ``cpu``: gathered into host memory).  The trunk's modules were never
+    replaced, so the whole model is the user's again: its ``state_dict`` loads strictly into the user's class and
+    its forward runs on one rank alone.
+
+    Returns the model (a new root when ``model`` itself was the ``nn.Sequential`` holding the head) and, for
+    rebinding an optimizer, each shard parameter's replacement by ``id`` of the shard."""
+    hybrid = find_hybrid_head(model)
+    user = hybrid.user_head
+    if not isinstance(user, UserHead):
+        raise ValueError("this hybrid head was not built by parallelize_head, so the user's head is not known")
+    current = model.get_submodule(user.path) if user.path else model  # the HybridHead or the _TrunkThenHead
+    replaced: dict[int, nn.Parameter] = {}
+    for lin, shard, (weight, bias) in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu)):
+        for pname, value in (("weight", weight), ("bias", bias)):
+            old = getattr(shard, pname)
+            if value is None or old is None:
+                continue
+            new = nn.Parameter(value, requires_grad=old.requires_grad)
+            setattr(lin, pname, new)
+            replaced[id(old)] = new
+    user.container.train(current.training)
+    if not user.path:
+        return user.container, replaced
+    parent_name, _, attr = user.path.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, user.container)
+    return model, replaced
 
 
 def find_hybrid_head(model: nn.Module) -> HybridHead:

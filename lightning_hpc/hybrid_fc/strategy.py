@@ -34,6 +34,7 @@ from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
+from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
     refuse_compiled,
@@ -57,6 +58,7 @@ from lightning_hpc.hybrid_fc import (
     parallelize_head,
     shard_optimizer_state,
     trunk_parameters,
+    unparallelize_head,
 )
 from lightning_hpc.protocols import StrategyContract
 
@@ -271,6 +273,33 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().on_predict_end()
 
     @override
+    def teardown(self) -> None:
+        self._hand_back_model()
+        self._failures.stop()
+        super().teardown()
+
+    def _hand_back_model(self) -> None:
+        """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the
+        user's head container back in its place with the full trained weights in its ``nn.Linear`` layers, on
+        every rank, and the optimizers rebound to them with their state gathered to full shape (see
+        :mod:`lightning_hpc.distributed.handback`).  Costs the full head (and its optimizer state) in host memory
+        on every rank; the next stage splits the model again."""
+        module = self.lightning_module
+        if not self._parallelized or module is None or not ended_normally(module):
+            return
+        # gathered straight to host memory: Lightning's teardown moves the model and optimizers there next
+        states = [full_optimizer_state(o, module, rank0_only=False, cpu=True) for o in self.optimizers]
+        root, replaced = unparallelize_head(self._search_root(), cpu=True)
+        if self.model_attr is not None:
+            setattr(module, self.model_attr, root)
+        for optimizer, state in zip(self.optimizers, states):
+            params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
+            rebind_optimizer(optimizer, params, state)
+        ddp_ignore_parameters(module, [])  # a later plain DDP run of this module reduces the head again
+        self._parallelized = False
+        self._head_optimizer = None
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def checked_closure() -> Any:
             result = closure()
@@ -354,16 +383,14 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             )
         self._failures.share(exception)
 
-    @override
-    def teardown(self) -> None:
-        self._failures.stop()
-        super().teardown()
 
     # -- checkpoints: full, unsharded ------------------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self.lightning_module
         assert module is not None
+        if not self._parallelized:  # handed back whole (after a stage): the user's module as it is
+            return super().lightning_module_state_dict()
         # Only rank 0 writes the file: gather there, one tensor at a time, straight to host memory.
         return full_state_dict(module, rank0_only=True, cpu=True)
 
@@ -371,6 +398,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         assert self.lightning_module is not None
+        if not self._parallelized:  # rebound to the whole parameters when the model was handed back
+            return super().optimizer_state(optimizer)
         return full_optimizer_state(optimizer, self.lightning_module, rank0_only=True, cpu=True)
 
     @override

@@ -30,7 +30,13 @@ from torch import nn
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.multigrid.sharded import LayerShardedTrunk
 
-__all__ = ["full_optimizer_state", "local_optimizer_state", "optimizer_parameter_names", "serial_layout"]
+__all__ = [
+    "full_optimizer_state",
+    "local_optimizer_state",
+    "optimizer_parameter_names",
+    "serial_layout",
+    "serial_optimizer",
+]
 
 #: (name, sharded) of each parameter of each param group, in the optimizer's order
 Names = list[list[tuple[str, bool]]]
@@ -127,14 +133,31 @@ def _serial_indices(layout: list[list[str]]) -> dict[str, int]:
     return index
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, dst: int = 0) -> dict[str, Any]:
+def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, dst: int | None = 0) -> dict[str, Any]:
     """``optimizer.state_dict()`` as the serial model's optimizer would write it, on global rank ``dst``
     (collective over the layer group of ``module``'s sharded trunks, which must contain ``dst``); the other
-    ranks get their own ``optimizer.state_dict()`` back.  Without a sharded trunk it is ``optimizer.state_dict()``."""
+    ranks get their own ``optimizer.state_dict()`` back (``dst=None``: every rank gets the full one).  Without a
+    sharded trunk it is ``optimizer.state_dict()``."""
+    return _full_optimizer_state(optimizer, module, dst)[0]
+
+
+def serial_optimizer(
+    optimizer: torch.optim.Optimizer, module: nn.Module
+) -> tuple[dict[str, Any], list[list[str]], Names]:
+    """What rebinding ``optimizer`` to the whole model needs (collective): the serial model's optimizer state on
+    every rank (:func:`full_optimizer_state` with ``dst=None``), the serial names of each param group's
+    parameters, and this rank's :func:`optimizer_parameter_names` (names in ``module``, or ``<unnamed ...>``)."""
+    return _full_optimizer_state(optimizer, module, None)
+
+
+def _full_optimizer_state(
+    optimizer: torch.optim.Optimizer, module: nn.Module, dst: int | None
+) -> tuple[dict[str, Any], list[list[str]], Names]:
     local = optimizer.state_dict()
     group = layer_group(module)
+    mine = optimizer_parameter_names(optimizer, module)
     if group is None:
-        return local
+        return local, [[name for name, _ in names] for names in mine], mine
     mine, layout = _layouts(optimizer, module, group)
     me = dist.get_rank()
     # this rank's sharded parameters' state: tensors travel as flat buffers on the parameters' device, the rest
@@ -156,10 +179,13 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, ds
                 values[vkey] = value
                 entries.append((name, key, vkey, False))
     gathered = gather_keyed_tensors(tensors, group, dst, device=device)
-    metas: list[Any] = [None] * dist.get_world_size(group) if me == dst else []
-    dist.gather_object((entries, values), metas if me == dst else None, dst=dst, group=group)
-    if me != dst:
-        return local
+    metas: list[Any] = [None] * dist.get_world_size(group) if dst is None or me == dst else []
+    if dst is None:
+        dist.all_gather_object(metas, (entries, values), group=group)
+    else:
+        dist.gather_object((entries, values), metas if me == dst else None, dst=dst, group=group)
+        if me != dst:
+            return local, layout, mine
     serial = _serial_indices(layout)
     state: dict[int, dict[str, Any]] = {}
     for i, (name, sharded) in enumerate(n for names in mine for n in names):  # replicated: this rank's state
@@ -176,7 +202,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, ds
         {**{k: v for k, v in g.items() if k != "params"}, "params": [serial[n] for n in names]}
         for g, names in zip(local["param_groups"], layout)
     ]
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}, layout, mine
 
 
 def local_optimizer_state(full: dict[str, Any], optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:

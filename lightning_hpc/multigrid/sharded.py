@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpc.distributed.partitioned import as_block_parameter
+from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.models.ode_resnet import ResidualStep
 from lightning_hpc.multigrid.ode_form import residual_steps
 from lightning_hpc.multigrid.parallel import LayerChain
 from lightning_hpc.multigrid.partition import LayerPartition
 
-__all__ = ["LayerShardedTrunk", "full_model_state_dict"]
+__all__ = ["LayerShardedTrunk", "full_model_state_dict", "release_other_steps", "restore_trunk"]
 
 
 class LayerShardedTrunk(nn.Sequential):
@@ -106,6 +106,28 @@ class LayerShardedTrunk(nn.Sequential):
         """State dict of the whole trunk (every step's parameters and buffers) in step order; collective over
         the layer group.  With ``dst`` (a global rank) only that rank gets the full dict."""
         return gather_keyed_tensors(self.state_dict(prefix=prefix), self.group if self.chain.size > 1 else None, dst)
+
+
+def release_other_steps(sharded: LayerShardedTrunk, trunk: nn.Module) -> None:
+    """Move the steps of the user's ``trunk`` that ``sharded`` does not hold (other ranks' steps) to the meta
+    device: their memory is freed, their modules (types, shapes, names) stay for :func:`restore_trunk`."""
+    for name, step in trunk.named_children():
+        if name in sharded.step_names and name not in sharded._modules:
+            step.to("meta")
+
+
+def restore_trunk(sharded: LayerShardedTrunk, trunk: nn.Module) -> dict[int, nn.Parameter]:
+    """The user's ``trunk`` (the module ``sharded`` was built from) filled with every step's trained parameters
+    and buffers, gathered from the layer group onto every rank (collective), as plain tensors: the trunk runs on
+    one rank alone, and its state loads strictly into the user's model.  Returns, for rebinding an optimizer,
+    each of ``sharded``'s parameters' replacement by ``id`` (empty on one process: the trunk holds the very
+    steps ``sharded`` trained)."""
+    if sharded.chain.size == 1:
+        return {}
+    full = sharded.full_state_dict()
+    trunk.load_state_dict(OrderedDict((k, local_block(v)) for k, v in full.items()), strict=True, assign=True)
+    new = dict(trunk.named_parameters())
+    return {id(p): new[name] for name, p in sharded.named_parameters()}
 
 
 def refuse_shared_parameters(blocks: list[ResidualStep], names: list[str]) -> None:

@@ -31,6 +31,7 @@ from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
+from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
     refuse_compiled,
@@ -39,13 +40,22 @@ from lightning_hpc.distributed.partitioned import (
 )
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
-from lightning_hpc.multigrid.checkpoint import full_optimizer_state, local_optimizer_state
+from lightning_hpc.multigrid.checkpoint import (
+    full_optimizer_state,
+    local_optimizer_state,
+    serial_optimizer,
+)
 from lightning_hpc.multigrid.function import MultigridODEBlock
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
 from lightning_hpc.multigrid.parallel import average_gradients, layer_data_mesh
 from lightning_hpc.multigrid.partition import check_layer_partition
 from lightning_hpc.multigrid.pm import PartitionedODEBlock
-from lightning_hpc.multigrid.sharded import LayerShardedTrunk, full_model_state_dict
+from lightning_hpc.multigrid.sharded import (
+    LayerShardedTrunk,
+    full_model_state_dict,
+    release_other_steps,
+    restore_trunk,
+)
 from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["MultigridStrategy"]
@@ -113,6 +123,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self.layer_group: dist.ProcessGroup | None = None
         self._data_index, self._layer_index = 0, 0
         self.block: nn.Module | None = None
+        #: (parent, attribute, the user's trunk) while the trunk is replaced by ``block``; handed back at teardown
+        self._user_trunk: tuple[nn.Module, str, nn.Module] | None = None
 
     @property
     def kfac_unsupported(self) -> str | None:
@@ -201,6 +213,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             self.block = trunk
         setattr(parent, name, self.block)
         if isinstance(self.block, LayerShardedTrunk):
+            self._user_trunk = (parent, name, trunk)
+            release_other_steps(self.block, trunk)  # the other ranks' steps: modules kept, memory freed
             # each rank holds different steps under different names: never broadcast them from rank 0
             block_ids = {id(t) for t in list(self.block.parameters()) + list(self.block.buffers())}
             module = self.lightning_module
@@ -229,10 +243,6 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         super().on_exception(exception)
         self._failures.share(exception)  # every rank ends promptly with the failing rank's message
 
-    @override
-    def teardown(self) -> None:
-        self._failures.stop()
-        super().teardown()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -250,6 +260,36 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             lambda: list(sharded.parameters()) if (sharded := self._sharded()) is not None else [],
             lambda: self.layer_group,
         )
+
+    @override
+    def teardown(self) -> None:
+        self._hand_back_model()
+        self._failures.stop()
+        super().teardown()
+
+    def _hand_back_model(self) -> None:
+        """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the
+        user's trunk back in its place, holding every step with its trained weights on every rank (gathered over
+        the layer group), and the optimizers rebound to the serial model's parameters with the serial state (see
+        :mod:`lightning_hpc.distributed.handback`).  Costs the whole trunk (and its optimizer state) on every
+        rank; the next stage splits the trunk again."""
+        module, block, user = self.lightning_module, self.block, self._user_trunk
+        if module is None or user is None or not isinstance(block, LayerShardedTrunk) or not ended_normally(module):
+            return
+        # the optimizers' serial state and parameter names first: they are found through the sharded trunk
+        serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers]
+        parent, name, trunk = user
+        replaced = restore_trunk(block, trunk)
+        setattr(parent, name, trunk)
+        if replaced:
+            named = dict(module.named_parameters())
+            for optimizer, state, layout, mine in serial:
+                # parameters outside the module (unnamed) are replicated: the optimizer's own objects
+                own = {n: p for names, g in zip(mine, optimizer.param_groups) for (n, _), p in zip(names, g["params"])}
+                own.update(named)
+                rebind_optimizer(optimizer, [[own[n] for n in names] for names in layout], state)
+        ddp_ignore_parameters(module, [])  # a later plain DDP run of this module broadcasts the trunk again
+        self.block, self._user_trunk = None, None
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     @override

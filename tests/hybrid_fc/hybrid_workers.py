@@ -337,6 +337,22 @@ def serial_kfac_params(k: int, steps: int, skip_layers: str | None = None) -> di
     return ref.state_dict()
 
 
+def split_head_recorder():
+    """A callback recording, at the end of training (before the model is handed back whole), how many head
+    parameters this rank held and their storage."""
+    import lightning.pytorch as pl
+
+    class SplitHead(pl.Callback):
+        head_numel = head_storage_bytes = -1
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            head = head_parameters(pl_module.model)  # raises if the head was not sharded
+            self.head_numel = sum(p.numel() for p in head)
+            self.head_storage_bytes = sum(p.untyped_storage().nbytes() for p in head)
+
+    return SplitHead()
+
+
 def lightning_equivalence(
     rank: int, k: int, scheme: str, fc_update: str, steps: int, ckpt_path: str, kfac: bool = False,
     layouts: list[str] | None = None,
@@ -354,6 +370,7 @@ def lightning_equivalence(
     ys = torch.cat([batch(s, k)[1][mine] for s in range(steps)])
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     module = ImageClassifier(small_model(), optimizer=sgd, num_classes=10)
+    split = split_head_recorder()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=k,
@@ -366,15 +383,11 @@ def lightning_equivalence(
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
-        callbacks=[KFAC(**KFAC_OPTIONS)] if kfac else None,
+        callbacks=[split, KFAC(**KFAC_OPTIONS)] if kfac else [split],
     )
     trainer.fit(module, train_dataloaders=loader)
-    trainer.save_checkpoint(ckpt_path)
-    find_hybrid_head(module.model)  # raises if the head was not sharded
-    return {
-        "state": _numpy(full_state_dict(module.model)),
-        "head_local": sum(p.numel() for p in head_parameters(module.model)),
-    }
+    trainer.save_checkpoint(ckpt_path)  # after fit: the model and optimizer were handed back whole
+    return {"state": _numpy(module.model.state_dict()), "head_local": split.head_numel}
 
 
 def serial_sequence(k: int, steps: int, fc_update: str, scheme: str) -> dict:
@@ -431,12 +444,12 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
     xs = torch.cat([batch(s, k)[0][mine] for s in range(steps)])
     ys = torch.cat([batch(s, k)[1][mine] for s in range(steps)])
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
-    tracking = Tracking()
+    tracking, split = Tracking(), split_head_recorder()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=k,
         strategy=HybridParallelStrategy(scheme="c"),
-        callbacks=[tracking, LoadInitial()],
+        callbacks=[tracking, LoadInitial(), split],
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -455,14 +468,13 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
         built_on_meta = True  # checked below through the tracker: the head never had storage
     trainer.fit(module, train_dataloaders=loader)
     trainer.save_checkpoint(ckpt_path)
-    head = head_parameters(module.model)
     return {
-        "state": _numpy(full_state_dict(module.model)),
+        "state": _numpy(module.model.state_dict()),  # handed back whole after fit
         "built_on_meta": built_on_meta,
         "full_head_shapes_seen": tracking.tracker.full_head_shapes_seen(),
         "max_storage_bytes": tracking.tracker.max_storage_bytes,
-        "head_storage_bytes": sum(p.untyped_storage().nbytes() for p in head),
-        "head_numel": sum(p.numel() for p in head),
+        "head_storage_bytes": split.head_storage_bytes,
+        "head_numel": split.head_numel,
     }
 
 
@@ -515,3 +527,84 @@ def checkpoint_from_hybrid_rank0(rank: int, k: int, path: str, steps: int) -> di
             dist.barrier()
         hybrid_sgd_step(model, opt, rank, k, step)
     return {"state": _numpy(full_state_dict(model)), "saved_shapes": shards}
+
+
+# -- the model handed back after a stage: the user's module, whole, on every rank ------------------------------
+def user_cnn() -> nn.Module:
+    """A LightningModule as users write one: a conv trunk ``features`` and an ``nn.Sequential`` classifier head."""
+    import lightning.pytorch as pl
+
+    class UserCNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.features = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1))
+            self.classifier = nn.Sequential(nn.Linear(64, 24), nn.ReLU(), nn.Linear(24, 10))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.classifier(self.features(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return UserCNN().double()
+
+
+def serial_user_cnn(k: int, steps: int) -> dict[str, torch.Tensor]:
+    """One process training ``user_cnn()`` on the K x b examples of each step (float64)."""
+    model = user_cnn()
+    opt = model.configure_optimizers()
+    for s in range(steps):
+        x, y = batch(s, k, torch.float64)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool) -> dict:
+    """``Trainer.fit`` (then ``Trainer.test`` when ``also_test``) of ``user_cnn()`` with ``strategy='hybrid_fc'``;
+    then, on this rank alone: the module's structure, a strict load of its state into a fresh instance, and
+    (rank 0, after rank 1 has returned and with no process group left, so a collective raises) its forward."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import HybridParallelStrategy
+
+    mine = slice(rank * B, (rank + 1) * B)
+    xs = torch.cat([batch(s, k, torch.float64)[0][mine] for s in range(steps)])
+    ys = torch.cat([batch(s, k, torch.float64)[1][mine] for s in range(steps)])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
+    module = user_cnn()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    if also_test:
+        trainer.test(module, dataloaders=loader, verbose=False)
+    out: dict = {
+        "classifier_type": type(module.classifier).__name__,
+        "last_layer": type(module.classifier[-1]).__name__,
+        "state": {key: value.detach().clone() for key, value in module.state_dict().items()},
+        "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
+    }
+    fresh = user_cnn()
+    fresh.load_state_dict(module.state_dict(), strict=True)
+    if rank != 0:
+        return out  # rank 1 is done: whatever rank 0 does next, it does alone
+    dist.destroy_process_group()  # no process group: a collective in the forward raises instead of waiting
+    x = batch(steps, k, torch.float64)[0]
+    with torch.no_grad():
+        out["logits"] = module(x)
+        out["fresh_logits"] = fresh(x)
+    return out

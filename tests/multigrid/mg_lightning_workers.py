@@ -27,9 +27,25 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
         ode_resnet(num_steps=NUM_STEPS, width=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
     )
     loader = DataLoader(TensorDataset(*data(max_steps)), batch_size=BATCH, shuffle=False)
+
+    class Held(pl.Callback):
+        """What this rank held at the end of training (before the model is handed back whole)."""
+
+        sizes: dict = {}
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            opt = trainer.optimizers[0]
+            self.sizes = {
+                "trunk_numel": sum(p.numel() for p in pl_module.model.steps.parameters()),
+                "optimizer_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
+                "momentum_numel": sum(s["momentum_buffer"].numel() for s in opt.state.values()),
+            }
+
+    held = Held()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
+        callbacks=[held],
         strategy=MultigridStrategy(layer_parallel_size=world_size, **STRATEGY),
         max_steps=max_steps,
         logger=False,
@@ -41,13 +57,8 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
         use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_path)
-    trainer.save_checkpoint(save_path)
-    opt = trainer.optimizers[0]
-    return {
-        "trunk_numel": sum(p.numel() for p in module.model.steps.parameters()),
-        "optimizer_numel": sum(p.numel() for g in opt.param_groups for p in g["params"]),
-        "momentum_numel": sum(s["momentum_buffer"].numel() for s in opt.state.values()),
-    }
+    trainer.save_checkpoint(save_path)  # after fit: the model and optimizer were handed back whole
+    return held.sizes
 
 
 # -- checkpoints: save with layer_parallel_size=2, resume on another layout ------------------------------------
@@ -93,7 +104,7 @@ def fit_resume(
     """Train the 16-step ODE-ResNet in float64 with an exact multigrid solve for ``max_epochs`` epochs of
     ``RESUME_BATCHES`` fixed batches (``layer_parallel_size=None``: a plain Trainer, no multigrid), from
     ``resume_path`` if given; with ``save_dir`` a checkpoint is written after every epoch.  Reports the local
-    parameters at the end, and the optimizer state by parameter name after the restore and after epoch 0."""
+    parameters at the end of training, and the optimizer state by parameter name after the restore and after epoch 0."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
@@ -105,6 +116,7 @@ def fit_resume(
         def __init__(self) -> None:
             self.start: dict | None = None
             self.epoch0: dict | None = None
+            self.end: dict | None = None
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = state_by_name(trainer.optimizers[0], pl_module)
@@ -112,6 +124,9 @@ def fit_resume(
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             if trainer.current_epoch == 0:
                 self.epoch0 = state_by_name(trainer.optimizers[0], pl_module)
+
+        def on_train_end(self, trainer, pl_module) -> None:  # before the model is handed back whole
+            self.end = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
     torch.manual_seed(0)
     # built in float64: Lightning loads a checkpoint's weights before "64-true" converts the module
@@ -131,7 +146,7 @@ def fit_resume(
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_path)
     return {
-        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "params": record.end,
         "start": record.start,
         "epoch0": record.epoch0,
         "global_step": trainer.global_step,
@@ -189,4 +204,90 @@ def save_then_resume(rank: int, world_size: int, kind: str, save_dir: str, plain
         dist.barrier()
         out["legacy"] = fit_resume(rank, world_size, 2, kind, 2, None, legacy)
     out["from_plain"] = fit_resume(rank, world_size, 2, kind, 2, None, plain_checkpoint)
+    return out
+
+
+# -- the model handed back after a stage: the user's trunk, every step, on every rank -------------------------
+def user_odenet() -> torch.nn.Module:
+    """A LightningModule as users write one around an ODE-ResNet (float64, 16 residual steps)."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    from lightning_hpc.models import ode_resnet
+
+    class UserODENet(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = ode_resnet(num_steps=NUM_STEPS, width=4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return UserODENet().double()
+
+
+def serial_user_odenet(steps: int) -> dict[str, torch.Tensor]:
+    """One process training ``user_odenet()`` on the same batches."""
+    import torch.nn.functional as F
+
+    model = user_odenet()
+    opt = model.configure_optimizers()
+    xs, ys = data(steps)
+    for s in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(xs[s * BATCH : (s + 1) * BATCH].double()), ys[s * BATCH : (s + 1) * BATCH]).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def handed_back_odenet(rank: int, world_size: int, mode: str, steps: int, also_test: bool) -> dict:
+    """``Trainer.fit`` (then ``Trainer.test`` when ``also_test``) of ``user_odenet()`` with the trunk split over
+    ``world_size`` layer ranks (an exact solve for mode 'mg'); then, on this rank alone: the trunk's structure, a
+    strict load of the module's state into a fresh instance, and (rank 0, after rank 1 has returned and with no
+    process group left, so a collective raises) its forward."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import MultigridStrategy
+
+    xs, ys = data(steps)
+    loader = DataLoader(TensorDataset(xs.double(), ys), batch_size=BATCH, shuffle=False)
+    module = user_odenet()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, precision="64-true", max_steps=steps,
+        strategy=MultigridStrategy(layer_parallel_size=world_size, mode=mode, **EXACT),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    if also_test:
+        trainer.test(module, dataloaders=loader, verbose=False)
+    out: dict = {
+        "trunk_type": type(module.model.steps).__name__,
+        "steps": list(module.model.steps._modules),
+        "state": {key: value.detach().clone() for key, value in module.state_dict().items()},
+        "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
+    }
+    fresh = user_odenet()
+    fresh.load_state_dict(module.state_dict(), strict=True)
+    if rank != 0:
+        return out  # rank 1 is done: whatever rank 0 does next, it does alone
+    dist.destroy_process_group()  # no process group: a collective in the forward raises instead of waiting
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        out["logits"] = module(x)
+        out["fresh_logits"] = fresh(x)
     return out

@@ -10,7 +10,6 @@ import lightning_hpc
 from lightning_hpc import ImageClassifier, MultigridStrategy
 from lightning_hpc.data import DigitsDataModule
 from lightning_hpc.models import ode_resnet
-from lightning_hpc.multigrid import MultigridODEBlock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +38,8 @@ def test_fit_logs_residuals_and_matches_serial_step():
     trainer = pl.Trainer(strategy=strategy, **common)
     pl.seed_everything(0)
     trainer.fit(module, datamodule=DigitsDataModule(batch_size=16))
-    assert isinstance(module.model.steps, MultigridODEBlock)
+    assert type(module.model.steps) is torch.nn.Sequential  # handed back: the user's trunk (the residuals below
+    # were logged by the MultigridODEBlock that replaced it during training)
     metrics = trainer.callback_metrics
     assert {f"multigrid/forward_residual_{i}" for i in range(4)} <= set(metrics)
     assert "multigrid/backward_residual_0" in metrics

@@ -1,0 +1,34 @@
+"""After a stage the model is the user's again: the strategy hands back the user's ``nn.Sequential`` head with
+the full trained weights on every rank, so its state loads strictly into a fresh instance of the user's class
+and its forward runs on one rank alone, as one process's trained model does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_workers import batch, handed_back_cnn, serial_user_cnn, user_cnn
+
+from lightning_hpc.distributed import run_in_processes
+
+STEPS = 3
+
+
+@pytest.mark.parametrize("also_test", [False, True], ids=["fit", "fit_then_test"])
+def test_fit_hands_back_the_users_model_whole_on_every_rank(also_test):
+    k = 2
+    out = run_in_processes(handed_back_cnn, k, STEPS, also_test, timeout_s=400, collective_timeout_s=60)
+    reference = serial_user_cnn(k, STEPS)
+    for rank, o in enumerate(out):
+        assert o["classifier_type"] == "Sequential" and o["last_layer"] == "Linear", rank
+        assert list(o["state"]) == list(reference), rank
+        for key, value in reference.items():  # whole tensors, one process's trained values
+            assert o["state"][key].shape == value.shape, (rank, key)
+            assert torch.allclose(o["state"][key], value, rtol=0, atol=1e-9), (rank, key)
+        # the optimizer is over the whole parameters too (a checkpoint after fit needs no gather)
+        assert o["optimizer_shapes"] == [tuple(p.shape) for p in user_cnn().parameters()], rank
+    serial = user_cnn()
+    serial.load_state_dict(reference)
+    with torch.no_grad():
+        expected = serial(batch(STEPS, k, torch.float64)[0])
+    assert torch.allclose(out[0]["logits"], expected, rtol=0, atol=1e-9)
+    assert torch.allclose(out[0]["fresh_logits"], expected, rtol=0, atol=1e-9)
