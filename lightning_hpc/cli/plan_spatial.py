@@ -127,6 +127,10 @@ def main(argv: Sequence[str]) -> int:
     else:
         print(f"recipe {recipe}")
         print(plan.table())
+        if len(input_shape) == 4 and any(p > 1 for p in plan.spatial_parts[:2]):
+            print("advice: on CPUs a D or H split does not lower the peak memory per rank as a W split does (torch's "
+                  "native 3-D convolution and its workspace take over from oneDNN on the thinner tile; measured in "
+                  "docs/spatial.md): where memory is the reason to split, split W first")
     return 0
 
 
