@@ -30,12 +30,20 @@ from lightning_hpc._compat import torch_function_subclass_off
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
-from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _norm_dim, bind_call
-from lightning_hpc.spatial.dispatch.fallback import _unsupported
-from lightning_hpc.spatial.dispatch.registry import _ELEMENTWISE, _HANDLERS, _META, _NO_TENSOR_OUT, _handles, _resolve
+from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _norm_dim
+from lightning_hpc.spatial.dispatch.fallback import gathered_call
+from lightning_hpc.spatial.dispatch.registry import (
+    _ELEMENTWISE,
+    _HANDLERS,
+    _META,
+    _NO_TENSOR_OUT,
+    _handles,
+    _resolve,
+    run_registered,
+)
 from lightning_hpc.spatial.dispatch.registry import _dispatch as _dispatch_split
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _plain, _spatials
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
 from lightning_hpc.spatial.tiling import SpatialGrid
 
 #: one flattened dimension: its extent and the grid axis blocking it (-1: whole on every rank)
@@ -501,9 +509,7 @@ _LAYOUT_FREE = set(_resolve("size numel __len__ __format__")) | _META | _NO_TENS
 def _dispatch_flat(func, args, kwargs):
     entry = _FLAT_HANDLERS.get(func)
     if entry is not None:
-        handler, signature = entry
-        a = bind_call(func if signature is None else signature, args, kwargs)
-        out = NotImplemented if a is None else handler(func, a, args, kwargs)
+        out = run_registered(entry, func, args, kwargs)
         if out is not NotImplemented:
             return out
     elif getattr(func, "__name__", None) == "__get__":
@@ -522,25 +528,11 @@ def _gather(func, args, kwargs):
     operands gathered, the op computed on the whole tensors, a result of the first merged operand's shape cut
     back to its layout."""
     spatial = _spatials(args, kwargs)
-    if (_is_inplace(func) or _inplace_call(kwargs)) and isinstance(args[0], SpatialTensor) or \
-            kwargs.get("out") is not None:
-        _unsupported(func, "changes a view merging split dimensions in place in a way that has no tiled form",
-                     "Write it out of place, or apply it before the view", spatial, inplace=True)
-    _unsupported(func, "has no tiled form on a view merging split dimensions",
-                 "To avoid the gather, apply it before the view (see docs/spatial.md), or pass "
-                 "on_unsupported='error' to see every such op", spatial)
-    _STATE.gathers += len(spatial)
-    _STATE.gathered_bytes += sum(_nbytes(t, t._gshape) for t in spatial)
-
-    def full_of(v):
-        if isinstance(v, SpatialTensor):
-            return v.full()
-        if isinstance(v, (list, tuple)) and any(isinstance(u, SpatialTensor) for u in v):
-            return type(v)(full_of(u) for u in v)
-        return v
-
-    ref = next(t for t in spatial if isinstance(t, FlatSpatialTensor))
-    return _recut(func(*[full_of(v) for v in args], **{k: full_of(v) for k, v in kwargs.items()}), ref)
+    out = gathered_call(func, args, kwargs, spatial, what="a view merging split dimensions",
+                        inplace_fix="Write it out of place, or apply it before the view",
+                        fix="To avoid the gather, apply it before the view (see docs/spatial.md), or pass "
+                            "on_unsupported='error' to see every such op")
+    return _recut(out, next(t for t in spatial if isinstance(t, FlatSpatialTensor)))
 
 
 def _recut(out, ref: FlatSpatialTensor):

@@ -78,12 +78,18 @@ _META = set(_resolve("dim ndimension is_contiguous is_floating_point is_complex 
                      "is_signed storage_offset"))
 
 
+def run_registered(entry: tuple[Callable, Callable | None], func, args, kwargs):
+    """A registered ``(handler, signature)`` on one call: the call bound against the signature, the handler's
+    result, or ``NotImplemented`` where the call does not bind or the handler declines."""
+    handler, signature = entry
+    a = bind_call(func if signature is None else signature, args, kwargs)
+    return NotImplemented if a is None else handler(func, a, args, kwargs)
+
+
 def _dispatch(func, args, kwargs):
     entry = _HANDLERS.get(func)
     if entry is not None:
-        handler, signature = entry
-        a = bind_call(func if signature is None else signature, args, kwargs)
-        out = NotImplemented if a is None else handler(func, a, args, kwargs)
+        out = run_registered(entry, func, args, kwargs)
         if out is not NotImplemented:
             return out
     elif getattr(func, "__name__", None) == "__get__":
