@@ -36,16 +36,20 @@ the current stream, and waiting orders later work after it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_hpc.distributed.comm import Communicator, Handle
 from lightning_hpc.kfac.layers import LayerHandler
 
-__all__ = ["FactorBucket", "OverlappedFactorAllreduce", "plan_factor_buckets"]
+if TYPE_CHECKING:
+    from lightning_hpc.kfac.preconditioner import KFACPreconditioner
+
+__all__ = ["FactorBucket", "OverlappedFactorAllreduce", "make_overlap", "plan_factor_buckets"]
 
 
 @dataclass
@@ -243,3 +247,37 @@ class OverlappedFactorAllreduce:
             for f in self._in_flight:
                 f.handle.wait()
         self.reset()
+
+
+def make_overlap(pre: KFACPreconditioner, stacklevel: int = 2) -> OverlappedFactorAllreduce | None:
+    """The overlapped factor all-reduce of ``pre`` when ``overlap_factor_allreduce`` is set and there is someone to
+    talk to. Its buckets run on a group of their own (created here, collectively, with the world's timeout), so
+    their position among the strategy's gradient all-reduces and K-FAC's other collectives, which depends on
+    when each rank's hooks fire, does not matter. A communicator whose ``async_op=True`` collectives complete
+    before returning (``async_collectives = False``) gets the synchronous path, with a warning (``stacklevel``
+    counted from the caller)."""
+    comm = pre.comm
+    if not pre.options.overlap_factor_allreduce or comm.world_size == 1:
+        return None
+    gathered = [h.name for h in pre.handlers if h.gathers_statistics]
+    if gathered:
+        # their factors need a gather over the layer's ranks at the step, which backward hooks cannot run in
+        # the same order on every rank
+        raise ValueError(
+            f"K-FAC overlap_factor_allreduce=True: layer(s) {gathered[:5]} are sharded over ranks (hybrid_fc's "
+            "fully-connected head), whose factors are gathered whole at the optimizer step; use "
+            "overlap_factor_allreduce=False (the default), or skip_layers=[...] to leave them to the optimizer"
+        )
+    if not comm.async_collectives:
+        warnings.warn(
+            f"K-FAC overlap_factor_allreduce: {type(comm).__name__} has no asynchronous collectives; the "
+            "factors are all-reduced synchronously at the optimizer step",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+        return None
+    group = comm.new_group(range(comm.world_size))
+    return OverlappedFactorAllreduce(
+        comm, pre.handlers, pre.bucket_cap_bytes, pre.options.symmetric_allreduce, pre.batch_averaged,
+        group, pre.comm_device(),
+    )
