@@ -67,6 +67,9 @@ class LayerHandler:
     #: the layer is a subclass with its own forward: its statistics are those of the functional calls on its weight
     #: (:class:`~lightning_hpc.kfac.subclasses.CallTracer`), not of the module's input and output
     traced: bool = False
+    #: the leading input dimensions are a sample dimension and positions (Linear-like layers): discovery sets
+    #: ``batch_dim`` (:func:`~lightning_hpc.kfac.layers.linear_batch_dim`) on such a handler
+    sequence_input: bool = False
     #: why the layer was left to the optimizer after setup (a traced layer whose forward uses its weight otherwise);
     #: None while it is preconditioned
     left_out: str | None = None

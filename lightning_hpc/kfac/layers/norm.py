@@ -17,7 +17,7 @@ from lightning_hpc.kfac.forms import BlockDiagonalForm, FactorForm
 from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.methods import ComputeMethod
 
-__all__ = ["FEATURE_NORMS", "NORMS", "NormAffineHandler"]
+__all__ = ["FEATURE_NORMS", "NORMS", "NormAffineHandler", "norm_refusal"]
 
 #: normalisation layers whose affine parameters are preconditioned (``nn.SyncBatchNorm``, which normalises with
 #: statistics from other ranks, is none of them; a subclass of one is handled as it is, see
@@ -32,6 +32,11 @@ FEATURE_NORMS = (nn.LayerNorm, nn.RMSNorm)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: dimensions of a batched input of each instance norm (one fewer: a single unbatched sample)
 _INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+
+
+def norm_refusal(module: nn.Module) -> str | None:
+    """Why a normalisation layer is left to the optimizer (None: it is not): one without affine parameters."""
+    return None if isinstance(getattr(module, "weight", None), torch.Tensor) else "no affine parameters"
 
 
 class NormAffineHandler(LayerHandler):
@@ -68,6 +73,10 @@ class NormAffineHandler(LayerHandler):
     output_gradient_factors = ("F",)
     #: sample dimension of a LayerNorm / RMSNorm input with more than one leading dimension (:func:`linear_batch_dim`)
     batch_dim: int = 0
+
+    @property
+    def sequence_input(self) -> bool:  # type: ignore[override]
+        return isinstance(self.module, FEATURE_NORMS)
 
     @property
     def channels(self) -> int:
