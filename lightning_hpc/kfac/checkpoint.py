@@ -48,7 +48,7 @@ def gather_decompositions(pre: KFACPreconditioner) -> dict[str, dict[str, torch.
         if present[i].item() > 0
         for kind in h.factor_forms()
     ]
-    mine = {(h.name, kind): h.decomposition_of(kind, pre.method) for owner, h, kind in work if owner == rank}
+    mine = {(h.name, kind): h.state.decomposition_of(kind, pre.method) for owner, h, kind in work if owner == rank}
     out: dict[str, dict[str, torch.Tensor]] = {}
     for (name, kind), res in pre.share(work, mine).items():
         for k, v in res.items():
@@ -86,8 +86,8 @@ def load_state_dict(pre: KFACPreconditioner, state: dict[str, Any]) -> None:
     for i, h in enumerate(pre.handlers):
         # with a gradient-worker fraction below 1 a rank keeps only its worker group's decompositions
         keep = h.name in saved and (not _sharded(pre) or pre._is_worker(i))
-        h.load_state(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, pre.factor_dtype,
-                     pre.inverse_dtype)
+        h.state.load(state["factors"].get(h.name, {}), saved[h.name] if keep else {}, h.weight.device,
+                     pre.factor_dtype, pre.inverse_dtype)
 
 
 def stack_group_entries(handlers: Sequence[LayerHandler], state: dict[str, Any]) -> dict[str, Any]:

@@ -176,9 +176,9 @@ def reduce_factors(pre: KFACPreconditioner, grad_scale: float) -> Batch:
         # spatial group); replicated layers (heads after global pooling) hold the same factor on every rank of
         # a spatial group: the plain world mean counts each group once
         symmetric = pre.options.symmetric_allreduce
-        packed = {h: h.pack_factors(f, symmetric) for h, f in batch.items()}
+        packed = {h: h.state.pack(f, symmetric) for h, f in batch.items()}
         allreduce_mean(comm, list(packed.values()), pre.bucket_cap_bytes)
-        batch = {h: h.unpack_factors(v, symmetric) for h, v in packed.items()}
+        batch = {h: h.state.unpack(v, symmetric) for h, v in packed.items()}
     return batch
 
 
@@ -205,4 +205,4 @@ def fold_factors(pre: KFACPreconditioner, batch: Batch) -> None:
         return
     decay = pre.current_factor_decay()
     for h, factors in batch.items():
-        h.fold(factors, decay, pre.factor_dtype)
+        h.state.fold(factors, decay, pre.factor_dtype)

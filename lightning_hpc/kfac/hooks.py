@@ -137,7 +137,7 @@ class CaptureHooks:
             return
         handler.left_out = reason
         handler.reset_statistics()
-        handler.factors, handler.decompositions = {}, {}
+        handler.state.clear()
         self.pre.layer_report.settle(handler.name, reason)
         self.pre.warn_once(f"left_out:{handler.name}", f"K-FAC leaves layer {handler.name!r} "
                            f"({type(handler.module).__name__}) to the optimizer: {reason}", stacklevel=4)

@@ -69,7 +69,7 @@ def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmet
     for i in reversed(range(len(handlers))):
         h = handlers[i]
         dtype = h.dtype_for(h.weight)  # what the hooks compute the statistics in (float32, or float64)
-        numel = h.packed_numel(symmetric)
+        numel = h.state.packed_numel(symmetric)
         nbytes = numel * dtype.itemsize
         last = out[-1] if out else None
         if last is None or last.dtype != dtype or (last.numel * dtype.itemsize + nbytes > cap_bytes):
@@ -142,7 +142,7 @@ class OverlappedFactorAllreduce:
             # dtypes and devices may change after construction (Lightning moves the model after the callbacks'
             # setup): buffers follow the layers (CUDA for NCCL), and the plan is redone if a dtype changed
             self.device = self.handlers[0].weight.device
-            key = tuple((h.dtype_for(h.weight), h.packed_numel(self.symmetric)) for h in self.handlers)
+            key = tuple((h.dtype_for(h.weight), h.state.packed_numel(self.symmetric)) for h in self.handlers)
             if key != self._plan_key:
                 self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
                 self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
@@ -189,10 +189,10 @@ class OverlappedFactorAllreduce:
             if h.has_statistics:
                 # the loss scale is applied after the average (finish): the hooks do not know it
                 factors = h.batch_statistics(1.0, self.batch_averaged)
-                parts.append(h.pack_factors(factors, self.symmetric).to(self.device, bucket.dtype))
+                parts.append(h.state.pack(factors, self.symmetric).to(self.device, bucket.dtype))
                 included.append(True)
             else:  # no statistics on this rank: zeros keep the buffer's layout; the status says so
-                parts.append(torch.zeros(h.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
+                parts.append(torch.zeros(h.state.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
                 included.append(False)
         flat = torch.cat(parts)
         handle = self.comm.allreduce(flat, op="mean", group=self.group, async_op=True)
@@ -231,11 +231,11 @@ class OverlappedFactorAllreduce:
             offset = 0
             for i in f.bucket.layers:
                 h = self.handlers[i]
-                size = h.packed_numel(self.symmetric)
-                factors = h.unpack_factors(f.flat[offset : offset + size], self.symmetric)
+                size = h.state.packed_numel(self.symmetric)
+                factors = h.state.unpack(f.flat[offset : offset + size], self.symmetric)
                 offset += size
                 if fired[i] >= 1.0 - 1e-6:
-                    out[i] = h.unscale(factors, grad_scale)
+                    out[i] = h.state.unscale(factors, grad_scale)
         return fired, out
 
     def abandon(self) -> None:

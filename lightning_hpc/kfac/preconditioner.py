@@ -359,14 +359,15 @@ class KFACPreconditioner:
                 for kind in h.factor_forms()]  # fmt: skip
         # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
         results: dict[tuple[str, str], dict[str, torch.Tensor]] = {
-            (h.name, kind): h.decompose(kind, self.method, self.damping, self.decomposition_dtype, self.inverse_dtype)
+            (h.name, kind): h.state.decompose(kind, self.method, self.damping, self.decomposition_dtype,
+                                              self.inverse_dtype)
             for owner, h, kind in work if owner == rank
         }  # fmt: skip
         if world > 1 and self.grid.shares_decompositions:
             # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
             results = self.share(work, results, self._column_group)
         for (name, kind), res in results.items():
-            self._by_name[name].set_decomposition(kind, res)
+            self._by_name[name].state.set_decomposition(kind, res)
 
     def share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
               group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
@@ -374,7 +375,7 @@ class KFACPreconditioner:
         flight at once (paper: allgather)."""
         items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
         for owner, h, kind in work:
-            items.setdefault(owner, []).append(((h.name, kind), h.result_shapes(kind, self.method)))
+            items.setdefault(owner, []).append(((h.name, kind), h.state.result_shapes(kind, self.method)))
         return broadcast_by_owner(  # type: ignore[return-value]
             self.comm, items, results, self.inverse_dtype, self.comm_device(), group  # type: ignore[arg-type]
         )

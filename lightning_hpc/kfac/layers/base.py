@@ -1,8 +1,8 @@
-"""The handler every K-FAC layer family builds on (:class:`LayerHandler`): one layer's captured statistics, its
-running factors and their decompositions, and the verbs on them (capture and accumulate, pack for the all-reduce,
-fold into the running average, decompose, precondition, load state). A family's handler says how the layer's input
-and output gradient become the rows of A and G and, where its curvature is not two dense Kronecker factors, the
-forms of its factors (:meth:`LayerHandler.factor_forms`, :mod:`~lightning_hpc.kfac.forms`).
+"""The handler every K-FAC layer family builds on (:class:`LayerHandler`): what a layer type computes (how the
+layer's input and output gradient become the rows or Grams of A and G, the forms of its factors where its curvature
+is not two dense Kronecker factors, :meth:`LayerHandler.factor_forms` and :mod:`~lightning_hpc.kfac.forms`, its
+gradient matrix and preconditioning) and the capture of one layer's statistics. The layer's running factors, their
+decompositions and their wire format are its :class:`~.state.FactorState` (:attr:`LayerHandler.state`).
 
 Scaling convention (damping depends on it)
 -------------------------------------------
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
+from lightning_hpc.kfac.layers.state import FactorState
 from lightning_hpc.kfac.methods import ComputeMethod
 from lightning_hpc.kfac.subclasses import trainable_bias
 
@@ -102,12 +103,37 @@ class LayerHandler:
         self._next_token = 0
         self._forward_id = 0
         self.reset_statistics()
-        #: the running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
-        #: factor update
-        self.factors: dict[str, torch.Tensor] = {}
-        #: the decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
-        #: until the first decomposition, and on ranks outside the layer's gradient-worker group
-        self.decompositions: dict[str, torch.Tensor] = {}
+        self._state: FactorState | None = None
+
+    # -- the layer's factors and decompositions ------------------------------------------------------------
+    @property
+    def state(self) -> FactorState:
+        """The layer's running factors, decompositions and their wire format (:class:`~.state.FactorState`), made
+        on first use from :meth:`factor_forms` (after any subclass has finished setting up its sizes)."""
+        if self._state is None:
+            self._state = FactorState(self.name, self.factor_forms(), self.output_gradient_factors,
+                                      self.partition_size)
+        return self._state
+
+    @property
+    def factors(self) -> dict[str, torch.Tensor]:
+        """The running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
+        factor update (:attr:`FactorState.factors`)."""
+        return self.state.factors
+
+    @factors.setter
+    def factors(self, value: dict[str, torch.Tensor]) -> None:
+        self.state.factors = value
+
+    @property
+    def decompositions(self) -> dict[str, torch.Tensor]:
+        """The decompositions of the factors, ``f"{key}_{factor}"``; empty until the first decomposition, and on
+        ranks outside the layer's gradient-worker group (:attr:`FactorState.decompositions`)."""
+        return self.state.decompositions
+
+    @decompositions.setter
+    def decompositions(self, value: dict[str, torch.Tensor]) -> None:
+        self.state.decompositions = value
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -292,7 +318,8 @@ class LayerHandler:
     # -- factor forms ------------------------------------------------------------------------------------
     #: what the setup report says about the layer's factors when they are not KFC's dense A and G
     form_note: str = ""
-    #: the factors built from output gradients: an AMP loss scale enters them squared (see :meth:`unscale`)
+    #: the factors built from output gradients: an AMP loss scale enters them squared (see
+    #: :meth:`.state.FactorState.unscale`)
     output_gradient_factors: tuple[str, ...] = ("G",)
 
     def factor_forms(self) -> dict[str, FactorForm]:
@@ -307,100 +334,17 @@ class LayerHandler:
         """This step's factors by name (:meth:`factor_forms`), from the captured micro-batches."""
         return dict(zip(("A", "G"), self.batch_factors(grad_scale, batch_averaged)))
 
-    def packed_numel(self, symmetric: bool) -> int:
-        """Elements of this layer's factors in the all-reduce (:meth:`pack_factors`)."""
-        return sum(form.packed_numel(symmetric) for form in self.factor_forms().values())
-
-    def pack_factors(self, factors: dict[str, torch.Tensor], symmetric: bool) -> torch.Tensor:
-        """This step's factors as the one vector the all-reduce averages, each packed by its form (``symmetric``:
-        upper triangles). A spatially tiled layer's partial factors are scaled by :attr:`partition_size`: a sample
-        group's factor is the sum over its ranks (:class:`TiledConvHandler`), so the world mean becomes the mean
-        over sample groups of those sums."""
-        scale = self.partition_size
-        return torch.cat([form.pack(factors[k] * scale if scale > 1 else factors[k], symmetric)
-                          for k, form in self.factor_forms().items()])  # fmt: skip
-
-    def unpack_factors(self, flat: torch.Tensor, symmetric: bool) -> dict[str, torch.Tensor]:
-        """The factors from :meth:`pack_factors`'s (averaged) vector."""
-        out, offset = {}, 0
-        for k, form in self.factor_forms().items():
-            size = form.packed_numel(symmetric)
-            out[k] = form.unpack(flat[offset : offset + size], symmetric)
-            offset += size
-        return out
-
-    def unscale(self, factors: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
-        """``factors`` with the output-gradient ones divided by ``grad_scale**2`` (statistics reduced before the
-        loss scale was known: the overlapped all-reduce)."""
-        if grad_scale == 1.0:
-            return factors
-        s = grad_scale * grad_scale
-        return {k: v / s if k in self.output_gradient_factors else v for k, v in factors.items()}
-
     def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
                      damping: float) -> torch.Tensor:
         """The preconditioned ``(g_dim, a_dim)`` gradient matrix from the layer's decompositions (keys
         ``f"{name}_{factor}"``): ``(A (x) G + damping I)^-1 vec(grad)`` by the compute method (Eq 13-15 / 11-12)."""
         return method.precondition(grad, decompositions, damping)
 
-    # -- running factors and decompositions ---------------------------------------------------------------
-    def fold(self, batch: dict[str, torch.Tensor], decay: float, dtype: torch.dtype) -> None:
-        """Fold this step's (rank-averaged) factors into the running averages stored in ``dtype`` (Eq 16-17:
-        ``decay`` weighs the old average; the first update takes the batch factors)."""
-        if not self.factors:
-            self.factors = {k: f.to(dtype, copy=True) for k, f in batch.items()}
-            return
-        for k, new in batch.items():
-            running = self.factors[k]
-            if new.dtype == dtype:
-                running.mul_(decay).add_(new, alpha=1.0 - decay)
-            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
-                running.copy_(running.to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
-
-    def result_shapes(self, kind: str, method: ComputeMethod) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of the decomposition of factor ``kind`` (what a broadcast or checkpoint carries)."""
-        return self.factor_forms()[kind].result_shapes(method)
-
-    def decompose(self, kind: str, method: ComputeMethod, damping: float, dtype: torch.dtype,
-                  storage: torch.dtype) -> dict[str, torch.Tensor]:
-        """The decomposition of the running factor ``kind`` computed in ``dtype``, stored in ``storage``. When every
-        fallback fails (:mod:`.linalg`), the previous decomposition, or before any an identity factor's (the step
-        is then a damped SGD step): what the layer's other workers receive, so every rank stays identical."""
-        form = self.factor_forms()[kind]
-        factor = self.factors[kind]
-        res = form.decompose(factor, method, damping, dtype, f"{self.name}.{kind}")
-        if res is None:
-            if self.decompositions:
-                res = {k: self.decompositions[f"{k}_{kind}"] for k in form.result_shapes(method)}
-            else:
-                res = form.identity(method, damping, dtype, factor.device)
-        return {k: v.to(storage) for k, v in res.items()}
-
-    def set_decomposition(self, kind: str, res: dict[str, torch.Tensor]) -> None:
-        """Keep ``res`` (:meth:`decompose`'s, computed here or received) as factor ``kind``'s decomposition."""
-        for k, v in res.items():
-            self.decompositions[f"{k}_{kind}"] = v
-
-    def decomposition_of(self, kind: str, method: ComputeMethod) -> dict[str, torch.Tensor]:
-        """Factor ``kind``'s part of :attr:`decompositions`, by its own names (for a broadcast)."""
-        return {k: self.decompositions[f"{k}_{kind}"] for k in self.result_shapes(kind, method)}
-
-    def load_state(self, factors: dict[str, torch.Tensor], decompositions: dict[str, torch.Tensor],
-                   factor_dtype: torch.dtype, inverse_dtype: torch.dtype) -> None:
-        """Take a checkpoint's running factors and decompositions (empty dicts: none), on the layer's device in the
-        storage dtypes."""
-        device = self.weight.device
-        self.factors = {k: v.to(device, factor_dtype) for k, v in factors.items()}
-        self.decompositions = {k: v.to(device, inverse_dtype) for k, v in decompositions.items()}
-
     def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
                        dtype: torch.dtype) -> torch.Tensor:
         """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:
         decompositions stored narrower are widened to it first)."""
-        d = self.decompositions
-        if any(v.dtype != dtype for v in d.values()):
-            d = {k: v.to(dtype) for k, v in d.items()}
-        return self.precondition(grad, d, method, damping)
+        return self.precondition(grad, self.state.decompositions_in(dtype), method, damping)
 
     # -- gradients ---------------------------------------------------------------------------------------
     #: independent blocks of the layer's gradient matrix (a grouped convolution's groups): :meth:`grad_matrix` is
