@@ -78,7 +78,7 @@ def resolve_grad_scale(pre: KFACPreconditioner, grad_scale: float | None) -> flo
         return float(grad_scale)
     if pre.grad_scaler is not None:
         return float(pre.grad_scaler.get_scale()) if pre.grad_scaler.is_enabled() else 1.0
-    if pre.is_factor_update_step and any(h.g_dtype == torch.float16 for h in pre.handlers):
+    if pre.is_factor_update_step and any(h.stats.g_dtype == torch.float16 for h in pre.handlers):
         raise ValueError(
             "K-FAC captured float16 output gradients but was not told the loss scale they carry: pass "
             "KFACPreconditioner(..., grad_scaler=scaler), or call step(grad_scale=scaler.get_scale()) after "

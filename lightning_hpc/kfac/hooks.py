@@ -80,7 +80,7 @@ class CaptureHooks:
                 overlap.armed = True
                 # final once every call of the layer in this forward pass has its output gradient (a shared
                 # layer's hook fires once per call)
-                if not handler.awaiting_output_grads():
+                if not handler.stats.awaiting():
                     overlap.layer_done(index)
 
         return hook

@@ -185,7 +185,7 @@ class OverlappedFactorAllreduce:
         commits: list[int] = []
         for i in bucket.layers:
             h = self.handlers[i]
-            commits.append(h.commits)
+            commits.append(h.stats.commits)
             if h.has_statistics:
                 # the loss scale is applied after the average (finish): the hooks do not know it
                 factors = h.batch_statistics(1.0, self.batch_averaged)
@@ -213,7 +213,7 @@ class OverlappedFactorAllreduce:
         for f in self._in_flight:
             for i, inc, commits in zip(f.bucket.layers, f.included, f.commits):
                 included[i] = 1.0 if inc else 0.0
-                if self.handlers[i].commits != commits:
+                if self.handlers[i].stats.commits != commits:
                     late = 1.0
         status = torch.tensor(included + [late], dtype=torch.float32, device=self.device)
         # after the buckets on the same group: the status takes its place in the same order on every rank

@@ -1,8 +1,9 @@
 """The handler every K-FAC layer family builds on (:class:`LayerHandler`): what a layer type computes (how the
 layer's input and output gradient become the rows or Grams of A and G, the forms of its factors where its curvature
 is not two dense Kronecker factors, :meth:`LayerHandler.factor_forms` and :mod:`~lightning_hpc.kfac.forms`, its
-gradient matrix and preconditioning) and the capture of one layer's statistics. The layer's running factors, their
-decompositions and their wire format are its :class:`~.state.FactorState` (:attr:`LayerHandler.state`).
+gradient matrix and preconditioning). A layer's per-layer state is in two objects its handler owns: the statistics
+captured since the last step (:class:`~.statistics.CapturedStatistics`, :attr:`LayerHandler.stats`) and its running
+factors, their decompositions and their wire format (:class:`~.state.FactorState`, :attr:`LayerHandler.state`).
 
 Scaling convention (damping depends on it)
 -------------------------------------------
@@ -31,13 +32,14 @@ as raw sums while the micro-batches run and normalised once in
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
 from lightning_hpc.kfac.layers.state import FactorState
+from lightning_hpc.kfac.layers.statistics import CapturedStatistics
 from lightning_hpc.kfac.methods import ComputeMethod
 from lightning_hpc.kfac.subclasses import trainable_bias
 
@@ -48,6 +50,11 @@ def stat_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype factor statistics are formed in: float32, or the tensor's own when it is wider (a float64 model
     gets float64 factors, so its K-FAC steps do not depend on how the batch is split over ranks)."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def _statistic(name: str, doc: str) -> Any:
+    """A handler attribute that reads and writes its :attr:`LayerHandler.stats`' attribute ``name``."""
+    return property(lambda self: getattr(self.stats, name), lambda self, v: setattr(self.stats, name, v), doc=doc)
 
 
 class LayerHandler:
@@ -97,11 +104,8 @@ class LayerHandler:
         #: frozen bias is neither part of the factors nor given a ``.grad``, and one computed by a parametrization
         #: has its gradient on other parameters
         self.has_bias = trainable_bias(module) is not None
-        #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
-        self.max_calls_per_forward = 0
-        # never reset: a hook of a discarded forward pass must not match a later call's token
-        self._next_token = 0
-        self._forward_id = 0
+        #: the statistics captured since the last optimizer step (:class:`~.statistics.CapturedStatistics`)
+        self.stats = CapturedStatistics()
         self.reset_statistics()
         self._state: FactorState | None = None
 
@@ -148,27 +152,18 @@ class LayerHandler:
     def reset_statistics(self) -> None:
         """Forget what the hooks captured (called after every optimizer step and on skipped AMP steps)."""
         self.discard_committed()
-        # A call's input statistics wait here until its output gradient arrives (then both are committed): a
-        # forward pass that is never backpropagated (a skipped training_step, a loss not used) leaves nothing.
-        self._pending: dict[int, tuple[torch.Tensor, int, int, int]] = {}
-        self._in_forward = False
+        self.stats.forget_pending()
 
     def discard_committed(self) -> None:
         """Forget the statistics of completed backward passes (calls still waiting for theirs are kept)."""
-        self.a_sum: torch.Tensor | None = None
-        self.a_rows = 0
-        self.g_sum: torch.Tensor | None = None
-        self.samples = 0
-        self.g_samples = 0
-        #: calls committed since the statistics were last discarded (tells whether they changed since a point)
-        self.commits = 0
-        #: dtype of the captured output gradients (float16 ones carry an AMP loss scale)
-        self.g_dtype: torch.dtype | None = None
-        # Samples are counted once per forward pass (its largest call), not once per call: a layer applied k
-        # times per sample is one layer at k positions (KFC's weight sharing), so its G equals the one of a single
-        # call on the k inputs stacked along a position dimension. A forward pass is the calls between two
-        # backward passes of the layer.
-        self._forward_counted: dict[int, tuple[int, int]] = {}  # forward id -> (samples counted, calls committed)
+        self.stats.discard_committed()
+
+    # views of the captured statistics (:class:`~.statistics.CapturedStatistics`) under the handler's names
+    a_sum = _statistic("a_sum", "Sum of the captured calls' input Grams (A's).")
+    g_sum = _statistic("g_sum", "Sum of the captured output-gradient statistics (G's).")
+    samples = _statistic("samples", "Samples captured, counted once per forward pass.")
+    g_dtype = _statistic("g_dtype", "dtype of the captured output gradients.")
+    max_calls_per_forward = _statistic("max_calls_per_forward", "Most calls of the layer in one forward pass.")
 
     def sample_count(self, x: torch.Tensor) -> int:
         """Samples in the captured input ``x`` (its batch dimension; 1 for an unbatched input)."""
@@ -178,7 +173,7 @@ class LayerHandler:
         """True when statistics from a completed backward pass are held but the weight's gradient was cleared
         since (``zero_grad`` without :meth:`KFACPreconditioner.step`, e.g. a step skipped by the user or a
         grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
-        if self.g_sum is None:
+        if self.stats.g_sum is None:
             return False
         grad = self.weight.grad
         return grad is None or not bool(grad.any())
@@ -254,51 +249,30 @@ class LayerHandler:
         # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
-        if not self._in_forward:  # first call since the last backward pass: a new forward pass
-            self._in_forward = True
-            self._forward_id += 1
-        token = self._next_token
-        self._next_token += 1
-        self._pending[token] = (contrib, rows, self.sample_count(x), self._forward_id)
-        return token
+        return self.stats.open_call(contrib, rows, self.sample_count(x))
 
     @torch.no_grad()
     def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
         """Add the output-gradient statistics of the call ``token`` and commit its input statistics; False when
         they had been discarded since its forward pass (nothing committed)."""
-        self._in_forward = False  # the backward pass ends the forward pass's calls
-        pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
+        pending = self.stats.take_call(token)
         if pending is None:  # statistics discarded since the forward pass
             return False
         a, rows, n, forward_id = pending
         with torch.autocast(g.device.type, enabled=False):
             self.accumulate(a, rows, g)
-        self.g_samples += g.shape[0]
-        self.g_dtype = g.dtype
-        counted, calls = self._forward_counted.get(forward_id, (0, 0))
-        if n > counted:
-            self.samples += n - counted
-        self._forward_counted[forward_id] = (max(n, counted), calls + 1)
-        self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
-        self.commits += 1
+        self.stats.commit(n, forward_id, g)
         return True
 
     def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
         """Add one call's statistics to the sums: its input statistic (:meth:`input_gram`, computed in the forward
         pass) and ``rows``, and the Gram of its output gradient ``g``."""
-        contrib = self.output_gram(g)
-        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
-        self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
-        self.a_rows += rows
-
-    def awaiting_output_grads(self) -> bool:
-        """Calls of the latest forward pass whose output gradient has not arrived yet (a layer called several
-        times per forward pass receives one per call; a call whose output does not reach the loss never does)."""
-        return any(p[3] == self._forward_id for p in self._pending.values())
+        self.stats.add_output(self.output_gram(g))
+        self.stats.add_input(input_stat, rows)
 
     @property
     def has_statistics(self) -> bool:
-        return self.a_sum is not None and self.g_sum is not None
+        return self.stats.a_sum is not None and self.stats.g_sum is not None
 
     def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, G) of the captured micro-batches following the module docstring's convention.
@@ -307,10 +281,11 @@ class LayerHandler:
         """
         if not self.has_statistics:
             raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
-        assert self.a_sum is not None and self.g_sum is not None
-        b = max(self.samples, 1)
-        a = self.a_sum / self.a_rows
-        g = self.g_sum * (b if batch_averaged else 1.0 / b)
+        s = self.stats
+        assert s.a_sum is not None and s.g_sum is not None
+        b = max(s.samples, 1)
+        a = s.a_sum / s.a_rows
+        g = s.g_sum * (b if batch_averaged else 1.0 / b)
         if grad_scale != 1.0:
             g = g / (grad_scale * grad_scale)
         return a, g

@@ -162,18 +162,18 @@ class NormAffineHandler(LayerHandler):
             u = torch.linalg.vecdot(gg, self._by_channel(self._normalized(x))).unsqueeze(-1)
         if self.has_bias:
             u = torch.cat([u, gg.sum(-1, keepdim=True)], dim=-1)  # and of the shift
-        contrib = torch.einsum("nci,ncj->cij", u, u)
-        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+        self.stats.add_output(torch.einsum("nci,ncj->cij", u, u))
 
     @property
     def has_statistics(self) -> bool:
-        return self.g_sum is not None
+        return self.stats.g_sum is not None
 
     def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
-        if self.g_sum is None:
+        g_sum = self.stats.g_sum
+        if g_sum is None:
             raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
-        b = max(self.samples, 1)
-        f = self.g_sum * (b if batch_averaged else 1.0 / b)
+        b = max(self.stats.samples, 1)
+        f = g_sum * (b if batch_averaged else 1.0 / b)
         return {"F": f / (grad_scale * grad_scale) if grad_scale != 1.0 else f}
 
     def grad_matrix(self) -> torch.Tensor | None:
