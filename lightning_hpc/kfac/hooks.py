@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_hpc._compat import disable_torch_function_subclass
 from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, base_type
 from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, CallTracer, ConvGeometry
 
@@ -159,5 +160,5 @@ class CaptureHooks:
         token = handler.capture_input(x)
         # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
         # spatial tile: the tiled handler expects the tile's own part)
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             output.register_hook(self._output_grad_hook(index, handler, token))

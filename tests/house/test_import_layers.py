@@ -55,7 +55,6 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AvgPoolNd"),
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveAvgPoolNd"),
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveMaxPoolNd"),
-    ("lightning_hpc.kfac.hooks", "torch._C"),
     ("lightning_hpc.spatial.strategy", "dist.distributed_c10d._get_default_store"),
     *(
         (f"lightning_hpc.spatial.dispatch.{m}", "torch._C")
