@@ -52,9 +52,11 @@ def stat_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _statistic(name: str, doc: str) -> Any:
-    """A handler attribute that reads and writes its :attr:`LayerHandler.stats`' attribute ``name``."""
-    return property(lambda self: getattr(self.stats, name), lambda self, v: setattr(self.stats, name, v), doc=doc)
+def _view(owner: str, name: str, doc: str) -> Any:
+    """A handler attribute that reads and writes attribute ``name`` of its per-layer state object ``owner``
+    (:attr:`LayerHandler.stats`)."""
+    return property(lambda self: getattr(getattr(self, owner), name),
+                    lambda self, v: setattr(getattr(self, owner), name, v), doc=doc)
 
 
 class LayerHandler:
@@ -125,19 +127,11 @@ class LayerHandler:
         factor update (:attr:`FactorState.factors`)."""
         return self.state.factors
 
-    @factors.setter
-    def factors(self, value: dict[str, torch.Tensor]) -> None:
-        self.state.factors = value
-
     @property
     def decompositions(self) -> dict[str, torch.Tensor]:
         """The decompositions of the factors, ``f"{key}_{factor}"``; empty until the first decomposition, and on
         ranks outside the layer's gradient-worker group (:attr:`FactorState.decompositions`)."""
         return self.state.decompositions
-
-    @decompositions.setter
-    def decompositions(self, value: dict[str, torch.Tensor]) -> None:
-        self.state.decompositions = value
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -159,11 +153,12 @@ class LayerHandler:
         self.stats.discard_committed()
 
     # views of the captured statistics (:class:`~.statistics.CapturedStatistics`) under the handler's names
-    a_sum = _statistic("a_sum", "Sum of the captured calls' input Grams (A's).")
-    g_sum = _statistic("g_sum", "Sum of the captured output-gradient statistics (G's).")
-    samples = _statistic("samples", "Samples captured, counted once per forward pass.")
-    g_dtype = _statistic("g_dtype", "dtype of the captured output gradients.")
-    max_calls_per_forward = _statistic("max_calls_per_forward", "Most calls of the layer in one forward pass.")
+    a_sum = _view("stats", "a_sum", "Sum of the captured calls' input Grams (A's).")
+    g_sum = _view("stats", "g_sum", "Sum of the captured output-gradient statistics (G's).")
+    samples = _view("stats", "samples", "Samples captured, counted once per forward pass.")
+    g_dtype = _view("stats", "g_dtype", "dtype of the captured output gradients.")
+    max_calls_per_forward = _view("stats", "max_calls_per_forward",
+                                  "Most calls of the layer in one forward pass.")
 
     def sample_count(self, x: torch.Tensor) -> int:
         """Samples in the captured input ``x`` (its batch dimension; 1 for an unbatched input)."""
