@@ -11,11 +11,11 @@ Usage (paper Listing 1)::
 
 Per optimizer step (Algorithm 1):
 
-1. On factor-update steps (every ``factor_update_freq``), forward/backward hooks capture layer inputs and
-   output gradients of every micro-batch; ``step`` forms the batch factors (see :mod:`.layers` for the scaling),
-   averages them across ranks (asynchronous, bucketed allreduce; with ``overlap_factor_allreduce`` launched from
-   the backward hooks of the step's last micro-batch, overlapping the rest of the backward pass as in KAISA,
-   SC21: :mod:`.overlap`) and folds them into the running averages
+1. On factor-update steps (every ``factor_update_freq``), forward/backward hooks (:mod:`.hooks`) capture layer
+   inputs and output gradients of every micro-batch; ``step`` forms the batch factors (:mod:`.factor_update`; see
+   :mod:`.layers` for the scaling), averages them across ranks (asynchronous, bucketed allreduce; with
+   ``overlap_factor_allreduce`` launched from the backward hooks of the step's last micro-batch, overlapping the
+   rest of the backward pass as in KAISA, SC21: :mod:`.overlap`) and folds them into the running averages
    (Eq 16-17; ``factor_decay`` is the weight of the old average, as in the SC20 code and its range [0.9, 1)).
    Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
@@ -26,12 +26,12 @@ Per optimizer step (Algorithm 1):
 3. Every step, each layer's gradient is preconditioned by its gradient workers (KAISA's ``grad_worker_fraction``,
    SC21, arXiv:2107.01739: all ranks at fraction 1, the default except under ``layer_wise``; one owner at ``1 / world``,
    K-FAC-lw), who broadcast the result to the other ranks of their broadcast group; it is then scaled by the
-   KL-clip factor of Eq 18 and written back into ``.grad``.
+   KL-clip factor of Eq 18 (:mod:`.kl_clip`) and written back into ``.grad``.
 
 Steps that update neither factors nor decompositions communicate nothing when every rank is a gradient worker
 of every layer (``grad_worker_fraction=1``).
 All collectives go through a :class:`~lightning_hpc.distributed.comm.Communicator`, so the Horovod backend
-can be swapped in.
+can be swapped in. Checkpoints are :mod:`.checkpoint`'s; the settings one :class:`~.options.KFACOptions`.
 """
 
 from __future__ import annotations
