@@ -88,12 +88,6 @@ def compiled_module_type() -> type:
     return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
 
 
-def torch_function_subclass_off() -> Any:
-    """``torch._C.DisableTorchFunctionSubclass()``: within it, a tensor subclass's ``__torch_function__`` is not
-    called (ops run on the subclass instance as on a plain tensor)."""
-    return torch._C.DisableTorchFunctionSubclass()
-
-
 def storage_use_count(t: torch.Tensor) -> int:
     """How many tensors (and storage objects) hold ``t``'s storage (torch has no public getter)."""
     return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))  # type: ignore[attr-defined]

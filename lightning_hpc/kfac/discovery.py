@@ -27,16 +27,14 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac.layers import (
-    FEATURE_NORMS,
-    NORMS,
     SUPPORTED,
-    EmbeddingHandler,
     LayerHandler,
-    LinearHandler,
     base_type,
     layer_type_of,
     linear_batch_dim,
     make_handler,
+    refusal_of,
+    supported_text,
 )
 from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, computed_weight, has_own_forward
 from lightning_hpc.protocols import ShardedFullyConnected
@@ -62,18 +60,11 @@ def skip_reason(
     if isinstance(module, nn.utils.parametrize.ParametrizationList):
         owner, _, tensor = f".{name}".rpartition(".parametrizations.")
         return f"the parameters from which a parametrization computes {owner[1:] or '<root>'}'s {tensor!r}"
-    if isinstance(module, NORMS) and not isinstance(getattr(module, "weight", None), torch.Tensor):
-        return "no affine parameters"
-    if isinstance(module, nn.Embedding) and (module.sparse or module.scale_grad_by_freq):
-        return "sparse or frequency-scaled gradient (not the Kronecker form of its factors)"
-    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups > 1 and \
-            hasattr(module, "kfac_padded_input"):
-        return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
+    refusal = refusal_of(module)  # what the layer type's row of the registration table refuses
+    if refusal is not None:
+        return refusal
     if not isinstance(module, (*SUPPORTED, ShardedFullyConnected)):
-        return (f"unsupported type {type(module).__name__} (K-FAC handles nn.Linear, nn.Conv1d/2d/3d, "
-                "nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, "
-                "nn.InstanceNorm1d/2d/3d "
-                "and nn.Embedding)")
+        return f"unsupported type {type(module).__name__} (K-FAC handles {supported_text()})"
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
         return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
@@ -146,7 +137,7 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
         if reason is None:
             handler = make_handler(name, module)
             assert handler is not None
-            sequences = isinstance(handler, (LinearHandler, EmbeddingHandler)) or isinstance(module, FEATURE_NORMS)
+            sequences = handler.sequence_input
             if sequences:  # layers whose leading input dimensions are a sample dimension and positions
                 cast(Any, handler).batch_dim = linear_batch_dim(name, modules)
             report.handlers.append(handler)

@@ -10,10 +10,11 @@ preconditioner directly.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -22,7 +23,7 @@ from lightning_hpc.kfac.methods import COMPUTE_METHODS
 from lightning_hpc.kfac.placement import check_grad_worker_fraction, check_placement
 from lightning_hpc.kfac.schedules import KFACSchedule
 
-__all__ = ["KFACOptions", "compile_skip_patterns"]
+__all__ = ["KFACOptions", "compile_skip_patterns", "with_option_keywords"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 #: storage dtypes accepted by ``factor_dtype`` / ``inverse_dtype``
@@ -238,3 +239,21 @@ class KFACOptions:
 
     def replace(self, **changes: Any) -> KFACOptions:
         return dataclasses.replace(self, **changes)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def with_option_keywords(func: F) -> F:
+    """``func`` (a constructor that takes the options as ``**option_fields``) with the signature that lists the
+    fields of :class:`KFACOptions` as typed keyword-only arguments in place of its ``**`` parameter: their names,
+    annotations and defaults are the dataclass's, derived here, so they cannot drift (what ``inspect.signature``,
+    IDEs and documentation tools read). ``func`` itself passes the keywords to :meth:`KFACOptions.replace`, which
+    validates them and names an unknown one."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    for f in dataclasses.fields(KFACOptions):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    cast(Any, func).__signature__ = sig.replace(parameters=params)
+    return func

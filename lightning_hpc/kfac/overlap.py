@@ -36,16 +36,20 @@ the current stream, and waiting orders later work after it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_hpc.distributed.comm import Communicator, Handle
 from lightning_hpc.kfac.layers import LayerHandler
 
-__all__ = ["FactorBucket", "OverlappedFactorAllreduce", "plan_factor_buckets"]
+if TYPE_CHECKING:
+    from lightning_hpc.kfac.preconditioner import KFACPreconditioner
+
+__all__ = ["FactorBucket", "OverlappedFactorAllreduce", "make_overlap", "plan_factor_buckets"]
 
 
 @dataclass
@@ -65,7 +69,7 @@ def plan_factor_buckets(handlers: Sequence[LayerHandler], cap_bytes: int, symmet
     for i in reversed(range(len(handlers))):
         h = handlers[i]
         dtype = h.dtype_for(h.weight)  # what the hooks compute the statistics in (float32, or float64)
-        numel = h.packed_numel(symmetric)
+        numel = h.state.packed_numel(symmetric)
         nbytes = numel * dtype.itemsize
         last = out[-1] if out else None
         if last is None or last.dtype != dtype or (last.numel * dtype.itemsize + nbytes > cap_bytes):
@@ -138,7 +142,7 @@ class OverlappedFactorAllreduce:
             # dtypes and devices may change after construction (Lightning moves the model after the callbacks'
             # setup): buffers follow the layers (CUDA for NCCL), and the plan is redone if a dtype changed
             self.device = self.handlers[0].weight.device
-            key = tuple((h.dtype_for(h.weight), h.packed_numel(self.symmetric)) for h in self.handlers)
+            key = tuple((h.dtype_for(h.weight), h.state.packed_numel(self.symmetric)) for h in self.handlers)
             if key != self._plan_key:
                 self.buckets = plan_factor_buckets(self.handlers, self.cap_bytes, self.symmetric)
                 self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.layers}
@@ -181,14 +185,14 @@ class OverlappedFactorAllreduce:
         commits: list[int] = []
         for i in bucket.layers:
             h = self.handlers[i]
-            commits.append(h.commits)
+            commits.append(h.stats.commits)
             if h.has_statistics:
                 # the loss scale is applied after the average (finish): the hooks do not know it
                 factors = h.batch_statistics(1.0, self.batch_averaged)
-                parts.append(h.pack_factors(factors, self.symmetric).to(self.device, bucket.dtype))
+                parts.append(h.state.pack(factors, self.symmetric).to(self.device, bucket.dtype))
                 included.append(True)
             else:  # no statistics on this rank: zeros keep the buffer's layout; the status says so
-                parts.append(torch.zeros(h.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
+                parts.append(torch.zeros(h.state.packed_numel(self.symmetric), dtype=bucket.dtype, device=self.device))
                 included.append(False)
         flat = torch.cat(parts)
         handle = self.comm.allreduce(flat, op="mean", group=self.group, async_op=True)
@@ -209,7 +213,7 @@ class OverlappedFactorAllreduce:
         for f in self._in_flight:
             for i, inc, commits in zip(f.bucket.layers, f.included, f.commits):
                 included[i] = 1.0 if inc else 0.0
-                if self.handlers[i].commits != commits:
+                if self.handlers[i].stats.commits != commits:
                     late = 1.0
         status = torch.tensor(included + [late], dtype=torch.float32, device=self.device)
         # after the buckets on the same group: the status takes its place in the same order on every rank
@@ -227,11 +231,11 @@ class OverlappedFactorAllreduce:
             offset = 0
             for i in f.bucket.layers:
                 h = self.handlers[i]
-                size = h.packed_numel(self.symmetric)
-                factors = h.unpack_factors(f.flat[offset : offset + size], self.symmetric)
+                size = h.state.packed_numel(self.symmetric)
+                factors = h.state.unpack(f.flat[offset : offset + size], self.symmetric)
                 offset += size
                 if fired[i] >= 1.0 - 1e-6:
-                    out[i] = h.unscale(factors, grad_scale)
+                    out[i] = h.state.unscale(factors, grad_scale)
         return fired, out
 
     def abandon(self) -> None:
@@ -243,3 +247,37 @@ class OverlappedFactorAllreduce:
             for f in self._in_flight:
                 f.handle.wait()
         self.reset()
+
+
+def make_overlap(pre: KFACPreconditioner, stacklevel: int = 2) -> OverlappedFactorAllreduce | None:
+    """The overlapped factor all-reduce of ``pre`` when ``overlap_factor_allreduce`` is set and there is someone to
+    talk to. Its buckets run on a group of their own (created here, collectively, with the world's timeout), so
+    their position among the strategy's gradient all-reduces and K-FAC's other collectives, which depends on
+    when each rank's hooks fire, does not matter. A communicator whose ``async_op=True`` collectives complete
+    before returning (``async_collectives = False``) gets the synchronous path, with a warning (``stacklevel``
+    counted from the caller)."""
+    comm = pre.comm
+    if not pre.options.overlap_factor_allreduce or comm.world_size == 1:
+        return None
+    gathered = [h.name for h in pre.handlers if h.gathers_statistics]
+    if gathered:
+        # their factors need a gather over the layer's ranks at the step, which backward hooks cannot run in
+        # the same order on every rank
+        raise ValueError(
+            f"K-FAC overlap_factor_allreduce=True: layer(s) {gathered[:5]} are sharded over ranks (hybrid_fc's "
+            "fully-connected head), whose factors are gathered whole at the optimizer step; use "
+            "overlap_factor_allreduce=False (the default), or skip_layers=[...] to leave them to the optimizer"
+        )
+    if not comm.async_collectives:
+        warnings.warn(
+            f"K-FAC overlap_factor_allreduce: {type(comm).__name__} has no asynchronous collectives; the "
+            "factors are all-reduced synchronously at the optimizer step",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+        return None
+    group = comm.new_group(range(comm.world_size))
+    return OverlappedFactorAllreduce(
+        comm, pre.handlers, pre.bucket_cap_bytes, pre.options.symmetric_allreduce, pre.batch_averaged,
+        group, pre.comm_device(),
+    )

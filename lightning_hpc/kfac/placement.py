@@ -154,6 +154,16 @@ class GradWorkerGrid:
         """Preconditioned gradients are broadcast within rows (some ranks are not workers of some layers)."""
         return self.num_groups > 1
 
+    def make_groups(self, comm: Any) -> tuple[Any, Any]:
+        """``comm.rank``'s gradient-worker group and broadcast group (``None``: the whole world or unused). Under
+        HYBRID-OPT every rank creates every column group, then every row group, in the same order (group
+        creation is collective); the communicator gives them the world's timeout."""
+        if self.world_size == 1 or not (self.shares_decompositions and self.broadcasts_gradients):
+            return None, None
+        columns = [comm.new_group(self.column(c)) for c in range(self.num_groups)]
+        rows = [comm.new_group(self.row(j)) for j in range(self.grad_workers)]
+        return columns[self.column_of(comm.rank)], rows[self.row_of(comm.rank)]
+
 
 def _factor_names(layer_dims: Sequence[LayerDims]) -> list[list[str]]:
     return [list(layer_forms(d).factors) for d in layer_dims]

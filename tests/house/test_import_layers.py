@@ -55,7 +55,6 @@ KNOWN_PRIVATE: set[tuple[str, str]] = {
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AvgPoolNd"),
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveAvgPoolNd"),
     ("lightning_hpc.hybrid_fc.discovery", "nn.modules.pooling._AdaptiveMaxPoolNd"),
-    ("lightning_hpc.kfac.preconditioner", "torch._C"),
     *(
         (f"lightning_hpc.spatial.dispatch.{m}", "torch._C")
         for m in ("backward", "creation", "elementwise", "registry", "relayout", "tensor")

@@ -86,6 +86,16 @@ def test_options_object_and_keywords_are_the_same_preconditioner():
     assert a.factor_update_freq == 0 + max(1, 7 // 10) and a.decomposition_dtype == torch.float32
 
 
+def test_preconditioner_takes_an_options_object_and_keyword_overrides():
+    """The core is configured by one ``KFACOptions``; keywords named like its fields override them, validated by it."""
+    opts = KFACOptions(damping=0.02, inv_update_freq=7)
+    pre = KFACPreconditioner(nn.Linear(3, 2), opts, announce=False)
+    assert pre.options is opts
+    assert KFACPreconditioner(nn.Linear(3, 2), opts, damping=0.5, announce=False).options == opts.replace(damping=0.5)
+    with pytest.raises(ValueError, match="damping"):
+        KFACPreconditioner(nn.Linear(3, 2), opts, damping=-1.0)
+
+
 @pytest.mark.parametrize("entry", [KFAC.__init__, KFACPreconditioner.__init__], ids=["KFAC", "KFACPreconditioner"])
 def test_keyword_arguments_are_the_options_fields(entry):
     """Each option is a typed keyword argument with the dataclass's name, annotation and default: what

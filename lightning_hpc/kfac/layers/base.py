@@ -1,8 +1,9 @@
-"""The handler every K-FAC layer family builds on (:class:`LayerHandler`): one layer's captured statistics, its
-running factors and their decompositions, and the verbs on them (capture and accumulate, pack for the all-reduce,
-fold into the running average, decompose, precondition, load state). A family's handler says how the layer's input
-and output gradient become the rows of A and G and, where its curvature is not two dense Kronecker factors, the
-forms of its factors (:meth:`LayerHandler.factor_forms`, :mod:`~lightning_hpc.kfac.forms`).
+"""The handler every K-FAC layer family builds on (:class:`LayerHandler`): what a layer type computes (how the
+layer's input and output gradient become the rows or Grams of A and G, the forms of its factors where its curvature
+is not two dense Kronecker factors, :meth:`LayerHandler.factor_forms` and :mod:`~lightning_hpc.kfac.forms`, its
+gradient matrix and preconditioning). A layer's per-layer state is in two objects its handler owns: the statistics
+captured since the last step (:class:`~.statistics.CapturedStatistics`, :attr:`LayerHandler.stats`) and its running
+factors, their decompositions and their wire format (:class:`~.state.FactorState`, :attr:`LayerHandler.state`).
 
 Scaling convention (damping depends on it)
 -------------------------------------------
@@ -31,12 +32,14 @@ as raw sums while the micro-batches run and normalised once in
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
+from lightning_hpc.kfac.layers.state import FactorState
+from lightning_hpc.kfac.layers.statistics import CapturedStatistics
 from lightning_hpc.kfac.methods import ComputeMethod
 from lightning_hpc.kfac.subclasses import trainable_bias
 
@@ -47,6 +50,13 @@ def stat_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype factor statistics are formed in: float32, or the tensor's own when it is wider (a float64 model
     gets float64 factors, so its K-FAC steps do not depend on how the batch is split over ranks)."""
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def _view(owner: str, name: str, doc: str) -> Any:
+    """A handler attribute that reads and writes attribute ``name`` of its per-layer state object ``owner``
+    (:attr:`LayerHandler.stats`)."""
+    return property(lambda self: getattr(getattr(self, owner), name),
+                    lambda self, v: setattr(getattr(self, owner), name, v), doc=doc)
 
 
 class LayerHandler:
@@ -67,6 +77,9 @@ class LayerHandler:
     #: the layer is a subclass with its own forward: its statistics are those of the functional calls on its weight
     #: (:class:`~lightning_hpc.kfac.subclasses.CallTracer`), not of the module's input and output
     traced: bool = False
+    #: the leading input dimensions are a sample dimension and positions (Linear-like layers): discovery sets
+    #: ``batch_dim`` (:func:`~lightning_hpc.kfac.layers.linear_batch_dim`) on such a handler
+    sequence_input: bool = False
     #: why the layer was left to the optimizer after setup (a traced layer whose forward uses its weight otherwise);
     #: None while it is preconditioned
     left_out: str | None = None
@@ -93,18 +106,32 @@ class LayerHandler:
         #: frozen bias is neither part of the factors nor given a ``.grad``, and one computed by a parametrization
         #: has its gradient on other parameters
         self.has_bias = trainable_bias(module) is not None
-        #: most calls of the layer seen in one forward pass (> 1: shared weights, counted as positions)
-        self.max_calls_per_forward = 0
-        # never reset: a hook of a discarded forward pass must not match a later call's token
-        self._next_token = 0
-        self._forward_id = 0
+        #: the statistics captured since the last optimizer step (:class:`~.statistics.CapturedStatistics`)
+        self.stats = CapturedStatistics()
         self.reset_statistics()
-        #: the running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
-        #: factor update
-        self.factors: dict[str, torch.Tensor] = {}
-        #: the decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
-        #: until the first decomposition, and on ranks outside the layer's gradient-worker group
-        self.decompositions: dict[str, torch.Tensor] = {}
+        self._state: FactorState | None = None
+
+    # -- the layer's factors and decompositions ------------------------------------------------------------
+    @property
+    def state(self) -> FactorState:
+        """The layer's running factors, decompositions and their wire format (:class:`~.state.FactorState`), made
+        on first use from :meth:`factor_forms` (after any subclass has finished setting up its sizes)."""
+        if self._state is None:
+            self._state = FactorState(self.name, self.factor_forms(), self.output_gradient_factors,
+                                      self.partition_size)
+        return self._state
+
+    @property
+    def factors(self) -> dict[str, torch.Tensor]:
+        """The running factors by name (Eq 16-17; :meth:`factor_forms` says their forms); empty before the first
+        factor update (:attr:`FactorState.factors`)."""
+        return self.state.factors
+
+    @property
+    def decompositions(self) -> dict[str, torch.Tensor]:
+        """The decompositions of the factors, ``f"{key}_{factor}"``; empty until the first decomposition, and on
+        ranks outside the layer's gradient-worker group (:attr:`FactorState.decompositions`)."""
+        return self.state.decompositions
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property
@@ -119,27 +146,19 @@ class LayerHandler:
     def reset_statistics(self) -> None:
         """Forget what the hooks captured (called after every optimizer step and on skipped AMP steps)."""
         self.discard_committed()
-        # A call's input statistics wait here until its output gradient arrives (then both are committed): a
-        # forward pass that is never backpropagated (a skipped training_step, a loss not used) leaves nothing.
-        self._pending: dict[int, tuple[torch.Tensor, int, int, int]] = {}
-        self._in_forward = False
+        self.stats.forget_pending()
 
     def discard_committed(self) -> None:
         """Forget the statistics of completed backward passes (calls still waiting for theirs are kept)."""
-        self.a_sum: torch.Tensor | None = None
-        self.a_rows = 0
-        self.g_sum: torch.Tensor | None = None
-        self.samples = 0
-        self.g_samples = 0
-        #: calls committed since the statistics were last discarded (tells whether they changed since a point)
-        self.commits = 0
-        #: dtype of the captured output gradients (float16 ones carry an AMP loss scale)
-        self.g_dtype: torch.dtype | None = None
-        # Samples are counted once per forward pass (its largest call), not once per call: a layer applied k
-        # times per sample is one layer at k positions (KFC's weight sharing), so its G equals the one of a single
-        # call on the k inputs stacked along a position dimension. A forward pass is the calls between two
-        # backward passes of the layer.
-        self._forward_counted: dict[int, tuple[int, int]] = {}  # forward id -> (samples counted, calls committed)
+        self.stats.discard_committed()
+
+    # views of the captured statistics (:class:`~.statistics.CapturedStatistics`) under the handler's names
+    a_sum = _view("stats", "a_sum", "Sum of the captured calls' input Grams (A's).")
+    g_sum = _view("stats", "g_sum", "Sum of the captured output-gradient statistics (G's).")
+    samples = _view("stats", "samples", "Samples captured, counted once per forward pass.")
+    g_dtype = _view("stats", "g_dtype", "dtype of the captured output gradients.")
+    max_calls_per_forward = _view("stats", "max_calls_per_forward",
+                                  "Most calls of the layer in one forward pass.")
 
     def sample_count(self, x: torch.Tensor) -> int:
         """Samples in the captured input ``x`` (its batch dimension; 1 for an unbatched input)."""
@@ -149,7 +168,7 @@ class LayerHandler:
         """True when statistics from a completed backward pass are held but the weight's gradient was cleared
         since (``zero_grad`` without :meth:`KFACPreconditioner.step`, e.g. a step skipped by the user or a
         grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
-        if self.g_sum is None:
+        if self.stats.g_sum is None:
             return False
         grad = self.weight.grad
         return grad is None or not bool(grad.any())
@@ -225,51 +244,30 @@ class LayerHandler:
         # Autocast would run this product in fp16/bf16 inside the forward pass: factors are float32 at least.
         with torch.autocast(x.device.type, enabled=False):
             contrib, rows = self.input_gram(x)
-        if not self._in_forward:  # first call since the last backward pass: a new forward pass
-            self._in_forward = True
-            self._forward_id += 1
-        token = self._next_token
-        self._next_token += 1
-        self._pending[token] = (contrib, rows, self.sample_count(x), self._forward_id)
-        return token
+        return self.stats.open_call(contrib, rows, self.sample_count(x))
 
     @torch.no_grad()
     def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
         """Add the output-gradient statistics of the call ``token`` and commit its input statistics; False when
         they had been discarded since its forward pass (nothing committed)."""
-        self._in_forward = False  # the backward pass ends the forward pass's calls
-        pending = self._pending.pop(token if token is not None else max(self._pending, default=-1), None)
+        pending = self.stats.take_call(token)
         if pending is None:  # statistics discarded since the forward pass
             return False
         a, rows, n, forward_id = pending
         with torch.autocast(g.device.type, enabled=False):
             self.accumulate(a, rows, g)
-        self.g_samples += g.shape[0]
-        self.g_dtype = g.dtype
-        counted, calls = self._forward_counted.get(forward_id, (0, 0))
-        if n > counted:
-            self.samples += n - counted
-        self._forward_counted[forward_id] = (max(n, counted), calls + 1)
-        self.max_calls_per_forward = max(self.max_calls_per_forward, calls + 1)
-        self.commits += 1
+        self.stats.commit(n, forward_id, g)
         return True
 
     def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
         """Add one call's statistics to the sums: its input statistic (:meth:`input_gram`, computed in the forward
         pass) and ``rows``, and the Gram of its output gradient ``g``."""
-        contrib = self.output_gram(g)
-        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
-        self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
-        self.a_rows += rows
-
-    def awaiting_output_grads(self) -> bool:
-        """Calls of the latest forward pass whose output gradient has not arrived yet (a layer called several
-        times per forward pass receives one per call; a call whose output does not reach the loss never does)."""
-        return any(p[3] == self._forward_id for p in self._pending.values())
+        self.stats.add_output(self.output_gram(g))
+        self.stats.add_input(input_stat, rows)
 
     @property
     def has_statistics(self) -> bool:
-        return self.a_sum is not None and self.g_sum is not None
+        return self.stats.a_sum is not None and self.stats.g_sum is not None
 
     def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, G) of the captured micro-batches following the module docstring's convention.
@@ -278,10 +276,11 @@ class LayerHandler:
         """
         if not self.has_statistics:
             raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
-        assert self.a_sum is not None and self.g_sum is not None
-        b = max(self.samples, 1)
-        a = self.a_sum / self.a_rows
-        g = self.g_sum * (b if batch_averaged else 1.0 / b)
+        s = self.stats
+        assert s.a_sum is not None and s.g_sum is not None
+        b = max(s.samples, 1)
+        a = s.a_sum / s.a_rows
+        g = s.g_sum * (b if batch_averaged else 1.0 / b)
         if grad_scale != 1.0:
             g = g / (grad_scale * grad_scale)
         return a, g
@@ -289,7 +288,8 @@ class LayerHandler:
     # -- factor forms ------------------------------------------------------------------------------------
     #: what the setup report says about the layer's factors when they are not KFC's dense A and G
     form_note: str = ""
-    #: the factors built from output gradients: an AMP loss scale enters them squared (see :meth:`unscale`)
+    #: the factors built from output gradients: an AMP loss scale enters them squared (see
+    #: :meth:`.state.FactorState.unscale`)
     output_gradient_factors: tuple[str, ...] = ("G",)
 
     def factor_forms(self) -> dict[str, FactorForm]:
@@ -304,100 +304,17 @@ class LayerHandler:
         """This step's factors by name (:meth:`factor_forms`), from the captured micro-batches."""
         return dict(zip(("A", "G"), self.batch_factors(grad_scale, batch_averaged)))
 
-    def packed_numel(self, symmetric: bool) -> int:
-        """Elements of this layer's factors in the all-reduce (:meth:`pack_factors`)."""
-        return sum(form.packed_numel(symmetric) for form in self.factor_forms().values())
-
-    def pack_factors(self, factors: dict[str, torch.Tensor], symmetric: bool) -> torch.Tensor:
-        """This step's factors as the one vector the all-reduce averages, each packed by its form (``symmetric``:
-        upper triangles). A spatially tiled layer's partial factors are scaled by :attr:`partition_size`: a sample
-        group's factor is the sum over its ranks (:class:`TiledConvHandler`), so the world mean becomes the mean
-        over sample groups of those sums."""
-        scale = self.partition_size
-        return torch.cat([form.pack(factors[k] * scale if scale > 1 else factors[k], symmetric)
-                          for k, form in self.factor_forms().items()])  # fmt: skip
-
-    def unpack_factors(self, flat: torch.Tensor, symmetric: bool) -> dict[str, torch.Tensor]:
-        """The factors from :meth:`pack_factors`'s (averaged) vector."""
-        out, offset = {}, 0
-        for k, form in self.factor_forms().items():
-            size = form.packed_numel(symmetric)
-            out[k] = form.unpack(flat[offset : offset + size], symmetric)
-            offset += size
-        return out
-
-    def unscale(self, factors: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
-        """``factors`` with the output-gradient ones divided by ``grad_scale**2`` (statistics reduced before the
-        loss scale was known: the overlapped all-reduce)."""
-        if grad_scale == 1.0:
-            return factors
-        s = grad_scale * grad_scale
-        return {k: v / s if k in self.output_gradient_factors else v for k, v in factors.items()}
-
     def precondition(self, grad: torch.Tensor, decompositions: dict[str, torch.Tensor], method: ComputeMethod,
                      damping: float) -> torch.Tensor:
         """The preconditioned ``(g_dim, a_dim)`` gradient matrix from the layer's decompositions (keys
         ``f"{name}_{factor}"``): ``(A (x) G + damping I)^-1 vec(grad)`` by the compute method (Eq 13-15 / 11-12)."""
         return method.precondition(grad, decompositions, damping)
 
-    # -- running factors and decompositions ---------------------------------------------------------------
-    def fold(self, batch: dict[str, torch.Tensor], decay: float, dtype: torch.dtype) -> None:
-        """Fold this step's (rank-averaged) factors into the running averages stored in ``dtype`` (Eq 16-17:
-        ``decay`` weighs the old average; the first update takes the batch factors)."""
-        if not self.factors:
-            self.factors = {k: f.to(dtype, copy=True) for k, f in batch.items()}
-            return
-        for k, new in batch.items():
-            running = self.factors[k]
-            if new.dtype == dtype:
-                running.mul_(decay).add_(new, alpha=1.0 - decay)
-            else:  # narrower storage (factor_dtype): average in the statistics' dtype, round once
-                running.copy_(running.to(new.dtype).mul_(decay).add_(new, alpha=1.0 - decay))
-
-    def result_shapes(self, kind: str, method: ComputeMethod) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of the decomposition of factor ``kind`` (what a broadcast or checkpoint carries)."""
-        return self.factor_forms()[kind].result_shapes(method)
-
-    def decompose(self, kind: str, method: ComputeMethod, damping: float, dtype: torch.dtype,
-                  storage: torch.dtype) -> dict[str, torch.Tensor]:
-        """The decomposition of the running factor ``kind`` computed in ``dtype``, stored in ``storage``. When every
-        fallback fails (:mod:`.linalg`), the previous decomposition, or before any an identity factor's (the step
-        is then a damped SGD step): what the layer's other workers receive, so every rank stays identical."""
-        form = self.factor_forms()[kind]
-        factor = self.factors[kind]
-        res = form.decompose(factor, method, damping, dtype, f"{self.name}.{kind}")
-        if res is None:
-            if self.decompositions:
-                res = {k: self.decompositions[f"{k}_{kind}"] for k in form.result_shapes(method)}
-            else:
-                res = form.identity(method, damping, dtype, factor.device)
-        return {k: v.to(storage) for k, v in res.items()}
-
-    def set_decomposition(self, kind: str, res: dict[str, torch.Tensor]) -> None:
-        """Keep ``res`` (:meth:`decompose`'s, computed here or received) as factor ``kind``'s decomposition."""
-        for k, v in res.items():
-            self.decompositions[f"{k}_{kind}"] = v
-
-    def decomposition_of(self, kind: str, method: ComputeMethod) -> dict[str, torch.Tensor]:
-        """Factor ``kind``'s part of :attr:`decompositions`, by its own names (for a broadcast)."""
-        return {k: self.decompositions[f"{k}_{kind}"] for k in self.result_shapes(kind, method)}
-
-    def load_state(self, factors: dict[str, torch.Tensor], decompositions: dict[str, torch.Tensor],
-                   factor_dtype: torch.dtype, inverse_dtype: torch.dtype) -> None:
-        """Take a checkpoint's running factors and decompositions (empty dicts: none), on the layer's device in the
-        storage dtypes."""
-        device = self.weight.device
-        self.factors = {k: v.to(device, factor_dtype) for k, v in factors.items()}
-        self.decompositions = {k: v.to(device, inverse_dtype) for k, v in decompositions.items()}
-
     def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
                        dtype: torch.dtype) -> torch.Tensor:
         """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:
         decompositions stored narrower are widened to it first)."""
-        d = self.decompositions
-        if any(v.dtype != dtype for v in d.values()):
-            d = {k: v.to(dtype) for k, v in d.items()}
-        return self.precondition(grad, d, method, damping)
+        return self.precondition(grad, self.state.decompositions_in(dtype), method, damping)
 
     # -- gradients ---------------------------------------------------------------------------------------
     #: independent blocks of the layer's gradient matrix (a grouped convolution's groups): :meth:`grad_matrix` is

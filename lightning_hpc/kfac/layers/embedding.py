@@ -5,6 +5,8 @@ layer's dense output-gradient factor (Martens & Grosse 2015).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -13,7 +15,14 @@ from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.linalg import sym_gram
 from lightning_hpc.kfac.methods import ComputeMethod
 
-__all__ = ["EmbeddingHandler"]
+__all__ = ["EmbeddingHandler", "embedding_refusal"]
+
+
+def embedding_refusal(module: nn.Module) -> str | None:
+    """Why an embedding is left to the optimizer (None: it is not): a sparse or frequency-scaled gradient."""
+    if cast(nn.Embedding, module).sparse or cast(nn.Embedding, module).scale_grad_by_freq:
+        return "sparse or frequency-scaled gradient (not the Kronecker form of its factors)"
+    return None
 
 
 class EmbeddingHandler(LayerHandler):
@@ -32,6 +41,7 @@ class EmbeddingHandler(LayerHandler):
 
     module: nn.Embedding
     refuses_split_input = True
+    sequence_input = True
     batch_dim: int = 0
 
     @property

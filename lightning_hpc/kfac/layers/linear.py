@@ -27,6 +27,7 @@ class LinearHandler(LayerHandler):
     """
 
     module: nn.Linear
+    sequence_input = True
     batch_dim: int = 0
 
     def sample_count(self, x: torch.Tensor) -> int:

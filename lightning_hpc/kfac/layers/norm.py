@@ -17,7 +17,7 @@ from lightning_hpc.kfac.forms import BlockDiagonalForm, FactorForm
 from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.methods import ComputeMethod
 
-__all__ = ["FEATURE_NORMS", "NORMS", "NormAffineHandler"]
+__all__ = ["FEATURE_NORMS", "NORMS", "NormAffineHandler", "norm_refusal"]
 
 #: normalisation layers whose affine parameters are preconditioned (``nn.SyncBatchNorm``, which normalises with
 #: statistics from other ranks, is none of them; a subclass of one is handled as it is, see
@@ -32,6 +32,11 @@ FEATURE_NORMS = (nn.LayerNorm, nn.RMSNorm)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: dimensions of a batched input of each instance norm (one fewer: a single unbatched sample)
 _INSTANCE_NORM_DIMS: dict[type[nn.Module], int] = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+
+
+def norm_refusal(module: nn.Module) -> str | None:
+    """Why a normalisation layer is left to the optimizer (None: it is not): one without affine parameters."""
+    return None if isinstance(getattr(module, "weight", None), torch.Tensor) else "no affine parameters"
 
 
 class NormAffineHandler(LayerHandler):
@@ -68,6 +73,10 @@ class NormAffineHandler(LayerHandler):
     output_gradient_factors = ("F",)
     #: sample dimension of a LayerNorm / RMSNorm input with more than one leading dimension (:func:`linear_batch_dim`)
     batch_dim: int = 0
+
+    @property
+    def sequence_input(self) -> bool:  # type: ignore[override]
+        return isinstance(self.module, FEATURE_NORMS)
 
     @property
     def channels(self) -> int:
@@ -153,18 +162,18 @@ class NormAffineHandler(LayerHandler):
             u = torch.linalg.vecdot(gg, self._by_channel(self._normalized(x))).unsqueeze(-1)
         if self.has_bias:
             u = torch.cat([u, gg.sum(-1, keepdim=True)], dim=-1)  # and of the shift
-        contrib = torch.einsum("nci,ncj->cij", u, u)
-        self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+        self.stats.add_output(torch.einsum("nci,ncj->cij", u, u))
 
     @property
     def has_statistics(self) -> bool:
-        return self.g_sum is not None
+        return self.stats.g_sum is not None
 
     def batch_statistics(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> dict[str, torch.Tensor]:
-        if self.g_sum is None:
+        g_sum = self.stats.g_sum
+        if g_sum is None:
             raise RuntimeError(f"K-FAC layer {self.name!r}: no statistics captured in this step")
-        b = max(self.samples, 1)
-        f = self.g_sum * (b if batch_averaged else 1.0 / b)
+        b = max(self.stats.samples, 1)
+        f = g_sum * (b if batch_averaged else 1.0 / b)
         return {"F": f / (grad_scale * grad_scale) if grad_scale != 1.0 else f}
 
     def grad_matrix(self) -> torch.Tensor | None:

@@ -53,14 +53,14 @@ class ShardedLinearHandler(LinearHandler):
         self._blocks: list[tuple[int, torch.Tensor]] = []
 
     def is_stale(self) -> bool:
-        if not self.commits:
+        if not self.stats.commits:
             return False
         grad = self.weight.grad
         return grad is None or not bool(local_block(grad).any())
 
     @property
     def has_statistics(self) -> bool:
-        return self.commits > 0
+        return self.stats.commits > 0
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         if self._layout == "col":  # the whole input: its Gram now
@@ -69,25 +69,24 @@ class ShardedLinearHandler(LinearHandler):
         return rows, rows.shape[0]  # this rank's input block: gathered at the step
 
     def capture_input(self, x: torch.Tensor) -> int:
-        self._in_forward = False  # every call is a sub-batch of samples of its own, not a position
+        self.stats.in_forward = False  # every call is a sub-batch of samples of its own, not a position
         token = super().capture_input(x)
         self._scales[token] = float(cast(Any, self.module).kfac_grad_scale)
         return token
 
     def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
-        key = token if token is not None else max(self._pending, default=-1)
+        key = token if token is not None else self.stats.latest_token()
         scale = self._scales.pop(key, 1.0)
         self._token = key
         return super().capture_output_grad(g * scale if scale != 1.0 else g, token)
 
     def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
-        self.a_rows += rows
         if self._layout == "col":
-            self.a_sum = input_stat if self.a_sum is None else self.a_sum + input_stat
+            self.stats.add_input(input_stat, rows)
             self._blocks.append((self._token, self.output_rows(g)))
         else:
-            contrib = self.output_gram(g)
-            self.g_sum = contrib if self.g_sum is None else self.g_sum + contrib
+            self.stats.a_rows += rows
+            self.stats.add_output(self.output_gram(g))
             self._blocks.append((self._token, input_stat))
 
     def _gather_statistics(self) -> None:
@@ -98,11 +97,11 @@ class ShardedLinearHandler(LinearHandler):
         rows = torch.cat([r for _, r in sorted(self._blocks, key=lambda item: item[0])])
         self._blocks = []
         if self._layout == "col":
-            self.g_sum = sym_gram(m.kfac_gather(rows, "out", 1))[0]
+            self.stats.g_sum = sym_gram(m.kfac_gather(rows, "out", 1))[0]
         else:
             whole = m.kfac_gather(rows, "in", 1)
             gram, colsum = sym_gram(whole, colsum=self.has_bias)
-            self.a_sum = self._fold_bias(gram, colsum, whole.shape[0])
+            self.stats.a_sum = self._fold_bias(gram, colsum, whole.shape[0])
 
     def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         self._gather_statistics()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_hpc._compat import torch_function_subclass_off
+from lightning_hpc._compat import disable_torch_function_subclass
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
@@ -144,7 +144,7 @@ def make(local: torch.Tensor, grid: SpatialGrid, atoms: Sequence[Sequence[Atom]]
         local.__class__ = FlatSpatialTensor
         t = local  # type: ignore[assignment]
     else:
-        with torch_function_subclass_off():
+        with disable_torch_function_subclass():
             t = local.as_subclass(FlatSpatialTensor)  # type: ignore[assignment]
     t._grid, t._gshape, t._atoms = grid, gshape, norm
     t._sdims = tuple(next(d for d, dim in enumerate(norm) if any(k == axis for _, k in dim))
@@ -482,7 +482,7 @@ def _flat_elementwise(func, args, kwargs):
     if _is_inplace(func) or _inplace_call(kwargs):
         if not isinstance(args[0], FlatSpatialTensor) or [a for a in atoms] != list(args[0]._atoms):
             return NotImplemented  # a plain tensor updated from tiles, or one that would grow: gathered
-        with torch_function_subclass_off():
+        with disable_torch_function_subclass():
             func(args[0], *largs[1:], **lkw)
         return args[0]
     return make(func(*largs, **lkw), grid, atoms)
@@ -496,7 +496,7 @@ def _property(func, args, kwargs):
         return torch.Size(t._gshape)
     if name in ("T", "mT", "H", "mH", "real", "imag"):
         return _gather(func, args, kwargs)
-    with torch_function_subclass_off():
+    with disable_torch_function_subclass():
         out = func(*args, **kwargs)
     if name in ("data", "grad") and isinstance(out, torch.Tensor) and not isinstance(out, SpatialTensor):
         return make(out.view_as(out), t._grid, t._atoms)

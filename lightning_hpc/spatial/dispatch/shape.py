@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_hpc._compat import storage_use_count, torch_function_subclass_off
+from lightning_hpc._compat import disable_torch_function_subclass, storage_use_count
 from lightning_hpc.spatial.dispatch.autograd import _tile_index, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _call_with, _norm_dim
 from lightning_hpc.spatial.dispatch.elementwise import _align_operand
@@ -212,7 +212,7 @@ def _scatter(func, a, args, kwargs):
     largs = [tiles.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in args]
     lkw = {k: tiles.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     if inplace and isinstance(x, SpatialTensor):
-        with torch_function_subclass_off():  # on the split tensor itself, not on an alias of it
+        with disable_torch_function_subclass():  # on the split tensor itself, not on an alias of it
             func(x, *largs[1:], **lkw)
         return x
     out = func(*largs, **lkw)

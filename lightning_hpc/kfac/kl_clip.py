@@ -1,0 +1,62 @@
+"""The KL clip of Eq 18 (SC20; Ba et al. 2017): the preconditioned gradients are scaled by
+
+    nu = min(1, sqrt(kappa / (sum_i alpha_i^2 |P_i . grad_i|)))
+
+with ``P_i`` layer ``i``'s preconditioned gradient, ``grad_i`` its gradient and ``alpha_i`` its current learning
+rate, so that no step moves the model's output distribution by more than about ``kappa`` in KL divergence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_hpc.kfac.layers import LayerHandler
+
+__all__ = ["kl_clip_factor", "layer_lrs"]
+
+
+def layer_lrs(lr: float | None, optimizer: torch.optim.Optimizer | None,
+              default: float | Callable[[], float] | None) -> Callable[[LayerHandler], float | None]:
+    """Each layer's learning rate for Eq 18: ``lr`` when given, else the lr of the first ``optimizer`` parameter
+    group holding the layer's weight, else ``default`` (a float or a zero-argument callable; None: none known).
+    The groups are indexed once per step: searching them for every layer cost as much as a fifth of a
+    preconditioning step."""
+    if lr is not None:
+        return lambda h: float(lr)
+    by_param: dict[int, float] = {}
+    for group in optimizer.param_groups if optimizer is not None else ():
+        for p in group["params"]:
+            by_param.setdefault(id(p), float(group["lr"]))
+    fallback = None if default is None else float(default() if callable(default) else default)
+    return lambda h: by_param.get(id(h.module.weight), fallback)
+
+
+def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Tensor],
+                   grads: dict[str, torch.Tensor], kl_clip: float, lr_of: Callable[[LayerHandler], float | None],
+                   has_optimizer: bool) -> float:
+    """``nu`` of Eq 18 for the layers of ``handlers`` in ``precond`` (their preconditioned gradient matrices;
+    ``grads``: the raw ones). The per-layer products stay on the device and are summed there: one host sync per
+    step, not per layer. A layer without a learning rate is refused, naming it."""
+    terms: list[torch.Tensor] = []
+    lr_squares: list[float] = []
+    for h in handlers:
+        if h.name not in precond:
+            continue
+        layer_lr = lr_of(h)
+        if layer_lr is None:
+            where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
+                     if has_optimizer else "")
+            raise ValueError(
+                f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
+                "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
+            )
+        p = precond[h.name]
+        terms.append((p * grads[h.name].to(p.dtype)).sum())
+        lr_squares.append(layer_lr**2)
+    # summed in float64, as the per-layer Python floats were
+    vg_sum = float((torch.stack(terms).to(torch.float64).abs() * torch.tensor(
+        lr_squares, dtype=torch.float64, device=terms[0].device)).sum()) if terms else 0.0
+    return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
