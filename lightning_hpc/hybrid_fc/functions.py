@@ -24,6 +24,7 @@ __all__ = [
     "to_root_from_col",
     "to_root_from_row",
     "scale_grad",
+    "round_to",
 ]
 
 
@@ -148,3 +149,23 @@ def to_root_from_row(x: torch.Tensor, comm: HeadComm, root: int) -> torch.Tensor
 
 def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+class _Round(Function):
+    """Round to ``dtype``'s precision, keeping the tensor's dtype; with ``grad`` the gradient too (else the
+    gradient passes unchanged).  The sharded head's emulation of one process's autocast (see
+    ``HybridHead._autocast_dtype``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype, grad: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.dtype, ctx.grad = dtype, grad
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return (g.to(ctx.dtype).to(g.dtype) if ctx.grad else g), None, None
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype | None, grad: bool = False) -> torch.Tensor:
+    """``x``'s values rounded to ``dtype`` (``None``: unchanged); ``grad``: its gradient rounded as well."""
+    return x if dtype is None else _Round.apply(x, dtype, grad)

@@ -32,7 +32,7 @@ from torch.autograd import Function
 from torch.nn import functional as F
 
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
-from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons
+from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons, round_to
 from lightning_hpc.hybrid_fc.layout import plan_layout
 from lightning_hpc.hybrid_fc.schemes import (
     SCHEMES,
@@ -167,20 +167,28 @@ class HybridHead(nn.Module):
         self._whole: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     # -- the sharded layers on one replicated sub-batch --------------------------------------------------
-    def _layers(self, x: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, grad_scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The sharded layers on one sub-batch.  With ``compute_dtype`` (autocast's, see :meth:`_autocast_dtype`)
+        ``x`` is float32 holding values of that precision, every product runs in float32 on operands rounded to
+        it, and each layer's output (forward) and input gradient (backward) is rounded once its cross-rank sum
+        is complete: where one process's autocast rounds the whole layer's matrix product."""
         h = x
         last = len(self.shards) - 1
         for i, shard in enumerate(self.shards):
             if i == 0 and shard.layout == "row":
                 a, b = shard.in_bounds[self.rank]
                 h = h[:, a:b]
-            out = shard(h, grad_scale)
+            out = shard(h, grad_scale, compute_dtype)
             if i == last:
                 return out
             if shard.layout == "row":
                 out = reduce_scatter_neurons(out, self.comm, shard.out_sizes)
+            out = round_to(out, compute_dtype)  # the layer's output, complete: one process's rounded product
             for op in self.between[i]:
                 out = op(out)
+            # the next layer's input (autocast's cast) and, backward, its gradient once the reduce-scatter
+            # behind the all-gather below has summed every rank's partial product
+            out = round_to(out, compute_dtype, grad=True)
             if self.shards[i + 1].layout == "col":
                 out = gather_neurons(out, self.comm, shard.out_sizes)
             h = out
@@ -222,28 +230,59 @@ class HybridHead(nn.Module):
                     "(HybridParallelStrategy does this), or call it under torch.no_grad()/eval() for inference"
                 )
             return self._forward_per_subbatch(x, self._subbatch)
-        ex = self.exchange
-        ex.start(x.detach())
-        xs = exchange_start(x, ex)
-        outs = []
-        for j in range(ex.num_subbatches()):
-            xj = exchange_in(xs, ex, j)
-            out = self._layers(xj, 1.0 / self.k)
-            outs.append(ex.deliver(j, out, self.layouts[-1], self.class_sizes))
+        dt = self._autocast_dtype(x)
+        with self._autocast_off(x, dt):
+            # the activations enter (and their gradients leave, after the exchange's reverse sum) rounded
+            x = round_to(x.float(), dt, grad=True) if dt is not None else x
+            ex = self.exchange
+            ex.start(x.detach())
+            xs = exchange_start(x, ex)
+            outs = []
+            for j in range(ex.num_subbatches()):
+                xj = exchange_in(xs, ex, j)
+                out = self._layers(xj, 1.0 / self.k, dt)
+                outs.append(self._logits_out(ex.deliver(j, out, self.layouts[-1], self.class_sizes), dt))
         return self._post(torch.cat(outs, 0))
+
+    @staticmethod
+    def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+        """Autocast's dtype where autocast would run the head's layers in it (a float32 or already reduced ``x``),
+        else ``None``.  One process's autocast multiplies the whole layer in one product (accumulated in float32)
+        and rounds its result once; a shard's product, or its partial sum, rounded before the ranks' sum would
+        round twice (the 2-process weights drifted from one bf16 process by 5x what DDP's do, on a 3-layer head
+        of width 64).  So the head computes in float32 on rounded operands, its collectives carry float32 (twice
+        the bytes), and it rounds where one process rounds (:meth:`_layers`)."""
+        device = x.device.type
+        if not torch.is_autocast_enabled(device):
+            return None
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if x.dtype in (torch.float32, dtype) else None
+
+    @staticmethod
+    def _autocast_off(x: torch.Tensor, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(x.device.type, enabled=False) if dtype is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _logits_out(rows: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The delivered logits as one process's autocast returns them: rounded, in ``dtype`` (the loss's
+        gradient comes back rounded to it, as on one process)."""
+        return rows if dtype is None else round_to(rows, dtype).to(dtype)
 
     def _forward_per_subbatch(self, x: torch.Tensor, ctx: SubbatchContext) -> torch.Tensor:
         """Section 4.2: forward, backward and head update for each sub-batch in turn; the activation gradients'
         return trip of sub-batch j overlaps the computation of sub-batch j+1."""
         ex = self.exchange
         b = x.shape[0]
-        ex.start(x.detach())
+        dt = self._autocast_dtype(x)
+        ex.start(x.detach().float().to(dt).float() if dt is not None else x.detach())
         logits_parts, reverse = [], []
         for j in range(ex.num_subbatches()):
             xj = ex.wait(j).detach().requires_grad_(True)
             # Each example weighs 1/b in this rank's loss; b / n_j turns the head's gradient into the mean over
             # the n_j examples of the sub-batch (its own SGD step with batch n_j, section 4.2).
-            rows = ex.deliver(j, self._layers(xj, b / ex.subbatch_size(j)), self.layouts[-1], self.class_sizes)
+            with self._autocast_off(x, dt):
+                out = self._layers(xj, b / ex.subbatch_size(j), dt)
+                rows = self._logits_out(ex.deliver(j, out, self.layouts[-1], self.class_sizes), dt)
             r0, r1 = ex.owned_rows(j)
             if r1 > r0:
                 rows_leaf = rows.detach().requires_grad_(True)
@@ -267,7 +306,7 @@ class HybridHead(nn.Module):
             part = pending.wait()
             r0, r1 = ex.owned_rows(j)
             if r1 > r0:
-                grad_x[r0:r1] += part
+                grad_x[r0:r1] += part if dt is None else part.to(dt)  # rounded once the ranks' sum is complete
         logits = torch.cat(logits_parts, 0)
         # Reference gradient of the caller's loss w.r.t. the logits, to recover the caller's scaling in backward.
         logits_ref = logits.detach().requires_grad_(True)

@@ -15,7 +15,7 @@ from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.hybrid_fc.collectives import HeadComm
-from lightning_hpc.hybrid_fc.functions import scale_grad
+from lightning_hpc.hybrid_fc.functions import round_to, scale_grad
 
 __all__ = ["ShardedLinear", "gather_shard_tensors"]
 
@@ -145,14 +145,22 @@ class ShardedLinear(nn.Module):
         return self._slice_weight(full) if name == "weight" else self._slice_bias(full)
 
     # -- compute -------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, grad_scale: float = 1.0, compute_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """``col``: x (n, in) replicated -> (n, out block).  ``row``: x (n, in block) -> partial sums (n, out).
 
-        ``grad_scale`` multiplies the gradients reaching the shard (1/K for the per-step update)."""
+        ``grad_scale`` multiplies the gradients reaching the shard (1/K for the per-step update).
+        ``compute_dtype``: the weight and bias are rounded to it (autocast's cast) and the product runs in ``x``'s
+        float32, so a row layer's partial sums are not rounded before the ranks' sum (the head rounds the
+        result, ``HybridHead._layers``)."""
         self.kfac_grad_scale = grad_scale
         # the plain blocks: the layer's own products are the block's, whatever a user reduction over them means
         weight = scale_grad(local_block(self.weight), grad_scale)
         bias = None if self.bias is None else scale_grad(local_block(self.bias), grad_scale)
+        if compute_dtype is not None:
+            weight = round_to(weight, compute_dtype)  # backward: the float32 gradient, not rounded
+            bias = None if bias is None else round_to(bias, compute_dtype)
         if self.layout == "col":
             return F.linear(x, weight, bias)
         y = F.linear(x, weight)

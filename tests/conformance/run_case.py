@@ -145,6 +145,17 @@ class UserCNN(pl.LightningModule):
         return opt
 
 
+class WideHeadCNN(UserCNN):
+    """The user's CNN with a 3-layer head of width 64 (float32, bf16's SGD): the hybrid_fc strategy shards every
+    head layer, so its column and row shards' partial products meet in cross-rank sums (bf16-mixed's rounding)."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd_bf16")
+        torch.manual_seed(0)
+        self.model = nn.Sequential(Backbone(), nn.Linear(flat_features(), 64), nn.ReLU(), nn.Linear(64, 64),
+                                   nn.ReLU(), nn.Linear(64, 3)).float()
+
+
 class AdamCNN(UserCNN):
     """The same module trained with AdamW (adaptive: any gradient difference is amplified, not averaged away)."""
 
@@ -505,6 +516,9 @@ CASES: dict[str, Case] = {
         plugins=_kfac_fp16_plugin,
         micro_batches=True,
     ),
+    # a 3-layer sharded head in bf16-mixed, and its float32 yardstick (tests/hybrid_fc/test_hybrid_bf16.py)
+    "bf16_mixed_wide_head": Case(WideHeadCNN, {"precision": "bf16-mixed"}, dtype=torch.float32),
+    "fp32_for_bf16_wide_head": Case(WideHeadCNN, dtype=torch.float32),
     "fp32_for_bf16": Case(
         lambda: float32(UserCNN(optimizer="sgd_bf16")), dtype=torch.float32
     ),  # the bound's yardstick (reference)
