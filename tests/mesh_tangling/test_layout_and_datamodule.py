@@ -84,3 +84,23 @@ def test_missing_data_dir_points_to_on_the_fly(tmp_path):
         MeshTanglingDataModule(data_dir=None).setup("fit")
     with pytest.raises(ValueError, match="out of range"):
         MeshTanglingDataModule(on_the_fly=True).set_spatial_tile((2, 0), (2, 2))
+
+
+def test_mesh_data_says_the_bytes_and_time_it_will_take_before_it_starts(tmp_path, capsys):
+    """``lightning-hpc mesh-data`` prints the byte count it will write (and a time estimate) before the first
+    sample: the announced count equals the bytes of the files written."""
+    import re
+
+    from lightning_hpc.data.mesh_tangling.cli import planned_bytes
+
+    out = tmp_path / "mesh"
+    assert mesh_data_main(["--size", "16", "--samples", "3", "--out", str(out), "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    announced = re.fullmatch(r"mesh-data: 3 samples of 19 x 16 x 16 float32 .* = ([\d,]+) bytes .*about \d+ s .*",
+                             lines[0])
+    assert announced, lines
+    assert lines[1].startswith("wrote 3 samples"), lines  # the announcement came first
+    written = sum(p.stat().st_size for p in out.rglob("*.bin"))
+    assert int(announced.group(1).replace(",", "")) == written == planned_bytes(16, 3)
+    # the README's 1024^2 x 16 data set: 1.27 GB
+    assert planned_bytes(1024, 16) == 19 * 4 * 1024 * 1024 * 16
