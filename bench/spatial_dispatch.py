@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 512, 1024])
     ap.add_argument("--repeats", type=int, default=15, help="timed steps of each kind per size")
-    ap.add_argument("--tag", default="", help="suffix of the result files (bench/results/spatial_dispatch<tag>.*)")
+    ap.add_argument("--tag", default="",
+                    help="suffix of the result files (bench/results/spatial_dispatch_one_tile<tag>.*)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    report = Report(f"spatial_dispatch{args.tag}")
+    report = Report(f"spatial_dispatch_one_tile{args.tag}")
     for size in args.sizes:
         report.add(**measure(size, args.repeats))
         report.print()
