@@ -36,17 +36,17 @@ def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, i
         )
 
 
-def gathered_call(func, args, kwargs, spatial: list[SpatialTensor], *, what: str, inplace_fix: str, fix: str):
+def gathered_call(func, args, kwargs, spatial: list[SpatialTensor], *, what: str, reason: str, inplace_fix: str,
+                  fix: str):
     """``func`` on the whole tensors: the split operands ``spatial`` gathered (refused first when the call changes
     a split operand in place, or when gathering is off; warned about once otherwise, and counted), the result whole.
-    ``what`` names the operands in messages ("a split activation")."""
+    ``what`` names the operands in messages ("a split activation"), ``reason`` says why the op is gathered."""
     # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
     if (_is_inplace(func) or _inplace_call(kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:
         _unsupported(func, f"changes {what} in place in a way that has no tiled form", inplace_fix, spatial,
                      inplace=True)
-    _unsupported(func, "has no tiled form" if what == "a split activation" else f"has no tiled form on {what}", fix,
-                 spatial)
+    _unsupported(func, reason, fix, spatial)
     _STATE.gathers += len(spatial)
     _STATE.gathered_bytes += sum(_nbytes(t, t._gshape) for t in spatial)
 
@@ -65,7 +65,7 @@ def _fallback(func, args, kwargs):
     if not spatial:
         return func(*args, **kwargs)
     out = gathered_call(
-        func, args, kwargs, spatial, what="a split activation",
+        func, args, kwargs, spatial, what="a split activation", reason="has no tiled form",
         inplace_fix="Write it out of place, so it is computed on the tiles: x = torch.where(cond, value, x) or "
                     "x = x.masked_fill(mask, value) for an edit of some positions (x[mask] = value with a boolean "
                     "mask is done so already), x = F.pad(x[..., 1:, :], (0, 0, 1, 0)) for a zeroed border row, "

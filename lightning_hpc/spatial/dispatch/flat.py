@@ -529,6 +529,7 @@ def _gather(func, args, kwargs):
     back to its layout."""
     spatial = _spatials(args, kwargs)
     out = gathered_call(func, args, kwargs, spatial, what="a view merging split dimensions",
+                        reason="has no tiled form on a view merging split dimensions",
                         inplace_fix="Write it out of place, or apply it before the view",
                         fix="To avoid the gather, apply it before the view (see docs/spatial.md), or pass "
                             "on_unsupported='error' to see every such op")
