@@ -134,23 +134,10 @@ def multigrid_figure(depths: list[int], repeats: int) -> list[dict[str, Any]]:
 def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     """A training step of the mesh-tangling FCN on a split activation over one tile (every op through the
     handlers and tile kernels; no exchange) over the same step on plain tensors, alternated."""
-    from lightning_hpc.models import mesh_fcn
-    from lightning_hpc.spatial.dispatch import split_tensor
-    from lightning_hpc.spatial.tiling import SpatialGrid
 
-    torch.manual_seed(0)
-    net = mesh_fcn(in_channels=18, convs_per_block=3).cuda()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(1, 18, size, size, device="cuda")
-    y = (torch.rand(1, 1, size, size, device="cuda") > 0.5).float()
-    grid = SpatialGrid.single()
+    from spatial_dispatch import one_tile_step  # the same step bench/spatial_dispatch.py times on the CPU
 
-    def step(split: bool) -> None:
-        xs = split_tensor(x, grid, tuple(x.shape)) if split else x
-        ys = split_tensor(y, grid, tuple(y.shape)) if split else y
-        opt.zero_grad(set_to_none=True)
-        F.binary_cross_entropy_with_logits(net(xs), ys).backward()
-        opt.step()
+    step, _ = one_tile_step(size, device="cuda")
 
     times: dict[str, list[float]] = {"plain": [], "dispatch": []}
     for _ in range(repeats):  # alternated: the two see the same machine state

@@ -22,6 +22,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,12 +38,14 @@ from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor  # noqa: 
 from lightning_hpc.spatial.tiling import SpatialGrid  # noqa: E402
 
 
-def measure(size: int, repeats: int) -> dict[str, float | int]:
+def one_tile_step(size: int, device: str = "cpu") -> tuple[Callable[[bool], None], SpatialGrid]:
+    """``step(split)``: one SGD step of the mesh-tangling FCN on one ``size^2`` sample, on a split activation over
+    one tile (``split=True``: every op through the op dispatch) or on plain tensors; and the tile's grid."""
     torch.manual_seed(0)
-    net = mesh_fcn(in_channels=18, convs_per_block=3)
+    net = mesh_fcn(in_channels=18, convs_per_block=3).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x = torch.randn(1, 18, size, size)
-    y = (torch.rand(1, 1, size, size) > 0.5).float()
+    x = torch.randn(1, 18, size, size, device=device)
+    y = (torch.rand(1, 1, size, size, device=device) > 0.5).float()
     grid = SpatialGrid.single()
 
     def step(split: bool) -> None:
@@ -52,6 +55,11 @@ def measure(size: int, repeats: int) -> dict[str, float | int]:
         F.binary_cross_entropy_with_logits(net(xs), ys).backward()
         opt.step()
 
+    return step, grid
+
+
+def measure(size: int, repeats: int) -> dict[str, float | int]:
+    step, grid = one_tile_step(size)
     for split in (False, True, False, True):  # warm-up (and the decisions of the first split step)
         step(split)
     cache = getattr(grid, "decisions", None)
