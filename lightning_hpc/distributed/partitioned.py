@@ -33,6 +33,7 @@ loss or logged value would travel through Lightning's result collection), and th
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +53,7 @@ __all__ = [
     "refuse_flat_view_optimizers",
     "refuse_weight_averaging",
     "averaging_callbacks",
-    "refuse_compiled",
+    "follow_split",
 ]
 
 
@@ -361,15 +362,30 @@ def averaging_callbacks(callbacks: Sequence[Any]) -> list[str]:
     return [type(cb).__name__ for cb in callbacks if any(k.__name__ in _AVERAGING for k in type(cb).__mro__)]
 
 
-def refuse_compiled(module: nn.Module, strategy: str, layers: str) -> None:
-    """Raise before the model is split if a submodule is ``torch.compile``d: the strategy replaces ``layers``
-    inside it by split ones, which the compiled wrapper's graph (captured from the unsplit module) does not
-    follow.  Names the attribute."""
-    compiled = [name for name, m in module.named_modules() if isinstance(m, compiled_module_type())]
-    if compiled:
-        where = f"{type(module).__name__}.{compiled[0]}" if compiled[0] else type(module).__name__
-        raise ValueError(
-            f"{strategy}: {where} is a torch.compile'd module; the strategy replaces {layers} inside it by layers "
-            "split over the ranks, which the compiled module does not follow. Leave the model uncompiled under "
-            f"{strategy} (remove torch.compile), or train the compiled model with strategy='ddp'"
-        )
+def follow_split(module: nn.Module, parallel: Sequence[nn.Module] = (), *, eager: bool = False) -> list[str]:
+    """Point every ``torch.compile``'d submodule of ``module`` at the module now in its place, after a strategy
+    replaced layers inside it (or put the user's back): ``OptimizedModule`` binds its forward to its module's call
+    when it is made, so without this it would keep calling the module the strategy replaced.  Dynamo compiles
+    lazily on the first call, so the graph it captures is that of the split model; the strategy's ``parallel``
+    modules (the hybrid head, the layer-parallel trunk: collectives, and a head updated inside its forward, which
+    a dynamo graph trained 0.14 off one process) are excluded from tracing (``torch.compiler.disable`` on their
+    forward) and run eagerly between the compiled parts.  ``eager``: the compiled modules run eagerly instead (the
+    spatial strategy: dynamo cannot trace a split activation, whose sizes are global while its storage holds a
+    tile).  Returns the compiled modules' names (``""``: ``module`` itself); with none, nothing is changed (and
+    the compiler is not imported)."""
+    if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
+        return []
+    names = []
+    for name, m in module.named_modules():
+        if isinstance(m, compiled_module_type()):
+            compiled: Any = m
+            if eager:
+                compiled.forward = torch.compiler.disable(compiled._orig_mod.__call__)
+            else:
+                compiled._initialize()  # binds forward to the current _orig_mod, as torch.compile did
+            names.append(name)
+    if names:
+        for part in parallel:
+            if "forward" not in part.__dict__:  # once per module (its class's forward, wrapped on the instance)
+                part.forward = torch.compiler.disable(part.forward)  # type: ignore[method-assign]
+    return names

@@ -37,7 +37,7 @@ from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
-    refuse_compiled,
+    follow_split,
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
@@ -48,6 +48,7 @@ from lightning_hpc.hybrid_fc import (
     SCHEMES,
     ByteCounter,
     HeadOptimizer,
+    HybridHead,
     find_hybrid_head,
     full_optimizer_state,
     full_state_dict,
@@ -179,7 +180,6 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             return
         module = self.lightning_module
         assert module is not None
-        refuse_compiled(module, "strategy='hybrid_fc'", "the fully-connected head")
         inner = self._search_root()
         if self.fc_update == "per_subbatch" and not callable(getattr(module, "loss", None)):
             raise ValueError(
@@ -195,6 +195,11 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         )
         if self.model_attr is not None:  # a new root only when the searched module itself held the head
             setattr(module, self.model_attr, root)
+        # a torch.compile'd module calls the split model (dynamo traces it on its first call), the head eagerly
+        # (a head that replaced a Sequential is held by its _TrunkThenHead without being registered as a child)
+        heads = {id(h): h for m in module.modules() for h in (m, getattr(m, "hybrid_head", None))
+                 if isinstance(h, HybridHead)}
+        follow_split(module, list(heads.values()))
         shard_ids = {id(p) for p in head_parameters(self._search_root())}
         if not any(p.requires_grad and id(p) not in shard_ids for p in module.parameters()):
             raise ValueError(
@@ -292,6 +297,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         root, replaced = unparallelize_head(self._search_root(), cpu=True)
         if self.model_attr is not None:
             setattr(module, self.model_attr, root)
+        follow_split(module)
         for optimizer, state in zip(self.optimizers, states):
             params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
             rebind_optimizer(optimizer, params, state)

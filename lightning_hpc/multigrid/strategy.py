@@ -34,7 +34,7 @@ from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.partitioned import (
     averaging_callbacks,
-    refuse_compiled,
+    follow_split,
     refuse_flat_view_optimizers,
     refuse_weight_averaging,
 )
@@ -188,8 +188,6 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             return
         self._check_sizes()
         self._check_precision()
-        if self.lightning_module is not None and self.layer_parallel_size > 1:
-            refuse_compiled(self.lightning_module, "strategy='multigrid'", "the trunk's residual steps")
         parent, name, trunk = self._find_trunk()
         assert self.lightning_module is not None  # _find_trunk checked it
         levels = self.options.levels if self.mode == "mg" else 1
@@ -212,6 +210,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         else:
             self.block = trunk
         setattr(parent, name, self.block)
+        # a torch.compile'd module calls the trunk now in its place, which runs eagerly between compiled parts
+        follow_split(self.lightning_module, [self.block])
         if isinstance(self.block, LayerShardedTrunk):
             self._user_trunk = (parent, name, trunk)
             release_other_steps(self.block, trunk)  # the other ranks' steps: modules kept, memory freed
@@ -281,6 +281,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         parent, name, trunk = user
         replaced = restore_trunk(block, trunk)
         setattr(parent, name, trunk)
+        follow_split(module)
         if replaced:
             named = dict(module.named_parameters())
             for optimizer, state, layout, mine in serial:

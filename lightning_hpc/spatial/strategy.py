@@ -37,14 +37,14 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
-from lightning_hpc.distributed.partitioned import refuse_compiled
+from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import (
     generator_states,
@@ -177,6 +177,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.layout: HybridLayout | None = None
         self.plan: Any = None
         self._prepared = False
+        self._warned_compiled = False
         self._slice_batches = False
         self._warned_nothing_split = False
         self._failures = RunFailures("spatial")  # a peer's failure message reaches this rank
@@ -281,17 +282,33 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
+        self._run_compiled_eagerly()
         self._prepare_model()
         super().setup(trainer)
+
+    def _run_compiled_eagerly(self) -> None:
+        """Dynamo cannot trace a split activation (its sizes are global, its storage holds a tile): a
+        ``torch.compile``'d module runs eagerly while this strategy runs it (every stage; exactly, without compiled
+        code), says so once, and calls its compiled code again after the stage (:meth:`teardown`)."""
+        module = self.lightning_module
+        assert self.layout is not None and module is not None
+        if self.layout.grid.parts == (1, 1) or self.world_size == 1:
+            return
+        compiled = follow_split(module, eager=True)
+        if compiled and not self._warned_compiled:
+            self._warned_compiled = True
+            where = f"{type(module).__name__}.{compiled[0]}" if compiled[0] else type(module).__name__
+            rank_zero_warn(
+                f"strategy='spatial': {where} is a torch.compile'd module; torch.compile cannot trace split "
+                "activations, so it runs eagerly (exactly, without compiled code) while this strategy runs it, "
+                "and calls its compiled code again afterwards"
+            )
 
     def _prepare_model(self) -> None:
         if self._prepared:
             return
         assert self.layout is not None and self.lightning_module is not None
         module = self.lightning_module
-        if self.layout.grid.parts != (1, 1) and self.world_size > 1:
-            # dynamo's graph of a compiled module is captured for whole images and fails its guards on a tile
-            refuse_compiled(module, "strategy='spatial'", "the image layers (which then see tiles of the images)")
         target = getattr(module, "model", None)
         target = target if isinstance(target, torch.nn.Module) else module
         shape = self._input_shape()
@@ -377,6 +394,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._failures.stop()
+        if self.lightning_module is not None:
+            follow_split(self.lightning_module)  # a compiled module compiles again after the run
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
             refuse_reentrant(False)

@@ -291,7 +291,6 @@ def _hybrid_fc() -> dict[str, Verdict]:
         freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
         tied_weights=Refused(r"head's parameter 'classifier.0.weight' is tied to 'aux.weight'.*Untie them.*"
                              r"strategy='ddp'"),
-        torch_compile=Refused(r"UserCNN.model is a torch.compile'd module.*remove torch.compile.*strategy='ddp'"),
         lbfgs=_LBFGS.format("hybrid_fc"),
         swa=_SWA.format("hybrid_fc"),
         last_batch_one_sample=Refused(r"last training batch holds 1 sample\(s\) per rank \(9 samples per rank in "
@@ -329,8 +328,6 @@ def _spatial() -> dict[str, Verdict]:
     # the whole sample's once), measured 0.86x bf16's own effect; a missing or doubled tile sum moves the weights
     # by more than 10x it
     cells.update(bf16_mixed=Bounded(micro_batches=False, bound=2.0), kfac_fp16_plugin=_KFAC_PLUGIN)
-    cells["torch_compile"] = Refused(r"strategy='spatial': UserCNN.model is a torch.compile'd module.*"
-                                     r"remove torch.compile")
     # the spatial strategy's own parameter check: a penalty over the convolution's weight uses it outside the
     # split activations too, whose gradient the tile reduction cannot tell apart
     cells["l2_penalty_logged"] = Refused(r"parameter 'model.0.conv.weight' is used on split activations and, by "
@@ -342,10 +339,7 @@ def _spatial3d() -> dict[str, Verdict]:
     """Both processes hold sub-volumes of the same samples (``spatial_parts=(2, 1, 1)``): the user's CNN on 2 x 4 x
     6 x 6 volumes (a Conv3d backbone: a halo exchange along D, tiled 3-D max pooling, a gathered Flatten); the
     features as for images, the modules without images (GAN, flatten, Lightning's demo modules) as they are."""
-    cells = _spatial()
-    cells["torch_compile"] = Refused(r"strategy='spatial': UserCNN.model is a torch.compile'd module.*"
-                                     r"remove torch.compile")
-    return cells
+    return _spatial()
 
 
 def _multigrid(column: str) -> dict[str, Verdict]:
@@ -365,7 +359,6 @@ def _multigrid(column: str) -> dict[str, Verdict]:
         # on the ODE-ResNet, tied weights are one residual branch shared by every step
         tied_weights=Refused(r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy.*"
                              r"layer_parallel_size=1"),
-        torch_compile=Refused(r"UserCNN.model is a torch.compile'd module.*remove torch.compile.*strategy='ddp'"),
         lbfgs=_LBFGS.format("multigrid"),
         swa=_SWA.format("multigrid"),
     )

@@ -127,3 +127,29 @@ def test_weight_averaging_and_flat_view_optimizers_are_named():
     refuse_flat_view_optimizers([torch.optim.SGD(params, lr=0.1)], "strategy='x'", "the layers")
     with pytest.raises(ValueError, match=r"strategy='x': torch.optim.LBFGS views every parameter"):
         refuse_flat_view_optimizers([torch.optim.LBFGS(params)], "strategy='x'", "the layers")
+
+
+def test_follow_split_points_compiled_modules_at_the_module_now_in_their_place():
+    """``torch.compile(m)`` binds its forward to ``m`` when made; a strategy that replaces the compiled module's
+    module (or puts the user's back) makes it follow, and ``eager=True`` runs it without dynamo until the next
+    call without it."""
+    from torch._dynamo.utils import counters
+
+    from lightning_hpc.distributed.partitioned import follow_split
+
+    torch._dynamo.reset()
+    user, split = nn.Linear(3, 2), nn.Linear(3, 2)
+    holder = nn.Module()
+    holder.model = torch.compile(user, backend="eager")
+    x = torch.randn(4, 3)
+    holder.model._orig_mod = split  # what a strategy does to the module inside
+    assert torch.equal(holder.model(x), user(x))  # without following: the replaced module still runs
+    assert follow_split(holder) == ["model"]
+    assert torch.equal(holder.model(x), split(x))
+    counters.clear()
+    follow_split(holder, eager=True)
+    holder.model(x + 1)  # a new input shape/value: no frame compiled while eager
+    assert sum(counters["frames"].values()) == 0
+    follow_split(holder)
+    holder.model(torch.randn(5, 3))
+    assert counters["frames"]["total"] >= 1  # compiled again afterwards

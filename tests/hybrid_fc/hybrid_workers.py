@@ -530,8 +530,9 @@ def checkpoint_from_hybrid_rank0(rank: int, k: int, path: str, steps: int) -> di
 
 
 # -- the model handed back after a stage: the user's module, whole, on every rank ------------------------------
-def user_cnn() -> nn.Module:
-    """A LightningModule as users write one: a conv trunk ``features`` and an ``nn.Sequential`` classifier head."""
+def user_cnn(compiled: bool = False) -> nn.Module:
+    """A LightningModule as users write one: a conv trunk ``features`` and an ``nn.Sequential`` classifier head
+    (``compiled``: the head ``torch.compile``'d, ``self.classifier = torch.compile(...)``, graph capture only)."""
     import lightning.pytorch as pl
 
     class UserCNN(pl.LightningModule):
@@ -555,7 +556,10 @@ def user_cnn() -> nn.Module:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    return UserCNN().double()
+    module = UserCNN().double()
+    if compiled:
+        module.classifier = torch.compile(module.classifier, backend="eager")
+    return module
 
 
 def serial_user_cnn(k: int, steps: int) -> dict[str, torch.Tensor]:
@@ -570,7 +574,7 @@ def serial_user_cnn(k: int, steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool) -> dict:
+def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool, compiled: bool = False) -> dict:
     """``Trainer.fit`` (then ``Trainer.test`` when ``also_test``) of ``user_cnn()`` with ``strategy='hybrid_fc'``;
     then, on this rank alone: the module's structure, a strict load of its state into a fresh instance, and
     (rank 0, after rank 1 has returned and with no process group left, so a collective raises) its forward."""
@@ -583,7 +587,7 @@ def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool) -> dict:
     xs = torch.cat([batch(s, k, torch.float64)[0][mine] for s in range(steps)])
     ys = torch.cat([batch(s, k, torch.float64)[1][mine] for s in range(steps)])
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
-    module = user_cnn()
+    module = user_cnn(compiled)
     trainer = pl.Trainer(
         accelerator="cpu", devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -592,13 +596,14 @@ def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool) -> dict:
     trainer.fit(module, train_dataloaders=loader)
     if also_test:
         trainer.test(module, dataloaders=loader, verbose=False)
+    classifier = module.classifier._orig_mod if compiled else module.classifier
     out: dict = {
-        "classifier_type": type(module.classifier).__name__,
-        "last_layer": type(module.classifier[-1]).__name__,
-        "state": {key: value.detach().clone() for key, value in module.state_dict().items()},
+        "classifier_type": type(classifier).__name__,
+        "last_layer": type(classifier[-1]).__name__,
+        "state": {key.replace("_orig_mod.", ""): value.detach().clone() for key, value in module.state_dict().items()},
         "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
     }
-    fresh = user_cnn()
+    fresh = user_cnn(compiled)
     fresh.load_state_dict(module.state_dict(), strict=True)
     if rank != 0:
         return out  # rank 1 is done: whatever rank 0 does next, it does alone

@@ -13,10 +13,14 @@ from lightning_hpc.distributed import run_in_processes
 STEPS = 3
 
 
-@pytest.mark.parametrize("also_test", [False, True], ids=["fit", "fit_then_test"])
-def test_fit_hands_back_the_users_model_whole_on_every_rank(also_test):
+@pytest.mark.parametrize("also_test, compiled", [(False, False), (True, False), (False, True)],
+                         ids=["fit", "fit_then_test", "fit_compiled_head"])
+def test_fit_hands_back_the_users_model_whole_on_every_rank(also_test, compiled):
+    """``compiled``: the user's head is ``torch.compile``'d; it trains as one process does, and its compiled module
+    calls the user's head again after fit (not the split one the strategy trained: that one's forward would need
+    the peer rank)."""
     k = 2
-    out = run_in_processes(handed_back_cnn, k, STEPS, also_test, timeout_s=400, collective_timeout_s=60)
+    out = run_in_processes(handed_back_cnn, k, STEPS, also_test, compiled, timeout_s=400, collective_timeout_s=60)
     reference = serial_user_cnn(k, STEPS)
     for rank, o in enumerate(out):
         assert o["classifier_type"] == "Sequential" and o["last_layer"] == "Linear", rank
