@@ -26,9 +26,9 @@ def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, i
             f"spatial: {op} in {where} {reason}; it would compute something different on a tile than on the whole "
             f"sample. {fix}"
         )
-    key = (op, where)
-    if key not in _STATE.warned:
-        _STATE.warned.add(key)
+    key, warned = (op, where), spatial[0]._grid.warned  # once per op and module in each run (grid)
+    if key not in warned:
+        warned.add(key)
         warnings.warn(
             f"spatial: {op} in {where} {reason}: gathering the whole activation ({nbytes} bytes per rank per call, "
             f"{len(spatial)} all-gather(s)) and computing it exactly as one process does. {fix}",

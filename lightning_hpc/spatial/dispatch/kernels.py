@@ -66,18 +66,6 @@ def _run(op: str, fn: Callable[[], Any]) -> Any:
         raise SpatialDispatchError(f"spatial: {op} in {_STATE.where()}: {e}") from None
 
 
-def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None] | None:
-    """The tile kernel's ``record`` callback for ``module`` when K-FAC captures its statistics
-    (:mod:`lightning_hpc.spatial.kfac_contract`), else None."""
-    if not getattr(module, "kfac_record_input", False):
-        return None
-
-    def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
-        vars(module).update(kfac_padded_input=box.detach(), kfac_output_extent=tuple(int(n) for n in extent))
-
-    return record
-
-
 # -- convolution ---------------------------------------------------------------------------------------------------
 def _convolution(func, a, args, kwargs, k: int):
     x, weight, bias = a["input"], a["weight"], a["bias"]
@@ -115,9 +103,10 @@ def _convolution(func, a, args, kwargs, k: int):
     cp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
     if cp is None:
         return NotImplemented
-    caller = _STATE.caller()
-    # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
-    record = kfac_recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
+    # K-FAC capturing the statistics of the layer whose weight this is gets the tile's padded box, through the
+    # registry the strategy keeps on the grid (spatial.kfac_contract)
+    tiled = x._grid.tiled_layers
+    record = tiled.recorder(weight) if tiled is not None else None
     weight, bias = _replicated_operands(x._grid, weight, bias)
     out = K.run_conv(_plain(x), weight, bias, cp, record)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *cp.out_extents))

@@ -1,8 +1,14 @@
-"""The dispatcher's per-process state: the active module names for messages, the warnings already given, the gather
-counters, a temporary override of the grids' policy for ops without a tiled form (:func:`on_unsupported`), and the
-error every refusal raises.  The strategy's settings (overlap, ``on_unsupported``) and the record of parameters met
-on tiles belong to the grid the split tensors carry (:attr:`SpatialGrid.policy`, :attr:`SpatialGrid.tile_params`),
-not to this state.
+"""The dispatcher's per-process state: the modules running now (for the names in messages), whether a handler is
+running (its ops on local tensors are the dispatch's own), the gather counters, a temporary override of the grids'
+policy for ops without a tiled form (:func:`on_unsupported`, restored when its block ends), and the error every
+refusal raises.
+
+Nothing a run sets lives here: the strategy's settings (overlap, ``on_unsupported``), the record of parameters met
+on tiles, the gathers already warned about and the convolutions K-FAC captures belong to the grid the split
+tensors carry (:attr:`SpatialGrid.policy`, :attr:`SpatialGrid.tile_params`, :attr:`SpatialGrid.warned`,
+:attr:`SpatialGrid.tiled_layers`), and the hooks that keep :attr:`DispatchState.module_stack` belong to the
+strategy, which removes them (and empties the stack) at its teardown.  A second Trainer in the process, or a
+plain run of the same modules, inherits nothing.
 """
 
 from __future__ import annotations
@@ -20,14 +26,13 @@ class SpatialDispatchError(RuntimeError):
 
 
 class DispatchState:
-    """Per-process state: the active module names (for messages), the warnings already given and a temporary
-    override of what happens to ops without a tiled form (None: each grid's own policy)."""
+    """Per-process state: the modules running now (names for messages), the handler depth, the gather counters
+    and a temporary override of what happens to ops without a tiled form (None: each grid's own policy)."""
 
     def __init__(self) -> None:
         self.on_unsupported: str | None = None
-        #: the running modules, innermost last (the caller of a layer's functional op): name, class name, module
-        self.module_stack: list[tuple[str, str, nn.Module]] = []
-        self.warned: set[tuple[str, str]] = set()
+        #: the running modules, innermost last: (name, class name)
+        self.module_stack: list[tuple[str, str]] = []
         self.depth = 0  # > 0 inside a handler: the ops it runs on local tensors are ours
         self.gathers = 0
         self.gathered_bytes = 0
@@ -35,22 +40,19 @@ class DispatchState:
     def where(self) -> str:
         if not self.module_stack:
             return "the LightningModule's step (outside any module)"
-        name, cls, _ = self.module_stack[-1]
+        name, cls = self.module_stack[-1]
         return f"module '{name}' ({cls})"
 
     def clear_modules(self) -> None:
         """Forget the modules of an earlier step (one that raised leaves its modules on the stack)."""
         self.module_stack.clear()
 
-    def caller(self) -> nn.Module | None:
-        """The innermost module running (the layer whose functional op is being dispatched), if any."""
-        return self.module_stack[-1][2] if self.module_stack else None
-
     def module_hooks(self, root: nn.Module, prefix: str = "") -> list[Any]:
-        """Hooks keeping :attr:`module_stack` (the module names in error and warning messages)."""
+        """Hooks keeping :attr:`module_stack` (the module names in error and warning messages); the caller removes
+        them (``handle.remove()``) when its run ends."""
         handles = []
         for name, m in root.named_modules(prefix=prefix):
-            entry = (name or type(m).__name__, type(m).__name__, m)
+            entry = (name or type(m).__name__, type(m).__name__)
 
             def pre(mod, args, entry=entry):
                 self.module_stack.append(entry)
