@@ -3,11 +3,14 @@
 holds no running module, and a later plain K-FAC run of the very same modules trains exactly as on a clean copy of
 them (plain convolution handlers, normalisation layers preconditioned), not as the tiled layers of the spatial
 run.  K-FAC learns the tiled convolutions from the strategy's registry (``kfac_tiled_layers``), which belongs to
-that strategy and that run's grid alone."""
+that strategy and that run's grid alone, as do the gathers already warned about."""
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from spatial_checks import TileDataModule
@@ -18,8 +21,9 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
-from lightning_hpc.spatial.dispatch import state
+from lightning_hpc.spatial.dispatch import split_tensor, state
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=1, damping=0.01, kl_clip=0.01)
 
@@ -102,3 +106,16 @@ def test_a_spatial_fit_leaves_nothing_on_the_modules_for_a_later_plain_run():
         assert used["skipped"] == clean["skipped"] == []
         for p, q in zip(used["params"], clean["params"]):
             assert torch.equal(p, q)
+
+
+def test_each_grid_warns_once_about_its_own_gathers():
+    """The one-time gather warning is once per op and module on each grid (each run), not once per process: a
+    later run is told about its own gathers."""
+    x = torch.randn(1, 1, 4, 4)
+    for _ in range(2):
+        grid = SpatialGrid.single()
+        with pytest.warns(UserWarning, match="torch.flip"):
+            torch.flip(split_tensor(x, grid, x.shape), dims=[3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.flip(split_tensor(x, grid, x.shape), dims=[3])  # the same grid: warned already
