@@ -55,9 +55,10 @@ from lightning_hpc.distributed.start_equal import (
 )
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
-from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
+from lightning_hpc.spatial.dispatch.state import ModuleTrace
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
@@ -170,6 +171,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             raise ValueError(f"check_parameter_use={check_parameter_use!r}: choose 'first_step' or 'every_step'")
         self.check_parameter_use = check_parameter_use
         self._hooks: list[Any] = []
+        #: the running modules of this strategy's runs (names in the dispatch's messages), on its grid
+        self._modules = ModuleTrace()
         self._tiled_layers: TiledLayerRegistry | None = None
         self._params_checked = False
         self.overlap = bool(overlap)
@@ -330,13 +333,14 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._tiled_layers.partition_size = grid.size
         grid.tiled_layers = self._tiled_layers.declare(module)
         self._remove_hooks()
-        self._hooks = state().module_hooks(module)
+        grid.modules = self._modules
+        self._hooks = self._modules.hooks(module)
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        state().clear_modules()
+        self._modules.clear()
 
     @property
     def kfac_tiled_layers(self) -> TiledLayerRegistry | None:
@@ -431,7 +435,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        state().clear_modules()
+        self._modules.clear()
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
             return super().training_step(*args, **kwargs)
@@ -439,7 +443,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
         names = ParameterNames(self.lightning_module)  # listed only if a message needs them
-        check = ParameterUseCheck(self.layout.grid.tile_params, names)
+        check = ParameterUseCheck(self.layout.grid.tile_params, names, self._modules)
         with check:
             out = super().training_step(*args, **kwargs)
         check.raise_if_mixed(names)
@@ -474,7 +478,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        state().clear_modules()
+        self._modules.clear()
         return super().validation_step(*args, **kwargs)
 
     @override
@@ -482,7 +486,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         """Predictions leave the strategy whole: every split tensor ``predict_step`` returns is gathered here,
         while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
         ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
-        state().clear_modules()
+        self._modules.clear()
         out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
 

@@ -25,6 +25,7 @@ from lightning_hpc.spatial.decisions import DecisionCache
 from lightning_hpc.spatial.policy import DispatchPolicy
 
 if TYPE_CHECKING:
+    from lightning_hpc.spatial.dispatch.state import ModuleTrace
     from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts", "parts_text"]
@@ -79,6 +80,8 @@ class SpatialGrid:
     tiled_layers: TiledLayerRegistry | None = field(default=None, repr=False, compare=False)
     #: the gathers already warned about on this grid (op, module), each warned once per run
     warned: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
+    #: the modules of the run that owns this grid running now (the strategy's, kept by its hooks), for messages
+    modules: ModuleTrace | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def single(cls, ndim: int = 2) -> SpatialGrid:

@@ -14,12 +14,13 @@ import torch
 from lightning_hpc.spatial.dispatch.autograd import _tile_of
 from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, _op_name
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _spatials
 
 
 def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, inplace: bool = False) -> None:
     """Refuse, or warn once before gathering."""
-    op, where = _op_name(func), _STATE.where()
+    op, where = _op_name(func), where_of(spatial[0]._grid)
     nbytes = sum(_nbytes(t, t._gshape) for t in spatial)
     if inplace or (_STATE.on_unsupported or spatial[0]._grid.policy.on_unsupported) == "error":
         raise SpatialDispatchError(
