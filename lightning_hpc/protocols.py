@@ -9,8 +9,9 @@
 * :class:`PostponedUpdateSafe`: a callback whose ``on_before_optimizer_step`` / ``on_train_batch_end`` may run
   when layered SGD applies its postponed update (at the next batch), because it neither logs nor keeps state tied
   to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
-* :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
-  samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
+* :class:`TiledLayers`: which layers a spatial strategy runs on tiles, and the recorded input boxes of its tiled
+  convolutions, so K-FAC's factors cover the whole samples (the halo rows included), see
+  :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
 * :class:`ShardedFullyConnected`: what a fully-connected layer of which each rank holds one block (hybrid_fc's
   head) tells K-FAC so its factors and its preconditioned gradient are the whole layer's, see
   :class:`lightning_hpc.kfac.layers.ShardedLinearHandler`.
@@ -31,7 +32,7 @@ __all__ = [
     "StrategyContract",
     "CommunicationBackendAware",
     "PostponedUpdateSafe",
-    "TiledConvolution",
+    "TiledLayers",
     "ShardedFullyConnected",
     "contract_of",
     "data_parallel_size",
@@ -54,6 +55,11 @@ class StrategyContract:
     #: others refuse such a change before the step (see :mod:`lightning_hpc.distributed.trainability`), and so
     #: does the K-FAC callback under a strategy that is not ours
     follows_trainability_changes: bool = False
+
+    @property
+    def kfac_tiled_layers(self) -> TiledLayers | None:
+        """The layers this strategy runs on spatial tiles (:class:`TiledLayers`), for K-FAC; ``None``: none."""
+        return None
 
     @property
     def kfac_note(self) -> str | None:
@@ -118,21 +124,29 @@ class PostponedUpdateSafe(Protocol):
 
 
 @runtime_checkable
-class TiledConvolution(Protocol):
-    """A Conv2d computing one tile of each sample (spatial parallelism).
+class TiledLayers(Protocol):
+    """The layers of a model that run on one spatial tile of each sample (spatial parallelism), as the strategy
+    that tiles them tells K-FAC: an object the strategy owns and hands to the K-FAC callback
+    (:attr:`StrategyContract.kfac_tiled_layers`), which hands it to the preconditioner; nothing is written onto
+    the user's modules.  See :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
 
-    With ``kfac_record_input`` set, its next forward keeps ``kfac_padded_input``: the input box whose
-    padding-0 convolution gives exactly the output positions this tile owns (halo rows included), and
-    ``kfac_output_extent``, the (H, W) of the whole sample's output.  ``kfac_partition_size`` tiles make up a
-    sample.
+    ``partition_size`` tiles make up a sample.  :meth:`is_tiled`: a convolution whose input is a tile (it gets the
+    tiled handler); :meth:`splits_statistics`: a normalisation layer whose statistics span the tiles (left to the
+    optimizer).  Before a forward whose statistics K-FAC captures it calls :meth:`request` for the layer; after it,
+    :meth:`take` gives the input box whose padding-0 convolution is exactly the output positions this tile owns
+    (halo rows and border padding included) and the whole sample's output extent, or None when nothing was
+    recorded.
     """
 
-    kfac_record_input: bool
-    kfac_padded_input: torch.Tensor | None
-    kfac_output_extent: tuple[int, int] | None
+    partition_size: int
 
-    @property
-    def kfac_partition_size(self) -> int: ...
+    def is_tiled(self, module: Any) -> bool: ...
+
+    def splits_statistics(self, module: Any) -> bool: ...
+
+    def request(self, module: Any, capturing: bool) -> None: ...
+
+    def take(self, module: Any, inputs: tuple) -> tuple[torch.Tensor, tuple[int, ...]] | None: ...
 
 
 @runtime_checkable

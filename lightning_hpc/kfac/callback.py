@@ -4,10 +4,11 @@ It only translates Lightning hooks:
 
 * ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`)
   and that the strategy supports K-FAC (a strategy whose ``kfac_unsupported`` is a message refuses it),
-  registers the factor hooks on the LightningModule's layers, picks the communicator. Strategies that replace
-  layers in their own ``setup`` (``replaces_layers_in_setup = True``: the spatial strategy's halo-exchange
-  convolutions) run after the callbacks' ``setup``; the hooks are then registered in ``on_fit_start``, on the
-  replaced layers, still before training starts.
+  registers the factor hooks on the LightningModule's layers, picks the communicator. Strategies that prepare
+  layers in their own ``setup`` (``replaces_layers_in_setup = True``: the spatial strategy names the layers it
+  runs on tiles, hybrid_fc shards its head) run after the callbacks' ``setup``; the hooks are then registered in
+  ``on_fit_start``, on the prepared layers, still before training starts.  The layers a strategy runs on spatial
+  tiles come from the strategy (``kfac_tiled_layers``), which hands its registry to the preconditioner.
 * ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
 * ``on_train_batch_start``: tells the preconditioner whether this batch's backward pass is the last of the
   optimizer step (Lightning's own accumulation decision, a short last group included), so that with
@@ -138,12 +139,14 @@ class KFAC(Callback):
         self._fit_started = True
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        note = contract_of(trainer.strategy).kfac_note
+        contract = contract_of(trainer.strategy)
+        note = contract.kfac_note
         if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
             rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
+        # the layers this run's strategy tiles (spatial parallelism), from the strategy itself: nothing on the modules
         self.preconditioner = KFACPreconditioner.from_options(pl_module, self.options, communicator=comm,
-                                                              announce=False)
+                                                              announce=False, tiled_layers=contract.kfac_tiled_layers)
         # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
         report = self.preconditioner.describe_layers()
         if self.preconditioner.skipped_modules:

@@ -7,9 +7,10 @@ convolution's bias left to the optimizer), the affine parameters of ``nn.BatchNo
 (diagonal A) whose weight trains gets a handler (:mod:`.layers`; its bias is folded in only when the bias trains).
 Every other module with trainable parameters is listed with its reason: unsupported type, a family
 ``layer_types`` leaves out, frozen weight, ``skip_layers``, a normalisation layer with statistics from other
-ranks (``nn.SyncBatchNorm``) or tiles (declared by the spatial strategy), a sparse embedding, a Linear that
-``nn.MultiheadAttention`` uses functionally (its hooks never fire), or a weight computed from other parameters (a
-parametrization such as ``weight_norm``).
+ranks (``nn.SyncBatchNorm``) or tiles (named by the spatial strategy's tiled layers,
+:class:`~lightning_hpc.protocols.TiledLayers`), a sparse embedding, a Linear that ``nn.MultiheadAttention`` uses
+functionally (its hooks never fire), or a weight computed from other parameters (a parametrization such as
+``weight_norm``).
 
 A subclass of a handled type is handled as its base class when it keeps the base's forward; with a forward of its
 own, a Linear, convolution or normalisation subclass is followed through the functional op it calls and listed as
@@ -37,21 +38,22 @@ from lightning_hpc.kfac.layers import (
     supported_text,
 )
 from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, computed_weight, has_own_forward
-from lightning_hpc.protocols import ShardedFullyConnected
+from lightning_hpc.protocols import ShardedFullyConnected, TiledLayers
 
 __all__ = ["LayerReport", "find_layers", "skip_reason"]
 
 
 def skip_reason(
     name: str, module: nn.Module, modules: dict[str, nn.Module], patterns: list[re.Pattern[str]],
-    layer_types: Collection[str] | None = None,
+    layer_types: Collection[str] | None = None, tiled: TiledLayers | None = None,
 ) -> str | None:
     """Why ``module`` (called ``name`` in ``modules``) is not preconditioned; None if it is. ``layer_types``: the
-    families of :data:`~.layers.LAYER_TYPES` to precondition (None: all)."""
+    families of :data:`~.layers.LAYER_TYPES` to precondition (None: all); ``tiled``: the layers a spatial strategy
+    runs on tiles (:class:`~lightning_hpc.protocols.TiledLayers`), None: none."""
     family = layer_type_of(module)
     if family is not None and layer_types is not None and family not in layer_types:
         return f"layer_types {sorted(layer_types)} leaves out {family!r}"
-    if getattr(module, "kfac_split_statistics", False):
+    if tiled is not None and tiled.splits_statistics(module):
         return (f"{type(module).__name__} normalises a split activation (spatial parallelism): the per-sample "
                 "gradients of its scale and shift are sums over every tile, which K-FAC's block does not gather")
     if isinstance(module, nn.SyncBatchNorm):
@@ -60,7 +62,7 @@ def skip_reason(
     if isinstance(module, nn.utils.parametrize.ParametrizationList):
         owner, _, tensor = f".{name}".rpartition(".parametrizations.")
         return f"the parameters from which a parametrization computes {owner[1:] or '<root>'}'s {tensor!r}"
-    refusal = refusal_of(module)  # what the layer type's row of the registration table refuses
+    refusal = refusal_of(module, tiled)  # what the layer type's row of the registration table refuses
     if refusal is not None:
         return refusal
     if not isinstance(module, (*SUPPORTED, ShardedFullyConnected)):
@@ -77,7 +79,7 @@ def skip_reason(
             if base not in FUNCTIONAL_OPS:
                 return (f"a subclass of nn.{base.__name__} with its own forward, which K-FAC does not follow (it "
                         "follows those of Linear, Conv1d/2d/3d and normalisation subclasses)")
-            if hasattr(module, "kfac_padded_input"):
+            if tiled is not None and tiled.is_tiled(module):
                 return "a spatially tiled convolution with its own forward, which K-FAC does not follow"
     if not module.weight.requires_grad:
         return "weight frozen (requires_grad=False)"
@@ -127,15 +129,16 @@ class LayerReport:
         return "\n".join(lines)
 
 
-def find_layers(model: nn.Module, patterns: list[re.Pattern[str]],
-                layer_types: Collection[str] | None = None) -> LayerReport:
-    """Handlers for the layers K-FAC preconditions, in model order, and the report of all modules."""
+def find_layers(model: nn.Module, patterns: list[re.Pattern[str]], layer_types: Collection[str] | None = None,
+                tiled: TiledLayers | None = None) -> LayerReport:
+    """Handlers for the layers K-FAC preconditions, in model order, and the report of all modules; ``tiled``: the
+    layers a spatial strategy runs on tiles (they get tiled handlers, or are left out with the reason)."""
     report = LayerReport()
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        reason = skip_reason(name, module, modules, patterns, layer_types)
+        reason = skip_reason(name, module, modules, patterns, layer_types, tiled)
         if reason is None:
-            handler = make_handler(name, module)
+            handler = make_handler(name, module, tiled)
             assert handler is not None
             sequences = handler.sequence_input
             if sequences:  # layers whose leading input dimensions are a sample dimension and positions

@@ -65,6 +65,7 @@ from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns, with_
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce, make_overlap
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
 from lightning_hpc.kfac.schedules import value_at
+from lightning_hpc.protocols import TiledLayers
 
 __all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
 
@@ -96,6 +97,10 @@ class KFACPreconditioner:
         announce: say once, at construction, which modules are preconditioned and which are left to the
             optimizer, and why (logged at INFO; a ``UserWarning`` when trainable modules are left out). The
             Lightning callback announces on rank 0 instead.
+        tiled_layers: the layers a spatial strategy runs on tiles of each sample
+            (:class:`~lightning_hpc.protocols.TiledLayers`, e.g. the spatial strategy's
+            :class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`; the Lightning callback passes the
+            strategy's ``kfac_tiled_layers``): their factors are partial sums over the tiles.
     """
 
     @with_option_keywords
@@ -109,6 +114,7 @@ class KFACPreconditioner:
         communicator: Communicator | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         announce: bool = True,
+        tiled_layers: TiledLayers | None = None,
         **option_fields: Any,
     ) -> None:
         options = options or KFACOptions()
@@ -144,7 +150,7 @@ class KFACPreconditioner:
 
         patterns = compile_skip_patterns(options.skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
-        self.layer_report = find_layers(model, patterns, options.layer_types)
+        self.layer_report = find_layers(model, patterns, options.layer_types, tiled_layers)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
         if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)
             for h in self.handlers:
@@ -184,7 +190,7 @@ class KFACPreconditioner:
     @classmethod
     def from_options(cls, model: nn.Module, options: KFACOptions, **runtime: Any) -> KFACPreconditioner:
         """The preconditioner for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`; ``runtime``: ``lr``,
-        ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``."""
+        ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``, ``tiled_layers``."""
         return cls(model, options, **runtime)
 
     @property

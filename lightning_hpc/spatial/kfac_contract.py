@@ -1,28 +1,26 @@
-"""What K-FAC reads of a convolution whose input is split (the contract of
-:class:`lightning_hpc.kfac.layers.TiledConvHandler`), without replacing the layer.
+"""What K-FAC reads of the convolutions whose input is split (the :class:`~lightning_hpc.protocols.TiledLayers`
+contract of :class:`lightning_hpc.kfac.layers.TiledConvHandler`), without replacing a layer or writing onto it.
 
 K-FAC's factors of a convolution are sums over the output positions of the input patches (KFC, Grosse & Martens
 2016); on a tile, this rank's share is the patches of the halo- and border-padded input box whose convolution
-with padding 0 gives exactly the outputs the tile owns.  The strategy declares each ``nn.Conv1d`` / ``nn.Conv2d``
-/ ``nn.Conv3d`` of the model (plain instance attributes, the layer stays what it is):
+with padding 0 gives exactly the outputs the tile owns.  The strategy keeps a :class:`TiledLayerRegistry` of the
+model's ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` (tiled: their factors are partial sums over
+``partition_size`` ranks) and normalisation layers (their per-sample gradients are partial sums over the tiles and
+their statistics the whole sample's, which K-FAC's 2x2 blocks of the scale and shift cannot use, so K-FAC leaves
+them to the optimizer with that reason), hands it to K-FAC (``StrategyContract.kfac_tiled_layers``) and to the op
+dispatch through the grid its split tensors carry (``SpatialGrid.tiled_layers``).
 
-* ``kfac_partition_size``: ranks whose tiles make up one sample (their factors are partial sums over them);
-* ``kfac_record_input``: set by K-FAC before a forward whose statistics it captures;
-* ``kfac_padded_input`` / ``kfac_output_extent``: what that forward recorded: the box and the global output
-  extents (for the whole-sample normalisation).
-
-Normalisation layers are declared too (``kfac_split_statistics``): on a split activation their per-sample gradients
-are partial sums over the tiles and their statistics the whole sample's, which K-FAC's 2x2 blocks of the scale
-and shift cannot use, so K-FAC leaves them to the optimizer with that reason.
-
-The op dispatch's convolution handler records the box the tile kernel builds
-(:func:`lightning_hpc.spatial.kernels.conv`'s ``record``, :func:`lightning_hpc.spatial.dispatch.kernels.
-kfac_recorder`) when the calling layer asks; an input that is not split (after a global pooling) is recorded
-here, padded as the layer pads it.
+On a step whose statistics K-FAC captures, it asks the registry to record a layer's input (:meth:`request`); the
+op dispatch's convolution handler then records the box the tile kernel builds
+(:func:`lightning_hpc.spatial.kernels.conv`'s ``record``) for the call on that layer's weight, and K-FAC takes it
+after the forward (:meth:`take`).  An input that is not split (after a global pooling) is padded there as the
+layer pads it.  Everything lives in the registry, which belongs to one strategy: the user's modules carry no
+attribute and no hook of it, and a later run of the same modules (another Trainer, a plain run) sees none of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,40 +30,88 @@ from torch import nn
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 from lightning_hpc.spatial.kernels import convolution_windows
 
-__all__ = ["declare_tiled_convolutions"]
-
-
-def _record_whole_input(module: nn.Conv1d | nn.Conv2d | nn.Conv3d, args: tuple, output: object) -> None:
-    """After the layer ran on an input that is not split: record it padded as the layer pads it.  A forward hook put
-    before all others: it runs after K-FAC's pre-hook asked for the record and before K-FAC's forward hook reads
-    it, whether the declaration or K-FAC's hooks came first."""
-    x = args[0] if args else None
-    if not getattr(module, "kfac_record_input", False) or not isinstance(x, torch.Tensor) or x.dim() < 3:
-        return
-    if isinstance(x, SpatialTensor) or module.padding_mode != "zeros":
-        return  # a split input: the convolution handler records the tile's box
-    windows = convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
-    vars(module).update(kfac_padded_input=F.pad(x, module._reversed_padding_repeated_twice).detach(),
-                        kfac_output_extent=tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[2:])))
-
+__all__ = ["TiledLayerRegistry", "declare_tiled_convolutions"]
 
 #: normalisation layers: their statistics (and so their per-sample scale and shift gradients) span every tile
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm, nn.InstanceNorm1d,
           nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.RMSNorm)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+#: what a record holds: the padded input box and the whole sample's output extent
+Record = tuple[torch.Tensor, tuple[int, ...]]
 
 
-def declare_tiled_convolutions(model: nn.Module, partition_size: int) -> list[Any]:
-    """Declare every convolution of ``model`` to K-FAC as a tiled convolution (module docstring), and every
-    normalisation layer as one whose statistics span the tiles (``kfac_split_statistics``: K-FAC leaves its
-    affine parameters to the optimizer, saying why), before K-FAC's preconditioner is made (it picks its tiled
-    handler by these attributes); returns the hook handles (recording an input that is not split)."""
-    handles = []
-    for m in model.modules():
-        if isinstance(m, _NORMS):
-            vars(m)["kfac_split_statistics"] = True
-        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-            # plain attributes in the instance (not parameters or buffers: nothing a state_dict carries)
-            vars(m).update(kfac_partition_size=partition_size, kfac_record_input=False, kfac_padded_input=None,
-                           kfac_output_extent=None)
-            handles.append(m.register_forward_hook(_record_whole_input, prepend=True))
-    return handles
+class TiledLayerRegistry:
+    """The tiled convolutions and split-statistics normalisation layers of one strategy's model, and the input
+    boxes recorded for K-FAC (:class:`~lightning_hpc.protocols.TiledLayers`).  Layers are held by identity."""
+
+    def __init__(self, partition_size: int) -> None:
+        #: ranks whose tiles make up one sample (the tiled layers' factors are partial sums over them)
+        self.partition_size = int(partition_size)
+        self._convolutions: dict[int, nn.Module] = {}
+        self._norms: dict[int, nn.Module] = {}
+        #: the layers asked to record, by ``id`` of their weight (what the convolution handler sees of its caller)
+        self._requested: dict[int, nn.Module] = {}
+        self._records: dict[int, Record] = {}
+
+    def declare(self, model: nn.Module) -> TiledLayerRegistry:
+        """Add every convolution and normalisation layer of ``model``; returns the registry."""
+        for m in model.modules():
+            if isinstance(m, _NORMS):
+                self._norms[id(m)] = m
+            if isinstance(m, _CONVOLUTIONS):
+                self._convolutions[id(m)] = m
+        return self
+
+    def is_tiled(self, module: Any) -> bool:
+        return self._convolutions.get(id(module)) is module
+
+    def splits_statistics(self, module: Any) -> bool:
+        return self._norms.get(id(module)) is module
+
+    def request(self, module: Any, capturing: bool) -> None:
+        """K-FAC, before the layer's forward: record its input box in this forward (``capturing``), or not."""
+        self._records.pop(id(module), None)
+        if capturing:
+            self._requested[id(module.weight)] = module
+        else:
+            self._requested.pop(id(module.weight), None)
+
+    def recorder(self, weight: torch.Tensor) -> Callable[[torch.Tensor, tuple[int, ...]], None] | None:
+        """The tile kernel's ``record`` callback for the convolution on ``weight`` while K-FAC captures that layer's
+        statistics, else None (called by the op dispatch's convolution handler)."""
+        module = self._requested.get(id(weight))
+        if module is None or module.weight is not weight:
+            return None
+
+        def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
+            self._records[id(module)] = (box.detach(), tuple(int(n) for n in extent))
+
+        return record
+
+    def take(self, module: Any, inputs: tuple) -> Record | None:
+        """After the layer's forward: the recorded box and whole-sample output extent (None when the forward was
+        not asked to record), and the request ended.  An input that is not split is the whole sample: its box is
+        the input padded as the layer pads it."""
+        requested = self._requested.pop(id(module.weight), None) is module
+        record = self._records.pop(id(module), None)
+        if record is not None or not requested:
+            return record
+        x = inputs[0] if inputs else None
+        if not isinstance(x, torch.Tensor) or isinstance(x, SpatialTensor) or x.dim() < 3:
+            return None  # a split input the tile kernel did not run (the gathered path): nothing recorded
+        if module.padding_mode != "zeros":
+            return None
+        windows = convolution_windows(module.weight.shape, module.stride, module.padding, module.dilation)
+        return (F.pad(x, module._reversed_padding_repeated_twice).detach(),
+                tuple(w.out_size(int(n)) for w, n in zip(windows, x.shape[2:])))
+
+
+def declare_tiled_convolutions(model: nn.Module, partition_size: int, grid: Any = None) -> TiledLayerRegistry:
+    """A :class:`TiledLayerRegistry` of ``model``'s convolutions and normalisation layers over ``partition_size``
+    ranks per sample, made known to the op dispatch of ``grid``'s split tensors (``grid.tiled_layers``) when one is
+    given; hand it to K-FAC (``KFACPreconditioner(..., tiled_layers=...)``).  Nothing is written onto ``model``."""
+    registry = TiledLayerRegistry(partition_size).declare(model)
+    if grid is not None:
+        grid.tiled_layers = registry
+    return registry

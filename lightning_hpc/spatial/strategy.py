@@ -55,14 +55,15 @@ from lightning_hpc.distributed.start_equal import (
 )
 from lightning_hpc.protocols import StrategyContract
 from lightning_hpc.spatial import metrics
-from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor, state
+from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
+from lightning_hpc.spatial.dispatch.state import ModuleTrace
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.plan import dim_names
-from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
+from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
 from lightning_hpc.spatial.policy import DispatchPolicy
 from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
 from lightning_hpc.spatial.tiling import (
@@ -115,8 +116,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     strategy_name = "spatial"
     #: the layers are prepared in ``setup`` (after the callbacks' ``setup``): SyncBatchNorm becomes a batch norm and
-    #: the convolutions and norms are declared to K-FAC, so callbacks that hook layers (K-FAC) must attach in
-    #: ``on_fit_start`` (the attribute's name is the K-FAC callback's contract)
+    #: the convolutions and norms enter the strategy's registry of tiled layers (:attr:`kfac_tiled_layers`), so
+    #: callbacks that hook layers (K-FAC) must attach in ``on_fit_start`` (the K-FAC callback's contract)
     replaces_layers_in_setup = True
 
     def __init__(
@@ -170,6 +171,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             raise ValueError(f"check_parameter_use={check_parameter_use!r}: choose 'first_step' or 'every_step'")
         self.check_parameter_use = check_parameter_use
         self._hooks: list[Any] = []
+        #: the running modules of this strategy's runs (names in the dispatch's messages), on its grid
+        self._modules = ModuleTrace()
+        self._tiled_layers: TiledLayerRegistry | None = None
         self._params_checked = False
         self.overlap = bool(overlap)
         self.batchnorm = batchnorm
@@ -284,6 +288,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         self._run_compiled_eagerly()
         self._prepare_model()
+        self._attach()
         super().setup(trainer)
 
     def _run_compiled_eagerly(self) -> None:
@@ -327,15 +332,39 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                 )
         self._sync_batchnorm_to_batchnorm(module)
         # no layer is replaced: every op on a split activation is dispatched to its tile kernel
-        # (lightning_hpc.spatial.dispatch); K-FAC learns which convolutions run on tiles from a declaration
-        st = state()
-        grid = self.layout.grid
-        grid.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
-        st.warned.clear()
-        self._hooks = st.module_hooks(module)
-        self._hooks += declare_tiled_convolutions(module, self.layout.grid.size)
+        # (lightning_hpc.spatial.dispatch)
+        self.layout.grid.tile_params.clear()  # parameters met on tiles are recorded afresh for this module
         self._count_metrics()
         self._prepared = True
+
+    def _attach(self) -> None:
+        """This run's state, on objects of this run (every fit, validate, test or predict; :meth:`teardown` undoes
+        it): the grid of this setup's layout carries this strategy's registry of the layers on tiles, which K-FAC
+        gets from :attr:`kfac_tiled_layers` (one registry for the strategy's life: a K-FAC preconditioner built at
+        an earlier fit keeps reading it), and the running modules' names are tracked for messages by hooks this
+        strategy removes at teardown.  Nothing is written onto the user's modules."""
+        assert self.layout is not None and self.lightning_module is not None
+        module, grid = self.lightning_module, self.layout.grid
+        if self._tiled_layers is None:
+            self._tiled_layers = TiledLayerRegistry(grid.size)
+        self._tiled_layers.partition_size = grid.size
+        grid.tiled_layers = self._tiled_layers.declare(module)
+        self._remove_hooks()
+        grid.modules = self._modules
+        self._hooks = self._modules.hooks(module)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._modules.clear()
+
+    @property
+    def kfac_tiled_layers(self) -> TiledLayerRegistry | None:
+        """The convolutions this strategy runs on tiles and the normalisation layers whose statistics span them
+        (:class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`), which the K-FAC callback hands to its
+        preconditioner; ``None`` before the first setup."""
+        return self._tiled_layers
 
     def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
         """``nn.SyncBatchNorm`` takes its statistics over every rank's samples (and runs on GPUs only).  With one
@@ -394,8 +423,9 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._failures.stop()
+        self._remove_hooks()  # the user's modules leave the run as they came
         if self.lightning_module is not None:
-            follow_split(self.lightning_module)  # a compiled module compiles again after the run
+            follow_split(self.lightning_module)  # a compiled module calls its compiled code again after the run
         if self.layout is not None:
             metrics.deactivate(self.layout)  # the class-level metric hooks end with the run
             refuse_reentrant(False)
@@ -424,7 +454,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        state().clear_modules()
+        self._modules.clear()
         checked = self._params_checked and self.check_parameter_use == "first_step"
         if checked or self.layout is None or self.layout.grid.size == 1:
             return super().training_step(*args, **kwargs)
@@ -432,7 +462,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
         assert self.lightning_module is not None
         names = ParameterNames(self.lightning_module)  # listed only if a message needs them
-        check = ParameterUseCheck(self.layout.grid.tile_params, names)
+        check = ParameterUseCheck(self.layout.grid.tile_params, names, self._modules)
         with check:
             out = super().training_step(*args, **kwargs)
         check.raise_if_mixed(names)
@@ -467,7 +497,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        state().clear_modules()
+        self._modules.clear()
         return super().validation_step(*args, **kwargs)
 
     @override
@@ -475,7 +505,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         """Predictions leave the strategy whole: every split tensor ``predict_step`` returns is gathered here,
         while every rank of the spatial group is still in the loop.  A split tensor handed to user code after
         ``trainer.predict`` would gather on first use, and a rank 0 using it alone would wait for its peers."""
-        state().clear_modules()
+        self._modules.clear()
         out = super().predict_step(*args, **kwargs)
         return apply_to_collection(out, SpatialTensor, lambda t: t.full().detach())
 

@@ -15,7 +15,7 @@ import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -23,6 +23,10 @@ from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeou
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.decisions import DecisionCache
 from lightning_hpc.spatial.policy import DispatchPolicy
+
+if TYPE_CHECKING:
+    from lightning_hpc.spatial.dispatch.state import ModuleTrace
+    from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts", "parts_text"]
 
@@ -71,6 +75,13 @@ class SpatialGrid:
     #: the leaf parameters met on this grid's tiles since the strategy last cleared it (by ``id``): their gradients
     #: are partial sums over the tiles, which the strategy sums over the spatial group
     tile_params: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the convolutions K-FAC captures on this grid's tiles (the strategy's
+    #: :class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`; None: no K-FAC record)
+    tiled_layers: TiledLayerRegistry | None = field(default=None, repr=False, compare=False)
+    #: the gathers already warned about on this grid (op, module), each warned once per run
+    warned: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
+    #: the modules of the run that owns this grid running now (the strategy's, kept by its hooks), for messages
+    modules: ModuleTrace | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def single(cls, ndim: int = 2) -> SpatialGrid:

@@ -594,20 +594,21 @@ def test_conv_input_subsampling_rejects_tiled_layers():
     from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 
     tiled = nn.Sequential(nn.Conv2d(2, 3, 3))
-    declare_tiled_convolutions(tiled, 1)  # the tiled-input protocol (TiledConvHandler), as the strategy declares it
+    layers = declare_tiled_convolutions(tiled, 1)  # the strategy's registry of tiled layers (TiledConvHandler)
     with pytest.raises(ValueError, match="spatially tiled"):
-        KFACPreconditioner(tiled, conv_input_sample_fraction=0.5)
+        KFACPreconditioner(tiled, conv_input_sample_fraction=0.5, tiled_layers=layers)
     KFACPreconditioner(nn.Sequential(nn.Conv2d(2, 3, 3)), conv_input_sample_fraction=0.5)  # undeclared: accepted
 
 
 def test_grouped_convolution_on_spatial_tiles_is_left_out_with_the_reason():
-    """A grouped Conv2d carrying the tiled-input protocol (the spatial strategy's tile) has no tiled group
-    statistics: it is left to the optimizer, and the report says why (not silently given untiled factors)."""
+    """A grouped Conv2d among the spatial strategy's tiled layers has no tiled group statistics: it is left to the
+    optimizer, and the report says why (not silently given untiled factors)."""
     from lightning_hpc.kfac.discovery import find_layers
+    from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
 
     tiled = nn.Conv2d(4, 4, 3, padding=1, groups=2)
-    tiled.kfac_padded_input = None
-    report = find_layers(nn.Sequential(tiled, nn.Conv2d(4, 2, 1)), [])
+    layers = TiledLayerRegistry(1).declare(nn.Sequential(tiled))
+    report = find_layers(nn.Sequential(tiled, nn.Conv2d(4, 2, 1)), [], tiled=layers)
     assert [h.name for h in report.handlers] == ["1"]
     assert report.skipped == [("0", "Conv2d", "grouped convolution (groups=2) on spatial tiles is not supported")]
 

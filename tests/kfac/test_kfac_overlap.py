@@ -319,7 +319,7 @@ def test_buckets_are_fixed_by_shapes_in_reverse_order():
 def _run_spatial(rank: int, world_size: int) -> dict:
     """A spatially tiled network (each sample split over the 2 ranks): its tiles' partial factors are summed in
     the same buckets (``partition_size`` scaling at launch)."""
-    from lightning_hpc.spatial.dispatch import split_tensor, state
+    from lightning_hpc.spatial.dispatch import split_tensor
     from lightning_hpc.spatial.gradients import reduce_model_gradients
     from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
     from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
@@ -334,13 +334,12 @@ def _run_spatial(rank: int, world_size: int) -> dict:
         net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2, padding=1),
                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))  # fmt: skip
         model = net  # unchanged: its ops on the split input run on tiles (the op dispatch)
-        declare_tiled_convolutions(model, layout.grid.size)
-        state().module_hooks(model)
+        layers = declare_tiled_convolutions(model, layout.grid.size, layout.grid)
         layout.grid.tile_params.clear()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=2, damping=0.01,
                                  kl_clip=0.01, bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap,
-                                 announce=False)  # fmt: skip
+                                 announce=False, tiled_layers=layers)  # fmt: skip
         tiled = [h.partition_size for h in pre.handlers]
         xt = split_tensor(x[..., rs, cs], layout.grid, x.shape)
         for _ in range(3):

@@ -26,7 +26,7 @@ from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.models.mesh_fcn import mesh_fcn
 from lightning_hpc.modules.segmentation import SegmentationModule, pixel_loss_sum
-from lightning_hpc.spatial.dispatch import split_tensor, state
+from lightning_hpc.spatial.dispatch import split_tensor
 from lightning_hpc.spatial.gradients import reduce_model_gradients
 from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
 from lightning_hpc.spatial.strategy import SpatialParallelStrategy
@@ -114,13 +114,14 @@ def _spatial_worker(rank: int, world: int, configs):
         grid.policy.overlap = overlap  # the strategy's setting, read by the convolution handler
         for kind in ("seg", "cls"):
             model = seg_net() if kind == "seg" else cls_net()
-            # as the strategy does: the unchanged model, its convolutions declared to K-FAC as tiled, the running
-            # modules tracked (the convolution handler records the tile's box for the layer that calls it)
-            declare_tiled_convolutions(model, grid.size)
-            state().module_hooks(model)
+            # as the strategy does: the unchanged model, its convolutions in a registry of tiled layers that the
+            # grid carries (the convolution handler records the tile's box for the layer K-FAC asks about) and
+            # K-FAC is handed
+            layers = declare_tiled_convolutions(model, grid.size, grid)
             grid.tile_params.clear()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            precond = KFACPreconditioner(model, optimizer=opt, placement=placement, **KFAC_OPTIONS)
+            precond = KFACPreconditioner(model, optimizer=opt, placement=placement, tiled_layers=layers,
+                                         **KFAC_OPTIONS)
             xt = split_tensor(_tile(x[s0:s1], grid), grid, x[s0:s1].shape)
             if kind == "seg":
                 yt = split_tensor(_tile(seg_y[s0:s1], grid), grid, seg_y[s0:s1].shape)
@@ -188,13 +189,13 @@ def test_kfac_factors_and_steps_4_processes():
 
 # -- single process: the 1x1 grid path and the setup errors --------------------------------------------------------
 def test_single_tile_grid_equals_plain_conv():
-    """Declared convolutions on one tile per sample record the border-padded input (the declaration's hook for an
-    input that is not split); their factors equal plain K-FAC's."""
+    """Tiled convolutions on one tile per sample record the border-padded input (the registry pads an input that
+    is not split); their factors equal plain K-FAC's."""
     ref = serial_run("seg", "balanced")
     model = seg_net()
-    declare_tiled_convolutions(model, 1)
+    layers = declare_tiled_convolutions(model, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    precond = KFACPreconditioner(model, optimizer=opt, **KFAC_OPTIONS)
+    precond = KFACPreconditioner(model, optimizer=opt, tiled_layers=layers, **KFAC_OPTIONS)
     assert all(isinstance(h, TiledConvHandler) for h in precond.handlers)
     x, seg_y, _ = batch_data()
     first, last, params = _train(model, precond, opt, lambda: seg_loss(model(x), seg_y, BATCH))
@@ -208,9 +209,9 @@ def test_single_tile_grid_equals_plain_conv():
 
 def test_partition_larger_than_world_is_rejected():
     model = seg_net()
-    declare_tiled_convolutions(model, 2)  # a 2-tile grid in a 1-rank world
+    layers = declare_tiled_convolutions(model, 2)  # a 2-tile grid in a 1-rank world
     with pytest.raises(ValueError, match=r"split each sample over \[2\] ranks.*world of 1 ranks"):
-        KFACPreconditioner(model)
+        KFACPreconditioner(model, tiled_layers=layers)
 
 
 def test_hooks_running_on_another_layer_fail_clearly():

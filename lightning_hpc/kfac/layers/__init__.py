@@ -35,7 +35,7 @@ from lightning_hpc.kfac.layers.norm import FEATURE_NORMS, NORMS, NormAffineHandl
 from lightning_hpc.kfac.layers.sharded import ShardedLinearHandler
 from lightning_hpc.kfac.layers.tiled import TiledConvHandler
 from lightning_hpc.kfac.layers.transposed import TRANSPOSED_CONVOLUTIONS, ConvTransposeHandler
-from lightning_hpc.protocols import ShardedFullyConnected
+from lightning_hpc.protocols import ShardedFullyConnected, TiledLayers
 
 __all__ = [
     "CONVOLUTIONS",
@@ -84,22 +84,16 @@ class LayerType:
     refusal: Callable[[nn.Module], str | None] = _accepted
 
 
-def _tiled(module: nn.Module) -> bool:
-    """A convolution offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`): its
-    input is one tile of a spatially partitioned sample."""
-    return isinstance(module, CONVOLUTIONS) and hasattr(module, "kfac_padded_input")
+def _tiled(module: nn.Module, tiled: TiledLayers | None) -> bool:
+    """A convolution the strategy's :class:`~lightning_hpc.protocols.TiledLayers` names: its input is one tile of
+    a spatially partitioned sample."""
+    return tiled is not None and isinstance(module, CONVOLUTIONS) and tiled.is_tiled(module)
 
 
 def _conv_handler(name: str, module: nn.Module) -> LayerHandler:
     if module.groups > 1:  # type: ignore[operator]
         return GroupConvHandler(name, module)  # type: ignore[arg-type]
-    return TiledConvHandler(name, module) if _tiled(module) else ConvHandler(name, module)
-
-
-def _conv_refusal(module: nn.Module) -> str | None:
-    if module.groups > 1 and _tiled(module):  # type: ignore[operator]
-        return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
-    return None
+    return ConvHandler(name, module)
 
 
 def _conv_transpose_handler(name: str, module: nn.Module) -> LayerHandler:
@@ -111,7 +105,7 @@ def _conv_transpose_handler(name: str, module: nn.Module) -> LayerHandler:
 #: the registration table, in matching order (a module gets the first row whose types it is an instance of)
 REGISTRY: tuple[LayerType, ...] = (
     LayerType("linear", (nn.Linear,), LinearHandler, "nn.Linear"),
-    LayerType("conv", CONVOLUTIONS, _conv_handler, "nn.Conv1d/2d/3d", _conv_refusal),
+    LayerType("conv", CONVOLUTIONS, _conv_handler, "nn.Conv1d/2d/3d"),
     LayerType("conv_transpose", TRANSPOSED_CONVOLUTIONS, _conv_transpose_handler, "nn.ConvTranspose1d/2d/3d"),
     LayerType("norm", NORMS, NormAffineHandler, "nn.BatchNorm1d/2d/3d, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, "
               "nn.InstanceNorm1d/2d/3d", norm_refusal),
@@ -138,8 +132,11 @@ def registration_of(module: nn.Module) -> LayerType | None:
     return next((row for row in REGISTRY if isinstance(module, row.types)), None)
 
 
-def refusal_of(module: nn.Module) -> str | None:
-    """Why a module of a registered type is left to the optimizer for what it is (its row's ``refusal``)."""
+def refusal_of(module: nn.Module, tiled: TiledLayers | None = None) -> str | None:
+    """Why a module of a registered type is left to the optimizer for what it is (its row's ``refusal``, or a
+    grouped convolution among the strategy's ``tiled`` layers)."""
+    if _tiled(module, tiled) and module.groups > 1:  # type: ignore[operator]
+        return f"grouped convolution (groups={module.groups}) on spatial tiles is not supported"
     row = registration_of(module)
     return None if row is None else row.refusal(module)
 
@@ -160,15 +157,18 @@ def layer_type_of(module: nn.Module) -> str | None:
     return next((name for name, types in LAYER_TYPES.items() if isinstance(module, types)), None)
 
 
-def make_handler(name: str, module: nn.Module) -> LayerHandler | None:
-    """The handler of a supported module (its :data:`REGISTRY` row's), else None (also when the row refuses it).
+def make_handler(name: str, module: nn.Module, tiled: TiledLayers | None = None) -> LayerHandler | None:
+    """The handler of a supported module (its :data:`REGISTRY` row's), else None (also when it is refused).
 
-    A convolution offering the tiled-input protocol (``kfac_padded_input``, see :class:`TiledConvHandler`) gets the
+    A convolution the strategy's ``tiled`` layers name (:class:`~lightning_hpc.protocols.TiledLayers`) gets the
     tiled handler: its input is one tile of a spatially partitioned sample. A sharded fully-connected layer
     (hybrid_fc's head) gets :class:`ShardedLinearHandler`."""
     if isinstance(module, ShardedFullyConnected):
         return ShardedLinearHandler(name, module)
     row = registration_of(module)
-    if row is None or row.refusal(module) is not None:
+    if row is None or refusal_of(module, tiled) is not None:
         return None
+    if _tiled(module, tiled):
+        assert tiled is not None
+        return TiledConvHandler(name, module, tiled)
     return row.make(name, module)

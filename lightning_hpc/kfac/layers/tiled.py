@@ -6,20 +6,22 @@ which the spatial group sums into the factors of the whole samples.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
 
 import torch
+from torch import nn
 
 from lightning_hpc.kfac.layers.conv import ConvHandler
+from lightning_hpc.protocols import TiledLayers
 
 __all__ = ["TiledConvHandler"]
 
 
 class TiledConvHandler(ConvHandler):
     """A Conv1d / Conv2d / Conv3d that runs on one spatial tile (or sub-volume) of each sample (spatial
-    parallelism, Dryden et al. sections I and III-A): a convolution declared by
-    :func:`lightning_hpc.spatial.kfac_contract.declare_tiled_convolutions`, its op on a split activation run by
-    the tile kernel :func:`lightning_hpc.spatial.kernels.conv`.
+    parallelism, Dryden et al. sections I and III-A): a convolution the strategy's
+    :class:`~lightning_hpc.protocols.TiledLayers` registry names (e.g.
+    :class:`lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`), its op on a split activation run by the tile
+    kernel :func:`lightning_hpc.spatial.kernels.conv`.
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and
@@ -32,25 +34,31 @@ class TiledConvHandler(ConvHandler):
     samples; :attr:`partition_size` tells the preconditioner to sum them (``KFACPreconditioner._update_factors``).
 
     The patches come from the layer's halo-padded input tile (border zero padding and the neighbours' halo
-    rows included), which the layer records on capture steps only: the protocol is ``kfac_record_input``,
-    ``kfac_padded_input``, ``kfac_output_extent`` and ``kfac_partition_size`` on the module.
+    rows included), which the registry records on capture steps only (``request`` before the forward, ``take``
+    after it, with the whole sample's output extent).
     """
 
     records_input = True
     shifted_gram = False
 
+    def __init__(self, name: str, module: nn.Module, layers: TiledLayers) -> None:
+        self.layers = layers  # before the base class's state, which reads partition_size
+        super().__init__(name, module)
+        #: the whole sample's output extent of the captured forward (for the whole-sample normalisation)
+        self.output_extent: tuple[int, ...] | None = None
+
     @property
     def partition_size(self) -> int:  # type: ignore[override]
-        return int(cast(Any, self.module).kfac_partition_size)
+        return int(self.layers.partition_size)
 
     def prepare_capture(self, capturing: bool) -> None:
-        cast(Any, self.module).kfac_record_input = capturing
+        self.layers.request(self.module, capturing)
 
     def captured_input(self, inputs: tuple) -> torch.Tensor | None:
-        m = cast(Any, self.module)  # the TiledConvolution protocol's attributes
-        x: torch.Tensor | None = m.kfac_padded_input
-        m.kfac_padded_input = None
-        m.kfac_record_input = False
+        record = self.layers.take(self.module, inputs)
+        if record is None:
+            return None
+        x, self.output_extent = record
         return x
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +70,7 @@ class TiledConvHandler(ConvHandler):
 
     def input_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         gram, _ = super().input_gram(x)
-        extent = cast(Any, self.module).kfac_output_extent
+        extent = self.output_extent
+        assert extent is not None, "input_gram of a box that was not recorded"
         n = x.shape[0] if x.dim() == 2 + self.spatial_dims else 1
         return gram, n * math.prod(extent)  # rows of the whole sample: sum_k A_k is the serial A

@@ -40,12 +40,13 @@ Gradient convention (:mod:`.autograd`): the gradient of a tile is that tile's pa
 (replicated) tensor is complete on every rank.  A parameter used both on tiles and on replicated values is
 refused (:mod:`.parameter_check`).
 
-Modules: :mod:`.tensor` (the split tensor, making and gathering one), :mod:`.state` (policy, module names, counters),
-:mod:`.parameter_check` (parameters used on tiles and on replicated values), :mod:`.autograd` (the gradient
-convention's Functions), :mod:`.calls` (reading an op call), :mod:`.registry` (the handler table and the
-dispatch entry), the handlers by op family (:mod:`.elementwise`, :mod:`.metadata`, :mod:`.creation`,
-:mod:`.local`, :mod:`.shape`, :mod:`.reductions`, :mod:`.losses`, :mod:`.norms`, :mod:`.kernels`,
-:mod:`.relayout`, :mod:`.backward`) and the gather path (:mod:`.fallback`).
+Modules: :mod:`.tensor` (the split tensor, making and gathering one), :mod:`.state` (the per-process counters,
+the ``on_unsupported`` block, a run's module trace), :mod:`.parameter_check` (parameters used on tiles and on
+replicated values), :mod:`.autograd` (the gradient convention's Functions), :mod:`.calls` (reading an op
+call), :mod:`.registry` (the handler table and the dispatch entry), the handlers by op family
+(:mod:`.elementwise`, :mod:`.metadata`, :mod:`.creation`, :mod:`.local`, :mod:`.shape`, :mod:`.reductions`,
+:mod:`.losses`, :mod:`.norms`, :mod:`.kernels`, :mod:`.relayout`, :mod:`.backward`) and the gather path
+(:mod:`.fallback`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import torch
 from lightning_hpc._compat import enable_torch_function
 from lightning_hpc.spatial.dispatch.calls import _grad_inputs
 from lightning_hpc.spatial.dispatch.registry import _handles
-from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain
+from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _spatials
 
 
 def _hook_args(input, hook): ...  # noqa: E704  (Tensor.register_hook's, which names its tensor ``self``)
@@ -44,7 +44,8 @@ def _autograd_grad(func, a, args, kwargs):
     ins = a["inputs"] = _grad_inputs(a["inputs"])
     if a["create_graph"]:
         raise SpatialDispatchError(
-            f"spatial: torch.autograd.grad(create_graph=True) in {_STATE.where()} differentiates through split "
+            f"spatial: torch.autograd.grad(create_graph=True) in {where(_spatials(args, kwargs)[0]._grid)} "
+            f"differentiates through split "
             f"activations twice (a gradient penalty on them); the tile exchanges have no second derivative here. "
             f"Compute the penalty on a gathered tensor (lightning_hpc.spatial.dispatch.gather_tensor), or train this "
             f"module with one tile per sample (spatial_parts=(1, 1), or (1, 1, 1) for volumes) or strategy='ddp'"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 
 _ORIGINAL: dict[str, Any] = {}  # CheckpointFunction.forward as torch defines it, while the refusal is in place
@@ -28,10 +28,11 @@ def refuse_reentrant(on: bool) -> None:
         original = function.forward
 
         def forward(ctx: Any, run_function: Any, preserve_rng_state: bool, *args: Any) -> Any:
-            if any(isinstance(a, SpatialTensor) for a in args):
+            split = next((a for a in args if isinstance(a, SpatialTensor)), None)
+            if split is not None:
                 raise SpatialDispatchError(
-                    f"spatial: torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in {_STATE.where()} got a "
-                    f"split activation; the reentrant checkpoint's autograd Function would see its global shape "
+                    f"spatial: torch.utils.checkpoint.checkpoint(..., use_reentrant=True) in {where(split._grid)} "
+                    f"got a split activation; the reentrant checkpoint's autograd Function would see its global shape "
                     f"while its gradient is the tile's. Pass use_reentrant=False (the ops are then recorded, "
                     f"recomputed and computed on the tiles as usual)"
                 )

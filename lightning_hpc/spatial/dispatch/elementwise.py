@@ -9,7 +9,7 @@ import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name, bind_call
-from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
 
 
@@ -183,4 +183,4 @@ def _elementwise(func, args, kwargs):
     if isinstance(out, torch.Tensor) and out.dim() == len(gshape):
         return SpatialTensor.wrap(out, grid, gshape, sdims, fresh=True)
     raise SpatialDispatchError(
-        f"spatial: internal error: {_op_name(func)} in {_STATE.where()} gave an unexpected result")
+        f"spatial: internal error: {_op_name(func)} in {where(grid)} gave an unexpected result")

@@ -14,21 +14,22 @@ import torch
 from lightning_hpc.spatial.dispatch.autograd import _tile_of
 from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, _op_name
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _spatials
 
 
 def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, inplace: bool = False) -> None:
     """Refuse, or warn once before gathering."""
-    op, where = _op_name(func), _STATE.where()
+    op, where = _op_name(func), where_of(spatial[0]._grid)
     nbytes = sum(_nbytes(t, t._gshape) for t in spatial)
     if inplace or (_STATE.on_unsupported or spatial[0]._grid.policy.on_unsupported) == "error":
         raise SpatialDispatchError(
             f"spatial: {op} in {where} {reason}; it would compute something different on a tile than on the whole "
             f"sample. {fix}"
         )
-    key = (op, where)
-    if key not in _STATE.warned:
-        _STATE.warned.add(key)
+    key, warned = (op, where), spatial[0]._grid.warned  # once per op and module in each run (grid)
+    if key not in warned:
+        warned.add(key)
         warnings.warn(
             f"spatial: {op} in {where} {reason}: gathering the whole activation ({nbytes} bytes per rank per call, "
             f"{len(spatial)} all-gather(s)) and computing it exactly as one process does. {fix}",

@@ -43,6 +43,7 @@ from lightning_hpc.spatial.dispatch.registry import (
 )
 from lightning_hpc.spatial.dispatch.registry import _dispatch as _dispatch_split
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
 from lightning_hpc.spatial.tiling import SpatialGrid
 
@@ -135,7 +136,7 @@ def make(local: torch.Tensor, grid: SpatialGrid, atoms: Sequence[Sequence[Atom]]
     gshape = tuple(math.prod(n for n, _ in dim) for dim in norm)
     if tuple(local.shape) != tuple(math.prod(_local_extent(grid, a) for a in dim) for dim in norm):
         raise SpatialDispatchError(f"spatial: internal error: a tile of shape {tuple(local.shape)} for the layout "
-                                   f"{norm} in {_STATE.where()}")
+                                   f"{norm} in {where_of(grid)}")
     if all(len(dim) == 1 for dim in norm):
         where = {dim[0][1]: d for d, dim in enumerate(norm) if dim[0][1] >= 0}
         return SpatialTensor.wrap(local, grid, gshape, tuple(where[k] for k in range(grid.ndim)), fresh=True)

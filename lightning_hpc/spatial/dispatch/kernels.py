@@ -31,11 +31,12 @@ import torch.nn.functional as F
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
 from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
 from lightning_hpc.spatial.kernels.plan import ntuple
+from lightning_hpc.spatial.tiling import SpatialGrid
 
 
 # -- the ops' signatures (torch's parameter names and defaults) -------------------------------------------------
@@ -59,23 +60,11 @@ def _extents(x: SpatialTensor) -> tuple[int, ...]:
     return tuple(x._gshape[d] for d in x._sdims)
 
 
-def _run(op: str, fn: Callable[[], Any]) -> Any:
+def _run(op: str, grid: SpatialGrid, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except PartitionError as e:
-        raise SpatialDispatchError(f"spatial: {op} in {_STATE.where()}: {e}") from None
-
-
-def kfac_recorder(module: Any) -> Callable[[torch.Tensor, tuple[int, ...]], None] | None:
-    """The tile kernel's ``record`` callback for ``module`` when K-FAC captures its statistics
-    (:mod:`lightning_hpc.spatial.kfac_contract`), else None."""
-    if not getattr(module, "kfac_record_input", False):
-        return None
-
-    def record(box: torch.Tensor, extent: tuple[int, ...]) -> None:
-        vars(module).update(kfac_padded_input=box.detach(), kfac_output_extent=tuple(int(n) for n in extent))
-
-    return record
+        raise SpatialDispatchError(f"spatial: {op} in {where(grid)}: {e}") from None
 
 
 # -- convolution ---------------------------------------------------------------------------------------------------
@@ -102,11 +91,11 @@ def _convolution(func, a, args, kwargs, k: int):
         channels = x._gshape[1]
         if weight.shape[1] * int(groups) != channels:
             raise SpatialDispatchError(
-                f"spatial: F.conv{k}d in {_STATE.where()}: the input has {channels} channels but the weight "
+                f"spatial: F.conv{k}d in {where(x._grid)}: the input has {channels} channels but the weight "
                 f"{tuple(weight.shape)} with groups={groups} expects {weight.shape[1] * int(groups)}; fix the "
                 f"layer's in_channels")
         try:
-            return _run(f"F.conv{k}d", lambda: K.plan_conv(x._grid, _extents(x), weight.shape, stride, padding,
+            return _run(f"F.conv{k}d", x._grid, lambda: K.plan_conv(x._grid, _extents(x), weight.shape, stride, padding,
                                                            dilation, int(groups), overlap=x._grid.policy.overlap,
                                                            tile=_plain(x)))
         except ValueError:
@@ -115,9 +104,10 @@ def _convolution(func, a, args, kwargs, k: int):
     cp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
     if cp is None:
         return NotImplemented
-    caller = _STATE.caller()
-    # K-FAC capturing the calling layer's statistics gets the tile's padded box (spatial.kfac_contract)
-    record = kfac_recorder(caller) if caller is not None and getattr(caller, "weight", None) is weight else None
+    # K-FAC capturing the statistics of the layer whose weight this is gets the tile's padded box, through the
+    # registry the strategy keeps on the grid (spatial.kfac_contract)
+    tiled = x._grid.tiled_layers
+    record = tiled.recorder(weight) if tiled is not None else None
     weight, bias = _replicated_operands(x._grid, weight, bias)
     out = K.run_conv(_plain(x), weight, bias, cp, record)
     return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *cp.out_extents))
@@ -180,14 +170,14 @@ def _pool(func, a, args, kwargs, k: int, kind: str):
     if _whole_window(x, windows) and not (kind == "avg" and a["divisor_override"] is not None):
         if kind == "avg":
             return x.mean(tuple(range(2, 2 + k)), keepdim=True)  # (the global reduction)
-        return _run(f"F.max_pool{k}d", lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, (1,) * k))
+        return _run(f"F.max_pool{k}d", x._grid, lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, (1,) * k))
     if kind == "max":
-        out = _run(f"F.max_pool{k}d", lambda: K.max_pool(_plain(x), x._grid, extents, a["kernel_size"], a["stride"],
-                                                          a["padding"], a["dilation"], a["ceil_mode"]))
+        out = _run(f"F.max_pool{k}d", x._grid, lambda: K.max_pool(
+            _plain(x), x._grid, extents, a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]))
     else:
-        out = _run(f"F.avg_pool{k}d", lambda: K.avg_pool(_plain(x), x._grid, extents, a["kernel_size"], a["stride"],
-                                                          a["padding"], a["ceil_mode"], a["count_include_pad"],
-                                                          a["divisor_override"]))
+        out = _run(f"F.avg_pool{k}d", x._grid, lambda: K.avg_pool(
+            _plain(x), x._grid, extents, a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
+            a["count_include_pad"], a["divisor_override"]))
     return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
 
 
@@ -203,7 +193,7 @@ def _interpolate_call(func, a, args, kwargs):
                                           a["recompute_scale_factor"])
     except ValueError:
         return NotImplemented  # a mode without a tiled form (area, bicubic) or torch's own error: gathered
-    out = _run(f"F.interpolate({a['mode']})", lambda: K.interpolate(
+    out = _run(f"F.interpolate({a['mode']})", x._grid, lambda: K.interpolate(
         _plain(x), x._grid, extents, a["size"], a["scale_factor"], a["mode"], a["align_corners"],
         a["recompute_scale_factor"]))
     return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
@@ -224,9 +214,9 @@ def _adaptive_pool(func, a, args, kwargs, k: int, kind: str):
     if kind == "avg":
         if all(s == 1 for s in size):
             return x.mean(tuple(range(2, 2 + k)), keepdim=True)  # (the global reduction)
-        return _run(f"F.adaptive_avg_pool{k}d", lambda: K.adaptive_avg_pool(_plain(x), x._grid, extents, size))
+        return _run(f"F.adaptive_avg_pool{k}d", x._grid, lambda: K.adaptive_avg_pool(_plain(x), x._grid, extents, size))
     with_indices = bool(a["return_indices"]) or "with_indices" in getattr(func, "__name__", "")
-    return _run(f"F.adaptive_max_pool{k}d", lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, size,
+    return _run(f"F.adaptive_max_pool{k}d", x._grid, lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, size,
                                                                          return_indices=with_indices))
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_hpc.spatial.dispatch.calls import _flat, _grad_inputs, _op_name, bind_call
-from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
+from lightning_hpc.spatial.dispatch.state import _STATE, OUTSIDE, ModuleTrace, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 
 
@@ -46,11 +46,13 @@ class ParameterUseCheck(TorchFunctionMode):
     """Records parameters used by ops outside the tile dispatch (on replicated values).  A parameter whose
     gradient is a partial sum over tiles (``tile_params``: the grid's record, :attr:`SpatialGrid.tile_params`)
     that is also used on replicated values would get that part counted once per tile: :meth:`raise_if_mixed`
-    refuses it."""
+    refuses it.  ``modules``: the run's running modules, for the names in messages."""
 
-    def __init__(self, tile_params: Mapping[int, nn.Parameter], names: Mapping[int, str] | None = None) -> None:
+    def __init__(self, tile_params: Mapping[int, nn.Parameter], names: Mapping[int, str] | None = None,
+                 modules: ModuleTrace | None = None) -> None:
         super().__init__()
         self.tile_params = tile_params
+        self.where = modules.where if modules is not None else lambda: OUTSIDE
         self.replicated: dict[int, tuple[nn.Parameter, str, str]] = {}
         self.names: Mapping[int, str] = {} if names is None else names  # (not `or`: that would list them)
 
@@ -66,7 +68,7 @@ class ParameterUseCheck(TorchFunctionMode):
                 and not any(issubclass(t, SpatialTensor) for t in types)):
             for t in _flat(args, kwargs):
                 if isinstance(t, nn.Parameter) and id(t) not in self.replicated:
-                    self.replicated[id(t)] = (t, _op_name(func), _STATE.where())
+                    self.replicated[id(t)] = (t, _op_name(func), self.where())
         return func(*args, **kwargs)
 
     def _refuse_tile_parameter_grad(self, args, kwargs) -> None:
@@ -75,7 +77,7 @@ class ParameterUseCheck(TorchFunctionMode):
             if isinstance(t, nn.Parameter) and id(t) in self.tile_params:
                 raise SpatialDispatchError(
                     f"spatial: torch.autograd.grad with respect to parameter '{self.names.get(id(t), '?')}' in "
-                    f"{_STATE.where()} would return this tile's part of its gradient (the strategy sums the tiles "
+                    f"{self.where()} would return this tile's part of its gradient (the strategy sums the tiles "
                     f"after the backward pass). Read the reduced gradients (p.grad) after self.manual_backward(loss) "
                     f"or in on_before_optimizer_step instead, or train this module with one tile per sample "
                     f"(spatial_parts=(1, 1), or (1, 1, 1) for volumes)"
