@@ -50,6 +50,27 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
 def _adaptive(input, output_size, return_indices=False): ...  # noqa: E704
 
 
+# -- the ops' windows (registered with their handlers: the setup check and the planner read the same) --------------
+def _conv_windows(a: dict[str, Any], extents: Any) -> tuple:
+    return K.convolution_windows(a["weight"].shape, a["stride"], a["padding"], a["dilation"])
+
+
+def _transposed_windows(a: dict[str, Any], extents: Any) -> tuple:
+    return K.transposed_windows(a["weight"].shape, a["stride"], a["padding"], a["output_padding"], a["dilation"])
+
+
+def _pool_windows(k: int, kind: str) -> Callable[[dict[str, Any], Any], tuple]:
+    def windows(a: dict[str, Any], extents: Any) -> tuple:
+        return K.pooling_windows(k, a["kernel_size"], a["stride"], a["padding"], a["dilation"] if kind == "max" else 1,
+                                 a["ceil_mode"])
+    return windows
+
+
+def _interpolation_windows(a: dict[str, Any], extents: Any) -> tuple:
+    return K.interpolation_windows(extents, a["size"], a["scale_factor"], a["mode"], a["align_corners"],
+                                   a["recompute_scale_factor"])
+
+
 def _spatial_input(a: dict[str, Any], k: int) -> SpatialTensor | None:
     """The split input of a ``k``-D op when it is laid out as the kernels take it."""
     x = a["input"]
@@ -135,7 +156,7 @@ def _transposed(func, a, args, kwargs, k: int):
             or weight.dim() != k + 2 or x._gshape[1] != weight.shape[0]:
         return NotImplemented  # the serial op's error, from the gathered call
     try:
-        windows = K.transposed_windows(weight.shape, a["stride"], a["padding"], a["output_padding"], a["dilation"])
+        windows = _transposed_windows(a, None)
     except ValueError:
         return NotImplemented
     extents = _extents(x)
@@ -162,8 +183,7 @@ def _pool(func, a, args, kwargs, k: int, kind: str):
     if kind == "max" and a["return_indices"]:
         return NotImplemented  # indices of a sliding max pool would be tile positions: gathered
     try:
-        windows = K.pooling_windows(k, a["kernel_size"], a["stride"], a["padding"],
-                                    a["dilation"] if kind == "max" else 1, a["ceil_mode"])
+        windows = _pool_windows(k, kind)(a, None)
     except ValueError:
         return NotImplemented
     extents = _extents(x)
@@ -182,15 +202,14 @@ def _pool(func, a, args, kwargs, k: int, kind: str):
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
-@_handles(F.interpolate, signature=_interpolate)
+@_handles(F.interpolate, signature=_interpolate, windows=_interpolation_windows)
 def _interpolate_call(func, a, args, kwargs):
     x = a["input"]
     if not _channels_first(x) or a["antialias"]:  # (any number of split dimensions: the mode says which it takes)
         return NotImplemented
     extents = _extents(x)
     try:
-        windows = K.interpolation_windows(extents, a["size"], a["scale_factor"], a["mode"], a["align_corners"],
-                                          a["recompute_scale_factor"])
+        windows = _interpolation_windows(a, extents)
     except ValueError:
         return NotImplemented  # a mode without a tiled form (area, bicubic) or torch's own error: gathered
     out = _run(f"F.interpolate({a['mode']})", x._grid, lambda: K.interpolate(
@@ -222,10 +241,13 @@ def _adaptive_pool(func, a, args, kwargs, k: int, kind: str):
 
 # -- registration: one handler per op family, for each number of spatial dimensions -------------------------------
 for _k in (1, 2, 3):
-    _handles(*_resolve(f"conv{_k}d"), signature=_conv)(partial(_convolution, k=_k))
-    _handles(*_resolve(f"conv_transpose{_k}d"), signature=_conv_transpose)(partial(_transposed, k=_k))
-    _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"), signature=_max_pool)(partial(_pool, k=_k, kind="max"))
-    _handles(*_resolve(f"avg_pool{_k}d"), signature=_avg_pool)(partial(_pool, k=_k, kind="avg"))
+    _handles(*_resolve(f"conv{_k}d"), signature=_conv, windows=_conv_windows)(partial(_convolution, k=_k))
+    _handles(*_resolve(f"conv_transpose{_k}d"), signature=_conv_transpose,
+             windows=_transposed_windows)(partial(_transposed, k=_k))
+    _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"), signature=_max_pool,
+             windows=_pool_windows(_k, "max"))(partial(_pool, k=_k, kind="max"))
+    _handles(*_resolve(f"avg_pool{_k}d"), signature=_avg_pool,
+             windows=_pool_windows(_k, "avg"))(partial(_pool, k=_k, kind="avg"))
     _handles(*_resolve(f"adaptive_avg_pool{_k}d"), signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="avg"))
     _handles(*_resolve(f"adaptive_max_pool{_k}d adaptive_max_pool{_k}d_with_indices _adaptive_max_pool{_k}d"),
              signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="max"))

@@ -25,17 +25,30 @@ from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain
 _HANDLERS: dict[Any, tuple[Callable, Callable | None]] = {}
 
 
-def _handles(*funcs, signature: Callable | None = None):
+def _handles(*funcs, signature: Callable | None = None, windows: Callable | None = None):
     """Register the decorated ``handler(func, a, args, kwargs)`` for the ops ``funcs``, ``a`` the call's arguments
     by name (:func:`bind_call` against ``signature``, a stub with a builtin op's parameter names and defaults, else
     the op's own).  A call that does not bind, or that the handler declines (``NotImplemented``), goes to the
-    gather path.  Returns the handler itself, which may be registered again with another signature."""
+    gather path.  Returns the handler itself, which may be registered again with another signature.
+
+    ``windows(a, extents)``: for an op whose output tile reads its neighbours' rows, the input window of each
+    output per spatial dimension (from the bound call and the input's spatial extents; ``ValueError`` for a call
+    without a tiled form), the function its handler's kernel uses.  Registered with the handler in
+    :data:`OP_WINDOWS`, from which the setup check and the planner (:mod:`lightning_hpc.spatial.windows`) read
+    the halo of whatever layer calls the op: no second table to keep."""
     def deco(fn):
         for f in funcs:
             if f is not None:
                 _HANDLERS[f] = (fn, signature)
+                if windows is not None:
+                    OP_WINDOWS[f] = (signature if signature is not None else f, windows)
         return fn
     return deco
+
+
+#: per op whose tile reads its neighbours' rows: (the signature its calls bind against, its window function), as
+#: registered with its handler by :func:`_handles`
+OP_WINDOWS: dict[Callable, tuple[Callable, Callable]] = {}
 
 
 def _resolve(names: str) -> list[Any]:
