@@ -159,3 +159,46 @@ def test_all_finite_sees_every_nan_and_infinity():
                 broken[i].view(-1)[pos] = bad
                 assert not _all_finite(broken), (bad, i, pos)
 
+
+class _EveryType(nn.Module):
+    """A Linear, a convolution, a depthwise and a grouped convolution, a BatchNorm and an Embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.dw = nn.Conv2d(6, 6, 5, padding=2, groups=6)
+        self.grouped = nn.Conv2d(6, 4, 3, groups=2, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 3 * 3, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens).permute(0, 3, 1, 2)  # (N, 3, 5, 5)
+        return self.fc(self.bn(self.grouped(self.dw(self.conv(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_precondition_flops_count_the_products_the_step_runs(method):
+    """Each layer's FLOP model equals what torch's FLOP counter counts in its preconditioning (the matrix products
+    of Eq 13-15 / Eq 12 or of the layer's own form), for every layer type; the inverse route's two products are
+    half the eigen route's four."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_hpc.kfac.methods import make_method
+
+    torch.manual_seed(0)
+    model = _EveryType()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, compute_method=method)
+    F.cross_entropy(model(torch.randint(0, 7, (4, 5, 5))), torch.randint(0, 5, (4,))).backward()
+    pre.step()
+    assert {type(h).__name__ for h in pre.handlers} >= {"LinearHandler", "ConvHandler", "GroupConvHandler",
+                                                         "NormAffineHandler", "EmbeddingHandler"}
+    for h in pre.handlers:
+        grad = h.grad_matrix()
+        assert grad is not None
+        with FlopCounterMode(display=False) as counter:
+            h.preconditioned(grad, pre.method, pre.damping, pre.decomposition_dtype)
+        assert h.precondition_flops(pre.method) == counter.get_total_flops() > 0, h.name
+        if method == "eigen":
+            assert h.precondition_flops(make_method("inverse")) * 2 == h.precondition_flops(pre.method)
