@@ -39,6 +39,10 @@ time there: the ranks wait for each other, and waiting is what overlap removes.
 
 (writes bench/results/kfac_overhead_mobilenet.{json,csv} unless ``--tag`` is given).
 
+``--spread`` adds ``kfac_factors_spread_max``: a factor step that also decomposes the heaviest phase of
+``spread_decompositions=True`` at d=100 (the factors whose ``n^3`` the phases balance), i.e. the most any step
+costs with the decompositions spread, against ``kfac_factors_decomp``'s stall once per interval.
+
 Beside each K-FAC ratio, ``flop_floor`` is the FLOP floor of the eigen route (:func:`flop_floor`): ``1 + P / S``
 with ``S`` the SGD step's FLOPs (torch's FLOP counter) and ``P`` the matrix-product FLOPs every K-FAC step must run
 to precondition (Eq 13-15: four products per layer). It is a ratio of FLOPs, not of times: what the amortized ratio
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -63,8 +68,11 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.batched import PreconditionBuckets
+from lightning_hpc.kfac.schedules import spread_phases
 from lightning_hpc.models import build_model, cifar_resnet
 
+#: the decomposition interval ``--spread`` spreads over (the issue's d=100)
+SPREAD_INTERVAL = 100
 #: factor all-reduce modes: ``overlap_factor_allreduce`` value and the suffix of their step kinds
 MODES = {"sync": (False, ""), "overlap": (True, "_overlap")}
 
@@ -92,6 +100,9 @@ def main() -> None:
     ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                     help="factor all-reduce at the step (off), from the backward hooks (on), or both in one run; "
                     "needs --processes > 1")
+    ap.add_argument("--spread", action="store_true",
+                    help="also time kfac_factors_spread_max: a factor step with the heaviest phase of "
+                    "spread_decompositions at d=100 (the worst step with the decompositions spread)")
     ap.add_argument("--unfold-a", action="store_true",
                     help="compute every convolution's A from the unfolded patches (the path before the shifted "
                     "channel correlations), for a comparison on the same machine")
@@ -304,11 +315,32 @@ def measure(
         pre.step()
         opt.step()
 
+    def spread_step() -> None:
+        """A factor step that decomposes the heaviest phase of ``spread_decompositions`` at d=100: the most a
+        step costs with the decompositions spread (``--spread``)."""
+        net, opt, pre = kfac[modes[0]]
+        plain, pre.options = pre.options, dataclasses.replace(pre.options, spread_decompositions=True)
+        forms = [form for h in pre.handlers for form in h.factor_forms().values()]
+        phases = spread_phases([form.cost for form in forms], SPREAD_INTERVAL)
+        loads = [sum(f.cost for f, p in zip(forms, phases) if p == q) for q in range(SPREAD_INTERVAL)]
+        pre.steps = max(range(1, SPREAD_INTERVAL), key=loads.__getitem__)  # not 0: every interval's multiple
+        pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1,
+                                              inv_update_freq=SPREAD_INTERVAL)  # fmt: skip
+        try:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+            opt.step()
+        finally:
+            pre.options = plain
+
     first = modes[0]
     kinds = {
         "sgd": lambda: sgd_step(),
         "kfac_precondition": lambda: kfac_step(first, False, False),
     }
+    if args.spread:
+        kinds["kfac_factors_spread_max"] = spread_step
     if args.per_layer:  # the same precondition-only step with every layer preconditioned alone (no buckets)
         def per_layer_step() -> None:
             pre = kfac[first][2]
