@@ -71,7 +71,7 @@ from lightning_hpc.kfac.batched import PreconditionBuckets
 from lightning_hpc.kfac.schedules import spread_phases
 from lightning_hpc.models import build_model, cifar_resnet
 
-#: the decomposition interval ``--spread`` spreads over (the issue's d=100)
+#: the decomposition interval ``--spread`` spreads over (the d=100 of the amortized figures)
 SPREAD_INTERVAL = 100
 #: factor all-reduce modes: ``overlap_factor_allreduce`` value and the suffix of their step kinds
 MODES = {"sync": (False, ""), "overlap": (True, "_overlap")}
