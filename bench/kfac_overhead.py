@@ -38,12 +38,23 @@ time there: the ranks wait for each other, and waiting is what overlap removes.
     flock LOCKFILE python bench/kfac_overhead.py --model mobilenet [--width 0.5] [--layer-types linear conv]
 
 (writes bench/results/kfac_overhead_mobilenet.{json,csv} unless ``--tag`` is given).
+
+``--spread`` adds ``kfac_factors_spread_max``: a factor step that also decomposes the heaviest phase of
+``spread_decompositions=True`` at d=100 (the factors whose ``n^3`` the phases balance), i.e. the most any step
+costs with the decompositions spread, against ``kfac_factors_decomp``'s stall once per interval.
+
+Beside each K-FAC ratio, ``flop_floor`` is the FLOP floor of the eigen route (:func:`flop_floor`): ``1 + P / S``
+with ``S`` the SGD step's FLOPs (torch's FLOP counter) and ``P`` the matrix-product FLOPs every K-FAC step must run
+to precondition (Eq 13-15: four products per layer). It is a ratio of FLOPs, not of times: what the amortized ratio
+would be if K-FAC's products ran at the SGD step's FLOP rate and the factor steps and decompositions were free.
+The inverse route's floor (two products) is printed too; it damps differently, so it is no exact cheaper route.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -57,8 +68,11 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.batched import PreconditionBuckets
+from lightning_hpc.kfac.schedules import spread_phases
 from lightning_hpc.models import build_model, cifar_resnet
 
+#: the decomposition interval ``--spread`` spreads over (the d=100 of the amortized figures)
+SPREAD_INTERVAL = 100
 #: factor all-reduce modes: ``overlap_factor_allreduce`` value and the suffix of their step kinds
 MODES = {"sync": (False, ""), "overlap": (True, "_overlap")}
 
@@ -86,6 +100,9 @@ def main() -> None:
     ap.add_argument("--overlap", choices=["off", "on", "both"], default="off",
                     help="factor all-reduce at the step (off), from the backward hooks (on), or both in one run; "
                     "needs --processes > 1")
+    ap.add_argument("--spread", action="store_true",
+                    help="also time kfac_factors_spread_max: a factor step with the heaviest phase of "
+                    "spread_decompositions at d=100 (the worst step with the decompositions spread)")
     ap.add_argument("--unfold-a", action="store_true",
                     help="compute every convolution's A from the unfolded patches (the path before the shifted "
                     "channel correlations), for a comparison on the same machine")
@@ -119,6 +136,10 @@ def main() -> None:
         processes=args.processes,
         factor_allreduce=modes,
     )
+    floor = flop_floor(args, args.batch // args.processes)
+    report.meta.update(floor)
+    print(f"FLOP floor (SGD step + the every-step preconditioning products, as a ratio of the SGD step's FLOPs): "
+          f"eigen {floor['floor_eigen']:.3f}x, inverse {floor['floor_inverse']:.3f}x")
     for threads in dict.fromkeys(counts):
         if args.processes > 1:
             # rank 0's medians (every step kind synchronises the ranks through its collectives)
@@ -150,6 +171,8 @@ def main() -> None:
                     wall_s_per_step=amortized(t_wall, f, d, suffix),
                     ratio_on=ratio_on,
                 )
+    for row in report.rows:  # the floor of the compute method timed (the default, eigen) beside each K-FAC ratio
+        row["flop_floor"] = None if row["config"] == "sgd" else floor["floor_eigen"]
     report.add_ratios("config", "cpu_s_per_step", "sgd", ratio_name="cpu_vs_sgd", group_by=["threads"])
     report.add_ratios("config", "wall_s_per_step", "sgd", ratio_name="wall_vs_sgd", group_by=["threads"])
     for row in report.rows:  # the ratio that measures the step's own work at this thread count
@@ -181,6 +204,41 @@ def mobilenet(width: float = 1.0, classes: int = 10) -> nn.Sequential:
         layers += conv_bn(c, c, 3, stride, groups=c) + conv_bn(c, ch(c_out), 1, 1)
         c = ch(c_out)
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes))
+
+
+def build(args: argparse.Namespace) -> nn.Module:
+    """The model ``--model`` names."""
+    if args.model == "resnet":
+        return cifar_resnet(args.depth)
+    return mobilenet(args.width) if args.model == "mobilenet" else build_model(args.model)
+
+
+def flop_floor(args: argparse.Namespace, batch: int) -> dict[str, float]:
+    """The FLOP floor of a K-FAC step: FLOPs of one SGD step (forward and backward of a batch of ``batch``, as
+    torch's FLOP counter counts them: matrix products and convolutions) plus those of the products every K-FAC step
+    must run to precondition (:meth:`~lightning_hpc.kfac.layers.LayerHandler.precondition_flops`: Eq 13-15's four
+    products per layer with eigenpairs, Eq 12's two with inverses), as a ratio of the SGD step's. A lower bound on
+    the amortized ratio if K-FAC's products ran at the SGD step's FLOP rate: the factor steps and the
+    decompositions come on top of it. Of the two routes only the eigen one (the default, timed here) computes the
+    exact damping ``(A (x) G + damping I)^-1``; the inverse route's is factored, ``(A + damping I)^-1 (x) (G +
+    damping I)^-1``, so it is not an exact cheaper route to the same step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_hpc.kfac.methods import make_method
+
+    torch.manual_seed(0)
+    model = build(args)
+    x, y = torch.randn(batch, 3, args.size, args.size), torch.randint(0, 10, (batch,))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    sgd = counter.get_total_flops()
+    pre = KFACPreconditioner(model, layer_types=args.layer_types, announce=False)
+    out: dict[str, float] = {"sgd_step_flops": sgd}
+    for name in ("eigen", "inverse"):
+        flops = sum(h.precondition_flops(make_method(name)) for h in pre.handlers)
+        out[f"precondition_flops_{name}"] = flops
+        out[f"floor_{name}"] = 1.0 + flops / sgd
+    return out
 
 
 def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> float:
@@ -218,8 +276,7 @@ def measure(
     torch.manual_seed(0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    model0 = cifar_resnet(args.depth) if args.model == "resnet" else mobilenet(args.width) \
-        if args.model == "mobilenet" else build_model(args.model)
+    model0 = build(args)
     g = torch.Generator().manual_seed(rank)
     batch = args.batch // world
     x = torch.randn(batch, 3, args.size, args.size, generator=g)
@@ -258,11 +315,32 @@ def measure(
         pre.step()
         opt.step()
 
+    def spread_step() -> None:
+        """A factor step that decomposes the heaviest phase of ``spread_decompositions`` at d=100: the most a
+        step costs with the decompositions spread (``--spread``)."""
+        net, opt, pre = kfac[modes[0]]
+        plain, pre.options = pre.options, dataclasses.replace(pre.options, spread_decompositions=True)
+        forms = [form for h in pre.handlers for form in h.factor_forms().values()]
+        phases = spread_phases([form.cost for form in forms], SPREAD_INTERVAL)
+        loads = [sum(f.cost for f, p in zip(forms, phases) if p == q) for q in range(SPREAD_INTERVAL)]
+        pre.steps = max(range(1, SPREAD_INTERVAL), key=loads.__getitem__)  # not 0: every interval's multiple
+        pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1,
+                                              inv_update_freq=SPREAD_INTERVAL)  # fmt: skip
+        try:
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            pre.step()
+            opt.step()
+        finally:
+            pre.options = plain
+
     first = modes[0]
     kinds = {
         "sgd": lambda: sgd_step(),
         "kfac_precondition": lambda: kfac_step(first, False, False),
     }
+    if args.spread:
+        kinds["kfac_factors_spread_max"] = spread_step
     if args.per_layer:  # the same precondition-only step with every layer preconditioned alone (no buckets)
         def per_layer_step() -> None:
             pre = kfac[first][2]

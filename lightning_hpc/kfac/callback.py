@@ -87,6 +87,7 @@ class KFAC(Callback):
         subsample_seed: int = 0,
         symmetric_allreduce: bool = True,
         overlap_factor_allreduce: bool = False,
+        spread_decompositions: bool = False,
         communicator: str | Communicator = "auto",
     ) -> None:
         self.options = KFACOptions.from_arguments(locals())  # the fields among this call's arguments

@@ -52,6 +52,12 @@ class ComputeMethod(ABC):
     def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
         """Precondition a ``(g_dim, a_dim)`` gradient with the layer's decompositions ``d`` (keys ``k_A``/``k_G``)."""
 
+    @abstractmethod
+    def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
+        """Floating-point operations of the matrix products of :meth:`precondition` on one ``(g_dim, a_dim)`` block
+        (a multiply-add counts 2, as ``torch.utils.flop_counter`` counts them); the element-wise part, ``O(g_dim
+        a_dim)``, is left out. The every-step cost of the route, whatever the kernels achieve."""
+
 
 class EigenMethod(ComputeMethod):
     """Eq 13-15 (eigendecompositions; damping added to the eigenvalue products)."""
@@ -75,6 +81,10 @@ class EigenMethod(ComputeMethod):
     def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
         return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], damping)
 
+    def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
+        # four products: Q_G^T grad and Q_G V2 (g^2 a each), then Q_A and Q_A^T (g a^2 each)
+        return 4 * g_dim * a_dim * (g_dim + a_dim)
+
 
 class InverseMethod(ComputeMethod):
     """Eq 11-12 (damped inverses of each factor)."""
@@ -95,6 +105,10 @@ class InverseMethod(ComputeMethod):
 
     def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
         return precondition_inverse(grad, d["inv_A"], d["inv_G"])
+
+    def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
+        # two products: (G + damping I)^-1 grad (g^2 a), then (A + damping I)^-1 (g a^2)
+        return 2 * g_dim * a_dim * (g_dim + a_dim)
 
 
 #: ``compute_method`` name -> class

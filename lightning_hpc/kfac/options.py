@@ -109,6 +109,11 @@ class KFACOptions:
             backward pass (KAISA, SC21, arXiv:2107.01739); the step waits for it. False: all-reduced at the step.
             Same factors and parameters either way (see :mod:`.overlap`; with gradient accumulation mark the
             earlier micro-batches with :meth:`KFACPreconditioner.no_sync`, which the Lightning callback does).
+        spread_decompositions: decompose each factor once per ``inv_update_freq`` steps at a step of its own
+            (its phase, the factors' ``n^3`` costs balanced over the interval, :func:`.schedules.spread_phases`),
+            from the running factor at that step, instead of all of them at the multiples of ``inv_update_freq``:
+            no step stalls on all decompositions. A different schedule (later phases see newer factors), so
+            False by default; the first decomposition of every factor is still at the first step.
     """
 
     factor_update_freq: int | Callable[[int], int] | None = None
@@ -134,6 +139,7 @@ class KFACOptions:
     subsample_seed: int = 0
     symmetric_allreduce: bool = True
     overlap_factor_allreduce: bool = False
+    spread_decompositions: bool = False
 
     def __post_init__(self) -> None:
         # normalise containers (Hydra hands ListConfig) so the options compare and pickle plainly

@@ -64,7 +64,7 @@ from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns, with_option_keywords
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce, make_overlap
 from lightning_hpc.kfac.placement import GradWorkerGrid, grad_workers_for, make_placement
-from lightning_hpc.kfac.schedules import value_at
+from lightning_hpc.kfac.schedules import SpreadDecompositions, value_at
 from lightning_hpc.protocols import TiledLayers
 
 __all__ = ["COMPUTE_METHODS", "KFACPreconditioner"]
@@ -179,6 +179,7 @@ class KFACPreconditioner:
         self.subsample_generator = enable_subsampling(self.handlers, self.conv_input_sample_fraction,
                                                       int(options.subsample_seed))
         self._layout_cache: tuple[list[int], dict[tuple[int, str], int]] | None = None
+        self._spread = SpreadDecompositions()  # the phases of spread_decompositions
         self._column_group, self._row_group = self.grid.make_groups(self.comm)
         #: the coming backward pass is the last of the optimizer step (see :meth:`no_sync`); with
         #: ``overlap_factor_allreduce`` its hooks launch the factor all-reduce
@@ -314,8 +315,11 @@ class KFACPreconditioner:
             if self.is_factor_update_step:
                 note_shared_layers(self)
                 self._update_factors(scale)
-            if self.is_inv_update_step or self._missing_decompositions():
+            spread = self.options.spread_decompositions
+            if self._missing_decompositions() or (self.is_inv_update_step and not spread):
                 self._update_decompositions()
+            elif spread:  # this step's phase of the interval
+                self._update_decompositions(self._spread.due(self.handlers, self.inv_update_freq, self.steps))
             self._precondition(lr)
         finally:
             self.discard_statistics()
@@ -357,12 +361,13 @@ class KFACPreconditioner:
         """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
         return self.grid.column_of(self.comm.rank) == self.layer_columns()[i]
 
-    def _update_decompositions(self) -> None:
+    def _update_decompositions(self, due: set[tuple[int, str]] | None = None) -> None:
+        """Step 2 of Algorithm 1 for every factor, or for the ``(layer index, factor)`` pairs ``due``."""
         world, rank = self.comm.world_size, self.comm.rank
         owners = self.assignment()
         # only the layers of this rank's gradient-worker group
         work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if h.factors and self._is_worker(i)
-                for kind in h.factor_forms()]  # fmt: skip
+                for kind in h.factor_forms() if due is None or (i, kind) in due]  # fmt: skip
         # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
         results: dict[tuple[str, str], dict[str, torch.Tensor]] = {
             (h.name, kind): h.state.decompose(kind, self.method, self.damping, self.decomposition_dtype,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KFACSchedule", "value_at"]
+__all__ = ["KFACSchedule", "SpreadDecompositions", "spread_phases", "value_at"]
 
 
 def value_at(name: str, value: Any, step: int, check: Callable[[Any], bool], need: str) -> Any:
@@ -81,3 +81,33 @@ class KFACSchedule:
 
     def inv_update_freq_at(self, epoch: int, step: int = 0) -> int:
         return self._freq("inv_update_freq", self.inv_update_freq, epoch, step)
+
+
+def spread_phases(costs: Sequence[int], interval: int) -> list[int]:
+    """The phase in ``[0, interval)`` of each of the work items of ``costs`` (``spread_decompositions``: item
+    ``j`` is done at the steps ``s`` with ``s % interval == phases[j]``): longest first, each to the phase with the
+    least cost so far (the lowest on ties), so every step of the interval carries about the same cost. A pure
+    function of the costs and the interval: every rank, and a resumed run, computes the same phases."""
+    phases = [0] * len(costs)
+    load = [0] * max(1, interval)
+    for j in sorted(range(len(costs)), key=lambda j: -costs[j]):  # stable: ties keep the item order
+        p = min(range(len(load)), key=load.__getitem__)
+        phases[j] = p
+        load[p] += costs[j]
+    return phases
+
+
+class SpreadDecompositions:
+    """Which factors ``spread_decompositions`` decomposes at a step: the ``(layer index, factor name)`` pairs of
+    the handlers whose phase (:func:`spread_phases` of the factors' decomposition costs, their forms'
+    ``cost``) is the step's place in the interval. Kept for the interval they were made for."""
+
+    def __init__(self) -> None:
+        self._phases: tuple[int, dict[tuple[int, str], int]] | None = None
+
+    def due(self, handlers: Sequence[Any], interval: int, step: int) -> set[tuple[int, str]]:
+        if self._phases is None or self._phases[0] != interval:
+            items = [(i, kind, form.cost) for i, h in enumerate(handlers) for kind, form in h.factor_forms().items()]
+            phases = spread_phases([cost for _, _, cost in items], interval)
+            self._phases = interval, {(i, kind): p for (i, kind, _), p in zip(items, phases)}
+        return {item for item, p in self._phases[1].items() if p == step % interval}

@@ -310,6 +310,12 @@ class LayerHandler:
         ``f"{name}_{factor}"``): ``(A (x) G + damping I)^-1 vec(grad)`` by the compute method (Eq 13-15 / 11-12)."""
         return method.precondition(grad, decompositions, damping)
 
+    def precondition_flops(self, method: ComputeMethod) -> int:
+        """Floating-point operations of the matrix products of :meth:`precondition` under ``method`` (a
+        multiply-add counts 2; the element-wise part left out): the products of Eq 13-15 or Eq 12 on each of the
+        layer's :attr:`groups` blocks. Handlers with their own preconditioning count theirs."""
+        return self.groups * method.kronecker_flops(self.g_dim, self.a_dim)
+
     def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
                        dtype: torch.dtype) -> torch.Tensor:
         """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:

@@ -87,3 +87,7 @@ class EmbeddingHandler(LayerHandler):
             return qg @ v
         inv_g, inv_a = decompositions["inv_G"], decompositions["inv_A"]
         return (inv_g @ grad.to(inv_g.dtype)) * inv_a.unsqueeze(0)
+
+    def precondition_flops(self, method: ComputeMethod) -> int:
+        # A is diagonal (a scaling, element-wise): only G's side is a product, twice with eigenpairs
+        return (4 if method.name == "eigen" else 2) * self.g_dim**2 * self.a_dim

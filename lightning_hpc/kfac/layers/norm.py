@@ -207,3 +207,7 @@ class NormAffineHandler(LayerHandler):
             return torch.einsum("cij,cj->ci", q, v)
         inv = decompositions["inv_F"]
         return torch.einsum("cij,cj->ci", inv, grad.to(inv.dtype))
+
+    def precondition_flops(self, method: ComputeMethod) -> int:
+        # a k x k block times a k-vector per channel: two of them (Q^T, Q) with eigenpairs, one with the inverse
+        return (4 if method.name == "eigen" else 2) * self.g_dim * self.a_dim**2
