@@ -1,16 +1,19 @@
 """Declared contracts between the techniques, in one place.
 
 * :class:`StrategyContract`: what a lightning_hpc strategy tells callbacks (the K-FAC callback) and modules
-  (learning-rate scaling) about itself.  Every strategy of this package inherits it, so each item is declared
-  once with its default and a misspelt override is caught by mypy instead of silently falling back.  Readers
-  use :func:`contract_of`, which gives the same defaults for strategies that are not ours (Lightning's DDP, ...).
+  (learning-rate scaling) about itself, and its ranks as a named ``DeviceMesh``.  Every strategy of this package
+  inherits it, so each item is declared once with its default and a misspelt override is caught by mypy instead
+  of silently falling back.  Readers use :func:`contract_of`, which gives the same defaults for strategies that
+  are not ours (Lightning's DDP, ...).
 * :class:`CommunicationBackendAware`: a strategy or cluster environment that names the collective library
   (``"torch"`` or ``"horovod"``) K-FAC and layered SGD must use.
 * :class:`PostponedUpdateSafe`: a callback whose ``on_before_optimizer_step`` / ``on_train_batch_end`` may run
   when layered SGD applies its postponed update (at the next batch), because it neither logs nor keeps state tied
-  to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
-* :class:`TiledConvolution`: what a spatially tiled convolution tells K-FAC so its factors cover the whole
-  samples (the halo rows included), see :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
+  to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with a callback that has
+  code of its own in those hooks.
+* :class:`TiledConvolution`: what the spatial strategy declares on each convolution of the model whose input
+  may be split, so that K-FAC's factors cover the whole samples (the halo rows included), see
+  :class:`lightning_hpc.kfac.layers.TiledConvHandler` and :mod:`lightning_hpc.spatial.kfac_contract`.
 * :class:`ShardedFullyConnected`: what a fully-connected layer of which each rank holds one block (hybrid_fc's
   head) tells K-FAC so its factors and its preconditioned gradient are the whole layer's, see
   :class:`lightning_hpc.kfac.layers.ShardedLinearHandler`.
@@ -46,8 +49,9 @@ class StrategyContract:
         """Why K-FAC cannot precondition under this strategy (``None``: it can); the callback refuses at setup."""
         return None
 
-    #: the strategy replaces layers in its own ``setup`` (after the callbacks' ``setup``): K-FAC registers its
-    #: hooks in ``on_fit_start`` instead, on the replaced layers
+    #: the strategy changes or declares the model's layers in its own ``setup``, after the callbacks' ``setup``
+    #: (hybrid_fc shards its head; the spatial strategy turns SyncBatchNorm into batch norm and declares the
+    #: convolutions and norms to K-FAC): K-FAC registers its hooks in ``on_fit_start`` instead, on the layers that run
     replaces_layers_in_setup: bool = False
 
     #: the strategy reduces a parameter from the step its ``requires_grad`` changes (``BackboneFinetuning``); the
@@ -112,27 +116,32 @@ class CommunicationBackendAware(Protocol):
 class PostponedUpdateSafe(Protocol):
     """A callback that declares ``postponed_update_safe = True``: its step hooks only read the gradients and the
     parameters (no ``self.log``, nothing tied to the current batch), so layered SGD may run them when it applies
-    the postponed update, one batch later, and keep overlapping the reduction with the next batch's loading."""
+    the postponed update, one batch later, and keep overlapping the reduction with the next batch's loading.
+
+    Layered SGD judges by class, not by ``isinstance``: the declaration covers the hooks as the declaring class and
+    its bases implement them, not a subclass's overrides, and never ``on_after_backward`` (it runs inside the
+    backward pass, before the postponed reduction completes)."""
 
     postponed_update_safe: bool
 
 
 @runtime_checkable
 class TiledConvolution(Protocol):
-    """A Conv2d computing one tile of each sample (spatial parallelism).
+    """An ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` whose input may be split into tiles (spatial parallelism):
+    the layer stays the user's, the strategy sets these plain instance attributes on it
+    (:func:`lightning_hpc.spatial.kfac_contract.declare_tiled_convolutions`), and K-FAC picks its tiled handler by
+    them (``hasattr(module, "kfac_padded_input")``).
 
-    With ``kfac_record_input`` set, its next forward keeps ``kfac_padded_input``: the input box whose
-    padding-0 convolution gives exactly the output positions this tile owns (halo rows included), and
-    ``kfac_output_extent``, the (H, W) of the whole sample's output.  ``kfac_partition_size`` tiles make up a
-    sample.
+    With ``kfac_record_input`` set, its next forward keeps ``kfac_padded_input``: the input box whose padding-0
+    convolution gives exactly the output positions this tile owns (halo rows and border padding included; the
+    whole padded input where the input is not split), and ``kfac_output_extent``, the whole sample's output
+    extents, one per spatial dimension.  ``kfac_partition_size`` tiles make up a sample.
     """
 
     kfac_record_input: bool
     kfac_padded_input: torch.Tensor | None
-    kfac_output_extent: tuple[int, int] | None
-
-    @property
-    def kfac_partition_size(self) -> int: ...
+    kfac_output_extent: tuple[int, ...] | None
+    kfac_partition_size: int
 
 
 @runtime_checkable
