@@ -5,7 +5,7 @@ upgrade that renames it fails in one place with a message naming the API and the
 instead of with an AttributeError deep inside a training step.  Lightning is imported lazily inside the
 functions that need it: the plain-torch cores import this module with Lightning absent.
 
-Checked with torch 2.2-2.13 and lightning 2.2-2.6.
+Checked with torch 2.9-2.14 (the range pyproject.toml states) and lightning 2.2-2.6.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _private(module: str, name: str) -> Any:
     except (ImportError, AttributeError) as exc:
         raise CompatError(
             f"{module}.{name} is not available in this installation ({exc}); lightning_hpc was checked with "
-            "torch 2.2-2.13 and lightning 2.2-2.6: install a version in that range or report the upgrade"
+            "torch 2.9-2.14 and lightning 2.2-2.6: install a version in that range or report the upgrade"
         ) from exc
 
 

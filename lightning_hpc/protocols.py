@@ -1,14 +1,16 @@
 """Declared contracts between the techniques, in one place.
 
 * :class:`StrategyContract`: what a lightning_hpc strategy tells callbacks (the K-FAC callback) and modules
-  (learning-rate scaling) about itself.  Every strategy of this package inherits it, so each item is declared
-  once with its default and a misspelt override is caught by mypy instead of silently falling back.  Readers
-  use :func:`contract_of`, which gives the same defaults for strategies that are not ours (Lightning's DDP, ...).
+  (learning-rate scaling) about itself, and its ranks as a named ``DeviceMesh``.  Every strategy of this package
+  inherits it, so each item is declared once with its default and a misspelt override is caught by mypy instead
+  of silently falling back.  Readers use :func:`contract_of`, which gives the same defaults for strategies that
+  are not ours (Lightning's DDP, ...).
 * :class:`CommunicationBackendAware`: a strategy or cluster environment that names the collective library
   (``"torch"`` or ``"horovod"``) K-FAC and layered SGD must use.
 * :class:`PostponedUpdateSafe`: a callback whose ``on_before_optimizer_step`` / ``on_train_batch_end`` may run
   when layered SGD applies its postponed update (at the next batch), because it neither logs nor keeps state tied
-  to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with such a callback.
+  to the batch (the K-FAC callback); layered SGD otherwise updates at once for a run with a callback that has
+  code of its own in those hooks.
 * :class:`TiledLayers`: which layers a spatial strategy runs on tiles, and the recorded input boxes of its tiled
   convolutions, so K-FAC's factors cover the whole samples (the halo rows included), see
   :class:`lightning_hpc.kfac.layers.TiledConvHandler`.
@@ -47,8 +49,9 @@ class StrategyContract:
         """Why K-FAC cannot precondition under this strategy (``None``: it can); the callback refuses at setup."""
         return None
 
-    #: the strategy replaces layers in its own ``setup`` (after the callbacks' ``setup``): K-FAC registers its
-    #: hooks in ``on_fit_start`` instead, on the replaced layers
+    #: the strategy changes or declares the model's layers in its own ``setup``, after the callbacks' ``setup``
+    #: (hybrid_fc shards its head; the spatial strategy turns SyncBatchNorm into batch norm and declares the
+    #: convolutions and norms to K-FAC): K-FAC registers its hooks in ``on_fit_start`` instead, on the layers that run
     replaces_layers_in_setup: bool = False
 
     #: the strategy reduces a parameter from the step its ``requires_grad`` changes (``BackboneFinetuning``); the
@@ -118,7 +121,11 @@ class CommunicationBackendAware(Protocol):
 class PostponedUpdateSafe(Protocol):
     """A callback that declares ``postponed_update_safe = True``: its step hooks only read the gradients and the
     parameters (no ``self.log``, nothing tied to the current batch), so layered SGD may run them when it applies
-    the postponed update, one batch later, and keep overlapping the reduction with the next batch's loading."""
+    the postponed update, one batch later, and keep overlapping the reduction with the next batch's loading.
+
+    Layered SGD judges by class, not by ``isinstance``: the declaration covers the hooks as the declaring class and
+    its bases implement them, not a subclass's overrides, and never ``on_after_backward`` (it runs inside the
+    backward pass, before the postponed reduction completes)."""
 
     postponed_update_safe: bool
 

@@ -1,5 +1,6 @@
 """Tensors that are one rank's block of a tensor partitioned over a process group, with the whole tensor's
-reductions (model-parallel parameters as user code sees them).
+reductions (model-parallel parameters as user code sees them), and the refusals shared by the strategies that
+split the model or its activations (what they cannot make equal to one process).
 
 A model-parallel strategy keeps on each rank only a block of some parameters (hybrid_fc's sharded head,
 Krizhevsky, "One weird trick", section 4).  User code that reduces over ``self.parameters()`` (a gradient norm
@@ -9,18 +10,29 @@ reductions the whole tensor's value:
 
 * a reduction over *all* elements (``sum``, ``mean``, ``norm`` / ``torch.linalg.vector_norm`` /
   ``torch.linalg.norm`` (vector norms and Frobenius), ``max`` / ``min`` / ``amax`` / ``amin``) is reduced over
-  the group and returns a plain tensor holding the whole tensor's value, the same on every rank.  Sums and
-  p-norms are differentiable: each rank's block gets the gradient of the whole value with respect to it (the
-  all-reduce's adjoint on a loss every rank computes alike is the identity), so a penalty over the whole tensor
-  trains each block as one process trains that part of the tensor;
-* element-wise arithmetic whose other operands are blocks of the same partition or scalars (``p.pow(2)``,
-  ``p.grad * p``, ``p - p0``, ``p.detach().clone()``, ``zeros_like``) stays a :class:`BlockTensor`, so a reduction
-  after it is still the whole tensor's; ``.grad`` and ``.data`` of a block parameter are blocks;
+  the group and returns a plain tensor holding the whole tensor's value, the same on every rank.  They are
+  differentiable: each rank's block gets the gradient of the whole value with respect to it (the all-reduce's
+  adjoint on a loss every rank computes alike is the identity; for ``max`` / ``min`` the ranks holding the
+  extremum get it), so a penalty over the whole tensor trains each block as one process trains that part of the
+  tensor;
+* element-wise arithmetic whose other operands are blocks of the same partition, Python numbers or one-element
+  tensors (``p.pow(2)``, ``p.grad * p``, ``p - p0``, ``p.detach().clone()``, ``zeros_like``) stays a
+  :class:`BlockTensor`, so a reduction after it is still the whole tensor's; ``.grad`` and ``.data`` of a block
+  parameter are blocks;
 * everything else (the layer's own ``F.linear``, collectives, optimizers' in-place updates, shape, ``numel``,
-  indexing, flattening) is the plain block, as before;
-* a reduction along some dimensions, or a matrix norm other than Frobenius, raises: its value over the whole
-  tensor is not this block's, and guessing would be silently wrong.  :func:`local_block` gives the plain block
-  for code that means it.
+  indexing, flattening, element-wise arithmetic with a plain tensor of several elements) gives plain tensors;
+* a reduction along some dimensions, a matrix norm other than Frobenius, and the reductions whose whole value
+  is not a sum, maximum or minimum of the blocks' (``std``, ``var``, ``prod``, ``median``, ``dot``, ``vdot``,
+  ``argmax``, ``argmin``, ``logsumexp``, ``count_nonzero``, ``nansum``, an explicit ``torch._foreach_norm``)
+  raise: its value over the whole tensor is not this block's, and guessing would be silently wrong.
+  :func:`local_block` gives the plain block for code that means it.
+
+A block pickles (``torch.save``) as its plain block, since the partition is this run's process group; a deep copy
+(``AveragedModel``, an EMA's copy) is a block of the same partition.
+
+The refusals, each raised before the first step with the fix named: :func:`refuse_flat_view_optimizers`
+(``LBFGS``), :func:`refuse_weight_averaging` (Lightning's weight-averaging callbacks, found by
+:func:`averaging_callbacks`) and :func:`refuse_compiled` (a ``torch.compile``'d submodule).
 
 Why not torch's ``DTensor`` with ``Shard`` placements on the head's mesh: the results of user reductions must be
 plain tensors, since user code mixes them with the data-parallel trunk's plain tensors and hands them to

@@ -1,14 +1,18 @@
 """``KFAC``: the Lightning callback that runs :class:`~lightning_hpc.kfac.preconditioner.KFACPreconditioner`.
 
-It only translates Lightning hooks:
+It translates Lightning hooks, and refuses before the first step what it cannot precondition exactly:
 
-* ``setup``: checks the precision (16-mixed needs :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`)
-  and that the strategy supports K-FAC (a strategy whose ``kfac_unsupported`` is a message refuses it),
-  registers the factor hooks on the LightningModule's layers, picks the communicator. Strategies that prepare
-  layers in their own ``setup`` (``replaces_layers_in_setup = True``: the spatial strategy names the layers it
-  runs on tiles, hybrid_fc shards its head) run after the callbacks' ``setup``; the hooks are then registered in
-  ``on_fit_start``, on the prepared layers, still before training starts.  The layers a strategy runs on spatial
-  tiles come from the strategy (``kfac_tiled_layers``), which hands its registry to the preconditioner.
+* ``setup`` (fit): checks the precision (a grad scaler needs
+  :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`) and that the strategy supports K-FAC (a strategy
+  whose ``kfac_unsupported`` is a message refuses it), picks the communicator, registers the factor hooks on the
+  LightningModule's layers and reports, on rank 0, which layers it preconditions and which it leaves to the
+  optimizer, with the reason. Strategies that change or declare layers in their own ``setup``
+  (``replaces_layers_in_setup = True``: hybrid_fc's sharded head, the spatial strategy's tiled convolutions
+  and norms) run it after the callbacks' ``setup``; the preconditioner is then built in ``on_fit_start``, on the
+  layers that run, still before training starts.  The layers a strategy runs on spatial tiles come from the
+  strategy (``kfac_tiled_layers``), which hands its registry to the preconditioner.
+* ``on_fit_start``: refuses more than one optimizer, remembers the trainable parameters under a strategy that does
+  not follow trainability changes, builds a deferred preconditioner and loads a pending checkpoint state.
 * ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
 * ``on_train_batch_start``: tells the preconditioner whether this batch's backward pass is the last of the
   optimizer step (Lightning's own accumulation decision, a short last group included), so that with
@@ -19,9 +23,11 @@ It only translates Lightning hooks:
   slot of Listing 1. The optimizer's current lr feeds the KL clip (Eq 18).  It reads gradients and parameters
   only (``postponed_update_safe``: layered SGD may run it when it applies its postponed update).  Under a
   strategy that does not follow trainability changes (Lightning's DDP), parameters that became trainable or
-  frozen since ``on_fit_start`` are refused here, before the step on their unreduced gradients.
+  frozen since ``on_fit_start`` are refused here, before the step on their unreduced gradients.  A step the
+  grad scaler of ``KFACMixedPrecision`` skips (inf / NaN gradients) drops its statistics and does not count.
 * ``state_dict`` / ``load_state_dict``: factors, decompositions and counters travel in Lightning checkpoints
   (restored at ``on_fit_start``, or at once under a strategy that restores the checkpoint after its setup).
+* ``teardown`` (fit): removes the hooks.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class KFAC(Callback):
     ``_target_`` (``conf/callbacks/kfac.yaml``) and IDEs see them; :meth:`from_options` takes a ready
     ``KFACOptions``. ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend,
     Horovod under ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise
-    at construction, a precision without the K-FAC plugin at setup: both before training starts."""
+    at construction, a precision without the K-FAC plugin or a strategy that refuses K-FAC at setup, several
+    optimizers at fit start: all before training starts."""
 
     #: its step hook reads gradients and parameters only (see :class:`lightning_hpc.protocols.PostponedUpdateSafe`)
     postponed_update_safe = True

@@ -1,9 +1,14 @@
-"""Differentiable reduction over the spatial group for values used *replicated* afterwards.
+"""Differentiable sum over the spatial group for values used *replicated* afterwards.
 
-A global reduction whose result every rank of the group then uses identically (global average pooling feeding
-a Linear head that every rank evaluates, section III-B / Table III) needs an allreduce forward and the
-identity backward: each rank already holds the full gradient of the replicated value.  (Aggregated batch norm,
-whose statistics feed back into every tile, has its own adjoint in :mod:`batchnorm`.)
+A reduction whose result every rank of the group then uses identically needs an all-reduce forward and the
+identity backward: each rank already holds the full gradient of the replicated value (section III-B / Table III:
+global average pooling feeding a Linear head that every rank evaluates).  The op dispatch uses it for every
+reduction over all the split dimensions of a tile (``sum`` / ``mean`` / ``nansum``,
+:mod:`lightning_hpc.spatial.dispatch.reductions` and ``dispatch.flat``), for the losses with ``reduction="sum"``
+/ ``"mean"`` (``dispatch.losses``) and in adaptive average pooling (:mod:`lightning_hpc.spatial.kernels.adaptive`).
+Normalisation layers, whose statistics feed back into every tile, have their own adjoint
+(:mod:`lightning_hpc.spatial.kernels.normalization`).  Without a group (one rank holds the whole sample) the value
+is returned as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ class _AllReduceReplicated(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the exchange in this backward is not itself differentiated
+    @once_differentiable  # the identity: nothing in this backward needs a derivative of its own
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad, None
 

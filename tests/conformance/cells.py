@@ -38,6 +38,10 @@ FEATURES = (
 #: hybrid_fc, each a launch of its own on top of its strategy's column (with their one-process references)
 SLOW_COLUMNS = {"spatial3d", "kfac_spatial", "kfac_hybrid_fc"}
 
+#: the row whose cells are in the torch-range subset (pytest marker ``torch_range``): one fit per strategy, each
+#: against one process; ``-m torch_range`` launches that row's cases only (conftest.py)
+TORCH_RANGE_ROW = "sgd"
+
 #: data-parallel ranks of each strategy on 2 processes (the reference's global batch is the union of theirs)
 DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "spatial3d": 1, "kfac_spatial": 1,
                  "multigrid_pm_plain_blocks": 1}

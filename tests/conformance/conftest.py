@@ -24,6 +24,7 @@ from cells import (
     REFUSED_AT,
     ROUNDING_BOUNDED,
     SLOW_COLUMNS,
+    TORCH_RANGE_ROW,
     float32_reference,
     kfac_reference,
     micro_batch_reference,
@@ -33,12 +34,14 @@ from launch import CaseResult, horovod_importable, launch, launch_forked, read
 
 
 class Runs:
-    def __init__(self, root: Path, skip_columns: frozenset[str] = frozenset()) -> None:
+    def __init__(self, root: Path, skip_columns: frozenset[str] = frozenset(), only: str | None = None) -> None:
         self.root = root
         self.logs: dict[str, str] = {}
         #: columns whose cells are deselected (the slow ones in the default tier): their references and resumed
         #: runs are not launched either
         self.skip_columns = skip_columns
+        #: the rows the launches run (``f1,f2``; None: ``CONFORMANCE_FEATURES``, else every row), see _selected
+        self.only = only
 
     def _ensure(self, key: str, outdir: str, devices: int, items: list[str], data_parallel: int, horovod: bool = False,
                 env: dict[str, str] | None = None) -> str:
@@ -61,7 +64,7 @@ class Runs:
         strategies = HOROVODRUN_STRATEGIES if horovod else (strategy,)
         data_parallel = {DATA_PARALLEL.get(s, 2) for s in strategies}
         assert len(data_parallel) == 1, f"strategies {strategies} of one launch differ in data-parallel size"
-        items = sorted(((s, c) for s in strategies for c in _two_process_cases(s) if _selected(c)),
+        items = sorted(((s, c) for s in strategies for c in _two_process_cases(s) if _selected(c, self.only)),
                        key=_refusals_last)
         log = self._ensure("two_horovodrun" if horovod else f"two_{strategy}", "two", 2,
                            [f"{s}:{c}" for s, c in items], data_parallel.pop(), horovod=horovod)
@@ -74,7 +77,7 @@ class Runs:
         cells += [(s, float32_reference(c)) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
         cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
-                        and kfac_reference(s) == kfac and _selected(c)
+                        and kfac_reference(s) == kfac and _selected(c, self.only)
                         and s.removesuffix("_find_unused") not in self.skip_columns})
         key = f"one_{strategy}_dp{data_parallel}"
         log = self._ensure(key, key, 1, [f"{strategy}:{c}" for c in cases], data_parallel)
@@ -84,7 +87,7 @@ class Runs:
         """The case under mode 'mg' (``strategy``: the bounded cells' solve, or a control's number of cycles) on
         one process, which holds every step: the multigrid solve with nothing distributed (all in one launch)."""
         mode_mg = [c for s, c in [*BOUNDED_MG, *DIFFERS] if s == "multigrid"]
-        cases = sorted({_reference_case(c) for c in mode_mg if _selected(c)})
+        cases = sorted({_reference_case(c) for c in mode_mg if _selected(c, self.only)})
         items = [f"{s}:{c}" for c in cases for s in ("multigrid", MG_MORE_CYCLES, MG_EXACT_CYCLES)]
         items.append(f"{MG_FEWER_CYCLES}:odenet")
         log = self._ensure("one_multigrid", "one_multigrid", 1, items, DATA_PARALLEL["multigrid"])
@@ -109,10 +112,10 @@ class Runs:
         return read(self.root / key, strategy, case, log, 1)
 
 
-def _selected(case: str) -> bool:
-    """With ``CONFORMANCE_FEATURES=f1,f2`` set, the launches run only those rows' cases (and their references), so
-    a few rows can be checked without the whole matrix; unset, everything runs."""
-    only = os.environ.get("CONFORMANCE_FEATURES")
+def _selected(case: str, only: str | None = None) -> bool:
+    """With ``only`` (``f1,f2``) or else ``CONFORMANCE_FEATURES=f1,f2`` set, the launches run only those rows'
+    cases (and their references), so a few rows can be checked without the whole matrix; unset, everything runs."""
+    only = only or os.environ.get("CONFORMANCE_FEATURES")
     if not only:
         return True
     base = case.removeprefix("odenet_").removesuffix("_micro_batches").removesuffix("_2_to_1")
@@ -142,5 +145,9 @@ def _refusals_last(item: tuple[str, str]) -> tuple[bool, str, str]:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, request) -> Runs:
     root = tmp_path_factory.mktemp("conformance")
-    slow_deselected = "not slow" in (request.config.getoption("markexpr") or "")
-    return Runs(root, frozenset(SLOW_COLUMNS) if slow_deselected else frozenset())
+    markexpr = request.config.getoption("markexpr") or ""
+    slow_deselected = "not slow" in markexpr
+    # the torch-range subset (-m torch_range) selects one row's cells: its launches run that row alone
+    torch_range = "torch_range" in markexpr and "not torch_range" not in markexpr
+    return Runs(root, frozenset(SLOW_COLUMNS) if slow_deselected else frozenset(),
+                only=TORCH_RANGE_ROW if torch_range else None)

@@ -46,6 +46,7 @@ from cells import (
     ROUNDING_BOUND,
     ROUNDING_BOUNDED,
     SLOW_COLUMNS,
+    TORCH_RANGE_ROW,
     NotApplicable,
     case_of,
     float32_reference,
@@ -78,12 +79,14 @@ MG_CONVERGENCE = 5.0
 
 def _params(cells):
     """Cells as pytest params, the horovod ones marked ``horovod`` like the rest of the Horovod tests, the
-    :data:`SLOW_COLUMNS` ones ``slow``."""
-    def marks(strategy: str) -> list:
+    :data:`SLOW_COLUMNS` ones ``slow``, the :data:`TORCH_RANGE_ROW` ones ``torch_range``."""
+    def marks(strategy: str, case: str) -> list:
+        column = strategy.removesuffix("_find_unused")
         return ([pytest.mark.horovod] if under_horovodrun(strategy) else []) + \
-            ([pytest.mark.slow] if strategy.removesuffix("_find_unused") in SLOW_COLUMNS else [])
+            ([pytest.mark.slow] if column in SLOW_COLUMNS else []) + \
+            ([pytest.mark.torch_range] if case == case_of(column, TORCH_RANGE_ROW) else [])
 
-    return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=marks(c[0])) for c in cells]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}", marks=marks(c[0], c[1])) for c in cells]
 
 
 @pytest.mark.parametrize(("strategy", "case"), _params(DIFFERS))

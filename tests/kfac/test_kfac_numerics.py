@@ -17,6 +17,9 @@ from torch import nn
 
 from lightning_hpc.kfac import KFACPreconditioner, linalg
 
+#: in the torch-range subset, run on the oldest and newest torch release (bash scripts/dev.sh torch-range)
+pytestmark = pytest.mark.torch_range
+
 LAYERS = {
     "linear_bias": lambda: nn.Linear(6, 5),
     "linear_nobias": lambda: nn.Linear(6, 5, bias=False),

@@ -26,6 +26,9 @@ from lightning_hpc.spatial.halo_exchange import (
 from lightning_hpc.spatial.kernels import pooling as kernel_pooling
 from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
 
+#: in the torch-range subset, run on the oldest and newest torch release (bash scripts/dev.sh torch-range)
+pytestmark = pytest.mark.torch_range
+
 GRIDS_2 = [(2,), (2, 1), (1, 2), (2, 1, 1), (1, 1, 2), (1, 2, 1)]
 GRIDS_4 = [(2, 2), (2, 2, 1), (1, 2, 2)]
 EXTENTS = {1: (13,), 2: (9, 13), 3: (6, 9, 7)}

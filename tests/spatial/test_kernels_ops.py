@@ -16,6 +16,9 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
 
+#: in the torch-range subset, run on the oldest and newest torch release (bash scripts/dev.sh torch-range)
+pytestmark = pytest.mark.torch_range
+
 TOL = 1e-12
 EXTENTS = {1: (13,), 2: (9, 13), 3: (6, 9, 7)}
 GRIDS_2 = [(2,), (2, 1), (1, 2), (2, 1, 1), (1, 1, 2), (1, 2, 1)]
