@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_hpc.kfac import worker_groups
 from lightning_hpc.kfac.layers import LayerHandler
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def gather_decompositions(pre: KFACPreconditioner) -> dict[str, dict[str, torch.
     ]
     mine = {(h.name, kind): h.state.decomposition_of(kind, pre.method) for owner, h, kind in work if owner == rank}
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for (name, kind), res in pre.share(work, mine).items():
+    for (name, kind), res in worker_groups.share_decompositions(pre, work, mine).items():
         for k, v in res.items():
             out.setdefault(name, {})[f"{k}_{kind}"] = v
     return out

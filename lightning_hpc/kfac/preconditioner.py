@@ -39,16 +39,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_hpc.distributed.comm import Communicator, TorchDistributedCommunicator
-from lightning_hpc.kfac import checkpoint
+from lightning_hpc.kfac import checkpoint, worker_groups
 from lightning_hpc.kfac.batched import PreconditionBuckets
-from lightning_hpc.kfac.collectives import broadcast_by_owner
 from lightning_hpc.kfac.discovery import find_layers
 from lightning_hpc.kfac.factor_update import (
     check_partitions,
@@ -190,8 +189,7 @@ class KFACPreconditioner:
 
     @classmethod
     def from_options(cls, model: nn.Module, options: KFACOptions, **runtime: Any) -> KFACPreconditioner:
-        """The preconditioner for a ready :class:`~lightning_hpc.kfac.options.KFACOptions`; ``runtime``: ``lr``,
-        ``optimizer``, ``communicator``, ``grad_scaler``, ``announce``, ``tiled_layers``."""
+        """The preconditioner for a ready :class:`~.options.KFACOptions`; ``runtime``: the keyword arguments."""
         return cls(model, options, **runtime)
 
     @property
@@ -314,7 +312,7 @@ class KFACPreconditioner:
             scale = resolve_grad_scale(self, grad_scale)
             if self.is_factor_update_step:
                 note_shared_layers(self)
-                self._update_factors(scale)
+                update_factors(self, scale)  # step 1 of Algorithm 1
             spread = self.options.spread_decompositions
             if self._missing_decompositions() or (self.is_inv_update_step and not spread):
                 self._update_decompositions()
@@ -333,29 +331,18 @@ class KFACPreconditioner:
         mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
         return any(h.factors and not h.decompositions for h in mine)
 
-    def _update_factors(self, grad_scale: float) -> None:
-        """Step 1 of Algorithm 1 (:func:`.factor_update.update_factors`)."""
-        update_factors(self, grad_scale)
-
     def comm_device(self) -> torch.device:
-        """The device of K-FAC's collectives: NCCL needs CUDA tensors, gloo takes CPU ones; the layers' device is
-        the right one in both cases."""
+        """The device of K-FAC's collectives, the layers' (NCCL needs CUDA tensors, gloo takes CPU ones)."""
         return self.handlers[0].weight.device
 
-    # decompositions -------------------------------------------------------------------------------------
-    def _layout(self) -> tuple[list[int], dict[tuple[int, str], int]]:
-        if self._layout_cache is None:  # deterministic in the layer shapes and the grid: computed once
-            dims = [h.layer_forms() for h in self.handlers]
-            self._layout_cache = self.placement_policy.assign_grid(dims, self.grid)
-        return self._layout_cache
-
+    # decompositions and who holds them (:mod:`.worker_groups`) ---------------------------------------------------
     def assignment(self) -> dict[tuple[int, str], int]:
         """``(layer index, factor name) -> rank`` that decomposes each factor (within the layer's worker group)."""
-        return self._layout()[1]
+        return worker_groups.layout(self)[1]
 
     def layer_columns(self) -> list[int]:
         """The gradient-worker group (column of :attr:`grid`) of each layer."""
-        return self._layout()[0]
+        return worker_groups.layout(self)[0]
 
     def _is_worker(self, i: int) -> bool:
         """This rank holds layer ``i``'s decompositions and preconditions its gradient."""
@@ -363,33 +350,7 @@ class KFACPreconditioner:
 
     def _update_decompositions(self, due: set[tuple[int, str]] | None = None) -> None:
         """Step 2 of Algorithm 1 for every factor, or for the ``(layer index, factor)`` pairs ``due``."""
-        world, rank = self.comm.world_size, self.comm.rank
-        owners = self.assignment()
-        # only the layers of this rank's gradient-worker group
-        work = [(owners[(i, kind)], h, kind) for i, h in enumerate(self.handlers) if h.factors and self._is_worker(i)
-                for kind in h.factor_forms() if due is None or (i, kind) in due]  # fmt: skip
-        # Step 2 of Algorithm 1: each rank decomposes the factors assigned to it, as the factor's form says.
-        results: dict[tuple[str, str], dict[str, torch.Tensor]] = {
-            (h.name, kind): h.state.decompose(kind, self.method, self.damping, self.decomposition_dtype,
-                                              self.inverse_dtype)
-            for owner, h, kind in work if owner == rank
-        }  # fmt: skip
-        if world > 1 and self.grid.shares_decompositions:
-            # to the other gradient workers of the layer (KAISA: the column; COMM-OPT: the world)
-            results = self.share(work, results, self._column_group)
-        for (name, kind), res in results.items():
-            self._by_name[name].state.set_decomposition(kind, res)
-
-    def share(self, work: list[tuple[int, LayerHandler, str]], results: dict[tuple[str, str], dict[str, torch.Tensor]],
-              group: Any = None) -> dict[tuple[str, str], dict[str, torch.Tensor]]:
-        """One broadcast per owning rank of all its decompositions within ``group`` (None: the world), all in
-        flight at once (paper: allgather)."""
-        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
-        for owner, h, kind in work:
-            items.setdefault(owner, []).append(((h.name, kind), h.state.result_shapes(kind, self.method)))
-        return broadcast_by_owner(  # type: ignore[return-value]
-            self.comm, items, results, self.inverse_dtype, self.comm_device(), group  # type: ignore[arg-type]
-        )
+        worker_groups.decompose(self, due)
 
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layers(self, handlers: Sequence[LayerHandler],
@@ -406,7 +367,7 @@ class KFACPreconditioner:
             if g is not None and h.factors:
                 grads[h.name] = g
         if self.comm.world_size > 1 and self.grid.broadcasts_gradients:
-            precond = self._precondition_by_workers(grads)
+            precond = worker_groups.precondition_by_workers(self, grads)
         else:
             precond = self._precondition_layers([h for h in self.handlers if h.name in grads and h.decompositions],
                                                 grads)
@@ -420,31 +381,6 @@ class KFACPreconditioner:
             if h.name in precond:
                 p = precond[h.name]
                 h.set_grad_matrix(p * nu if nu != 1.0 else p)
-
-    def _precondition_by_workers(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """KAISA (SC21; K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
-        layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source)."""
-        columns = self.layer_columns()
-        rank = self.comm.rank
-        items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
-        local: dict[Hashable, dict[str, torch.Tensor]] = {}
-        mine: list[LayerHandler] = []
-        for i, h in enumerate(self.handlers):
-            # Identical on every rank: gradients are allreduced and factors exist everywhere by now.
-            if h.name not in grads:
-                continue
-            source = self.grid.source(columns[i], rank)
-            items.setdefault(source, []).append((h.name, {"p": tuple(grads[h.name].shape)}))
-            if source == rank:
-                if h.decompositions:
-                    mine.append(h)
-                else:  # decomposition failed to exist: plain gradient, as the other layers' optimizer sees it
-                    local[h.name] = {"p": grads[h.name]}
-        local.update({name: {"p": p} for name, p in self._precondition_layers(mine, grads).items()})
-        out = broadcast_by_owner(
-            self.comm, items, local, self.decomposition_dtype, self.comm_device(), self._row_group
-        )
-        return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
+from lightning_hpc.kfac.factor_update import update_factors
 
 
 class _Zoo(nn.Module):
@@ -80,7 +81,7 @@ def test_the_step_preconditions_through_the_buckets_and_follows_new_decompositio
     model, p = _fitted("eigen")
     for _ in range(2):
         grads = {h.name: h.grad_matrix().clone() for h in p.handlers}
-        p._update_factors(1.0)
+        update_factors(p, 1.0)
         p._update_decompositions()
         want = _per_layer(p, grads)
         p._precondition(None)

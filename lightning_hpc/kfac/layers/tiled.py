@@ -31,7 +31,7 @@ class TiledConvHandler(ConvHandler):
 
     with ``T`` the positions of the *whole* output (as the serial convention, :mod:`.base` docstring), and
     ``sum_k A_k``, ``sum_k G_k`` over the spatial group are exactly the serial factors of the sample group's
-    samples; :attr:`partition_size` tells the preconditioner to sum them (``KFACPreconditioner._update_factors``).
+    samples; :attr:`partition_size` tells the preconditioner to sum them (:func:`..factor_update.update_factors`).
 
     The patches come from the layer's halo-padded input tile (border zero padding and the neighbours' halo
     rows included), which the registry records on capture steps only (``request`` before the forward, ``take``
