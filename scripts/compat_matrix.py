@@ -176,6 +176,8 @@ def write(found: dict[tuple[str, str], str]) -> None:
     ]
     for f, row in zip(c.FEATURES, rows):
         lines.append(f"| `{f}` | " + " | ".join(row) + " |")
+    refused = [sum(row[i].startswith("refused") for row in rows) for i in range(len(c.COLUMNS))]
+    lines.append(f"| **refused cells ({sum(refused)})** | " + " | ".join(map(str, refused)) + " |")
     lines += [""] + [f"- ({k}) {why}." for k, why in enumerate(reasons, 1)] + [
         "",
         "Features: `sgd` (SGD with momentum and weight decay), "
