@@ -26,7 +26,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch import split_tensor
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 
 def _worker(rank: int, world: int, channels: int, size: int, calls: int, stride: int) -> dict[str, float]:

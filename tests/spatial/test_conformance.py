@@ -22,8 +22,8 @@ from torch.nn.utils import parametrizations
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.layout.tiling import tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-5
 N, C, H, W = 4, 3, 13, 10

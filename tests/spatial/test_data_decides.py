@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.layout.tiling import tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-5
 N, C, CLASSES, W = 4, 3, 3, 10
@@ -211,7 +211,7 @@ def test_declared_entries_of_dict_and_nested_batches():
     first N x C x H x W tensor is the input; a name that is not a tensor of the batch is refused naming it."""
     from types import SimpleNamespace
 
-    from lightning_hpc.spatial.strategy import _get, _set
+    from lightning_hpc.spatial.lightning.strategy import _get, _set
 
     strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
     image, mask, label = torch.zeros(2, 3, 8, 6), torch.zeros(2, 8, 6), torch.zeros(2, 4, 6)

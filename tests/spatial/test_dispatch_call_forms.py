@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 N, C, H, W = 2, 3, 7, 5
 

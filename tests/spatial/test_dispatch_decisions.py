@@ -17,7 +17,7 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import elementwise, split_tensor
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
 from lightning_hpc.spatial.dispatch.calls import bind_call
-from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import SpatialGrid, create_hybrid_layout
 
 
 def _reference_bind(op, args, kwargs):

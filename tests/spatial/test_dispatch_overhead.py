@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.spatial.dispatch import elementwise, split_tensor, tensor
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 def _counting(monkeypatch) -> list[str]:

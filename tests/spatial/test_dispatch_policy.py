@@ -14,9 +14,9 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, on_unsupported, split_tensor
-from lightning_hpc.spatial.policy import DispatchPolicy
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.policy import DispatchPolicy
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 
 def test_two_grids_keep_their_own_policy_and_tile_parameters():

@@ -22,7 +22,7 @@ from test_volumes import BATCH, C_IN, CLASSES, N, SubVolumes, _trainer
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-9  # float64
 

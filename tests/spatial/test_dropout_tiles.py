@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
 from lightning_hpc.spatial.dispatch.creation import _serial_dropout_stream
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 class LargestTensor(TorchDispatchMode):

@@ -32,8 +32,8 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor, state
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-12
 FIT_TOL = 1e-9  # float64, after a few optimizer steps (as the volume tests)

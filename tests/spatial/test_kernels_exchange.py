@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial import kernels as K
-from lightning_hpc.spatial.halo_exchange import (
+from lightning_hpc.spatial.kernels import pooling as kernel_pooling
+from lightning_hpc.spatial.layout.halo_exchange import (
     BACKWARD_TAG_OFFSET,
     HaloPlan,
     PartitionError,
@@ -23,8 +24,7 @@ from lightning_hpc.spatial.halo_exchange import (
     direction_id,
     halo_exchange,
 )
-from lightning_hpc.spatial.kernels import pooling as kernel_pooling
-from lightning_hpc.spatial.tiling import SpatialGrid, create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import SpatialGrid, create_hybrid_layout, tile_slices
 
 #: in the torch-range subset, run on the oldest and newest torch release (bash scripts/dev.sh torch-range)
 pytestmark = pytest.mark.torch_range

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial import kernels as K
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 #: in the torch-range subset, run on the oldest and newest torch release (bash scripts/dev.sh torch-range)
 pytestmark = pytest.mark.torch_range

@@ -24,10 +24,10 @@ from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, local_tile
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from lightning_hpc.spatial.lightning import metrics
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 
 class LazySegmenter(pl.LightningModule):

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-5
 N, C, H, W, BATCH, STEPS = 4, 2, 9, 8, 2, 3

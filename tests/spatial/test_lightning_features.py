@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 N, C, H, W, CLASSES, BATCH = 8, 3, 13, 10, 3, 2
 TOL = 1e-5

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.layout.tiling import tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 N, C, H, W, CLASSES, BATCH = 4, 3, 13, 10, 3, 2
 TOL = 1e-5

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.spatial.dispatch.registry import OP_WINDOWS
-from lightning_hpc.spatial.halo_exchange import PartitionError, Window1d
-from lightning_hpc.spatial.split_check import check_split
-from lightning_hpc.spatial.windows import layer_windows
+from lightning_hpc.spatial.dispatch.split_check import check_split
+from lightning_hpc.spatial.dispatch.windows import layer_windows
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError, Window1d
 
 
 class FunctionalConv(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 N, C, H, W = 8, 2, 9, 8
 

@@ -19,7 +19,7 @@ from torchmetrics.image import StructuralSimilarityIndexMeasure
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 N, C, CLASSES, H, W = 4, 3, 3, 13, 10
 BATCH = 2

@@ -22,8 +22,8 @@ from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.spatial.dispatch import split_tensor, state
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=1, damping=0.01, kl_clip=0.01)
 

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
 from lightning_hpc.spatial.kernels import transposed
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 CONFIGS = [
     dict(kernel_size=2, stride=2),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_hpc.spatial.halo_exchange import DimPlan, HaloPlan, Window1d
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import DimPlan, HaloPlan, Window1d
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 def _plan(n: int, parts: int, win: Window1d) -> DimPlan:

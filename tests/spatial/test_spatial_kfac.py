@@ -27,10 +27,10 @@ from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.models.mesh_fcn import mesh_fcn
 from lightning_hpc.modules.segmentation import SegmentationModule, pixel_loss_sum
 from lightning_hpc.spatial.dispatch import split_tensor
-from lightning_hpc.spatial.gradients import reduce_model_gradients
-from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convolutions
+from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-5
 BATCH, C, H, W = 4, 3, 13, 11  # 13 and 11 split unevenly over 2 and 4; strided layers make odd extents

@@ -3,8 +3,8 @@
 Conv1d net on halves of a signal), against ``Trainer(devices=1)`` with the same callback (float64).
 
 Each rank's convolution factors are its tile's share of KFC's sums over the output positions (the halo- and
-border-padded box the tile kernel records for the layer, :mod:`lightning_hpc.spatial.kfac_contract`), summed over
-the spatial group: the parameters after the steps equal one process's.  The batch norm of the net normalises over
+border-padded box the tile kernel records for the layer, :mod:`lightning_hpc.spatial.dispatch.kfac_contract`), summed
+over the spatial group: the parameters after the steps equal one process's.  The batch norm of the net normalises over
 every tile; K-FAC leaves it to the optimizer under the strategy (and the reference leaves it alike).
 """
 
@@ -20,7 +20,7 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.spatial.dispatch import state
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 TOL = 1e-9
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01,

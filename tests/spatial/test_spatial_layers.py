@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_applies
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 
 def tile_path_predicted(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, ...]) -> bool:

@@ -16,9 +16,9 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.distributed.partition import block_range
 from lightning_hpc.spatial.dispatch import split_tensor
-from lightning_hpc.spatial.gradients import reduce_model_gradients
-from lightning_hpc.spatial.split_check import check_split
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.dispatch.split_check import check_split
+from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 SHAPE = (4, 3, 30, 26)  # 30 and 26 split unevenly over 4 and 2; stride-2 layers make them odd
 STEPS = 2

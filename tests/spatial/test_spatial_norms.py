@@ -15,7 +15,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
 from lightning_hpc.spatial.kernels import normalization
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 N, C, H, W = 3, 6, 13, 11
 PARTS = [(2, 1), (1, 2)]
@@ -185,8 +185,8 @@ def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg"
     import lightning.pytorch as pl
     from test_conformance import TileData, UserModule, make_data
 
-    from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-    from lightning_hpc.spatial.tiling import tile_slices
+    from lightning_hpc.spatial.layout.tiling import tile_slices
+    from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
     x, seg, cls = make_data()
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 
 def _ops(rank: int, world: int, parts_list) -> list[str]:
@@ -83,7 +83,7 @@ def test_one_tile_reductions_over_laid_out_dimensions_are_plain_and_not_gathered
     is the serial result, plain, with nothing gathered (it used to keep a layout naming the removed dimensions and
     gather the next reduction)."""
     from lightning_hpc.spatial.dispatch import state
-    from lightning_hpc.spatial.tiling import SpatialGrid
+    from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
     x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
     xs = split_tensor(x, SpatialGrid.single(3), x.shape)

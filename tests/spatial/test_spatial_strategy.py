@@ -13,10 +13,10 @@ from test_spatial_models import data, small_fcn
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial.halo_exchange import PartitionError
-from lightning_hpc.spatial.split_check import check_split
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.dispatch.split_check import check_split
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 BATCH, STEPS = 2, 2
 

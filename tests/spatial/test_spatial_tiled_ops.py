@@ -18,9 +18,9 @@ from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.spatial import remap
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor, state
-from lightning_hpc.spatial.tiling import create_hybrid_layout
+from lightning_hpc.spatial.layout import remap
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 
 TOLS = {torch.float32: 1e-5, torch.float64: 1e-11}
 

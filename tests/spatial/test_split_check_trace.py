@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from lightning_hpc.spatial.halo_exchange import PartitionError
-from lightning_hpc.spatial.split_check import ShapeTraceError, check_split, trace_shapes
+from lightning_hpc.spatial.dispatch.split_check import ShapeTraceError, check_split, trace_shapes
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
 
 
 class SharedConv3d(nn.Module):

@@ -10,7 +10,7 @@ import torch
 
 from lightning_hpc.data.volumes import SphereVolumeDataModule, sphere_volume
 from lightning_hpc.models.unet import activation_bytes, unet
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.layout.tiling import tile_slices
 
 ROOT = Path(__file__).resolve().parents[2]
 

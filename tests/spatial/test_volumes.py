@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, state
-from lightning_hpc.spatial.strategy import SpatialParallelStrategy
-from lightning_hpc.spatial.tiling import SpatialGrid, tile_slices
+from lightning_hpc.spatial.layout.tiling import SpatialGrid, tile_slices
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 N, C_IN, CLASSES, BATCH = 4, 2, 3, 2
 VOLUME = (9, 8, 7)

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_hpc.models.unet import unet
 from lightning_hpc.perfmodel import AlphaBeta, alphabeta
+from lightning_hpc.spatial.dispatch.windows import halo_elements, layer_windows, split_works
 from lightning_hpc.spatial.planner import (
     CostModel,
     Distribution,
@@ -19,7 +20,6 @@ from lightning_hpc.spatial.planner import (
     plan_for_model,
     trace_layers,
 )
-from lightning_hpc.spatial.windows import halo_elements, layer_windows, split_works
 from tests.spatial_planner.test_planner import FlopTimer
 
 

@@ -54,25 +54,25 @@ from lightning_hpc.distributed.start_equal import (
     start_equal_generators,
 )
 from lightning_hpc.protocols import StrategyContract
-from lightning_hpc.spatial import metrics
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
+from lightning_hpc.spatial.dispatch.kfac_contract import TiledLayerRegistry
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterNames
+from lightning_hpc.spatial.dispatch.split_check import ShapeTraceError, check_split
 from lightning_hpc.spatial.dispatch.state import ModuleTrace
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
-from lightning_hpc.spatial.gradients import reduce_model_gradients
-from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.plan import dim_names
-from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
-from lightning_hpc.spatial.policy import DispatchPolicy
-from lightning_hpc.spatial.split_check import ShapeTraceError, check_split
-from lightning_hpc.spatial.tiling import (
+from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
+from lightning_hpc.spatial.layout.policy import DispatchPolicy
+from lightning_hpc.spatial.layout.tiling import (
     HybridLayout,
     create_hybrid_layout,
     parse_parts,
     parts_text,
     tile_slices,
 )
+from lightning_hpc.spatial.lightning import metrics
 
 __all__ = ["SpatialParallelStrategy"]
 
@@ -268,7 +268,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
             f"{self.layout.num_sample_groups} sample group(s) of {self.layout.grid.size} rank(s){chosen}")
         if self.layout.grid.size > 1:
             # from here on every torchmetrics object made (in the module's or a callback's setup, lazily at the
-            # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/metrics.py)
+            # first batch, ...) counts each pixel and sample once, wherever it is kept (spatial/lightning/metrics.py)
             metrics.activate(self.layout)
             refuse_reentrant(True)  # until teardown: a reentrant checkpoint of a split activation is refused by name
         self._failures.start()
@@ -362,8 +362,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @property
     def kfac_tiled_layers(self) -> TiledLayerRegistry | None:
         """The convolutions this strategy runs on tiles and the normalisation layers whose statistics span them
-        (:class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`), which the K-FAC callback hands to its
-        preconditioner; ``None`` before the first setup."""
+        (:class:`~lightning_hpc.spatial.dispatch.kfac_contract.TiledLayerRegistry`), which the K-FAC callback hands
+        to its preconditioner; ``None`` before the first setup."""
         return self._tiled_layers
 
     def _sync_batchnorm_to_batchnorm(self, module: torch.nn.Module) -> None:
@@ -388,7 +388,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
 
     def _count_metrics(self) -> None:
         """Metrics that exist already (held by the LightningModule or a Trainer callback) count each pixel and
-        sample once (:mod:`spatial.metrics`; metrics made later get that from torchmetrics' constructor while
+        sample once (:mod:`spatial.lightning.metrics`; metrics made later get that from torchmetrics' constructor while
         the strategy runs).  Run at setup and when each loop starts, for metrics made earlier and attached since."""
         module = self.lightning_module
         if self.layout is None or self.layout.grid.size == 1 or module is None:

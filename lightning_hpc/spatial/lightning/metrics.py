@@ -56,7 +56,7 @@ from lightning_hpc._compat import replace_metric_hooks, stat_scores_base
 from lightning_hpc.spatial.dispatch import SpatialDispatchError, SpatialTensor, _plain, _tile_index
 from lightning_hpc.spatial.dispatch.flat import FlatSpatialTensor
 from lightning_hpc.spatial.dispatch.tensor import TILE_MARK
-from lightning_hpc.spatial.tiling import HybridLayout
+from lightning_hpc.spatial.layout.tiling import HybridLayout
 
 __all__ = ["activate", "count_once_per_pixel", "deactivate", "metrics_in"]
 
@@ -265,7 +265,7 @@ def _sync(self: Any, dist_sync_fn: Callable | None = None, process_group: Any = 
                 f"Trainer callback), so whether it holds tiles or replicated values is unknown and torchmetrics' "
                 f"all-rank sum could count a value once per tile. Keep it on the LightningModule or a callback, "
                 f"create it in a hook (setup, on_fit_start, the first batch), or call "
-                f"lightning_hpc.spatial.metrics.count_once_per_pixel on its holder"
+                f"lightning_hpc.spatial.lightning.metrics.count_once_per_pixel on its holder"
             )
     return _ORIGINAL["sync"](self, dist_sync_fn, process_group, should_sync, distributed_available)
 

@@ -3,7 +3,7 @@ shapes and non-tensor arguments alone (which kernel, which halo plan, which oper
 output layout) is made once per distinct call and replayed on every later call with the same key, as DTensor
 caches its sharding propagation per (op, input specs).
 
-The cache belongs to the :class:`~lightning_hpc.spatial.tiling.SpatialGrid` its decisions were made for (a
+The cache belongs to the :class:`~lightning_hpc.spatial.layout.tiling.SpatialGrid` its decisions were made for (a
 decision holds that grid's halo plans), so two grids in one process, e.g. two Trainers with different splits,
 never share one.
 """

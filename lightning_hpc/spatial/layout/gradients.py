@@ -8,7 +8,7 @@ allreduce (sum) over the world after scaling by ``1/S`` and ``1/world`` respecti
 message per dtype.
 
 Which parameters are tile parameters is recorded by the op dispatch while the forward runs, on the grid of the
-split tensors (:attr:`~lightning_hpc.spatial.tiling.SpatialGrid.tile_params`); :func:`reduce_model_gradients`
+split tensors (:attr:`~lightning_hpc.spatial.layout.tiling.SpatialGrid.tile_params`); :func:`reduce_model_gradients`
 reads that record, for the strategy and for plain-torch training loops alike.
 """
 

@@ -1,10 +1,10 @@
 """The setup-time check of a split (the strategy runs it before the first step when the input shape is known).
 
 One global sample is traced through the model on the meta device (nothing allocated, nothing computed); every
-layer whose windows read neighbouring rows (:mod:`lightning_hpc.spatial.windows`: convolutions, transposed
+layer whose windows read neighbouring rows (:mod:`lightning_hpc.spatial.dispatch.windows`: convolutions, transposed
 convolutions, pools, interpolation, in 1-3 dimensions) is checked with the halo plan's own test
-(:class:`~lightning_hpc.spatial.halo_exchange.DimPlan`), the test the tiled kernels and the planner apply: a split
-that leaves a tile thinner than a layer's halo, or fewer rows than tiles, is refused naming the layer, the
+(:class:`~lightning_hpc.spatial.layout.halo_exchange.DimPlan`), the test the tiled kernels and the planner apply: a
+split that leaves a tile thinner than a layer's halo, or fewer rows than tiles, is refused naming the layer, the
 dimension and the largest split of that dimension that works.
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_hpc.spatial.halo_exchange import PartitionError
+from lightning_hpc.spatial.dispatch.windows import layer_windows, split_works
 from lightning_hpc.spatial.kernels.plan import dim_names
-from lightning_hpc.spatial.tiling import parts_text
-from lightning_hpc.spatial.windows import layer_windows, split_works
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
+from lightning_hpc.spatial.layout.tiling import parts_text
 
 __all__ = ["ShapeTraceError", "check_split", "trace_shapes"]
 

@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = [
     "Window1d",

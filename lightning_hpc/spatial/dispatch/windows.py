@@ -28,8 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, bind_call
 from lightning_hpc.spatial.dispatch.registry import OP_WINDOWS
-from lightning_hpc.spatial.halo_exchange import PartitionError, Window1d
 from lightning_hpc.spatial.kernels import check_partition
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError, Window1d
 
 __all__ = ["layer_windows", "split_works", "halo_elements", "tile_halo_blocks", "CONVOLUTIONS", "TRANSPOSED"]
 

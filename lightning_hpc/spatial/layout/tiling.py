@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from lightning_hpc.distributed.groups import MeshDim, build_mesh, default_timeout
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.decisions import DecisionCache
-from lightning_hpc.spatial.policy import DispatchPolicy
+from lightning_hpc.spatial.layout.decisions import DecisionCache
+from lightning_hpc.spatial.layout.policy import DispatchPolicy
 
 if TYPE_CHECKING:
+    from lightning_hpc.spatial.dispatch.kfac_contract import TiledLayerRegistry
     from lightning_hpc.spatial.dispatch.state import ModuleTrace
-    from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
 
 __all__ = ["SpatialGrid", "HybridLayout", "create_hybrid_layout", "tile_slices", "parse_parts", "parts_text"]
 
@@ -68,7 +68,7 @@ class SpatialGrid:
     group: dist.ProcessGroup | None
     local_rank: int
     _uid: int = field(default=0, repr=False)
-    #: the op dispatch's decisions for split tensors on this grid (:mod:`lightning_hpc.spatial.decisions`)
+    #: the op dispatch's decisions for split tensors on this grid (:mod:`lightning_hpc.spatial.layout.decisions`)
     decisions: DecisionCache = field(default_factory=DecisionCache, repr=False, compare=False)
     #: the strategy's settings for the op dispatch on this grid's split tensors
     policy: DispatchPolicy = field(default_factory=DispatchPolicy, repr=False, compare=False)
@@ -76,7 +76,7 @@ class SpatialGrid:
     #: are partial sums over the tiles, which the strategy sums over the spatial group
     tile_params: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
     #: the convolutions K-FAC captures on this grid's tiles (the strategy's
-    #: :class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`; None: no K-FAC record)
+    #: :class:`~lightning_hpc.spatial.dispatch.kfac_contract.TiledLayerRegistry`; None: no K-FAC record)
     tiled_layers: TiledLayerRegistry | None = field(default=None, repr=False, compare=False)
     #: the gathers already warned about on this grid (op, module), each warned once per run
     warned: set[tuple[str, str]] = field(default_factory=set, repr=False, compare=False)
