@@ -13,8 +13,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import TileDataModule
-from test_spatial_models import data
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -24,6 +22,8 @@ from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.spatial.dispatch import split_tensor, state
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.dispatch.test_spatial_models import data
+from tests.spatial.spatial_checks import TileDataModule
 
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=1, damping=0.01, kl_clip=0.01)
 

@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import TOL, max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -19,6 +18,7 @@ from lightning_hpc.spatial.dispatch import split_tensor
 from lightning_hpc.spatial.dispatch.split_check import check_split
 from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import TOL, max_err, tile_of
 
 SHAPE = (4, 3, 30, 26)  # 30 and 26 split unevenly over 4 and 2; stride-2 layers make them odd
 STEPS = 2

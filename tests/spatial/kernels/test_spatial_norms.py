@@ -9,13 +9,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from spatial_checks import max_err, serial_sgd_fit, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
 from lightning_hpc.spatial.kernels import normalization
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import max_err, serial_sgd_fit, tile_of
 
 N, C, H, W = 3, 6, 13, 11
 PARTS = [(2, 1), (1, 2)]
@@ -151,10 +151,10 @@ class NormNet(nn.Module):
     """GroupNorm, InstanceNorm2d (affine, running statistics) and LayerNorm([C, H, W]) between convolutions."""
 
     def __init__(self) -> None:
-        from test_conformance import CLASSES
-        from test_conformance import C as CIN
-        from test_conformance import H as HT
-        from test_conformance import W as WT
+        from tests.spatial.lightning.test_split_equals_one_process import CLASSES
+        from tests.spatial.lightning.test_split_equals_one_process import C as CIN
+        from tests.spatial.lightning.test_split_equals_one_process import H as HT
+        from tests.spatial.lightning.test_split_equals_one_process import W as WT
 
         super().__init__()
         self.conv1 = nn.Conv2d(CIN, 6, 3, padding=1)
@@ -172,7 +172,7 @@ class NormNet(nn.Module):
 
 def _serial_fit(make=NormNet, target: str = "seg") -> dict:
     """One process's run of ``make()`` on the conformance data, with the segmentation or the class targets."""
-    from test_conformance import BATCH, compute_loss, make_data
+    from tests.spatial.lightning.test_split_equals_one_process import BATCH, compute_loss, make_data
 
     x, seg, cls = make_data()
     torch.manual_seed(0)
@@ -183,10 +183,10 @@ def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg"
     import warnings
 
     import lightning.pytorch as pl
-    from test_conformance import TileData, UserModule, make_data
 
     from lightning_hpc.spatial.layout.tiling import tile_slices
     from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+    from tests.spatial.lightning.test_split_equals_one_process import TileData, UserModule, make_data
 
     x, seg, cls = make_data()
     torch.manual_seed(0)

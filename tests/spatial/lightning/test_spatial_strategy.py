@@ -8,8 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import TOL, TileDataModule
-from test_spatial_models import data, small_fcn
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
@@ -17,6 +15,8 @@ from lightning_hpc.spatial.dispatch.split_check import check_split
 from lightning_hpc.spatial.layout.halo_exchange import PartitionError
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.dispatch.test_spatial_models import data, small_fcn
+from tests.spatial.spatial_checks import TOL, TileDataModule
 
 BATCH, STEPS = 2, 2
 

@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
-from spatial_checks import TOL, compare_layer, max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import TOL, compare_layer, max_err, tile_of
 
 
 def _ops(rank: int, world: int, parts_list) -> list[str]:

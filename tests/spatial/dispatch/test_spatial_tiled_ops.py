@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor, state
 from lightning_hpc.spatial.layout import remap
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import max_err, tile_of
 
 TOLS = {torch.float32: 1e-5, torch.float64: 1e-11}
 
@@ -227,7 +227,7 @@ class PadPoolShuffleNet(nn.Module):
     and an AdaptiveAvgPool2d(2) + Flatten + Linear head (13 x 10 input: every pooling has a partial window)."""
 
     def __init__(self) -> None:
-        from test_conformance import CLASSES, C
+        from tests.spatial.lightning.test_split_equals_one_process import CLASSES, C
 
         super().__init__()
         self.stem = nn.Conv2d(C, 8, 3, padding=1, padding_mode="reflect")
@@ -250,7 +250,7 @@ class UNetPadCrop(nn.Module):
     ``ZeroPad2d``; the 12 x 9 output is smaller than the input (the loss crops the target by slicing)."""
 
     def __init__(self) -> None:
-        from test_conformance import CLASSES, C
+        from tests.spatial.lightning.test_split_equals_one_process import CLASSES, C
 
         super().__init__()
         self.inc = nn.Conv2d(C, 4, 3, padding=1)
@@ -277,7 +277,7 @@ class UNetPadCrop(nn.Module):
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_trainer_fit_unet_pad_and_crop_equals_one_process(parts):
     """Nothing gathered, no spatial warning, loss, gradients, parameters and eval output of one process."""
-    from test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
 
     ref = _serial_fit(UNetPadCrop, "seg")
     for res in run_in_processes(_spatial_fit, 2, parts, UNetPadCrop, "seg", timeout_s=300, collective_timeout_s=120):
@@ -286,7 +286,7 @@ def test_trainer_fit_unet_pad_and_crop_equals_one_process(parts):
 
 @pytest.mark.slow
 def test_trainer_fit_unet_pad_and_crop_equals_one_process_2x2():
-    from test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
 
     ref = _serial_fit(UNetPadCrop, "seg")
     for res in run_in_processes(_spatial_fit, 4, (2, 2), UNetPadCrop, "seg", timeout_s=900, collective_timeout_s=300):
@@ -295,7 +295,7 @@ def test_trainer_fit_unet_pad_and_crop_equals_one_process_2x2():
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_trainer_fit_with_tiled_ops_equals_one_process(parts):
-    from test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
 
     ref = _serial_fit(PadPoolShuffleNet, "cls")
     for res in run_in_processes(_spatial_fit, 2, parts, PadPoolShuffleNet, "cls", timeout_s=300,
@@ -305,7 +305,7 @@ def test_trainer_fit_with_tiled_ops_equals_one_process(parts):
 
 @pytest.mark.slow
 def test_trainer_fit_with_tiled_ops_equals_one_process_2x2():
-    from test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
 
     ref = _serial_fit(PadPoolShuffleNet, "cls")
     for res in run_in_processes(_spatial_fit, 4, (2, 2), PadPoolShuffleNet, "cls", timeout_s=900,

@@ -8,7 +8,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import TileDataModule
 from test_spatial_models import data
 from torch import nn
 
@@ -17,6 +16,7 @@ from lightning_hpc.spatial.dispatch import SpatialDispatchError, on_unsupported,
 from lightning_hpc.spatial.layout.policy import DispatchPolicy
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.spatial_checks import TileDataModule
 
 
 def test_two_grids_keep_their_own_policy_and_tile_parameters():

@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import TileDataModule
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -31,6 +30,7 @@ from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convoluti
 from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.spatial_checks import TileDataModule
 
 TOL = 1e-5
 BATCH, C, H, W = 4, 3, 13, 11  # 13 and 11 split unevenly over 2 and 4; strided layers make odd extents

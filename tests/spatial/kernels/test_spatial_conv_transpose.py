@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spatial_checks import max_err, tile_of
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import on_unsupported, split_tensor, state
 from lightning_hpc.spatial.kernels import transposed
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import max_err, tile_of
 
 CONFIGS = [
     dict(kernel_size=2, stride=2),

@@ -20,7 +20,7 @@ from lightning_hpc.spatial.planner import (
     plan_for_model,
     trace_layers,
 )
-from tests.spatial_planner.test_planner import FlopTimer
+from tests.spatial.planner.test_planner import FlopTimer
 
 
 def test_halo_blocks_of_a_3d_convolution_are_faces_edges_and_corners():

@@ -1,4 +1,4 @@
-"""Conformance of ``Trainer(strategy="spatial")`` with unchanged user models and LightningModules.
+"""``Trainer(strategy="spatial")`` with unchanged user models and LightningModules equals one process.
 
 Each idiom is a model written as a user would, trained through ``Trainer.fit`` by a LightningModule with a plain
 mean loss (``F.cross_entropy(out, y)``) and ``self.log("train_loss", loss)``.  On 2 ranks (2x1 and 1x2, uneven
@@ -16,7 +16,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import serial_sgd_fit
 from torch import nn
 from torch.nn.utils import parametrizations
 from torch.utils.data import DataLoader, TensorDataset
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.spatial_checks import serial_sgd_fit
 
 TOL = 1e-5
 N, C, H, W = 4, 3, 13, 10

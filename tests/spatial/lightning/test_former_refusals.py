@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import serial_sgd_fit
-from test_conformance import STEPS, TileData, UserModule, _check_equal, make_data
+from test_split_equals_one_process import STEPS, TileData, UserModule, _check_equal, make_data
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.spatial_checks import serial_sgd_fit
 
 CLASSES = 3
 

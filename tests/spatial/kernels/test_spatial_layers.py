@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spatial_checks import TOL, compare_layer, conv_paths
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.kernels import convolution_windows, tile_convolution_applies
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+from tests.spatial.spatial_checks import TOL, compare_layer, conv_paths
 
 
 def tile_path_predicted(conv: nn.Conv2d, h: int, w: int, parts: tuple[int, ...]) -> bool:

@@ -12,7 +12,7 @@ from lightning_hpc.data.volumes import SphereVolumeDataModule, sphere_volume
 from lightning_hpc.models.unet import activation_bytes, unet
 from lightning_hpc.spatial.layout.tiling import tile_slices
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_volume_recipe_fast_dev_run_on_sub_volumes(cli_in_process):

@@ -14,13 +14,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from spatial_checks import serial_sgd_fit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.spatial.spatial_checks import serial_sgd_fit
 
 TOL = 1e-5
 N, C, CLASSES, W = 4, 3, 3, 10
