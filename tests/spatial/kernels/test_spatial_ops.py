@@ -1,6 +1,6 @@
 """Batch norm (aggregated, incl. running statistics), upsampling and a global pooling head on split activations
 (plain ``nn`` layers through the op dispatch), against the serial computation.  The adjoint (dot-product) test of
-the halo exchange is tests/spatial/test_kernels_exchange.py's."""
+the halo exchange is tests/spatial/kernels/test_kernels_exchange.py's."""
 
 from __future__ import annotations
 
