@@ -68,9 +68,9 @@ def _spatial_steps(
     """Hybrid sample x spatial training steps: the unchanged model on split activations (the op dispatch runs
     every op on its tile kernel), gradients reduced as the strategy reduces them."""
     from lightning_hpc.spatial.dispatch import split_tensor
-    from lightning_hpc.spatial.gradients import reduce_model_gradients
-    from lightning_hpc.spatial.split_check import check_split
-    from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+    from lightning_hpc.spatial.dispatch.split_check import check_split
+    from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
+    from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
     layout = create_hybrid_layout(parts)
     torch.manual_seed(0)

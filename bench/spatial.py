@@ -55,9 +55,9 @@ from lightning_hpc.distributed import run_in_processes  # noqa: E402
 from lightning_hpc.distributed.partition import block_range  # noqa: E402
 from lightning_hpc.models.mesh_fcn import DEFAULT_WIDTHS, mesh_fcn  # noqa: E402
 from lightning_hpc.spatial.dispatch import split_tensor, state  # noqa: E402
-from lightning_hpc.spatial.gradients import reduce_model_gradients  # noqa: E402
-from lightning_hpc.spatial.split_check import check_split  # noqa: E402
-from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
+from lightning_hpc.spatial.dispatch.split_check import check_split  # noqa: E402
+from lightning_hpc.spatial.layout.gradients import reduce_model_gradients  # noqa: E402
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout  # noqa: E402
 
 
 def mesh_model(convs_per_block: int) -> nn.Module:
@@ -320,7 +320,7 @@ def _dispatch_worker(rank: int, world: int, model_name: str, size: int, repeats:
     step written against the tile kernels directly (plain tiles, the loss as a local sum over the global pixel
     count, its value all-reduced as the dispatched mean is): the difference is the op dispatch's cost.  Also the
     gathers an op without a tiled form (torch.flip of H) costs."""
-    from lightning_hpc.spatial.tiling import tile_slices
+    from lightning_hpc.spatial.layout.tiling import tile_slices
 
     layout = create_hybrid_layout((2, 1))
     grid = layout.grid

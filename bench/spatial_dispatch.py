@@ -35,7 +35,7 @@ from harness import Report  # noqa: E402
 
 from lightning_hpc.models import mesh_fcn  # noqa: E402
 from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor  # noqa: E402
-from lightning_hpc.spatial.tiling import SpatialGrid  # noqa: E402
+from lightning_hpc.spatial.layout.tiling import SpatialGrid  # noqa: E402
 
 
 def one_tile_step(size: int, device: str = "cpu") -> tuple[Callable[[bool], None], SpatialGrid]:

@@ -8,7 +8,7 @@ path) and through the unchanged layer called on a :class:`~lightning_hpc.spatial
 ``__torch_function__`` route, its handler and the same kernel), alternating call by call in the same processes, so
 that the machine's load hits both alike.  Prints the median seconds of each and their ratio (dispatch / kernel;
 1.0 means no per-call overhead).  The dispatch's own per-op Python work is checked in
-tests/spatial/test_dispatch_overhead.py.
+tests/spatial/dispatch/test_dispatch_overhead.py.
 
       python bench/spatial_kernels.py [--channels 64] [--size 128] [--stride 1] [--calls 20]
 """
@@ -26,7 +26,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch import split_tensor
-from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 
 def _worker(rank: int, world: int, channels: int, size: int, calls: int, stride: int) -> dict[str, float]:

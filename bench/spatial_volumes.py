@@ -10,7 +10,7 @@ a user's module (split input and target, an unchanged mean loss), on 1, 2 and 4 
   single-process run;
 * halo bytes per step, counted at the exchange (every point-to-point message of the step through
   ``lightning_hpc.distributed.p2p.exchange``, summed over ranks) beside the window arithmetic's prediction
-  (:func:`lightning_hpc.spatial.windows.halo_elements` of every windowed layer at its traced shape, forward and
+  (:func:`lightning_hpc.spatial.dispatch.windows.halo_elements` of every windowed layer at its traced shape, forward and
   backward);
 * step time (median of ``--repeats`` steps after one warm-up) beside the planner's prediction for that split
   (``plan_for_model`` with ``uniform=True``, restricted to the split, as ``bench/mesh_planner.py`` predicts on
@@ -50,10 +50,10 @@ from spatial import _allocator_peak  # noqa: E402
 from lightning_hpc.distributed import p2p, run_in_processes  # noqa: E402
 from lightning_hpc.models.unet import unet  # noqa: E402
 from lightning_hpc.spatial.dispatch import split_tensor, state  # noqa: E402
-from lightning_hpc.spatial.gradients import reduce_gradients  # noqa: E402
-from lightning_hpc.spatial.split_check import trace_shapes  # noqa: E402
-from lightning_hpc.spatial.tiling import create_hybrid_layout  # noqa: E402
-from lightning_hpc.spatial.windows import layer_windows, tile_halo_blocks  # noqa: E402
+from lightning_hpc.spatial.dispatch.split_check import trace_shapes  # noqa: E402
+from lightning_hpc.spatial.dispatch.windows import layer_windows, tile_halo_blocks  # noqa: E402
+from lightning_hpc.spatial.layout.gradients import reduce_gradients  # noqa: E402
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout  # noqa: E402
 
 SPLITS = ("1x1x1", "2x1x1", "2x2x1")
 

@@ -1,7 +1,7 @@
 """lightning_hpc: HPC training techniques for PyTorch Lightning.
 
 Every public name is imported on first use (PEP 562), so ``import lightning_hpc`` and importing a plain-torch
-core (``lightning_hpc.kfac.preconditioner``, ``lightning_hpc.spatial.halo_exchange``, ...) neither imports
+core (``lightning_hpc.kfac.preconditioner``, ``lightning_hpc.spatial.layout.halo_exchange``, ...) neither imports
 Lightning nor registers anything as a side effect.  The strategy names (``Trainer(strategy="layered_sgd")``)
 are registered in Lightning's ``StrategyRegistry`` when ``lightning.pytorch`` is imported
 (:mod:`lightning_hpc._registration`).
@@ -27,7 +27,7 @@ _PUBLIC: dict[str, str] = {
     "HybridParallelStrategy": "lightning_hpc.hybrid_fc.strategy",
     "LayeredSGDStrategy": "lightning_hpc.layered_sgd.strategy",
     "MultigridStrategy": "lightning_hpc.multigrid.strategy",
-    "SpatialParallelStrategy": "lightning_hpc.spatial.strategy",
+    "SpatialParallelStrategy": "lightning_hpc.spatial.lightning.strategy",
 }
 
 __all__ = [
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from lightning_hpc.modules.classification import ImageClassifier
     from lightning_hpc.modules.segmentation import SegmentationModule
     from lightning_hpc.multigrid.strategy import MultigridStrategy
-    from lightning_hpc.spatial.strategy import SpatialParallelStrategy
+    from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 
 
 def __getattr__(name: str) -> Any:

@@ -229,7 +229,7 @@ def replace_metric_hooks(wrap_update: Callable[..., Any], sync: Callable[..., An
     """Install ``wrap_update`` as torchmetrics' ``Metric._wrap_update`` (the private wrapper torchmetrics puts
     around a metric's ``update`` when it builds or restores one) and ``sync`` as ``Metric.sync``, class-wide; returns
     the replaced ones, ``{"_wrap_update": ..., "sync": ...}``, which a second call installs back.  Used by the
-    spatial strategy's metric counting (``lightning_hpc.spatial.metrics``)."""
+    spatial strategy's metric counting (``lightning_hpc.spatial.lightning.metrics``)."""
     metric = _private("torchmetrics", "Metric")
     if "_wrap_update" not in metric.__dict__ or "sync" not in metric.__dict__:
         raise CompatError(

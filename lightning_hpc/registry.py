@@ -54,7 +54,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {
         ),
         StrategySpec(
             "spatial",
-            "lightning_hpc.spatial.strategy:SpatialParallelStrategy",
+            "lightning_hpc.spatial.lightning.strategy:SpatialParallelStrategy",
             "Hybrid sample x spatial parallelism with halo exchange (Dryden et al.)",
         ),
         StrategySpec(

@@ -217,8 +217,8 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "",
         "The `spatial` column runs the matrix's modules with both processes holding 3-row tiles of the same 6 x 6 "
         "images (`spatial_parts=(2, 1)`; modules whose batches hold no image train replicated). The model idioms "
-        "that matter for images split over ranks have their own conformance tests in `tests/spatial/`: "
-        "`test_conformance.py` (U-Nets with pad-to-skip and centre crops, "
+        "that matter for images split over ranks have their own tests in `tests/spatial/lightning/`: "
+        "`test_split_equals_one_process.py` (U-Nets with pad-to-skip and centre crops, "
         "transposed convolutions, subclasses and parametrizations, padding modes, SE blocks, per-pixel Linear, "
         "attention over positions, dropout, Flatten + Linear heads, layers registered under two names, at 2x1, "
         "1x2 and uneven tiles: exact or refused), `test_dropout_seeding.py` (U-Nets with dropout, 2-D at 2x1 and "

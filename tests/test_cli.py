@@ -39,7 +39,7 @@ FAST = {
     "digits_odenet": "tests/multigrid/test_multigrid_strategy.py",
     "mesh_tangling_1k": "tests/mesh_tangling/test_recipes.py",
     "mesh_tangling_2k": "tests/mesh_tangling/test_recipes.py",
-    "volumes_unet3d": "tests/spatial/test_volume_recipe.py",
+    "volumes_unet3d": "tests/spatial/lightning/test_volume_recipe.py",
 }
 
 

@@ -98,7 +98,7 @@ class KFACPreconditioner:
             Lightning callback announces on rank 0 instead.
         tiled_layers: the layers a spatial strategy runs on tiles of each sample
             (:class:`~lightning_hpc.protocols.TiledLayers`, e.g. the spatial strategy's
-            :class:`~lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`; the Lightning callback passes the
+            :class:`~lightning_hpc.spatial.dispatch.kfac_contract.TiledLayerRegistry`; the Lightning callback passes the
             strategy's ``kfac_tiled_layers``): their factors are partial sums over the tiles.
     """
 

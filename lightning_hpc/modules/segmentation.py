@@ -7,7 +7,7 @@ the summed weight gradients equal the serial ones.  The divisor comes from the s
 the pixel count of the full samples of this rank's sample group), else ``local_target.numel()`` (every rank holds
 whole samples).  Metrics are torchmetrics' binary IoU (Jaccard) and F1, fed as on one process; under the
 spatial strategy each rank counts its own tile and the counts are summed over all ranks at compute time
-(:mod:`lightning_hpc.spatial.metrics`), so they are exact for tiles too.
+(:mod:`lightning_hpc.spatial.lightning.metrics`), so they are exact for tiles too.
 """
 
 from __future__ import annotations

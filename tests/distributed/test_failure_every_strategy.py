@@ -1,8 +1,9 @@
 """A failure on one rank ends every rank promptly with the failing rank's message under layered_sgd, hybrid_fc and
-multigrid (the spatial strategy's own test is in tests/spatial/test_conformance.py): one rank fails before its
-second step while its peer enters the step's collectives; the peer must not wait for the 100 s collective timeout,
-and it ends with the failing rank's message, also when the failing rank is rank 0 (which hosts the store the
-message travels through).  The ranks are fresh interpreters, as torchrun and Lightning start them."""
+multigrid (the spatial strategy's own test is in tests/spatial/lightning/test_split_equals_one_process.py): one
+rank fails before its second step while its peer enters the step's collectives; the peer must not wait for the
+100 s collective timeout, and it ends with the failing rank's message, also when the failing rank is rank 0
+(which hosts the store the message travels through).  The ranks are fresh interpreters, as torchrun and
+Lightning start them."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from conftest import DEVICE
 from torch import nn
 
 from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 def _net(dtype: torch.dtype) -> nn.Sequential:

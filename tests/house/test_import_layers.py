@@ -8,6 +8,9 @@ dependency, it does not remove it); imports under ``if TYPE_CHECKING:`` do not (
   no technique;
 * cores (every module but the Lightning adapters, ``cli/``, ``modules/``, ``data/``) import neither ``cli/``
   nor Lightning;
+* ``spatial/`` is its layers, one sub-package each, in order: ``layout``, ``kernels``, ``dispatch``,
+  ``planner``, ``lightning`` (the Lightning adapter); a layer imports no layer after it, only ``lightning``
+  imports Lightning or torchmetrics, and no module sits loose beside the layers;
 * private torch / Lightning / torchmetrics names are reached only in ``_compat.py``: private modules, private
   names imported from them, and private attributes of a name bound by such an import (``torch._C``,
   ``Metric._wrap_update``).  A private attribute of a value obtained at run time is beyond a static reading.
@@ -41,6 +44,8 @@ LIGHTNING_PACKAGES = ("cli", "modules", "data")
 TECHNIQUES = tuple(sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()
                           and p.name not in SHARED + LIGHTNING_PACKAGES))
 LIGHTNING_MODULES = ("__main__", "registry", "_registration")
+#: the layers of spatial/, each a sub-package that imports only the ones before it (docs/architecture.md)
+SPATIAL_LAYERS = ("layout", "kernels", "dispatch", "planner", "lightning")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 PRIVATE_OWNERS = ("torch", "torchmetrics", *LIGHTNING)
 
@@ -237,6 +242,34 @@ def core_imports_of_lightning_side(graph: dict[str, list[Import]]) -> list[Impor
     return bad
 
 
+def spatial_layer_imports(graph: dict[str, list[Import]]) -> list[Import | str]:
+    """Inside ``spatial/``: a layer importing a layer after it in :data:`SPATIAL_LAYERS`, a layer other than the
+    Lightning adapter importing Lightning or torchmetrics, and (as the module's name) a module outside the
+    layers."""
+    prefix = f"{PACKAGE}.spatial"
+    rank = {name: k for k, name in enumerate(SPATIAL_LAYERS)}
+
+    def layer(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[:2] == prefix.split(".") else None
+
+    bad: list[Import | str] = []
+    for module, imports in graph.items():
+        src = layer(module)
+        if src is None:
+            continue
+        if src not in rank:
+            bad.append(f"{module} is outside the layers {SPATIAL_LAYERS}")
+            continue
+        for imp in imports:
+            dst = layer(imp.target)
+            if dst in rank and rank[dst] > rank[src]:
+                bad.append(imp)
+            elif imp.target.split(".")[0] in (*LIGHTNING, "torchmetrics") and src != "lightning":
+                bad.append(imp)
+    return bad
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -325,6 +358,11 @@ def test_cores_import_neither_cli_nor_lightning(graph):
     assert not found, "cores importing cli/ or Lightning:" + _report(found)
 
 
+def test_spatial_layers_import_only_the_layers_before_them(graph):
+    found = spatial_layer_imports(graph)
+    assert not found, "spatial/ imports against its layers:" + _report(found)
+
+
 def test_private_names_only_through_compat():
     found = private_uses(ROOT, PACKAGE)
     new = [f for f in found if (f[0], f[1]) not in KNOWN_PRIVATE]
@@ -396,6 +434,33 @@ def test_a_core_importing_cli_or_lightning_is_found(tmp_path):
     assert sorted(found) == [
         "factors.py:2: lightning_hpc.kfac.factors imports lightning.pytorch",
         "plan.py:1: lightning_hpc.spatial.plan imports lightning_hpc.cli.config_paths",
+    ]
+
+
+def test_an_import_against_the_spatial_layers_is_found(tmp_path):
+    root = _package(
+        tmp_path,
+        {
+            "spatial/kernels/conv.py": "from lightning_hpc.spatial.dispatch import registry\n",
+            "spatial/layout/grid.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from lightning_hpc.spatial.dispatch.state import T  # type-only: allowed\n"
+                "def f():\n    import torchmetrics\n"
+            ),
+            "spatial/dispatch/registry.py": "from lightning_hpc.spatial.kernels import conv\n",  # allowed
+            "spatial/dispatch/state.py": "T = 1\n",
+            "spatial/lightning/strategy.py": "import lightning.pytorch\nimport torchmetrics\n",  # allowed
+            "spatial/lightning/metrics.py": "from lightning_hpc.spatial.planner import api\n",  # allowed
+            "spatial/planner/api.py": "from lightning_hpc.spatial.lightning import metrics\n",
+            "spatial/loose.py": "x = 1\n",
+        },
+    )
+    found = sorted(str(i) for i in spatial_layer_imports(import_graph(root, PACKAGE)))
+    assert found == [
+        "api.py:1: lightning_hpc.spatial.planner.api imports lightning_hpc.spatial.lightning.metrics",
+        "conv.py:1: lightning_hpc.spatial.kernels.conv imports lightning_hpc.spatial.dispatch.registry",
+        "grid.py:5: lightning_hpc.spatial.layout.grid imports torchmetrics",
+        f"lightning_hpc.spatial.loose is outside the layers {SPATIAL_LAYERS}",
     ]
 
 

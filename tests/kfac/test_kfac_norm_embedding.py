@@ -428,7 +428,7 @@ def test_batchnorm_on_one_tile_of_a_split_activation_is_left_to_the_optimizer():
     it out at discovery): a tile's share is not the sample's, so nothing is captured and the layer is left to the
     optimizer, with the one warning about such layers."""
     from lightning_hpc.spatial.dispatch import split_tensor
-    from lightning_hpc.spatial.tiling import SpatialGrid
+    from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
     model = nn.Sequential(nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(72, 3))
     pre = KFACPreconditioner(model, inv_update_freq=1, kl_clip=None, announce=False)

@@ -594,7 +594,7 @@ def test_conv_input_sample_fraction_rejects_bad_values(bad):
 
 
 def test_conv_input_subsampling_rejects_tiled_layers():
-    from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
+    from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convolutions
 
     tiled = nn.Sequential(nn.Conv2d(2, 3, 3))
     layers = declare_tiled_convolutions(tiled, 1)  # the strategy's registry of tiled layers (TiledConvHandler)
@@ -607,7 +607,7 @@ def test_grouped_convolution_on_spatial_tiles_is_left_out_with_the_reason():
     """A grouped Conv2d among the spatial strategy's tiled layers has no tiled group statistics: it is left to the
     optimizer, and the report says why (not silently given untiled factors)."""
     from lightning_hpc.kfac.discovery import find_layers
-    from lightning_hpc.spatial.kfac_contract import TiledLayerRegistry
+    from lightning_hpc.spatial.dispatch.kfac_contract import TiledLayerRegistry
 
     tiled = nn.Conv2d(4, 4, 3, padding=1, groups=2)
     layers = TiledLayerRegistry(1).declare(nn.Sequential(tiled))
@@ -723,7 +723,7 @@ def test_split_activation_into_a_layer_without_tiled_statistics_is_refused(layer
     statistics have no tiled form, or a convolution the strategy did not declare tiled, is refused at the first
     capture, naming it and the fix, not given one tile's factors."""
     from lightning_hpc.spatial.dispatch import split_tensor
-    from lightning_hpc.spatial.tiling import SpatialGrid
+    from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
     model = nn.Sequential(layer)
     KFACPreconditioner(model, inv_update_freq=1, announce=False)

@@ -320,9 +320,9 @@ def _run_spatial(rank: int, world_size: int) -> dict:
     """A spatially tiled network (each sample split over the 2 ranks): its tiles' partial factors are summed in
     the same buckets (``partition_size`` scaling at launch)."""
     from lightning_hpc.spatial.dispatch import split_tensor
-    from lightning_hpc.spatial.gradients import reduce_model_gradients
-    from lightning_hpc.spatial.kfac_contract import declare_tiled_convolutions
-    from lightning_hpc.spatial.tiling import create_hybrid_layout, tile_slices
+    from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convolutions
+    from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
+    from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
     layout = create_hybrid_layout((1, 2))
     g = torch.Generator().manual_seed(11)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.spatial.dispatch import SpatialTensor, split_tensor
 from lightning_hpc.spatial.kernels import convolution
-from lightning_hpc.spatial.tiling import tile_slices
+from lightning_hpc.spatial.layout.tiling import tile_slices
 
 TOL = 1e-5
 

@@ -20,8 +20,8 @@ class TiledConvHandler(ConvHandler):
     """A Conv1d / Conv2d / Conv3d that runs on one spatial tile (or sub-volume) of each sample (spatial
     parallelism, Dryden et al. sections I and III-A): a convolution the strategy's
     :class:`~lightning_hpc.protocols.TiledLayers` registry names (e.g.
-    :class:`lightning_hpc.spatial.kfac_contract.TiledLayerRegistry`), its op on a split activation run by the tile
-    kernel :func:`lightning_hpc.spatial.kernels.conv`.
+    :class:`lightning_hpc.spatial.dispatch.kfac_contract.TiledLayerRegistry`), its op on a split activation run by
+    the tile kernel :func:`lightning_hpc.spatial.kernels.conv`.
 
     KFC's expansion operator over the whole sample is the union over tiles of the patches of the output positions
     each tile owns, and the output gradients split the same way, so the whole-sample sums of ``a a^T`` and

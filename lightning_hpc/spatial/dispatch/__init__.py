@@ -22,7 +22,7 @@ coordinates from shapes computes what one process computes.  ``__torch_function_
   :mod:`~lightning_hpc.spatial.kernels.transposed`), ``F.pad`` in every mode (constant padding and
   negative padding, i.e. crops, too; ``torch.constant_pad_nd``), slicing of split dimensions
   (``x[..., a:b, c:d]``, ``x[..., ::2, ::2]``, ``narrow``) and ``F.pixel_shuffle``/``F.pixel_unshuffle`` (rows
-  moved between tiles, :mod:`~lightning_hpc.spatial.remap`);
+  moved between tiles, :mod:`~lightning_hpc.spatial.layout.remap`);
 * **global reductions**: ``sum``/``mean`` over the split dimensions and the losses (``cross_entropy``,
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the

@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 class _CompleteGrad(torch.autograd.Function):

@@ -2,7 +2,7 @@
 random ops: ``rand_like``/``randn_like`` and ``F.dropout``/``F.dropout1d``/``F.dropout2d``/``F.dropout3d`` take
 the values one process draws for the whole activation from the global stream and keep this tile's part, so the
 masks equal one process's (the strategy keeps the generators where the user's script left them and gives every
-rank rank 0's, :meth:`~lightning_hpc.spatial.strategy.SpatialParallelStrategy.configure_ddp`).
+rank rank 0's, :meth:`~lightning_hpc.spatial.lightning.strategy.SpatialParallelStrategy.configure_ddp`).
 
 ``F.dropout`` on the CPU holds only the tile's mask and a quarter of it in uniforms (:func:`_tile_keep`), where
 this torch draws the mask as a serial stream (checked once, :func:`_serial_dropout_stream`): torch's CPU generator

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from lightning_hpc._compat import disable_torch_function_subclass
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _norm_dim
 from lightning_hpc.spatial.dispatch.fallback import gathered_call
@@ -45,7 +44,8 @@ from lightning_hpc.spatial.dispatch.registry import _dispatch as _dispatch_split
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 #: one flattened dimension: its extent and the grid axis blocking it (-1: whole on every rank)
 Atom = tuple[int, int]

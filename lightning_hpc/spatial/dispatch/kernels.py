@@ -33,10 +33,10 @@ from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
-from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
 from lightning_hpc.spatial.kernels.plan import ntuple
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 # -- the ops' signatures (torch's parameter names and defaults) -------------------------------------------------
@@ -126,7 +126,7 @@ def _convolution(func, a, args, kwargs, k: int):
     if cp is None:
         return NotImplemented
     # K-FAC capturing the statistics of the layer whose weight this is gets the tile's padded box, through the
-    # registry the strategy keeps on the grid (spatial.kfac_contract)
+    # registry the strategy keeps on the grid (spatial.dispatch.kfac_contract)
     tiled = x._grid.tiled_layers
     record = tiled.recorder(weight) if tiled is not None else None
     weight, bias = _replicated_operands(x._grid, weight, bias)

@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, dims_without
+from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
 
 _LOSSES = ("cross_entropy nll_loss binary_cross_entropy_with_logits binary_cross_entropy mse_loss l1_loss "
            "smooth_l1_loss huber_loss").split()

@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from lightning_hpc.spatial.collectives import all_reduce_replicated
 from lightning_hpc.spatial.dispatch.calls import _norm_dim
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_reduced
+from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
 
 
 # the ops' signatures (torch's names and defaults; ``axis`` is numpy's name of ``dim``)

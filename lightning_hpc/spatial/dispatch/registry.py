@@ -34,7 +34,7 @@ def _handles(*funcs, signature: Callable | None = None, windows: Callable | None
     ``windows(a, extents)``: for an op whose output tile reads its neighbours' rows, the input window of each
     output per spatial dimension (from the bound call and the input's spatial extents; ``ValueError`` for a call
     without a tiled form), the function its handler's kernel uses.  Registered with the handler in
-    :data:`OP_WINDOWS`, from which the setup check and the planner (:mod:`lightning_hpc.spatial.windows`) read
+    :data:`OP_WINDOWS`, from which the setup check and the planner (:mod:`lightning_hpc.spatial.dispatch.windows`) read
     the halo of whatever layer calls the op: no second table to keep."""
     def deco(fn):
         for f in funcs:

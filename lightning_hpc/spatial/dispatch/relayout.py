@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
-from lightning_hpc.spatial.remap import PAD_MODES, blocked, remap
+from lightning_hpc.spatial.layout.remap import PAD_MODES, blocked, remap
 
 
 def _remap_split(x: SpatialTensor, local: torch.Tensor, maps, dims: Sequence[int] | None = None,
@@ -32,7 +32,9 @@ def _pad_constant(x: SpatialTensor, pad: Sequence[int], value: float | None):
     """Constant ``F.pad`` (negative amounts crop) of any dimensions: the unsplit ones padded on the tile, each
     split one by a remap whose leading pad rows land on the first tiles and trailing ones on the last
     (:func:`remap.constant_pad_source`).  An output with fewer rows than tiles is gathered."""
-    from lightning_hpc.spatial.remap import constant_pad_source  # (looked up per call: a substitute takes effect)
+    from lightning_hpc.spatial.layout.remap import (
+        constant_pad_source,  # (looked up per call: a substitute takes effect)
+    )
 
     if len(pad) % 2 or len(pad) > 2 * x.dim():
         return NotImplemented  # the serial op's error, from the gather path
@@ -75,7 +77,7 @@ def _pad(func, a, args, kwargs):
     dimensions (:func:`_pad_constant`), and mode reflect / replicate / circular of the spatial dimensions (the
     padding of ``nn.Conv1d/2d/3d`` with those ``padding_mode``s): rows moved and mirrored between tiles
     (:mod:`remap`), the output blocked over the padded extent.  Other modes and dimensions are gathered."""
-    from lightning_hpc.spatial.remap import pad_source  # (looked up per call: a substitute takes effect)
+    from lightning_hpc.spatial.layout.remap import pad_source  # (looked up per call: a substitute takes effect)
 
     x, pad, mode = a["input"], a["pad"], a["mode"]
     if isinstance(x, SpatialTensor) and mode == "constant":

@@ -20,7 +20,7 @@ from lightning_hpc.spatial.dispatch.flat import squeezed_dims
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.relayout import _remap_split
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like, _wrap_reduced, dims_with
-from lightning_hpc.spatial.remap import blocked
+from lightning_hpc.spatial.layout.remap import blocked
 
 
 # the signatures' parts the handlers read (the builtins have none; the sections argument of chunk/split/tensor_split

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lightning_hpc.spatial.policy import ON_UNSUPPORTED
+from lightning_hpc.spatial.layout.policy import ON_UNSUPPORTED
 
 if TYPE_CHECKING:
-    from lightning_hpc.spatial.tiling import SpatialGrid
+    from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 #: where an op ran when no module of a traced run was running
 OUTSIDE = "the LightningModule's step (outside any module)"

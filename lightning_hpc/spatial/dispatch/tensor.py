@@ -18,7 +18,7 @@ import torch
 from lightning_hpc.spatial.dispatch.autograd import _Gather
 from lightning_hpc.spatial.dispatch.calls import _flat
 from lightning_hpc.spatial.dispatch.state import _STATE
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 def _not_installed(func, args, kwargs):
@@ -113,7 +113,7 @@ def gather_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 #: set on the plain tiles :func:`local_tile` returns: a torchmetrics object fed one counts it as a tile (summed over
-#: all ranks), not as a replicated value (:mod:`lightning_hpc.spatial.metrics`)
+#: all ranks), not as a replicated value (:mod:`lightning_hpc.spatial.lightning.metrics`)
 TILE_MARK = "_lightning_hpc_spatial_tile"
 
 

@@ -14,7 +14,6 @@ halo): the halo plan and a setup-time acceptance check (:func:`check_partition`)
 * :mod:`adaptive`: :func:`adaptive_avg_pool`, :func:`adaptive_max_pool`, :func:`adaptive_windows`
 """
 
-from lightning_hpc.spatial.halo_exchange import PartitionError
 from lightning_hpc.spatial.kernels.adaptive import adaptive_avg_pool, adaptive_max_pool, adaptive_windows
 from lightning_hpc.spatial.kernels.convolution import (
     ConvPlan,
@@ -28,6 +27,7 @@ from lightning_hpc.spatial.kernels.interpolation import interpolate, interpolati
 from lightning_hpc.spatial.kernels.plan import check_partition, halo_plan, largest_split, output_extents
 from lightning_hpc.spatial.kernels.pooling import avg_pool, max_pool, pooling_windows
 from lightning_hpc.spatial.kernels.transposed import conv_transpose, transposed_windows
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError
 
 __all__ = [
     "PartitionError",

@@ -8,8 +8,9 @@ may straddle tiles.  Each rank computes the partial window sums (or maxima) over
 them (sum, or max with the index of the first maximum), and every rank holds the whole output.  No halo.
 
 Gradients: every rank holds the whole (replicated) output gradient; the average passes it through the partial
-sums (the all-reduce's backward is the identity, :func:`lightning_hpc.spatial.collectives.all_reduce_replicated`),
-the maximum adds it at the indices this tile owns.
+sums (the all-reduce's backward is the identity,
+:func:`lightning_hpc.spatial.layout.collectives.all_reduce_replicated`), the maximum adds it at the indices this
+tile owns.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from lightning_hpc.spatial.collectives import all_reduce_replicated
-from lightning_hpc.spatial.halo_exchange import trailing
 from lightning_hpc.spatial.kernels.plan import check_tile
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
+from lightning_hpc.spatial.layout.halo_exchange import trailing
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = ["adaptive_windows", "adaptive_output_size", "adaptive_avg_pool", "adaptive_max_pool"]
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
 from lightning_hpc.spatial.kernels.plan import autocast_cast, autocast_dtype, halo_plan, ntuple
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = [
     "conv",

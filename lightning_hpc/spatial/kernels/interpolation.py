@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from lightning_hpc.spatial.halo_exchange import halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import halo_exchange
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = ["Interp1d", "interpolation_windows", "interpolate"]
 

@@ -2,7 +2,7 @@
 with a clear :class:`PartitionError`, and the normalisation of torch's int-or-tuple arguments.
 
 A kernel describes its halo by ONE window function (per split dimension, an object with ``out_size(n)`` and
-``needed(o0, o1, n)``, e.g. :class:`~lightning_hpc.spatial.halo_exchange.Window1d`); :func:`halo_plan` turns the
+``needed(o0, o1, n)``, e.g. :class:`~lightning_hpc.spatial.layout.halo_exchange.Window1d`); :func:`halo_plan` turns the
 windows into the exchange of section III-A, and :func:`check_partition` is the same test without a grid, for a
 setup-time check or a planner.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.halo_exchange import DimPlan, HaloPlan, PartitionError
-from lightning_hpc.spatial.tiling import SpatialGrid, parts_text
+from lightning_hpc.spatial.layout.halo_exchange import DimPlan, HaloPlan, PartitionError
+from lightning_hpc.spatial.layout.tiling import SpatialGrid, parts_text
 
 __all__ = [
     "dim_names", "ntuple", "halo_plan", "check_partition", "check_tile", "largest_split", "output_extents",

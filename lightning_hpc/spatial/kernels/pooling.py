@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.halo_exchange import Window1d, halo_exchange
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import Window1d, halo_exchange
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = ["pooling_windows", "max_pool", "avg_pool", "pool_divisors"]
 

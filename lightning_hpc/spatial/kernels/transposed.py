@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.halo_exchange import PartitionError, halo_exchange, trailing
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
-from lightning_hpc.spatial.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.halo_exchange import PartitionError, halo_exchange, trailing
+from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 __all__ = ["TransposedWindow1d", "transposed_windows", "conv_transpose"]
 

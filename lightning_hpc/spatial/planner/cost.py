@@ -3,9 +3,10 @@
 * V-A, per-layer cost under a distribution ``D = (n, [d,] h, w)``: measured local compute (forward + backward at
   the tile's shape, :class:`lightning_hpc.perfmodel.LayerTimer`), halo exchanges (the paper's
   ``2 SR(O n C w) + 2 SR(O n C h) + 4 SR(O^2 n C)`` for an interior tile of an image; here one ``SR`` per block
-  the busiest tile receives, each block's size from the layer's own windows (:mod:`lightning_hpc.spatial.windows`):
-  faces, edges and corners in 3-D) in forward and again in backward, and the weight-gradient allreduce
-  ``AR(P, |w|)``, with alpha-beta costs from :mod:`lightning_hpc.perfmodel.alphabeta`.
+  the busiest tile receives, each block's size from the layer's own windows
+  (:mod:`lightning_hpc.spatial.dispatch.windows`): faces, edges and corners in 3-D) in forward and again in
+  backward, and the weight-gradient allreduce ``AR(P, |w|)``, with alpha-beta costs from
+  :mod:`lightning_hpc.perfmodel.alphabeta`.
 * V-B, whole network: every layer is measured (not only convolutions: on CPUs batch norm and ReLU are not free),
   spatially aggregated batch norm adds two small allreduces over the spatial group, and a change of distribution
   between adjacent layers costs an all-to-all shuffle forward and backward.
@@ -25,9 +26,9 @@ from torch import nn
 
 from lightning_hpc.perfmodel import AlphaBeta, LayerTimer, alphabeta
 from lightning_hpc.perfmodel.sync import SyncCost
+from lightning_hpc.spatial.dispatch.windows import CONVOLUTIONS, halo_elements
 from lightning_hpc.spatial.kernels import tile_convolution_applies
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
-from lightning_hpc.spatial.windows import CONVOLUTIONS, halo_elements
 
 __all__ = [
     "GRADIENT_REDUCTIONS",
@@ -112,7 +113,7 @@ class CostModel:
 
     def _halo(self, layer: LayerInfo, d: Distribution) -> float:
         """One halo exchange (section V-A): a send/recv per block the busiest tile receives
-        (:mod:`lightning_hpc.spatial.windows`)."""
+        (:mod:`lightning_hpc.spatial.dispatch.windows`)."""
         windows, k = layer.windows, layer.spatial_ndim
         if windows is None or not 1 <= k <= 3 or d.spatial_size == 1:
             return 0.0

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from lightning_hpc.spatial.windows import CONVOLUTIONS, TRANSPOSED, layer_windows
+from lightning_hpc.spatial.dispatch.windows import CONVOLUTIONS, TRANSPOSED, layer_windows
 
 __all__ = ["Distribution", "LayerInfo", "Stage", "trace_layers", "build_stages"]
 
@@ -80,8 +80,8 @@ class LayerInfo:
 
     @property
     def windows(self) -> tuple | None:
-        """The input range each output range reads, per spatial dimension (:mod:`lightning_hpc.spatial.windows`);
-        None when the layer reads no neighbouring rows."""
+        """The input range each output range reads, per spatial dimension
+        (:mod:`lightning_hpc.spatial.dispatch.windows`); None when the layer reads no neighbouring rows."""
         return layer_windows(self.module, self.in_shape, self.out_shape)
 
     @property

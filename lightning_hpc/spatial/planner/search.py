@@ -14,9 +14,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning_hpc.spatial.dispatch.windows import split_works
 from lightning_hpc.spatial.planner.cost import CostModel
 from lightning_hpc.spatial.planner.graph import Distribution, LayerInfo, Stage
-from lightning_hpc.spatial.windows import split_works
 
 __all__ = ["candidate_distributions", "shortest_line_path", "brute_force_line"]
 

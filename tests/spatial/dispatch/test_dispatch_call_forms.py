@@ -1,0 +1,101 @@
+"""The op handlers read a call's arguments by name, however the caller passed them: keyword inputs and dimensions,
+numpy-style ``axis``, ``permute`` with varargs or one sequence, norms' ``p``/``ord`` give on split activations
+(uneven tiles, nothing gathered) what they give on one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
+
+N, C, H, W = 2, 3, 7, 5
+
+
+def _masked(x):
+    y = x.clone()
+    y[y > 0.5] = -1.0
+    return y
+
+
+def _copied(x):
+    y = torch.zeros_like(input=x)
+    y.copy_(other=2 * x)
+    return y
+
+
+CASES = {
+    "torch.sum(input=x, dim=(2, 3))": lambda x: torch.sum(input=x, dim=(2, 3)),
+    "torch.sum(x, 1)": lambda x: torch.sum(x, 1),
+    "x.sum(axis=[2, 3], keepdim=True)": lambda x: x.sum(axis=[2, 3], keepdim=True),
+    "torch.mean(input=x, dim=[1, 2, 3], keepdim=True)": lambda x: torch.mean(input=x, dim=[1, 2, 3], keepdim=True),
+    "torch.nansum(x, dtype=torch.float32)": lambda x: torch.nansum(x, dtype=torch.float32),
+    "torch.cat(tensors=[x, 2 * x], dim=1)": lambda x: torch.cat(tensors=[x, 2 * x], dim=1),
+    "torch.concatenate([x, x], axis=0)": lambda x: torch.concatenate([x, x], axis=0),
+    "x.permute((0, 1, 3, 2))": lambda x: x.permute((0, 1, 3, 2)),
+    "x.permute(0, 1, 3, 2)": lambda x: x.permute(0, 1, 3, 2),
+    "x.permute(dims=[1, 0, 3, 2])": lambda x: x.permute(dims=[1, 0, 3, 2]),
+    "torch.permute(input=x, dims=(0, 1, 3, 2))": lambda x: torch.permute(input=x, dims=(0, 1, 3, 2)),
+    "x.transpose(dim0=2, dim1=3)": lambda x: x.transpose(dim0=2, dim1=3),
+    "x.swapaxes(axis0=0, axis1=1)": lambda x: x.swapaxes(axis0=0, axis1=1),
+    "torch.norm(x, p=2)": lambda x: torch.norm(x, p=2),
+    "torch.norm(x, 3)": lambda x: torch.norm(x, 3),
+    "x.norm(p=1)": lambda x: x.norm(p=1),
+    "torch.linalg.vector_norm(x, ord=3)": lambda x: torch.linalg.vector_norm(x, ord=3),
+    "torch.softmax(input=x, dim=1)": lambda x: torch.softmax(input=x, dim=1),
+    "F.softmax(x, dim=-3)": lambda x: F.softmax(x, dim=-3),
+    "x.unsqueeze(dim=0)": lambda x: x.unsqueeze(dim=0),
+    "torch.chunk(input=x, chunks=2, dim=1)": lambda x: torch.chunk(input=x, chunks=2, dim=1),
+    "x.unbind(dim=0)": lambda x: x.unbind(dim=0),
+    "x.narrow(dim=2, start=1, length=5)": lambda x: x.narrow(dim=2, start=1, length=5),
+    "x[:, 1:, 2:6]": lambda x: x[:, 1:, 2:6],
+    "x[y > 0.5] = -1": _masked,
+    "y.copy_(other=2 * x)": _copied,
+    "x.size(dim=2) * x": lambda x: x.size(dim=2) * x,
+    "torch.randn_like(input=x, dtype=torch.float32)": lambda x: torch.randn_like(input=x, dtype=torch.float32),
+    "torch.autograd.grad(outputs=(x * x).sum(), inputs=[x])": lambda x: torch.autograd.grad(
+        outputs=(x * x).sum(), inputs=[x]),
+}
+
+
+def _data() -> torch.Tensor:
+    return torch.randn(N, C, H, W, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def _whole(out):
+    if isinstance(out, (tuple, list)):
+        return [_whole(o) for o in out]
+    return out.full().detach() if isinstance(out, SpatialTensor) else out.detach()
+
+
+def _run(rank, world, parts):
+    grid = create_hybrid_layout(parts).grid
+    x = _data()
+    rs, cs = tile_slices((H, W), parts, grid.index)
+    out = {}
+    for name, op in CASES.items():
+        tile = x[..., rs, cs].clone().requires_grad_(True)
+        torch.manual_seed(1)  # the same random values as the serial op's
+        with on_unsupported("error"):  # computed on the tiles: a gather would raise
+            out[name] = _whole(op(split_tensor(tile, grid, x.shape)))
+    return out
+
+
+def _close(got, ref) -> bool:
+    if isinstance(ref, (tuple, list)):
+        return len(got) == len(ref) and all(_close(g, r) for g, r in zip(got, ref))
+    tol = 1e-12 if ref.dtype == torch.float64 else 1e-5  # (float32: the tiles' partial sums add in another order)
+    return got.shape == ref.shape and got.dtype == ref.dtype and bool((got - ref).abs().max() <= tol * ref.abs().max())
+
+
+def test_keyword_and_varargs_forms_equal_one_process():
+    refs = {}
+    for name, op in CASES.items():
+        torch.manual_seed(1)
+        refs[name] = _whole(op(_data().requires_grad_(True)))
+    for parts in ((2, 1), (1, 2)):
+        for res in run_in_processes(_run, 2, parts):
+            bad = [name for name in CASES if not _close(res[name], refs[name])]
+            assert not bad, (parts, bad)

@@ -1,0 +1,133 @@
+"""The op dispatch decides once per distinct call and replays: a call's binding is decided once per call shape
+(and equals ``inspect.Signature.bind``), a convolution's plan and an element-wise call's operand roles are cached
+on the grid by (op, layouts, shapes, non-tensor arguments), a repeated training step makes no new decision, and
+a decision is never reused for another layout or shape (with the shape left out of the key, the check below
+fails: the negative control)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial.dispatch import elementwise, split_tensor
+from lightning_hpc.spatial.dispatch.autograd import _tile_index
+from lightning_hpc.spatial.dispatch.calls import bind_call
+from lightning_hpc.spatial.layout.tiling import SpatialGrid, create_hybrid_layout
+
+
+def _reference_bind(op, args, kwargs):
+    try:
+        bound = inspect.signature(op).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _var(input, dim=None, *_, **__): ...  # noqa: E704
+def _conv(input, weight, bias=None, stride=1, padding=0): ...  # noqa: E704
+def _posonly(a, /, b, *, c=3): ...  # noqa: E704
+def _mixed(x, *rest, k=1, **kw): ...  # noqa: E704
+
+
+@pytest.mark.parametrize("op,args,kwargs", [
+    (_var, (1,), {}), (_var, (1, 2, 3), {"dtype": 4}), (_var, (1,), {"dim": 2, "z": 5}),
+    (_conv, (1, 2), {}), (_conv, (1,), {"weight": 2, "padding": 3}), (_conv, (1, 2, 3, 4, 5, 6), {}),
+    (_conv, (), {"input": 1}), (_conv, (1, 2), {"nope": 1}), (_posonly, (1, 2), {"c": 4}),
+    (_posonly, (), {"a": 1, "b": 2}), (_mixed, (1, 2, 3), {"k": 2, "q": 3}), (_mixed, (1,), {}),
+    (F.batch_norm, (1, 2, 3), {"training": True}),
+])
+def test_cached_binding_equals_signature_bind(op, args, kwargs):
+    for _ in range(2):  # decided, then replayed
+        assert bind_call(op, args, kwargs) == _reference_bind(op, args, kwargs)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.a(x)))
+        h = h + self.b(h)
+        return F.max_pool2d(h * 0.5, 2)
+
+
+def test_a_repeated_step_makes_no_new_decision():
+    torch.manual_seed(0)
+    net, grid = _Net(), SpatialGrid.single()
+    x = torch.randn(2, 3, 8, 8)
+
+    def step():
+        net(split_tensor(x, grid, tuple(x.shape))).sum(dim=(0, 1, 2, 3)).backward()
+
+    step()
+    first = grid.decisions.made
+    step()
+    # two convolutions of different weights: two plans; relu, add, mul: one role decision each
+    assert first >= 5 and grid.decisions.made == first, (first, grid.decisions.made)
+    other = SpatialGrid.single()  # another grid (another Trainer's): its own cache, nothing shared
+    net(split_tensor(x, other, tuple(x.shape))).sum(dim=(0, 1, 2, 3)).backward()
+    assert other.decisions.made == first and grid.decisions.made == first
+
+
+def _serial_and_split(rank, world, parts, calls):
+    """Each call ``(x_shape, plain_shape)``: ``x * plain`` on a split ``x`` against the serial product, in order on
+    one grid, so a decision made for an earlier call is in the cache when a later one runs."""
+    grid = create_hybrid_layout(parts).grid
+    errs = []
+    for k, (xs, ps) in enumerate(calls):
+        g = torch.Generator().manual_seed(k)
+        x, plain = torch.randn(xs, generator=g), torch.randn(ps, generator=g)
+        sdims = tuple(range(len(xs) - len(parts), len(xs)))
+        tile = x[_tile_index(x.shape, sdims, grid)]
+        conv = nn.Conv2d(xs[1], 2, 3, padding=1)
+        for split, serial, shape in (
+                (lambda: split_tensor(tile, grid, xs, sdims) * plain, lambda: x * plain, xs),
+                (lambda: conv(split_tensor(tile, grid, xs, sdims)), lambda: conv(x), (xs[0], 2, *xs[2:]))):
+            want = serial()[_tile_index(shape, sdims, grid)]
+            try:
+                got = split().local()
+            except RuntimeError:  # a wrong decision may also fail outright
+                got = None
+            errs.append(float((got - want).abs().max()) if got is not None and got.shape == want.shape
+                        else float("inf"))
+    return errs
+
+
+# the same split operand, with a plain operand broadcast along W, then spanning W (cut to the tile), then with
+# another split extent: each must be decided afresh
+_CALLS = [((2, 3, 6, 8), (3, 1, 1)), ((2, 3, 6, 8), (3, 6, 8)), ((2, 3, 6, 10), (1, 6, 10)), ((2, 3, 6, 8), (8,))]
+
+
+def test_a_decision_is_not_reused_for_another_layout_or_shape():
+    errs = run_in_processes(_serial_and_split, 2, (1, 2), _CALLS, timeout_s=120)
+    assert max(max(e) for e in errs) < 1e-5, errs
+
+
+def _without_shapes(rank, world, parts, calls):
+    elementwise._operand_key = lambda a: None  # the key no longer tells the operands' layouts and shapes apart
+    return _serial_and_split(rank, world, parts, calls)
+
+
+def test_negative_control_a_key_without_shapes_reuses_wrong_decisions():
+    errs = run_in_processes(_without_shapes, 2, (1, 2), _CALLS, timeout_s=120)
+    assert max(max(e) for e in errs) > 1e-3, errs
+
+
+def test_inplace_keyword_is_part_of_the_decision():
+    """``F.relu(x)`` then ``F.relu(x, inplace=True)`` on the same layout: the second changes ``x`` itself (a key
+    without the keyword's value replays the out-of-place decision and leaves ``x`` unchanged)."""
+    grid = SpatialGrid.single()
+    x = split_tensor(torch.randn(2, 3, 4, 4), grid, (2, 3, 4, 4))
+    out = F.relu(x)
+    assert (x.local() < 0).any() and (out.local() >= 0).all()
+    same = F.relu(x, inplace=True)
+    assert same is x and (x.local() >= 0).all()
