@@ -224,7 +224,14 @@ class HybridHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() > 2 and not (self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch"):
             # (batch, ..., features), e.g. a transformer's tokens: every row is one input of the linear layers
-            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+            positions = x[0].numel() // x.shape[-1] if x.shape[0] else 1
+            for shard in self.shards:  # K-FAC's sharded handler counts rows as samples: it must know (and refuses)
+                shard.kfac_positions = positions
+            try:
+                return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+            finally:
+                for shard in self.shards:
+                    shard.kfac_positions = 1
         x = self._pre(x)
         if self._whole is not None:
             return self._forward_whole(x)

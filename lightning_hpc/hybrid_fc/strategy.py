@@ -218,12 +218,14 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         (:meth:`_average_trunk_gradients`), so a backbone unfrozen later is averaged from that step on."""
         module = self.lightning_module
         assert module is not None
-        self._averages_trunk = False
+        self._averages_trunk = self.follows_trainability_changes = False
         shard_ids = {id(p) for p in head_parameters(self._search_root())}
         if any(p.requires_grad and id(p) not in shard_ids for p in module.parameters()):
             super().configure_ddp()
             return
-        self._averages_trunk = True
+        # whatever trains at a step is averaged at that step: a backbone unfrozen later (BackboneFinetuning) is
+        # followed, where DDP's reducer is built once, for the parameters trainable when it wrapped the model
+        self._averages_trunk = self.follows_trainability_changes = True
         if dist.is_initialized() and self.world_size > 1:
             with torch.no_grad():
                 for t in [p for p in module.parameters() if id(p) not in shard_ids] + list(module.buffers()):
