@@ -5,9 +5,14 @@ Automatic: the head is the trailing run of ``nn.Linear`` layers, with the elemen
 dropout) between them, that follows the model's last convolution / pooling / flatten, in the order
 ``named_modules`` lists the leaves (the order of ``nn.Sequential`` models, and of models that define their
 layers in forward order); the search runs over the whole LightningModule, so ``self.backbone`` +
-``self.classifier`` works as well as ``self.model``.  Named: ``head="model.classifier"`` (a dotted path from the
-searched module) takes that submodule (an ``nn.Sequential`` of linear and element-wise layers, or one
-``nn.Linear``).  Anything else is a clear error before training starts, naming what was searched.
+``self.classifier`` works as well as ``self.model``.  A model with no convolution / pooling / flatten (a
+fully-connected model, Lightning's ``BoringModel``, a transformer) has the trailing run of linear and
+element-wise layers of its last layer's parent as its head; whatever comes before is the data-parallel trunk,
+which may be empty (the head alone is then split over the ranks, each feeding it its own samples).  The head is
+the trailing children of an ``nn.Sequential`` or, alone, one ``nn.Linear`` held by any module (``self.layer``,
+``self.decoder``).  Named: ``head="model.classifier"`` (a dotted path from the searched module) takes that
+submodule (an ``nn.Sequential`` of linear and element-wise layers, or one ``nn.Linear``).  Anything else is a
+clear error before training starts, naming what was searched.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ class HeadNotFoundError(ValueError):
 @dataclass
 class HeadSpec:
     """Where the head sits: ``parent`` is an ``nn.Sequential``; the head is its children from index ``start``
-    (``start == 0`` and ``parent_name`` set: the whole submodule is the head)."""
+    (``start == 0`` and ``parent_name`` set: the whole submodule is the head).  A lone ``nn.Linear`` head held by a
+    module that is not an ``nn.Sequential`` is its own ``parent`` (``lone``), ``parent_name`` its dotted path."""
 
-    parent: nn.Sequential
+    parent: nn.Module
     parent_name: str  # dotted path of ``parent`` in the model ("" = the model itself)
     start: int
     modules: list[tuple[str, nn.Module]]  # (child name in parent, module) of the head, in order
@@ -47,6 +53,11 @@ class HeadSpec:
     @property
     def whole_parent(self) -> bool:
         return self.start == 0
+
+    @property
+    def lone(self) -> bool:
+        """The head is one ``nn.Linear`` that replaces itself in place (its holder is not an ``nn.Sequential``)."""
+        return isinstance(self.parent, nn.Linear)
 
     @property
     def linears(self) -> list[nn.Linear]:
@@ -77,12 +88,14 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
         if isinstance(sub, nn.Linear):
             parent_name, _, child = head.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            if not isinstance(parent, nn.Sequential) or list(parent._modules)[-1] != child:
-                raise HeadNotFoundError(
-                    f"head={head!r} is a single nn.Linear that is not the last layer of an nn.Sequential; wrap the "
-                    "head in an nn.Sequential"
-                )
-            return HeadSpec(parent, parent_name, len(parent) - 1, [(child, sub)])
+            if isinstance(parent, nn.Sequential):
+                if list(parent._modules)[-1] != child:
+                    raise HeadNotFoundError(
+                        f"head={head!r} is an nn.Linear inside an nn.Sequential but not its last layer: the head must "
+                        "end it (name the nn.Sequential holding the head's layers, or the last nn.Linear)"
+                    )
+                return HeadSpec(parent, parent_name, len(parent) - 1, [(child, sub)])
+            return _lone(head, sub)
         if not isinstance(sub, nn.Sequential):
             raise HeadNotFoundError(
                 f"head={head!r} is a {type(sub).__name__}; the hybrid head must be an nn.Sequential of linear and "
@@ -103,15 +116,7 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
     ]
     last_trunk = max((i for i, (_, m) in enumerate(leaves) if isinstance(m, TRUNK_END)), default=None)
     if last_trunk is None:
-        linears = [n for n, m in leaves if isinstance(m, nn.Linear)]
-        raise HeadNotFoundError(
-            f"strategy='hybrid_fc' searched the layers of {type(model).__name__} in registration order for a "
-            "convolution, "
-            f"pooling or flatten layer that ends a data-parallel trunk and found none (its nn.Linear layers: "
-            f"{linears or 'none'}). A model that is only fully connected has no trunk to run data parallel, which is "
-            "what this strategy pairs with the model-parallel head: use strategy='ddp' for it, or name the head "
-            "with head='<dotted.path>' if the trunk is built from other layers"
-        )
+        return _trailing_head(model, leaves)
     tail = leaves[last_trunk + 1 :]
     if not tail:
         raise HeadNotFoundError(
@@ -130,6 +135,8 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
         )
     parent_name = parent_names.pop()
     parent = model.get_submodule(parent_name) if parent_name else model
+    if len(tail) == 1 and isinstance(tail[0][1], nn.Linear) and not isinstance(parent, nn.Sequential):
+        return _lone(tail[0][0], tail[0][1])
     if not isinstance(parent, nn.Sequential):
         raise HeadNotFoundError(
             f"the head's layers sit in a {type(parent).__name__} ({parent_name or 'the model'}), not an "
@@ -141,3 +148,41 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
     if children[start:] != names:
         raise HeadNotFoundError(f"the head's layers {names} are not the last children of {parent_name or 'the model'}")
     return HeadSpec(parent, parent_name, start, [(c, parent._modules[c]) for c in names])  # type: ignore[misc]
+
+
+def _lone(path: str, linear: nn.Linear) -> HeadSpec:
+    """A head that is one ``nn.Linear`` at ``path``, held by a module that is not an ``nn.Sequential``."""
+    return HeadSpec(linear, path, 0, [(path.rpartition(".")[2], linear)])
+
+
+def _trailing_head(model: nn.Module, leaves: list[tuple[str, nn.Module]]) -> HeadSpec:
+    """The head of a model without convolution / pooling / flatten: the trailing run of linear and element-wise
+    layers of the last layer's parent (everything before it is the trunk, possibly empty)."""
+    if not leaves or not isinstance(leaves[-1][1], (nn.Linear, *ELEMENTWISE)):
+        last = f"ends with {leaves[-1][0]!r} ({type(leaves[-1][1]).__name__})" if leaves else "has no layer"
+        raise HeadNotFoundError(
+            f"strategy='hybrid_fc' searched the layers of {type(model).__name__} for a fully-connected head: it "
+            f"{last}, not an nn.Linear. Name the head with head='<dotted.path>', or train the model with "
+            "strategy='ddp'"
+        )
+    parent_name = leaves[-1][0].rpartition(".")[0]
+    tail: list[tuple[str, nn.Module]] = []
+    for name, m in reversed(leaves):
+        if name.rpartition(".")[0] != parent_name or not isinstance(m, (nn.Linear, *ELEMENTWISE)):
+            break
+        tail.insert(0, (name, m))
+    while tail and not isinstance(tail[0][1], nn.Linear) and len(tail) > 1:
+        tail.pop(0)  # element-wise layers before the first linear layer stay in the trunk
+    _check_head_modules(tail, f"the trailing layers of {parent_name or type(model).__name__}")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if not isinstance(parent, nn.Sequential):
+        # a module's attributes, not a chain: its last linear layer is the head, whatever calls it
+        path, final = [(n, m) for n, m in tail if isinstance(m, nn.Linear)][-1]
+        assert isinstance(final, nn.Linear)
+        return _lone(path, final)
+    children = list(parent._modules)
+    names = [n.rpartition(".")[2] for n, _ in tail]
+    start = len(children) - len(names)
+    if children[start:] != names:
+        raise HeadNotFoundError(f"the head's layers {names} are not the last children of {parent_name or 'the model'}")
+    return HeadSpec(parent, parent_name, start, [(c, parent._modules[c]) for c in names])

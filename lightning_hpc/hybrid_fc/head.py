@@ -113,6 +113,7 @@ class HybridHead(nn.Module):
         device: torch.device | str | None = None,
         head_init: Callable[[ShardedLinear], None] | None = None,
         overlap: bool = True,
+        shard_class: type[ShardedLinear] = ShardedLinear,
     ) -> None:
         super().__init__()
         if scheme not in SCHEMES:
@@ -151,7 +152,7 @@ class HybridHead(nn.Module):
             self.add_module(names[idx], op)
             idx += 1
         for i, lin in enumerate(linears):
-            shard = ShardedLinear(lin, self.layouts[i], self.rank, self.k, device=device, init=head_init)
+            shard = shard_class(lin, self.layouts[i], self.rank, self.k, device=device, init=head_init)
             shard.partition_parameters(self.comm.group)
             self.add_module(names[idx], shard)
             self.shards.append(shard)
@@ -160,6 +161,9 @@ class HybridHead(nn.Module):
                 self.add_module(names[idx], op)
                 idx += 1
         self.exchange = make_exchange(scheme, self.comm, self.xcomm, overlap)
+        #: scheme 'a' for a per-step batch of fewer rows per rank than scheme 'c' has slices (an epoch's short last
+        #: batch): the per-step update is the same synchronous SGD step whatever the sub-batches (section 4.2)
+        self._one_subbatch = make_exchange("a", self.comm, self.xcomm, overlap) if scheme == "c" else self.exchange
         self._subbatch: SubbatchContext | None = None
         #: the head as the user built it (``parallel.UserHead``, set by ``parallelize_head``; not a child module)
         self.user_head: Any = None
@@ -218,6 +222,16 @@ class HybridHead(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2 and not (self.training and torch.is_grad_enabled() and self.fc_update == "per_subbatch"):
+            # (batch, ..., features), e.g. a transformer's tokens: every row is one input of the linear layers
+            positions = x[0].numel() // x.shape[-1] if x.shape[0] else 1
+            for shard in self.shards:  # K-FAC's sharded handler counts rows as samples: it must know (and refuses)
+                shard.kfac_positions = positions
+            try:
+                return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+            finally:
+                for shard in self.shards:
+                    shard.kfac_positions = 1
         x = self._pre(x)
         if self._whole is not None:
             return self._forward_whole(x)
@@ -234,7 +248,7 @@ class HybridHead(nn.Module):
         with self._autocast_off(x, dt):
             # the activations enter (and their gradients leave, after the exchange's reverse sum) rounded
             x = round_to(x.float(), dt, grad=True) if dt is not None else x
-            ex = self.exchange
+            ex = self._one_subbatch if x.shape[0] < self.k else self.exchange
             ex.start(x.detach())
             xs = exchange_start(x, ex)
             outs = []

@@ -62,7 +62,7 @@ class UserHead:
     model itself), ``linears`` the head's ``nn.Linear`` layers in order.  While split, the linear layers live on
     the meta device (shape and type only: the shards hold the values, no rank keeps the full head)."""
 
-    container: nn.Sequential
+    container: nn.Module
     path: str
     linears: list[nn.Linear]
 
@@ -89,6 +89,26 @@ class _TrunkThenHead(nn.Module):
         return self.hybrid_head(x)
 
     def train(self, mode: bool = True) -> _TrunkThenHead:
+        super().train(mode)
+        self.hybrid_head.training = mode
+        return self
+
+
+class _LoneShard(ShardedLinear):
+    """The shard of a head that is one ``nn.Linear`` held by a module that is not an ``nn.Sequential`` (Lightning's
+    ``BoringModel.layer``, a transformer's ``decoder``): it takes the linear layer's place, so the module tree and
+    the ``state_dict`` keys stay the user's.  A call from the model (the activations alone) runs the whole hybrid
+    head (exchange, sharded product, logits back to their owners); the head's own calls (with the gradient scale)
+    compute the shard, and module hooks (K-FAC's) fire on those only."""
+
+    hybrid_head: HybridHead  # set by parallelize_head without registering it (it holds this shard)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs:  # the model's call, where its nn.Linear was called
+            return self.hybrid_head(args[0])
+        return super().__call__(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> _LoneShard:
         super().train(mode)
         self.hybrid_head.training = mode
         return self
@@ -173,6 +193,47 @@ def refuse_tied_head(model: nn.Module, head_modules: Sequence[tuple[str, nn.Modu
             _raise_tied(head_ids[id(p)], name)
 
 
+def _after_tied_layers(model: nn.Module, spec: HeadSpec) -> HeadSpec:
+    """The automatically found head without its leading layers whose weight or bias is tied to a layer outside
+    it: those stay in the data-parallel trunk (whole on every rank, reduced once by DDP, as on one process), the
+    head starts after the last of them.  A head that would keep no linear layer is returned as found (and refused
+    by :func:`refuse_tied_head`)."""
+    if spec.lone:
+        return spec
+    prefix = f"{spec.parent_name}." if spec.parent_name else ""
+    head_names = {prefix + name for name, _ in spec.modules}
+    owners: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(n.rpartition(".")[0])
+    # a parameter of the head is tied when another layer, in the head or outside it, holds it too
+    shared = {pid for pid, names in owners.items() if len(names) > 1 and any(o in head_names for o in names)}
+    tied = [i for i, (_, m) in enumerate(spec.modules) if any(id(p) in shared for p in m.parameters())]
+    if not tied:
+        return spec
+    rest = spec.modules[tied[-1] + 1:]
+    if not any(isinstance(m, nn.Linear) for _, m in rest):
+        return spec
+    assert isinstance(spec.parent, nn.Sequential)
+    return HeadSpec(spec.parent, spec.parent_name, spec.start + tied[-1] + 1, rest)
+
+
+def refuse_small_head(spec: HeadSpec, k: int) -> None:
+    """Every head layer is split into K blocks of its input and of its output neurons (section 4: each rank owns
+    1/K of every fully-connected layer), so a layer with fewer inputs or outputs than ranks cannot be split (a GAN
+    discriminator's single logit, a binary classifier's).  Raised before anything is split, naming the layer."""
+    prefix = f"{spec.parent_name}." if spec.parent_name and not spec.lone else ""
+    for name, m in spec.modules:
+        if isinstance(m, nn.Linear) and min(m.in_features, m.out_features) < k:
+            where = spec.parent_name if spec.lone else prefix + name
+            raise ValueError(
+                f"strategy='hybrid_fc': the fully-connected head's layer {where!r} ({m.in_features} -> "
+                f"{m.out_features}) is too small to split over {k} ranks: each rank owns a block of every head "
+                f"layer's input and output neurons, so every head layer needs at least {k} of each. Name a head "
+                "whose layers are that wide with head='<dotted.path>', run on at most "
+                f"{min(m.in_features, m.out_features)} rank(s), or train with strategy='ddp'"
+            )
+
+
 def _raise_tied(head_name: str, other: str) -> None:
     raise ValueError(
         f"the fully-connected head's parameter {head_name!r} is tied to {other!r} (one tensor in both places): the "
@@ -210,7 +271,11 @@ def parallelize_head(
     computation (schemes.py), for measurements.
     """
     spec = find_head(model, head)
-    refuse_tied_head(model, spec.modules, spec.parent_name)
+    if head is None:
+        spec = _after_tied_layers(model, spec)
+    # the modules' names are children of parent_name, a lone linear's its own last component
+    refuse_tied_head(model, spec.modules, spec.parent_name.rpartition(".")[0] if spec.lone else spec.parent_name)
+    refuse_small_head(spec, dist.get_world_size(group) if dist.is_initialized() else 1)
     meta = has_meta_head(model, head)
     if not meta:
         _broadcast_head(spec, group)
@@ -224,8 +289,6 @@ def parallelize_head(
         elif isinstance(m, ELEMENTWISE):
             (between[-1] if linears else before).append(m)
     names = {i: n for i, (n, _) in enumerate(spec.modules)}
-    if spec.whole_parent and not spec.parent_name:
-        raise ValueError("the whole model is the head; there is no trunk to run data-parallel")
     hybrid = HybridHead(
         linears,
         between,
@@ -240,14 +303,23 @@ def parallelize_head(
         device=device,
         head_init=head_init,
         overlap=overlap,
+        shard_class=_LoneShard if spec.lone else ShardedLinear,
     )
     for lin in linears:
         lin.to("meta")  # the shards hold the values now: free the full layers, keep the user's modules
     hybrid.user_head = UserHead(spec.parent, spec.parent_name, linears)
-    if spec.whole_parent:
+    if spec.lone:  # the shard takes the linear layer's place and runs the head when the model calls it
+        shard = hybrid.shards[0]
+        object.__setattr__(shard, "hybrid_head", hybrid)
+        parent_name, _, attr = spec.parent_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, shard)
+    elif spec.whole_parent and not spec.parent_name:  # the model is only its head: no trunk, a new root
+        model = hybrid
+    elif spec.whole_parent:
         parent_name, _, attr = spec.parent_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, hybrid)
     else:
+        assert isinstance(spec.parent, nn.Sequential)  # a head after a trunk: the trailing children of one
         replacement = _TrunkThenHead(spec.parent, spec.start, hybrid)
         if not spec.parent_name:
             model = replacement
@@ -295,7 +367,7 @@ def find_hybrid_head(model: nn.Module) -> HybridHead:
     for m in model.modules():
         if isinstance(m, HybridHead):
             return m
-        if isinstance(m, _TrunkThenHead):
+        if isinstance(m, (_TrunkThenHead, _LoneShard)):  # they hold the head without registering it
             return m.hybrid_head
     raise ValueError("the model has no hybrid head; call parallelize_head(model) first")
 

@@ -55,6 +55,9 @@ class ShardedLinear(nn.Module):
         self.in_bounds = block_bounds(self.in_features, k)
         #: the scale of the last forward's parameter gradients (1/K for the per-step update; see ``forward``)
         self.kfac_grad_scale = 1.0 / k
+        #: positions per sample of the rows of the current forward (a (batch, tokens, features) input run row by
+        #: row); K-FAC's sharded handler forms its factors per sample and refuses more than one
+        self.kfac_positions = 1
         w = linear.weight.detach()
         if w.is_meta:
             dev = torch.device("cpu") if device is None else torch.device(device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -33,6 +33,7 @@ from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
+from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.partitioned import (
@@ -124,6 +125,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._whole_head: contextlib.ExitStack | None = None
         self._unused_checked = False
         self._trainable: TrainableSet | None = None
+        #: no DDP: the trunk had no trainable parameter when training started (see configure_ddp)
+        self._averages_trunk = False
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -201,17 +204,66 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                  if isinstance(h, HybridHead)}
         follow_split(module, list(heads.values()))
         shard_ids = {id(p) for p in head_parameters(self._search_root())}
-        if not any(p.requires_grad and id(p) not in shard_ids for p in module.parameters()):
-            raise ValueError(
-                f"strategy='hybrid_fc': {type(module).__name__} has no trainable parameter outside the fully-connected "
-                "head, so there is no data-parallel trunk (only parameter-free layers such as Flatten before the "
-                "head, or only frozen ones, requires_grad=False); this strategy pairs a data-parallel trunk with the "
-                "model-parallel head: use strategy='ddp' (or strategy='layered_sgd' if the trunk is unfrozen later, "
-                "e.g. by BackboneFinetuning: it reduces parameters from the step they become trainable, DDP never does)"
-            )
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         ddp_ignore_parameters(module, ignore)
         self._parallelized = True
+
+    @override
+    def configure_ddp(self) -> None:
+        """DDP for a trunk with trainable parameters.  A trunk with none when training starts (only the head
+        trains: a model that is only its fully-connected head, a trunk of parameter-free layers such as Flatten,
+        a frozen one, BackboneFinetuning's backbone) has nothing for DDP to reduce, and DDP refuses a module
+        without trainable parameters: the trunk's parameters are made equal on every rank (rank 0's, as DDP does)
+        and the strategy averages the gradients of whatever trunk parameters train at each step itself
+        (:meth:`_average_trunk_gradients`), so a backbone unfrozen later is averaged from that step on."""
+        module = self.lightning_module
+        assert module is not None
+        self._averages_trunk = self.follows_trainability_changes = False
+        shard_ids = {id(p) for p in head_parameters(self._search_root())}
+        if any(p.requires_grad and id(p) not in shard_ids for p in module.parameters()):
+            super().configure_ddp()
+            return
+        # whatever trains at a step is averaged at that step: a backbone unfrozen later (BackboneFinetuning) is
+        # followed, where DDP's reducer is built once, for the parameters trainable when it wrapped the model
+        self._averages_trunk = self.follows_trainability_changes = True
+        if dist.is_initialized() and self.world_size > 1:
+            with torch.no_grad():
+                for t in [p for p in module.parameters() if id(p) not in shard_ids] + list(module.buffers()):
+                    dist.broadcast(t, src=0)
+
+    def _average_trunk_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Without DDP (:meth:`configure_ddp`): average the gradients of the trainable trunk parameters among
+        ``params`` over the ranks (section 4.1), after the backward passes of a step and before anything reads
+        them (gradient clipping, ``on_before_optimizer_step``, the step).  Every rank must hold gradients for the
+        same parameters (checked: one small all-reduce), or the flat all-reduce would mix different tensors."""
+        if not self._averages_trunk or self.world_size < 2 or self.lightning_module is None:
+            return
+        shard_ids = {id(p) for p in head_parameters(self._search_root())}
+        trunk = list({id(p): p for p in params if p.requires_grad and id(p) not in shard_ids}.values())
+        if not trunk:
+            return
+        has = torch.tensor([p.grad is not None for p in trunk], dtype=torch.int32, device=self.root_device)
+        agreed = has.clone()
+        dist.all_reduce(agreed)
+        if not torch.equal(agreed, has * self.world_size):
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            odd = [names.get(id(p), "?") for p, a in zip(trunk, agreed.tolist()) if 0 < a < self.world_size]
+            raise RuntimeError(
+                f"strategy='hybrid_fc': trunk parameter(s) {odd[:5]} got a gradient on some ranks only (the loss used "
+                "them depending on the data), so their average over the ranks is not defined; use every trainable "
+                "parameter in every step's loss, or freeze it"
+            )
+        grads = [p.grad for p in trunk if p.grad is not None]
+        allreduce_flat(grads, 1.0 / self.world_size)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        module = self.lightning_module
+        if self._averages_trunk and module is not None and not module.automatic_optimization:
+            # manual optimization: every manual_backward is synchronised, as DDP synchronises it (the user may clip
+            # or step right after it); averaging a gradient already averaged leaves it as it is
+            self._average_trunk_gradients(p for o in self.optimizers for g in o.param_groups for p in g["params"])
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -239,10 +291,13 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._refuse_short_last_batch()
 
     def _refuse_short_last_batch(self) -> None:
-        """Scheme 'c' splits every rank's batch into K slices: a last batch of fewer than K samples per rank (the
-        training set's per-rank share not a multiple of the batch size) would stop training when it comes, after
-        the epoch's other steps.  Found here, before the first step, from the loaders' lengths and batch size."""
-        if self.scheme != "c" or self.world_size < 2 or self.lightning_module is None:
+        """The per-sub-batch update of scheme 'c' steps the head once for each of the K slices of every rank's
+        batch (section 4.2): a last batch of fewer than K samples per rank (the training set's per-rank share not a
+        multiple of the batch size) has fewer slices, so it would stop training when it comes, after the epoch's
+        other steps.  Found here, before the first step, from the loaders' lengths and batch size.  (The per-step
+        update runs such a batch as one sub-batch, scheme 'a': the same step.)"""
+        per_subbatch_c = self.scheme == "c" and self.fc_update == "per_subbatch"
+        if not per_subbatch_c or self.world_size < 2 or self.lightning_module is None:
             return
         trainer = self.lightning_module.trainer
         short = last_batch_sizes(trainer, self.world_size)
@@ -252,8 +307,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             raise ValueError(
                 f"strategy='hybrid_fc' (scheme='c'): each epoch's last training batch holds {last} sample(s) per rank "
                 f"({n} samples per rank in batches of {b}), and scheme 'c' splits every rank's batch into K="
-                f"{self.world_size} slices (section 4, scheme c). Use DataLoader(..., drop_last=True), a training set "
-                f"whose per-rank share is a multiple of the batch size, or HybridParallelStrategy(scheme='a' / 'b')"
+                f"{self.world_size} slices, one head update each (fc_update='per_subbatch', section 4.2). Use "
+                "DataLoader(..., drop_last=True), a training set whose per-rank share is a multiple of the batch "
+                "size, HybridParallelStrategy(scheme='b'), or fc_update='per_step'"
             )
 
     @override
@@ -309,6 +365,11 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def checked_closure() -> Any:
             result = closure()
+            module = self.lightning_module
+            if self._averages_trunk:  # no DDP: whatever trains now is averaged now
+                if module is not None and module.automatic_optimization:
+                    self._average_trunk_gradients(p for g in optimizer.param_groups for p in g["params"])
+                return result
             if self._trainable is not None and self.lightning_module is not None:
                 # before the step: DDP reduces only the parameters trainable when it wrapped the model
                 self._trainable.refuse_changes(self.lightning_module, "strategy='hybrid_fc'", REBUILD_FIX)
@@ -321,7 +382,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         """Before the first optimizer step: a trainable trunk parameter that got no gradient left DDP's bucket
         holding it unreduced (its other gradients local, the step silently different), and DDP itself complains
         only at the next forward, after the step.  Refuse here instead, naming the parameter and the fix."""
-        if self._unused_checked or self._ddp_kwargs.get("find_unused_parameters", False):
+        if self._unused_checked or self._averages_trunk or self._ddp_kwargs.get("find_unused_parameters", False):
             return
         module = self.lightning_module
         assert module is not None

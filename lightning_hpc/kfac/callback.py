@@ -109,6 +109,8 @@ class KFAC(Callback):
         self._fit_started = False
         #: the parameters trainable when training started, under a strategy that cannot follow a change
         self._trainable: TrainableSet | None = None
+        #: ids of the parameters trainable at setup, for a build deferred to on_fit_start
+        self._trainable_at_setup: set[int] = set()
 
     @classmethod
     def from_options(cls, options: KFACOptions, communicator: str | Communicator = "auto") -> KFAC:
@@ -129,6 +131,9 @@ class KFAC(Callback):
             raise ValueError(contract.kfac_unsupported)
         if contract.replaces_layers_in_setup:
             self._deferred = True  # hook the layers the strategy's setup puts in place (on_fit_start)
+            # which layers are preconditioned is decided by what trains now, as when built here: a callback whose
+            # setup comes later and freezes a backbone until it unfreezes it (BackboneFinetuning) must not drop it
+            self._trainable_at_setup = {id(p) for p in pl_module.parameters() if p.requires_grad}
             return
         self._build(trainer, pl_module)
 
@@ -140,7 +145,17 @@ class KFAC(Callback):
         self._trainable = None if follows or trainer.world_size == 1 else TrainableSet(pl_module)
         if self._deferred and self.preconditioner is None:
             self._deferred = False
-            self._build(trainer, pl_module)
+            # trainable when setup ran, frozen since (by a later callback's setup): discovered as trainable, as a
+            # build in setup would have found them (the strategy's replacement layers are new: as they are)
+            frozen_since = [p for p in pl_module.parameters() if id(p) in self._trainable_at_setup
+                            and not p.requires_grad]
+            for p in frozen_since:
+                p.requires_grad_(True)
+            try:
+                self._build(trainer, pl_module)
+            finally:
+                for p in frozen_since:
+                    p.requires_grad_(False)
         if self.preconditioner is not None and self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None

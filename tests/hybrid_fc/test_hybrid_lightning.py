@@ -43,6 +43,9 @@ def test_head_discovery():
     assert alex.parent_name == "classifier" and alex.whole_parent and len(alex.linears) == 3
     cnn = find_head(small_cnn())
     assert cnn.parent_name == "" and [type(m) for _, m in cnn.modules] == [nn.Dropout, nn.Linear]
+    # no convolution, pooling or flatten: the trailing linear layers of the last layer's parent (trunk: the rest)
+    mlp = find_head(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    assert mlp.parent_name == "" and mlp.start == 2 and not mlp.lone
     named = find_head(alexnet_one_tower(num_classes=10, fc_width=32), head="classifier")
     assert [n for n, _ in named.modules] == [n for n, _ in alex.modules] == [str(i) for i in range(7)]
 
@@ -51,9 +54,10 @@ def test_head_discovery():
     "model,head,match",
     [
         (
-            nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+            nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
             None,
-            r"searched the layers of Sequential .* found none .*\[.0., .2.\]",
+            r"searched the layers of Sequential for a fully-connected head: it ends with '1' \(LayerNorm\), not an "
+            r"nn.Linear.*head='<dotted.path>'.*strategy='ddp'",
         ),
         (nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(1), nn.Linear(8, 2), nn.BatchNorm1d(2)), None, "cannot shard"),
         (nn.Sequential(nn.Flatten(1), nn.Linear(8, 2)), "head", "no such submodule"),

@@ -69,6 +69,16 @@ class ShardedLinearHandler(LinearHandler):
         return rows, rows.shape[0]  # this rank's input block: gathered at the step
 
     def capture_input(self, x: torch.Tensor) -> int:
+        positions = int(getattr(self.module, "kfac_positions", 1))
+        if positions > 1:
+            # KFC's weight sharing sums G over a sample's positions (LinearHandler); the head's sub-batches cut the
+            # rows of (batch, positions, features) without regard to samples, so no rank has a sample's positions
+            raise ValueError(
+                f"KFAC under strategy='hybrid_fc': the head layer {self.name!r} takes {positions} positions per sample "
+                "(a (batch, tokens, features) input), and its sub-batches split a sample's positions over the ranks, "
+                "where K-FAC's factors sum the output gradients over each sample's positions. Leave the head to the "
+                f"optimizer (KFAC(skip_layers=[{self.name!r}])), or train with strategy='ddp'"
+            )
         self.stats.in_forward = False  # every call is a sub-batch of samples of its own, not a position
         token = super().capture_input(x)
         self._scales[token] = float(cast(Any, self.module).kfac_grad_scale)
