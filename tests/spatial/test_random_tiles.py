@@ -101,6 +101,22 @@ def test_each_tile_draws_its_part_of_one_process_draw_and_holds_no_whole_one(cas
             assert largest <= tile_numel < x.numel(), (what, largest, tile_numel, x.numel())
 
 
+def test_bernoulli_passes_its_probabilities_a_zero_gradient_as_one_process():
+    shape, parts = CASES["1x2"]
+    grid = SpatialGrid(parts=parts, ranks=[0, 1], group=None, local_rank=1)
+    index = _tile_index(shape, (2, 3), grid)
+    w = torch.rand(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    torch.manual_seed(4)
+    torch.bernoulli(w * 1).sum().backward()
+    expected = w.grad
+    w.grad = None
+    torch.manual_seed(4)
+    out = torch.bernoulli(split_tensor(w[index], grid, shape, (2, 3)) * 1)
+    assert out.requires_grad
+    out.local().sum().backward()
+    assert expected is not None and w.grad is not None and torch.equal(w.grad, expected)
+
+
 def test_normals_in_pieces_need_whole_blocks():
     """torch's CPU ``normal_`` pairs uniforms within blocks of 16 of the whole tensor and redraws its final partial
     block: pieces of any other size give other values, the stream's whole blocks give torch's."""

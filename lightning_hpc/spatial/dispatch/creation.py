@@ -124,6 +124,10 @@ def _bernoulli(func, a, args, kwargs):
         if u is None:
             return NotImplemented
         out = torch.lt(u, _plain(probs)).to(x.dtype)
+        if not inplace and probs.requires_grad and torch.is_grad_enabled():
+            # torch's bernoulli passes a zero gradient to its probabilities (a parameter's gradient is then zeros,
+            # not None, which weight decay and momentum read): adding 0 * p keeps the values and gives it
+            out = out + _plain(probs) * 0
     elif isinstance(p, (int, float)) and not isinstance(p, bool):
         out = _drawn_in_tile(x, "bernoulli", x.dtype, a["generator"], float(p))
         if out is None:
