@@ -118,8 +118,8 @@ def _bernoulli(func, a, args, kwargs):
     inplace = func is torch.Tensor.bernoulli_
     if p is None or isinstance(p, SpatialTensor):
         probs = x if p is None else p
-        if not isinstance(probs, SpatialTensor) or _layout(probs) != _layout(x):
-            return NotImplemented
+        if type(probs) is not SpatialTensor or type(x) is not SpatialTensor or _layout(probs) != _layout(x):
+            return NotImplemented  # (probabilities whole, or in another layout: gathered)
         u = _drawn_in_tile(probs, "bernoulli_p", probs.dtype, a["generator"])
         if u is None:
             return NotImplemented
