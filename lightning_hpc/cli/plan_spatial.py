@@ -4,7 +4,9 @@
 
 Prints the split the strategy would run (one ``spatial_parts`` for the whole model, as
 ``SpatialParallelStrategy`` runs it; ``--per-layer``: the paper's search, a distribution per layer, with shuffles
-between them), each layer's distribution and stage cost under it, and the predicted time per mini-batch.  Layer
+between them), each layer's distribution and stage cost under it, the predicted time per mini-batch and the
+predicted memory per rank (:meth:`~lightning_hpc.spatial.planner.Plan.memory_per_rank`: each layer's output at the
+rank's tile and the parameters with their gradients, beside one process's).  Layer
 times are measured on this machine the first time (cached in ``$LIGHTNING_HPC_CACHE``; progress goes to stderr,
 stage by stage); alpha and beta come from a short gloo calibration between two local processes unless given
 (``--alpha/--beta``, e.g. measured on the target cluster).

@@ -27,9 +27,10 @@ coordinates from shapes computes what one process computes.  ``__torch_function_
   ``nll_loss``, ``binary_cross_entropy[_with_logits]``, ``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
   ``huber_loss``) with ``reduction="mean"``/``"sum"`` are summed over the spatial group and divided by the
   global count, so an unchanged mean loss equals one process's loss;
-* **random**: ``F.dropout``/``F.dropout2d`` and ``rand_like``/``randn_like`` take the whole activation's values
-  from the (same) global stream on every rank and keep this tile's part: the masks equal one process's
-  (``F.dropout`` on the CPU holds only the tile's mask and a quarter of it in uniforms, :mod:`.creation`);
+* **random**: the dropouts, ``rand_like``/``randn_like``, ``bernoulli``/``bernoulli_``, ``uniform_`` and
+  ``normal_`` give each tile its part of what one process draws for the whole activation from the same generator
+  state, bit for bit (on the CPU each rank holds only its tile's values and a quarter of them more,
+  :mod:`.creation`, :mod:`.tile_streams`);
 * **anything else** (flips, rolls, integer indices of split dimensions, views that merge split dimensions,
   softmax over positions, ...): the split operands are gathered, the op
   runs on the whole activation exactly as on one process, and a result with the same number of dimensions is

@@ -1,14 +1,17 @@
 """Tensors made from a split one: ``*_like`` and ``new_*`` (sizes read from ``x.shape`` are global), and the
-random ops: ``rand_like``/``randn_like`` and ``F.dropout``/``F.dropout1d``/``F.dropout2d``/``F.dropout3d`` take
-the values one process draws for the whole activation from the global stream and keep this tile's part, so the
-masks equal one process's (the strategy keeps the generators where the user's script left them and gives every
-rank rank 0's, :meth:`~lightning_hpc.spatial.lightning.strategy.SpatialParallelStrategy.configure_ddp`).
+random ops: ``rand_like``/``randn_like``, ``torch.bernoulli``/``Tensor.bernoulli_``, ``Tensor.uniform_``/
+``Tensor.normal_``, ``F.dropout``/``F.dropout1d``/``F.dropout2d``/``F.dropout3d`` and ``F.alpha_dropout``/
+``F.feature_alpha_dropout`` give each tile its part of
+the values one process draws for the whole activation from the same generator state, bit for bit, and leave the
+generator where one process's draw leaves it (the strategy keeps the generators where the user's script left them
+and gives every rank rank 0's, :meth:`~lightning_hpc.spatial.lightning.strategy.SpatialParallelStrategy.configure_ddp`).
 
-``F.dropout`` on the CPU holds only the tile's mask and a quarter of it in uniforms (:func:`_tile_keep`), where
-this torch draws the mask as a serial stream (checked once, :func:`_serial_dropout_stream`): torch's CPU generator
-is an mt19937, which cannot jump ahead, so every rank still draws the whole activation's values (to advance the
-stream as one process does), but keeps none but its tile's. The channel dropouts' mask is one value per sample
-and channel; ``rand_like``/``randn_like`` and other devices draw the whole tensor.
+On the CPU a rank holds only its tile's values and a quarter of them more (:mod:`.tile_streams`): torch's CPU
+generator is an mt19937, which cannot jump ahead, so every rank still draws as many values as the whole activation
+has (to advance the generator as one process does), a piece at a time, and keeps its tile's.  The channel
+dropouts' masks are one value per sample and channel.  Elsewhere (CUDA, whose Philox values depend on the draw's
+launch layout, or a build whose draws the pieces do not reproduce, checked once per process) the whole tensor is
+drawn and cut; ``randint_like`` always is.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from torch import Tensor
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
 from lightning_hpc.spatial.dispatch.calls import _call_with
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tile_streams import draws_in_pieces, tile_of_draw
 
 
 # the part of the ops' signatures the handlers read; the rest passes through as given
@@ -40,14 +44,97 @@ def _like(func, a, args, kwargs):
 
 @_handles(*_resolve("rand_like randn_like randint_like"), signature=_tensor_args)
 def _random_like(func, a, args, kwargs):
-    """Drawn for the whole activation from the global stream (as one process draws it), then cut to the tile."""
+    """This tile's part of what one process draws for the whole activation from the same generator: drawn in
+    pieces where :func:`_drawn_in_tile` can (``rand_like``/``randn_like`` on the CPU), else drawn whole and cut."""
     x = a["input"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
-    whole = torch.empty(x._gshape, dtype=x.dtype if a["dtype"] is None else a["dtype"],
-                        device=x.device if a["device"] is None else a["device"])
+    dtype = x.dtype if a["dtype"] is None else a["dtype"]
+    kind = {"rand_like": "uniform", "randn_like": "normal"}.get(getattr(func, "__name__", ""))
+    if kind is not None and (a["device"] is None or torch.device(a["device"]).type == "cpu") and \
+            kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format):
+        out = _drawn_in_tile(x, kind, dtype, kwargs.get("generator"))
+        if out is not None:
+            return _wrap_like(out.requires_grad_(bool(kwargs.get("requires_grad", False))), x)
+    whole = torch.empty(x._gshape, dtype=dtype, device=x.device if a["device"] is None else a["device"])
     full = _call_with(func, args, kwargs, x, whole)
     return _wrap_like(full[_tile_index(full.shape, x._sdims, x._grid)], x)
+
+
+def _drawn_in_tile(x: SpatialTensor, kind: str, dtype: torch.dtype, gen: torch.Generator | None,
+                   a: float | None = None, b: float | None = None) -> Tensor | None:
+    """This tile's part of the kind of draw (:func:`~.tile_streams.stream_parts`) one process makes for the whole
+    activation, drawn a piece at a time (:func:`~.tile_streams.read_tile`: the tile and a quarter of it held);
+    None where the whole must be drawn: off the CPU (CUDA's Philox values depend on the launch's thread layout,
+    which a tile's launch does not share), a dtype or a kind this build does not draw as the pieces assume
+    (:func:`~.tile_streams.draws_in_pieces`), a tile that is not contiguous (one process's draw then runs in
+    another order), or a tensor smaller than a block of normals (torch draws those element by element)."""
+    local = _plain(x)
+    n = math.prod(x._gshape)
+    if not (local.device.type == "cpu" and (gen is None or gen.device.type == "cpu") and
+            dtype in (torch.float32, torch.float64) and local.is_contiguous() and
+            n >= (16 if kind == "normal" else 1) and draws_in_pieces(kind, dtype)):
+        return None
+    return tile_of_draw(tuple(x._gshape), _tile_index(x._gshape, x._sdims, x._grid), kind, dtype, gen, a, b)
+
+
+def _uniform_args(input, a=0.0, to=1.0, *, generator=None): ...  # noqa: E704
+def _normal_args(input, mean=0.0, std=1.0, *, generator=None): ...  # noqa: E704
+def _bernoulli_args(input, p=None, *, generator=None, out=None): ...  # noqa: E704
+def _bernoulli__args(input, p=0.5, *, generator=None): ...  # noqa: E704
+
+
+def _fill(x: SpatialTensor, values: Tensor) -> SpatialTensor:
+    """``x`` with its tile overwritten by ``values`` in place, as the in-place random ops leave it."""
+    with torch._C.DisableTorchFunctionSubclass():
+        x.copy_(values)
+    return x
+
+
+#: per in-place fill: the kind of draw and the names of its two parameters
+_FILLS = {torch.Tensor.uniform_: ("uniform", "a", "to"), torch.Tensor.normal_: ("normal", "mean", "std")}
+
+
+@_handles(torch.Tensor.uniform_, signature=_uniform_args)
+@_handles(torch.Tensor.normal_, signature=_normal_args)
+def _uniform_or_normal_(func, a, args, kwargs):
+    x = a["input"]
+    kind, first, second = _FILLS[func]
+    out = _drawn_in_tile(x, kind, x.dtype, a["generator"], float(a[first]), float(a[second])) if (
+        isinstance(x, SpatialTensor)) else None
+    return NotImplemented if out is None else _fill(x, out)
+
+
+@_handles(torch.bernoulli, torch.Tensor.bernoulli, signature=_bernoulli_args)
+@_handles(torch.Tensor.bernoulli_, signature=_bernoulli__args)
+def _bernoulli(func, a, args, kwargs):
+    """``bernoulli(x)`` (``x`` the probabilities), ``bernoulli(x, p)`` and ``x.bernoulli_(p)`` (``p`` a number, or
+    probabilities split as ``x`` is): element ``i`` of one process's draw is ``u_i < p_i``, ``u`` the uniforms
+    of the probabilities' dtype (float64 for a number), so the tile compares its part of ``u`` with its
+    probabilities."""
+    x, p = a["input"], a["p"]
+    if not isinstance(x, SpatialTensor) or a.get("out") is not None:
+        return NotImplemented
+    inplace = func is torch.Tensor.bernoulli_
+    if p is None or isinstance(p, SpatialTensor):
+        probs = x if p is None else p
+        if type(probs) is not SpatialTensor or type(x) is not SpatialTensor or _layout(probs) != _layout(x):
+            return NotImplemented  # (probabilities whole, or in another layout: gathered)
+        u = _drawn_in_tile(probs, "bernoulli_p", probs.dtype, a["generator"])
+        if u is None:
+            return NotImplemented
+        out = torch.lt(u, _plain(probs)).to(x.dtype)
+        if not inplace and probs.requires_grad and torch.is_grad_enabled():
+            # torch's bernoulli passes a zero gradient to its probabilities (a parameter's gradient is then zeros,
+            # not None, which weight decay and momentum read): adding 0 * p keeps the values and gives it
+            out = out + _plain(probs) * 0
+    elif isinstance(p, (int, float)) and not isinstance(p, bool):
+        out = _drawn_in_tile(x, "bernoulli", x.dtype, a["generator"], float(p))
+        if out is None:
+            return NotImplemented
+    else:
+        return NotImplemented
+    return _fill(x, out) if inplace else _wrap_like(out, x)
 
 
 @_handles(*_resolve("new_zeros new_ones new_empty new_full new_tensor"), signature=_tensor_args)
@@ -100,6 +187,46 @@ def _dropout(func, a, args, kwargs):
     return _wrap_like(_plain(x) * mask, x)
 
 
+#: SELU's negative saturation value, the constant of torch's alpha dropout (Klambauer et al. 2017, Sec. 3)
+_SELU_ALPHA = 1.7580993408473766
+
+
+@_handles(F.alpha_dropout, F.feature_alpha_dropout)
+def _alpha_dropout(func, a, args, kwargs):
+    """torch's alpha dropout (Klambauer et al. 2017, Eq. 9-10: dropped values set to SELU's saturation, then an
+    affine map that keeps mean and variance) on the tile: its part of the noise ``bernoulli_(1 - p)`` one process
+    draws (one value per sample and channel for the feature form, drawn whole), then torch's own steps on it:
+    ``b = (noise - 1) * alpha a + alpha a p``, ``noise * a``, ``x * noise + b``."""
+    x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
+    if not isinstance(x, SpatialTensor):
+        return NotImplemented
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:  # torch multiplies by a zero and draws nothing
+        noise, b = torch.zeros((), dtype=x.dtype, device=x.device), None
+    else:
+        if func is F.feature_alpha_dropout:
+            if x.dim() < 2 or {0, 1} & set(x.split_dims):
+                return NotImplemented  # (torch's error, or samples or channels split: gathered)
+            noise = torch.empty(tuple(x._gshape[:2]) + (1,) * (x.dim() - 2), dtype=x.dtype,
+                                device=x.device).bernoulli_(1.0 - p)
+        else:
+            drawn = _drawn_in_tile(x, "bernoulli", x.dtype, None, 1.0 - p)
+            noise = drawn if drawn is not None else torch.empty(x._gshape, dtype=x.dtype, device=x.device).bernoulli_(
+                1.0 - p)[_tile_index(x._gshape, x._sdims, x._grid)]
+        scale = 1.0 / math.sqrt((_SELU_ALPHA * _SELU_ALPHA * p + 1) * (1 - p))
+        b = noise.add(-1).mul_(_SELU_ALPHA * scale).add_(_SELU_ALPHA * scale * p)
+        noise.mul_(scale)
+    if inplace:
+        with torch._C.DisableTorchFunctionSubclass():
+            x.mul_(noise)
+            if b is not None:
+                x.add_(b)
+        return x
+    out = _plain(x) * noise
+    return _wrap_like(out if b is None else out.add_(b), x)
+
+
 @functools.cache
 def _serial_dropout_stream() -> bool:
     """Whether ``F.dropout`` on a contiguous CPU tensor keeps element ``i`` (flat order) where the ``i``-th
@@ -125,55 +252,8 @@ def _serial_dropout_stream() -> bool:
 
 def _tile_keep(shape: tuple[int, ...], index: tuple[slice, ...], q: float) -> Tensor:
     """This tile's part (``index``) of the keep mask ``rand(shape, float64) < q`` of the whole tensor, drawn from
-    the global generator, which ends where drawing the whole tensor leaves it.
-
-    The stream runs in flat order. Along the dimensions before the first split one (``f``: samples, channels and
-    the unsplit leading spatial dimensions) the tile holds every index, so the tensor is a sequence of blocks (one
-    index of those dimensions, every later one whole). Small blocks are drawn several at a time, in chunks of at
-    most a quarter of the tile, and the tile's part of each kept; a block larger than that is walked along
-    dimension ``f``: the rows outside the tile drawn into the buffer and dropped, the tile's rows drawn a quarter
-    of the tile at a time (with every later dimension whole) and the tile's part kept. Besides the tile's mask, one
-    buffer of float64 values is held, a quarter of the tile's elements (or one row of dimension ``f`` where that
-    is larger); the Python loop runs a few times per part."""
-    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
-    split = [d for d, (a, b) in enumerate(bounds) if (a, b) != (0, shape[d])]
-    if not split:
-        return torch.rand(shape, dtype=torch.float64) < q
-    keep = torch.empty([b - a for a, b in bounds], dtype=torch.bool)
-    f = split[0]
-    block = math.prod(shape[f:])
-    blocks = keep.view(-1, *keep.shape[f:])  # one entry per block, each whole in the tile
-    budget = max(keep.numel() // 4, 1)
-    if block <= budget:
-        per = budget // block
-        buffer = torch.empty(per * block, dtype=torch.float64)
-        tile_part = (slice(None), *(slice(*bounds[d]) for d in range(f, len(shape))))
-        for first in range(0, blocks.shape[0], per):
-            n = min(per, blocks.shape[0] - first)
-            u = buffer[: n * block].view(n, *shape[f:])
-            torch.rand(u.shape, dtype=torch.float64, out=u)
-            torch.lt(u[tile_part], q, out=blocks[first : first + n])
-        return keep
-    a, b = bounds[f]
-    inner = math.prod(shape[f + 1:])
-    per = max(budget // inner, 1)  # rows of dimension f drawn at once
-    buffer = torch.empty(min(per, b - a) * inner, dtype=torch.float64)
-    later = (slice(None), *(slice(*bounds[d]) for d in range(f + 1, len(shape))))
-
-    def skip(count: int) -> None:
-        while count > 0:
-            k = min(count, buffer.numel())
-            torch.rand(k, dtype=torch.float64, out=buffer[:k])
-            count -= k
-
-    gap = a * inner
-    for i in range(blocks.shape[0]):
-        skip(gap)
-        for row in range(a, b, per):
-            n = min(per, b - row)
-            u = buffer[: n * inner].view(n, *shape[f + 1:])
-            torch.rand(u.shape, dtype=torch.float64, out=u)
-            torch.lt(u[later], q, out=blocks[i][row - a : row - a + n])
-        gap = (shape[f] - b + a) * inner
-    skip((shape[f] - b) * inner)
-    return keep
+    the global generator, which ends where drawing the whole tensor leaves it: the tile's uniforms read a quarter
+    of the tile at a time (:func:`~.tile_streams.read_tile`), each piece compared with ``q`` into the mask."""
+    keep = torch.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)], dtype=torch.bool)
+    return tile_of_draw(shape, index, "uniform", torch.float64, take=lambda u, dest: torch.lt(u, q, out=dest),
+                        out=keep)

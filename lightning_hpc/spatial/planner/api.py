@@ -6,6 +6,7 @@ section V-B) and returns it as a :class:`Plan`.  Plain torch: no Lightning impor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -46,6 +47,10 @@ class Plan:
     sync: SyncCost | None = None  # the measured loaded synchronisation costs used (None: alpha-beta only)
     #: the module class of each layer that is a module (the others are functions such as ``add`` or ``cat``)
     layer_types: dict[str, str] | None = None
+    #: each traced layer's output shape for the whole mini-batch (() for a value that is not a tensor)
+    layer_shapes: dict[str, tuple[int, ...]] | None = None
+    #: bytes of the model's trainable parameters (every rank holds them whole)
+    parameter_bytes: int = 0
 
     @property
     def spatial_parts(self) -> tuple[int, ...]:
@@ -56,6 +61,34 @@ class Plan:
     @property
     def sample_groups(self) -> int:
         return next(iter(self.distributions.values())).n
+
+    def memory_per_rank(self, dtype_bytes: int = 4) -> dict[str, int] | None:
+        """The memory one rank holds under the plan, as the planner models it (None without the layers' shapes):
+
+        * ``activations``: the output of every traced layer (modules and functions such as ``add`` or ``cat``) at
+          the shape of this rank's part of it under the layer's distribution (``ceil(N / n)`` samples, each split
+          spatial extent ``ceil(extent / parts)``), ``dtype_bytes`` per element: what autograd can hold for
+          backward at the end of the forward.  Views and in-place layers are counted as new tensors (an upper
+          bound); halo buffers, kernel workspaces and the input batch are not counted;
+        * ``activations_one_process``: the same for one process holding the whole mini-batch;
+        * ``parameters_and_gradients``: the trainable parameters and their gradients, whole on every rank
+          (optimizer state not counted)."""
+        if self.layer_shapes is None:
+            return None
+
+        def held(shape: tuple[int, ...], d: Distribution) -> int:
+            if len(shape) < 2:
+                return math.prod(shape) if shape else 0
+            spatial = shape[2:]
+            parts = d.parts(len(spatial)) if len(spatial) <= 3 else (1,) * len(spatial)
+            return -(-shape[0] // d.n) * shape[1] * math.prod(-(-e // p) for e, p in zip(spatial, parts))
+
+        whole = Distribution(1, 1, 1)
+        return {
+            "activations": dtype_bytes * sum(held(s, self.distributions[k]) for k, s in self.layer_shapes.items()),
+            "activations_one_process": dtype_bytes * sum(held(s, whole) for s in self.layer_shapes.values()),
+            "parameters_and_gradients": 2 * self.parameter_bytes,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +107,7 @@ class Plan:
             "optimizer_time_s": self.optimizer_time,
             "sync_points": self.sync_points,
             "sync_time_s": self.sync_time,
+            "memory_per_rank_bytes": self.memory_per_rank(),
             "alpha_beta": self.model.to_dict(),
             "loaded_sync": None if self.sync is None else self.sync.to_dict(),
             "layers": [
@@ -115,6 +149,15 @@ class Plan:
             f" + optimizer {1e3 * self.optimizer_time:.2f} ms",
             f"predicted time per mini-batch: {1e3 * self.predicted_step_time:.2f} ms",
         ]
+        mem = self.memory_per_rank()
+        if mem is not None:
+            mib, one = 2.0**-20, mem["activations_one_process"]
+            lines.append(
+                f"predicted memory per rank: activations {mib * mem['activations']:.1f} MiB (one process: "
+                f"{mib * one:.1f} MiB, {mem['activations'] / max(one, 1):.2f}x) + parameters and gradients "
+                f"{mib * mem['parameters_and_gradients']:.1f} MiB; counts every traced layer's output at the rank's "
+                f"tile in float32 (what backward can hold), not halo buffers, kernel workspaces, optimizer state or "
+                f"the input batch")
         return "\n".join(lines)
 
 
@@ -227,6 +270,8 @@ def plan_for_model(
             sync_time=sim["sync_time"],
             sync=costs.sync,
             layer_types={layer.name: type(layer.module).__name__ for layer in layers if layer.module is not None},
+            layer_shapes={layer.name: layer.out_shape for layer in layers},
+            parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
         )
 
     if not in_job:

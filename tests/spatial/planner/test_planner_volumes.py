@@ -77,11 +77,27 @@ def test_plan_spatial_cli_plans_the_volume_recipe(tmp_path, monkeypatch, capsys)
         assert d["n"] * d["d"] * d["h"] * d["w"] * d["replicas"] == 4
     # one split for the whole model (what the strategy runs), every layer under it
     assert out["method"] == "uniform" and len({str(layer["distribution"]) for layer in out["layers"]}) == 1
+    assert out["memory_per_rank_bytes"]["activations"] < out["memory_per_rank_bytes"]["activations_one_process"]
     assert main(argv[:-1]) == 0
     captured = capsys.readouterr()
+    assert "predicted memory per rank: activations" in captured.out
     lines = captured.out.splitlines()
     assert lines[2].startswith("split: ") and "(D x H x W) tiles per sample" in lines[2], lines[:3]
     rows = [line for line in lines[4:] if line.split() and line.split()[0] not in ("spatial", "compute", "predicted")]
     assert rows and all(" D" in row and " H" in row and " W" in row for row in rows), rows  # volumes name D
     assert not any(row.split()[0].startswith(("getattr", "getitem", "add", "cat")) for row in rows), rows
     assert "stage 1/" in captured.err and "tracing the model" in captured.err  # progress while it measures
+
+
+def test_plan_predicts_the_memory_per_rank_of_its_split():
+    """Each layer's output at the rank's tile (here 1 x 1 x 4 of a 16^3 volume: a quarter of each), float32, and
+    the parameters with their gradients whole on every rank."""
+    model = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv3d(2, 3, 3, padding=1))
+    plan = plan_for_model(model, (1, 16, 16, 15), 4, batch_size=2, alpha_beta=AlphaBeta(1e-5, 1e-9),
+                          timer=FlopTimer(), uniform=True, restrict=lambda d: (d.n, d.d, d.h, d.w) == (1, 1, 1, 4))
+    assert plan.spatial_parts == (1, 1, 4)
+    mem = plan.memory_per_rank()
+    tile = 2 * 16 * 16 * 4  # two samples, W = 15 in tiles of at most 4
+    assert mem == {"activations": 4 * tile * (2 + 2 + 3), "activations_one_process": 4 * 2 * 16 * 16 * 15 * 7,
+                   "parameters_and_gradients": 2 * 4 * (2 * 27 + 2 + 3 * 2 * 27 + 3)}
+    assert "predicted memory per rank: activations 0.1 MiB (one process: 0.2 MiB, 0.27x)" in plan.table()
