@@ -114,7 +114,7 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "(validate / test metrics, predictions, the epoch EarlyStopping stopped at): **exact**. **= ddp**: equal "
         "to DDP, for modules that make DDP itself differ from one process (`demo_model` sums its loss, which DDP's"
         " average halves; `lightning_transformer` draws dropout masks per rank; the `ddp` / `kfac_ddp` runs of "
-        "these two modules are the references; **= ddp (float64)**: `hybrid_fc` runs `LightningTransformer` in "
+        "these two modules are the references; under `hybrid_fc` the cell runs `LightningTransformer` in "
         "float64, where it equals DDP to 3.9e-15: in float32 its head's products over the gathered sub-batches "
         "round otherwise than DDP's per-rank ones, 5.2e-6 apart after 3 steps). **bounded**: bf16-mixed, within "
         "25% of bf16's own effect (the distance between one process in bf16-mixed and in float32; measured 5%; "
@@ -182,7 +182,9 @@ def write(found: dict[tuple[str, str], str]) -> None:
     for f, row in zip(c.FEATURES, rows):
         lines.append(f"| `{f}` | " + " | ".join(row) + " |")
     refused = [sum(row[i].startswith("refused") for row in rows) for i in range(len(c.COLUMNS))]
-    lines.append(f"| **refused cells ({sum(refused)})** | " + " | ".join(map(str, refused)) + " |")
+    skipped = any(v.startswith("skipped") for row in rows for v in row)
+    label = f"refused cells ({sum(refused)}{', skipped cells not counted' if skipped else ''})"
+    lines.append(f"| **{label}** | " + " | ".join(map(str, refused)) + " |")
     lines += [""] + [f"- ({k}) {why}." for k, why in enumerate(reasons, 1)] + [
         "",
         "Features: `sgd` (SGD with momentum and weight decay), "
