@@ -176,14 +176,14 @@ def _whole_window(x: SpatialTensor, windows: tuple) -> bool:
     return all(w.kernel == n and w.padding == 0 and w.dilation == 1 for w, n in zip(windows, _extents(x)))
 
 
-def _pool(func, a, args, kwargs, k: int, kind: str):
+def _pool(func, a, args, kwargs, k: int, kind: str, windows_of: Callable[[dict[str, Any], Any], tuple]):
     x = _spatial_input(a, k)
     if x is None:
         return NotImplemented
     if kind == "max" and a["return_indices"]:
         return NotImplemented  # indices of a sliding max pool would be tile positions: gathered
     try:
-        windows = _pool_windows(k, kind)(a, None)
+        windows = windows_of(a, None)
     except ValueError:
         return NotImplemented
     extents = _extents(x)
@@ -244,10 +244,11 @@ for _k in (1, 2, 3):
     _handles(*_resolve(f"conv{_k}d"), signature=_conv, windows=_conv_windows)(partial(_convolution, k=_k))
     _handles(*_resolve(f"conv_transpose{_k}d"), signature=_conv_transpose,
              windows=_transposed_windows)(partial(_transposed, k=_k))
+    _max_windows, _avg_windows = _pool_windows(_k, "max"), _pool_windows(_k, "avg")  # one each, made here
     _handles(*_resolve(f"max_pool{_k}d _max_pool{_k}d"), signature=_max_pool,
-             windows=_pool_windows(_k, "max"))(partial(_pool, k=_k, kind="max"))
+             windows=_max_windows)(partial(_pool, k=_k, kind="max", windows_of=_max_windows))
     _handles(*_resolve(f"avg_pool{_k}d"), signature=_avg_pool,
-             windows=_pool_windows(_k, "avg"))(partial(_pool, k=_k, kind="avg"))
+             windows=_avg_windows)(partial(_pool, k=_k, kind="avg", windows_of=_avg_windows))
     _handles(*_resolve(f"adaptive_avg_pool{_k}d"), signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="avg"))
     _handles(*_resolve(f"adaptive_max_pool{_k}d adaptive_max_pool{_k}d_with_indices _adaptive_max_pool{_k}d"),
              signature=_adaptive)(partial(_adaptive_pool, k=_k, kind="max"))
