@@ -4,16 +4,23 @@
    steps and eigendecompositions every 100: 100 consecutive steps timed after 5 warm-up steps (the window holds 10
    factor updates and one decomposition, exactly the amortized schedule), beside kfac-pytorch 0.4.2 on the same
    model and schedule when it is importable (``import kfac``).
-2. ``multigrid``: single-device multigrid forward (2 cycles) with each relaxation batched across the layers of a
+2. ``kfac_parts``: the same figure split into its parts, on ResNet-50 and the ConvNeXt-, EfficientNet- and
+   MobileNetV3-style nets (``lightning_hpc.models``) at 224^2: the step that only preconditions, the step that also
+   updates the factors (their products), the step that also decomposes, each against SGD's step in the same
+   interleaved rounds; the host synchronisations each step kind makes (``torch.cuda.set_sync_debug_mode``); the
+   amortized ratio at factors /10 and decompositions /100 from the parts.
+3. ``multigrid``: single-device multigrid forward (2 cycles) with each relaxation batched across the layers of a
    level, and the same solver evaluating the layers one after the other, over the serial forward (the seed
    paper's "GPU concurrency"); ODE-ResNets of 256 and 1,024 steps.
-3. ``spatial``: the op-dispatch overhead on the GPU: a training step of the mesh-tangling FCN at 1K on a split
-   activation over one tile (every op through the handlers and tile kernels) over the same step on plain tensors.
-   The halo exchange itself needs two GPUs and NCCL: it is not timed on one GPU.
+4. ``spatial``: the op-dispatch overhead on the GPU: a training step of the mesh-tangling FCN at 1K on a split
+   activation over one tile (every op through the handlers and tile kernels) over the same step on plain tensors,
+   and over the plain step compiled (``torch.compile``): a split model runs its compiled code eagerly, so the
+   compiled plain step is what a split step is held against. The halo exchange itself needs two GPUs and NCCL:
+   it is not timed on one GPU.
 
 Times are CUDA-event medians (synchronised), TF32 off (float32 is float32).  Writes one JSON file.
 
-    python bench/gpu_figures.py --out gpu_figures.json [--only kfac multigrid spatial] [--steps 100]
+    python bench/gpu_figures.py --out gpu_figures.json [--only kfac kfac_parts multigrid spatial] [--steps 100]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,7 +116,107 @@ def kfac_figure(steps: int, batch: int) -> dict[str, Any]:
     return result
 
 
-# ------------------------------------------------------------------------------------------------- 2. multigrid
+# ----------------------------------------------------------------------------------------------- 2. K-FAC parts
+def host_syncs(fn: Callable[[], Any]) -> int:
+    """The host synchronisations one call of ``fn`` makes (each a warning of torch's sync debug mode)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+def kfac_parts_figure(name: str, build: Callable[[], nn.Module], batch: int, size: int, classes: int,
+                      rounds: int) -> dict[str, Any]:
+    """Median CUDA seconds of each step kind over ``rounds`` interleaved rounds (the decomposing step in at most
+    3 of them: it is the long one), the parts as differences, and the amortized ratio at f=10, d=100."""
+    from lightning_hpc.kfac import KFACPreconditioner
+
+    torch.manual_seed(0)
+    model0 = build().cuda()
+    x = torch.randn(batch, 3, size, size, device="cuda")
+    y = torch.randint(0, classes, (batch,), device="cuda")
+    sgd_model = copy.deepcopy(model0)
+    sgd_opt = torch.optim.SGD(sgd_model.parameters(), lr=0.01, momentum=0.9)
+    model = copy.deepcopy(model0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    pre = KFACPreconditioner(model, optimizer=opt, factor_update_freq=1, inv_update_freq=1, damping=0.003,
+                             announce=False)
+
+    def sgd() -> None:
+        sgd_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(sgd_model(x), y).backward()
+        sgd_opt.step()
+
+    def kfac_step(factors: bool, decomp: bool) -> None:
+        # which updates the step does, through the step counter and the intervals (as bench/kfac_overhead.py)
+        pre.steps = 0 if decomp else 1
+        pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1 if factors else 2,
+                                              inv_update_freq=1 if decomp else 2)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+
+    kinds: dict[str, Callable[[], None]] = {
+        "sgd": sgd,
+        "precondition": lambda: kfac_step(False, False),
+        "factors": lambda: kfac_step(True, False),
+        "factors_decomp": lambda: kfac_step(True, True),
+    }
+    kfac_step(True, True)  # factors and decompositions exist before the precondition-only steps
+    for fn in kinds.values():
+        fn()
+    syncs = {k: host_syncs(fn) for k, fn in kinds.items()}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for k, fn in kinds.items():
+            if k == "factors_decomp" and r >= 3:
+                continue
+            times[k] += cuda_seconds(fn, repeats=1, warmup=0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    f, d = 10, 100
+    amortized = (t["factors_decomp"] + (d // f - 1) * t["factors"] + (d - d // f) * t["precondition"]) / d
+    return {
+        "model": name, "batch": batch, "size": size, "rounds": rounds,
+        "layers_preconditioned": len(pre.preconditioned_modules),
+        **{f"{k}_s": v for k, v in t.items()},
+        "preconditioning_per_step_s": t["precondition"] - t["sgd"],
+        "factor_products_s": t["factors"] - t["precondition"],
+        "decompositions_s": t["factors_decomp"] - t["factors"],
+        "host_syncs_per_step": syncs,
+        "precondition_vs_sgd": t["precondition"] / t["sgd"],
+        "factors_vs_sgd": t["factors"] / t["sgd"],
+        "factors_decomp_vs_sgd": t["factors_decomp"] / t["sgd"],
+        "amortized_f10_d100_vs_sgd": amortized / t["sgd"],
+    }
+
+
+def kfac_parts_all(batch: int, rounds: int) -> list[dict[str, Any]]:
+    from lightning_hpc.models import resnet50
+    from lightning_hpc.models.modern_cnns import convnext, efficientnet, mobilenetv3
+
+    builds: dict[str, Callable[[], nn.Module]] = {
+        "resnet50": lambda: resnet50(num_classes=1000),
+        "convnext": lambda: convnext(num_classes=1000),
+        "efficientnet": lambda: efficientnet(num_classes=1000),
+        "mobilenetv3": lambda: mobilenetv3(num_classes=1000),
+    }
+    rows = []
+    for name, build in builds.items():
+        t0 = time.perf_counter()
+        try:
+            rows.append(kfac_parts_figure(name, build, batch, 224, 1000, rounds))
+        except Exception:  # noqa: BLE001 - one model failing must not lose the others
+            rows.append({"model": name, "error": traceback.format_exc()})
+        print(f"  kfac_parts {name} ({time.perf_counter() - t0:.0f} s): {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- 3. multigrid
 def multigrid_figure(depths: list[int], repeats: int) -> list[dict[str, Any]]:
     from multigrid import build  # bench/multigrid.py: the same nets as the CPU figures
 
@@ -130,7 +238,7 @@ def multigrid_figure(depths: list[int], repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-# --------------------------------------------------------------------------------------------------- 3. spatial
+# --------------------------------------------------------------------------------------------------- 4. spatial
 def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     """A training step of the mesh-tangling FCN on a split activation over one tile (every op through the
     handlers and tile kernels; no exchange) over the same step on plain tensors, alternated."""
@@ -139,21 +247,54 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
 
     step, _ = one_tile_step(size, device="cuda")
 
-    times: dict[str, list[float]] = {"plain": [], "dispatch": []}
-    for _ in range(repeats):  # alternated: the two see the same machine state
-        times["plain"] += cuda_seconds(lambda: step(False), repeats=1)
-        times["dispatch"] += cuda_seconds(lambda: step(True), repeats=1)
+    kinds: dict[str, Callable[[], None]] = {"plain": lambda: step(False), "dispatch": lambda: step(True)}
+    out: dict[str, Any] = {"model": "mesh_fcn (18 channels, 3 convs per block)", "size": size, "batch": 1}
+    try:
+        compiled = compiled_step(size)
+        t0 = time.perf_counter()
+        compiled()  # the compilation, timed apart
+        out["compile_s"] = time.perf_counter() - t0
+        kinds["compiled_plain"] = compiled
+    except Exception:  # noqa: BLE001 - the eager figures stand without it
+        out["compiled_plain"] = {"error": traceback.format_exc()}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(repeats):  # alternated: the kinds see the same machine state
+        for k, fn in kinds.items():
+            times[k] += cuda_seconds(fn, repeats=1)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"model": "mesh_fcn (18 channels, 3 convs per block)", "size": size, "batch": 1,
-            "plain_s_per_step": med["plain"], "dispatch_s_per_step": med["dispatch"],
-            "dispatch_overhead": med["dispatch"] / med["plain"] - 1.0}
+    out.update({f"{k}_s_per_step": v for k, v in med.items()})
+    out["dispatch_overhead"] = med["dispatch"] / med["plain"] - 1.0
+    if "compiled_plain" in med:
+        out["dispatch_vs_compiled_plain"] = med["dispatch"] / med["compiled_plain"]
+        out["compiled_plain_vs_plain"] = med["compiled_plain"] / med["plain"]
+    return out
+
+
+def compiled_step(size: int) -> Callable[[], None]:
+    """The plain step of :func:`spatial_figure` with the network under ``torch.compile`` (its own copy)."""
+    from lightning_hpc.models import mesh_fcn
+
+    torch.manual_seed(0)
+    net = mesh_fcn(in_channels=18, convs_per_block=3).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    fast = torch.compile(net)
+    x = torch.randn(1, 18, size, size, device="cuda")
+    y = (torch.rand(1, 1, size, size, device="cuda") > 0.5).float()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.binary_cross_entropy_with_logits(fast(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu_figures.json"))
-    ap.add_argument("--only", nargs="+", choices=["kfac", "multigrid", "spatial"],
-                    default=["kfac", "multigrid", "spatial"])
+    ap.add_argument("--only", nargs="+", choices=["kfac", "kfac_parts", "multigrid", "spatial"],
+                    default=["kfac", "kfac_parts", "multigrid", "spatial"])
+    ap.add_argument("--rounds", type=int, default=7, help="kfac_parts: interleaved rounds per step kind")
     ap.add_argument("--steps", type=int, default=100, help="K-FAC: consecutive steps timed (a multiple of 100)")
     ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
@@ -171,6 +312,7 @@ def main() -> None:
     }
     runs: dict[str, Callable[[], Any]] = {
         "kfac": lambda: kfac_figure(args.steps, args.batch),
+        "kfac_parts": lambda: kfac_parts_all(args.batch, args.rounds),
         "multigrid": lambda: multigrid_figure([256, 1024], repeats=7),
         "spatial": lambda: spatial_figure(1024, repeats=10),
     }

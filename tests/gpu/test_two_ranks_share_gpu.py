@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,6 @@ def _finish_pair(procs: list[subprocess.Popen[str]], timeout: float) -> str:
     return "\n--- rank\n".join(logs)
 
 
-def _two_ranks(cmd: list[str], cwd: Path, extra: dict[str, str], timeout: float) -> str:
-    return _finish_pair(_start_pair(cmd, cwd, extra), timeout)
-
-
 def _aborted(log: str) -> str:
     """The first line of a rank's log that says why it ended (gloo's abort names its transport error)."""
     for line in log.splitlines():
@@ -89,8 +86,9 @@ def gloo_on_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     pairs = {name: _start_pair([sys.executable, str(HERE / "gloo_device_probe.py"), DEVICE, name,
                                 str(out / f"{name}.json")], out, {}) for name in names}
     found: dict[str, str] = {}
+    deadline = time.monotonic() + 90
     for name, procs in pairs.items():
-        log = _finish_pair(procs, timeout=90)
+        log = _finish_pair(procs, timeout=max(5.0, deadline - time.monotonic()))
         answer = out / f"{name}.json"
         found[name] = json.loads(answer.read_text())[name] if answer.exists() else f"aborted: {_aborted(log)}"
     print(f"gloo on {DEVICE} tensors: {found}")
@@ -98,33 +96,37 @@ def gloo_on_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, gloo_on_device: dict[str, str]) -> dict[str, tuple[Path, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, gloo_on_device: dict[str, str]) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("shared_gpu")
     supported = [item for item, needs in NEEDS.items() if all(gloo_on_device.get(n) == "ok" for n in needs)]
     if not supported:
         return {}
-    shared = root / "shared"
-    shared.mkdir()
     extra = {"CONFORMANCE_ACCELERATOR": DEVICE, "CONFORMANCE_NUM_NODES": "2", "CONFORMANCE_PG_BACKEND": "gloo",
              "PYTHONWARNINGS": "ignore"}
-    logs = {}
-    for item in supported:  # one launch per strategy, each with its own limit: a hang names its strategy
-        logs[item] = _two_ranks([sys.executable, str(launch.SCRIPT), "1", str(shared), "2", item], shared, extra,
-                                timeout=150)
+    # One launch per strategy, each in its own folder, all started together, each with its own limit: a hang
+    # names its strategy and costs the slowest launch's time, not the sum.
+    folders = {item: root / "shared" / item.replace(":", "_") for item in supported}
+    started = {}
+    for item, folder in folders.items():
+        folder.mkdir(parents=True)
+        started[item] = _start_pair([sys.executable, str(launch.SCRIPT), "1", str(folder), "2", item], folder, extra)
     cpu_log = launch.launch(2, root / "cpu", supported, data_parallel=2, log_name="cpu.log")
-    return {"shared": (shared, logs), "cpu": (root / "cpu", cpu_log)}
+    deadline = time.monotonic() + 150  # the launches run together: one limit for all of them
+    shared = {item: (folders[item], _finish_pair(procs, timeout=max(5.0, deadline - time.monotonic())))
+              for item, procs in started.items()}
+    return {"shared": shared, "cpu": (root / "cpu", cpu_log)}
 
 
 @pytest.mark.parametrize("item", list(NEEDS))
 def test_two_ranks_on_one_gpu_equal_two_cpu_processes(item: str, gloo_on_device: dict[str, str],
-                                                      runs: dict[str, tuple[Path, Any]]) -> None:
+                                                      runs: dict[str, Any]) -> None:
     missing = sorted(n for n in NEEDS[item] if gloo_on_device.get(n) != "ok")
     if missing:
         pytest.skip(f"{item}: gloo has no {DEVICE} {', '.join(missing)} here ({gloo_on_device[missing[0]]}); "
                     "two ranks of this strategy need two GPUs and NCCL")
     strategy, case = item.split(":")
-    (shared_out, shared_logs), (cpu_out, cpu_log) = runs["shared"], runs["cpu"]
-    shared = launch.read(shared_out, strategy, case, shared_logs[item], world=2)
+    (shared_out, shared_log), (cpu_out, cpu_log) = runs["shared"][item], runs["cpu"]
+    shared = launch.read(shared_out, strategy, case, shared_log, world=2)
     cpu = launch.read(cpu_out, strategy, case, cpu_log, world=2)
     assert shared.error is None, f"{item} on two ranks sharing {DEVICE}:\n{shared.error}"
     assert cpu.error is None, f"{item} on two CPU processes:\n{cpu.error}"
