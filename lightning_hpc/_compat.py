@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import datetime
 import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ __all__ = [
     "replace_metric_hooks",
     "all_gather_single",
     "reduce_scatter_single",
+    "groups_made_unsplit",
 ]
 
 
@@ -67,6 +69,37 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any 
     """``dist.reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor`` (its older name)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+@contextmanager
+def groups_made_unsplit() -> Iterator[None]:
+    """Inside, ``new_group`` makes each group's backend afresh instead of splitting it off the world's, where the
+    world's backend claims to split but cannot.
+
+    A world bound to a device (Lightning binds it to the rank's GPU) makes ``new_group`` split new groups off the
+    world's backend, and the ranks outside a new group then call the backend's ``perform_nocolor_split``.  torch
+    2.11's gloo backend reports ``supports_splitting`` but has no such method: every gloo group that leaves a rank
+    out failed with an AttributeError on that rank (seen on a GPU with two ranks sharing it).  Unbinding the world
+    while the groups are made gives them what an unbound world gives (each backend made from the store); the
+    binding is restored after.  A backend that does split is left alone."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    device = getattr(world, "bound_device_id", None)
+    backend = None
+    if world is not None and device is not None:
+        try:
+            backend = world._get_backend(device)
+        except RuntimeError:
+            backend = None
+    if backend is None or not getattr(backend, "supports_splitting", False) or hasattr(
+        backend, "perform_nocolor_split"
+    ):
+        yield
+        return
+    world.bound_device_id = None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        world.bound_device_id = device  # type: ignore[union-attr]
 
 
 def enable_torch_function() -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_hpc._compat import process_group_timeout
+from lightning_hpc._compat import groups_made_unsplit, process_group_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -67,7 +67,8 @@ def new_group(
     world with, so a dead or stuck peer would hang a collective on such a group for 30 minutes even when the
     user asked for a short timeout.  Collective: every rank of the world calls it with the same ``ranks``.
     """
-    return dist.new_group(list(ranks), backend=backend, timeout=timeout or group_timeout())
+    with groups_made_unsplit():
+        return dist.new_group(list(ranks), backend=backend, timeout=timeout or group_timeout())
 
 
 def check_divisible(world_size: int, parts: int, *, what: str, setting: str) -> None:
@@ -329,16 +330,17 @@ def mesh_from_new_groups(device_type: str, mesh: Any, names: tuple[str, ...],
 
     rank = dist.get_rank()
     mine: list[dist.ProcessGroup] = []
-    for dim, (backend, options) in enumerate(backends):
-        rows = mesh.swapdims(-1, dim).reshape(-1, mesh.size(dim))
-        own = None
-        for row in rows.tolist():
-            group = dist.new_group(ranks=row, backend=backend, pg_options=options,
-                                   timeout=getattr(options, "_timeout", None))
-            if rank in row:
-                own = group
-        assert own is not None  # every rank is in one row of every dimension (mesh_ranks)
-        mine.append(own)
+    with groups_made_unsplit():
+        for dim, (backend, options) in enumerate(backends):
+            rows = mesh.swapdims(-1, dim).reshape(-1, mesh.size(dim))
+            own = None
+            for row in rows.tolist():
+                group = dist.new_group(ranks=row, backend=backend, pg_options=options,
+                                       timeout=getattr(options, "_timeout", None))
+                if rank in row:
+                    own = group
+            assert own is not None  # every rank is in one row of every dimension (mesh_ranks)
+            mine.append(own)
     return DeviceMesh.from_group(mine, device_type, mesh, mesh_dim_names=names)
 
 
