@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with one CUDA GPU (at most about 8.5 minutes): the GPU tier's tests (tests/gpu: every strategy
+# The GPU check, for a machine with one CUDA GPU (at most about 9.5 minutes): the GPU tier's tests (tests/gpu: every strategy
 # with devices=1 on the GPU against the CPU, K-FAC in float32 / bf16-mixed / 16-mixed, a checkpoint saved on the
 # GPU resumed on the CPU, two ranks sharing the GPU where gloo runs the collectives on CUDA), then the first GPU
 # figures (bench/gpu_figures.py). Everything it writes goes to one folder:
@@ -51,7 +51,7 @@ echo "[gpu_check] tier: one device exit $tier_one, two ranks exit $tier_two"
 figures=0
 if [ "${GPU_CHECK_FIGURES:-1}" != 0 ]; then
   echo "[gpu_check] figures (bench/gpu_figures.py) ..."
-  timeout 250 "$PY" bench/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log"
+  timeout 300 "$PY" bench/gpu_figures.py --out "$OUT/figures.json" 2>&1 | tee "$OUT/figures.log"
   figures=${PIPESTATUS[0]}
 fi
 echo "[gpu_check] tier exit code $tier, figures exit code $figures; results in $OUT"
