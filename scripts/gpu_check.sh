@@ -29,7 +29,7 @@ fi
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "[gpu_check] no CUDA device visible to $PY: nothing to check" | tee -a "$OUT/gpu-tier.log"
+  echo "[gpu_check] no CUDA device visible to $PY: nothing to check" | tee -a "$OUT/gpu-tier-one-device.log"
   exit 2
 fi
 # The tier in two parts started together, each with its own limit (the single-device tests; the two ranks sharing
