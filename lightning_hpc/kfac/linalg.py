@@ -25,7 +25,8 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _scipy_blas = None
 
 __all__ = [
+    "ACCELERATOR_GRAM_ELEMENTS",
     "JITTERS",
+    "accelerator_routes",
+    "cache_blocked",
     "conv_patch_gram",
     "depthwise_patch_gram",
     "group_gram",
@@ -47,8 +51,41 @@ __all__ = [
     "sym_gram",
 ]
 
-#: elements of the chunk buffer :func:`sym_gram` copies rows into (2 MiB in float32: it stays in the L2/L3 cache)
+#: elements of the chunk buffer :func:`sym_gram` copies rows into on a CPU (2 MiB in float32: it stays in the L2/L3
+#: cache)
 GRAM_CHUNK_ELEMENTS = 1 << 19
+#: the same bound on an accelerator (256 MiB in float32): a GPU gains nothing from cache-sized chunks and pays a
+#: kernel launch and its host work per chunk (measured on an H200: ResNet-50's factor step, batch 64 at 224^2,
+#: cost 2.6-3x an SGD step with the CPU's chunks, its arithmetic a fraction of that), so all but the largest Grams
+#: are one product
+ACCELERATOR_GRAM_ELEMENTS = 1 << 26
+
+_accelerator_routes_forced = False
+
+
+def cache_blocked(t: torch.Tensor) -> bool:
+    """Whether the Grams of ``t`` take the CPU's routes: cache-sized chunks (:data:`GRAM_CHUNK_ELEMENTS`), BLAS
+    ``syrk``, the shifted correlations of :func:`conv_patch_gram` and the row pairs of
+    :func:`depthwise_patch_gram`. Elsewhere (CUDA and other accelerators) every Gram is as few products as
+    :data:`ACCELERATOR_GRAM_ELEMENTS` allows. :func:`accelerator_routes` sends CPU tensors the accelerator's way."""
+    return t.device.type == "cpu" and not _accelerator_routes_forced
+
+
+@contextmanager
+def accelerator_routes() -> Iterator[None]:
+    """Inside, CPU tensors take an accelerator's routes (:func:`cache_blocked` is False): the kernels a GPU
+    launches are then counted, and those routes' sums tested, on a CPU."""
+    global _accelerator_routes_forced
+    before, _accelerator_routes_forced = _accelerator_routes_forced, True
+    try:
+        yield
+    finally:
+        _accelerator_routes_forced = before
+
+
+def gram_chunk_elements(t: torch.Tensor) -> int:
+    """The chunk bound of the Grams of ``t`` (:func:`cache_blocked`)."""
+    return GRAM_CHUNK_ELEMENTS if cache_blocked(t) else ACCELERATOR_GRAM_ELEMENTS
 #: smallest side for which the BLAS syrk path pays off: below it (and when the rows fit one chunk), one matrix
 #: product from a single copy is cheaper than syrk's call overhead plus the mirroring (measured on the digits CNN:
 #: 32x32 and 64x64 G factors, 9x9 and 65x65 A factors; 288x288 A factors keep syrk, 0.70x the time of a product)
@@ -81,7 +118,7 @@ def _syrk_applies(t: torch.Tensor) -> bool:
     """scipy's BLAS ``syrk`` for this Gram: CPU float32/float64 with scipy installed, and torch on one thread
     (with several, torch's own multi-threaded product is faster and does not fight a second pool; see
     :func:`_single_thread_blas`)."""
-    return (t.device.type == "cpu" and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
+    return (cache_blocked(t) and _scipy_blas is not None and t.dtype in (torch.float32, torch.float64)
             and torch.get_num_threads() == 1)
 
 
@@ -109,7 +146,8 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
     if t.dim() == 2 and t.is_contiguous():
         return _row_gram(t, colsum)
     use_syrk = _syrk_applies(t)
-    if n * k * p <= GRAM_CHUNK_ELEMENTS and not (use_syrk and k >= SYRK_MIN_DIM):
+    budget = gram_chunk_elements(t)
+    if n * k * p <= budget and not (use_syrk and k >= SYRK_MIN_DIM):
         # Small: one copy (none when t is already a plain row matrix) and one product; exact sums as well.
         rows = t.movedim(0, k_dims).reshape(k, n * p)
         return rows @ rows.t(), (rows.sum(dim=1) if colsum else None)
@@ -117,7 +155,7 @@ def sym_gram(t: torch.Tensor, k_dims: int = 1, colsum: bool = False) -> tuple[to
     if use_syrk:
         syrk = _scipy_blas.ssyrk if t.dtype == torch.float32 else _scipy_blas.dsyrk
         _single_thread_blas()
-    per_chunk = max(1, min(n, GRAM_CHUNK_ELEMENTS // max(1, k * p)))
+    per_chunk = max(1, min(n, budget // max(1, k * p)))
     buf = t.new_empty(k * per_chunk * p)
     # Fortran-ordered (k, k) result for syrk: its upper triangle is filled in place (overwrite_c, beta=1).
     acc = torch.zeros(k, k, dtype=t.dtype, device=t.device)
@@ -172,7 +210,7 @@ def _per_sample_gram(t: torch.Tensor, colsum: bool) -> tuple[torch.Tensor, torch
     :func:`sym_gram` takes this route only for ``P >= K``."""
     n, k, _ = t.shape
     acc = t.new_zeros(k, k)
-    for chunk in t.split(max(1, GRAM_CHUNK_ELEMENTS // (k * k))):
+    for chunk in t.split(max(1, gram_chunk_elements(t) // (k * k))):
         acc += torch.bmm(chunk, chunk.mT).sum(dim=0)
     return acc, (t.sum(dim=(0, 2)) if colsum else None)
 
@@ -191,7 +229,7 @@ def group_gram(t: torch.Tensor, k_dims: int = 1,
     n, groups = t.shape[:2]
     kshape, pshape = tuple(t.shape[2 : 2 + k_dims]), tuple(t.shape[2 + k_dims :])
     k, p = math.prod(kshape), math.prod(pshape)
-    per_chunk = max(1, min(n, GRAM_CHUNK_ELEMENTS // max(1, groups * k * p)))
+    per_chunk = max(1, min(n, gram_chunk_elements(t) // max(1, groups * k * p)))
     if per_chunk == n:  # one copy (none when t is already laid out as rows) and one batched product
         rows = t.movedim(0, 1 + k_dims).reshape(groups, k, n * p)
         return rows @ rows.mT, (rows.sum(dim=-1) if colsum else None)
@@ -243,7 +281,7 @@ def depthwise_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], stride: 
     gram = x.new_empty(c, kh * kw, kh * kw)
     sums = x.new_empty(c, kh * kw) if colsum else None
     # channels in chunks whose copy stays cache-sized (as sym_gram's chunks of samples)
-    per_chunk = max(1, min(c, GRAM_CHUNK_ELEMENTS // (r * kw * k)))
+    per_chunk = max(1, min(c, gram_chunk_elements(x) // (r * kw * k)))
     buf = x.new_zeros(per_chunk, r, kw, k)  # rows from h on stay zero
     pairs = x.new_zeros(h + 1, per_chunk, kw, kh * kw)  # row h stays zero
     for c0 in range(0, c, per_chunk):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_hpc.kfac.layers.base import LayerHandler
-from lightning_hpc.kfac.linalg import conv_patch_gram, sym_gram
+from lightning_hpc.kfac.linalg import cache_blocked, conv_patch_gram, sym_gram
 from lightning_hpc.kfac.subclasses import ConvGeometry
 
 __all__ = ["CONVOLUTIONS", "SHIFTED_GRAM_MIN_WORK", "ConvHandler", "sliding_windows"]
@@ -158,7 +158,7 @@ class ConvHandler(LayerHandler):
         if self.spatial_dims != 2:
             return None
         (kh, kw), (left, right, top, bottom) = self.module.kernel_size, geo.padding  # type: ignore[misc]
-        if (not self.shifted_gram or x.device.type != "cpu" or x.dim() not in (3, 4) or kh * kw == 1
+        if (not self.shifted_gram or not cache_blocked(x) or x.dim() not in (3, 4) or kh * kw == 1
                 or geo.stride != (1, 1) or geo.dilation != (1, 1) or geo.mode != "zeros"
                 or max(top, bottom) >= kh or max(left, right) >= kw):  # fmt: skip
             return None

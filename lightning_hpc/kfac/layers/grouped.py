@@ -23,7 +23,7 @@ from lightning_hpc.kfac.forms import BlockDiagonalForm, FactorForm
 from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.layers.conv import ConvHandler
 from lightning_hpc.kfac.layers.transposed import ConvTransposeHandler
-from lightning_hpc.kfac.linalg import depthwise_patch_gram, group_gram
+from lightning_hpc.kfac.linalg import cache_blocked, depthwise_patch_gram, group_gram
 
 __all__ = ["GroupConvHandler", "GroupConvTransposeHandler"]
 
@@ -103,7 +103,7 @@ class GroupConvHandler(_Grouped, ConvHandler):
         """A from :func:`~lightning_hpc.kfac.linalg.depthwise_patch_gram`: a 2-D layer with one input channel per
         group, undilated along the height, on CPU (its many small products suit one core's caches)."""
         return (self.spatial_dims == 2 and self.in_per_group == 1 and self.geometry.dilation[0] == 1
-                and x.device.type == "cpu")
+                and cache_blocked(x))
 
     def _depthwise_gram(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         geo = self.geometry
