@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from lightning_hpc.kfac import KFACPreconditioner
-from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
+from lightning_hpc.kfac.batched import PreconditionBuckets, _Stack, keep_zeros
 from lightning_hpc.kfac.factor_update import update_factors
 
 
 class _Zoo(nn.Module):
     """Pairs (and a triple) of layers of one type and shape, so each forms a bucket, beside layers with their own
-    preconditioning (norms, embedding)."""
+    preconditioning: norms of 4 and 8 channels (one row concatenation), an embedding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -27,7 +27,9 @@ class _Zoo(nn.Module):
         self.d1 = nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)
         self.t1, self.t2 = nn.ConvTranspose2d(4, 4, 3, padding=1), nn.ConvTranspose2d(4, 4, 3, padding=1)
         self.bn = nn.BatchNorm2d(4)
+        self.gn = nn.GroupNorm(2, 4)
         self.ln = nn.LayerNorm(4)
+        self.ln_wide = nn.LayerNorm(8)
         self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
         self.c3d = nn.Conv3d(4, 4, 1)
 
@@ -35,9 +37,10 @@ class _Zoo(nn.Module):
         x = self.emb(idx).permute(0, 3, 1, 2)  # (N, 4, H, W)
         x = torch.tanh(self.c2(torch.tanh(self.c1(x))))
         x = torch.tanh(self.g2(torch.tanh(self.g1(x))))
-        x = self.bn(self.t2(torch.tanh(self.t1(self.d1(x)))))
+        x = self.gn(self.bn(self.t2(torch.tanh(self.t1(self.d1(x))))))
         x = self.c3d(x.unsqueeze(2)).squeeze(2)
         h = self.ln(x.mean((2, 3)))
+        h = self.ln_wide(torch.cat([h, h.pow(2)], dim=1))[:, :4]
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(h)))))
 
 
@@ -66,8 +69,10 @@ def test_batched_equals_per_layer(method):
     grads = {h.name: h.grad_matrix() for h in p.handlers}
     buckets = PreconditionBuckets()
     got = buckets.precondition(p.handlers, grads, p.method, p.damping, torch.float64)
-    # a 1x1x1 Conv3d of 4 -> 4 channels has a Linear(4, 4)'s gradient and factor shapes: one bucket
-    assert sorted(map(sorted, buckets.last_buckets)) == [["c1", "c2"], ["c3d", "l1", "l2", "l3"], ["g1", "g2"],
+    # a 1x1x1 Conv3d of 4 -> 4 channels has a Linear(4, 4)'s gradient and factor shapes: one bucket; the norm
+    # layers' (scale, shift) rows are one concatenation whatever their channel counts
+    assert sorted(map(sorted, buckets.last_buckets)) == [["bn", "gn", "ln", "ln_wide"], ["c1", "c2"],
+                                                          ["c3d", "l1", "l2", "l3"], ["g1", "g2"],
                                                           ["t1", "t2"]], buckets.last_buckets
     want = _per_layer(p, grads)
     assert set(got) == set(want) == {h.name for h in p.handlers}
@@ -100,11 +105,31 @@ def test_negative_control_mixed_layers_of_a_bucket_are_caught():
     buckets = PreconditionBuckets()
     real = buckets._stacked
 
-    def swapped(key, members, dtype):
-        return {k: v.flip(0) for k, v in real(key, members, dtype).items()}
+    def swapped(key, members, dtype, rows=False):
+        stack = real(key, members, dtype, rows)
+        # stacks: two layers swapped; row concatenations: the rows rolled by one channel across the layers
+        shift = (lambda v: v.roll(1, 0)) if rows else (lambda v: v.flip(0))
+        return _Stack(stack.sources, {k: shift(v) for k, v in stack.stacked.items()}, stack.layer_of_row)
 
     buckets._stacked = swapped  # type: ignore[method-assign]
     got = buckets.precondition(p.handlers, grads, p.method, p.damping, torch.float64)
     want = _per_layer(p, grads)
-    worst = max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in ("c1", "l1"))
-    assert worst > 1e-3, worst
+    for names in (("c1", "l1"), ("bn", "ln_wide")):
+        worst = max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in names)
+        assert worst > 1e-3, (names, worst)
+
+
+def test_a_zero_column_of_one_norm_layer_stays_zero_in_the_concatenation():
+    """keep_zeros per layer inside a row concatenation: a layer whose scale gradients are all exactly zero keeps
+    them zero, while the other layers' scale column is preconditioned (a column zero only in the concatenation's
+    rows of one layer is that layer's zero column)."""
+    model, p = _fitted("eigen")
+    grads = {h.name: h.grad_matrix() for h in p.handlers}
+    grads["gn"] = grads["gn"].clone()
+    grads["gn"][:, 0] = 0.0
+    got = PreconditionBuckets().precondition(p.handlers, grads, p.method, p.damping, torch.float64)
+    want = _per_layer(p, grads)
+    assert torch.equal(got["gn"][:, 0], torch.zeros(4, dtype=torch.float64))
+    assert bool((got["bn"][:, 0] != 0).all())
+    for name in ("bn", "gn", "ln", "ln_wide"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-11, atol=1e-11 * float(want[name].abs().max()))

@@ -316,6 +316,11 @@ class LayerHandler:
         layer's :attr:`groups` blocks. Handlers with their own preconditioning count theirs."""
         return self.groups * method.kronecker_flops(self.g_dim, self.a_dim)
 
+    #: the gradient matrix is ``(rows, k)`` rows of independent blocks (a normalisation layer's channels) that
+    #: :meth:`precondition` treats row by row from its arguments alone: layers of one handler type and equal
+    #: ``k`` are then preconditioned as one concatenation of their rows (:mod:`lightning_hpc.kfac.batched`)
+    row_blocks: bool = False
+
     def preconditioned(self, grad: torch.Tensor, method: ComputeMethod, damping: float,
                        dtype: torch.dtype) -> torch.Tensor:
         """:meth:`precondition` with the stored decompositions, computed in ``dtype`` (the decomposition dtype:

@@ -71,6 +71,8 @@ class NormAffineHandler(LayerHandler):
     """
 
     output_gradient_factors = ("F",)
+    #: a channel's (scale, shift) block is preconditioned from that channel's rows alone (:meth:`precondition`)
+    row_blocks = True
     #: sample dimension of a LayerNorm / RMSNorm input with more than one leading dimension (:func:`linear_batch_dim`)
     batch_dim: int = 0
 
