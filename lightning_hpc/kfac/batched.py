@@ -88,15 +88,27 @@ class PreconditionBuckets:
     def __init__(self) -> None:
         self._stacks: dict[Hashable, _Stack] = {}
         self.last_buckets: list[list[str]] = []
+        #: the tensors the last call's results are views of (one per bucket, row concatenation or single layer):
+        #: :meth:`scale_` scales them all in one multi-tensor operation
+        self.last_outputs: list[torch.Tensor] = []
+        #: the last call's per-layer KL-clip products ``P_i . grad_i`` (Eq 18), one vector per bucket, row
+        #: concatenation or single layer, with its layers' names (when asked for: ``kl_terms=True``)
+        self.last_kl_terms: list[tuple[list[str], torch.Tensor]] = []
+
+    def scale_(self, factor: float) -> None:
+        """Multiply every result of the last call by ``factor`` in place (the KL clip's ``nu``)."""
+        if self.last_outputs:
+            torch._foreach_mul_(self.last_outputs, factor)
 
     def clear(self) -> None:
         """Forget the stacked decompositions (they are rebuilt on the next call)."""
         self._stacks.clear()
 
     def precondition(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor], method: ComputeMethod,
-                     damping: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                     damping: float, dtype: torch.dtype, kl_terms: bool = False) -> dict[str, torch.Tensor]:
         """The preconditioned gradient matrix of each handler (all have decompositions and a gradient in
-        ``grads``), in ``dtype``, its exactly-zero rows and columns kept zero."""
+        ``grads``), in ``dtype``, its exactly-zero rows and columns kept zero; with ``kl_terms``, also each layer's
+        ``P_i . grad_i`` (:attr:`last_kl_terms`), a reduction per bucket."""
         buckets: dict[Hashable, list[LayerHandler]] = {}
         rows: dict[Hashable, list[LayerHandler]] = {}
         singles: list[LayerHandler] = []
@@ -110,7 +122,7 @@ class PreconditionBuckets:
             else:
                 singles.append(h)
         out: dict[str, torch.Tensor] = {}
-        self.last_buckets = []
+        self.last_buckets, self.last_outputs, self.last_kl_terms = [], [], []
         for key, members in buckets.items():
             if len(members) == 1:
                 singles.append(members[0])
@@ -118,6 +130,7 @@ class PreconditionBuckets:
             self.last_buckets.append([h.name for h in members])
             g = torch.stack([grads[h.name] for h in members])
             p = keep_zeros(method.precondition(g, self._stacked(key, members, dtype).stacked, damping), g)
+            self._keep(members, p, (p * g.to(p.dtype)).flatten(1).sum(1) if kl_terms else None)
             for h, block in zip(members, p.unbind(0)):
                 out[h.name] = block
         for key, members in rows.items():
@@ -131,15 +144,26 @@ class PreconditionBuckets:
             # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
             p = members[0].precondition(g, stack.stacked, method, damping)
             p = keep_zeros_by_layer(p, g, stack.layer_of_row, len(members))
+            terms = None
+            if kl_terms:
+                terms = p.new_zeros(len(members)).index_add_(0, stack.layer_of_row, (p * g.to(p.dtype)).sum(-1))
+            self._keep(members, p, terms)
             for h, block in zip(members, p.split([grads[h.name].shape[0] for h in members])):
                 out[h.name] = block
         buckets.update(rows)
         for h in singles:
-            out[h.name] = keep_zeros(h.preconditioned(grads[h.name], method, damping, dtype), grads[h.name])
+            g = grads[h.name]
+            p = out[h.name] = keep_zeros(h.preconditioned(g, method, damping, dtype), g)
+            self._keep([h], p, (p * g.to(p.dtype)).sum().reshape(1) if kl_terms else None)
         # stacks of buckets that no longer exist (layers skipped this step) are dropped with their memory
         for key in [k for k in self._stacks if k not in buckets]:
             del self._stacks[key]
         return out
+
+    def _keep(self, members: list[LayerHandler], p: torch.Tensor, terms: torch.Tensor | None) -> None:
+        self.last_outputs.append(p)
+        if terms is not None:
+            self.last_kl_terms.append(([h.name for h in members], terms))
 
     def _stacked(self, key: Hashable, members: list[LayerHandler], dtype: torch.dtype, rows: bool = False) -> _Stack:
         """The members' decompositions stacked (``rows``: concatenated along their rows), kept until one of them

@@ -36,12 +36,14 @@ def layer_lrs(lr: float | None, optimizer: torch.optim.Optimizer | None,
 
 def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Tensor],
                    grads: dict[str, torch.Tensor], kl_clip: float, lr_of: Callable[[LayerHandler], float | None],
-                   has_optimizer: bool) -> float:
+                   has_optimizer: bool,
+                   products: Sequence[tuple[list[str], torch.Tensor]] | None = None) -> float:
     """``nu`` of Eq 18 for the layers of ``handlers`` in ``precond`` (their preconditioned gradient matrices;
-    ``grads``: the raw ones). The per-layer products stay on the device and are summed there: one host sync per
-    step, not per layer. A layer without a learning rate is refused, naming it."""
-    terms: list[torch.Tensor] = []
-    lr_squares: list[float] = []
+    ``grads``: the raw ones). ``products``, when given, holds every such layer's ``P_i . grad_i`` already, as
+    vectors over groups of layers (:attr:`~lightning_hpc.kfac.batched.PreconditionBuckets.last_kl_terms`: one
+    reduction per bucket); else they are formed here, one per layer. They stay on the device and are summed there:
+    one host sync per step. A layer without a learning rate is refused, naming it."""
+    lr_square: dict[str, float] = {}
     for h in handlers:
         if h.name not in precond:
             continue
@@ -53,10 +55,17 @@ def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Te
                 f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
                 "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
             )
-        p = precond[h.name]
-        terms.append((p * grads[h.name].to(p.dtype)).sum())
-        lr_squares.append(layer_lr**2)
+        lr_square[h.name] = layer_lr**2
+    if not lr_square:
+        return 1.0
+    if products is None:
+        products = [([name], (precond[name] * grads[name].to(precond[name].dtype)).sum().reshape(1))
+                    for name in lr_square]
+    names = [name for group, _ in products for name in group]
+    if sorted(names) != sorted(lr_square):
+        raise AssertionError(f"K-FAC KL clip: products for {sorted(names)}, layers {sorted(lr_square)}")
+    terms = torch.cat([t.reshape(-1) for _, t in products])
+    weights = torch.tensor([lr_square[name] for name in names], dtype=torch.float64, device=terms.device)
     # summed in float64, as the per-layer Python floats were
-    vg_sum = float((torch.stack(terms).to(torch.float64).abs() * torch.tensor(
-        lr_squares, dtype=torch.float64, device=terms[0].device)).sum()) if terms else 0.0
+    vg_sum = float((terms.to(torch.float64).abs() * weights).sum())
     return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0

@@ -353,11 +353,13 @@ class KFACPreconditioner:
         worker_groups.decompose(self, due)
 
     # preconditioning ------------------------------------------------------------------------------------
-    def _precondition_layers(self, handlers: Sequence[LayerHandler],
-                             grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _precondition_layers(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor],
+                             kl_terms: bool = False) -> dict[str, torch.Tensor]:
         """The preconditioned gradients of ``handlers`` (each with decompositions), bucket by bucket
-        (:mod:`lightning_hpc.kfac.batched`), their exactly-zero rows and columns kept zero."""
-        return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype)
+        (:mod:`lightning_hpc.kfac.batched`), their exactly-zero rows and columns kept zero; with ``kl_terms`` the
+        buckets also form the KL clip's products."""
+        return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype,
+                                          kl_terms=kl_terms)
 
     def _precondition(self, lr: float | None) -> None:
         """Step 3 of Algorithm 1: precondition, scale by the KL clip of Eq 18, write back into ``.grad``."""
@@ -366,21 +368,27 @@ class KFACPreconditioner:
             g = h.grad_matrix()
             if g is not None and h.factors:
                 grads[h.name] = g
-        if self.comm.world_size > 1 and self.grid.broadcasts_gradients:
+        kl_clip = self.current_kl_clip()
+        by_workers = self.comm.world_size > 1 and self.grid.broadcasts_gradients
+        if by_workers:
             precond = worker_groups.precondition_by_workers(self, grads)
         else:
             precond = self._precondition_layers([h for h in self.handlers if h.name in grads and h.decompositions],
-                                                grads)
+                                                grads, kl_terms=bool(kl_clip))
         if not precond:
             return
-        kl_clip = self.current_kl_clip()
+        # Here every result is a view of the buckets' outputs, which also hold the KL products: one reduction
+        # per bucket and one multi-tensor scaling by nu, instead of one of each per layer.
         nu = kl_clip_factor(self.handlers, precond, grads, kl_clip, layer_lrs(lr, self.optimizer, self.lr),
-                            self.optimizer is not None) if kl_clip else 1.0
+                            self.optimizer is not None,
+                            None if by_workers else self._buckets.last_kl_terms) if kl_clip else 1.0
         self.last_nu = nu
+        if nu != 1.0 and not by_workers:
+            self._buckets.scale_(nu)
         for h in self.handlers:
             if h.name in precond:
                 p = precond[h.name]
-                h.set_grad_matrix(p * nu if nu != 1.0 else p)
+                h.set_grad_matrix(p * nu if nu != 1.0 and by_workers else p)
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
