@@ -420,3 +420,26 @@ def test_adam_zero_gradient_rows_stay_exact_for_one_and_two_processes():
     for got, want in zip(two[0], one):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(one[0], start[0])  # the live units did train
+
+
+def test_finiteness_check_of_the_factors_is_exact() -> None:
+    """The factor step's finiteness check (2-norms first, one multi-tensor reduction) finds a NaN, +inf and -inf
+    in any one tensor, and does not drop finite factors whose squares overflow (entries of 1e30 in float32: their
+    norm is infinite, the entries are not)."""
+    from lightning_hpc.kfac.factor_update import _all_finite
+
+    def tensors() -> list[torch.Tensor]:
+        return [torch.ones(3, 3), torch.zeros(0), torch.full((2, 2), 0.5, dtype=torch.float64)]
+
+    assert _all_finite(tensors()) and _all_finite([])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i in (0, 2):
+            ts = tensors()
+            ts[i][1, 1] = bad
+            assert not _all_finite(ts), (bad, i)
+    huge = tensors()
+    huge[0][0, 0] = 1e30
+    assert not bool(torch.isfinite(torch.linalg.vector_norm(huge[0])))  # the first test alone would drop it
+    assert _all_finite(huge)
+    huge[2][0, 0] = float("nan")
+    assert not _all_finite(huge)
