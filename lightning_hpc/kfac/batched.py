@@ -10,6 +10,14 @@ leading dimensions).  Each layer's block is computed with its own decompositions
 per-layer one (the batched and the per-layer products agree to rounding: in float64 within 1e-11 of the
 largest entry).
 
+On an accelerator (:func:`~lightning_hpc.kfac.linalg.cache_blocked` False), where a small layer's products cost
+their kernel launches rather than their arithmetic, layers of different shapes share a bucket too: a layer whose
+gradient is at most :data:`PAD_MAX_DIM` on each side goes to the bucket of the next powers of two of its sides,
+its gradient padded with zeros and its factors with an identity block
+(:meth:`~lightning_hpc.kfac.methods.ComputeMethod.padded`): the padded layer's preconditioned gradient is its own
+beside zeros, for a few times the arithmetic of the small layers (a MobileNetV3's 40-odd distinct small shapes in
+a handful of chains). On a CPU, where arithmetic is the cost, buckets hold equal shapes only.
+
 Layers whose gradient matrix is rows of independent blocks (:attr:`~lightning_hpc.kfac.layers.base.LayerHandler.
 row_blocks`: a normalisation layer's per-channel (scale, shift) blocks) are grouped by handler type and row width
 instead, whatever their number of rows: their gradients and decompositions are concatenated along the rows and the
@@ -31,8 +39,10 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from lightning_hpc.kfac.layers.base import LayerHandler
+from lightning_hpc.kfac.linalg import cache_blocked
 from lightning_hpc.kfac.methods import ComputeMethod
 
 __all__ = ["PreconditionBuckets", "keep_zeros", "keep_zeros_by_layer"]
@@ -46,6 +56,15 @@ def keep_zeros(precond: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     own."""
     zero = grad == 0
     return precond.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
+
+
+#: largest side of a gradient matrix that is padded into a shared bucket on an accelerator (see the module
+#: docstring): the eigen route's products of a 256 x 256 layer are about 0.1 GFLOP, microseconds on a GPU
+PAD_MAX_DIM = 256
+
+
+def _padded_side(n: int) -> int:
+    return 1 << max(3, (n - 1).bit_length())
 
 
 def keep_zeros_by_layer(precond: torch.Tensor, grad: torch.Tensor, layer_of_row: torch.Tensor,
@@ -70,11 +89,12 @@ class _Stack:
     so a replaced decomposition is seen by identity, never by a reused id); for row concatenations, the layer of
     each row."""
 
-    __slots__ = ("layer_of_row", "sources", "stacked")
+    __slots__ = ("damping", "layer_of_row", "sources", "stacked")
 
     def __init__(self, sources: list[tuple[torch.Tensor, ...]], stacked: dict[str, torch.Tensor],
                  layer_of_row: torch.Tensor | None = None) -> None:
         self.sources, self.stacked, self.layer_of_row = sources, stacked, layer_of_row
+        self.damping = 0.0  # the padding blocks' (the inverse route's identity block depends on it)
 
     def current(self, sources: list[tuple[torch.Tensor, ...]]) -> bool:
         return len(sources) == len(self.sources) and all(
@@ -115,7 +135,10 @@ class PreconditionBuckets:
         for h in handlers:
             g = grads[h.name]
             decomps = tuple(sorted(h.decompositions))
-            if _generic(h):
+            if _generic(h) and g.dim() == 2 and max(g.shape) <= PAD_MAX_DIM and not cache_blocked(g):
+                sides = (_padded_side(g.shape[0]), _padded_side(g.shape[1]))
+                buckets.setdefault(("padded", sides, g.dtype, g.device, decomps), []).append(h)
+            elif _generic(h):
                 buckets.setdefault((tuple(g.shape), g.dtype, g.device, decomps), []).append(h)
             elif h.row_blocks and g.dim() == 2:
                 rows.setdefault(("rows", type(h), g.shape[1], g.dtype, g.device, decomps), []).append(h)
@@ -128,11 +151,17 @@ class PreconditionBuckets:
                 singles.append(members[0])
                 continue
             self.last_buckets.append([h.name for h in members])
-            g = torch.stack([grads[h.name] for h in members])
-            p = keep_zeros(method.precondition(g, self._stacked(key, members, dtype).stacked, damping), g)
+            padded: tuple[int, int] | None = key[1] if isinstance(key, tuple) and key[0] == "padded" else None
+            if padded is None:
+                g = torch.stack([grads[h.name] for h in members])
+            else:  # zeros below and right of each layer's gradient
+                g = torch.stack([F.pad(grads[h.name], (0, padded[1] - grads[h.name].shape[1],
+                                                       0, padded[0] - grads[h.name].shape[0])) for h in members])
+            stacked = self._stacked(key, members, dtype, padded=padded, method=method, damping=damping).stacked
+            p = keep_zeros(method.precondition(g, stacked, damping), g)
             self._keep(members, p, (p * g.to(p.dtype)).flatten(1).sum(1) if kl_terms else None)
             for h, block in zip(members, p.unbind(0)):
-                out[h.name] = block
+                out[h.name] = block if padded is None else block[: grads[h.name].shape[0], : grads[h.name].shape[1]]
         for key, members in rows.items():
             if len(members) == 1:
                 singles.append(members[0])
@@ -165,18 +194,25 @@ class PreconditionBuckets:
         if terms is not None:
             self.last_kl_terms.append(([h.name for h in members], terms))
 
-    def _stacked(self, key: Hashable, members: list[LayerHandler], dtype: torch.dtype, rows: bool = False) -> _Stack:
-        """The members' decompositions stacked (``rows``: concatenated along their rows), kept until one of them
-        is replaced."""
+    def _stacked(self, key: Hashable, members: list[LayerHandler], dtype: torch.dtype, rows: bool = False,
+                 padded: tuple[int, int] | None = None, method: ComputeMethod | None = None,
+                 damping: float = 0.0) -> _Stack:
+        """The members' decompositions stacked (``rows``: concatenated along their rows; ``padded``: each padded to
+        the ``(G, A)`` sides by ``method``'s identity blocks), kept until one of them is replaced."""
         names = sorted(members[0].decompositions)
         sources = [tuple(h.decompositions[k] for k in names) for h in members]
         stack = self._stacks.get(key)
-        if stack is None or not stack.current(sources):
+        if stack is None or not stack.current(sources) or (padded is not None and stack.damping != damping):
             join = torch.cat if rows else torch.stack
-            stacked: dict[str, Any] = {k: join([src[j].to(dtype) for src in sources]) for j, k in enumerate(names)}
+            parts = [{k: src[j].to(dtype) for j, k in enumerate(names)} for src in sources]
+            if padded is not None:
+                assert method is not None
+                parts = [method.padded(d, {"G": padded[0], "A": padded[1]}, damping) for d in parts]
+            stacked: dict[str, Any] = {k: join([d[k] for d in parts]) for k in names}
             layer_of_row = None
             if rows:
                 sizes = torch.tensor([src[0].shape[0] for src in sources])
                 layer_of_row = torch.arange(len(members)).repeat_interleave(sizes).to(sources[0][0].device)
             stack = self._stacks[key] = _Stack(sources, stacked, layer_of_row)
+            stack.damping = damping
         return stack

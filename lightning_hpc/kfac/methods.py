@@ -52,6 +52,22 @@ class ComputeMethod(ABC):
     def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
         """Precondition a ``(g_dim, a_dim)`` gradient with the layer's decompositions ``d`` (keys ``k_A``/``k_G``)."""
 
+    def padded(self, d: dict[str, torch.Tensor], sizes: dict[str, int], damping: float) -> dict[str, torch.Tensor]:
+        """The decompositions ``d`` (keys ``k_A``/``k_G``) of the factors padded to ``sizes["A"]`` and
+        ``sizes["G"]`` with an identity block: ``blockdiag(A, I)`` decomposes into ``A``'s decomposition beside the
+        identity's (:meth:`identity`), so a gradient padded with zeros is preconditioned to the layer's own result
+        beside zeros (a bucket of layers of different shapes, :mod:`lightning_hpc.kfac.batched`)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, t in d.items():
+            part, side = key.rsplit("_", 1)
+            extra = sizes[side] - t.shape[-1]
+            if extra == 0:
+                out[key] = t
+                continue
+            fill = self.identity(extra, damping, t.dtype, t.device)[part]
+            out[key] = torch.cat([t, fill]) if t.dim() == 1 else torch.block_diag(t, fill)
+        return out
+
     @abstractmethod
     def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
         """Floating-point operations of the matrix products of :meth:`precondition` on one ``(g_dim, a_dim)`` block

@@ -105,8 +105,8 @@ def test_negative_control_mixed_layers_of_a_bucket_are_caught():
     buckets = PreconditionBuckets()
     real = buckets._stacked
 
-    def swapped(key, members, dtype, rows=False):
-        stack = real(key, members, dtype, rows)
+    def swapped(key, members, dtype, rows=False, **padding):
+        stack = real(key, members, dtype, rows, **padding)
         # stacks: two layers swapped; row concatenations: the rows rolled by one channel across the layers
         shift = (lambda v: v.roll(1, 0)) if rows else (lambda v: v.flip(0))
         return _Stack(stack.sources, {k: shift(v) for k, v in stack.stacked.items()}, stack.layer_of_row)
@@ -133,3 +133,39 @@ def test_a_zero_column_of_one_norm_layer_stays_zero_in_the_concatenation():
     assert bool((got["bn"][:, 0] != 0).all())
     for name in ("bn", "gn", "ln", "ln_wide"):
         torch.testing.assert_close(got[name], want[name], rtol=1e-11, atol=1e-11 * float(want[name].abs().max()))
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_padded_buckets_on_accelerator_routes_equal_per_layer(method):
+    """On an accelerator's routes, small layers of different shapes share a bucket padded to powers of two (zeros
+    in the gradient, identity blocks in the factors): each layer's result, and its KL product, equals its own
+    preconditioning's."""
+    from lightning_hpc.kfac import linalg
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 7), nn.Tanh(), nn.Linear(7, 2),
+                          nn.Tanh(), nn.Linear(2, 40)).double()
+    p = KFACPreconditioner(model, inv_update_freq=1, factor_update_freq=1, kl_clip=None, damping=0.03,
+                           compute_method=method, decomposition_dtype="float64", announce=False)
+    for _ in range(3):
+        model.zero_grad()
+        model(torch.randn(16, 5, dtype=torch.float64)).pow(2).sum().backward()
+        p.step()
+    grads = {h.name: h.grad_matrix() for h in p.handlers}
+    buckets = PreconditionBuckets()
+    with linalg.accelerator_routes():
+        got = buckets.precondition(p.handlers, grads, p.method, p.damping, torch.float64, kl_terms=True)
+    # (3, 6), (7, 4) and (2, 8) pad to (8, 8); (40, 3) alone in (64, 8)
+    assert buckets.last_buckets == [["0", "2", "4"]], buckets.last_buckets
+    want = _per_layer(p, grads)
+    assert set(got) == set(want) == {"0", "2", "4", "6"}
+    for name in want:
+        assert got[name].shape == want[name].shape
+        torch.testing.assert_close(got[name], want[name], rtol=1e-11, atol=1e-11 * float(want[name].abs().max()))
+    products = {n: t for names, ts in buckets.last_kl_terms for n, t in zip(names, ts)}
+    for name in want:
+        torch.testing.assert_close(products[name], (want[name] * grads[name]).sum(), rtol=1e-11, atol=1e-14)
+    # on the CPU's routes the same layers are preconditioned one by one
+    cpu = PreconditionBuckets()
+    cpu.precondition(p.handlers, grads, p.method, p.damping, torch.float64)
+    assert cpu.last_buckets == []
