@@ -21,7 +21,9 @@ a handful of chains). On a CPU, where arithmetic is the cost, buckets hold equal
 Layers whose gradient matrix is rows of independent blocks (:attr:`~lightning_hpc.kfac.layers.base.LayerHandler.
 row_blocks`: a normalisation layer's per-channel (scale, shift) blocks) are grouped by handler type and row width
 instead, whatever their number of rows: their gradients and decompositions are concatenated along the rows and the
-handler's own preconditioning runs once for all of them (a ResNet-50's 53 BatchNorm layers in one chain).
+handler's own preconditioning runs once for all of them (a ResNet-50's 53 BatchNorm layers in one chain). Grouped
+layers (``(groups, g_dim, a_dim)`` gradients: a depthwise convolution's channels) whose groups have one shape are
+concatenated along their groups the same way, and the compute method's chain runs once for all their groups.
 
 The stacked decompositions are kept between steps and rebuilt only when a member's decompositions are replaced
 (every ``inv_update_freq`` steps, or on loading a checkpoint): they cost one more copy of the bucketed
@@ -138,6 +140,8 @@ class PreconditionBuckets:
             if _generic(h) and g.dim() == 2 and max(g.shape) <= PAD_MAX_DIM and not cache_blocked(g):
                 sides = (_padded_side(g.shape[0]), _padded_side(g.shape[1]))
                 buckets.setdefault(("padded", sides, g.dtype, g.device, decomps), []).append(h)
+            elif _generic(h) and g.dim() == 3:  # grouped: its groups are blocks of their own, concatenated
+                rows.setdefault(("groups", tuple(g.shape[1:]), g.dtype, g.device, decomps), []).append(h)
             elif _generic(h):
                 buckets.setdefault((tuple(g.shape), g.dtype, g.device, decomps), []).append(h)
             elif h.row_blocks and g.dim() == 2:
@@ -170,12 +174,18 @@ class PreconditionBuckets:
             g = torch.cat([grads[h.name] for h in members])
             stack = self._stacked(key, members, dtype, rows=True)
             assert stack.layer_of_row is not None
-            # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
-            p = members[0].precondition(g, stack.stacked, method, damping)
-            p = keep_zeros_by_layer(p, g, stack.layer_of_row, len(members))
+            if isinstance(key, tuple) and key[0] == "groups":
+                # grouped layers of equal group shape: the compute method's chain over all their groups, each
+                # group's zero rows and columns its own (keep_zeros works per leading index)
+                p = keep_zeros(method.precondition(g, stack.stacked, damping), g)
+            else:
+                # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
+                p = members[0].precondition(g, stack.stacked, method, damping)
+                p = keep_zeros_by_layer(p, g, stack.layer_of_row, len(members))
             terms = None
             if kl_terms:
-                terms = p.new_zeros(len(members)).index_add_(0, stack.layer_of_row, (p * g.to(p.dtype)).sum(-1))
+                terms = p.new_zeros(len(members)).index_add_(0, stack.layer_of_row,
+                                                            (p * g.to(p.dtype)).flatten(1).sum(-1))
             self._keep(members, p, terms)
             for h, block in zip(members, p.split([grads[h.name].shape[0] for h in members])):
                 out[h.name] = block
