@@ -15,7 +15,8 @@ counted by a ``TorchDispatchMode`` around one step of each kind (after warm-up):
 
 ``--routes accelerator`` (default) counts the routes a GPU takes (:func:`lightning_hpc.kfac.linalg.accelerator_routes`:
 one product per Gram, no CPU cache blocking or BLAS ``syrk``); ``cpu`` the CPU's. Host synchronisations are the
-calls that read a value back (``.item()``, ``bool(t)``, ``nonzero``...); on a GPU each waits for the queue.
+calls that read a value back (``.item()``, ``bool(t)``, ``nonzero``...), uploads the tensors made from host data
+(``torch.tensor``, a Python number assigned into a tensor); on a GPU each waits for the queue.
 
     python bench/kfac_launches.py [--models resnet50 convnext efficientnet mobilenetv3] [--size 64] [--batch 8]
         [--routes accelerator|cpu] [--decomp] [--sites N] [--tag T]
@@ -49,6 +50,9 @@ NO_KERNEL = frozenset({
 })
 #: ATen calls that read a value back to the host (a synchronisation on a GPU)
 HOST_SYNC = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "item"})
+#: ATen calls that make a tensor from host data (``torch.tensor(...)``, indexing assignment of a Python number): on a
+#: GPU an upload from pageable memory, which waits for the queue like a read-back
+HOST_UPLOAD = frozenset({"lift_fresh"})
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "resnet50": lambda: resnet50(num_classes=1000),
@@ -64,7 +68,7 @@ class CallCounter(TorchDispatchMode):
 
     def __init__(self, sites: bool = False) -> None:
         super().__init__()
-        self.calls = self.launches = self.syncs = 0
+        self.calls = self.launches = self.syncs = self.uploads = 0
         self.sites: collections.Counter[str] | None = collections.Counter() if sites else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -79,12 +83,16 @@ class CallCounter(TorchDispatchMode):
                 self.sites[f"{site} {name}"] += 1
         if name in HOST_SYNC:
             self.syncs += 1
+        if name in HOST_UPLOAD:
+            self.uploads += 1
         return func(*args, **(kwargs or {}))
 
 
-def count(model_name: str, size: int, batch: int, decomp: bool, sites: int) -> dict[str, Any]:
+def count(model_name: str, size: int, batch: int, decomp: bool, sites: int,
+          model: nn.Module | None = None) -> dict[str, Any]:
+    """The counts of one step of each kind on ``MODELS[model_name]`` (or ``model``), at ``size``^2, ``batch``."""
     torch.manual_seed(0)
-    model = MODELS[model_name]()
+    model = model if model is not None else MODELS[model_name]()
     x = torch.randn(batch, 3, size, size)
     y = torch.randint(0, 1000, (batch,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -113,6 +121,7 @@ def count(model_name: str, size: int, batch: int, decomp: bool, sites: int) -> d
         with CallCounter(sites=sites > 0) as c:
             step(*flags)
         row[f"{kind}_calls"], row[f"{kind}_launches"], row[f"{kind}_syncs"] = c.calls, c.launches, c.syncs
+        row[f"{kind}_uploads"] = c.uploads
         if c.sites is not None and kind != "sgd":
             row[f"{kind}_sites"] = dict(c.sites.most_common(sites))
     for kind in kinds:

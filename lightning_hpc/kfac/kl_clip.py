@@ -64,8 +64,9 @@ def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Te
     names = [name for group, _ in products for name in group]
     if sorted(names) != sorted(lr_square):
         raise AssertionError(f"K-FAC KL clip: products for {sorted(names)}, layers {sorted(lr_square)}")
-    terms = torch.cat([t.reshape(-1) for _, t in products])
-    weights = torch.tensor([lr_square[name] for name in names], dtype=torch.float64, device=terms.device)
-    # summed in float64, as the per-layer Python floats were
-    vg_sum = float((terms.to(torch.float64).abs() * weights).sum())
+    # one copy of the products to the host (the step's one synchronisation), weighted and summed there in float64,
+    # as the per-layer Python floats were
+    terms = torch.cat([t.reshape(-1) for _, t in products]).to(torch.float64).abs().cpu()
+    weights = torch.tensor([lr_square[name] for name in names], dtype=torch.float64)
+    vg_sum = float((terms * weights).sum())
     return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0

@@ -217,7 +217,7 @@ class LayerHandler:
         out[..., :k, :k] = gram
         out[..., :k, k] = colsum
         out[..., k, :k] = colsum
-        out[..., k, k] = rows
+        out[..., k, k].fill_(rows)  # a fill, not a copy from a host tensor (which waits for the GPU)
         return out
 
     #: the layer has no statistics for one tile of a split activation (a tensor subclass that carries its

@@ -1,0 +1,45 @@
+"""What K-FAC's steps cost a GPU in host work, bounded on the CPU (``bench/kfac_launches.py``, on the routes a GPU
+takes): the kernels each step kind launches beyond SGD's, per preconditioned layer, and the host round trips.
+
+On a GPU these steps are bound by their launches (``bench/reports/2026-11-28-kfac-launches.md``). The bounds sit
+just above today's counts of a MobileNetV3-style net (88 layers, every kind: convolutions, depthwise, BatchNorm,
+squeeze-excite, Linear); the per-layer code they replaced made about twice as many (precondition 14.8, factor
+step 32.8 per layer; 21 uploads per factor step), so a return to per-layer chains fails here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from kfac_launches import count  # noqa: E402
+
+from lightning_hpc.kfac.linalg import accelerator_routes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mobilenet_counts() -> dict:
+    with accelerator_routes():
+        return count("mobilenetv3", 32, 2, decomp=False, sites=0)
+
+
+def test_preconditioning_launches_per_layer(mobilenet_counts: dict) -> None:
+    assert mobilenet_counts["layers"] == 88
+    assert mobilenet_counts["precondition_added_per_layer"] <= 8.0, mobilenet_counts
+
+
+def test_factor_step_launches_per_layer(mobilenet_counts: dict) -> None:
+    assert mobilenet_counts["factors_added_per_layer"] <= 20.0, mobilenet_counts
+
+
+def test_host_round_trips_do_not_grow_with_layers(mobilenet_counts: dict) -> None:
+    """One read-back per step for the KL clip, one more in a factor step for the finiteness check; a few uploads
+    in all (the KL clip's learning rates), none per layer."""
+    assert mobilenet_counts["precondition_syncs"] <= 1
+    assert mobilenet_counts["factors_syncs"] <= 2
+    assert mobilenet_counts["precondition_uploads"] <= 2
+    assert mobilenet_counts["factors_uploads"] <= 3, mobilenet_counts
