@@ -324,10 +324,9 @@ class KFACPreconditioner:
             self.steps += 1
 
     def _missing_decompositions(self) -> bool:
-        """Layers with factors but no decomposition on a rank that must hold it (hooks that fired late, a
-        checkpoint restored with a gradient-worker fraction below 1): decomposed at once rather than at the next
-        interval. Every rank reaches the same answer, because factors and shared decompositions are identical
-        and a layer's gradient workers hold the same decompositions."""
+        """Layers with factors but no decomposition on a rank that must hold it (hooks that fired late, a checkpoint
+        restored with a gradient-worker fraction below 1): decomposed at once, not at the next interval. Every rank
+        answers alike: factors, shared decompositions and a layer's workers' decompositions are identical."""
         mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
         return any(h.factors and not h.decompositions for h in mine)
 
@@ -351,23 +350,17 @@ class KFACPreconditioner:
     def _update_decompositions(self, due: set[tuple[int, str]] | None = None) -> None:
         """Step 2 of Algorithm 1 for every factor, or for the ``(layer index, factor)`` pairs ``due``."""
         worker_groups.decompose(self, due)
-
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layers(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor],
                              kl_terms: bool = False) -> dict[str, torch.Tensor]:
-        """The preconditioned gradients of ``handlers`` (each with decompositions), bucket by bucket
-        (:mod:`lightning_hpc.kfac.batched`), their exactly-zero rows and columns kept zero; with ``kl_terms`` the
-        buckets also form the KL clip's products."""
+        """The preconditioned gradients of ``handlers`` (with decompositions), by buckets (:mod:`.batched`)."""
         return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype,
                                           kl_terms=kl_terms)
 
     def _precondition(self, lr: float | None) -> None:
         """Step 3 of Algorithm 1: precondition, scale by the KL clip of Eq 18, write back into ``.grad``."""
-        grads: dict[str, torch.Tensor] = {}
-        for h in self.handlers:
-            g = h.grad_matrix()
-            if g is not None and h.factors:
-                grads[h.name] = g
+        matrices = ((h, h.grad_matrix()) for h in self.handlers if h.factors)
+        grads: dict[str, torch.Tensor] = {h.name: g for h, g in matrices if g is not None}
         kl_clip = self.current_kl_clip()
         by_workers = self.comm.world_size > 1 and self.grid.broadcasts_gradients
         if by_workers:
@@ -377,8 +370,7 @@ class KFACPreconditioner:
                                                 grads, kl_terms=bool(kl_clip))
         if not precond:
             return
-        # Here every result is a view of the buckets' outputs, which also hold the KL products: one reduction
-        # per bucket and one multi-tensor scaling by nu, instead of one of each per layer.
+        # not by workers: the results are views of the buckets' outputs, which hold the KL products too
         nu = kl_clip_factor(self.handlers, precond, grads, kl_clip, layer_lrs(lr, self.optimizer, self.lr),
                             self.optimizer is not None,
                             None if by_workers else self._buckets.last_kl_terms) if kl_clip else 1.0
