@@ -38,6 +38,9 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "groups_made_unsplit",
+    "foreach_mul_",
+    "foreach_add_",
+    "foreach_norm",
 ]
 
 
@@ -158,6 +161,22 @@ def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Views of ``flat`` shaped like ``like`` (inverse of :func:`flatten_dense_tensors`)."""
     return _private("torch._utils", "_unflatten_dense_tensors")(flat, like)  # type: ignore[no-any-return]
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor by ``factor`` in place, as one multi-tensor operation (the kernels torch's optimizers
+    use: on a GPU a few launches for all tensors, not one each)."""
+    _private("torch", "_foreach_mul_")(list(tensors), factor)
+
+
+def foreach_add_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor], alpha: float) -> None:
+    """``t += alpha * o`` for every pair, in place, as one multi-tensor operation."""
+    _private("torch", "_foreach_add_")(list(tensors), list(others), alpha=alpha)
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """The ``ord``-norm of every tensor, as one multi-tensor reduction."""
+    return list(_private("torch", "_foreach_norm")(list(tensors), ord))
 
 
 def process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:

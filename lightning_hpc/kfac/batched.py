@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_hpc._compat import foreach_mul_
 from lightning_hpc.kfac.layers.base import LayerHandler
 from lightning_hpc.kfac.linalg import cache_blocked
 from lightning_hpc.kfac.methods import ComputeMethod
@@ -120,7 +121,7 @@ class PreconditionBuckets:
     def scale_(self, factor: float) -> None:
         """Multiply every result of the last call by ``factor`` in place (the KL clip's ``nu``)."""
         if self.last_outputs:
-            torch._foreach_mul_(self.last_outputs, factor)
+            foreach_mul_(self.last_outputs, factor)
 
     def clear(self) -> None:
         """Forget the stacked decompositions (they are rebuilt on the next call)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_hpc._compat import foreach_add_, foreach_mul_, foreach_norm
 from lightning_hpc.kfac.collectives import allreduce_mean
 from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, TiledConvHandler
 
@@ -194,7 +195,7 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    norms = torch.stack(torch._foreach_norm(tensors, 2.0))
+    norms = torch.stack(foreach_norm(tensors, 2.0))
     if bool(torch.isfinite(norms).all()):
         return True
     suspects = [t for t, ok in zip(tensors, torch.isfinite(norms).tolist()) if not ok]
@@ -236,5 +237,5 @@ def fold_running_averages(batch: Batch, decay: float, dtype: torch.dtype) -> Non
         else:
             h.state.fold(factors, decay, dtype)
     if running:
-        torch._foreach_mul_(running, decay)
-        torch._foreach_add_(running, new, alpha=1.0 - decay)
+        foreach_mul_(running, decay)
+        foreach_add_(running, new, alpha=1.0 - decay)
