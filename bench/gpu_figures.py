@@ -158,6 +158,8 @@ def kfac_parts_figure(name: str, build: Callable[[], nn.Module], batch: int, siz
                       rounds: int) -> dict[str, Any]:
     """Median CUDA seconds of each step kind over ``rounds`` interleaved rounds (the decomposing step in at most
     3 of them: it is the long one), the parts as differences, and the amortized ratio at f=10, d=100."""
+    from harness import force_kfac_step_kind  # bench/harness.py
+
     from lightning_hpc.kfac import KFACPreconditioner
 
     torch.manual_seed(0)
@@ -177,10 +179,7 @@ def kfac_parts_figure(name: str, build: Callable[[], nn.Module], batch: int, siz
         sgd_opt.step()
 
     def kfac_step(factors: bool, decomp: bool) -> None:
-        # which updates the step does, through the step counter and the intervals (as bench/kfac_overhead.py)
-        pre.steps = 0 if decomp else 1
-        pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1 if factors else 2,
-                                              inv_update_freq=1 if decomp else 2)
+        force_kfac_step_kind(pre, factors, decomp)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         pre.step()

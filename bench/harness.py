@@ -63,6 +63,16 @@ def timeit(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> Timing:
     return Timing(samples)
 
 
+def force_kfac_step_kind(pre: Any, factors: bool, decompose: bool) -> None:
+    """Make the next ``pre.step()`` of a ``KFACPreconditioner`` update the factors (``factors``) and decompose them
+    (``decompose``), whatever its schedule: through the step counter and the intervals (step 0 is a multiple of
+    every interval, step 1 only of an interval of 1; a factor-only step at step 0 would decompose too). The K-FAC
+    benchmarks time or count each kind of step this way."""
+    pre.steps = 0 if decompose else 1
+    pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1 if factors else 2,
+                                          inv_update_freq=1 if decompose else 2)
+
+
 @dataclass
 class Report:
     """Rows of one benchmark; ``ratio`` columns are computed against a named baseline row."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from harness import Report
+from harness import Report, force_kfac_step_kind
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -100,10 +100,7 @@ def count(model_name: str, size: int, batch: int, decomp: bool, sites: int,
                              announce=False)
 
     def step(kfac: bool, factors: bool, decompose: bool) -> None:
-        # which updates the step does, through the step counter and the intervals (as bench/kfac_overhead.py)
-        pre.steps = 0 if decompose else 1
-        pre.schedule = pre.schedule.__class__(damping=pre.schedule.damping, factor_update_freq=1 if factors else 2,
-                                              inv_update_freq=1 if decompose else 2)
+        force_kfac_step_kind(pre, factors, decompose)
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         if kfac:

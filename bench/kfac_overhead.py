@@ -61,7 +61,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Report
+from harness import Report, force_kfac_step_kind
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -304,12 +304,7 @@ def measure(
 
     def kfac_step(mode: str, factors: bool, decomp: bool) -> None:
         net, opt, pre = kfac[mode]
-        # Fix which updates this step does through the step counter and the intervals: step 0 is a multiple of
-        # every interval, step 1 only of an interval of 1 (a factor-only step at step 0 would decompose too).
-        pre.steps = 0 if decomp else 1
-        pre.schedule = pre.schedule.__class__(
-            damping=pre.schedule.damping, factor_update_freq=1 if factors else 2, inv_update_freq=1 if decomp else 2
-        )
+        force_kfac_step_kind(pre, factors, decomp)
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         pre.step()

@@ -95,9 +95,9 @@ class _Stack:
     __slots__ = ("damping", "layer_of_row", "sources", "stacked")
 
     def __init__(self, sources: list[tuple[torch.Tensor, ...]], stacked: dict[str, torch.Tensor],
-                 layer_of_row: torch.Tensor | None = None) -> None:
+                 layer_of_row: torch.Tensor | None = None, damping: float = 0.0) -> None:
         self.sources, self.stacked, self.layer_of_row = sources, stacked, layer_of_row
-        self.damping = 0.0  # the padding blocks' (the inverse route's identity block depends on it)
+        self.damping = damping  # the padding blocks' (the inverse route's identity block depends on it)
 
     def current(self, sources: list[tuple[torch.Tensor, ...]]) -> bool:
         return len(sources) == len(self.sources) and all(
@@ -224,6 +224,5 @@ class PreconditionBuckets:
             if rows:
                 sizes = torch.tensor([src[0].shape[0] for src in sources])
                 layer_of_row = torch.arange(len(members)).repeat_interleave(sizes).to(sources[0][0].device)
-            stack = self._stacks[key] = _Stack(sources, stacked, layer_of_row)
-            stack.damping = damping
+            stack = self._stacks[key] = _Stack(sources, stacked, layer_of_row, damping)
         return stack

@@ -195,10 +195,10 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    norms = torch.stack(foreach_norm(tensors, 2.0))
-    if bool(torch.isfinite(norms).all()):
+    finite = torch.isfinite(torch.stack(foreach_norm(tensors, 2.0)))
+    if bool(finite.all()):
         return True
-    suspects = [t for t, ok in zip(tensors, torch.isfinite(norms).tolist()) if not ok]
+    suspects = [t for t, ok in zip(tensors, finite.tolist()) if not ok]
     return bool(torch.isfinite(torch.cat([torch.stack(torch.aminmax(t)) for t in suspects])).all())
 
 

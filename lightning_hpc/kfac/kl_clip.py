@@ -41,8 +41,8 @@ def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Te
     """``nu`` of Eq 18 for the layers of ``handlers`` in ``precond`` (their preconditioned gradient matrices;
     ``grads``: the raw ones). ``products``, when given, holds every such layer's ``P_i . grad_i`` already, as
     vectors over groups of layers (:attr:`~lightning_hpc.kfac.batched.PreconditionBuckets.last_kl_terms`: one
-    reduction per bucket); else they are formed here, one per layer. They stay on the device and are summed there:
-    one host sync per step. A layer without a learning rate is refused, naming it."""
+    reduction per bucket); else they are formed here, one per layer. They are read back to the host in one copy (the
+    step's one host sync) and weighted there. A layer without a learning rate is refused, naming it."""
     lr_square: dict[str, float] = {}
     for h in handlers:
         if h.name not in precond:

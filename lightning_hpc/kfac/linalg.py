@@ -43,6 +43,7 @@ __all__ = [
     "cache_blocked",
     "conv_patch_gram",
     "depthwise_patch_gram",
+    "gram_chunk_elements",
     "group_gram",
     "precondition_eigen",
     "precondition_inverse",
@@ -86,6 +87,8 @@ def accelerator_routes() -> Iterator[None]:
 def gram_chunk_elements(t: torch.Tensor) -> int:
     """The chunk bound of the Grams of ``t`` (:func:`cache_blocked`)."""
     return GRAM_CHUNK_ELEMENTS if cache_blocked(t) else ACCELERATOR_GRAM_ELEMENTS
+
+
 #: smallest side for which the BLAS syrk path pays off: below it (and when the rows fit one chunk), one matrix
 #: product from a single copy is cheaper than syrk's call overhead plus the mirroring (measured on the digits CNN:
 #: 32x32 and 64x64 G factors, 9x9 and 65x65 A factors; 288x288 A factors keep syrk, 0.70x the time of a product)

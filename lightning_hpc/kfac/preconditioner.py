@@ -350,6 +350,7 @@ class KFACPreconditioner:
     def _update_decompositions(self, due: set[tuple[int, str]] | None = None) -> None:
         """Step 2 of Algorithm 1 for every factor, or for the ``(layer index, factor)`` pairs ``due``."""
         worker_groups.decompose(self, due)
+
     # preconditioning ------------------------------------------------------------------------------------
     def _precondition_layers(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor],
                              kl_terms: bool = False) -> dict[str, torch.Tensor]:

@@ -109,7 +109,8 @@ def test_negative_control_mixed_layers_of_a_bucket_are_caught():
         stack = real(key, members, dtype, rows, **padding)
         # stacks: two layers swapped; row concatenations: the rows rolled by one channel across the layers
         shift = (lambda v: v.roll(1, 0)) if rows else (lambda v: v.flip(0))
-        return _Stack(stack.sources, {k: shift(v) for k, v in stack.stacked.items()}, stack.layer_of_row)
+        return _Stack(stack.sources, {k: shift(v) for k, v in stack.stacked.items()}, stack.layer_of_row,
+                      stack.damping)
 
     buckets._stacked = swapped  # type: ignore[method-assign]
     got = buckets.precondition(p.handlers, grads, p.method, p.damping, torch.float64)
