@@ -84,3 +84,40 @@ def test_cpu_routes_differ_from_the_accelerator_ones(monkeypatch: pytest.MonkeyP
     calls.clear()
     _factors(True)
     assert calls == []
+
+
+@pytest.mark.parametrize(("case", "pads"), [("mobilenet", False), ("signal", True), ("text", False)])
+def test_fit_on_the_accelerator_routes_equals_the_cpu_routes(case: str, pads: bool, tmp_path, monkeypatch) -> None:
+    """``Trainer.fit`` with the ``KFAC`` callback on user-written models (``user_modules_run.py``:
+    depthwise-separable blocks with BatchNorm, a Conv1d net with InstanceNorm1d, Embedding + LayerNorm), once on the
+    CPU's routes and once on an accelerator's (one Gram product per chunk; small layers of different shapes in
+    padded buckets, which only the signal net has): the trained parameters agree in float64 (the same terms summed
+    in another order)."""
+    import sys
+    from pathlib import Path
+
+    from lightning_hpc.kfac.methods import ComputeMethod
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from user_modules_run import run
+
+    padded_calls = [0]
+    real_padded = ComputeMethod.padded
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        padded_calls[0] += 1
+        return real_padded(self, *args, **kwargs)
+
+    monkeypatch.setattr(ComputeMethod, "padded", counting)
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "accel").mkdir()
+    run(1, tmp_path / "cpu", case)
+    assert padded_calls[0] == 0
+    with linalg.accelerator_routes():
+        run(1, tmp_path / "accel", case)
+    assert (padded_calls[0] > 0) == pads
+    cpu = torch.load(tmp_path / "cpu" / f"{case}.pt", weights_only=False)
+    accel = torch.load(tmp_path / "accel" / f"{case}.pt", weights_only=False)
+    assert cpu["registered"] == accel["registered"] and cpu["steps"] == accel["steps"] > 0
+    for name, p in cpu["params"].items():
+        torch.testing.assert_close(accel["params"][name], p, rtol=1e-9, atol=1e-9, msg=name)
