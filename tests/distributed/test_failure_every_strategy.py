@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hpc import HybridParallelStrategy, ImageClassifier, LayeredSGDStrategy, MultigridStrategy
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.models import ode_resnet
+from tests.fit_harness import fit
 
 
 def _model(name: str) -> nn.Module:
@@ -44,16 +45,11 @@ def _one_rank_fails(rank: int, world: int, name: str, failing: int) -> dict:
             if trainer.global_rank == failing and batch_idx == 1:
                 raise RuntimeError(f"bad sample on rank {failing}")
 
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=_strategy(name), max_steps=3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[FailOnOneRank()])
     loader = DataLoader(TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))), batch_size=4)
     t0 = time.monotonic()
-    try:
-        trainer.fit(module, train_dataloaders=loader)
-    except Exception as e:  # noqa: BLE001
-        return {"error": str(e), "seconds": time.monotonic() - t0}
-    return {"error": None, "seconds": time.monotonic() - t0}
+    run = fit(module, loader, devices=world, strategy=_strategy(name), max_steps=3, num_sanity_val_steps=0,
+              limit_val_batches=0, callbacks=[FailOnOneRank()], refusal_is_result=True)
+    return {"error": run.error, "seconds": time.monotonic() - t0}
 
 
 @pytest.mark.parametrize("failing", [1, 0])
