@@ -17,8 +17,8 @@ from tests.conftest import read_metrics, run_dirs
 
 #: per-recipe overrides that keep a fast_dev_run cheap on 2 CPU cores (every recipe must be listed)
 FAST = {
-    # the default recipe's full run on 2 processes covers its fast_dev_run
-    "digits": "test_default_recipe_trains_digits_to_97_percent_on_two_processes",
+    # the default recipe on 2 processes: wiring by the sweep (default tier), its full run by the 97 % test (slow tier)
+    "digits": "test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_overrides_take_effect",
     "resnet_cifar": [
         "batch_size=8",
         "data.num_workers=0",
@@ -58,6 +58,7 @@ def test_recipe_composes_and_objects_are_targets(recipe):
     OmegaConf.to_container(cfg.model, resolve=True)  # interpolations resolve
 
 
+@pytest.mark.slow  # a result of training, not of wiring: digits recipe wiring is test_recipe_fast_dev_run's
 def test_default_recipe_trains_digits_to_97_percent_on_two_processes(cli_in_process):
     # precision=32 is the recipe's own (a numeric group option: the rank Lightning re-launches must get it quoted)
     proc = cli_in_process("train", "precision=32", "trainer.enable_progress_bar=false")
@@ -85,6 +86,7 @@ def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_override
     # resuming under DDP through Trainer.fit by the conformance matrix's ddp:resume cell
     proc = cli_in_process(
         "train",
+        "precision=32",  # a numeric group option: the rank Lightning re-launches must get it quoted
         "trainer.max_epochs=2",
         "+trainer.limit_train_batches=2",
         "+trainer.limit_val_batches=1",

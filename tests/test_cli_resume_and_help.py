@@ -36,8 +36,8 @@ def test_last_ckpt_is_the_final_state_when_the_metric_stops_improving_and_resume
 
 
 def test_precision_32_is_a_group_option_not_an_int():
-    # a run with precision=32 on two processes (the rank Lightning re-launches gets the override too):
-    # test_cli.py::test_default_recipe_trains_digits_to_97_percent_on_two_processes
+    # runs with precision=32 on two processes (the rank Lightning re-launches gets the override too):
+    # test_cli.py::test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_overrides_take_effect
     assert _quote_numeric_groups(["precision=32", "+precision=16", "optimizer.lr=1", "x=2"], {"precision"}) == [
         "precision='32'", "+precision='16'", "optimizer.lr=1", "x=2"]
 

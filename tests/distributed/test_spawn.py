@@ -39,7 +39,7 @@ def test_rank_error_is_reported_with_traceback():
 def test_hang_fails_instead_of_blocking():
     t0 = time.time()
     with pytest.raises(DistributedRunError, match="did not finish"):
-        run_in_processes(_hang_on_rank0, 2, timeout_s=5, collective_timeout_s=60)
+        run_in_processes(_hang_on_rank0, 2, timeout_s=2, collective_timeout_s=60)
     assert time.time() - t0 < 40
 
 

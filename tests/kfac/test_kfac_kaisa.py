@@ -114,7 +114,7 @@ def _close(got, want, tol, what):
         )
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: slow tier
 def test_every_fraction_and_placement_equals_one_process(world_size):
     refs = {d: _train(0, 1, "balanced", None, d) for d in DTYPES}
     results = run_in_processes(_run_all, world_size, timeout_s=600, collective_timeout_s=120)

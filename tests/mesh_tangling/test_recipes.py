@@ -14,6 +14,7 @@ def _fast_dev_run(cli_in_process, recipe, devices, *extra):
     return proc.stdout
 
 
+@pytest.mark.slow  # the recipe's wiring is the default tier's under the spatial strategy (below)
 def test_mesh_tangling_1k_fast_dev_run_ddp(cli_in_process):
     _fast_dev_run(cli_in_process, "mesh_tangling_1k", devices=2)
 

@@ -120,7 +120,7 @@ def _merge(parts):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: slow tier
 def test_layer_parallel_equals_one_process(world_size, tmp_path):
     ckpt = str(tmp_path / "mg_full.pt")
     results = run_in_processes(_worker, world_size, ckpt, timeout_s=600, collective_timeout_s=300)
