@@ -33,20 +33,29 @@ REGISTERED = {
 }
 
 
-def _launch(devices: int, outdir: Path) -> None:
+def _launch(devices: int, outdir: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, str(HERE / "user_modules_run.py"), str(devices), str(outdir), *CASES]
-    proc = subprocess.run(cmd, env=env, cwd=outdir.parent, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, env=env, cwd=outdir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("user_modules")
     out = {d: root / f"devices{d}" for d in (1, 2)}
-    for d, path in out.items():
-        _launch(d, path)
+    # the one-process and the two-process runs at once: each rank holds one thread, and most of a run is the
+    # interpreter importing Lightning, which the other run overlaps
+    procs = {d: _launch(d, path) for d, path in out.items()}
+    try:
+        for d, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"devices={d}:\n" + stdout[-3000:] + stderr[-6000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
     return out
 
 
