@@ -16,6 +16,7 @@ from lightning_hpc.spatial.dispatch import SpatialDispatchError, on_unsupported,
 from lightning_hpc.spatial.layout.policy import DispatchPolicy
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import trainer
 from tests.spatial.spatial_checks import TileDataModule
 
 
@@ -65,16 +66,12 @@ class _Data(TileDataModule):
         return self.train_dataloader()
 
 
-def _trainer(world: int, mode: str) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=world, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0,
-                      strategy=SpatialParallelStrategy(spatial_parts=(2, 1), on_unsupported=mode), logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-
-
 def _two_trainers(rank: int, world: int) -> dict:
     x, y = data()
     x = x[:, :1]
-    strict, lenient = _trainer(world, "error"), _trainer(world, "gather")
+    strict, lenient = (trainer(devices=world, max_steps=1, limit_val_batches=1, num_sanity_val_steps=0,
+                               strategy=SpatialParallelStrategy(spatial_parts=(2, 1), on_unsupported=mode))
+                       for mode in ("error", "gather"))
     out = {}
     try:
         strict.fit(_Flipper(), datamodule=_Data(x, y, batch_size=2))

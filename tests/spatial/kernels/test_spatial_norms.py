@@ -180,34 +180,28 @@ def _serial_fit(make=NormNet, target: str = "seg") -> dict:
 
 
 def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg") -> dict:
-    import warnings
-
-    import lightning.pytorch as pl
-
+    """``make()`` trained by ``Trainer.fit`` split into ``parts``, then its eval output on the tiled input (whole)."""
     from lightning_hpc.spatial.layout.tiling import tile_slices
     from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+    from tests.fit_harness import fit
     from tests.spatial.lightning.test_split_equals_one_process import TileData, UserModule, make_data
 
     x, seg, cls = make_data()
     torch.manual_seed(0)
     module = UserModule(make())
     strategy = SpatialParallelStrategy(spatial_parts=parts)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=3, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(module, datamodule=TileData(x, seg if target == "seg" else cls))
+    run = fit(module, datamodule=TileData(x, seg if target == "seg" else cls), devices=world, strategy=strategy,
+              max_steps=3, max_epochs=1, use_distributed_sampler=False, record_warnings=True,
+              params=lambda m: m.model.parameters())
     grid = strategy.layout.grid
     module.eval()
     rs, cs = tile_slices((x.shape[-2], x.shape[-1]), parts, grid.index)
     with torch.no_grad():
         out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape))
         out = out.full() if hasattr(out, "full") else out  # a classifier's output is replicated
-    return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
-            "params": [p.detach().clone() for p in module.model.parameters()],
+    return {"loss": run.metric("train_loss"), "grads": module.first_grads, "params": run.params,
             "buffers": [b.clone() for b in module.model.buffers()], "out": out.clone(), "gathers": state().gathers,
-            "warnings": [str(w.message) for w in caught if "spatial:" in str(w.message)]}
+            "warnings": run.warned("spatial:")}
 
 
 def _check_fit(res: dict, ref: dict, what: str, tol: float = 1e-5) -> None:

@@ -18,6 +18,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 N, C, H, W, CLASSES, BATCH = 4, 3, 13, 10, 3, 2
 
@@ -73,20 +74,19 @@ class Data(pl.LightningDataModule):
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def _fit(rank=0, world=1, parts=None):
+def _metrics_run(rank=0, world=1, parts=None):
+    """One epoch with the metrics callback: on one process where ``parts`` is None, else split."""
     callback = MetricsCallback()
     strategy = SpatialParallelStrategy(spatial_parts=parts) if parts else "auto"
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback], use_distributed_sampler=False)
-    trainer.fit(Segmenter(), datamodule=Data())
+    fit(Segmenter(), datamodule=Data(), devices=world, strategy=strategy, max_epochs=1, callbacks=[callback],
+        use_distributed_sampler=False)
     return callback.final
 
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_callback_metrics_count_once(parts):
-    ref = _fit()
+    ref = _metrics_run()
     assert int(ref["confusion"].sum()) == N * H * W
-    for rank, got in enumerate(run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60)):
+    for rank, got in enumerate(run_in_processes(_metrics_run, 2, parts, timeout_s=300, collective_timeout_s=60)):
         assert torch.equal(got["confusion"], ref["confusion"]), f"rank {rank}: {got['confusion']} != {ref['confusion']}"
         torch.testing.assert_close(got["loss_sum"], ref["loss_sum"], rtol=1e-5, atol=1e-6, msg=f"rank {rank}")

@@ -1,6 +1,6 @@
 """Dropout under ``strategy="spatial"`` after the usual seeding: the user calls ``seed_everything(0)`` once, then
 builds the model (drawing its initial weights), then ``Trainer.fit``.  Every rank must train exactly as one process
-seeded the same way (``Trainer(devices=1)``): the same dropout masks, so the same logged loss and parameters
+seeded the same way (``Trainer.fit`` on one device): the same dropout masks, so the same logged loss and parameters
 (float64), and the generators at one process's state when training starts.  Ranks seeded differently after
 building the model draw from rank 0's generator.
 
@@ -18,11 +18,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import seed_everything
-from test_volumes import BATCH, C_IN, CLASSES, N, SubVolumes, _trainer
+from test_volumes import BATCH, C_IN, CLASSES, N, SubVolumes
 from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 TOL = 1e-9  # float64
 
@@ -88,13 +89,10 @@ def _run(rank: int, world: int, kind: str, parts: tuple[int, ...] | None, seed_p
     module = DropoutSegmenter(kind)
     if seed_per_rank:
         torch.manual_seed(1000 + rank)
-    if parts is None:
-        trainer = _trainer(devices=1)
-    else:
-        trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
-                           use_distributed_sampler=False)
-    trainer.fit(module, datamodule=SubVolumes(kind))
-    return {"params": [p.detach().clone() for p in module.parameters()], "losses": module.losses,
+    split = {} if parts is None else {"devices": world, "strategy": SpatialParallelStrategy(spatial_parts=parts),
+                                      "use_distributed_sampler": False}
+    run = fit(module, datamodule=SubVolumes(kind), max_epochs=2, precision="64-true", **split)
+    return {"params": run.params, "losses": module.losses,
             "generators": module.at_train_start, "torch_generator": module.torch_at_train_start}
 
 

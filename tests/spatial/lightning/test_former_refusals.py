@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 from tests.spatial.spatial_checks import serial_sgd_fit
 
 CLASSES = 3
@@ -62,25 +63,19 @@ def compute_loss(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def _fit(rank, world, parts, name="former_refusals"):
-    import lightning.pytorch as pl
-
+def _split_run(rank, world, parts, name="former_refusals"):
     x, _, cls = make_data()
     torch.manual_seed(0)
     module = UserModule(MODELS[name]())
     strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported="error")
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    try:
-        trainer.fit(module, datamodule=TileData(x, cls))
-    except Exception as e:  # noqa: BLE001 - reported, not raised: the message is the result
-        return {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
+    run = fit(module, datamodule=TileData(x, cls), devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
+              use_distributed_sampler=False, refusal_is_result=True, params=lambda m: m.model.parameters())
+    if run.error is not None:  # reported, not raised: the message is the result
+        return {"error": run.error, "steps": run.steps}
     module.eval()
     with torch.no_grad():
         out = module.model(x)  # a plain input: the layers run as one process (the eval output, replicated)
-    return {"loss": float(trainer.callback_metrics["train_loss"]), "grads": module.first_grads,
-            "params": [p.detach().clone() for p in module.model.parameters()], "out": out}
+    return {"loss": run.metric("train_loss"), "grads": module.first_grads, "params": run.params, "out": out}
 
 
 @pytest.mark.parametrize("name", ["former_refusals", "spectral_checkpointed"])
@@ -89,7 +84,7 @@ def test_former_refusals_equal_one_process(parts, name):
     x, _, cls = make_data()
     torch.manual_seed(0)
     ref = serial_sgd_fit(MODELS[name](), x, cls, compute_loss, 2, step_seed=100)
-    for res in run_in_processes(_fit, 2, parts, name, timeout_s=300, collective_timeout_s=60):
+    for res in run_in_processes(_split_run, 2, parts, name, timeout_s=300, collective_timeout_s=60):
         _check_equal(res, ref, f"{name} at {parts[0]}x{parts[1]}")
 
 
@@ -102,13 +97,13 @@ def test_former_refusals_equal_one_process_2x2():
         torch.manual_seed(0)
         refs[name] = serial_sgd_fit(MODELS[name](), x, cls, compute_loss, 2, step_seed=100)
     for name in refs:
-        for res in run_in_processes(_fit, 4, (2, 2), name, timeout_s=600, collective_timeout_s=120):
+        for res in run_in_processes(_split_run, 4, (2, 2), name, timeout_s=600, collective_timeout_s=120):
             _check_equal(res, refs[name], f"{name} at 2x2", tol=5e-5)  # four partial sums per gradient
 
 
 def test_reentrant_checkpoint_is_refused_naming_the_fix():
     """It ended in torch's shape mismatch in backward; now refused at the forward, before the first step."""
-    for res in run_in_processes(_fit, 2, (2, 1), "reentrant", timeout_s=300, collective_timeout_s=60):
+    for res in run_in_processes(_split_run, 2, (2, 1), "reentrant", timeout_s=300, collective_timeout_s=60):
         err = res.get("error")
         assert err is not None and "use_reentrant=True" in err and "Pass use_reentrant=False" in err, err
         assert "module 'model'" in err and res["steps"] == 0, err

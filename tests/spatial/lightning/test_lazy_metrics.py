@@ -28,6 +28,7 @@ from lightning_hpc.spatial.dispatch import SpatialDispatchError, local_tile
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 from lightning_hpc.spatial.lightning import metrics
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 
 class LazySegmenter(pl.LightningModule):
@@ -101,25 +102,24 @@ class Data(CallbackData):
         return self.loader(1)
 
 
-def _fit(rank=0, world=1, parts=None):
+def _metrics_run(rank=0, world=1, parts=None):
+    """One epoch of the lazy metrics: on one process where ``parts`` is None, else split."""
     callback, module = LateCallback(), LazySegmenter()
     strategy = SpatialParallelStrategy(spatial_parts=parts) if parts else "auto"
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback], use_distributed_sampler=False, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=Data())
+    run = fit(module, datamodule=Data(), devices=world, strategy=strategy, max_epochs=1, callbacks=[callback],
+              use_distributed_sampler=False, num_sanity_val_steps=0)
     return {**module.final, "val_confusion": module.val_final, "losses": callback.final,
-            "logged_loss_sum": trainer.callback_metrics["loss_sum"].clone(),
+            "logged_loss_sum": run.metrics["loss_sum"],
             "hooks_removed": not getattr(metrics, "_ORIGINAL", None) and not getattr(metrics, "_ACTIVE", None)}
 
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_metrics_made_after_setup_count_once(parts):
-    ref = _fit()
+    ref = _metrics_run()
     assert int(ref["confusion"].sum()) == N * H * W and int(ref["val_confusion"].sum()) == N * H * W
     assert ref["losses"].numel() == N // BATCH
     fails = []
-    for rank, got in enumerate(run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60)):
+    for rank, got in enumerate(run_in_processes(_metrics_run, 2, parts, timeout_s=300, collective_timeout_s=60)):
         for key in ("confusion", "by_hand", "val_confusion", "loss_sum", "copy", "in_list", "positive", "losses",
                     "logged_loss_sum"):
             if got[key].shape != ref[key].shape or not torch.allclose(got[key], ref[key], rtol=1e-5, atol=1e-6):

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 TOL = 1e-5
 N, C, H, W, BATCH, STEPS = 4, 2, 9, 8, 2, 3
@@ -40,20 +41,18 @@ def _data():
     return torch.randn(N, C, H, W, generator=g), torch.randn(N, 1, H, W, generator=g)
 
 
-def _fit(rank: int, world: int, parts: tuple[int, int] | None):
+def _gain_run(rank: int, world: int, parts: tuple[int, int] | None):
+    """The learned-gain module's parameters after training: on one process where ``parts`` is None, else split."""
     module = LearnedGain()
     strategy = "auto" if parts is None else SpatialParallelStrategy(spatial_parts=parts)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, DataLoader(TensorDataset(*_data()), batch_size=BATCH, shuffle=False))
-    return [p.detach().clone() for p in module.parameters()]
+    return fit(module, DataLoader(TensorDataset(*_data()), batch_size=BATCH, shuffle=False), devices=world,
+               strategy=strategy, max_steps=STEPS, max_epochs=1, use_distributed_sampler=False).params
 
 
 def test_learned_target_trains_as_one_process():
-    ref = _fit(0, 1, None)
+    ref = _gain_run(0, 1, None)
     for parts in ((2, 1), (1, 2)):
-        for rank, params in enumerate(run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60)):
+        for rank, params in enumerate(run_in_processes(_gain_run, 2, parts, timeout_s=300, collective_timeout_s=60)):
             for k, (p, r) in enumerate(zip(params, ref)):
                 err = float((p - r).abs().max())
                 assert err <= TOL * max(1.0, float(r.abs().max())), (parts, rank, k, err)

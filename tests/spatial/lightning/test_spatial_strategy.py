@@ -15,6 +15,7 @@ from lightning_hpc.spatial.dispatch.split_check import check_split
 from lightning_hpc.spatial.layout.halo_exchange import PartitionError
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 from tests.spatial.dispatch.test_spatial_models import data, small_fcn
 from tests.spatial.spatial_checks import TOL, TileDataModule
 
@@ -55,7 +56,7 @@ def serial_reference():
     return float(loss.detach()), [p.detach().clone() for p in model.parameters()]
 
 
-def _fit(rank: int, world: int, parts):
+def _split_run(rank: int, world: int, parts):
     errors = {}
     try:  # world size not divisible by ph * pw: clear error before anything runs
         create_hybrid_layout((world + 1, 1))
@@ -64,27 +65,24 @@ def _fit(rank: int, world: int, parts):
     torch.manual_seed(0)
     module, dm = Segmenter(), TileDataModule(*data(), batch_size=BATCH)
     strategy = SpatialParallelStrategy(spatial_parts=parts)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
-    trainer.fit(module, datamodule=dm)
+    run = fit(module, datamodule=dm, devices=world, strategy=strategy, max_steps=STEPS,
+              params=lambda m: m.model.parameters())
     return {
         "said": said,
         "tile": dm.tile,
-        "loss": float(trainer.callback_metrics["train/loss"]),
-        "params": [p.detach().numpy().copy() for p in module.model.parameters()],
+        "loss": run.metric("train/loss"),
+        "params": [p.numpy().copy() for p in run.params],
         "sampler": strategy.distributed_sampler_kwargs,
         "errors": errors,
     }
 
 
 def test_lightning_fit_matches_serial():
-    results = run_in_processes(_fit, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
+    results = run_in_processes(_split_run, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
     ref_loss, ref_params = serial_reference()
     for rank, res in enumerate(results):
         assert res["tile"] == ((rank, 0), (2, 1))
