@@ -277,37 +277,37 @@ class UNetPadCrop(nn.Module):
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_trainer_fit_unet_pad_and_crop_equals_one_process(parts):
     """Nothing gathered, no spatial warning, loss, gradients, parameters and eval output of one process."""
-    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _one_process_run, _split_run
 
-    ref = _serial_fit(UNetPadCrop, "seg")
-    for res in run_in_processes(_spatial_fit, 2, parts, UNetPadCrop, "seg", timeout_s=300, collective_timeout_s=120):
+    ref = _one_process_run(UNetPadCrop, "seg")
+    for res in run_in_processes(_split_run, 2, parts, UNetPadCrop, "seg", timeout_s=300, collective_timeout_s=120):
         _check_fit(res, ref, f"{parts[0]}x{parts[1]}")
 
 
 @pytest.mark.slow
 def test_trainer_fit_unet_pad_and_crop_equals_one_process_2x2():
-    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _one_process_run, _split_run
 
-    ref = _serial_fit(UNetPadCrop, "seg")
-    for res in run_in_processes(_spatial_fit, 4, (2, 2), UNetPadCrop, "seg", timeout_s=900, collective_timeout_s=300):
+    ref = _one_process_run(UNetPadCrop, "seg")
+    for res in run_in_processes(_split_run, 4, (2, 2), UNetPadCrop, "seg", timeout_s=900, collective_timeout_s=300):
         _check_fit(res, ref, "2x2", tol=5e-5)
 
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_trainer_fit_with_tiled_ops_equals_one_process(parts):
-    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _one_process_run, _split_run
 
-    ref = _serial_fit(PadPoolShuffleNet, "cls")
-    for res in run_in_processes(_spatial_fit, 2, parts, PadPoolShuffleNet, "cls", timeout_s=300,
+    ref = _one_process_run(PadPoolShuffleNet, "cls")
+    for res in run_in_processes(_split_run, 2, parts, PadPoolShuffleNet, "cls", timeout_s=300,
                                 collective_timeout_s=120):
         _check_fit(res, ref, f"{parts[0]}x{parts[1]}")
 
 
 @pytest.mark.slow
 def test_trainer_fit_with_tiled_ops_equals_one_process_2x2():
-    from tests.spatial.kernels.test_spatial_norms import _check_fit, _serial_fit, _spatial_fit
+    from tests.spatial.kernels.test_spatial_norms import _check_fit, _one_process_run, _split_run
 
-    ref = _serial_fit(PadPoolShuffleNet, "cls")
-    for res in run_in_processes(_spatial_fit, 4, (2, 2), PadPoolShuffleNet, "cls", timeout_s=900,
+    ref = _one_process_run(PadPoolShuffleNet, "cls")
+    for res in run_in_processes(_split_run, 4, (2, 2), PadPoolShuffleNet, "cls", timeout_s=900,
                                 collective_timeout_s=300):
         _check_fit(res, ref, "2x2", tol=5e-5)

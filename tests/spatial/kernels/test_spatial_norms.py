@@ -170,7 +170,7 @@ class NormNet(nn.Module):
         return self.out(self.ln(f))
 
 
-def _serial_fit(make=NormNet, target: str = "seg") -> dict:
+def _one_process_run(make=NormNet, target: str = "seg") -> dict:
     """One process's run of ``make()`` on the conformance data, with the segmentation or the class targets."""
     from tests.spatial.lightning.test_split_equals_one_process import BATCH, compute_loss, make_data
 
@@ -179,7 +179,7 @@ def _serial_fit(make=NormNet, target: str = "seg") -> dict:
     return serial_sgd_fit(make(), x, seg if target == "seg" else cls, compute_loss, BATCH)
 
 
-def _spatial_fit(rank: int, world: int, parts, make=NormNet, target: str = "seg") -> dict:
+def _split_run(rank: int, world: int, parts, make=NormNet, target: str = "seg") -> dict:
     """``make()`` trained by ``Trainer.fit`` split into ``parts``, then its eval output on the tiled input (whole)."""
     from lightning_hpc.spatial.layout.tiling import tile_slices
     from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
@@ -217,13 +217,13 @@ def _check_fit(res: dict, ref: dict, what: str, tol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("parts", PARTS, ids=["2x1", "1x2"])
 def test_trainer_fit_with_norms_equals_one_process(parts):
-    ref = _serial_fit()
-    for res in run_in_processes(_spatial_fit, 2, parts, timeout_s=300, collective_timeout_s=120):
+    ref = _one_process_run()
+    for res in run_in_processes(_split_run, 2, parts, timeout_s=300, collective_timeout_s=120):
         _check_fit(res, ref, f"{parts[0]}x{parts[1]}")
 
 
 @pytest.mark.slow
 def test_trainer_fit_with_norms_equals_one_process_2x2():
-    ref = _serial_fit()
-    for res in run_in_processes(_spatial_fit, 4, (2, 2), timeout_s=900, collective_timeout_s=300):
+    ref = _one_process_run()
+    for res in run_in_processes(_split_run, 4, (2, 2), timeout_s=900, collective_timeout_s=300):
         _check_fit(res, ref, "2x2", tol=5e-5)
