@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 from tests.spatial.spatial_checks import serial_sgd_fit
 
 TOL = 1e-5
@@ -116,25 +117,19 @@ class TileReader(WholeData):
         return DataLoader(TensorDataset(x, self.y), batch_size=BATCH, shuffle=False)
 
 
-def _fit(rank, world, parts, cases):
+def _split_run(rank, world, parts, cases):
     results = {}
     for h, data, form in cases:
         x, y = make_data(h)
         dm = WholeData(x, y) if data == "host" else TileReader(x, y, declare=data == "declared")
         module = UserModule(form)
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
-                             max_steps=STEPS, max_epochs=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-        try:
-            trainer.fit(module, datamodule=dm)
-        except Exception as e:  # noqa: BLE001 - the refusal is the result
-            results[(h, data, form)] = {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
+        run = fit(module, datamodule=dm, devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
+                  max_steps=STEPS, max_epochs=1, use_distributed_sampler=False, refusal_is_result=True,
+                  params=lambda m: m.model.parameters())
+        if run.error is not None:  # the refusal is the result
+            results[(h, data, form)] = {"error": run.error, "steps": run.steps}
             continue
-        results[(h, data, form)] = {
-            "loss": float(trainer.callback_metrics["train_loss"]),
-            "grads": module.first_grads,
-            "params": [p.detach().clone() for p in module.model.parameters()],
-        }
+        results[(h, data, form)] = {"loss": run.metric(), "grads": module.first_grads, "params": run.params}
     return results
 
 
@@ -155,7 +150,7 @@ def test_whole_label_at_tile_size_equals_one_process():
             torch.manual_seed(0)
             refs[h, form] = serial_sgd_fit(HalfRows(), *make_data(h), loss, BATCH)
         refs[h, "count"] = refs[h, "mean"]
-    _check(run_in_processes(_fit, 2, (2, 1), CASES, timeout_s=600, collective_timeout_s=120), CASES, refs)
+    _check(run_in_processes(_split_run, 2, (2, 1), CASES, timeout_s=600, collective_timeout_s=120), CASES, refs)
 
 
 def test_global_pixel_count_of_a_whole_target_equals_one_process():
@@ -164,7 +159,7 @@ def test_global_pixel_count_of_a_whole_target_equals_one_process():
     cases = [(16, "host", "count"), (16, "declared", "count")]
     torch.manual_seed(0)
     ref = serial_sgd_fit(HalfRows(), *make_data(16), mean_loss, BATCH)
-    _check(run_in_processes(_fit, 2, (1, 2), cases, timeout_s=300, collective_timeout_s=60), cases,
+    _check(run_in_processes(_split_run, 2, (1, 2), cases, timeout_s=300, collective_timeout_s=60), cases,
            {(16, "count"): ref})
 
 
@@ -185,7 +180,7 @@ def test_undeclared_tile_reader_is_refused_on_every_rank():
     or a whole lower-resolution label cannot be told apart.  Refused on both ranks, also when only rank 0's tile
     matches (H = 13), before the first optimizer step, naming the declaration that fixes it."""
     cases = [(16, "undeclared", "mean"), (13, "undeclared", "mean")]
-    results = run_in_processes(_fit, 2, (2, 1), cases, timeout_s=300, collective_timeout_s=60)
+    results = run_in_processes(_split_run, 2, (2, 1), cases, timeout_s=300, collective_timeout_s=60)
     for res in results:
         for case in cases:
             err = res[case].get("error")

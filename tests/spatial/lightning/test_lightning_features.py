@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit, trainer
 
 N, C, H, W, CLASSES, BATCH = 8, 3, 13, 10, 3, 2
 TOL = 1e-5
@@ -80,39 +81,34 @@ class Data(pl.LightningDataModule):
         return self._loader(1)
 
 
-def _trainer(root, **kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=root, num_sanity_val_steps=0, **kw)
-
-
-def _callbacks(root):
+def _options(root) -> dict:
+    """The Trainer options of every run: checkpoints into ``root`` (on: ``ModelCheckpoint`` writes them), no
+    sanity validation, 6 epochs at most."""
     # patience 0 with a large lr: the validation loss rises after some epoch and training stops there
-    return [EarlyStopping(monitor="val_loss", patience=0, mode="min"),
-            ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{epoch}", save_top_k=-1)]
+    callbacks = [EarlyStopping(monitor="val_loss", patience=0, mode="min"),
+                 ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{epoch}", save_top_k=-1)]
+    return dict(default_root_dir=root, enable_checkpointing=True, num_sanity_val_steps=0, max_epochs=6,
+                callbacks=callbacks)
 
 
-def _state(module, trainer) -> dict:
+def _state(module: Classifier, trained: pl.Trainer) -> dict:
     return {"params": [p.detach().clone() for p in module.parameters()], "val_losses": module.val_losses,
-            "val_acc": float(trainer.callback_metrics["val_acc"]), "epoch": trainer.current_epoch,
-            "step": trainer.global_step}
+            "val_acc": float(trained.callback_metrics["val_acc"]), "epoch": trained.current_epoch,
+            "step": trained.global_step}
 
 
-def _fit_spatial(rank, world, root):
-    module = Classifier()
-    trainer = _trainer(root, devices=world, strategy=SpatialParallelStrategy(spatial_parts=(1, 2)), max_epochs=6,
-                       callbacks=_callbacks(root))
-    trainer.fit(module, datamodule=Data())
-    return _state(module, trainer)
+def _spatial_run(rank, world, root):
+    run = fit(Classifier(), datamodule=Data(), devices=world, strategy=SpatialParallelStrategy(spatial_parts=(1, 2)),
+              **_options(root))
+    return _state(run.module, run.trainer)
 
 
 def test_validation_early_stopping_and_resume_in_one_process_equal_one_process(tmp_path):
-    ref_module = Classifier()
-    ref_trainer = _trainer(tmp_path / "ref", devices=1, max_epochs=6, callbacks=_callbacks(tmp_path / "ref"))
-    ref_trainer.fit(ref_module, datamodule=Data(reference=True))
-    ref = _state(ref_module, ref_trainer)
+    ref_run = fit(Classifier(), datamodule=Data(reference=True), **_options(tmp_path / "ref"))
+    ref = _state(ref_run.module, ref_run.trainer)
     assert ref["epoch"] < 6, "EarlyStopping never triggered: the test would not check it"
 
-    for rank, res in enumerate(run_in_processes(_fit_spatial, 2, str(tmp_path / "spatial"), timeout_s=600,
+    for rank, res in enumerate(run_in_processes(_spatial_run, 2, str(tmp_path / "spatial"), timeout_s=600,
                                                 collective_timeout_s=120)):
         what = f"rank {rank}"
         assert (res["epoch"], res["step"]) == (ref["epoch"], ref["step"]), (what, "stopped elsewhere")
@@ -124,9 +120,9 @@ def test_validation_early_stopping_and_resume_in_one_process_equal_one_process(t
 
     # the spatial run's checkpoint after its first epoch, resumed in one process, continues as one process did
     resumed = Classifier()
-    trainer = _trainer(tmp_path / "resumed", devices=1, max_epochs=6, callbacks=_callbacks(tmp_path / "resumed"))
-    trainer.fit(resumed, datamodule=Data(reference=True), ckpt_path=str(tmp_path / "spatial" / "ckpt" / "epoch=0.ckpt"))
-    got = _state(resumed, trainer)
+    run = trainer(**_options(tmp_path / "resumed"))
+    run.fit(resumed, datamodule=Data(reference=True), ckpt_path=str(tmp_path / "spatial" / "ckpt" / "epoch=0.ckpt"))
+    got = _state(resumed, run)
     assert (got["epoch"], got["step"]) == (ref["epoch"], ref["step"])
     for k, (p, r) in enumerate(zip(got["params"], ref["params"])):
         assert (p - r).abs().max() <= TOL, f"resumed: parameter {k} differs by {(p - r).abs().max():.3g}"

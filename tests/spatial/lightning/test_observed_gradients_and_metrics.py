@@ -21,6 +21,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import Fit, fit, trainer
 
 N, C, H, W, CLASSES, BATCH = 4, 3, 13, 10, 3, 2
 TOL = 1e-5
@@ -124,33 +125,19 @@ class Data(pl.LightningDataModule):
     predict_dataloader = train_dataloader
 
 
-def _trainer(**kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, **kw)
+def _result(run: Fit) -> dict:
+    """What the assertions read of a run (its module stays on the rank that trained it)."""
+    return {"params": run.params, "observed": run.module.observed, "final": run.module.final, "loss": run.metric(),
+            "steps": run.steps}
 
 
-def _result(module: Observing, trainer: pl.Trainer) -> dict:
-    return {"params": [p.detach().clone() for p in module.parameters()], "observed": module.observed,
-            "final": module.final, "loss": float(trainer.callback_metrics["train_loss"]), "steps": trainer.global_step}
-
-
-def _fit(rank, world, parts, manual, penalty=None):
+def _split_run(rank, world, parts, manual, penalty=None):
     module = Observing(manual=manual, penalty=penalty)
-    trainer = _trainer(
-        devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts), use_distributed_sampler=False
-    )
-    try:
-        trainer.fit(module, datamodule=Data())
-    except Exception as e:  # noqa: BLE001 - the refusal is the result
-        return {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
-    return _result(module, trainer)
-
-
-def _reference(manual: bool) -> dict:
-    module = Observing(manual=manual)
-    trainer = _trainer(devices=1)
-    trainer.fit(module, datamodule=Data())
-    return _result(module, trainer)
+    run = fit(module, datamodule=Data(), devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
+              use_distributed_sampler=False, max_epochs=1, refusal_is_result=True)
+    if run.error is not None:  # the refusal is the result
+        return {"error": run.error, "steps": run.steps}
+    return _result(run)
 
 
 def _close(a: float, b: float) -> bool:
@@ -160,8 +147,8 @@ def _close(a: float, b: float) -> bool:
 @pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual_clip"])
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_observed_gradients_and_metrics_equal_one_process(parts, manual):
-    ref = _reference(manual)
-    for rank, res in enumerate(run_in_processes(_fit, 2, parts, manual, timeout_s=300, collective_timeout_s=60)):
+    ref = _result(fit(Observing(manual=manual), datamodule=Data(), max_epochs=1))
+    for rank, res in enumerate(run_in_processes(_split_run, 2, parts, manual, timeout_s=300, collective_timeout_s=60)):
         what = f"rank {rank} at {parts[0]}x{parts[1]}"
         assert "error" not in res, res.get("error")
         for key, values in ref["observed"].items():
@@ -183,12 +170,12 @@ def test_observed_gradients_and_metrics_equal_one_process(parts, manual):
 
 
 def test_second_derivatives_through_tiles_are_refused_before_the_first_step():
-    results = run_in_processes(_fit, 2, (2, 1), False, "input", timeout_s=300, collective_timeout_s=60)
+    results = run_in_processes(_split_run, 2, (2, 1), False, "input", timeout_s=300, collective_timeout_s=60)
     for res in results:
         assert "torch.autograd.grad(create_graph=True)" in res.get("error", ""), res
         assert "gather_tensor" in res["error"] and res["steps"] == 0
     # with respect to parameters met on tiles: their gradient would be the tile's part
-    results = run_in_processes(_fit, 2, (2, 1), False, "params", timeout_s=300, collective_timeout_s=60)
+    results = run_in_processes(_split_run, 2, (2, 1), False, "params", timeout_s=300, collective_timeout_s=60)
     for res in results:
         assert "torch.autograd.grad with respect to parameter 'model.body.0.weight'" in res.get("error", ""), res
         assert "manual_backward" in res["error"] and res["steps"] == 0
@@ -199,32 +186,21 @@ def test_tile_local_batch_norm_is_refused_by_the_strategy():
         SpatialParallelStrategy(spatial_parts=(2, 1), batchnorm="local")
 
 
-def _fit_precision(rank, world, parts, precision):
+def _precision_run(rank, world, parts, precision):
     module = Observing()
-    trainer = _trainer(
-        devices=world,
-        strategy=SpatialParallelStrategy(spatial_parts=parts),
-        use_distributed_sampler=False,
-        precision=precision,
-    )
-    trainer.fit(module, datamodule=Data())
-    return _result(module, trainer)
+    return _result(fit(module, datamodule=Data(), devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
+                       use_distributed_sampler=False, max_epochs=1, precision=precision))
 
 
 def test_bf16_mixed_equals_one_process_within_its_rounding():
     """bf16-mixed: the tiled convolutions cast as autocast does and batch norm keeps float32 statistics; the
     parameters after the steps differ from one bf16-mixed process by far less than bf16-mixed differs from
     float32 (the method's own rounding), not by a dtype crash or a silent drift."""
-    def ref(precision):
-        module = Observing()
-        trainer = _trainer(devices=1, precision=precision)
-        trainer.fit(module, datamodule=Data())
-        return _result(module, trainer)
-
-    bf16, fp32 = ref("bf16-mixed"), ref("32-true")
+    bf16, fp32 = (_result(fit(Observing(), datamodule=Data(), max_epochs=1, precision=precision))
+                  for precision in ("bf16-mixed", "32-true"))
     rounding = max(float((p - q).abs().max()) for p, q in zip(bf16["params"], fp32["params"]))
     assert rounding > 1e-4, "bf16-mixed did not change the result: autocast was not active"
-    for res in run_in_processes(_fit_precision, 2, (2, 1), "bf16-mixed", timeout_s=300, collective_timeout_s=60):
+    for res in run_in_processes(_precision_run, 2, (2, 1), "bf16-mixed", timeout_s=300, collective_timeout_s=60):
         worst = max(float((p - q).abs().max()) for p, q in zip(res["params"], bf16["params"]))
         assert worst < 0.25 * rounding, (
             f"spatial bf16-mixed differs from one process by {worst:.3g} (bf16 vs fp32: {rounding:.3g})"
@@ -232,12 +208,11 @@ def test_bf16_mixed_equals_one_process_within_its_rounding():
         assert torch.equal(res["final"]["confusion"].sum(), bf16["final"]["confusion"].sum())
 
 
-def _fit_sample_groups(rank, world):
+def _sample_groups_run(rank, world):
     module = Observing(batch_norm=False, hook=False)
     # Lightning's sampler over the 2 sample groups (shuffle=False, as the loader): group g reads samples g, g+2
-    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=(2, 1)))
-    trainer.fit(module, datamodule=Data())
-    return _result(module, trainer)
+    return _result(fit(module, datamodule=Data(), devices=world, strategy=SpatialParallelStrategy(spatial_parts=(2, 1)),
+                       max_epochs=1))
 
 
 def test_two_sample_groups_of_two_tiles_equal_one_process_on_the_global_batch():
@@ -246,10 +221,8 @@ def test_two_sample_groups_of_two_tiles_equal_one_process_on_the_global_batch():
     is the union of the two groups' batches b (no batch norm: its statistics are per sample group, as DDP's)."""
     order = [0, 2, 1, 3]  # batch 0 of group 0 = samples (0, 2), of group 1 = (1, 3)
     module = Observing(batch_norm=False, hook=False)  # a normalising hook would depend on the batch's size
-    trainer = _trainer(devices=1)
-    trainer.fit(module, datamodule=Data(batch_size=2 * BATCH, order=order))
-    ref = _result(module, trainer)
-    for rank, res in enumerate(run_in_processes(_fit_sample_groups, 4, timeout_s=900, collective_timeout_s=300)):
+    ref = _result(fit(module, datamodule=Data(batch_size=2 * BATCH, order=order), max_epochs=1))
+    for rank, res in enumerate(run_in_processes(_sample_groups_run, 4, timeout_s=900, collective_timeout_s=300)):
         assert torch.equal(res["final"]["confusion"], ref["final"]["confusion"]), rank
         # a replicated value counts once per sample group (not once per tile): the two groups' mean losses add
         # up to twice the mean over their union
@@ -261,8 +234,8 @@ def test_two_sample_groups_of_two_tiles_equal_one_process_on_the_global_batch():
 
 def _predict(rank, world):
     module = Observing()
-    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=(1, 2)))
-    out = trainer.predict(module, datamodule=Data())
+    run = trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=(1, 2)), max_epochs=1)
+    out = run.predict(module, datamodule=Data())
     return [(type(t).__name__, t.clone()) for t in out]
 
 
@@ -270,7 +243,7 @@ def test_predictions_leave_the_strategy_whole():
     """trainer.predict returns plain, whole predictions on every rank (a split tensor used by rank 0 alone after
     predict would wait for its peers in a gather)."""
     module = Observing()
-    ref = _trainer(devices=1).predict(module, datamodule=Data())
+    ref = trainer(max_epochs=1).predict(module, datamodule=Data())
     for res in run_in_processes(_predict, 2, timeout_s=300, collective_timeout_s=60):
         assert [name for name, _ in res] == ["Tensor"] * len(ref)
         for (_, got), want in zip(res, ref):

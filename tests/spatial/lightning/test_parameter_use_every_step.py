@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import Fit, fit
 
 N, C, H, W = 8, 2, 9, 8
 
@@ -46,32 +47,28 @@ class Switching(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(rank=0, world=1, check="every_step", switch_at=2):
+def _switching_run(rank=0, world=1, check="every_step", switch_at=2) -> Fit:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, C, H, W, generator=g), torch.randint(0, 2, (N,), generator=g))
     module = Switching(switch_at)
     strategy = SpatialParallelStrategy(spatial_parts=(2, 1), check_parameter_use=check) if world > 1 else "auto"
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False)
-    try:
-        trainer.fit(module, DataLoader(data, batch_size=2))
-    except Exception as e:  # noqa: BLE001 - the refusal is the result
-        return {"error": str(e), "steps": trainer.global_step}
-    return {"params": [p.detach().clone() for p in module.parameters()], "steps": trainer.global_step}
+    return fit(module, DataLoader(data, batch_size=2), devices=world, strategy=strategy, max_steps=4,
+               use_distributed_sampler=False, refusal_is_result=True)
 
 
 def test_a_later_branch_that_mixes_uses_is_refused_before_its_update():
-    for rank, res in enumerate(run_in_processes(_fit, 2, timeout_s=300, collective_timeout_s=60)):
-        assert "error" in res, f"rank {rank} trained: {res}"
-        assert "parameter 'shift'" in res["error"] and "every_step" not in res["error"], res["error"]
-        assert res["steps"] == 2, f"rank {rank}: refused after {res['steps']} updates, expected 2"
+    for rank, res in enumerate(run_in_processes(_switching_run, 2, timeout_s=300, collective_timeout_s=60)):
+        assert res.error is not None, f"rank {rank} trained: {res}"
+        assert "parameter 'shift'" in res.error and "every_step" not in res.error, res.error
+        assert res.steps == 2, f"rank {rank}: refused after {res.steps} updates, expected 2"
 
 
 @pytest.mark.parametrize("check", ["first_step", "every_step"])
 def test_unchanging_branches_train_as_one_process(check):
-    ref = _fit(switch_at=None)
-    for rank, res in enumerate(run_in_processes(_fit, 2, check, None, timeout_s=300, collective_timeout_s=60)):
-        assert "error" not in res, res["error"]
-        for p, r in zip(res["params"], ref["params"]):
+    ref = _switching_run(switch_at=None)
+    assert ref.error is None, ref.error
+    for rank, res in enumerate(run_in_processes(_switching_run, 2, check, None, timeout_s=300,
+                                                collective_timeout_s=60)):
+        assert res.error is None, res.error
+        for p, r in zip(res.params, ref.params):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")

@@ -6,8 +6,6 @@ by name."""
 
 from __future__ import annotations
 
-import warnings
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -20,6 +18,7 @@ from torchmetrics.segmentation import DiceScore, MeanIoU
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 N, C, CLASSES, H, W = 4, 3, 3, 13, 10
 BATCH = 2
@@ -70,29 +69,21 @@ class Data(pl.LightningDataModule):
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def _trainer(**kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, **kw)
-
-
-def _fit(rank=0, world=1, parts=None, by_hand=False):
+def _metrics_run(rank=0, world=1, parts=None, by_hand=False):
     module = MetricModule(by_hand)
     strategy = SpatialParallelStrategy(spatial_parts=parts) if parts else "auto"
-    trainer = _trainer(devices=world, strategy=strategy)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            trainer.fit(module, datamodule=Data())
-        except Exception as e:  # noqa: BLE001 - the refusal is the result
-            return {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
-    return {"final": module.final, "logged": {k: float(trainer.callback_metrics[k]) for k in ("miou", "ssim")},
-            "warnings": [str(w.message) for w in caught if "spatial:" in str(w.message)]}
+    run = fit(module, datamodule=Data(), devices=world, strategy=strategy, max_epochs=1, use_distributed_sampler=False,
+              refusal_is_result=True, record_warnings=True)
+    if run.error is not None:  # the refusal is the result
+        return {"error": run.error, "steps": run.steps}
+    return {"final": module.final, "logged": {k: run.metric(k) for k in ("miou", "ssim")},
+            "warnings": run.warned("spatial:")}
 
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_per_sample_metrics_equal_one_process(parts):
-    ref = _fit()
-    results = run_in_processes(_fit, 2, parts, timeout_s=300, collective_timeout_s=60)
+    ref = _metrics_run()
+    results = run_in_processes(_metrics_run, 2, parts, timeout_s=300, collective_timeout_s=60)
     for res in results:
         for name in NAMES:
             diff = float((res["final"][name] - ref["final"][name]).abs().max())
@@ -106,7 +97,7 @@ def test_per_sample_metrics_equal_one_process(parts):
 
 
 def test_per_sample_metric_fed_a_hand_cut_tile_is_refused():
-    results = run_in_processes(_fit, 2, (2, 1), True, timeout_s=300, collective_timeout_s=60)
+    results = run_in_processes(_metrics_run, 2, (2, 1), True, timeout_s=300, collective_timeout_s=60)
     for res in results:
         err = res.get("error")
         assert err is not None and "metric 'miou' (MeanIoU)" in err and "split tensor itself" in err, err

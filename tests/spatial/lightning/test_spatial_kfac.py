@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 from functools import partial
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convoluti
 from lightning_hpc.spatial.layout.gradients import reduce_model_gradients
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 from tests.spatial.spatial_checks import TileDataModule
 
 TOL = 1e-5
@@ -239,22 +239,19 @@ def fcn_data():
     return x, y
 
 
-def _lightning_fit(rank: int, world: int, parts):
+def _kfac_fcn_run(rank: int, world: int, parts):
     module = SegmentationModule(fcn(), optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     kfac = KFAC(**{**KFAC_OPTIONS, "decomposition_dtype": "float64"})
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts), callbacks=[kfac],
-        max_steps=FCN_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=TileDataModule(*fcn_data(), batch_size=FCN_BATCH))
+    run = fit(module, datamodule=TileDataModule(*fcn_data(), batch_size=FCN_BATCH), devices=world,
+              strategy=SpatialParallelStrategy(spatial_parts=parts), callbacks=[kfac], max_steps=FCN_STEPS,
+              params=lambda m: m.model.parameters())
     pre = kfac.preconditioner
     assert pre is not None
     return {
         "tiled": sum(isinstance(h, TiledConvHandler) for h in pre.handlers),
         "handlers": len(pre.handlers),
         "factors": {n.removeprefix("model."): {k: v.clone() for k, v in f.items()} for n, f in pre.factors.items()},
-        "params": [p.detach().clone() for p in module.model.parameters()],
+        "params": run.params,
     }
 
 
@@ -279,7 +276,7 @@ def serial_fcn():
 
 
 def test_lightning_trainer_spatial_with_kfac_matches_serial():
-    results = run_in_processes(_lightning_fit, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
+    results = run_in_processes(_kfac_fcn_run, 2, (2, 1), timeout_s=300, collective_timeout_s=120)
     factors, params = serial_fcn()
     for res in results:
         assert res["tiled"] == res["handlers"] == 5  # every conv of the FCN, hooked after the strategy declared it

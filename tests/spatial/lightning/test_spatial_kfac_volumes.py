@@ -21,6 +21,7 @@ from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.spatial.dispatch import state
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 TOL = 1e-9
 KFAC_OPTIONS = dict(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01,
@@ -54,28 +55,27 @@ class Segmenter(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _fit(rank: int, world: int, kind: str, parts) -> dict:
+def _kfac_run(rank: int, world: int, kind: str, parts) -> dict:
     module = Segmenter(kind)
     kfac = KFAC(**KFAC_OPTIONS)
     strategy = SpatialParallelStrategy(spatial_parts=parts) if parts else "auto"
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=[kfac], max_epochs=1,
-                         precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
     gathers = state().gathers
-    trainer.fit(module, datamodule=SubVolumes(kind))
+    run = fit(module, datamodule=SubVolumes(kind), devices=world, strategy=strategy, callbacks=[kfac], max_epochs=1,
+              precision="64-true", use_distributed_sampler=False)
     pre = kfac.preconditioner
     assert pre is not None
-    return {"params": [p.detach().clone() for p in module.parameters()], "gathers": state().gathers - gathers,
+    return {"params": run.params, "gathers": state().gathers - gathers,
             "tiled": sorted(h.name for h in pre.handlers if isinstance(h, TiledConvHandler)),
             "handlers": sorted(h.name for h in pre.handlers)}
 
 
 def _check(kind: str, grids) -> None:
-    ref = _fit(0, 1, kind, None)
+    ref = _kfac_run(0, 1, kind, None)
     convs = ["model.0", "model.3", "model.5"] if kind == "volume" else ["model.0", "model.2", "model.4"]
     assert ref["handlers"] == convs
     for parts in grids:
-        for rank, res in enumerate(run_in_processes(_fit, 2, kind, parts, timeout_s=600, collective_timeout_s=120)):
+        results = run_in_processes(_kfac_run, 2, kind, parts, timeout_s=600, collective_timeout_s=120)
+        for rank, res in enumerate(results):
             what = f"{kind} at {parts} rank {rank}"
             assert res["tiled"] == res["handlers"] == convs, (what, res["handlers"])
             assert res["gathers"] == 0, what

@@ -10,7 +10,6 @@ message naming the op and the module.
 from __future__ import annotations
 
 import time
-import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.layout.tiling import tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 from tests.spatial.spatial_checks import serial_sgd_fit
 
 TOL = 1e-5
@@ -355,7 +355,7 @@ def serial(name):
     return serial_sgd_fit(build(name), x, target_for(name, seg, cls), compute_loss, BATCH, step_seed=100)
 
 
-def _fit(rank, world, parts, names, on_unsupported="gather"):
+def _split_run(rank, world, parts, names, on_unsupported="gather"):
     from lightning_hpc.spatial.dispatch import split_tensor
 
     results = {}
@@ -364,24 +364,12 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
         y = target_for(name, seg, cls)
         module = UserModule(build(name))
         strategy = SpatialParallelStrategy(spatial_parts=parts, on_unsupported=on_unsupported)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=world,
-            strategy=strategy,
-            max_steps=STEPS,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )  # one spatial group: same order as the serial loop
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                trainer.fit(module, datamodule=TileData(x, y))
-        except Exception as e:  # noqa: BLE001 - the refusal is the result
-            results[name] = {"error": f"{type(e).__name__}: {e}", "steps": trainer.global_step}
+        # one spatial group: same order as the serial loop
+        run = fit(module, datamodule=TileData(x, y), devices=world, strategy=strategy, max_steps=STEPS, max_epochs=1,
+                  use_distributed_sampler=False, refusal_is_result=True, record_warnings=True,
+                  params=lambda m: m.model.parameters())
+        if run.error is not None:  # the refusal is the result
+            results[name] = {"error": run.error, "steps": run.steps}
             continue
         grid = strategy.layout.grid
         module.eval()
@@ -390,12 +378,12 @@ def _fit(rank, world, parts, names, on_unsupported="gather"):
             out = module.model(split_tensor(x[..., rs, cs].contiguous(), grid, x.shape))
             out = out.full() if hasattr(out, "full") else out
         results[name] = {
-            "loss": float(trainer.callback_metrics["train_loss"]),
+            "loss": run.metric(),
             "grads": [g.clone() for g in module.first_grads] if module.first_grads else [],
             "all_grads": module.all_grads,
-            "params": [p.detach().clone() for p in module.model.parameters()],
+            "params": run.params,
             "out": out.detach().clone(),
-            "warnings": [str(w.message) for w in caught if "spatial:" in str(w.message)],
+            "warnings": run.warned("spatial:"),
         }
     return results
 
@@ -423,7 +411,7 @@ def serial_refs():
 
 @pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
 def test_idioms_equal_one_process(parts, serial_refs):
-    results = run_in_processes(_fit, 2, parts, list(IDIOMS), timeout_s=600, collective_timeout_s=120)
+    results = run_in_processes(_split_run, 2, parts, list(IDIOMS), timeout_s=600, collective_timeout_s=120)
     for rank_res in results:
         for name in IDIOMS:
             _check_equal(rank_res[name], serial_refs[name], f"{name} at {parts[0]}x{parts[1]}")
@@ -443,13 +431,13 @@ def test_idioms_equal_one_process(parts, serial_refs):
 
 
 def test_refusals_name_op_and_module():
-    results = run_in_processes(_fit, 2, (2, 1), ["inplace_edit"], timeout_s=300, collective_timeout_s=60)
+    results = run_in_processes(_split_run, 2, (2, 1), ["inplace_edit"], timeout_s=300, collective_timeout_s=60)
     for res in results:
         err = res["inplace_edit"]["error"]
         assert "Tensor.__setitem__" in err and "module 'model' (InPlaceEdit)" in err, err
         assert "F.pad(x[..., 1:, :], (0, 0, 1, 0))" in err and "clone()" not in err, err  # a rewrite that works
         assert res["inplace_edit"]["steps"] == 0  # before the first optimizer step
-    wrong = run_in_processes(_fit, 2, (2, 1), ["wrong_channels", "shared_across_pool"], timeout_s=300,
+    wrong = run_in_processes(_split_run, 2, (2, 1), ["wrong_channels", "shared_across_pool"], timeout_s=300,
                              collective_timeout_s=60)
     for res in wrong:
         err = res["wrong_channels"]["error"]
@@ -457,7 +445,7 @@ def test_refusals_name_op_and_module():
         err = res["shared_across_pool"]["error"]
         assert "parameter 'model.mix.weight'" in err and "F.linear in module 'model.mix' (Linear)" in err, err
         assert res["shared_across_pool"]["steps"] == 0
-    strict = run_in_processes(_fit, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
+    strict = run_in_processes(_split_run, 2, (1, 2), ["flip"], "error", timeout_s=300, collective_timeout_s=60)
     for res in strict:
         err = res["flip"]["error"]
         assert (
@@ -476,15 +464,11 @@ def _one_rank_fails(rank, world, failing=1):
                 raise RuntimeError(f"bad sample on rank {failing}")
 
     x, seg, _ = make_data()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=SpatialParallelStrategy(spatial_parts=(2, 1)),
-                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[FailOnRank1()])
+    strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
     t0 = time.monotonic()
-    try:
-        trainer.fit(module, datamodule=TileData(x, seg))
-    except Exception as e:  # noqa: BLE001
-        return {"error": str(e), "seconds": time.monotonic() - t0}
-    return {"error": None, "seconds": time.monotonic() - t0}
+    run = fit(module, datamodule=TileData(x, seg), devices=world, strategy=strategy, max_steps=STEPS,
+              callbacks=[FailOnRank1()], refusal_is_result=True)
+    return {"error": run.error, "seconds": time.monotonic() - t0}
 
 
 @pytest.mark.parametrize("failing", [1, 0])
@@ -508,7 +492,7 @@ def test_failure_on_one_rank_ends_every_rank_promptly(failing, monkeypatch):
 @pytest.mark.slow
 def test_idioms_equal_one_process_2x2(serial_refs):
     """4 ranks on a 2x2 grid (uneven rows: H = 13); slow on a 2-core machine."""
-    results = run_in_processes(_fit, 4, (2, 2), list(IDIOMS), timeout_s=1200, collective_timeout_s=300)
+    results = run_in_processes(_split_run, 4, (2, 2), list(IDIOMS), timeout_s=1200, collective_timeout_s=300)
     for rank_res in results:
         for name in IDIOMS:
             # four partial sums per parameter gradient: fp32 summation order moved them by about 1e-5

@@ -20,6 +20,7 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, state
 from lightning_hpc.spatial.layout.tiling import SpatialGrid, tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 N, C_IN, CLASSES, BATCH = 4, 2, 3, 2
 VOLUME = (9, 8, 7)
@@ -116,43 +117,34 @@ class SubVolumes(pl.LightningDataModule):
         return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def _trainer(**kw) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, precision="64-true", **kw)
+#: the Trainer options of every run: two epochs in float64
+OPTIONS = dict(max_epochs=2, precision="64-true")
 
 
-def _fit(rank, world, kind, parts):
+def _split_run(rank, world, kind, parts):
     module = Segmenter(kind)
-    trainer = _trainer(devices=world, strategy=SpatialParallelStrategy(spatial_parts=parts),
-                       use_distributed_sampler=False)
+    strategy = SpatialParallelStrategy(spatial_parts=parts)
     st = state()
     gathers = st.gathers
-    trainer.fit(module, datamodule=SubVolumes(kind))
-    return {"params": [p.detach().clone() for p in module.parameters()], "tiles": module.tiles_seen,
-            "loss": float(trainer.callback_metrics["train_loss"]), "gathers": st.gathers - gathers}
-
-
-def _reference(kind: str) -> dict:
-    module = Segmenter(kind)
-    trainer = _trainer(devices=1)
-    trainer.fit(module, datamodule=SubVolumes(kind))
-    return {"params": [p.detach().clone() for p in module.parameters()],
-            "loss": float(trainer.callback_metrics["train_loss"])}
+    run = fit(module, datamodule=SubVolumes(kind), devices=world, strategy=strategy, use_distributed_sampler=False,
+              **OPTIONS)
+    return {"params": run.params, "tiles": module.tiles_seen, "loss": run.metric(), "gathers": st.gathers - gathers}
 
 
 def _check(kind: str, world: int, grids: list[tuple[int, ...]]) -> list[dict]:
-    ref = _reference(kind)
+    ref = fit(Segmenter(kind), datamodule=SubVolumes(kind), **OPTIONS)
+    ref_loss = ref.metric()
     out = []
     for parts in grids:
-        results = run_in_processes(_fit, world, kind, parts, timeout_s=600, collective_timeout_s=120)
+        results = run_in_processes(_split_run, world, kind, parts, timeout_s=600, collective_timeout_s=120)
         extent = VOLUME if kind == "volume" else (SIGNAL,)
         for rank, res in enumerate(results):
             what = f"{kind} at {parts} rank {rank}"
             index = tuple(SpatialGrid(parts=parts, ranks=list(range(world)), group=None, local_rank=rank).index)
             tile = tuple(s.stop - s.start for s in tile_slices(extent, parts, index))
             assert res["tiles"] == [tile] * (2 * N // BATCH), (what, res["tiles"], tile)
-            assert abs(res["loss"] - ref["loss"]) <= TOL * max(1.0, abs(ref["loss"])), (what, res["loss"], ref["loss"])
-            for k, (p, r) in enumerate(zip(res["params"], ref["params"])):
+            assert abs(res["loss"] - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (what, res["loss"], ref_loss)
+            for k, (p, r) in enumerate(zip(res["params"], ref.params)):
                 err = float((p - r).abs().max())
                 assert err <= TOL, f"{what}: parameter {k} differs by {err:.3g}"
             # every op of these nets has a tiled form in 1-3 dimensions: nothing is gathered
