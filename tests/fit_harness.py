@@ -42,6 +42,7 @@ class Fit:
     params: list[torch.Tensor]
     metrics: dict[str, torch.Tensor]
     steps: int
+    epoch: int = 0
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
     #: the module and trainer after the run, on the process that ran it (``None`` once the record was pickled)
@@ -73,6 +74,7 @@ def fit(
     refusal_is_result: bool = False,
     record_warnings: bool = False,
     params: Callable[[pl.LightningModule], Iterable[torch.nn.Parameter]] | None = None,
+    ckpt_path: str | None = None,
     **options: Any,
 ) -> Fit:
     """Train ``module`` once through a quiet :func:`trainer` and return what the run left.
@@ -80,7 +82,8 @@ def fit(
     ``refusal_is_result``: an exception raised by ``fit`` is returned as ``Fit.error`` (``"Type: message"``) with the
     steps taken before it, for tests whose expected outcome is a refusal; otherwise it propagates.
     ``record_warnings``: every warning given during the run is kept in ``Fit.warnings`` (always shown).
-    ``params``: which parameters to return (default: all of the module's, in order)."""
+    ``params``: which parameters to return (default: all of the module's, in order); ``ckpt_path``: resume from
+    that checkpoint, as ``Trainer.fit`` does."""
     run = trainer(devices=devices, strategy=strategy, **options)
     caught: list[warnings_module.WarningMessage] = []
     error = None
@@ -88,7 +91,7 @@ def fit(
         if record_warnings:
             warnings_module.simplefilter("always")
         try:
-            run.fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule)
+            run.fit(module, train_dataloaders=train_dataloaders, datamodule=datamodule, ckpt_path=ckpt_path)
         except Exception as e:  # noqa: BLE001 - returned, not raised, only where the test expects a refusal
             if not refusal_is_result:
                 raise
@@ -100,6 +103,7 @@ def fit(
         params=[p.detach().clone() for p in chosen],
         metrics={k: v.detach().clone() for k, v in run.callback_metrics.items()},
         steps=run.global_step,
+        epoch=run.current_epoch,
         error=error,
         warnings=[str(w.message) for w in caught],
         module=module,

@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
-from tests.fit_harness import fit, trainer
+from tests.fit_harness import fit
 
 N, C, H, W, CLASSES, BATCH = 8, 3, 13, 10, 3, 2
 TOL = 1e-5
@@ -119,10 +119,9 @@ def test_validation_early_stopping_and_resume_in_one_process_equal_one_process(t
             assert (p - r).abs().max() <= TOL, f"{what}: parameter {k} differs by {(p - r).abs().max():.3g}"
 
     # the spatial run's checkpoint after its first epoch, resumed in one process, continues as one process did
-    resumed = Classifier()
-    run = trainer(**_options(tmp_path / "resumed"))
-    run.fit(resumed, datamodule=Data(reference=True), ckpt_path=str(tmp_path / "spatial" / "ckpt" / "epoch=0.ckpt"))
-    got = _state(resumed, run)
+    resumed = fit(Classifier(), datamodule=Data(reference=True), **_options(tmp_path / "resumed"),
+                  ckpt_path=str(tmp_path / "spatial" / "ckpt" / "epoch=0.ckpt"))
+    got = _state(resumed.module, resumed.trainer)
     assert (got["epoch"], got["step"]) == (ref["epoch"], ref["step"])
     for k, (p, r) in enumerate(zip(got["params"], ref["params"])):
         assert (p - r).abs().max() <= TOL, f"resumed: parameter {k} differs by {(p - r).abs().max():.3g}"
