@@ -1,12 +1,15 @@
 import subprocess
 import sys
+from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_hpc
 from lightning_hpc.registry import STRATEGY_SPECS, strategy_class
+from tests import fit_harness
+
+REPO = Path(__file__).resolve().parents[1]
 
 #: every strategy the product promises (README); importing Lightning must register all of them
 EXPECTED = {"layered_sgd", "hybrid_fc", "spatial", "multigrid", "horovod"}
@@ -24,7 +27,7 @@ def test_every_strategy_name_is_registered():
 def test_trainer_resolves_registered_name(name):
     if name == "horovod":
         pytest.importorskip("horovod.torch")
-    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    trainer = fit_harness.trainer(strategy=name)
     assert isinstance(trainer.strategy, strategy_class(name))
     assert lightning_hpc.__version__
 
@@ -35,7 +38,8 @@ def test_names_resolve_whichever_is_imported_first(order):
         "import lightning.pytorch as pl", "import lightning_hpc")
     code = (
         f"{first}; {second}\n"
-        "t = pl.Trainer(strategy='layered_sgd', accelerator='cpu', devices=1, logger=False)\n"
+        "from tests import fit_harness\n"  # imported after both: it cannot change their order
+        "t = fit_harness.trainer(strategy='layered_sgd')\n"
         "assert type(t.strategy).__name__ == 'LayeredSGDStrategy', type(t.strategy)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_hpc import ImageClassifier
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
+from tests.fit_harness import fit
 
 
 class _DestroyGroupAtExit(pl.Callback):
@@ -41,30 +42,18 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.2, momentum=0.9, weight_decay=1e-3)
 
 
-def _fit(strategy, devices: int, batch_size: int) -> ImageClassifier:
-    module = ImageClassifier(_model(), optimizer=_sgd, num_classes=5)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=1,
-        limit_train_batches=4,
-        logger=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[_DestroyGroupAtExit()],
-    )
-    trainer.fit(module, datamodule=_Data(batch_size))
-    return module
+#: one epoch of 4 steps on the datamodule's own (unshuffled) sampler
+RUN = dict(max_epochs=1, limit_train_batches=4, use_distributed_sampler=False)
 
 
 def test_two_process_ddp_equals_single_process_on_global_batch():
-    ddp = _fit(DDPStrategy(start_method="spawn", process_group_backend="gloo"), devices=2, batch_size=4)
+    ddp = ImageClassifier(_model(), optimizer=_sgd, num_classes=5)
+    fit(ddp, datamodule=_Data(4), devices=2, strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
+        callbacks=[_DestroyGroupAtExit()], **RUN)
     # DistributedSampler(shuffle=False) gives rank r the samples r, r+2, ...: step k of the two ranks together
     # covers samples 8k..8k+7, exactly the k-th batch of 8 of one process.
-    serial = _fit("auto", devices=1, batch_size=8)
+    serial = ImageClassifier(_model(), optimizer=_sgd, num_classes=5)
+    fit(serial, datamodule=_Data(8), devices=1, strategy="auto", callbacks=[_DestroyGroupAtExit()], **RUN)
     for p, q in zip(ddp.model.parameters(), serial.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert not torch.equal(serial.model[1].weight, _model()[1].weight)  # training actually moved the weights

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_hpc.distributed import run_in_processes
+from tests.fit_harness import fit
 
 REPO = Path(__file__).resolve().parents[2]
 STRATEGIES = ("layered_sgd", "hybrid_fc", "multigrid", "spatial")
@@ -41,10 +42,8 @@ def _rank(rank: int, world: int) -> dict[str, dict]:
     data = TensorDataset(torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g))
     for name_of in STRATEGIES:
         model = ode_resnet(num_steps=8, width=4) if name_of == "multigrid" else small_cnn(width=4, dropout=0.0)
-        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name_of, max_steps=1, callbacks=[ReadMesh()],
-                             logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False)
-        trainer.fit(ImageClassifier(model), DataLoader(data, batch_size=4))
+        fit(ImageClassifier(model), DataLoader(data, batch_size=4), devices=2, strategy=name_of, max_steps=1,
+            callbacks=[ReadMesh()])
     return seen
 
 

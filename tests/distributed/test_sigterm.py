@@ -89,17 +89,17 @@ def test_sigterm_mid_epoch_ends_every_rank(tmp_path, strategy, target):
 def test_the_sigterm_handler_records_the_signal_without_a_collective(monkeypatch):
     """The handler a strategy installs records the signal (the training loop ends at the batch boundary) and runs
     no collective: in a live process group, a broadcast from it would be answered by another collective."""
-    import lightning.pytorch as pl
     import torch.distributed as dist
 
     from lightning_hpc.distributed.sigterm import sigterm_without_collective
+    from tests import fit_harness
 
     def no_collective(*args, **kwargs):
         raise AssertionError("a collective from inside the SIGTERM handler")
 
     monkeypatch.setattr(dist, "broadcast", no_collective)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    trainer = fit_harness.trainer()
     monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 2))
     sigterm_without_collective(trainer)
     sigterm_without_collective(trainer)  # a second setup keeps it

@@ -31,14 +31,13 @@ def test_backend_error_says_how_to_install(no_horovod):
 
 
 def test_strategy_error_says_how_to_install(no_horovod):
-    import lightning.pytorch as pl
-
     from lightning_hpc import HorovodStrategy
+    from tests import fit_harness
 
     with pytest.raises(ImportError, match="scripts/install-horovod.sh"):
         HorovodStrategy()
     with pytest.raises(ImportError, match="scripts/install-horovod.sh"):
-        pl.Trainer(strategy="horovod", accelerator="cpu", logger=False)
+        fit_harness.trainer(strategy="horovod")
 
 
 def test_import_and_registration_never_import_horovod():

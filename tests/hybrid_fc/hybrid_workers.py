@@ -359,10 +359,10 @@ def lightning_equivalence(
 ) -> dict:
     """Train through Lightning's Trainer with HybridParallelStrategy (and the KFAC callback when ``kfac``; the head
     layers' ``layouts`` forced when given); return the full parameters afterwards."""
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import KFAC, HybridParallelStrategy, ImageClassifier
+    from tests import fit_harness
 
     # This rank's share of each step's K x b examples (the sampler is disabled so the order is known).
     mine = slice(rank * B, (rank + 1) * B)
@@ -371,22 +371,18 @@ def lightning_equivalence(
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     module = ImageClassifier(small_model(), optimizer=sgd, num_classes=10)
     split = split_head_recorder()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    run = fit_harness.fit(
+        module,
+        loader,
         devices=k,
         strategy=HybridParallelStrategy(scheme=scheme, fc_update=fc_update, layouts=layouts),
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
         callbacks=[split, KFAC(**KFAC_OPTIONS)] if kfac else [split],
     )
-    trainer.fit(module, train_dataloaders=loader)
-    trainer.save_checkpoint(ckpt_path)  # after fit: the model and optimizer were handed back whole
+    run.trainer.save_checkpoint(ckpt_path)  # after fit: the model and optimizer were handed back whole
     return {"state": _numpy(module.model.state_dict()), "head_local": split.head_numel}
 
 
@@ -422,6 +418,7 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import HybridParallelStrategy, ImageClassifier
+    from tests import fit_harness
 
     class Tracking(pl.Callback):
         def setup(self, trainer, pl_module, stage):
@@ -445,16 +442,11 @@ def lightning_meta_equivalence(rank: int, k: int, how: str, steps: int, init_pat
     ys = torch.cat([batch(s, k)[1][mine] for s in range(steps)])
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     tracking, split = Tracking(), split_head_recorder()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = fit_harness.trainer(
         devices=k,
         strategy=HybridParallelStrategy(scheme="c"),
         callbacks=[tracking, LoadInitial(), split],
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
@@ -578,20 +570,19 @@ def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool, compiled: bo
     """``Trainer.fit`` (then ``Trainer.test`` when ``also_test``) of ``user_cnn()`` with ``strategy='hybrid_fc'``;
     then, on this rank alone: the module's structure, a strict load of its state into a fresh instance, and
     (rank 0, after rank 1 has returned and with no process group left, so a collective raises) its forward."""
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import HybridParallelStrategy
+    from tests import fit_harness
 
     mine = slice(rank * B, (rank + 1) * B)
     xs = torch.cat([batch(s, k, torch.float64)[0][mine] for s in range(steps)])
     ys = torch.cat([batch(s, k, torch.float64)[1][mine] for s in range(steps)])
     loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
     module = user_cnn(compiled)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    trainer = fit_harness.trainer(
+        devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_steps=steps, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader)
     if also_test:

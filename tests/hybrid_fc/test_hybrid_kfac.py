@@ -8,9 +8,6 @@ head to the optimizer, so 2 ranks differed from one K-FAC process on the same sa
 CNN after 4 steps).
 """
 
-import warnings
-
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -21,29 +18,29 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hpc import KFAC, HybridParallelStrategy, ImageClassifier
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac.layers import ShardedLinearHandler
+from tests import fit_harness
 
 
-def _fit(strategy, kfac, steps=2):
+def _classifier_and_loader() -> tuple[ImageClassifier, DataLoader]:
+    """The conv trunk and two-layer head, and 8 random samples drawn after it (in this order from seed 0)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
                           nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     module = ImageClassifier(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=10)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, callbacks=[kfac], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
     loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), batch_size=4)
-    trainer.fit(module, train_dataloaders=loader)
-    return trainer
+    return module, loader
+
+
+#: two steps, no validation
+RUN = dict(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0)
 
 
 def test_kfac_preconditions_the_trunk_and_the_sharded_head():
     kfac = KFAC(factor_update_freq=1, inv_update_freq=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _fit(HybridParallelStrategy(), kfac)
-    messages = [str(w.message) for w in caught]
+    module, loader = _classifier_and_loader()
+    run = fit_harness.fit(module, loader, strategy=HybridParallelStrategy(), callbacks=[kfac], record_warnings=True,
+                          **RUN)
+    messages = run.warnings
     assert not [m for m in messages if "did not fire" in m or "left to the optimizer" in m], messages
     pre = kfac.preconditioner
     assert [h.name for h in pre.handlers] == ["model.0", "model.4", "model.6"]
@@ -57,8 +54,9 @@ def test_kfac_preconditions_the_trunk_and_the_sharded_head():
 
 def test_per_subbatch_head_update_is_refused_before_the_first_step():
     kfac = KFAC(factor_update_freq=1, inv_update_freq=1)
+    per_subbatch = HybridParallelStrategy(scheme="c", fc_update="per_subbatch")
     with pytest.raises(ValueError, match=r"fc_update='per_subbatch'.*Use fc_update='per_step'"):
-        _fit(HybridParallelStrategy(scheme="c", fc_update="per_subbatch"), kfac)
+        fit_harness.fit(*_classifier_and_loader(), strategy=per_subbatch, callbacks=[kfac], **RUN)
     assert kfac.preconditioner is None
 
 
@@ -82,22 +80,17 @@ def test_resumed_run_continues_from_the_checkpointed_factors(tmp_path):
     """hybrid_fc restores a checkpoint after its setup, which Lightning does after ``on_fit_start``: the callback's
     state arrives once the preconditioner exists and is loaded into it then (it used to wait for an
     ``on_fit_start`` that had passed, and the resumed run started K-FAC afresh)."""
-    trainer = _fit(HybridParallelStrategy(), KFAC(factor_update_freq=1, inv_update_freq=1))
+    first = fit_harness.fit(*_classifier_and_loader(), strategy=HybridParallelStrategy(),
+                            callbacks=[KFAC(factor_update_freq=1, inv_update_freq=1)], **RUN)
     path = tmp_path / "two_steps.ckpt"
-    trainer.save_checkpoint(path)
-    saved = next(c for c in trainer.callbacks if isinstance(c, KFAC)).preconditioner
+    first.trainer.save_checkpoint(path)
+    saved = next(c for c in first.trainer.callbacks if isinstance(c, KFAC)).preconditioner
     factors = {n: {k: v.clone() for k, v in f.items()} for n, f in saved.factors.items()}
     resumed = KFAC(factor_update_freq=1, inv_update_freq=1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
-                          nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    module = ImageClassifier(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_classes=10)
-    loader = DataLoader(TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), batch_size=4)
-    pl.Trainer(
-        accelerator="cpu", devices=1, strategy=HybridParallelStrategy(), max_steps=2, callbacks=[resumed],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
-    ).fit(module, train_dataloaders=loader, ckpt_path=path)  # nothing left to train: the restored state is kept
+    module, loader = _classifier_and_loader()
+    fit_harness.trainer(strategy=HybridParallelStrategy(), callbacks=[resumed], **RUN).fit(
+        module, train_dataloaders=loader, ckpt_path=path
+    )  # nothing left to train: the restored state is kept
     assert resumed.preconditioner.steps == 2
     for name, f in factors.items():
         for k, v in f.items():

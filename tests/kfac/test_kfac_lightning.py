@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc import KFAC, ImageClassifier, KFACMixedPrecision, KFACPreconditioner
+from tests import fit_harness
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -39,12 +40,8 @@ def _module() -> ImageClassifier:
     return ImageClassifier(_net(), optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9), num_classes=5)
 
 
-def _trainer(max_epochs: int, callbacks: list, **kw) -> pl.Trainer:
-    kw.setdefault("accelerator", "cpu")
-    return pl.Trainer(
-        max_epochs=max_epochs, devices=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, deterministic=True, num_sanity_val_steps=0, **kw,
-    )  # fmt: skip
+#: the Trainer options every run here shares (on top of the harness's quiet CPU Trainer)
+RUN = dict(deterministic=True, num_sanity_val_steps=0)
 
 
 def _kfac(**kw) -> KFAC:
@@ -75,7 +72,7 @@ class Record(Callback):
 def test_callback_matches_plain_preconditioner_loop():
     torch.manual_seed(0)
     module, kfac = _module(), _kfac()
-    _trainer(1, [kfac]).fit(module, _loader(), _loader(16))
+    fit_harness.trainer(max_epochs=1, callbacks=[kfac], **RUN).fit(module, _loader(), _loader(16))
     # Same thing by hand (paper Listing 1): identical parameters.
     ref = _module()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -94,7 +91,9 @@ def test_callback_matches_plain_preconditioner_loop():
 def test_validation_and_no_grad_forwards_do_not_touch_factors():
     module, kfac = _module(), _kfac()
     rec = Record(kfac)
-    _trainer(1, [kfac, rec], limit_train_batches=2).fit(module, _loader(), _loader(16))
+    fit_harness.trainer(max_epochs=1, callbacks=[kfac, rec], limit_train_batches=2, **RUN).fit(
+        module, _loader(), _loader(16)
+    )
     pre = kfac.preconditioner
     before = copy.deepcopy(pre.factors)
     x = torch.randn(8, 1, 8, 8)
@@ -137,16 +136,18 @@ def test_module_whose_hooks_never_fire_warns_once_and_is_skipped():
 
 def test_resume_from_checkpoint_equals_uninterrupted(tmp_path):
     full_module, full_kfac = _module(), _kfac()
-    _trainer(2, [full_kfac]).fit(full_module, _loader(), _loader(16))
+    fit_harness.trainer(max_epochs=2, callbacks=[full_kfac], **RUN).fit(full_module, _loader(), _loader(16))
 
     first_module, first_kfac = _module(), _kfac()
-    trainer = _trainer(1, [first_kfac])
+    trainer = fit_harness.trainer(max_epochs=1, callbacks=[first_kfac], **RUN)
     trainer.fit(first_module, _loader(), _loader(16))
     ckpt = tmp_path / "epoch1.ckpt"
     trainer.save_checkpoint(ckpt)
 
     resumed_module, resumed_kfac = _module(), _kfac()
-    _trainer(2, [resumed_kfac]).fit(resumed_module, _loader(), _loader(16), ckpt_path=ckpt)
+    fit_harness.trainer(max_epochs=2, callbacks=[resumed_kfac], **RUN).fit(
+        resumed_module, _loader(), _loader(16), ckpt_path=ckpt
+    )
     assert resumed_kfac.preconditioner.steps == full_kfac.preconditioner.steps == 10
     for a, b in zip(full_module.parameters(), resumed_module.parameters()):
         assert torch.equal(a, b)  # bitwise on CPU
@@ -169,7 +170,7 @@ def test_restored_factors_are_placed_after_the_strategy_places_the_model(tmp_pat
     """Lightning restores callbacks before the strategy moves the model to its device, and the callback built its
     preconditioner in setup already: loading the factors then would put them where the model was, not where it
     trains (on a GPU: the CPU). They must be loaded once the strategy has placed the model."""
-    trainer = _trainer(1, [_kfac()])
+    trainer = fit_harness.trainer(max_epochs=1, callbacks=[_kfac()], **RUN)
     trainer.fit(_module(), _loader())
     ckpt = tmp_path / "epoch1.ckpt"
     trainer.save_checkpoint(ckpt)
@@ -192,9 +193,10 @@ def test_restored_factors_are_placed_after_the_strategy_places_the_model(tmp_pat
             pre.load_state_dict = recorded
 
     kfac.setup = setup_then_spy.__get__(kfac)
-    pl.Trainer(max_epochs=2, strategy=strategy, callbacks=[kfac], logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False,
-               num_sanity_val_steps=0).fit(_module(), _loader(), ckpt_path=ckpt)
+    resumed = fit_harness.trainer(
+        accelerator="auto", devices="auto", max_epochs=2, strategy=strategy, callbacks=[kfac], num_sanity_val_steps=0
+    )
+    resumed.fit(_module(), _loader(), ckpt_path=ckpt)
     loads = [placed for what, placed in seen if what == "load"]
     assert loads == [True], seen
     assert kfac.preconditioner.steps == 10
@@ -202,7 +204,7 @@ def test_restored_factors_are_placed_after_the_strategy_places_the_model(tmp_pat
 
 def test_fp16_without_kfac_plugin_fails_at_setup():
     # (On CPU Lightning turns precision="16-mixed" into bf16; its fp16 plugin is what a GPU run would get.)
-    trainer = _trainer(1, [_kfac()], plugins=[MixedPrecision("16-mixed", "cpu")])
+    trainer = fit_harness.trainer(max_epochs=1, callbacks=[_kfac()], plugins=[MixedPrecision("16-mixed", "cpu")], **RUN)
     with pytest.raises(ValueError, match="KFACMixedPrecision"):
         trainer.fit(_module(), _loader(), _loader(16))
     assert trainer.global_step == 0
@@ -211,12 +213,14 @@ def test_fp16_without_kfac_plugin_fails_at_setup():
 def test_grad_worker_fraction_that_does_not_fit_the_world_fails_at_setup():
     """The world size is known at setup: a fraction it cannot realise is refused before the first step; fraction 1
     on one process trains (bfloat16 storage options travel with it)."""
-    trainer = _trainer(1, [_kfac(grad_worker_fraction=0.5)])
+    trainer = fit_harness.trainer(max_epochs=1, callbacks=[_kfac(grad_worker_fraction=0.5)], **RUN)
     with pytest.raises(ValueError, match="grad_worker_fraction=0.5 on 1 ranks"):
         trainer.fit(_module(), _loader(), _loader(16))
     assert trainer.global_step == 0
     kfac = _kfac(grad_worker_fraction=1.0, factor_dtype="bfloat16", inverse_dtype="bfloat16")
-    _trainer(1, [kfac], limit_train_batches=2).fit(_module(), _loader(), _loader(16))
+    fit_harness.trainer(max_epochs=1, callbacks=[kfac], limit_train_batches=2, **RUN).fit(
+        _module(), _loader(), _loader(16)
+    )
     pre = kfac.preconditioner
     assert pre.steps == 2 and pre.grad_worker_fraction == 1.0
     assert {v.dtype for f in pre.factors.values() for v in f.values()} == {torch.bfloat16}
@@ -229,7 +233,9 @@ def test_fp16_statistics_are_unscaled():
         kfac = _kfac(inv_update_freq=100)
         rec = Record(kfac)
         plugins = [KFACMixedPrecision("16-mixed", "cpu")] if prec == "16" else None
-        _trainer(1, [kfac, rec], limit_train_batches=1, plugins=plugins).fit(_module(), _loader(), _loader(16))
+        fit_harness.trainer(max_epochs=1, callbacks=[kfac, rec], limit_train_batches=1, plugins=plugins, **RUN).fit(
+            _module(), _loader(), _loader(16)
+        )
         runs[prec] = rec
     assert runs["16"].scales[0] >= 2.0**10  # the backward pass really ran on a scaled loss
     for name, f in runs["32"].factors[0].items():
@@ -243,7 +249,8 @@ def test_fp16_overflow_step_leaves_factors_unchanged():
     kfac = _kfac()
     rec = Record(kfac)
     module = _module()
-    _trainer(1, [kfac, rec], plugins=[KFACMixedPrecision("16-mixed", "cpu")]).fit(
+    plugins = [KFACMixedPrecision("16-mixed", "cpu")]
+    fit_harness.trainer(max_epochs=1, callbacks=[kfac, rec], plugins=plugins, **RUN).fit(
         module, _loader(huge_batch=2), _loader(16)
     )
     assert rec.scales[2] < rec.scales[1], "the overflow step was not skipped by the grad scaler"
@@ -257,7 +264,9 @@ def test_fp16_overflow_step_leaves_factors_unchanged():
 
 def test_bf16_keeps_factors_and_decompositions_fp32():
     kfac = _kfac()
-    _trainer(1, [kfac], precision="bf16-mixed", limit_train_batches=3).fit(_module(), _loader(), _loader(16))
+    fit_harness.trainer(max_epochs=1, callbacks=[kfac], precision="bf16-mixed", limit_train_batches=3, **RUN).fit(
+        _module(), _loader(), _loader(16)
+    )
     pre = kfac.preconditioner
     assert pre.factors and all(t.dtype == torch.float32 for f in pre.factors.values() for t in f.values())
     assert pre.decompositions and all(t.dtype == torch.float32 for d in pre.decompositions.values() for t in d.values())
@@ -323,7 +332,9 @@ def test_accumulate_grad_batches_covers_every_micro_batch():
         module = ImageClassifier(net(), optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9), num_classes=5)
         kfac = _kfac()
         # 48 samples: whole accumulation groups (Lightning divides a short last group's loss by the full count)
-        _trainer(1, [kfac], accumulate_grad_batches=accumulate).fit(module, _loader(48, batch=batch), _loader(16))
+        fit_harness.trainer(max_epochs=1, callbacks=[kfac], accumulate_grad_batches=accumulate, **RUN).fit(
+            module, _loader(48, batch=batch), _loader(16)
+        )
         results.append((module, kfac.preconditioner))
     (full, pre_full), (acc, pre_acc) = results
     assert pre_full.steps == pre_acc.steps == 3

@@ -23,6 +23,7 @@ from lightning_hpc.distributed.comm import TorchDistributedCommunicator
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.callback import KFAC
 from lightning_hpc.kfac.overlap import plan_factor_buckets
+from tests.fit_harness import fit
 
 STEPS = 4
 GLOBAL_BATCH = 16
@@ -443,7 +444,7 @@ class _Marks(Callback):
         self.marks.append(self.kfac.preconditioner.final_micro_batch)
 
 
-def _fit(rank: int, world_size: int) -> dict:
+def _ddp_accumulation_run(rank: int, world_size: int) -> dict:
     """DDP, 5 micro-batches per rank and epoch with ``accumulate_grad_batches=2`` (the last group is short)."""
     x, y = _data(0)
     data = DataLoader(TensorDataset(x[rank * 5 : (rank + 1) * 5], y[rank * 5 : (rank + 1) * 5]), batch_size=1)
@@ -453,15 +454,12 @@ def _fit(rank: int, world_size: int) -> dict:
         kfac = KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.05, kl_clip=0.01, factor_dtype="float64",
                     decomposition_dtype="float64", bucket_cap_mb=1e-4, overlap_factor_allreduce=overlap)  # fmt: skip
         marks = _Marks(kfac)
-        trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", accumulate_grad_batches=2,
-                             max_epochs=2, callbacks=[kfac, marks], logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False,
-                             use_distributed_sampler=False)  # fmt: skip
-        trainer.fit(module, data)
+        run = fit(module, data, devices=world_size, strategy="ddp", accumulate_grad_batches=2, max_epochs=2,
+                  callbacks=[kfac, marks], use_distributed_sampler=False)
         pre = kfac.preconditioner
         assert pre is not None
         out[overlap] = {
-            "params": [p.detach().numpy().copy() for p in module.parameters()],
+            "params": [p.numpy() for p in run.params],
             "precond": [p.grad.numpy().copy() if p.grad is not None else None for p in module.parameters()],
             "factors": {n: {k: v.numpy().copy() for k, v in f.items()} for n, f in pre.factors.items()},
             "marks": marks.marks,
@@ -473,7 +471,7 @@ def _fit(rank: int, world_size: int) -> dict:
 
 
 def test_lightning_ddp_with_accumulation_marks_the_last_micro_batch():
-    for rank, out in enumerate(run_in_processes(_fit, 2, timeout_s=600, collective_timeout_s=120)):
+    for rank, out in enumerate(run_in_processes(_ddp_accumulation_run, 2, timeout_s=600, collective_timeout_s=120)):
         over, sync = out[True], out[False]
         # 5 batches per epoch, accumulating 2: steps after batches 2, 4 and the short group's 5
         assert over["marks"] == [False, True, False, True, True] * 2, over["marks"]

@@ -295,31 +295,27 @@ class _SkippingModule:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_callback_skipped_non_finite_batch_leaves_no_statistics(precision):
-    import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import KFAC
+    from tests.fit_harness import fit
 
     xs = [_batch(s)[0] for s in range(4)]
     ys = [_batch(s)[1] for s in range(4)]
     bad_x = xs[1].clone()
     bad_x[0, 0] = float("nan")
 
-    def fit(x_list, y_list):
+    def train_on(x_list, y_list):
         kfac = KFAC(factor_update_freq=1, inv_update_freq=1, damping=0.1, kl_clip=None)
         module = _SkippingModule.make(skip=True)
         loader = DataLoader(TensorDataset(torch.cat(x_list), torch.cat(y_list)), batch_size=10, shuffle=False)
-        trainer = pl.Trainer(
-            max_epochs=1, accelerator="cpu", devices=1, callbacks=[kfac], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, precision=precision,
-        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer.fit(module, loader)
+            fit(module, loader, max_epochs=1, callbacks=[kfac], precision=precision)
         return kfac.preconditioner, module
 
-    pre, module = fit([xs[0], bad_x, xs[2], xs[3]], [ys[0], ys[1], ys[2], ys[3]])
-    ref, ref_module = fit([xs[0], xs[2], xs[3]], [ys[0], ys[2], ys[3]])
+    pre, module = train_on([xs[0], bad_x, xs[2], xs[3]], [ys[0], ys[1], ys[2], ys[3]])
+    ref, ref_module = train_on([xs[0], xs[2], xs[3]], [ys[0], ys[2], ys[3]])
     assert pre.steps == ref.steps == 3
     _assert_factors_equal(pre.factors, ref.factors, rtol=0, atol=0)
     for a, b in zip(module.parameters(), ref_module.parameters()):
@@ -331,6 +327,7 @@ def test_callback_refuses_two_optimizers_before_any_step():
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import KFAC
+    from tests.fit_harness import fit
 
     class Gan(pl.LightningModule):
         def __init__(self) -> None:
@@ -358,17 +355,13 @@ def test_callback_refuses_two_optimizers_before_any_step():
 
     module = Gan()
     before = [p.clone() for p in module.parameters()]
-    trainer = pl.Trainer(
-        max_steps=2, accelerator="cpu", devices=1, callbacks=[KFAC(kl_clip=0.01)], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 6)), batch_size=4)
     with (
         pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
-        trainer.fit(module, data)
+        fit(module, data, max_steps=2, callbacks=[KFAC(kl_clip=0.01)])
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # refused before any step
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from lightning_hpc import KFAC
+from tests.fit_harness import fit
 
 torch.set_num_threads(1)
 WORLD, BATCH, STEPS = 2, 4, 4
@@ -161,13 +162,9 @@ CASES = {"unet3d": UNet3D, "mobilenet": MobileNetLike, "signal": SignalNet, "tex
 def run(devices: int, outdir: Path, case: str) -> None:
     module = CASES[case]()
     kfac = KFAC(**KFAC_OPTIONS)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=STEPS,
-        accumulate_grad_batches=WORLD // devices, use_distributed_sampler=False, callbacks=[kfac], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module)
-    if trainer.global_rank == 0:
+    done = fit(module, devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=STEPS,
+               accumulate_grad_batches=WORLD // devices, use_distributed_sampler=False, callbacks=[kfac])
+    if done.trainer.global_rank == 0:
         assert kfac.preconditioner is not None
         params = {n: p.detach().clone() for n, p in module.named_parameters()}
         registered = [(n, t) for n, t, _ in kfac.preconditioner.preconditioned_modules]

@@ -13,7 +13,7 @@ def data(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps * BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (steps * BATCH,), generator=g)
 
 
-def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path: str | None = None) -> dict:
+def train_and_save(rank: int, world_size: int, max_steps: int, save_path: str, resume_path: str | None = None) -> dict:
     """Train a 16-step ODE-ResNet with ``layer_parallel_size = world_size`` for ``max_steps`` optimizer steps
     (from ``resume_path`` if given) on fixed batches, save a checkpoint; report what the optimizer holds."""
     import lightning.pytorch as pl
@@ -21,6 +21,7 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
 
     from lightning_hpc import ImageClassifier, MultigridStrategy
     from lightning_hpc.models import ode_resnet
+    from tests import fit_harness
 
     torch.manual_seed(0)
     module = ImageClassifier(
@@ -42,16 +43,11 @@ def fit(rank: int, world_size: int, max_steps: int, save_path: str, resume_path:
             }
 
     held = Held()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = fit_harness.trainer(
         devices=world_size,
         callbacks=[held],
         strategy=MultigridStrategy(layer_parallel_size=world_size, **STRATEGY),
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
@@ -111,6 +107,7 @@ def fit_resume(
 
     from lightning_hpc import ImageClassifier, MultigridStrategy
     from lightning_hpc.models import ode_resnet
+    from tests import fit_harness
 
     class Record(pl.Callback):
         def __init__(self) -> None:
@@ -139,10 +136,10 @@ def fit_resume(
     strategy = (
         "auto" if layer_parallel_size is None else MultigridStrategy(layer_parallel_size=layer_parallel_size, **EXACT)
     )
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, precision="64-true", max_epochs=max_epochs,
-        logger=False, enable_checkpointing=save_dir is not None, callbacks=callbacks, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    trainer = fit_harness.trainer(
+        devices=world_size, strategy=strategy, precision="64-true", max_epochs=max_epochs,
+        enable_checkpointing=save_dir is not None, callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0,
+        use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_path)
     return {
@@ -257,19 +254,18 @@ def handed_back_odenet(rank: int, world_size: int, mode: str, steps: int, also_t
     ``world_size`` layer ranks (an exact solve for mode 'mg'); then, on this rank alone: the trunk's structure, a
     strict load of the module's state into a fresh instance, and (rank 0, after rank 1 has returned and with no
     process group left, so a collective raises) its forward."""
-    import lightning.pytorch as pl
     import torch.distributed as dist
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hpc import MultigridStrategy
+    from tests import fit_harness
 
     xs, ys = data(steps)
     loader = DataLoader(TensorDataset(xs.double(), ys), batch_size=BATCH, shuffle=False)
     module = user_odenet()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world_size, precision="64-true", max_steps=steps,
+    trainer = fit_harness.trainer(
+        devices=world_size, precision="64-true", max_steps=steps,
         strategy=MultigridStrategy(layer_parallel_size=world_size, mode=mode, **EXACT),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader)

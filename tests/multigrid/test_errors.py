@@ -8,6 +8,7 @@ from lightning_hpc.models import ResidualStep, ode_resnet
 from lightning_hpc.multigrid import MultigridODEBlock, MultigridOptions, SolveSettings, check_layer_partition
 from lightning_hpc.multigrid.ode_form import NotResidualError
 from lightning_hpc.multigrid.strategy import MultigridStrategy
+from tests.fit_harness import fit
 
 
 def test_steps_not_divisible_by_ranks_and_blocks():
@@ -77,31 +78,13 @@ def test_strategy_rejects_bad_settings_at_construction():
 
 
 def test_strategy_missing_trunk_and_indivisible_depth():
-    import lightning.pytorch as pl
-
     from lightning_hpc import ImageClassifier
     from lightning_hpc.data import DigitsDataModule
 
     model = ImageClassifier(ode_resnet(num_steps=6))
-    trainer = pl.Trainer(
-        strategy=MultigridStrategy(trunk="blocks"),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     with pytest.raises(ValueError, match=r"no attribute 'blocks'.*ODEResNet calls it 'steps'"):
-        trainer.fit(model, datamodule=DigitsDataModule(batch_size=8))
-    trainer = pl.Trainer(
-        strategy=MultigridStrategy(cfactor=4),
-        accelerator="cpu",
-        devices=1,
-        fast_dev_run=True,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+        fit(model, datamodule=DigitsDataModule(batch_size=8), strategy=MultigridStrategy(trunk="blocks"),
+            fast_dev_run=True)
     with pytest.raises(ValueError, match="6 residual steps cannot be split .* multiple of 4"):
-        trainer.fit(ImageClassifier(ode_resnet(num_steps=6)), datamodule=DigitsDataModule(batch_size=8))
+        fit(ImageClassifier(ode_resnet(num_steps=6)), datamodule=DigitsDataModule(batch_size=8),
+            strategy=MultigridStrategy(cfactor=4), fast_dev_run=True)

@@ -5,13 +5,13 @@ blamed the spatial strategy ("replaced by a Conv2d ... the KFAC callback does th
 had started.
 """
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc import KFAC, ImageClassifier, MultigridStrategy
 from lightning_hpc.models import ode_resnet
+from tests.fit_harness import fit
 
 
 class _Counting(ImageClassifier):
@@ -28,13 +28,9 @@ def test_kfac_with_layer_parallel_multigrid_fails_before_training(mode):
     module = _Counting(ode_resnet(num_steps=8, width=4), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     _Counting.steps_run = 0
     loader = DataLoader(TensorDataset(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))), batch_size=4)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=MultigridStrategy(cfactor=2, levels=2, mode=mode), max_steps=2,
-        callbacks=[KFAC(factor_update_freq=1, inv_update_freq=1)], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-    )
     with pytest.raises(
         ValueError, match=rf"KFAC does not support strategy='multigrid' with mode='{mode}'.*Remove the KFAC callback"
     ):
-        trainer.fit(module, train_dataloaders=loader)
+        fit(module, loader, strategy=MultigridStrategy(cfactor=2, levels=2, mode=mode), max_steps=2,
+            callbacks=[KFAC(factor_update_freq=1, inv_update_freq=1)], num_sanity_val_steps=0, limit_val_batches=0)
     assert _Counting.steps_run == 0

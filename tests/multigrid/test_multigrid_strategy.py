@@ -10,6 +10,7 @@ import lightning_hpc
 from lightning_hpc import ImageClassifier, MultigridStrategy
 from lightning_hpc.data import DigitsDataModule
 from lightning_hpc.models import ode_resnet
+from tests.fit_harness import fit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,29 +26,19 @@ def test_fit_logs_residuals_and_matches_serial_step():
     serial = ImageClassifier(__import__("copy").deepcopy(net))
     module = ImageClassifier(net)
     strategy = MultigridStrategy(cfactor=4, levels=2, forward_cycles=4, backward_cycles=4)  # 4 = N/c: exact
-    common = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    trainer = pl.Trainer(strategy=strategy, **common)
+    common = dict(max_steps=2, limit_val_batches=0)
     pl.seed_everything(0)
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=16))
+    run = fit(module, datamodule=DigitsDataModule(batch_size=16), strategy=strategy, **common)
     assert type(module.model.steps) is torch.nn.Sequential  # handed back: the user's trunk (the residuals below
     # were logged by the MultigridODEBlock that replaced it during training)
-    metrics = trainer.callback_metrics
+    metrics = run.metrics
     assert {f"multigrid/forward_residual_{i}" for i in range(4)} <= set(metrics)
     assert "multigrid/backward_residual_0" in metrics
     assert float(metrics["multigrid/forward_residual_3"]) < float(metrics["multigrid/forward_residual_0"])
     # two optimizer steps with an exact solve = two serial steps
-    trainer_serial = pl.Trainer(strategy=MultigridStrategy(mode="serial"), **common)  # same sampler, no multigrid
     pl.seed_everything(0)
-    trainer_serial.fit(serial, datamodule=DigitsDataModule(batch_size=16))
+    fit(serial, datamodule=DigitsDataModule(batch_size=16), strategy=MultigridStrategy(mode="serial"),
+        **common)  # same sampler, no multigrid
     for (name, a), (_, b) in zip(serial.model.named_parameters(), module.model.named_parameters()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
 
@@ -62,13 +53,13 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     """2 layer-parallel ranks through the Trainer: each rank's optimizer sees half of the residual steps; the
     checkpoint holds the full model (= one process's, loads into the plain model) and resumes on 2 ranks and
     on 1 (the optimizer state is full, in the serial layout: test_checkpoint_reshard.py checks it exactly)."""
-    from mg_lightning_workers import NUM_STEPS, STEPS, fit
+    from mg_lightning_workers import NUM_STEPS, STEPS, train_and_save
 
     from lightning_hpc.distributed import run_in_processes
 
     two, one = str(tmp_path / "two.ckpt"), str(tmp_path / "one.ckpt")
-    runs = run_in_processes(fit, 2, STEPS, two, timeout_s=400, collective_timeout_s=200)
-    fit(0, 1, STEPS, one)
+    runs = run_in_processes(train_and_save, 2, STEPS, two, timeout_s=400, collective_timeout_s=200)
+    train_and_save(0, 1, STEPS, one)
     n_trunk = sum(p.numel() for p in ode_resnet(num_steps=NUM_STEPS, width=4).steps.parameters())
     n_all = sum(p.numel() for p in ode_resnet(num_steps=NUM_STEPS, width=4).parameters())
     for r in runs:
@@ -82,8 +73,8 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
     plain.load_state_dict(ck_two["state_dict"], strict=True)  # the plain serial model
     # resume on 2 ranks for one more step = one process resuming its own checkpoint
     again_two, again_one = str(tmp_path / "two_b.ckpt"), str(tmp_path / "one_b.ckpt")
-    run_in_processes(fit, 2, STEPS + 1, again_two, two, timeout_s=400, collective_timeout_s=200)
-    fit(0, 1, STEPS + 1, again_one, one)
+    run_in_processes(train_and_save, 2, STEPS + 1, again_two, two, timeout_s=400, collective_timeout_s=200)
+    train_and_save(0, 1, STEPS + 1, again_one, one)
     a, b = (
         torch.load(again_two, weights_only=False)["state_dict"],
         torch.load(again_one, weights_only=False)["state_dict"],
@@ -94,7 +85,7 @@ def test_two_layer_ranks_hold_half_and_checkpoint_loads_anywhere(tmp_path):
         a["model.steps.15.branch.0.weight"], ck_two["state_dict"]["model.steps.15.branch.0.weight"]
     )
     # the 2-rank checkpoint resumed on 1 process = one process resuming its own checkpoint
-    fit(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)
+    train_and_save(0, 1, STEPS + 1, str(tmp_path / "x.ckpt"), two)
     c = torch.load(str(tmp_path / "x.ckpt"), weights_only=False)["state_dict"]
     for key, value in b.items():
         assert torch.allclose(c[key], value, rtol=1e-5, atol=1e-6), key
