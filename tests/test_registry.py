@@ -32,14 +32,26 @@ def test_trainer_resolves_registered_name(name):
     assert lightning_hpc.__version__
 
 
-@pytest.mark.parametrize("order", ["lightning_hpc first", "lightning first"])
-def test_names_resolve_whichever_is_imported_first(order):
-    first, second = ("import lightning_hpc", "import lightning.pytorch as pl") if order == "lightning_hpc first" else (
-        "import lightning.pytorch as pl", "import lightning_hpc")
-    code = (
-        f"{first}; {second}\n"
-        "from tests import fit_harness\n"  # imported after both: it cannot change their order
-        "t = fit_harness.trainer(strategy='layered_sgd')\n"
-        "assert type(t.strategy).__name__ == 'LayeredSGDStrategy', type(t.strategy)\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+def test_names_resolve_whichever_is_imported_first():
+    """Each import order in a fresh interpreter (the two at once: most of each is importing Lightning)."""
+    orders = {"lightning_hpc first": ("import lightning_hpc", "import lightning.pytorch as pl"),
+              "lightning first": ("import lightning.pytorch as pl", "import lightning_hpc")}
+    procs = {}
+    for order, (first, second) in orders.items():
+        code = (
+            f"{first}; {second}\n"
+            "from tests import fit_harness\n"  # imported after both: it cannot change their order
+            "t = fit_harness.trainer(strategy='layered_sgd')\n"
+            "assert type(t.strategy).__name__ == 'LayeredSGDStrategy', type(t.strategy)\n"
+        )
+        procs[order] = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+    failed = {}
+    for order, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        if proc.returncode != 0:
+            failed[order] = out[-3000:]
+    assert not failed, failed

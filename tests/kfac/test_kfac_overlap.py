@@ -188,7 +188,7 @@ def _run_cases(rank: int, world_size: int) -> dict:
             for overlap in (False, True)}  # fmt: skip
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: slow tier
 def test_overlap_equals_the_synchronous_path_and_one_process(world_size):
     results = run_in_processes(_run_cases, world_size, timeout_s=600, collective_timeout_s=120)
     for name, kw in CASES.items():
