@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import seed_everything
 from test_dropout_seeding import DropoutUNet
-from test_volumes import BATCH, SubVolumes, _trainer
+from test_volumes import BATCH, SubVolumes
 from test_volumes import N as N_VOLUMES
 from torch import nn
 
@@ -34,6 +34,7 @@ from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import SpatialTensor, on_unsupported, split_tensor, state
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
 
 TOL = 1e-12
 FIT_TOL = 1e-9  # float64, after a few optimizer steps (as the volume tests)
@@ -350,22 +351,20 @@ class DiceCESegmenter(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _fit_dice_ce(rank: int, world: int, parts: tuple[int, ...] | None) -> dict:
+def _dice_ce_run(rank: int, world: int, parts: tuple[int, ...] | None) -> dict:
     seed_everything(0)  # once, before the model is built, as a user's script does
     module = DiceCESegmenter()
     strategy = {} if parts is None else {"strategy": SpatialParallelStrategy(spatial_parts=parts),
                                          "use_distributed_sampler": False}
-    trainer = _trainer(devices=world, **strategy)
     before = state().gathers
-    trainer.fit(module, datamodule=SubVolumes("volume"))
-    return {"params": [p.detach().clone() for p in module.parameters()], "losses": module.losses,
-            "gathers": state().gathers - before}
+    run = fit(module, datamodule=SubVolumes("volume"), devices=world, max_epochs=2, precision="64-true", **strategy)
+    return {"params": run.params, "losses": module.losses, "gathers": state().gathers - before}
 
 
 def test_unet_with_dropout3d_and_dice_ce_one_hot_loss_fits_sub_volumes_as_one_process_gathering_nothing():
-    (ref,) = run_in_processes(_fit_dice_ce, 1, None, timeout_s=300, collective_timeout_s=60)
+    (ref,) = run_in_processes(_dice_ce_run, 1, None, timeout_s=300, collective_timeout_s=60)
     assert len(ref["losses"]) == 2 * N_VOLUMES // BATCH
-    for rank, res in enumerate(run_in_processes(_fit_dice_ce, 2, (1, 1, 2), timeout_s=600,
+    for rank, res in enumerate(run_in_processes(_dice_ce_run, 2, (1, 1, 2), timeout_s=600,
                                                 collective_timeout_s=120)):
         what = f"1x1x2 rank {rank}"
         assert res["gathers"] == 0, (what, res["gathers"])
