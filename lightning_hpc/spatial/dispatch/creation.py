@@ -11,7 +11,7 @@ generator is an mt19937, which cannot jump ahead, so every rank still draws as m
 has (to advance the generator as one process does), a piece at a time, and keeps its tile's.  The channel
 dropouts' masks are one value per sample and channel.  Elsewhere (CUDA, whose Philox values depend on the draw's
 launch layout, or a build whose draws the pieces do not reproduce, checked once per process) the whole tensor is
-drawn and cut; ``randint_like`` always is.
+drawn and cut.
 """
 
 from __future__ import annotations
@@ -42,23 +42,47 @@ def _like(func, a, args, kwargs):
     return _wrap_like(_call_with(func, args, kwargs, x, _plain(x)), x)
 
 
+def _randint_range(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """``(low, high)`` of ``randint_like(input, high)`` / ``(input, low, high)`` (positional or keyword), where
+    both are Python integers and ``high - low`` needs one 32-bit word per value (None otherwise: drawn whole)."""
+    given = list(args[1:3])
+    if "high" in kwargs:
+        given.append(kwargs["high"])
+    if "low" in kwargs:
+        given.insert(0, kwargs["low"])
+    if len(given) == 1:
+        given.insert(0, 0)
+    if len(given) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in given):
+        return None
+    low, high = int(given[0]), int(given[1])
+    return (low, high) if 0 < high - low < 2**32 else None
+
+
 @_handles(*_resolve("rand_like randn_like randint_like"), signature=_tensor_args)
 def _random_like(func, a, args, kwargs):
     """This tile's part of what one process draws for the whole activation from the same generator: drawn in
-    pieces where :func:`_drawn_in_tile` can (``rand_like``/``randn_like`` on the CPU), else drawn whole and cut."""
+    pieces where :func:`_drawn_in_tile` can (on the CPU), else drawn whole and cut."""
     x = a["input"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
     dtype = x.dtype if a["dtype"] is None else a["dtype"]
-    kind = {"rand_like": "uniform", "randn_like": "normal"}.get(getattr(func, "__name__", ""))
-    if kind is not None and (a["device"] is None or torch.device(a["device"]).type == "cpu") and \
+    name = getattr(func, "__name__", "")
+    kind = {"rand_like": "uniform", "randn_like": "normal", "randint_like": "randint"}.get(name)
+    bounds = _randint_range(args, kwargs) if kind == "randint" else (None, None)
+    if kind is not None and bounds is not None and \
+            (a["device"] is None or torch.device(a["device"]).type == "cpu") and \
             kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format):
-        out = _drawn_in_tile(x, kind, dtype, kwargs.get("generator"))
+        out = _drawn_in_tile(x, kind, dtype, kwargs.get("generator"), *bounds)
         if out is not None:
             return _wrap_like(out.requires_grad_(bool(kwargs.get("requires_grad", False))), x)
     whole = torch.empty(x._gshape, dtype=dtype, device=x.device if a["device"] is None else a["device"])
     full = _call_with(func, args, kwargs, x, whole)
     return _wrap_like(full[_tile_index(full.shape, x._sdims, x._grid)], x)
+
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+#: the dtypes ``randint_like`` draws in pieces (its integers are one 32-bit word each, whatever the dtype)
+_INTEGER_DRAW_DTYPES = (*_FLOAT_DTYPES, torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _drawn_in_tile(x: SpatialTensor, kind: str, dtype: torch.dtype, gen: torch.Generator | None,
@@ -72,7 +96,7 @@ def _drawn_in_tile(x: SpatialTensor, kind: str, dtype: torch.dtype, gen: torch.G
     local = _plain(x)
     n = math.prod(x._gshape)
     if not (local.device.type == "cpu" and (gen is None or gen.device.type == "cpu") and
-            dtype in (torch.float32, torch.float64) and local.is_contiguous() and
+            dtype in (_INTEGER_DRAW_DTYPES if kind == "randint" else _FLOAT_DTYPES) and local.is_contiguous() and
             n >= (16 if kind == "normal" else 1) and draws_in_pieces(kind, dtype)):
         return None
     return tile_of_draw(tuple(x._gshape), _tile_index(x._gshape, x._sdims, x._grid), kind, dtype, gen, a, b)

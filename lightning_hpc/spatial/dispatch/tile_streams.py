@@ -2,7 +2,8 @@
 
 torch's CPU generator is an mt19937: it cannot jump ahead, so a rank must draw as many values as one process draws
 for the whole tensor to leave the generator where one process leaves it, but it need keep only its tile's.  Its
-serial draws (``uniform_``, ``bernoulli_``, ``random_``) give element ``i`` (flat order of a contiguous tensor)
+serial draws (``uniform_``, ``bernoulli_``, ``random_(low, high)``) give element ``i`` (flat order of a contiguous
+tensor)
 the ``i``-th value of one stream, however the tensor is cut into pieces.  ``normal_`` on a contiguous tensor of
 ``n >= 16`` elements is not serial: it draws ``n`` uniforms, turns each block of 16 (elements ``16j..16j+15``)
 into normals by Box-Muller (pairing element ``k`` with ``k + 8`` of the block), and, where ``n`` is not a
@@ -156,7 +157,8 @@ def stream_parts(kind: str, dtype: torch.dtype, gen: torch.Generator | None = No
     16 are made from uniforms of the dtype; ``"bernoulli"``: ``bernoulli_(a)`` with a scalar probability (one
     float64 uniform per element, whatever the dtype); ``"bernoulli_p"``: the uniforms of the dtype that
     ``bernoulli_(p)`` with probabilities ``p`` of the dtype compares with ``p`` (element ``i`` is ``u_i < p_i``;
-    ``whole`` draws with probabilities ``linspace(0, 1)``)."""
+    ``whole`` draws with probabilities ``linspace(0, 1)``); ``"randint"``: ``random_(a, b)``, integers in
+    ``[a, b)`` (``randint_like``: one 32-bit word per element where ``b - a < 2**32``)."""
     def empty(k: int) -> Tensor:
         return torch.empty(k, dtype=dtype)
 
@@ -178,6 +180,13 @@ def stream_parts(kind: str, dtype: torch.dtype, gen: torch.Generator | None = No
     if kind == "bernoulli_p":
         return (lambda t: t.bernoulli_(torch.linspace(0, 1, t.numel(), dtype=dtype).view(t.shape), generator=gen),
                 uniforms, uniforms, 1)
+    if kind == "randint":
+        low, high = (0 if a is None else int(a)), (100 if b is None else int(b))
+
+        def integers(k: int) -> Tensor:
+            return empty(k).random_(low, high, generator=gen)
+
+        return lambda t: t.random_(low, high, generator=gen), integers, integers, 1
     raise ValueError(f"unknown kind of draw {kind!r}")
 
 

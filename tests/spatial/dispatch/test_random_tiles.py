@@ -1,4 +1,5 @@
-"""Random ops on a split activation (``rand_like``, ``randn_like``, ``torch.bernoulli``, ``Tensor.bernoulli_``,
+"""Random ops on a split activation (``rand_like``, ``randn_like``, ``randint_like``, ``torch.bernoulli``,
+``Tensor.bernoulli_``,
 ``Tensor.uniform_``, ``Tensor.normal_``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``): each tile's values
 are, bit for bit, its part of what one process draws for the whole activation from the same generator state, the
 generator ends where one process's draw leaves it, and no rank makes a tensor as large as the whole activation (on
@@ -37,6 +38,10 @@ OPS = {
     "rand_like": lambda t, g: torch.rand_like(t, generator=g),
     "randn_like": lambda t, g: torch.randn_like(t, generator=g),
     "randn_like float64": lambda t, g: torch.randn_like(t, dtype=torch.float64, generator=g),
+    "randint_like(high)": lambda t, g: torch.randint_like(t, 7, generator=g),
+    "randint_like(low, high) int64": lambda t, g: torch.randint_like(t, -3, 50, dtype=torch.int64, generator=g),
+    "randint_like(low=, high=) uint8": lambda t, g: torch.randint_like(t, low=2, high=255, dtype=torch.uint8,
+                                                                          generator=g),
     "bernoulli(probabilities)": lambda t, g: torch.bernoulli(t, generator=g),
     "bernoulli(x, p)": lambda t, g: torch.bernoulli(t, 0.3, generator=g),
     "x.bernoulli()": lambda t, g: t.bernoulli(generator=g),
@@ -54,9 +59,11 @@ GLOBAL_ONLY = {"alpha_dropout", "alpha_dropout inplace", "feature_alpha_dropout"
 
 def _check_draws() -> None:
     """The once-per-process check of the draws (:func:`draws_in_pieces`, small tensors), made before any count."""
-    for kind in ("uniform", "normal", "bernoulli", "bernoulli_p"):
+    for kind in ("uniform", "normal", "bernoulli", "bernoulli_p", "randint"):
         for dtype in (torch.float32, torch.float64):
             assert draws_in_pieces(kind, dtype), (kind, dtype)
+    for dtype in (torch.int64, torch.uint8):
+        assert draws_in_pieces("randint", dtype), ("randint", dtype)
 
 
 @pytest.fixture(autouse=True)
