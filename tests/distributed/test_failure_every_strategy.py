@@ -1,13 +1,11 @@
 """A failure on one rank ends every rank promptly with the failing rank's message under layered_sgd, hybrid_fc and
-multigrid (the spatial strategy's own test is in tests/spatial/lightning/test_split_equals_one_process.py): one
-rank fails before its second step while its peer enters the step's collectives; the peer must not wait for the
-100 s collective timeout, and it ends with the failing rank's message, also when the failing rank is rank 0
-(which hosts the store the message travels through).  The ranks are fresh interpreters, as torchrun and
-Lightning start them."""
+multigrid (the spatial strategy's own test is in tests/spatial/lightning/test_split_equals_one_process.py): one rank
+fails before its second step while its peer enters the step's collectives; the peer must not wait for the collective
+timeout (set longer than the run's deadline), and it ends with the failing rank's message, also when the failing
+rank is rank 0 (which hosts the store the message travels through). The ranks are fresh interpreters, as torchrun
+and Lightning start them."""
 
 from __future__ import annotations
-
-import time
 
 import lightning.pytorch as pl
 import pytest
@@ -46,10 +44,9 @@ def _one_rank_fails(rank: int, world: int, name: str, failing: int) -> dict:
                 raise RuntimeError(f"bad sample on rank {failing}")
 
     loader = DataLoader(TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))), batch_size=4)
-    t0 = time.monotonic()
     run = fit(module, loader, devices=world, strategy=_strategy(name), max_steps=3, num_sanity_val_steps=0,
               limit_val_batches=0, callbacks=[FailOnOneRank()], refusal_is_result=True)
-    return {"error": run.error, "seconds": time.monotonic() - t0}
+    return {"error": run.error}
 
 
 # rank 0 failing (it hosts the store the message travels through) is the default tier's case; rank 1, the slow tier's
@@ -57,9 +54,9 @@ def _one_rank_fails(rank: int, world: int, name: str, failing: int) -> dict:
 @pytest.mark.parametrize("name", ["layered_sgd", "hybrid_fc", "multigrid"])
 def test_failure_on_one_rank_ends_every_rank_with_its_message(name, failing, monkeypatch):
     monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "spawn")
-    results = run_in_processes(_one_rank_fails, 2, name, failing, timeout_s=150, collective_timeout_s=100)
+    # the collectives' timeout is longer than the run's deadline: a peer released by its timeout fails the run
+    results = run_in_processes(_one_rank_fails, 2, name, failing, timeout_s=150, collective_timeout_s=900)
     peer = 1 - failing
     assert f"bad sample on rank {failing}" in results[failing]["error"]
     assert results[peer]["error"] is not None, f"rank {peer} finished although its peer failed"
     assert f"bad sample on rank {failing}" in results[peer]["error"], results[peer]["error"]
-    assert max(r["seconds"] for r in results) < 60, results  # not the 100 s collective timeout

@@ -36,11 +36,10 @@ def test_rank_error_is_reported_with_traceback():
         run_in_processes(_raise_on_rank1, 2, timeout_s=60, collective_timeout_s=10)
 
 
+@pytest.mark.timeout(60)  # a hang guard: the harness itself must not block past its deadline
 def test_hang_fails_instead_of_blocking():
-    t0 = time.time()
     with pytest.raises(DistributedRunError, match="did not finish"):
-        run_in_processes(_hang_on_rank0, 2, timeout_s=2, collective_timeout_s=60)
-    assert time.time() - t0 < 40
+        run_in_processes(_hang_on_rank0, 2, timeout_s=2, collective_timeout_s=600)
 
 
 def _return_tensors(rank: int, world_size: int) -> dict:

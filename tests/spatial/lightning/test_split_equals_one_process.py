@@ -9,8 +9,6 @@ message naming the op and the module.
 
 from __future__ import annotations
 
-import time
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -465,29 +463,28 @@ def _one_rank_fails(rank, world, failing=1):
 
     x, seg, _ = make_data()
     strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
-    t0 = time.monotonic()
     run = fit(module, datamodule=TileData(x, seg), devices=world, strategy=strategy, max_steps=STEPS,
               callbacks=[FailOnRank1()], refusal_is_result=True)
-    return {"error": run.error, "seconds": time.monotonic() - t0}
+    return {"error": run.error}
 
 
 # rank 0 failing (it hosts the store the message travels through) is the default tier's case; rank 1, the slow tier's
 @pytest.mark.parametrize("failing", [pytest.param(1, marks=pytest.mark.slow), 0])
 def test_failure_on_one_rank_ends_every_rank_promptly(failing, monkeypatch):
-    """One rank fails before its second step while its peer enters it (halo exchanges): the peer must not wait
-    for the 100 s collective timeout, and ends with the failing rank's message -- also when the failing rank is
-    rank 0, which hosts the store the message travels through: gloo releases the peer only when rank 0's process
-    exits, which takes the store with it, so the message must reach the peer before (its peer saw only gloo's
-    closed connection when it read the store after its release).
+    """One rank fails before its second step while its peer enters it (halo exchanges): the peer must not wait for the
+    collective timeout (set longer than the run's deadline), and ends with the failing rank's message -- also when
+    the failing rank is rank 0, which hosts the store the message travels through: gloo releases the peer only when
+    rank 0's process exits, which takes the store with it, so the message must reach the peer before (its peer saw
+    only gloo's closed connection when it read the store after its release).
 
     The ranks are fresh interpreters, as torchrun and Lightning start them."""
     monkeypatch.setenv("LIGHTNING_HPC_START_METHOD", "spawn")
-    results = run_in_processes(_one_rank_fails, 2, failing, timeout_s=120, collective_timeout_s=100)
+    # the collectives' timeout is longer than the run's deadline: a peer released by its timeout fails the run
+    results = run_in_processes(_one_rank_fails, 2, failing, timeout_s=120, collective_timeout_s=900)
     peer = 1 - failing
     assert f"bad sample on rank {failing}" in results[failing]["error"]
     assert results[peer]["error"] is not None, f"rank {peer} finished although its peer failed"
     assert f"bad sample on rank {failing}" in results[peer]["error"], results[peer]["error"]
-    assert max(r["seconds"] for r in results) < 60, results
 
 
 @pytest.mark.slow
