@@ -8,6 +8,9 @@ Translates Lightning hooks only; the algorithm lives in the plain-torch modules 
   :class:`MultigridODEBlock` (or the partitioned-model baseline with ``mode="pm"``) holding only this layer
   rank's steps (sharded.py), before the optimizers are built: parameters, gradients and optimizer state of the
   trunk are 1/P per rank;
+* a model without a ``steps`` attribute (``trunk`` not set: Lightning's demo modules, a classifier without a
+  chain of residual steps) has nothing to split over layer ranks: it trains data parallel over every rank, as
+  DDP does, with a warning; a ``trunk`` the user names must exist;
 * after backward, gradients are averaged over the data dimension (each layer rank owns its steps' gradients);
 * checkpoints are what one process training the serial model would write: the full model (the trunk gathered,
   serial key names) and the optimizer state in the serial layout (checkpoint.py), gathered onto global rank 0;
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -74,7 +78,9 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         forward_cycles, forward_tol, backward_cycles, backward_tol: stopping rules of the two solves.
         mode: "mg" (multigrid), "pm" (partitioned model: same partition, serial evaluation) or "serial"
             (no change to the model; data parallelism only).
-        trunk: attribute path of the residual trunk inside ``lightning_module.model``.
+        trunk: attribute path of the residual trunk inside ``lightning_module.model``; ``None`` (the default):
+            ``steps`` where the model has it (``ODEResNet``), else no trunk: the model trains data parallel over
+            every rank, with a warning.
         concurrent: batch the blocks of a relaxation in one vmapped call (False: block after block).
         coarse_gather_threshold: gather the coarsest level onto every layer rank and solve it there when it
             has at most this many steps (0: never; it is propagated rank after rank), see coarse.py.
@@ -93,7 +99,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         backward_cycles: int = 2,
         backward_tol: float | None = None,
         mode: str = "mg",
-        trunk: str = "steps",
+        trunk: str | None = None,
         concurrent: bool = True,
         coarse_gather_threshold: int = 0,
         log_residuals: bool = True,
@@ -123,6 +129,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self.layer_group: dist.ProcessGroup | None = None
         self._data_index, self._layer_index = 0, 0
         self.block: nn.Module | None = None
+        #: the model has no trunk (``trunk`` not set and no ``steps``): data parallel over every rank this stage
+        self._trunkless = False
         #: (parent, attribute, the user's trunk) while the trunk is replaced by ``block``; handed back at teardown
         self._user_trunk: tuple[nn.Module, str, nn.Module] | None = None
 
@@ -141,6 +149,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     # -- sizes and sampler ---------------------------------------------------------------------------------
     @property
     def layer_parallel_size(self) -> int:
+        if self._trunkless:
+            return 1
         return self.layer_parallel_size_setting or self.world_size
 
     @property
@@ -154,22 +164,37 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         return {"num_replicas": self.data_parallel_size, "rank": self._data_index}
 
     # -- model setup (instead of DDP wrapping) ------------------------------------------------------------
-    def _find_trunk(self) -> tuple[nn.Module, str, nn.Module]:
+    def _find_trunk(self) -> tuple[nn.Module, str, nn.Module] | None:
+        """(parent, attribute, trunk); None when ``trunk`` is not set and the model has no ``steps``."""
         module = self.lightning_module
         assert module is not None
         root = getattr(module, "model", module)
-        *path, name = self.trunk.split(".")
+        *path, name = (self.trunk or "steps").split(".")
         parent = root
         for part in path:
-            parent = getattr(parent, part)
+            parent = getattr(parent, part, None)
         trunk = getattr(parent, name, None)
+        if trunk is None and self.trunk is None:
+            return None
         if trunk is None:
             raise ValueError(
                 f"MultigridStrategy(trunk={self.trunk!r}): the model ({type(root).__name__}) has no attribute "
                 f"{self.trunk!r}; set trunk= to the attribute holding the nn.Sequential of residual steps "
-                "(ODEResNet calls it 'steps')"
+                "(ODEResNet calls it 'steps'), or leave trunk unset to train a model without one data parallel"
             )
+        assert parent is not None
         return parent, name, trunk
+
+    def _warn_trunkless(self) -> None:
+        module = self.lightning_module
+        root = getattr(module, "model", module)
+        if self.mode != "serial":
+            rank_zero_warn(
+                f"strategy='multigrid': the model ({type(root).__name__}) has no residual trunk (no attribute "
+                f"'steps', where ODEResNet holds its steps), so nothing is layer-parallel: it trains data parallel "
+                f"over all {self.world_size} ranks, as DDP does. To split a chain of residual steps over the layer "
+                "ranks, set trunk= to the attribute holding its nn.Sequential"
+            )
 
     def _check_sizes(self) -> None:
         if self.world_size % self.layer_parallel_size:
@@ -184,15 +209,20 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             )
 
     def _wrap_model(self) -> None:
-        if self.block is not None:
+        if self.block is not None or self._trunkless:
             return
+        found = self._find_trunk()
+        self._trunkless = found is None
         self._check_sizes()
-        self._check_precision()
-        parent, name, trunk = self._find_trunk()
+        if found is None:
+            self._warn_trunkless()
+        else:
+            self._check_precision()  # the solver's precision: a model without a trunk runs no solver
+            levels = self.options.levels if self.mode == "mg" else 1
+            trunk = found[2]
+            n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
+            check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
         assert self.lightning_module is not None  # _find_trunk checked it
-        levels = self.options.levels if self.mode == "mg" else 1
-        n_steps = len(trunk) if isinstance(trunk, (nn.Sequential, nn.ModuleList)) else 0
-        check_layer_partition(n_steps, self.layer_parallel_size, self.options.cfactor, levels)
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             device_type = self.root_device.type
             mesh = layer_data_mesh(self.layer_parallel_size, device_type)
@@ -202,6 +232,9 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             self._data_index, self._layer_index = rank // lp, rank % lp
             # no DDP wrapper broadcasts the initial weights: do it here so every replica starts equal
             start_equal(module_state_tensors(self.lightning_module))
+        if found is None:
+            return  # data parallel: post_backward averages every gradient over the data group (all ranks)
+        parent, name, trunk = found
         layer_group = self.layer_group if self.layer_parallel_size > 1 else None
         if self.mode == "mg":
             self.block = MultigridODEBlock(trunk, self.options, group=layer_group)
@@ -264,6 +297,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._hand_back_model()
+        self._trunkless = False  # the next stage looks for the trunk again (it may run another module)
         self._failures.stop()
         super().teardown()
 

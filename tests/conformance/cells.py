@@ -47,7 +47,7 @@ DATA_PARALLEL = {"multigrid_pm": 1, "multigrid": 1, "spatial": 1, "spatial3d": 1
                  "multigrid_pm_plain_blocks": 1}
 
 #: features that are modules of their own (not the user's CNN with a Lightning feature): the multigrid columns run
-#: them as they are
+#: them as they are (no trunk of residual steps: the strategy trains them data parallel over both ranks)
 _OWN_MODULES = {"two_optimizers_gan", "backbone_classifier", "flatten_linear", "boring_model", "boring_model_f64",
                 "demo_model", "lightning_transformer", "backbone_finetuning", "adam_f32", "boring_adam_f32"}
 
@@ -55,6 +55,14 @@ _OWN_MODULES = {"two_optimizers_gan", "backbone_classifier", "flatten_linear", "
 #: features whose data are not the user's images (the spatial3d column runs them as they are)
 _NOT_IMAGES = {"two_optimizers_gan", "flatten_linear", "boring_model", "boring_model_f64", "demo_model",
                "lightning_transformer", "boring_adam_f32"}
+
+
+def data_parallel(strategy: str, case: str) -> int:
+    """The data-parallel ranks of a cell on 2 processes (its reference's global batch is the union of theirs): the
+    multigrid columns' modules without a trunk of residual steps train data parallel over both ranks."""
+    if strategy.startswith("multigrid") and not case.startswith("odenet"):
+        return 2
+    return DATA_PARALLEL.get(strategy, 2)
 
 
 def case_of(column: str, feature: str) -> str:
@@ -161,7 +169,6 @@ Verdict = (
     | RefusedAt | Differs
 )
 
-_MG_TRUNK = r"MultigridStrategy\(trunk='steps'\): the model \({}\) has no attribute 'steps'; set trunk="
 _KFAC_ONE_OPT = r"KFAC supports one optimizer.*parameter group per sub-network"
 _KFAC_PLUGIN = NotApplicable("`KFACMixedPrecision` is K-FAC's precision plugin: it needs the KFAC callback")
 _DDP_REFERENCE = NotApplicable(
@@ -169,9 +176,6 @@ _DDP_REFERENCE = NotApplicable(
     "columns), which equal it"
 )
 _DDP_UNUSED = ExactWithFix("DDP's own error at the second step names `find_unused_parameters=True`")
-_MG_MODULES = {"BoringModel": ("boring_model", "boring_model_f64"), "DemoModel": ("demo_model",),
-               "Transformer": ("lightning_transformer",), "UserGAN": ("two_optimizers_gan",),
-               "Sequential": ("flatten_linear",), "BackboneClassifier": ("backbone_classifier", "backbone_finetuning")}
 #: BackboneFinetuning unfreezes the backbone at the second epoch (after 2 steps); the callback freezing the first
 #: convolution does so before the third step
 _CHANGED = r"{}: parameters of {}.* {}: .*refused before it is taken.*between two trainer.fit calls"
@@ -359,9 +363,10 @@ def _multigrid(column: str) -> dict[str, Verdict]:
         Refused(r"mode='mg' does not support precision='bf16-mixed'.*'32-true'.*mode='pm'") if mode_mg
         else Bounded(micro_batches=False)
     )
-    for name, features in _MG_MODULES.items():
-        for f in features:
-            cells[f] = Refused(_MG_TRUNK.format(name))
+    # the modules without a trunk of residual steps train data parallel over both ranks, as DDP does (a warning
+    # says nothing is layer-parallel); no reducer: the GAN needs no find_unused_parameters, trainability may change
+    cells.update({f: Exact() for f in _OWN_MODULES if f not in ("adam_f32", "boring_adam_f32")})
+    cells.update(demo_model=EqualDDP("ddp"), lightning_transformer=EqualDDP("ddp"))
     cells.update(
         # on the ODE-ResNet, tied weights are one residual branch shared by every step
         tied_weights=Refused(r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy.*"

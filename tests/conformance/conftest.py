@@ -30,6 +30,7 @@ from cells import (
     micro_batch_reference,
     under_horovodrun,
 )
+from cells import data_parallel as data_parallel_of
 from launch import CaseResult, horovod_importable, launch, launch_forked, read
 
 
@@ -76,7 +77,7 @@ class Runs:
         cells = [*EXACT, *DIFFERS, *ROUNDING_BOUNDED, *BOUNDED, *BOUNDED_MG]
         cells += [(s, float32_reference(c)) for s, c in BOUNDED]
         cells += MICRO_BATCHES + [(s, micro_batch_reference(c)) for s, c in MICRO_BATCHES]
-        cases = sorted({_reference_case(c) for s, c in cells if DATA_PARALLEL.get(s, 2) == data_parallel
+        cases = sorted({_reference_case(c) for s, c in cells if data_parallel_of(s, c) == data_parallel
                         and kfac_reference(s) == kfac and _selected(c, self.only)
                         and s.removesuffix("_find_unused") not in self.skip_columns})
         key = f"one_{strategy}_dp{data_parallel}"

@@ -49,6 +49,7 @@ from cells import (
     TORCH_RANGE_ROW,
     NotApplicable,
     case_of,
+    data_parallel,
     float32_reference,
     kfac_reference,
     micro_batch_reference,
@@ -98,11 +99,11 @@ def test_known_difference(strategy, case, runs):
     _trained(got, what)
     # mode 'mg' is approximate by design: its reference is one process running the same solve
     ref = (runs.one_multigrid(strategy, case) if strategy == "multigrid"
-           else runs.one(case, DATA_PARALLEL.get(strategy, 2), kfac=kfac_reference(strategy)))
+           else runs.one(case, data_parallel(strategy, case), kfac=kfac_reference(strategy)))
     _trained(ref, f"one process x {case}")
     with pytest.raises(AssertionError):
         assert _max_diff(got.params(), ref.params()) < TOL64
-        _same_observations(got, ref, what, DATA_PARALLEL.get(strategy, 2))
+        _same_observations(got, ref, what, data_parallel(strategy, case))
 
 
 @pytest.mark.parametrize(("strategy", "case"), _params(NEGATIVE_CONTROLS))
@@ -115,7 +116,7 @@ def test_negative_control(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
     _trained(got, what)
-    dp = DATA_PARALLEL.get(strategy, 2)
+    dp = data_parallel(strategy, case)
     ref = runs.one(case, dp)
     with pytest.raises(AssertionError):
         assert _max_diff(got.params(), ref.params()) < TOL64
@@ -203,7 +204,7 @@ def test_two_processes_equal_one(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = _run(runs, strategy, case)
     _trained(got, what)
-    dp = DATA_PARALLEL.get(strategy, 2)
+    dp = data_parallel(strategy, case)
     ref = runs.one(case.replace("_2_to_1", ""), dp, kfac=kfac_reference(strategy))
     _trained(ref, f"one process x {case}")
     if _predict_only(case):  # trainer.predict alone: the predictions are what it observes
@@ -243,7 +244,7 @@ def test_bounded(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
     _trained(got, what)
-    dp = DATA_PARALLEL.get(strategy, 2)
+    dp = data_parallel(strategy, case)
     kfac = kfac_reference(strategy)
     ref16, ref32 = runs.one(case, dp, kfac), runs.one(float32_reference(case), dp, kfac)
     bf16_effect = _max_diff(ref16.params(), ref32.params())
@@ -267,7 +268,7 @@ def test_rounding_bounded(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
     _trained(got, what)
-    dp, kfac = DATA_PARALLEL.get(strategy, 2), kfac_reference(strategy)
+    dp, kfac = data_parallel(strategy, case), kfac_reference(strategy)
     ref32, ref64 = runs.one(case, dp, kfac), runs.one(ROUNDING_BOUNDED[(strategy, case)], dp, kfac)
     float32_effect = _max_diff(ref32.params(), ref64.params())
     assert float32_effect > 0, "float32 changed nothing: the bound would be vacuous"
@@ -344,7 +345,7 @@ def test_equal_one_process_on_micro_batches(strategy, case, runs):
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
     _trained(got, what)
-    dp, kfac = DATA_PARALLEL.get(strategy, 2), kfac_reference(strategy)
+    dp, kfac = data_parallel(strategy, case), kfac_reference(strategy)
     ref = runs.one(micro_batch_reference(case), dp, kfac)
     _trained(ref, f"one process x {micro_batch_reference(case)}")
     rounding = _max_diff(runs.one(case, dp, kfac).params(), ref.params())
