@@ -40,6 +40,7 @@ from lightning_hpc.hybrid_fc.schemes import (
     exchange_start,
     make_exchange,
 )
+from lightning_hpc.hybrid_fc.sequential_view import IndexedLikeSequential
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear, gather_shard_tensors
 
 __all__ = ["HybridHead", "FC_UPDATES", "SubbatchContext"]
@@ -84,7 +85,7 @@ class _InjectGrad(Function):
         return grad_x * scale, None, None, None
 
 
-class HybridHead(nn.Module):
+class HybridHead(IndexedLikeSequential, nn.Module):
     """Sharded replacement of a fully-connected head.
 
     ``linears`` are the head's ``nn.Linear`` layers in order; ``between[i]`` the element-wise modules after

@@ -17,6 +17,7 @@ from lightning_hpc.distributed.groups import group_timeout, new_group
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.discovery import ELEMENTWISE, HeadSpec, find_head
 from lightning_hpc.hybrid_fc.head import HybridHead
+from lightning_hpc.hybrid_fc.sequential_view import IndexedLikeSequential
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
 __all__ = [
@@ -67,9 +68,10 @@ class UserHead:
     linears: list[nn.Linear]
 
 
-class _TrunkThenHead(nn.Module):
+class _TrunkThenHead(IndexedLikeSequential, nn.Module):
     """Replaces an ``nn.Sequential`` whose last children are the head: runs the trunk children, then the hybrid
-    head.  Trunk children and the head's shards keep their original names, so ``state_dict`` keys are unchanged."""
+    head.  Trunk children and the head's shards keep their original names and order, so ``state_dict`` keys are
+    unchanged and indexing reads as the user's container (sequential_view.py)."""
 
     hybrid_head: HybridHead  # set in __init__ without registering it as a child
 

@@ -148,6 +148,16 @@ class ShardedLinear(nn.Module):
         return self._slice_weight(full) if name == "weight" else self._slice_bias(full)
 
     # -- compute -------------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs:  # user code calling the layer it indexed (the head passes its scale)
+            raise RuntimeError(
+                f"this is rank {self.rank}'s {self.layout} shard of a head layer nn.Linear({self.in_features}, "
+                f"{self.out_features}) that strategy='hybrid_fc' splits over {self.k} ranks: called on its own it "
+                "computes part of the layer. Call the model (or the container holding the head) as a whole while "
+                "training; after the stage the strategy hands the layer back whole and it runs on its own"
+            )
+        return super().__call__(*args, **kwargs)
+
     def forward(
         self, x: torch.Tensor, grad_scale: float = 1.0, compute_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
