@@ -21,7 +21,15 @@ reductions the whole tensor's value:
   parameter are blocks;
 * everything else (the layer's own ``F.linear``, collectives, optimizers' in-place updates, shape, ``numel``,
   indexing, flattening, element-wise arithmetic with a plain tensor of several elements) gives plain tensors;
-* a reduction along some dimensions, a matrix norm other than Frobenius, and the reductions whose whole value
+* a reduction along some dimensions (``sum`` / ``mean`` / ``amax`` / ``amin`` / vector norms with ``dim=``: a
+  per-class ``w.norm(dim=1)`` penalty) is the whole tensor's too where the partition knows where its blocks lie
+  (:class:`Partition` ``dim``): along dimensions the blocks are not split over, each rank's result is its block
+  of the whole result (a block again, so a reduction after it is the whole one's); along the split dimension,
+  the ranks' partial results are all-reduced into the whole result (plain, the same on every rank).  Blocks
+  stacked along a new dimension (``Partition.dim == STACKED``: multigrid's residual steps, step ``i`` of every
+  rank's share) are never split along their own dimensions;
+* a reduction along a dimension of a partition whose layout is not known, ``max`` / ``min`` along a dimension
+  (their indices are the block's), a matrix norm other than Frobenius, and the reductions whose whole value
   is not a sum, maximum or minimum of the blocks' (``std``, ``var``, ``prod``, ``median``, ``dot``, ``vdot``,
   ``argmax``, ``argmin``, ``logsumexp``, ``count_nonzero``, ``nansum``, an explicit ``torch._foreach_norm``)
   raise: its value over the whole tensor is not this block's, and guessing would be silently wrong.
@@ -59,6 +67,7 @@ from lightning_hpc._compat import compiled_module_type, disable_torch_function_s
 __all__ = [
     "BlockTensor",
     "Partition",
+    "STACKED",
     "as_block_parameter",
     "local_block",
     "is_block",
@@ -69,15 +78,41 @@ __all__ = [
 ]
 
 
-class Partition:
-    """The process group a tensor is partitioned over (``None``: the world).  A copy of a block is a block of
-    the same partition, so copying shares it (a process group cannot be copied)."""
+#: ``Partition.dim`` of blocks stacked along a new leading dimension (each rank's block a whole tensor)
+STACKED = "stacked"
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+
+class Partition:
+    """The process group a tensor is partitioned over (``None``: the world) and where its blocks lie: ``dim``,
+    the dimension the whole tensor is split along (``STACKED``: the blocks are stacked along a new one; ``None``:
+    not known, so reductions along a dimension are refused).  A copy of a block is a block of the same partition,
+    so copying shares it (a process group cannot be copied)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, dim: int | str | None = None) -> None:
         self.group = group
+        self.dim = dim
+        self._after: dict[int | str | None, Partition] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Partition:
         return self
+
+    def splits(self, dims: Sequence[int]) -> bool:
+        """Whether reducing along ``dims`` reduces across the ranks' blocks (else each rank reduces its own)."""
+        if self.dim is None:
+            raise _refuse("a reduction along a dimension (the blocks' layout is not known)")
+        return self.dim != STACKED and self.dim in dims
+
+    def after(self, dims: Sequence[int], keepdim: bool) -> Partition:
+        """The partition of a block's reduction along ``dims`` (not the split dimension): the same blocks, one
+        result per remaining element, so the split dimension moves down past the reduced ones before it."""
+        if self.dim == STACKED or keepdim or not isinstance(self.dim, int):
+            return self
+        moved = self.dim - sum(d < self.dim for d in dims)
+        if moved == self.dim:
+            return self
+        if moved not in self._after:  # one object per layout: blocks of one partition combine element-wise
+            self._after[moved] = Partition(self.group, moved)
+        return self._after[moved]
 
     @property
     def distributed(self) -> bool:
@@ -125,6 +160,20 @@ def _vector_norm(x: torch.Tensor, part: Partition, p: float, dtype: torch.dtype 
 
 def _no_dims(dim: Any) -> bool:
     return dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0)
+
+
+def _dims(x: torch.Tensor, dim: Any) -> tuple[int, ...]:
+    """``dim`` (an int or a sequence) as sorted non-negative dimensions of ``x``."""
+    given = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({d % max(x.dim(), 1) for d in given}))
+
+
+def _count(x: torch.Tensor, dims: Sequence[int], part: Partition) -> torch.Tensor:
+    """The number of the whole tensor's elements each result along ``dims`` reduces (the split one among them)."""
+    count = torch.tensor(float(math.prod(x.shape[d] for d in dims)), dtype=torch.float64, device=x.device)
+    if part.distributed:
+        dist.all_reduce(count, group=part.group)
+    return count
 
 
 def _arg(args: Sequence[Any], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
@@ -215,9 +264,16 @@ def _reduce_sum(
     func: Any, part: Partition, args: Sequence[Any], kwargs: dict[str, Any], name: str
 ) -> torch.Tensor:
     x = args[0]
-    if not _no_dims(_arg(args, kwargs, 1, "dim", None)):
-        raise _refuse(f"{name} along a dimension")
+    dim = _arg(args, kwargs, 1, "dim", None)
     dtype = kwargs.get("dtype")
+    if not _no_dims(dim):
+        dims, keepdim = _dims(x, dim), bool(_arg(args, kwargs, 2, "keepdim", False))
+        part_sum = x.sum(dims, keepdim=keepdim, dtype=dtype)
+        if part.splits(dims):
+            whole = _all_reduce(part_sum, part)
+            return whole / _count(x, dims, part).to(whole.dtype) if name == "mean" else whole
+        mean = part_sum / math.prod(x.shape[d] for d in dims) if name == "mean" else part_sum
+        return _wrap(mean, part.after(dims, keepdim))
     local = x.sum(dtype=dtype) if dtype is not None else x.sum()
     total = _all_reduce(local, part)
     if name == "mean":
@@ -237,9 +293,15 @@ def _reduce_extremum(
         with disable_torch_function_subclass():
             out = getattr(torch, name)(*args, **kwargs)
         return _wrap(out, part) if _same_partition([x, second], part) else out
-    if not _no_dims(second):
-        raise _refuse(f"{name} along a dimension")
     op = dist.ReduceOp.MAX if name in ("max", "amax") else dist.ReduceOp.MIN
+    if not _no_dims(second):
+        if name in ("max", "min"):  # values and indices: the indices would be the block's
+            raise _refuse(f"{name} along a dimension")
+        dims, keepdim = _dims(x, second), bool(_arg(args, kwargs, 2, "keepdim", False))
+        local_along = x.amax(dims, keepdim) if op == dist.ReduceOp.MAX else x.amin(dims, keepdim)
+        if part.splits(dims):
+            return _all_reduce(local_along, part, op)
+        return _wrap(local_along, part.after(dims, keepdim))
     local = x.amax() if op == dist.ReduceOp.MAX else x.amin()
     return _all_reduce(local, part, op)
 
@@ -252,17 +314,38 @@ def _reduce_norm(
         p: Any = _arg(args, kwargs, 1, "ord", 2)
     elif name == "linalg_norm":
         p = _arg(args, kwargs, 1, "ord", None)
-        if x.dim() == 2 and p not in (None, "fro"):  # a matrix norm (spectral, nuclear, max row / column sum)
+        given = _arg(args, kwargs, 2, "dim", None)
+        over_two = (x.dim() == 2 and given is None) or (given is not None and len(_dims(x, given)) == 2)
+        if over_two and p not in (None, "fro"):  # a matrix norm (spectral, nuclear, max row / column sum)
             raise _refuse(f"torch.linalg.norm(ord={p!r})")
     else:  # torch.norm / Tensor.norm
         p = _arg(args, kwargs, 1, "p", "fro")
-    if not _no_dims(_arg(args, kwargs, 2, "dim", None)):
-        raise _refuse(f"{name} along a dimension")
+    dim = _arg(args, kwargs, 2, "dim", None)
     if p is None or p == "fro":
         p = 2.0
     if isinstance(p, str):
         raise _refuse(f"the norm {p!r}")
+    if not _no_dims(dim):
+        dims, keepdim = _dims(x, dim), bool(_arg(args, kwargs, 3, "keepdim", False))
+        return _vector_norm_along(x, part, float(p), kwargs.get("dtype"), dims, keepdim)
     return _vector_norm(x, part, float(p), kwargs.get("dtype"))
+
+
+def _vector_norm_along(
+    x: torch.Tensor, part: Partition, p: float, dtype: torch.dtype | None, dims: tuple[int, ...], keepdim: bool
+) -> torch.Tensor:
+    """The ``p``-norms along ``dims`` of the whole tensor from this rank's block ``x``: a block of them, or the
+    whole result where ``dims`` include the split dimension."""
+    if dtype is not None:
+        x = x.to(dtype)
+    if not part.splits(dims):
+        return _wrap(torch.linalg.vector_norm(x, p, dims, keepdim), part.after(dims, keepdim))
+    if math.isinf(p):
+        local = x.abs().amax(dims, keepdim) if p > 0 else x.abs().amin(dims, keepdim)
+        return _all_reduce(local, part, dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN)
+    if p == 0:
+        return _all_reduce((x != 0).sum(dims, keepdim).to(x.dtype), part)
+    return _all_reduce(x.abs().pow(p).sum(dims, keepdim), part).pow(1.0 / p)
 
 
 def _refused(
@@ -325,9 +408,13 @@ def local_block(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
-def as_block_parameter(param: nn.Parameter, group: dist.ProcessGroup | None) -> nn.Parameter:
-    """``param`` (this rank's block) as a parameter whose reductions are the whole tensor's over ``group``."""
-    block = _wrap(param.detach(), Partition(group))
+def as_block_parameter(
+    param: nn.Parameter, group: dist.ProcessGroup | None, dim: int | str | None = None
+) -> nn.Parameter:
+    """``param`` (this rank's block) as a parameter whose reductions are the whole tensor's over ``group``;
+    ``dim``: the dimension the whole tensor is split along, ``STACKED`` for blocks stacked along a new one
+    (``None``: reductions along a dimension are refused)."""
+    block = _wrap(param.detach(), Partition(group, dim))
     out = nn.Parameter(block, requires_grad=param.requires_grad)
     assert isinstance(out, BlockTensor)
     return out

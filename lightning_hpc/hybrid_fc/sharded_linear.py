@@ -89,9 +89,10 @@ class ShardedLinear(nn.Module):
         (:class:`lightning_hpc.distributed.partitioned.BlockTensor`): user code reducing over the model's
         parameters or their gradients (a logged gradient norm, an L2 penalty, ``clip_grad_norm_``) sees the whole
         layer's values, as on one process.  Call before any optimizer holds the parameters."""
-        self.weight = as_block_parameter(self.weight, group)
+        # col: the weight's rows (output neurons) are split; row: its columns; the bias is split by output neurons
+        self.weight = as_block_parameter(self.weight, group, dim=0 if self.layout == "col" else 1)
         if self.bias is not None:
-            self.bias = as_block_parameter(self.bias, group)
+            self.bias = as_block_parameter(self.bias, group, dim=0)
 
     # -- what K-FAC asks of a sharded layer (lightning_hpc.protocols.ShardedFullyConnected) ----------------
     def kfac_block(self, side: str) -> tuple[int, int]:

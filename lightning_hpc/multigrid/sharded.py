@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
+from lightning_hpc.distributed.partitioned import STACKED, as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.models.ode_resnet import ResidualStep
 from lightning_hpc.multigrid.ode_form import residual_steps
@@ -86,7 +86,7 @@ class LayerShardedTrunk(nn.Sequential):
         for block in self:
             for module in block.modules():
                 for name, p in list(module.named_parameters(recurse=False)):
-                    setattr(module, name, as_block_parameter(p, self.group))
+                    setattr(module, name, as_block_parameter(p, self.group, dim=STACKED))
 
     @property
     def local_blocks(self) -> list[ResidualStep]:

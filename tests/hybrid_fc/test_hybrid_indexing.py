@@ -1,7 +1,8 @@
 """While ``hybrid_fc`` trains, the user's ``nn.Sequential`` reads as on one process: ``self.model[-1]``,
 ``len(self.model)``, slices of trunk children and iteration give the user's children in the user's order (the
-head's layers as this rank's shards, whose parameters are blocks of the whole layer's, so clipping or a norm over
-them sees the whole layer); calling a head shard on its own is refused, naming the fix."""
+head's layers as this rank's shards, whose parameters are blocks of the whole layer's, so clipping, a norm or a
+per-class penalty ``w.norm(dim=1)`` over them sees the whole layer); calling a head shard on its own is refused,
+naming the fix."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ def _data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class IndexesItsModel(pl.LightningModule):
-    """Clips its last layer's gradient by ``self.model[-1]`` (timm-style per-layer clipping) and logs the norm of
-    its features through a slice of the trunk, ``self.model[:4]``; ``whole_head``: the head is a container of its
+    """Clips its last layer's gradient by ``self.model[-1]`` (timm-style per-layer clipping), adds a per-class
+    weight-norm penalty over both head layers (the first split by output neurons, the last by input neurons,
+    whichever the strategy plans) and logs the norm of its features through a slice of the trunk,
+    ``self.model[:4]``; ``whole_head``: the head is a container of its
     own (``self.classifier``), else the trailing children of ``self.model``."""
 
     def __init__(self, whole_head: bool, call_a_layer: bool = False) -> None:
@@ -57,7 +60,8 @@ class IndexesItsModel(pl.LightningModule):
             self._head()[-1](torch.zeros(1, 24, dtype=x.dtype))
         head = self._head()
         self.seen.append((len(head), [type(m).__name__ for m in head], type(head[-1]).__name__))
-        return F.cross_entropy(self(x), y)
+        penalty = sum((head[i].weight.norm(dim=1) - 1).pow(2).sum() for i in (-3, -1))
+        return F.cross_entropy(self(x), y) + 1e-2 * penalty
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         total = torch.nn.utils.clip_grad_norm_(self._head()[-1].parameters(), CLIP)
