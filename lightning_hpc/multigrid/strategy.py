@@ -8,6 +8,9 @@ Translates Lightning hooks only; the algorithm lives in the plain-torch modules 
   :class:`MultigridODEBlock` (or the partitioned-model baseline with ``mode="pm"``) holding only this layer
   rank's steps (sharded.py), before the optimizers are built: parameters, gradients and optimizer state of the
   trunk are 1/P per rank;
+* copies of the trunk the user keeps in the LightningModule (an EMA's ``copy.deepcopy`` of the model, found by
+  their tensors: distributed/copies.py) are split alike, so an element-wise update of the copy from the model's
+  ``state_dict`` pairs the same steps, and the copy runs (collectively) where the user calls it;
 * a model without a ``steps`` attribute (``trunk`` not set: Lightning's demo modules, a classifier without a
   chain of residual steps) has nothing to split over layer ranks: it trains data parallel over every rank, as
   DDP does, with a warning; a ``trunk`` the user names must exist;
@@ -33,6 +36,7 @@ from typing_extensions import override
 
 from lightning_hpc._compat import ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
+from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
@@ -131,8 +135,9 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self.block: nn.Module | None = None
         #: the model has no trunk (``trunk`` not set and no ``steps``): data parallel over every rank this stage
         self._trunkless = False
-        #: (parent, attribute, the user's trunk) while the trunk is replaced by ``block``; handed back at teardown
-        self._user_trunk: tuple[nn.Module, str, nn.Module] | None = None
+        #: (parent, attribute, the user's trunk, its split block) of the trunk and of its copies while they are
+        #: replaced; handed back at teardown
+        self._user_trunks: list[tuple[nn.Module, str, nn.Module, LayerShardedTrunk]] = []
 
     @property
     def kfac_unsupported(self) -> str | None:
@@ -234,25 +239,37 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             start_equal(module_state_tensors(self.lightning_module))
         if found is None:
             return  # data parallel: post_backward averages every gradient over the data group (all ranks)
-        parent, name, trunk = found
-        layer_group = self.layer_group if self.layer_parallel_size > 1 else None
-        if self.mode == "mg":
-            self.block = MultigridODEBlock(trunk, self.options, group=layer_group)
-        elif self.mode == "pm":
-            self.block = PartitionedODEBlock(trunk, group=layer_group)
-        else:
-            self.block = trunk
-        setattr(parent, name, self.block)
+        module = self.lightning_module
+        # found on the unsplit model (an EMA's deepcopy of it), from the trunk's path (through a compiled wrapper)
+        path = next(n for n, m in module.named_modules(remove_duplicate=False) if m is found[2])
+        copies = copies_of(module, path)
+        self.block = self._split(*found)
+        for path in copies:
+            parent_path, _, attr = path.rpartition(".")
+            self._split(module.get_submodule(parent_path) if parent_path else module, attr, module.get_submodule(path))
         # a torch.compile'd module calls the trunk now in its place, which runs eagerly between compiled parts
-        follow_split(self.lightning_module, [self.block])
-        if isinstance(self.block, LayerShardedTrunk):
-            self._user_trunk = (parent, name, trunk)
-            release_other_steps(self.block, trunk)  # the other ranks' steps: modules kept, memory freed
+        follow_split(module, [block for *_, block in self._user_trunks] or [self.block])
+        if self._user_trunks:
             # each rank holds different steps under different names: never broadcast them from rank 0
-            block_ids = {id(t) for t in list(self.block.parameters()) + list(self.block.buffers())}
-            module = self.lightning_module
+            block_ids = {id(t) for *_, block in self._user_trunks for t in [*block.parameters(), *block.buffers()]}
             local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
             ddp_ignore_parameters(module, local)
+
+    def _split(self, parent: nn.Module, name: str, trunk: nn.Module) -> nn.Module:
+        """Put the block of ``mode`` in the place of ``trunk`` (``parent.name``): this rank's steps only."""
+        layer_group = self.layer_group if self.layer_parallel_size > 1 else None
+        block: nn.Module
+        if self.mode == "mg":
+            block = MultigridODEBlock(trunk, self.options, group=layer_group)
+        elif self.mode == "pm":
+            block = PartitionedODEBlock(trunk, group=layer_group)
+        else:
+            return trunk
+        setattr(parent, name, block)
+        assert isinstance(block, LayerShardedTrunk)
+        self._user_trunks.append((parent, name, trunk, block))
+        release_other_steps(block, trunk)  # the other ranks' steps: modules kept, memory freed
+        return block
 
     def _check_precision(self) -> None:
         """mode='mg' relaxes the steps with stacked weights outside autocast's reach (torch.func + vmap), so an
@@ -307,14 +324,15 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         the layer group), and the optimizers rebound to the serial model's parameters with the serial state (see
         :mod:`lightning_hpc.distributed.handback`).  Costs the whole trunk (and its optimizer state) on every
         rank; the next stage splits the trunk again."""
-        module, block, user = self.lightning_module, self.block, self._user_trunk
-        if module is None or user is None or not isinstance(block, LayerShardedTrunk) or not ended_normally(module):
+        module = self.lightning_module
+        if module is None or not self._user_trunks or not ended_normally(module):
             return
         # the optimizers' serial state and parameter names first: they are found through the sharded trunk
         serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers]
-        parent, name, trunk = user
-        replaced = restore_trunk(block, trunk)
-        setattr(parent, name, trunk)
+        replaced: dict[int, nn.Parameter] = {}
+        for parent, name, trunk, block in self._user_trunks:
+            replaced.update(restore_trunk(block, trunk))
+            setattr(parent, name, trunk)
         follow_split(module)
         if replaced:
             named = dict(module.named_parameters())
@@ -324,7 +342,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 own.update(named)
                 rebind_optimizer(optimizer, [[own[n] for n in names] for names in layout], state)
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module broadcasts the trunk again
-        self.block, self._user_trunk = None, None
+        self.block, self._user_trunks = None, []
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     @override

@@ -1,0 +1,98 @@
+"""A copy of the model kept in the LightningModule (timm's ``ModelEmaV2`` pattern: ``copy.deepcopy`` in
+``__init__``, updated element-wise from ``model.state_dict()`` after each batch, evaluated in validation) is split
+alike under ``strategy='multigrid'``: its update pairs the same steps and the EMA equals one process's, in the
+partitioned model and in a multigrid solve with enough cycles to be exact; after fit the copy is whole again."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from fit_harness import fit
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hpc import MultigridStrategy
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.models import ode_resnet
+
+STEPS = 3
+
+
+class ModelEma(nn.Module):
+    """As timm's ``ModelEmaV2``: a deep copy of the model, updated from its state dict."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.5) -> None:
+        super().__init__()
+        self.module = copy.deepcopy(model)
+        self.module.eval()
+        self.decay = decay
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for ema_v, model_v in zip(self.module.state_dict().values(), model.state_dict().values()):
+            ema_v.copy_(self.decay * ema_v + (1.0 - self.decay) * model_v)
+
+
+class TrainsWithEma(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = ode_resnet(in_channels=2, num_steps=8, width=4)
+        self.ema = ModelEma(self.model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.ema.update(self.model)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_ema_loss", F.cross_entropy(self.ema.module(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * 4, 2, 8, 8, generator=g, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (STEPS * 4,), generator=g)), batch_size=4)
+
+
+def _train(rank: int, world: int, mode: str | None) -> dict:
+    # the ranks of a layer chain see the same batches: one process on them is the reference
+    strategy = MultigridStrategy(mode=mode, cfactor=2, forward_cycles=4, backward_cycles=4) if mode else "auto"
+    run = fit(TrainsWithEma(), _loader(), devices=world, strategy=strategy, precision="64-true",
+              max_steps=STEPS, use_distributed_sampler=False)
+    module = run.module
+    assert module is not None
+    trainer = run.trainer
+    metrics = trainer.validate(module, _loader(), verbose=False)[0] if trainer is not None else {}
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "val": metrics}
+
+
+@pytest.mark.parametrize("mode", ["pm", "mg"])
+def test_an_ema_copy_of_the_model_is_split_alike_and_equals_one_process(mode):
+    """``mg`` with N/c = 4 cycles, where two-level MGRIT with F-relaxation is exact."""
+    results = run_in_processes(_train, 2, mode, timeout_s=240)
+    one = _train(0, 1, None)
+    assert any(k.startswith("ema.module.steps.7") for k in one["state"])
+    for rank, res in enumerate(results):
+        assert list(res["state"]) == list(one["state"]), rank  # whole again: every step of model and copy
+        for key, value in one["state"].items():
+            torch.testing.assert_close(res["state"][key], value, rtol=0, atol=1e-9, msg=f"rank {rank}: {key}")
+        assert res["val"]["val_ema_loss"] == pytest.approx(one["val"]["val_ema_loss"], rel=1e-9)
+    # the control: the EMA moved away from the model and from its start (the update acted)
+    ema = one["state"]["ema.module.steps.7.branch.0.weight"]
+    assert not torch.allclose(ema, one["state"]["model.steps.7.branch.0.weight"])
