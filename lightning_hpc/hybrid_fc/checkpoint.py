@@ -55,16 +55,14 @@ def full_state_dict(
     gathered tensor to host memory as it arrives (see the module docstring for the peaks)."""
     state = module.state_dict(prefix=prefix)
     shards = {f"{prefix}{name}.{pname}": (shard, pname, state[f"{prefix}{name}.{pname}"])
-              for name, shard in _shards(module) for pname in ("weight", "bias") if f"{prefix}{name}.{pname}" in state}
+              for name, shard in _shards(module) for pname in shard.param_names if f"{prefix}{name}.{pname}" in state}
     state.update(_gather(module, shards, rank0_only, cpu))
     return state
 
 
 def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[int, tuple[ShardedLinear, str]]:
     """Optimizer state index -> (shard, parameter name) for the head's shards."""
-    owner = {
-        id(getattr(s, p)): (s, p) for _, s in _shards(module) for p in ("weight", "bias") if getattr(s, p) is not None
-    }
+    owner = {id(s.get_parameter(p)): (s, p) for _, s in _shards(module) for p in s.param_names}
     out, i = {}, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -84,7 +82,7 @@ def full_optimizer_state(
     state = dict(sd["state"])
     shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]] = {}
     for i, (shard, pname) in sorted(index.items()):
-        shard_shape = tuple(getattr(shard, pname).shape)
+        shard_shape = tuple(shard.get_parameter(pname).shape)
         for key, value in sorted(state.get(i, {}).items()):
             if torch.is_tensor(value) and tuple(value.shape) == shard_shape:
                 shards[f"{i}/{key}"] = (shard, pname, value)

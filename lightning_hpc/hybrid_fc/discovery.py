@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.utils import parametrize
+
+from lightning_hpc.hybrid_fc.parametrized import parametrizations
 
 __all__ = ["HeadSpec", "find_head", "ELEMENTWISE", "HeadNotFoundError"]
 
@@ -107,12 +110,16 @@ def find_head(model: nn.Module, head: str | None = None) -> HeadSpec:
 
     # Layers, in registration order; leaves without parameters of their own that are neither trunk ends nor
     # element-wise (metrics, loss modules of a LightningModule) do not take part in the search.  Whether the
-    # found head really is the trailing children of one nn.Sequential is checked structurally below.
+    # found head really is the trailing children of one nn.Sequential is checked structurally below.  A
+    # parametrized layer (weight_norm(nn.Linear(...))) is one layer: its parametrization modules are not layers.
+    inside = {id(p) for m in model.modules() if parametrize.is_parametrized(m)
+              for chain in parametrizations(m).values() for p in chain.modules()}
+    inside |= {id(m.parametrizations) for m in model.modules() if parametrize.is_parametrized(m)}
     leaves = [
         (n, m)
         for n, m in model.named_modules()
-        if n and not list(m.children())
-        and (isinstance(m, (nn.Linear, *ELEMENTWISE, *TRUNK_END)) or any(True for _ in m.parameters(recurse=False)))
+        if n and id(m) not in inside and all(id(c) in inside for c in m.children())
+        and (isinstance(m, (nn.Linear, *ELEMENTWISE, *TRUNK_END)) or any(True for _ in m.parameters()))
     ]
     last_trunk = max((i for i, (_, m) in enumerate(leaves) if isinstance(m, TRUNK_END)), default=None)
     if last_trunk is None:

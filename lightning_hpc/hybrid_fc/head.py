@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, HeadComm
 from lightning_hpc.hybrid_fc.functions import gather_neurons, reduce_scatter_neurons, round_to
 from lightning_hpc.hybrid_fc.layout import plan_layout
+from lightning_hpc.hybrid_fc.parametrized import col_only
 from lightning_hpc.hybrid_fc.schemes import (
     SCHEMES,
     exchange_in,
@@ -139,9 +140,17 @@ class HybridHead(IndexedLikeSequential, nn.Module):
                     f"head linear {i} expects {linears[i].in_features} inputs but linear {i - 1} gives "
                     f"{linears[i - 1].out_features}"
                 )
-        self.layouts = list(layouts) if layouts is not None else plan_layout(widths, self.k)
+        pinned = col_only(linears)  # weight-normalised layers: whole rows per rank (parametrized.py)
+        self.layouts = list(layouts) if layouts is not None else plan_layout(widths, self.k, pinned)
         if len(self.layouts) != len(linears):
             raise ValueError(f"layouts has {len(self.layouts)} entries for {len(linears)} linear layers")
+        for i in pinned:
+            if self.layouts[i] != "col":
+                raise ValueError(
+                    f"layouts={self.layouts}: head linear {i} is weight-normalised (weight_norm), which the head "
+                    "splits exactly with the 'col' layout only (each rank holds whole rows, so every row norm is "
+                    "its own); give it 'col' or leave layouts unset"
+                )
         self.widths = widths
         self._order: list[tuple[str, nn.Module]] = []
         self.shards: list[ShardedLinear] = []
@@ -349,23 +358,24 @@ class HybridHead(IndexedLikeSequential, nn.Module):
         forward would need every rank in each batch.  The result equals the sharded head's (the same products on
         whole rows instead of blocks of them).  Costs the full head's memory on each rank while open; yields its
         size in bytes."""
-        self._whole = self.gather_layers()
+        self._whole = [(shard.whole_weight(full), full.get("bias"))
+                       for shard, full in zip(self.shards, self.gather_layers())]
         try:
             yield sum(t.numel() * t.element_size() for w, b in self._whole for t in (w, b) if t is not None)
         finally:
             self._whole = None
 
-    def gather_layers(self, cpu: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The full (weight, bias) of every linear layer of the head, on every rank (collective over the head's
+    def gather_layers(self, cpu: bool = False) -> list[dict[str, torch.Tensor]]:
+        """The full parameters of every linear layer of the head by their names in the layer (``weight``, ``bias``;
+        a weight_norm'ed layer's ``g`` and ``v`` in place of ``weight``), on every rank (collective over the head's
         group; ``cpu``: each gathered tensor lands in host memory as it arrives)."""
-        shards = {
-            f"{i}.{pname}": (shard, pname, getattr(shard, pname))
+        shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]] = {
+            f"{i}/{pname}": (shard, pname, shard.get_parameter(pname))
             for i, shard in enumerate(self.shards)
-            for pname in ("weight", "bias")
-            if getattr(shard, pname) is not None
+            for pname in shard.param_names
         }
         full = gather_shard_tensors(shards, self.comm.group, rank0_only=False, cpu=cpu)
-        return [(full[f"{i}.weight"], full.get(f"{i}.bias")) for i in range(len(self.shards))]
+        return [{pname: full[f"{i}/{pname}"] for pname in shard.param_names} for i, shard in enumerate(self.shards)]
 
     @contextlib.contextmanager
     def subbatch_update(

@@ -37,7 +37,7 @@ of 1000 logits per example): 3822 elements per example at K=4 against 6332 for t
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["LAYOUTS", "plan_layout", "layout_cost"]
 
@@ -71,13 +71,15 @@ def layout_cost(layouts: Sequence[str], widths: Sequence[int], k: int) -> tuple[
     return cost, calls + 1
 
 
-def plan_layout(widths: Sequence[int], k: int) -> list[str]:
-    """Cheapest layout (see the module docstring) for linear layers of widths ``widths`` on ``k`` ranks."""
+def plan_layout(widths: Sequence[int], k: int, fixed: Mapping[int, str] | None = None) -> list[str]:
+    """Cheapest layout (see the module docstring) for linear layers of widths ``widths`` on ``k`` ranks; ``fixed``
+    (layer index -> layout) pins the layers that only one layout computes exactly (parametrized.py)."""
     n_layers = len(widths) - 1
     if n_layers < 1:
         raise ValueError("the head needs at least one linear layer")
+    pinned = dict(fixed or {})
     best = min(
-        itertools.product(LAYOUTS, repeat=n_layers),
+        (lay for lay in itertools.product(LAYOUTS, repeat=n_layers) if all(lay[i] == x for i, x in pinned.items())),
         key=lambda lay: (*layout_cost(lay, widths, max(k, 2)), lay),
     )
     return list(best)

@@ -17,6 +17,7 @@ from lightning_hpc.distributed.groups import group_timeout, new_group
 from lightning_hpc.hybrid_fc.collectives import ByteCounter, allreduce_ring_bytes
 from lightning_hpc.hybrid_fc.discovery import ELEMENTWISE, HeadSpec, find_head
 from lightning_hpc.hybrid_fc.head import HybridHead
+from lightning_hpc.hybrid_fc.parametrized import refuse_unsplittable
 from lightning_hpc.hybrid_fc.sequential_view import IndexedLikeSequential
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
 
@@ -184,7 +185,7 @@ def refuse_tied_head(model: nn.Module, head_modules: Sequence[tuple[str, nn.Modu
     head_ids: dict[int, str] = {}
     for name, m in head_modules:
         if isinstance(m, nn.Linear):
-            for pname, p in m.named_parameters(recurse=False):
+            for pname, p in m.named_parameters():  # a weight_norm'ed layer's g and v are its parametrization's
                 where = f"{prefix}.{name}.{pname}" if prefix else f"{name}.{pname}"
                 other = head_ids.setdefault(id(p), where)
                 if other != where:
@@ -276,7 +277,9 @@ def parallelize_head(
     if head is None:
         spec = _after_tied_layers(model, spec)
     # the modules' names are children of parent_name, a lone linear's its own last component
-    refuse_tied_head(model, spec.modules, spec.parent_name.rpartition(".")[0] if spec.lone else spec.parent_name)
+    prefix = spec.parent_name.rpartition(".")[0] if spec.lone else spec.parent_name
+    refuse_unsplittable(spec.modules, prefix)
+    refuse_tied_head(model, spec.modules, prefix)
     refuse_small_head(spec, dist.get_world_size(group) if dist.is_initialized() else 1)
     meta = has_meta_head(model, head)
     if not meta:
@@ -348,13 +351,12 @@ def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, 
         raise ValueError("this hybrid head was not built by parallelize_head, so the user's head is not known")
     current = model.get_submodule(user.path) if user.path else model  # the HybridHead or the _TrunkThenHead
     replaced: dict[int, nn.Parameter] = {}
-    for lin, shard, (weight, bias) in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu)):
-        for pname, value in (("weight", weight), ("bias", bias)):
-            old = getattr(shard, pname)
-            if value is None or old is None:
-                continue
+    for lin, shard, full in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu)):
+        for pname, value in full.items():  # weight and bias, or weight_norm's g and v and the bias
+            old = shard.get_parameter(pname)
             new = nn.Parameter(value, requires_grad=old.requires_grad)
-            setattr(lin, pname, new)
+            owner, _, attr = pname.rpartition(".")
+            setattr(lin.get_submodule(owner) if owner else lin, attr, new)
             replaced[id(old)] = new
     user.container.train(current.training)
     if not user.path:

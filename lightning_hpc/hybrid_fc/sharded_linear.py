@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -10,12 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
 from lightning_hpc.hybrid_fc.collectives import HeadComm
 from lightning_hpc.hybrid_fc.functions import round_to, scale_grad
+from lightning_hpc.hybrid_fc.parametrized import G, V, parametrizations, weight_norm_dim
 
 __all__ = ["ShardedLinear", "gather_shard_tensors"]
 
@@ -30,6 +33,10 @@ class ShardedLinear(nn.Module):
 
     ``state_dict`` holds the shards under the names of ``nn.Linear``; ``load_state_dict`` accepts either a shard
     or the full tensor (which it slices), so a full checkpoint loads on any K.
+
+    A ``linear`` whose weight is ``weight_norm``'ed (``col`` only, see ``parametrized.py``) gives the shard the same
+    parametrization, with this rank's rows of its originals ``g`` and ``v`` (:data:`param_names`): the shard's
+    ``state_dict`` keys, optimizer and gradients are the user's layer's, and its weight is ``g v / ||v||`` row by row.
 
     If ``linear`` lives on the meta device (built under ``torch.device("meta")``, ``Trainer.init_module`` or
     ``LightningModule.configure_model`` with :class:`HybridParallelStrategy`), only this rank's shard is allocated,
@@ -72,6 +79,27 @@ class ShardedLinear(nn.Module):
         else:
             self.weight = nn.Parameter(self._slice_weight(w).clone())
             self.bias = None if linear.bias is None else nn.Parameter(self._slice_bias(linear.bias.detach()).clone())
+        self.weight_norm_dim = weight_norm_dim(linear)
+        if self.weight_norm_dim is not None:
+            self._weight_normalize(linear, w.is_meta)
+
+    @torch.no_grad()
+    def _weight_normalize(self, linear: nn.Linear, meta: bool) -> None:
+        """The user's weight_norm on the shard.  Registering it computes ``g``, ``v`` from the shard's weight (a
+        meta-built layer's initial values, as weight_norm does for a fresh layer); a materialised layer's own
+        originals then replace them, since ``v`` trains at its own scale (its gradient depends on ``||v||``)."""
+        if self.layout != "col":
+            raise ValueError(f"a weight_norm'ed head layer is split by output neurons ('col'), got {self.layout!r}")
+        parametrize.register_parametrization(self, "weight", copy.deepcopy(parametrizations(linear)["weight"][0]))
+        if not meta:
+            for name in (G, V):
+                self.get_parameter(name).copy_(self._slice_weight(linear.get_parameter(name).detach()))
+
+    @property
+    def param_names(self) -> list[str]:
+        """The shard's parameters by their names in the user's layer (``state_dict`` keys), weight first."""
+        weight = [G, V] if self.weight_norm_dim is not None else ["weight"]
+        return weight + (["bias"] if self.bias is not None else [])
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -90,7 +118,12 @@ class ShardedLinear(nn.Module):
         parameters or their gradients (a logged gradient norm, an L2 penalty, ``clip_grad_norm_``) sees the whole
         layer's values, as on one process.  Call before any optimizer holds the parameters."""
         # col: the weight's rows (output neurons) are split; row: its columns; the bias is split by output neurons
-        self.weight = as_block_parameter(self.weight, group, dim=0 if self.layout == "col" else 1)
+        if self.weight_norm_dim is not None:  # g and v: split by rows, as the weight they make (col only)
+            chain = parametrizations(self)["weight"]
+            for name in ("original0", "original1"):
+                setattr(chain, name, as_block_parameter(chain.get_parameter(name), group, dim=0))
+        else:
+            self.weight = as_block_parameter(self.weight, group, dim=0 if self.layout == "col" else 1)
         if self.bias is not None:
             self.bias = as_block_parameter(self.bias, group, dim=0)
 
@@ -106,7 +139,7 @@ class ShardedLinear(nn.Module):
             return t
         sizes = self.in_sizes if side == "in" else self.out_sizes
         # the head's group, which the parameters are blocks over (partition_parameters; None: the world)
-        partition = getattr(self.weight, "_partition", None)
+        partition = getattr(self.get_parameter(self.param_names[0]), "_partition", None)
         group = partition.group if partition is not None else None
         return HeadComm(group).all_gather(t.contiguous(), sizes, dim=dim)
 
@@ -136,17 +169,32 @@ class ShardedLinear(nn.Module):
         return bias[a:b]
 
     def full_shape(self, name: str) -> tuple[int, ...]:
-        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+        shapes = {"weight": (self.out_features, self.in_features), V: (self.out_features, self.in_features),
+                  G: (self.out_features, 1), "bias": (self.out_features,)}
+        return shapes[name]
 
     def shard_sizes(self, name: str) -> tuple[list[int], int]:
         """(block sizes over ranks, dimension) of parameter ``name`` in the full tensor."""
         if name == "weight":
             return (self.out_sizes, 0) if self.layout == "col" else (self.in_sizes, 1)
-        return self.out_sizes, 0
+        return self.out_sizes, 0  # bias, and weight_norm's g and v (col: rows)
 
     def slice_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor ``full`` of parameter ``name`` (or of a same-shaped state)."""
-        return self._slice_weight(full) if name == "weight" else self._slice_bias(full)
+        return self._slice_weight(full) if name != "bias" else self._slice_bias(full)
+
+    def whole_weight(self, full: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The whole layer's weight from its whole parameters ``full`` (by :data:`param_names`)."""
+        if self.weight_norm_dim is None:
+            return full["weight"]
+        return torch._weight_norm(full[V], full[G], self.weight_norm_dim)
+
+    def _local_weight(self) -> torch.Tensor:
+        """This rank's block of the weight, plain (weight_norm's rows from the blocks of ``g`` and ``v``)."""
+        if self.weight_norm_dim is None:
+            return local_block(self.weight)
+        v, g = local_block(self.get_parameter(V)), local_block(self.get_parameter(G))
+        return torch._weight_norm(v, g, self.weight_norm_dim)
 
     # -- compute -------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,7 +218,7 @@ class ShardedLinear(nn.Module):
         result, ``HybridHead._layers``)."""
         self.kfac_grad_scale = grad_scale
         # the plain blocks: the layer's own products are the block's, whatever a user reduction over them means
-        weight = scale_grad(local_block(self.weight), grad_scale)
+        weight = scale_grad(self._local_weight(), grad_scale)
         bias = None if self.bias is None else scale_grad(local_block(self.bias), grad_scale)
         if compute_dtype is not None:
             weight = round_to(weight, compute_dtype)  # backward: the float32 gradient, not rounded
@@ -187,13 +235,10 @@ class ShardedLinear(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):  # type: ignore[override]
-        for name in ("weight", "bias"):
+        # weight_norm's originals too: they belong to a child module, which loads after this one
+        for name in self.param_names:
             key = prefix + name
-            if (
-                key in state_dict
-                and getattr(self, name) is not None
-                and tuple(state_dict[key].shape) == self.full_shape(name)
-            ):
+            if key in state_dict and tuple(state_dict[key].shape) == self.full_shape(name):
                 state_dict[key] = self.slice_full(name, state_dict[key])
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
