@@ -70,6 +70,8 @@ def skip_reason(
     parent = modules.get(name.rpartition(".")[0]) if name else None
     if isinstance(parent, nn.MultiheadAttention):
         return "used functionally by nn.MultiheadAttention (its forward hooks never fire)"
+    if isinstance(module, ShardedFullyConnected) and computed_weight(module) is not None:
+        return computed_weight(module)  # a parametrized shard (hybrid_fc's weight_norm head): as one process
     base = base_type(module)
     if base is not None:
         computed = computed_weight(module)

@@ -125,3 +125,35 @@ def test_forcing_a_row_layout_on_a_weight_norm_layer_is_refused():
     layers = [parametrizations.weight_norm(nn.Linear(8, 6)), parametrizations.weight_norm(nn.Linear(6, 4))]
     with pytest.raises(ValueError, match=r"head linear 1 is weight-normalised .* 'col' layout only"):
         HybridHead(layers, [[], []], [], {0: "0", 1: "1"}, layouts=["col", "row"])
+
+
+def _kfac_run(rank: int, world: int) -> dict:
+    from lightning_hpc import KFAC
+
+    x, y = _data(K)
+    if world > 1:
+        mine = torch.cat([torch.arange(s * world * B + rank * B, s * world * B + (rank + 1) * B) for s in range(STEPS)])
+        x, y = x[mine], y[mine]
+    strategy = HybridParallelStrategy() if world > 1 else "auto"
+    run = fit(WeightNormHead(), DataLoader(TensorDataset(x, y), batch_size=B if world > 1 else K * B),
+              devices=world, strategy=strategy, precision="64-true", max_steps=STEPS, limit_val_batches=0,
+              use_distributed_sampler=False, callbacks=[KFAC(factor_update_freq=1, inv_update_freq=1)],
+              record_warnings=True)
+    assert run.module is not None
+    return {"state": {k: v.detach().clone() for k, v in run.module.state_dict().items()},
+            "report": next((w for w in run.warnings if w.startswith("K-FAC preconditions")), None)}
+
+
+def test_kfac_leaves_a_weight_norm_head_to_the_optimizer_as_on_one_process():
+    """K-FAC cannot precondition a weight computed by a parametrization (its gradient goes to g and v); under
+    hybrid_fc the shards are left out with that reason, as one process leaves the layers out, and the run is
+    one process's.  (The report used to list the parametrized shards as preconditioned.)"""
+    results = run_in_processes(_kfac_run, K, timeout_s=240)
+    one = _kfac_run(0, 1)
+    assert one["report"].startswith("K-FAC preconditions 1 layer(s)")
+    preconditioned, _, left = results[0]["report"].partition("left to the optimizer")  # rank 0 reports
+    assert "model.4" not in preconditioned and "model.6" not in preconditioned, results[0]["report"]
+    assert "model.4 (ParametrizedShardedLinear): its weight is computed from other parameters" in left
+    for res in results:
+        for key, value in one["state"].items():
+            torch.testing.assert_close(res["state"][key], value, rtol=0, atol=1e-9, msg=key)
