@@ -41,6 +41,8 @@ __all__ = [
     "foreach_mul_",
     "foreach_add_",
     "foreach_norm",
+    "weight_norm",
+    "weight_norm_parametrization_type",
 ]
 
 
@@ -122,6 +124,17 @@ def disable_torch_function_subclass() -> Any:
 def compiled_module_type() -> type:
     """The module type ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``)."""
     return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
+
+
+def weight_norm_parametrization_type() -> type:
+    """The parametrization ``torch.nn.utils.parametrizations.weight_norm`` registers (``_WeightNorm``)."""
+    return _private("torch.nn.utils.parametrizations", "_WeightNorm")  # type: ignore[no-any-return]
+
+
+def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
+    """``g * v / ||v||`` over every dimension but ``dim``: the op ``weight_norm``'s parametrization computes
+    (``torch._weight_norm``), so a weight rebuilt from ``g`` and ``v`` rounds as torch's does."""
+    return _private("torch", "_weight_norm")(v, g, dim)  # type: ignore[no-any-return]
 
 
 def storage_use_count(t: torch.Tensor) -> int:

@@ -24,9 +24,10 @@ from typing import cast
 
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import _WeightNorm  # the class weight_norm registers (private in torch)
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
+
+from lightning_hpc._compat import weight_norm_parametrization_type
 
 __all__ = ["weight_norm_dim", "col_only", "refuse_unsplittable", "parametrizations", "G", "V"]
 
@@ -45,7 +46,7 @@ def weight_norm_dim(linear: nn.Module) -> int | None:
     if not parametrize.is_parametrized(linear, "weight"):
         return None
     chain = parametrizations(linear)["weight"]
-    if len(chain) == 1 and isinstance(chain[0], _WeightNorm) and chain[0].dim in (0, -2):
+    if len(chain) == 1 and isinstance(chain[0], weight_norm_parametrization_type()) and chain[0].dim in (0, -2):
         return 0
     return None
 
@@ -74,7 +75,7 @@ def _reason(linear: nn.Module) -> str | None:
         if any(type(p).__name__ == "_SpectralNorm" for p in chain):
             return ("its weight is spectral_norm'ed: the power iteration and the spectral norm run over the "
                     "whole matrix, which no rank holds")
-        if len(chain) == 1 and isinstance(chain[0], _WeightNorm):
+        if len(chain) == 1 and isinstance(chain[0], weight_norm_parametrization_type()):
             return (f"its weight_norm normalises along dim={chain[0].dim}: only dim=0 (the default, one norm per "
                     "output neuron, whole on the rank that owns the neuron) is split exactly")
         return (f"its weight is parametrized ({kinds}): what a parametrization computes from one rank's block "

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lightning_hpc._compat import weight_norm
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.distributed.partitioned import as_block_parameter, local_block
 from lightning_hpc.distributed.state import gather_keyed_tensors
@@ -187,14 +188,14 @@ class ShardedLinear(nn.Module):
         """The whole layer's weight from its whole parameters ``full`` (by :data:`param_names`)."""
         if self.weight_norm_dim is None:
             return full["weight"]
-        return torch._weight_norm(full[V], full[G], self.weight_norm_dim)
+        return weight_norm(full[V], full[G], self.weight_norm_dim)
 
     def _local_weight(self) -> torch.Tensor:
         """This rank's block of the weight, plain (weight_norm's rows from the blocks of ``g`` and ``v``)."""
         if self.weight_norm_dim is None:
             return local_block(self.weight)
         v, g = local_block(self.get_parameter(V)), local_block(self.get_parameter(G))
-        return torch._weight_norm(v, g, self.weight_norm_dim)
+        return weight_norm(v, g, self.weight_norm_dim)
 
     # -- compute -------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
