@@ -14,9 +14,9 @@ from fit_harness import fit
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hpc import HybridParallelStrategy
+from lightning_hpc import KFAC, HybridParallelStrategy
 from lightning_hpc.distributed import run_in_processes
-from lightning_hpc.hybrid_fc import find_head
+from lightning_hpc.hybrid_fc import find_head, linear_layers_on_meta
 from lightning_hpc.hybrid_fc.twins import find_twins, trained_original
 
 B, STEPS, K, VAL = 4, 3, 2, 8
@@ -94,11 +94,12 @@ def _loaders(rank: int, world: int) -> tuple[DataLoader, DataLoader]:
             DataLoader(TensorDataset(xv[val], yv[val]), batch_size=VAL * K // world))
 
 
-def _train(rank: int, world: int) -> dict:
+def _train(rank: int, world: int, kfac: bool = False) -> dict:
     train, val = _loaders(rank, world)
     strategy = HybridParallelStrategy() if world > 1 else "auto"
     module = EmaUser(val)
-    run = fit(module, train, devices=world, strategy=strategy, precision="64-true",
+    callbacks = [KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64")] if kfac else []
+    run = fit(module, train, devices=world, strategy=strategy, precision="64-true", callbacks=callbacks,
               max_steps=STEPS, use_distributed_sampler=False, num_sanity_val_steps=0)
     fresh = EmaUser()
     fresh.load_state_dict(module.state_dict())  # strict: the user's structure, whole tensors
@@ -109,9 +110,11 @@ def _train(rank: int, world: int) -> dict:
             "checkpointed": {k: v.clone() for k, v in module.checkpointed.items()}}
 
 
-def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process():
-    results = run_in_processes(_train, K, timeout_s=240)
-    one = _train(0, 1)
+@pytest.mark.parametrize("kfac", [False, True], ids=["sgd", "kfac"])
+def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process(kfac):
+    """``kfac``: K-FAC preconditions the model's layers and leaves the EMA's (frozen) alone, as on one process."""
+    results = run_in_processes(_train, K, kfac, timeout_s=240)
+    one = _train(0, 1, kfac)
     assert len(one["params"]) == 12  # the model's 6 tensors and the EMA's 6
     for rank, res in enumerate(results):
         assert res["ema_type"] == "Sequential", rank
@@ -181,4 +184,12 @@ def test_a_copy_with_other_layers_at_the_heads_place_is_refused_naming_it():
     other[6] = _OwnLinear(24, 10)
     root = _Holds(model=net, ema=_frozen(other))
     with pytest.raises(ValueError, match=r"'ema' has the parameters of the head's container 'model'.*copy\.deepcopy"):
+        find_twins(root, trained_original(root, find_head(root)))
+
+
+def test_a_copy_made_on_the_meta_device_is_refused_naming_the_fix():
+    with linear_layers_on_meta():
+        net = _net()
+    root = _Holds(model=net, ema=_frozen(copy.deepcopy(net)))
+    with pytest.raises(ValueError, match=r"'ema'.*meta device.*empty_init=False"):
         find_twins(root, trained_original(root, find_head(root)))
