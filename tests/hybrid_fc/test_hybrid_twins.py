@@ -45,10 +45,10 @@ def _net() -> nn.Sequential:
 
 
 class EmaUser(pl.LightningModule):
-    def __init__(self, val: DataLoader | None = None) -> None:
+    def __init__(self, val: DataLoader | None = None, optimize_all: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.val = val
+        self.val, self.optimize_all = val, optimize_all
         self.model = _net()
         self.ema = ModelEma(self.model)
         self.checkpointed: dict[str, torch.Tensor] = {}
@@ -75,7 +75,8 @@ class EmaUser(pl.LightningModule):
         self.checkpointed = self.trainer.strategy.lightning_module_state_dict()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        # optimize_all: the optimizer holds the EMA's frozen parameters too (they get no gradient, so no step)
+        return torch.optim.SGD((self if self.optimize_all else self.model).parameters(), lr=0.1, momentum=0.9)
 
 
 def _data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +95,10 @@ def _loaders(rank: int, world: int) -> tuple[DataLoader, DataLoader]:
             DataLoader(TensorDataset(xv[val], yv[val]), batch_size=VAL * K // world))
 
 
-def _train(rank: int, world: int, kfac: bool = False) -> dict:
+def _train(rank: int, world: int, kfac: bool = False, optimize_all: bool = False) -> dict:
     train, val = _loaders(rank, world)
     strategy = HybridParallelStrategy() if world > 1 else "auto"
-    module = EmaUser(val)
+    module = EmaUser(val, optimize_all)
     callbacks = [KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64")] if kfac else []
     run = fit(module, train, devices=world, strategy=strategy, precision="64-true", callbacks=callbacks,
               max_steps=STEPS, use_distributed_sampler=False, num_sanity_val_steps=0)
@@ -105,19 +106,24 @@ def _train(rank: int, world: int, kfac: bool = False) -> dict:
     fresh.load_state_dict(module.state_dict())  # strict: the user's structure, whole tensors
     with torch.no_grad():
         logits = module.ema.module(_data(4, 9)[0])  # on this rank alone
-    return {"params": run.params, "val": run.metric("val_ema_loss"), "ema_type": type(module.ema.module).__name__,
+    optimized = [tuple(p.shape) for g in run.trainer.optimizers[0].param_groups for p in g["params"]]
+    return {"params": run.params, "optimized": optimized, "val": run.metric("val_ema_loss"),
+            "ema_type": type(module.ema.module).__name__,
             "ema_state": {k: v.clone() for k, v in module.ema.state_dict().items()}, "logits": logits,
             "checkpointed": {k: v.clone() for k, v in module.checkpointed.items()}}
 
 
-@pytest.mark.parametrize("kfac", [False, True], ids=["sgd", "kfac"])
-def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process(kfac):
-    """``kfac``: K-FAC preconditions the model's layers and leaves the EMA's (frozen) alone, as on one process."""
-    results = run_in_processes(_train, K, kfac, timeout_s=240)
-    one = _train(0, 1, kfac)
+@pytest.mark.parametrize("kfac, optimize_all", [(False, False), (True, False), (False, True)],
+                         ids=["sgd", "kfac", "optimizer_holds_the_ema"])
+def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process(kfac, optimize_all):
+    """``kfac``: K-FAC preconditions the model's layers and leaves the EMA's (frozen) alone, as on one process;
+    ``optimize_all``: the optimizer holds the EMA's shards while split and its whole parameters after fit."""
+    results = run_in_processes(_train, K, kfac, optimize_all, timeout_s=240)
+    one = _train(0, 1, kfac, optimize_all)
     assert len(one["params"]) == 12  # the model's 6 tensors and the EMA's 6
     for rank, res in enumerate(results):
         assert res["ema_type"] == "Sequential", rank
+        assert res["optimized"] == one["optimized"], rank  # rebound to the whole parameters
         assert len(res["params"]) == len(one["params"])
         for got, want in zip(res["params"], one["params"]):  # the model's and the EMA's weights, whole
             torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
