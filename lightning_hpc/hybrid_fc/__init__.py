@@ -18,6 +18,7 @@ from lightning_hpc.hybrid_fc.optim import HeadOptimizer
 from lightning_hpc.hybrid_fc.parallel import (
     average_trunk_gradients,
     find_hybrid_head,
+    find_hybrid_heads,
     has_meta_head,
     head_parameters,
     linear_layers_on_meta,
@@ -42,6 +43,7 @@ __all__ = [
     "average_trunk_gradients",
     "find_head",
     "find_hybrid_head",
+    "find_hybrid_heads",
     "full_optimizer_state",
     "full_state_dict",
     "has_meta_head",

@@ -20,12 +20,14 @@ from lightning_hpc.hybrid_fc.head import HybridHead
 from lightning_hpc.hybrid_fc.parametrized import refuse_unsplittable
 from lightning_hpc.hybrid_fc.sequential_view import IndexedLikeSequential
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear
+from lightning_hpc.hybrid_fc.twins import find_twins, trained_original
 
 __all__ = [
     "parallelize_head",
     "unparallelize_head",
     "UserHead",
     "find_hybrid_head",
+    "find_hybrid_heads",
     "head_parameters",
     "trunk_parameters",
     "average_trunk_gradients",
@@ -62,11 +64,14 @@ class UserHead:
     ``container`` is the ``nn.Sequential`` the head's layers are children of (the whole head, or the model with
     the trunk in front), ``path`` its dotted place in the model given to :func:`parallelize_head` (``""``: that
     model itself), ``linears`` the head's ``nn.Linear`` layers in order.  While split, the linear layers live on
-    the meta device (shape and type only: the shards hold the values, no rank keeps the full head)."""
+    the meta device (shape and type only: the shards hold the values, no rank keeps the full head).
+    ``twin_of``: the path of the head's container when this is a frozen copy of it split alike (twins.py), else
+    ``None``."""
 
     container: nn.Module
     path: str
     linears: list[nn.Linear]
+    twin_of: str | None = None
 
 
 class _TrunkThenHead(IndexedLikeSequential, nn.Module):
@@ -275,15 +280,37 @@ def parallelize_head(
     """
     spec = find_head(model, head)
     if head is None:
-        spec = _after_tied_layers(model, spec)
+        spec = _after_tied_layers(model, trained_original(model, spec))
     # the modules' names are children of parent_name, a lone linear's its own last component
     prefix = spec.parent_name.rpartition(".")[0] if spec.lone else spec.parent_name
     refuse_unsplittable(spec.modules, prefix)
     refuse_tied_head(model, spec.modules, prefix)
     refuse_small_head(spec, dist.get_world_size(group) if dist.is_initialized() else 1)
     meta = has_meta_head(model, head)
+    twins = find_twins(model, spec)  # on the unsplit model: copies of the head's container (an EMA), split alike
     if not meta:
         _broadcast_head(spec, group)
+    exchange_group = _same_ranks_group(group) if overlap else None
+    model, hybrid = _split(model, spec, None, scheme=scheme, fc_update=fc_update, group=group, counter=counter,
+                           layouts=layouts, exchange_group=exchange_group, device=device, head_init=head_init,
+                           overlap=overlap)
+    for twin in twins:
+        refuse_tied_head(model, twin.modules, twin.parent_name.rpartition(".")[0] if twin.lone else twin.parent_name)
+        _broadcast_head(twin, group)
+        # the same blocks of the same layers as the head's (its layouts, group and exchange); a frozen copy is
+        # never updated by a gradient, so it runs the per-step forward whatever the head's update mode
+        model, _ = _split(model, twin, spec.parent_name, scheme=scheme, fc_update="per_step", group=group,
+                          counter=counter, layouts=hybrid.layouts, exchange_group=exchange_group, device=device,
+                          head_init=head_init, overlap=overlap)
+    if meta:
+        materialize_meta(model, device if device is not None else "cpu", group)
+    return model
+
+
+def _split(model: nn.Module, spec: HeadSpec, twin_of: str | None, **options: Any) -> tuple[nn.Module, HybridHead]:
+    """Replace the head ``spec`` describes by a :class:`HybridHead` (``options``: its arguments); ``twin_of``: the
+    head's container this one is a frozen copy of (its shards keep the copy's ``requires_grad``).  Returns the
+    model (a new root when the model itself is the ``nn.Sequential`` holding the head) and the hybrid head."""
     before: list[nn.Module] = []
     linears: list[nn.Linear] = []
     between: list[list[nn.Module]] = []
@@ -299,20 +326,17 @@ def parallelize_head(
         between,
         before,
         names,
-        scheme=scheme,
-        fc_update=fc_update,
-        group=group,
-        counter=counter,
-        layouts=layouts,
-        exchange_group=_same_ranks_group(group) if overlap else None,
-        device=device,
-        head_init=head_init,
-        overlap=overlap,
+        **options,
         shard_class=_LoneShard if spec.lone else ShardedLinear,
     )
     for lin in linears:
         lin.to("meta")  # the shards hold the values now: free the full layers, keep the user's modules
-    hybrid.user_head = UserHead(spec.parent, spec.parent_name, linears)
+    hybrid.user_head = UserHead(spec.parent, spec.parent_name, linears, twin_of)
+    if twin_of is not None:
+        for lin, shard in zip(linears, hybrid.shards):
+            for pname in ("weight", "bias"):
+                if getattr(shard, pname) is not None:
+                    getattr(shard, pname).requires_grad_(getattr(lin, pname).requires_grad)
     if spec.lone:  # the shard takes the linear layer's place and runs the head when the model calls it
         shard = hybrid.shards[0]
         object.__setattr__(shard, "hybrid_head", hybrid)
@@ -323,7 +347,8 @@ def parallelize_head(
     elif spec.whole_parent:
         parent_name, _, attr = spec.parent_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, hybrid)
-    else:
+    replacement: nn.Module = hybrid
+    if not spec.lone and not spec.whole_parent:
         assert isinstance(spec.parent, nn.Sequential)  # a head after a trunk: the trailing children of one
         replacement = _TrunkThenHead(spec.parent, spec.start, hybrid)
         if not spec.parent_name:
@@ -331,9 +356,11 @@ def parallelize_head(
         else:
             parent_name, _, attr = spec.parent_name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
-    if meta:
-        materialize_meta(model, device if device is not None else "cpu", group)
-    return model
+    # the container's mode, not nn.Module's default: a copy kept in eval mode (an EMA) stays so (Lightning keeps
+    # each module's mode through fit); the user's children keep theirs
+    for m in (hybrid, *hybrid.shards, replacement):
+        m.training = spec.parent.training
+    return model, hybrid
 
 
 def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, dict[int, nn.Parameter]]:
@@ -345,12 +372,22 @@ def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, 
 
     Returns the model (a new root when ``model`` itself was the ``nn.Sequential`` holding the head) and, for
     rebinding an optimizer, each shard parameter's replacement by ``id`` of the shard."""
-    hybrid = find_hybrid_head(model)
+    replaced: dict[int, nn.Parameter] = {}
+    root = model
+    # the copies first: the head's own container may be the root, which the last put-back replaces
+    for hybrid in reversed(find_hybrid_heads(model)):
+        root = _put_back(model, root, hybrid, cpu, replaced)
+    return root, replaced
+
+
+def _put_back(model: nn.Module, root: nn.Module, hybrid: HybridHead, cpu: bool,
+              replaced: dict[int, nn.Parameter]) -> nn.Module:
+    """One head of :func:`unparallelize_head`: its user's container back in its place (``root`` when that is the
+    model itself); ``replaced`` gets each shard parameter's whole replacement."""
     user = hybrid.user_head
     if not isinstance(user, UserHead):
         raise ValueError("this hybrid head was not built by parallelize_head, so the user's head is not known")
     current = model.get_submodule(user.path) if user.path else model  # the HybridHead or the _TrunkThenHead
-    replaced: dict[int, nn.Parameter] = {}
     for lin, shard, full in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu)):
         for pname, value in full.items():  # weight and bias, or weight_norm's g and v and the bias
             old = shard.get_parameter(pname)
@@ -360,24 +397,36 @@ def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, 
             replaced[id(old)] = new
     user.container.train(current.training)
     if not user.path:
-        return user.container, replaced
+        return user.container
     parent_name, _, attr = user.path.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, user.container)
-    return model, replaced
+    return root
+
+
+def find_hybrid_heads(model: nn.Module) -> list[HybridHead]:
+    """Every :class:`HybridHead` inside ``model``: the head first, then the frozen copies split alike (twins.py)."""
+    heads: dict[int, HybridHead] = {}
+    for m in model.modules():
+        h = m.hybrid_head if isinstance(m, (_TrunkThenHead, _LoneShard)) else m  # held without registering it
+        if isinstance(h, HybridHead):
+            heads.setdefault(id(h), h)
+    twin = [h for h in heads.values() if isinstance(h.user_head, UserHead) and h.user_head.twin_of is not None]
+    return [h for h in heads.values() if h not in twin] + twin
 
 
 def find_hybrid_head(model: nn.Module) -> HybridHead:
-    """The :class:`HybridHead` inside ``model`` (raises if the model was not parallelised)."""
-    for m in model.modules():
-        if isinstance(m, HybridHead):
-            return m
-        if isinstance(m, (_TrunkThenHead, _LoneShard)):  # they hold the head without registering it
-            return m.hybrid_head
-    raise ValueError("the model has no hybrid head; call parallelize_head(model) first")
+    """The :class:`HybridHead` of ``model``'s head, not of a copy split alike (raises if the model was not
+    parallelised)."""
+    heads = find_hybrid_heads(model)
+    if not heads:
+        raise ValueError("the model has no hybrid head; call parallelize_head(model) first")
+    return heads[0]
 
 
 def head_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for s in find_hybrid_head(model).shards for p in s.parameters()]
+    """The shards of every split head: the head's and those of its frozen copies (none of them is reduced by DDP,
+    all are gathered whole into checkpoints and at hand-back)."""
+    return [p for h in find_hybrid_heads(model) for s in h.shards for p in s.parameters()]
 
 
 def trunk_parameters(model: nn.Module) -> Iterator[nn.Parameter]:

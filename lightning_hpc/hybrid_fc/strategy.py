@@ -51,6 +51,7 @@ from lightning_hpc.hybrid_fc import (
     HeadOptimizer,
     HybridHead,
     find_hybrid_head,
+    find_hybrid_heads,
     full_optimizer_state,
     full_state_dict,
     has_meta_head,
@@ -320,7 +321,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().on_predict_start()
         if self.world_size > 1 and self._parallelized:
             self._whole_head = contextlib.ExitStack()
-            size = self._whole_head.enter_context(find_hybrid_head(self._search_root()).whole_head_inference())
+            # every split head: the model's and its frozen copies' (an EMA predicts as the model does)
+            size = sum(self._whole_head.enter_context(h.whole_head_inference())
+                       for h in find_hybrid_heads(self._search_root()))
             rank_zero_info(
                 f"strategy='hybrid_fc': trainer.predict runs the whole fully-connected head on every rank "
                 f"({size / 2**20:.1f} MiB gathered once), so the ranks' unequal predict batches need no exchange"
