@@ -18,59 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
+from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.hybrid_fc.discovery import HeadSpec
 
 __all__ = ["find_twins", "trained_original"]
 
-Signature = list[tuple[str, tuple[int, ...], torch.dtype]]
-
-
-def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-def _signature(module: nn.Module) -> Signature:
-    """Relative names, shapes and dtypes of ``module``'s parameters then buffers, in ``state_dict`` order."""
-    return [(n, tuple(t.shape), t.dtype) for n, t in _tensors(module)]
-
-
-def _ancestors(path: str) -> list[str]:
-    """``path`` and the dotted paths above it, innermost first, without the root ("")."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-
-
-def _inside(name: str, path: str) -> bool:
-    return name == path or name.startswith(path + ".")
-
-
 def _copies(root: nn.Module, spec: HeadSpec) -> Iterator[tuple[str, nn.Module]]:
     """(the place of ``spec``'s container in the copy, the copied module) of every copy of the head's container or
-    of an ancestor in ``root``, whether it trains or not."""
-    container = spec.parent_name
-    ancestors = {a: root.get_submodule(a) for a in _ancestors(container)}
-    if not ancestors:  # the root itself holds the head: every submodule is inside it
-        return
-    signatures = {a: _signature(m) for a, m in ancestors.items()}
-    counts = {a: len(s) for a, s in signatures.items()}
-    taken = {id(t) for m in ancestors.values() for _, t in _tensors(m)}
-    found: list[str] = []
-    for name, module in root.named_modules():
-        if not name or any(_inside(name, f) for f in found):
-            continue
-        if _inside(container, name) or _inside(name, container):  # an ancestor of the head, or inside it
-            continue
-        tensors = list(_tensors(module))
-        match = next((a for a in ancestors if counts[a] == len(tensors) and signatures[a] == _signature(module)),
-                     None)
-        if match is None or any(id(t) in taken for _, t in tensors):
-            continue
-        found.append(name)
-        yield name + container[len(match):], module
+    of an ancestor in ``root``, whether it trains or not (distributed/copies.py)."""
+    for copy in copies_of(root, spec.parent_name):
+        yield copy.path, root.get_submodule(copy.whole)
 
 
 def _trains(module: nn.Module) -> bool:

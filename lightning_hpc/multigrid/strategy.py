@@ -244,9 +244,10 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         path = next(n for n, m in module.named_modules(remove_duplicate=False) if m is found[2])
         copies = copies_of(module, path)
         self.block = self._split(*found)
-        for path in copies:
-            parent_path, _, attr = path.rpartition(".")
-            self._split(module.get_submodule(parent_path) if parent_path else module, attr, module.get_submodule(path))
+        for copy in copies:
+            parent_path, _, attr = copy.path.rpartition(".")
+            self._split(module.get_submodule(parent_path) if parent_path else module, attr,
+                        module.get_submodule(copy.path))
         # a torch.compile'd module calls the trunk now in its place, which runs eagerly between compiled parts
         follow_split(module, [block for *_, block in self._user_trunks] or [self.block])
         if self._user_trunks:
