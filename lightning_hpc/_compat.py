@@ -43,6 +43,7 @@ __all__ = [
     "foreach_norm",
     "weight_norm",
     "weight_norm_parametrization_type",
+    "averaged_copy",
 ]
 
 
@@ -135,6 +136,16 @@ def weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
     """``g * v / ||v||`` over every dimension but ``dim``: the op ``weight_norm``'s parametrization computes
     (``torch._weight_norm``), so a weight rebuilt from ``g`` and ``v`` rounds as torch's does."""
     return _private("torch", "_weight_norm")(v, g, dim)  # type: ignore[no-any-return]
+
+
+def averaged_copy(callback: Any) -> nn.Module | None:
+    """The copy of the LightningModule a weight-averaging callback averages into, made in its ``setup`` (Lightning's
+    private ``_average_model``: the copy itself for ``StochasticWeightAveraging``, an ``AveragedModel`` around it
+    for ``WeightAveraging`` / ``EMAWeightAveraging``); None where the callback keeps none (yet)."""
+    average = getattr(callback, "_average_model", None)
+    if isinstance(average, torch.optim.swa_utils.AveragedModel):
+        return average.module
+    return average if isinstance(average, nn.Module) else None
 
 
 def storage_use_count(t: torch.Tensor) -> int:

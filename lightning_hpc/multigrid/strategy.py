@@ -34,18 +34,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc._compat import averaged_copy, ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
-from lightning_hpc.distributed.partitioned import (
-    averaging_callbacks,
-    follow_split,
-    refuse_flat_view_optimizers,
-    refuse_weight_averaging,
-)
+from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
 from lightning_hpc.multigrid.checkpoint import (
@@ -135,6 +130,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self.block: nn.Module | None = None
         #: the model has no trunk (``trunk`` not set and no ``steps``): data parallel over every rank this stage
         self._trunkless = False
+        #: the trunk's path in the LightningModule (and in the copies weight averaging makes of it)
+        self._trunk_path = ""
         #: (parent, attribute, the user's trunk, its split block) of the trunk and of its copies while they are
         #: replaced; handed back at teardown
         self._user_trunks: list[tuple[nn.Module, str, nn.Module, LayerShardedTrunk]] = []
@@ -241,8 +238,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             return  # data parallel: post_backward averages every gradient over the data group (all ranks)
         module = self.lightning_module
         # found on the unsplit model (an EMA's deepcopy of it), from the trunk's path (through a compiled wrapper)
-        path = next(n for n, m in module.named_modules(remove_duplicate=False) if m is found[2])
-        copies = copies_of(module, path)
+        self._trunk_path = next(n for n, m in module.named_modules(remove_duplicate=False) if m is found[2])
+        copies = copies_of(module, self._trunk_path)
         self.block = self._split(*found)
         for copy in copies:
             parent_path, _, attr = copy.path.rpartition(".")
@@ -302,9 +299,14 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         if self._sharded() is not None:
-            steps = "the trunk's residual steps"
-            refuse_flat_view_optimizers(self.optimizers, "strategy='multigrid'", steps)
-            refuse_weight_averaging(averaging_callbacks(trainer.callbacks), "strategy='multigrid'", steps)
+            refuse_flat_view_optimizers(self.optimizers, "strategy='multigrid'", "the trunk's residual steps")
+            # weight averaging (StochasticWeightAveraging, EMAWeightAveraging) copied the unsplit module in its
+            # setup, before this one: its copy is split alike, so averaging, swapping in and transferring the
+            # averaged weights pair this rank's steps with the same steps
+            for copy in filter(None, map(averaged_copy, trainer.callbacks)):
+                trunk = copy.get_submodule(self._trunk_path)
+                parent_path, _, attr = self._trunk_path.rpartition(".")
+                self._split(copy.get_submodule(parent_path) if parent_path else copy, attr, trunk)
         # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
         # norm counts the replicated parameters once and every rank's steps once
         self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]

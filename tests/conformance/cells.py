@@ -372,8 +372,7 @@ def _multigrid(column: str) -> dict[str, Verdict]:
         tied_weights=Refused(r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy.*"
                              r"layer_parallel_size=1"),
         lbfgs=_LBFGS.format("multigrid"),
-        swa=_SWA.format("multigrid"),
-    )
+    )  # swa: the callback's copy of the module is split alike
     return cells
 
 

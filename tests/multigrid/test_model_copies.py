@@ -1,7 +1,9 @@
 """A copy of the model kept in the LightningModule (timm's ``ModelEmaV2`` pattern: ``copy.deepcopy`` in
 ``__init__``, updated element-wise from ``model.state_dict()`` after each batch, evaluated in validation) is split
 alike under ``strategy='multigrid'``: its update pairs the same steps and the EMA equals one process's, in the
-partitioned model and in a multigrid solve with enough cycles to be exact; after fit the copy is whole again."""
+partitioned model and in a multigrid solve with enough cycles to be exact; after fit the copy is whole again.  So
+is the copy Lightning's ``EMAWeightAveraging`` callback keeps (its ``StochasticWeightAveraging``: the conformance
+matrix's ``swa`` row)."""
 
 from __future__ import annotations
 
@@ -96,3 +98,34 @@ def test_an_ema_copy_of_the_model_is_split_alike_and_equals_one_process(mode):
     # the control: the EMA moved away from the model and from its start (the update acted)
     ema = one["state"]["ema.module.steps.7.branch.0.weight"]
     assert not torch.allclose(ema, one["state"]["model.steps.7.branch.0.weight"])
+
+
+class TrainsPlain(TrainsWithEma):
+    """The same module without its own EMA: Lightning's EMAWeightAveraging callback keeps one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.ema
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+def _train_with_ema_callback(rank: int, world: int) -> dict:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    strategy = MultigridStrategy(mode="pm", cfactor=2) if world > 1 else "auto"
+    run = fit(TrainsPlain(), _loader(), devices=world, strategy=strategy, precision="64-true", max_steps=STEPS,
+              use_distributed_sampler=False, callbacks=[EMAWeightAveraging(decay=0.5)], limit_val_batches=0)
+    assert run.module is not None
+    # at the end of fit the callback copies the average into the module
+    return {"state": {k: v.detach().clone() for k, v in run.module.state_dict().items()}}
+
+
+def test_lightnings_ema_callback_averages_a_copy_split_alike():
+    results = run_in_processes(_train_with_ema_callback, 2, timeout_s=240)
+    one = _train_with_ema_callback(0, 1)
+    for rank, res in enumerate(results):
+        assert list(res["state"]) == list(one["state"]), rank
+        for key, value in one["state"].items():
+            torch.testing.assert_close(res["state"][key], value, rtol=0, atol=1e-9, msg=f"rank {rank}: {key}")
