@@ -11,7 +11,9 @@ counted by a ``TorchDispatchMode`` around one step of each kind (after warm-up):
 * ``sgd``: forward, backward, ``SGD.step`` (the baseline);
 * ``precondition``: + ``KFACPreconditioner.step`` that only preconditions;
 * ``factors``: + the factor capture and running-average update;
-* ``decomp``: + every eigendecomposition (``--decomp``; slow on a CPU for ResNet-50's 4,608-square factors).
+* ``decomp``: + every eigendecomposition (``--decomp``; slow on a CPU for ResNet-50's 4,608-square factors);
+  ``decompositions_*`` are its counts beyond the factor step's: the decompositions alone (the solvers, their
+  checks, the preconditioning buckets' restacked decompositions).
 
 ``--routes accelerator`` (default) counts the routes a GPU takes (:func:`lightning_hpc.kfac.linalg.accelerator_routes`:
 one product per Gram, no CPU cache blocking or BLAS ``syrk``); ``cpu`` the CPU's. Host synchronisations are the
@@ -126,6 +128,10 @@ def count(model_name: str, size: int, batch: int, decomp: bool, sites: int,
             row[f"{kind}_added_launches"] = row[f"{kind}_launches"] - row["sgd_launches"]
             row[f"{kind}_added_per_layer"] = row[f"{kind}_added_launches"] / max(row["layers"], 1)
             row[f"{kind}_launches_vs_sgd"] = row[f"{kind}_launches"] / row["sgd_launches"]
+    if decomp:  # the decompositions alone: the decomposing step beyond a factor step
+        for what in ("launches", "syncs"):
+            row[f"decompositions_{what}"] = row[f"decomp_{what}"] - row[f"factors_{what}"]
+        row["decompositions_launches_per_layer"] = row["decompositions_launches"] / max(row["layers"], 1)
     return row
 
 

@@ -58,13 +58,16 @@ class ComputeMethod(ABC):
         identity's (:meth:`identity`), so a gradient padded with zeros is preconditioned to the layer's own result
         beside zeros (a bucket of layers of different shapes, :mod:`lightning_hpc.kfac.batched`)."""
         out: dict[str, torch.Tensor] = {}
+        fills: dict[str, dict[str, torch.Tensor]] = {}  # one identity per side, shared by its parts (d and q)
         for key, t in d.items():
             part, side = key.rsplit("_", 1)
             extra = sizes[side] - t.shape[-1]
             if extra == 0:
                 out[key] = t
                 continue
-            fill = self.identity(extra, damping, t.dtype, t.device)[part]
+            if side not in fills:
+                fills[side] = self.identity(extra, damping, t.dtype, t.device)
+            fill = fills[side][part]
             out[key] = torch.cat([t, fill]) if t.dim() == 1 else torch.block_diag(t, fill)
         return out
 

@@ -20,9 +20,9 @@ Per optimizer step (Algorithm 1):
    Layers tiled by spatial parallelism (:class:`~lightning_hpc.kfac.layers.TiledConvHandler`) hold partial
    factors: summed over their spatial group, averaged over sample groups, in the same allreduce.
 2. On decomposition steps (every ``inv_update_freq``), each factor is decomposed once, on the rank chosen by
-   ``placement`` (:mod:`.placement`), in float32 (or float64), and shared with the layer's gradient workers by
-   one broadcast per owning rank. ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped
-   inverses (Eq 11).
+   ``placement`` (:mod:`.placement`), in float32 (or float64), those of one side length by one batched solver
+   (:mod:`.batched_decompositions`), and shared with the layer's gradient workers by one broadcast per owning rank.
+   ``compute_method="eigen"`` stores eigenpairs (Eq 13-15), ``"inverse"`` damped inverses (Eq 11).
 3. Every step, each layer's gradient is preconditioned by its gradient workers (KAISA's ``grad_worker_fraction``,
    SC21, arXiv:2107.01739: all ranks at fraction 1, the default except under ``layer_wise``; one owner at ``1 / world``,
    K-FAC-lw), who broadcast the result to the other ranks of their broadcast group; it is then scaled by the
@@ -327,8 +327,7 @@ class KFACPreconditioner:
         """Layers with factors but no decomposition on a rank that must hold it (hooks that fired late, a checkpoint
         restored with a gradient-worker fraction below 1): decomposed at once, not at the next interval. Every rank
         answers alike: factors, shared decompositions and a layer's workers' decompositions are identical."""
-        mine = [h for i, h in enumerate(self.handlers) if self._is_worker(i)]
-        return any(h.factors and not h.decompositions for h in mine)
+        return any(h.factors and not h.decompositions for i, h in enumerate(self.handlers) if self._is_worker(i))
 
     def comm_device(self) -> torch.device:
         """The device of K-FAC's collectives, the layers' (NCCL needs CUDA tensors, gloo takes CPU ones)."""
@@ -389,8 +388,7 @@ class KFACPreconditioner:
 
         With a gradient-worker fraction below 1 (multi-rank ``layer_wise`` by default) the decompositions are
         sharded across ranks; this method then gathers them and is a collective: call it on every rank
-        (Lightning's checkpointing does), before rank 0 writes (:mod:`.checkpoint`).
-        """
+        (Lightning's checkpointing does), before rank 0 writes (:mod:`.checkpoint`)."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_hpc.kfac.batched_decompositions import decompose_factors
 from lightning_hpc.kfac.collectives import broadcast_by_owner
 from lightning_hpc.kfac.layers import LayerHandler
 
@@ -38,16 +39,16 @@ def layout(pre: KFACPreconditioner) -> tuple[list[int], dict[tuple[int, str], in
 
 def decompose(pre: KFACPreconditioner, due: set[tuple[int, str]] | None = None) -> None:
     """Step 2 of Algorithm 1 for every factor of this rank's gradient-worker group, or for the ``(layer index,
-    factor)`` pairs ``due``: each owning rank decomposes its factors as the factor's form says, then shares them
-    with the layer's other gradient workers (KAISA: the column; COMM-OPT: the world)."""
+    factor)`` pairs ``due``: each owning rank decomposes its factors as the factor's form says (those of one side
+    length together), then shares them with the layer's other gradient workers (KAISA: the column; COMM-OPT: the
+    world)."""
     world, rank = pre.comm.world_size, pre.comm.rank
     owners = pre.assignment()
     work = [(owners[(i, kind)], h, kind) for i, h in enumerate(pre.handlers) if h.factors and pre._is_worker(i)
             for kind in h.factor_forms() if due is None or (i, kind) in due]  # fmt: skip
-    results: Results = {
-        (h.name, kind): h.state.decompose(kind, pre.method, pre.damping, pre.decomposition_dtype, pre.inverse_dtype)
-        for owner, h, kind in work if owner == rank
-    }  # fmt: skip
+    # factors of one side length in one batched eigh / inverse (:mod:`.batched_decompositions`)
+    results = decompose_factors([(h.state, kind) for owner, h, kind in work if owner == rank], pre.method,
+                                pre.damping, pre.decomposition_dtype, pre.inverse_dtype)
     if world > 1 and pre.grid.shares_decompositions:
         results = share_decompositions(pre, work, results, pre._column_group)
     for (name, kind), res in results.items():

@@ -4,7 +4,10 @@ takes): the kernels each step kind launches beyond SGD's, per preconditioned lay
 On a GPU these steps are bound by their launches (``bench/reports/2026-11-28-kfac-launches.md``). The bounds sit
 just above today's counts of a MobileNetV3-style net (88 layers, every kind: convolutions, depthwise, BatchNorm,
 squeeze-excite, Linear); the per-layer code they replaced made about twice as many (precondition 14.8, factor
-step 32.8 per layer; 21 uploads per factor step), so a return to per-layer chains fails here.
+step 32.8 per layer; 21 uploads per factor step), so a return to per-layer chains fails here. The decompositions
+alone (the decomposing step beyond a factor step) made 31.1 launches and 3.2 host read-backs per layer with one
+``eigh`` per factor (284 read-backs); batched by side length (:mod:`lightning_hpc.kfac.batched_decompositions`)
+7.0, and one read-back per batch (34).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from lightning_hpc.kfac.linalg import accelerator_routes  # noqa: E402
 @pytest.fixture(scope="module")
 def mobilenet_counts() -> dict:
     with accelerator_routes():
-        return count("mobilenetv3", 32, 2, decomp=False, sites=0)
+        return count("mobilenetv3", 32, 2, decomp=True, sites=0)
 
 
 def test_preconditioning_launches_per_layer(mobilenet_counts: dict) -> None:
@@ -43,3 +46,10 @@ def test_host_round_trips_do_not_grow_with_layers(mobilenet_counts: dict) -> Non
     assert mobilenet_counts["factors_syncs"] <= 2
     assert mobilenet_counts["precondition_uploads"] <= 2
     assert mobilenet_counts["factors_uploads"] <= 3, mobilenet_counts
+
+
+def test_decomposition_launches_per_layer(mobilenet_counts: dict) -> None:
+    """One batched solver per side length, not one per factor: launches and read-backs per batch."""
+    assert mobilenet_counts["decompositions_launches_per_layer"] <= 8.0, mobilenet_counts
+    # one read-back per batch of equal-sized factors (MobileNetV3's 34 side lengths), not two per factor
+    assert mobilenet_counts["decompositions_syncs"] <= 40, mobilenet_counts
