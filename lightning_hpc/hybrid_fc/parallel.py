@@ -334,9 +334,8 @@ def _split(model: nn.Module, spec: HeadSpec, twin_of: str | None, **options: Any
     hybrid.user_head = UserHead(spec.parent, spec.parent_name, linears, twin_of)
     if twin_of is not None:
         for lin, shard in zip(linears, hybrid.shards):
-            for pname in ("weight", "bias"):
-                if getattr(shard, pname) is not None:
-                    getattr(shard, pname).requires_grad_(getattr(lin, pname).requires_grad)
+            for pname in shard.param_names:  # weight and bias, or weight_norm's g and v and the bias
+                shard.get_parameter(pname).requires_grad_(lin.get_parameter(pname).requires_grad)
     if spec.lone:  # the shard takes the linear layer's place and runs the head when the model calls it
         shard = hybrid.shards[0]
         object.__setattr__(shard, "hybrid_head", hybrid)

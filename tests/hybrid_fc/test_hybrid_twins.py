@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fit_harness import fit
+from model_ema import ModelEma
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -22,34 +23,19 @@ from lightning_hpc.hybrid_fc.twins import find_twins, trained_original
 B, STEPS, K, VAL = 4, 3, 2, 8
 
 
-class ModelEma(nn.Module):
-    """timm's ``ModelEmaV2``: a frozen deep copy, updated element-wise over the two ``state_dict``s."""
-
-    def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
-        super().__init__()
-        self.module = copy.deepcopy(model)
-        self.module.eval()
-        self.decay = decay
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        for e, m in zip(self.module.state_dict().values(), model.state_dict().values()):
-            e.copy_(self.decay * e + (1 - self.decay) * m)
-
-
-def _net() -> nn.Sequential:
+def _net(weight_norm: bool = False) -> nn.Sequential:
+    """``weight_norm``: the head's layers weight-normalised (their shards hold g and v, not a weight)."""
+    wrap = torch.nn.utils.parametrizations.weight_norm if weight_norm else (lambda m: m)
     return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1),
-                         nn.Linear(64, 24), nn.ReLU(), nn.Linear(24, 10))
+                         wrap(nn.Linear(64, 24)), nn.ReLU(), wrap(nn.Linear(24, 10)))
 
 
 class EmaUser(pl.LightningModule):
-    def __init__(self, val: DataLoader | None = None, optimize_all: bool = False) -> None:
+    def __init__(self, val: DataLoader | None = None, optimize_all: bool = False, weight_norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.val, self.optimize_all = val, optimize_all
-        self.model = _net()
+        self.model = _net(weight_norm)
         self.ema = ModelEma(self.model)
         self.checkpointed: dict[str, torch.Tensor] = {}
 
@@ -95,14 +81,14 @@ def _loaders(rank: int, world: int) -> tuple[DataLoader, DataLoader]:
             DataLoader(TensorDataset(xv[val], yv[val]), batch_size=VAL * K // world))
 
 
-def _train(rank: int, world: int, kfac: bool = False, optimize_all: bool = False) -> dict:
+def _train(rank: int, world: int, kfac: bool = False, optimize_all: bool = False, weight_norm: bool = False) -> dict:
     train, val = _loaders(rank, world)
     strategy = HybridParallelStrategy() if world > 1 else "auto"
-    module = EmaUser(val, optimize_all)
+    module = EmaUser(val, optimize_all, weight_norm)
     callbacks = [KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64")] if kfac else []
     run = fit(module, train, devices=world, strategy=strategy, precision="64-true", callbacks=callbacks,
               max_steps=STEPS, use_distributed_sampler=False, num_sanity_val_steps=0)
-    fresh = EmaUser()
+    fresh = EmaUser(weight_norm=weight_norm)
     fresh.load_state_dict(module.state_dict())  # strict: the user's structure, whole tensors
     with torch.no_grad():
         logits = module.ema.module(_data(4, 9)[0])  # on this rank alone
@@ -113,14 +99,17 @@ def _train(rank: int, world: int, kfac: bool = False, optimize_all: bool = False
             "checkpointed": {k: v.clone() for k, v in module.checkpointed.items()}}
 
 
-@pytest.mark.parametrize("kfac, optimize_all", [(False, False), (True, False), (False, True)],
-                         ids=["sgd", "kfac", "optimizer_holds_the_ema"])
-def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process(kfac, optimize_all):
+@pytest.mark.parametrize("kfac, optimize_all, weight_norm",
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+                         ids=["sgd", "kfac", "optimizer_holds_the_ema", "weight_norm_head"])
+def test_an_ema_copy_trains_validates_and_is_handed_back_as_on_one_process(kfac, optimize_all, weight_norm):
     """``kfac``: K-FAC preconditions the model's layers and leaves the EMA's (frozen) alone, as on one process;
-    ``optimize_all``: the optimizer holds the EMA's shards while split and its whole parameters after fit."""
-    results = run_in_processes(_train, K, kfac, optimize_all, timeout_s=240)
-    one = _train(0, 1, kfac, optimize_all)
-    assert len(one["params"]) == 12  # the model's 6 tensors and the EMA's 6
+    ``optimize_all``: the optimizer holds the EMA's shards while split and its whole parameters after fit;
+    ``weight_norm``: the head's layers are weight-normalised, so the copy's shards are its frozen g and v."""
+    results = run_in_processes(_train, K, kfac, optimize_all, weight_norm, timeout_s=240)
+    one = _train(0, 1, kfac, optimize_all, weight_norm)
+    # the model's tensors and the EMA's: 6 each, 8 each with g and v in place of two weights
+    assert len(one["params"]) == (16 if weight_norm else 12)
     for rank, res in enumerate(results):
         assert res["ema_type"] == "Sequential", rank
         assert res["optimized"] == one["optimized"], rank  # rebound to the whole parameters
