@@ -242,9 +242,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         copies = copies_of(module, self._trunk_path)
         self.block = self._split(*found)
         for copy in copies:
-            parent_path, _, attr = copy.path.rpartition(".")
-            self._split(module.get_submodule(parent_path) if parent_path else module, attr,
-                        module.get_submodule(copy.path))
+            self._split_at(module, copy.path)
         # a torch.compile'd module calls the trunk now in its place, which runs eagerly between compiled parts
         follow_split(module, [block for *_, block in self._user_trunks] or [self.block])
         if self._user_trunks:
@@ -252,6 +250,12 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             block_ids = {id(t) for *_, block in self._user_trunks for t in [*block.parameters(), *block.buffers()]}
             local = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if id(t) in block_ids]
             ddp_ignore_parameters(module, local)
+
+    def _split_at(self, root: nn.Module, path: str) -> nn.Module:
+        """:meth:`_split` of the trunk at ``path`` in ``root`` (a copy of the trunk: one kept in the module, or
+        the copy of the module a weight-averaging callback keeps)."""
+        parent_path, _, attr = path.rpartition(".")
+        return self._split(root.get_submodule(parent_path) if parent_path else root, attr, root.get_submodule(path))
 
     def _split(self, parent: nn.Module, name: str, trunk: nn.Module) -> nn.Module:
         """Put the block of ``mode`` in the place of ``trunk`` (``parent.name``): this rank's steps only."""
@@ -304,9 +308,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             # setup, before this one: its copy is split alike, so averaging, swapping in and transferring the
             # averaged weights pair this rank's steps with the same steps
             for copy in filter(None, map(averaged_copy, trainer.callbacks)):
-                trunk = copy.get_submodule(self._trunk_path)
-                parent_path, _, attr = self._trunk_path.rpartition(".")
-                self._split(copy.get_submodule(parent_path) if parent_path else copy, attr, trunk)
+                self._split_at(copy, self._trunk_path)
         # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
         # norm counts the replicated parameters once and every rank's steps once
         self.precision_plugin.clip_grad_by_norm = clip_by_global_norm(  # type: ignore[method-assign, assignment]

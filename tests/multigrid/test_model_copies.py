@@ -7,14 +7,12 @@ matrix's ``swa`` row)."""
 
 from __future__ import annotations
 
-import copy
-
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from fit_harness import fit
-from torch import nn
+from model_ema import ModelEma
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hpc import MultigridStrategy
@@ -24,29 +22,12 @@ from lightning_hpc.models import ode_resnet
 STEPS = 3
 
 
-class ModelEma(nn.Module):
-    """As timm's ``ModelEmaV2``: a deep copy of the model, updated from its state dict."""
-
-    def __init__(self, model: nn.Module, decay: float = 0.5) -> None:
-        super().__init__()
-        self.module = copy.deepcopy(model)
-        self.module.eval()
-        self.decay = decay
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        for ema_v, model_v in zip(self.module.state_dict().values(), model.state_dict().values()):
-            ema_v.copy_(self.decay * ema_v + (1.0 - self.decay) * model_v)
-
-
 class TrainsWithEma(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = ode_resnet(in_channels=2, num_steps=8, width=4)
-        self.ema = ModelEma(self.model)
+        self.ema = ModelEma(self.model, decay=0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
