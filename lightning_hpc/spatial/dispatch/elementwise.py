@@ -150,7 +150,40 @@ def _decide(func, args, kwargs, spatial: list[SpatialTensor]) -> _Decision | Non
     return _Decision(func, args, kwargs, spatial, loc)
 
 
+#: per op: whether it changes its first operand in place (:func:`_is_inplace`, read from its name once)
+_INPLACE: dict = {}
+
+
+def _same_layout_call(x: SpatialTensor, args, kwargs) -> bool:
+    """Every tensor operand of the call is a split tensor laid out as ``x`` (same grid, global shape and split
+    dimensions) and no operand is a sequence: the op on the tiles is the output tile, laid out as ``x``."""
+    grid, gshape, sdims = x._grid, x._gshape, x._sdims
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if type(v) is not SpatialTensor or v._grid is not grid or v._gshape != gshape or v._sdims != sdims:
+                return False
+        elif isinstance(v, (list, tuple)):
+            return False
+    return True
+
+
 def _elementwise(func, args, kwargs):
+    x = args[0] if args else None
+    if type(x) is SpatialTensor and _same_layout_call(x, args, kwargs):
+        # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): nothing to
+        # decide or cut, and the op runs on the split tensors themselves with the subclass's dispatch disabled,
+        # which gives a plain result without an alias of any operand
+        inplace = _INPLACE.get(func)
+        if inplace is None:
+            inplace = _INPLACE[func] = _is_inplace(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if inplace or kwargs.get("inplace") is True:
+            return x
+        if isinstance(out, torch.Tensor) and out.dim() == len(x._gshape):
+            return SpatialTensor.wrap(out, x._grid, x._gshape, x._sdims, fresh=True)
+        raise SpatialDispatchError(
+            f"spatial: internal error: {_op_name(func)} in {where(x._grid)} gave an unexpected result")
     spatial = _spatials(args, kwargs)
     if getattr(func, "__name__", "") == "copy_":
         a = bind_call(_copy_args, args, kwargs)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial import kernels as K
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operands
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
@@ -91,6 +91,18 @@ def _run(op: str, grid: SpatialGrid, fn: Callable[[], Any]) -> Any:
 # -- convolution ---------------------------------------------------------------------------------------------------
 def _convolution(func, a, args, kwargs, k: int):
     x, weight, bias = a["input"], a["weight"], a["bias"]
+    stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
+    if type(x) is SpatialTensor and isinstance(weight, torch.Tensor) and type(weight) is not SpatialTensor \
+            and type(bias) is not SpatialTensor:
+        # a call decided before (the key of the decision below, from the call's values as given): replayed
+        # without re-reading the layout (a list argument is unhashable: decided below)
+        try:
+            cp = x._grid.decisions.table.get((_CONV_OPS[k], x._gshape, x._sdims, weight.shape, stride, padding,
+                                              dilation, groups, x._grid.policy.overlap), _UNDECIDED)
+        except TypeError:
+            cp = _UNDECIDED
+        if cp is not _UNDECIDED:
+            return NotImplemented if cp is None else _run_conv_tile(x, weight, bias, cp)
     if not isinstance(weight, torch.Tensor) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor):
         return NotImplemented
     if k == 2 and isinstance(x, SpatialTensor) and x.dim() == 4 and x._sdims == (3, 2) and weight.dim() == 4:
@@ -104,8 +116,7 @@ def _convolution(func, a, args, kwargs, k: int):
     x = _spatial_input(a, k)
     if x is None or weight.dim() != k + 2:
         return NotImplemented
-    stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
-    key = (f"conv{k}d", x._gshape, x._sdims, weight.shape, _hashable(stride), _hashable(padding),
+    key = (_CONV_OPS[k], x._gshape, x._sdims, weight.shape, _hashable(stride), _hashable(padding),
            _hashable(dilation), groups, x._grid.policy.overlap)
 
     def decide() -> K.ConvPlan | None:
@@ -123,15 +134,28 @@ def _convolution(func, a, args, kwargs, k: int):
             return None  # an argument torch refuses: its own error from the gathered call
 
     cp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
-    if cp is None:
-        return NotImplemented
+    return NotImplemented if cp is None else _run_conv_tile(x, weight, bias, cp)
+
+
+#: the first entry of a convolution's decision key, per number of spatial dimensions
+_CONV_OPS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
+
+#: a decision cache miss (None is a decision: the call is gathered)
+_UNDECIDED: Any = object()
+
+
+def _run_conv_tile(x: SpatialTensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: K.ConvPlan) -> SpatialTensor:
+    """The convolution ``cp`` plans on ``x``'s tile, as a split tensor."""
+    grid = x._grid
     # K-FAC capturing the statistics of the layer whose weight this is gets the tile's padded box, through the
     # registry the strategy keeps on the grid (spatial.dispatch.kfac_contract)
-    tiled = x._grid.tiled_layers
+    tiled = grid.tiled_layers
     record = tiled.recorder(weight) if tiled is not None else None
-    weight, bias = _replicated_operands(x._grid, weight, bias)
+    weight = _replicated_operand(weight, grid)
+    if bias is not None:
+        bias = _replicated_operand(bias, grid)
     out = K.run_conv(_plain(x), weight, bias, cp, record)
-    return _wrap_like(out, x, (x._gshape[0], weight.shape[0], *cp.out_extents))
+    return SpatialTensor.wrap(out, grid, (x._gshape[0], weight.shape[0], *cp.out_extents), x._sdims, fresh=True)
 
 
 def _hashable(v: Any) -> Any:
@@ -182,23 +206,28 @@ def _pool(func, a, args, kwargs, k: int, kind: str, windows_of: Callable[[dict[s
         return NotImplemented
     if kind == "max" and a["return_indices"]:
         return NotImplemented  # indices of a sliding max pool would be tile positions: gathered
-    try:
-        windows = windows_of(a, None)
-    except ValueError:
+    args_ = (a["kernel_size"], a["stride"], a["padding"], a["dilation"] if kind == "max" else 1, a["ceil_mode"],
+             True if kind == "max" else a["count_include_pad"], None if kind == "max" else a["divisor_override"])
+    key = (f"{kind}_pool", x._gshape, x._sdims, *map(_hashable, args_))
+
+    def decide() -> K.PoolPlan | str | None:
+        try:
+            windows = windows_of(a, None)
+        except ValueError:
+            return None  # torch's own error, from the gathered call
+        if _whole_window(x, windows) and not (kind == "avg" and a["divisor_override"] is not None):
+            return "global"
+        op = f"F.{kind}_pool{k}d"
+        return _run(op, x._grid, lambda: K.plan_pool(x._grid, _extents(x), kind, *args_, tile=_plain(x)))
+
+    pp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
+    if pp is None:
         return NotImplemented
-    extents = _extents(x)
-    if _whole_window(x, windows) and not (kind == "avg" and a["divisor_override"] is not None):
+    if isinstance(pp, str):  # "global": the global pooling
         if kind == "avg":
             return x.mean(tuple(range(2, 2 + k)), keepdim=True)  # (the global reduction)
-        return _run(f"F.max_pool{k}d", x._grid, lambda: K.adaptive_max_pool(_plain(x), x._grid, extents, (1,) * k))
-    if kind == "max":
-        out = _run(f"F.max_pool{k}d", x._grid, lambda: K.max_pool(
-            _plain(x), x._grid, extents, a["kernel_size"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"]))
-    else:
-        out = _run(f"F.avg_pool{k}d", x._grid, lambda: K.avg_pool(
-            _plain(x), x._grid, extents, a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"],
-            a["count_include_pad"], a["divisor_override"]))
-    return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
+        return _run(f"F.max_pool{k}d", x._grid, lambda: K.adaptive_max_pool(_plain(x), x._grid, _extents(x), (1,) * k))
+    return _wrap_like(K.run_pool(_plain(x), pp), x, (x._gshape[0], x._gshape[1], *pp.out_extents))
 
 
 # -- interpolation -------------------------------------------------------------------------------------------------
@@ -207,15 +236,25 @@ def _interpolate_call(func, a, args, kwargs):
     x = a["input"]
     if not _channels_first(x) or a["antialias"]:  # (any number of split dimensions: the mode says which it takes)
         return NotImplemented
-    extents = _extents(x)
-    try:
-        windows = _interpolation_windows(a, extents)
-    except ValueError:
-        return NotImplemented  # a mode without a tiled form (area, bicubic) or torch's own error: gathered
-    out = _run(f"F.interpolate({a['mode']})", x._grid, lambda: K.interpolate(
-        _plain(x), x._grid, extents, a["size"], a["scale_factor"], a["mode"], a["align_corners"],
-        a["recompute_scale_factor"]))
-    return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *K.output_extents(extents, windows)))
+    size, scale, mode, corners, recompute = (a["size"], a["scale_factor"], a["mode"], a["align_corners"],
+                                             a["recompute_scale_factor"])
+    local = _plain(x)
+    key = ("interpolate", x._gshape, x._sdims, _hashable(size), _hashable(scale), mode, corners, recompute,
+           local.dtype, local.device)
+
+    def decide() -> K.InterpolationPlan | None:
+        try:
+            return _run(f"F.interpolate({mode})", x._grid, lambda: K.plan_interpolation(
+                x._grid, _extents(x), x.dim(), size, scale, mode, corners, recompute, dtype=local.dtype,
+                device=local.device, tile=local))
+        except ValueError:
+            return None  # a mode without a tiled form (area, bicubic) or torch's own error: gathered
+
+    ip = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
+    if ip is None:
+        return NotImplemented
+    out = K.run_interpolation(local, ip)
+    return _wrap_like(out, x, (x._gshape[0], x._gshape[1], *ip.out_extents))
 
 
 # -- adaptive pooling ----------------------------------------------------------------------------------------------

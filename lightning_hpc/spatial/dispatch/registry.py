@@ -39,6 +39,8 @@ def _handles(*funcs, signature: Callable | None = None, windows: Callable | None
     def deco(fn):
         for f in funcs:
             if f is not None:
+                if f in _ELEMENTWISE:  # _dispatch routes those before the handler table
+                    raise ValueError(f"{f} is an element-wise op: it has no handler of its own")
                 _HANDLERS[f] = (fn, signature)
                 if windows is not None:
                     OP_WINDOWS[f] = (signature if signature is not None else f, windows)
@@ -100,6 +102,12 @@ def run_registered(entry: tuple[Callable, Callable | None], func, args, kwargs):
 
 
 def _dispatch(func, args, kwargs):
+    # the element-wise ops first: they are most of a network's ops (the sets are disjoint)
+    if func in _ELEMENTWISE:
+        out = _elementwise(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        return _fallback(func, args, kwargs)
     entry = _HANDLERS.get(func)
     if entry is not None:
         out = run_registered(entry, func, args, kwargs)
@@ -112,10 +120,6 @@ def _dispatch(func, args, kwargs):
     elif func in _NO_TENSOR_OUT:  # on the tensor itself (a hook on an alias would never fire)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-    elif func in _ELEMENTWISE:
-        out = _elementwise(func, args, kwargs)
-        if out is not NotImplemented:
-            return out
     return _fallback(func, args, kwargs)
 
 

@@ -23,9 +23,15 @@ from lightning_hpc.spatial.kernels.convolution import (
     run_conv,
     tile_convolution_applies,
 )
-from lightning_hpc.spatial.kernels.interpolation import interpolate, interpolation_windows
+from lightning_hpc.spatial.kernels.interpolation import (
+    InterpolationPlan,
+    interpolate,
+    interpolation_windows,
+    plan_interpolation,
+    run_interpolation,
+)
 from lightning_hpc.spatial.kernels.plan import check_partition, halo_plan, largest_split, output_extents
-from lightning_hpc.spatial.kernels.pooling import avg_pool, max_pool, pooling_windows
+from lightning_hpc.spatial.kernels.pooling import PoolPlan, avg_pool, max_pool, plan_pool, pooling_windows, run_pool
 from lightning_hpc.spatial.kernels.transposed import conv_transpose, transposed_windows
 from lightning_hpc.spatial.layout.halo_exchange import PartitionError
 
@@ -43,11 +49,17 @@ __all__ = [
     "tile_convolution_applies",
     "max_pool",
     "avg_pool",
+    "PoolPlan",
+    "plan_pool",
+    "run_pool",
     "pooling_windows",
     "conv_transpose",
     "transposed_windows",
     "interpolate",
     "interpolation_windows",
+    "InterpolationPlan",
+    "plan_interpolation",
+    "run_interpolation",
     "adaptive_avg_pool",
     "adaptive_max_pool",
     "adaptive_windows",

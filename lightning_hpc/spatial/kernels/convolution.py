@@ -132,6 +132,8 @@ class ConvPlan:
     native: bool
     out_extents: tuple[int, ...]
     path: str
+    #: the native convolution's stride, padding and dilation lists (made once: the ``native`` path's call)
+    native_args: tuple[list[int], list[int], list[int]] = ((), (), ())  # type: ignore[assignment]
 
 
 def plan_conv(grid: SpatialGrid, extents: Sequence[int], weight_shape: Sequence[int], stride: Any = 1,
@@ -161,7 +163,8 @@ def plan_conv(grid: SpatialGrid, extents: Sequence[int], weight_shape: Sequence[
     exchange_free = all(o0 <= lo and hi <= o1 for d in plan.dims for (o0, o1), (lo, hi) in zip(d.owns,
                                                                                                 d.needs_clamped))
     return ConvPlan(spec, plan, regions, pointwise, bool(exchange_free and regions == []),
-                    tuple(dim.n_out for dim in plan.dims), path)
+                    tuple(dim.n_out for dim in plan.dims), path,
+                    (spec.stride, [w.padding for w in windows], spec.dilation))
 
 
 def run_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
@@ -180,7 +183,8 @@ def run_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     if record is None and cp.regions is not None:
         if cp.native:
             cp.plan.grid.next_tag()  # as the exchange of any other path would: the ranks' tags stay in step
-            return spec.conv(x, weight, bias, [w.padding for w in spec.windows])
+            stride, padding, dilation = cp.native_args
+            return _CONV[k](x, weight, bias, stride, padding, dilation, spec.groups)
         return _TileConv.apply(x, weight, bias, spec, cp.plan, cp.regions)
     return _BoxConv.apply(x, weight, bias, spec, cp.plan, record)
 

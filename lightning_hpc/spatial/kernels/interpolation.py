@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from lightning_hpc.spatial.kernels.plan import halo_plan
-from lightning_hpc.spatial.layout.halo_exchange import halo_exchange
+from lightning_hpc.spatial.layout.halo_exchange import HaloPlan, halo_exchange
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
-__all__ = ["Interp1d", "interpolation_windows", "interpolate"]
+__all__ = ["Interp1d", "InterpolationPlan", "interpolation_windows", "interpolate", "plan_interpolation",
+           "run_interpolation"]
 
 _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
@@ -123,25 +124,58 @@ def interpolation_windows(extents: Sequence[int], size: Any = None, scale_factor
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class InterpolationPlan:
+    """Everything one interpolation call decides from its layout and arguments alone: the halo plan and, per split
+    dimension in the order applied (the last first), the axis, the source indices into the tile with its halo and
+    the weights (on the device, in the input's precision).  Made once per distinct call by
+    :func:`plan_interpolation` and replayed by :func:`run_interpolation` (the op dispatch caches it per call)."""
+
+    plan: HaloPlan
+    #: per step: (axis, i0 - lo, i1 - lo or None for the nearest modes, the weight of i1 shaped along the axis)
+    steps: tuple[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None], ...]
+    out_extents: tuple[int, ...]
+
+
+def plan_interpolation(grid: SpatialGrid, extents: Sequence[int], ndim: int, size: Any = None,
+                       scale_factor: Any = None, mode: str = "nearest", align_corners: bool | None = None,
+                       recompute_scale_factor: bool | None = None, *, dtype: torch.dtype = torch.float32,
+                       device: torch.device | None = None, tile: torch.Tensor | None = None) -> InterpolationPlan:
+    """The :class:`InterpolationPlan` of ``F.interpolate`` over a tile of ``grid`` with ``ndim`` dimensions in all
+    (``tile`` checked against the plan's block when given)."""
+    windows = interpolation_windows(extents, size, scale_factor, mode, align_corners, recompute_scale_factor)
+    plan = halo_plan(grid, extents, windows, f"interpolate({mode})", tile=tile)
+    k = plan.ndim
+    steps: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    for e in reversed(range(k)):  # the last dimension innermost, as torch nests the weights
+        win, (o0, o1), (lo, _) = windows[e], plan.out[e], plan.need[e]
+        i0, i1, lam = win.sources(o0, o1, dtype=dtype, device=device)
+        if win.mode in ("nearest", "nearest-exact"):
+            steps.append((ndim - k + e, i0 - lo, None, None))
+        else:  # the weight along dimension e of the split ones
+            steps.append((ndim - k + e, i0 - lo, i1 - lo, lam.view([-1 if j == e else 1 for j in range(k)])))
+    return InterpolationPlan(plan, tuple(steps), tuple(win.out_size(int(n)) for n, win in zip(extents, windows)))
+
+
+def run_interpolation(x: torch.Tensor, ip: InterpolationPlan) -> torch.Tensor:
+    """This rank's output tile of the interpolation ``ip`` plans, on the tile ``x``."""
+    xp = halo_exchange(x, ip.plan)  # interpolation never reaches outside the sample: no padding
+    for axis, i0, i1, lam in ip.steps:
+        a = xp.index_select(axis, i0)
+        if i1 is None or lam is None:
+            xp = a
+            continue
+        b = xp.index_select(axis, i1)
+        xp = ((1 - lam) * a + lam * b).to(x.dtype)
+    return xp
+
+
 def interpolate(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], size: Any = None, scale_factor: Any = None,
                 mode: str = "nearest", align_corners: bool | None = None,
                 recompute_scale_factor: bool | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.interpolate(x_global, size, scale_factor, mode, align_corners,
     recompute_scale_factor)`` (``x``: this rank's tile of a sample whose split dimensions have global
-    ``extents``; the output is blocked over the output's global extents)."""
-    windows = interpolation_windows(extents, size, scale_factor, mode, align_corners, recompute_scale_factor)
-    plan = halo_plan(grid, extents, windows, f"interpolate({mode})", tile=x)
-    xp = halo_exchange(x, plan)  # interpolation never reaches outside the sample: no padding
-    k = plan.ndim
-    for e in reversed(range(k)):  # the last dimension innermost, as torch nests the weights
-        win, (o0, o1), (lo, _) = windows[e], plan.out[e], plan.need[e]
-        axis = xp.dim() - k + e
-        i0, i1, lam = win.sources(o0, o1, dtype=x.dtype, device=x.device)
-        a = xp.index_select(axis, i0 - lo)
-        if win.mode in ("nearest", "nearest-exact"):
-            xp = a
-            continue
-        b = xp.index_select(axis, i1 - lo)
-        lam = lam.view([-1 if j == e else 1 for j in range(k)])  # along dimension e of the split ones
-        xp = ((1 - lam) * a + lam * b).to(x.dtype)
-    return xp
+    ``extents``; the output is blocked over the output's global extents).  (:func:`plan_interpolation` +
+    :func:`run_interpolation`.)"""
+    return run_interpolation(x, plan_interpolation(grid, extents, x.dim(), size, scale_factor, mode, align_corners,
+                                                   recompute_scale_factor, dtype=x.dtype, device=x.device, tile=x))

@@ -14,16 +14,17 @@ native pooling and the exchange's adjoint.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from lightning_hpc.spatial.kernels.plan import halo_plan, ntuple
-from lightning_hpc.spatial.layout.halo_exchange import Window1d, halo_exchange
+from lightning_hpc.spatial.layout.halo_exchange import HaloPlan, Window1d, halo_exchange
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
-__all__ = ["pooling_windows", "max_pool", "avg_pool", "pool_divisors"]
+__all__ = ["pooling_windows", "max_pool", "avg_pool", "pool_divisors", "PoolPlan", "plan_pool", "run_pool"]
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -63,40 +64,77 @@ def _sum_pool(box: torch.Tensor, kernel: list[int], stride: list[int]) -> torch.
     return (F.avg_pool2d if k == 2 else F.avg_pool3d)(box, kernel, stride, 0, divisor_override=1)
 
 
+@dataclass(frozen=True)
+class PoolPlan:
+    """Everything one max / average pooling call decides from its layout and arguments alone: the halo plan, the
+    native pooling's arguments over the box and, for an average whose windows are not all counted whole, the
+    per-output divisors (on the host).  Made once per distinct call by :func:`plan_pool` and replayed by
+    :func:`run_pool` (the op dispatch caches it per call)."""
+
+    kind: str  # "max" or "avg"
+    plan: HaloPlan
+    kernel: list[int]
+    stride: list[int]
+    dilation: list[int]
+    #: average pooling: None where every window is counted whole (the plain average), else the divisors per
+    #: output along each split dimension, or ``divisor_override``
+    divisors: list[list[int]] | int | None
+    out_extents: tuple[int, ...]
+
+
+def plan_pool(grid: SpatialGrid, extents: Sequence[int], kind: str, kernel_size: Any, stride: Any = None,
+              padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False, count_include_pad: bool = True,
+              divisor_override: int | None = None, *, tile: torch.Tensor | None = None) -> PoolPlan:
+    """The :class:`PoolPlan` of ``F.{kind}_pool{k}d`` over a tile of ``grid`` (``tile`` checked against the plan's
+    block when given; average pooling has no dilation)."""
+    k = grid.ndim
+    windows = pooling_windows(k, kernel_size, stride, padding, dilation if kind == "max" else 1, ceil_mode)
+    plan = halo_plan(grid, extents, windows, f"{kind}_pool{k}d", tile=tile)
+    kernel, strides, dilations = _window_args(windows)
+    divisors: list[list[int]] | int | None = None
+    if kind == "avg":
+        divs = [pool_divisors(win, o0, o1, dim.n, count_include_pad) for win, (o0, o1), dim in
+                zip(windows, plan.out, plan.dims)]
+        if divisor_override:
+            divisors = int(divisor_override)
+        elif not all(c == win.kernel for div, win in zip(divs, windows) for c in div):
+            divisors = divs
+    return PoolPlan(kind, plan, kernel, strides, dilations, divisors,
+                    tuple(win.out_size(int(n)) for n, win in zip(extents, windows)))
+
+
+def run_pool(x: torch.Tensor, pp: PoolPlan) -> torch.Tensor:
+    """This rank's output tile of the pooling ``pp`` plans, on the tile ``x``."""
+    k = len(pp.kernel)
+    if pp.kind == "max":
+        box = halo_exchange(x, pp.plan, pad_value=float("-inf"))  # -inf never wins a maximum: torch skips padding
+        return _MAX[k](box, pp.kernel, pp.stride, 0, pp.dilation)
+    box = halo_exchange(x, pp.plan, pad_value=0.0)
+    if pp.divisors is None:
+        return _AVG[k](box, pp.kernel, pp.stride, 0)  # every window whole (or counted whole): the plain average
+    sums = _sum_pool(box, pp.kernel, pp.stride)
+    if isinstance(pp.divisors, int):
+        return sums / pp.divisors
+    counts = torch.ones((), dtype=sums.dtype, device=sums.device)
+    for e, div in enumerate(pp.divisors):  # per output, the product of its window's counts along each dimension
+        counts = counts * sums.new_tensor(div).view([-1 if j == e else 1 for j in range(k)])
+    return sums / counts
+
+
 def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
              padding: Any = 0, ceil_mode: bool = False, count_include_pad: bool = True,
              divisor_override: int | None = None) -> torch.Tensor:
     """This rank's output tile of ``F.avg_pool{k}d(x_global, kernel_size, stride, padding, ceil_mode,
-    count_include_pad, divisor_override)`` (``divisor_override``: 2-D and 3-D in torch, accepted for 1-D too)."""
-    k = grid.ndim
-    windows = pooling_windows(k, kernel_size, stride, padding, 1, ceil_mode)
-    plan = halo_plan(grid, extents, windows, f"avg_pool{k}d", tile=x)
-    box = halo_exchange(x, plan, pad_value=0.0)
-    kernel, stride, _ = _window_args(windows)
-    key = ("pool_divisors", tuple(windows), count_include_pad)
-    if key not in plan.memo:  # a pure function of the (cached) plan
-        plan.memo[key] = [pool_divisors(win, o0, o1, dim.n, count_include_pad) for win, (o0, o1), dim in
-                          zip(windows, plan.out, plan.dims)]
-    divs = plan.memo[key]
-    if not divisor_override and all(c == win.kernel for div, win in zip(divs, windows) for c in div):
-        return _AVG[k](box, kernel, stride, 0)  # every window whole (or counted whole): the plain average
-    sums = _sum_pool(box, kernel, stride)
-    if divisor_override:
-        return sums / divisor_override
-    counts = torch.ones((), dtype=sums.dtype, device=sums.device)
-    for e, div in enumerate(divs):  # per output, the product of its window's counts along each dimension
-        counts = counts * sums.new_tensor(div).view([-1 if j == e else 1 for j in range(k)])
-    return sums / counts
+    count_include_pad, divisor_override)`` (``divisor_override``: 2-D and 3-D in torch, accepted for 1-D too).
+    (:func:`plan_pool` + :func:`run_pool`.)"""
+    return run_pool(x, plan_pool(grid, extents, "avg", kernel_size, stride, padding, 1, ceil_mode, count_include_pad,
+                                 divisor_override, tile=x))
 
 
 def max_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,
              padding: Any = 0, dilation: Any = 1, ceil_mode: bool = False) -> torch.Tensor:
     """This rank's output tile of ``F.max_pool{k}d(x_global, kernel_size, stride, padding, dilation, ceil_mode)``
     (``x``: this rank's tile of a sample whose split dimensions have global ``extents``; the output is blocked over
-    the output's global extents).  ``return_indices`` is not offered (indices would be global positions)."""
-    k = grid.ndim
-    windows = pooling_windows(k, kernel_size, stride, padding, dilation, ceil_mode)
-    plan = halo_plan(grid, extents, windows, f"max_pool{k}d", tile=x)
-    box = halo_exchange(x, plan, pad_value=float("-inf"))  # -inf never wins a maximum: torch skips the padding
-    kernel, stride, dilation = _window_args(windows)
-    return _MAX[k](box, kernel, stride, 0, dilation)
+    the output's global extents).  ``return_indices`` is not offered (indices would be global positions).
+    (:func:`plan_pool` + :func:`run_pool`.)"""
+    return run_pool(x, plan_pool(grid, extents, "max", kernel_size, stride, padding, dilation, ceil_mode, tile=x))

@@ -392,9 +392,31 @@ class Halo:
         return out
 
 
+def _local_box(plan: HaloPlan) -> tuple[Any, list[int] | None]:
+    """For a plan that exchanges nothing: the index of the tile's part of the box ``plan.need`` (None: the whole
+    tile) and the padding around it (None: none), as :meth:`Halo.box` cuts them (made once per plan)."""
+    memo = plan.memo.get("local_box")
+    if memo is None:
+        clamped = [(max(lo, 0), min(hi, dim.n)) for (lo, hi), dim in zip(plan.need, plan.dims)]
+        pads: list[int] = []
+        for (lo, hi), (clo, chi) in zip(reversed(plan.need), reversed(clamped)):
+            pads += [clo - lo, hi - chi]
+        if [tuple(c) for c in clamped] != [tuple(o) for o in plan.own]:
+            index = trailing(slice(a - r[0], b - r[0]) for (a, b), r in zip(clamped, plan.own))
+        else:
+            index = None
+        memo = plan.memo["local_box"] = (index, pads if any(pads) else None)
+    return memo  # type: ignore[no-any-return]
+
+
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) -> torch.Tensor:
     """Blocking halo exchange: the tile extended to the box ``plan.need`` (halo from neighbours, ``pad_value``
     outside the sample), autograd-tracked through the exchange (:class:`_HaloStart`, :class:`_HaloFinish`)."""
+    if not plan.sends and not plan.recvs:  # nothing to exchange: the tag advances as an exchange's would
+        plan.grid.next_tag()
+        index, pads = _local_box(plan)
+        out = x if index is None else x[index]
+        return F.pad(out, pads, value=pad_value) if pads else out
     exchange = HaloExchange(plan)
     x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
     return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)
