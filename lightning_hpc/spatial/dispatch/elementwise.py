@@ -167,19 +167,29 @@ def _same_layout_call(x: SpatialTensor, args, kwargs) -> bool:
     return True
 
 
+def _plain_operand(v):
+    """A split operand's tile as a plain tensor (call with the subclass's dispatch off); anything else as it is."""
+    return v.as_subclass(torch.Tensor) if type(v) is SpatialTensor else v
+
+
 def _elementwise(func, args, kwargs):
     x = args[0] if args else None
     if type(x) is SpatialTensor and _same_layout_call(x, args, kwargs):
         # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): nothing to
-        # decide or cut, and the op runs on the split tensors themselves with the subclass's dispatch disabled,
-        # which gives a plain result without an alias of any operand
+        # decide or cut.  The operands are plain tiles (what autograd saves for backward stays plain, so a
+        # dispatch mode seeing backward's ops, e.g. FlopCounterMode, gets no split tensor); an in-place op changes
+        # the split tensor itself (an in-place op on an alias would make autograd copy the whole tile back)
         inplace = _INPLACE.get(func)
         if inplace is None:
             inplace = _INPLACE[func] = _is_inplace(func)
+        inplace = inplace or kwargs.get("inplace") is True
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if inplace or kwargs.get("inplace") is True:
-            return x
+            largs = [_plain_operand(a) for a in args[1:]] if len(args) > 1 else ()
+            lkw = {k: _plain_operand(v) for k, v in kwargs.items()} if kwargs else kwargs
+            if inplace:
+                func(x, *largs, **lkw)
+                return x
+            out = func(x.as_subclass(torch.Tensor), *largs, **lkw)
         if isinstance(out, torch.Tensor) and out.dim() == len(x._gshape):
             return SpatialTensor.wrap(out, x._grid, x._gshape, x._sdims, fresh=True)
         raise SpatialDispatchError(

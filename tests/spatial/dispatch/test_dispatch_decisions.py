@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.dispatch import elementwise, split_tensor
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
 from lightning_hpc.spatial.dispatch.calls import bind_call
+from lightning_hpc.spatial.dispatch.state import state
 from lightning_hpc.spatial.layout.tiling import SpatialGrid, create_hybrid_layout
 
 
@@ -152,3 +154,23 @@ def test_inplace_keyword_is_part_of_the_decision():
     assert (x.local() < 0).any() and (out.local() >= 0).all()
     same = F.relu(x, inplace=True)
     assert same is x and (x.local() >= 0).all()
+
+
+def test_backward_under_a_dispatch_mode_meets_no_split_tensor():
+    """What autograd saves for backward from the ops that skip the decisions (element-wise on tiles laid out alike,
+    the replayed convolution) is plain: a dispatch mode seeing backward's ops (FlopCounterMode, as Lightning's
+    ``measure_flops`` uses) counts the same FLOPs as on plain tensors and nothing is gathered (a saved split
+    tensor would send backward's aten ops through the op dispatch, which gathers them)."""
+    torch.manual_seed(0)
+    net, grid = _Net(), SpatialGrid.single()
+    x, y = torch.randn(2, 3, 8, 8), torch.randn(2, 4, 4, 4)
+
+    def flops(split: bool) -> int:
+        before = state().gathers
+        with FlopCounterMode(display=False) as counter:
+            xs, ys = (split_tensor(t, grid, tuple(t.shape)) if split else t for t in (x, y))
+            (net(xs) * ys).sum(dim=(0, 1, 2, 3)).backward()
+        assert state().gathers == before
+        return counter.get_total_flops()
+
+    assert flops(True) == flops(False) > 0
