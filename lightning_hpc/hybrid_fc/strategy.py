@@ -144,6 +144,33 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             yield
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._refuse_weight_averaging_on_meta()
+
+    def _refuse_weight_averaging_on_meta(self) -> None:
+        """``WeightAveraging`` / ``EMAWeightAveraging`` move their copy of the LightningModule to its device in their
+        ``setup`` (torch's ``AveragedModel``), which runs before the head is allocated shard by shard: a module
+        whose layers were built on the meta device (``Trainer.init_module()``) would fail there, inside Lightning,
+        naming neither the strategy nor a fix.  Refused here first.  (``StochasticWeightAveraging`` copies without
+        moving: its copy gets the model's initial weights when it is split, :meth:`_split_averages`.)"""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if module is None or trainer is None or getattr(trainer.state, "fn", None) != "fit":
+            return
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            return
+        names = [type(cb).__name__ for cb in getattr(trainer, "callbacks", [])
+                 if any(k.__name__ == "WeightAveraging" for k in type(cb).__mro__)]
+        if names:
+            raise ValueError(
+                f"strategy='hybrid_fc': {names[0]} copies the LightningModule to its device when fit starts, and the "
+                "module's linear layers are on the meta device (built under Trainer.init_module(), so that each rank "
+                "allocates only its shards of the head): the copy has no values to move. Build the module with "
+                "Trainer.init_module(empty_init=False) (or outside it), or use StochasticWeightAveraging"
+            )
+
+    @override
     def model_to_device(self) -> None:
         # The head is sharded before DDP wraps the model, so DDP ignores the shards and the optimizers see only
         # this rank's 1/K.  A materialised head is sharded after the model reaches its device (NCCL broadcasts need
@@ -406,7 +433,18 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def teardown(self) -> None:
         self._hand_back_model()
         self._failures.stop()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            super().teardown()
+            return
+        # a run that stopped before the head was allocated (a refusal, a callback's error) with layers built on the
+        # meta device: Lightning's teardown moves the module to the host, which a meta tensor cannot do, and that
+        # error would replace the run's own; those tensors stay where they are
+        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     def _hand_back_model(self) -> None:
         """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the

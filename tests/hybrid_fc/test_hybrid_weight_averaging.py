@@ -14,13 +14,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from fit_harness import fit
+from fit_harness import fit, trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from test_hybrid_twins import _data, _loaders, _net
 
 from lightning_hpc import KFAC, HybridParallelStrategy
 from lightning_hpc._compat import averaged_copy
 from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.hybrid_fc import full_state_dict
 
 K, EPOCHS = 2, 3
 
@@ -53,8 +54,10 @@ class Plain(pl.LightningModule):
 
 
 def _callback(kind: str) -> pl.Callback:
-    if kind == "swa":  # averaging from the second epoch of three: two epochs averaged, then copied into the model
-        return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    if kind == "swa":
+        # averaging from the second epoch of three (swa_epoch_start counts from 1): the first epoch's checkpoint
+        # holds the copy as the callback made it, the next two average, and the average is copied into the model
+        return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)
     return EMAWeightAveraging(decay=0.5)
 
 
@@ -81,8 +84,8 @@ def _train(rank: int, world: int, kind: str, kfac: bool, directory: str) -> dict
             "average": {k: v.clone() for k, v in average.state_dict().items()}, "logits": logits}
 
 
-def _checkpoint(directory: str, world: int, epoch: int) -> dict:
-    return torch.load(os.path.join(directory, str(world), f"epoch={epoch}.ckpt"), map_location="cpu",
+def _checkpoint(directory: str, world: int, epoch: int, prefix: str = "") -> dict:
+    return torch.load(os.path.join(directory, f"{prefix}{world}", f"epoch={epoch}.ckpt"), map_location="cpu",
                       weights_only=False)
 
 
@@ -157,3 +160,65 @@ def test_an_average_that_cannot_be_split_alike_is_refused_before_the_first_step(
     for steps, error in run_in_processes(_refused, K, case, timeout_s=240):
         assert steps == 0 and error is not None
         assert re.search(message, error), error
+
+
+class _Starts(pl.Callback):
+    """Records the module's whole state as training starts and the validation loss of the sanity check."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.state = full_state_dict(pl_module) if trainer.world_size > 1 else dict(pl_module.state_dict())
+        self.state = {k: v.detach().clone() for k, v in self.state.items()}
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.sanity_val = trainer.callback_metrics["val_loss"].clone()
+
+
+def _train_built_on_meta(rank: int, world: int, kind: str, directory: str, start: dict | None = None,
+                         empty_init: bool | None = None) -> dict:
+    """``Trainer.init_module()``: under hybrid_fc the head's layers are built on the meta device (each rank then
+    allocates its shards), so the callback copies a module without head values; one process (``start``: the
+    2-rank run's initial weights) builds it whole."""
+    train, val = _loaders(rank, world)
+    averaging, starts = _callback(kind), _Starts()
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(directory, f"meta{world}"), save_top_k=-1,
+                                  filename="{epoch}")
+    run = trainer(devices=world, strategy=HybridParallelStrategy() if world > 1 else "auto", precision="64-true",
+                  callbacks=[averaging, starts, checkpoints], max_epochs=EPOCHS, use_distributed_sampler=False,
+                  enable_checkpointing=True)
+    with run.init_module(empty_init=empty_init):
+        module = Plain(val)
+    if start is not None:
+        module.load_state_dict(start)
+    try:
+        run.fit(module, train)
+    except ValueError as e:  # the refusal, before any step
+        return {"error": str(e), "steps": run.global_step}
+    average = averaged_copy(averaging)
+    assert average is not None
+    return {"start": starts.state, "sanity_val": starts.sanity_val, "val": run.callback_metrics["val_loss"],
+            "params": [p.detach().clone() for p in module.parameters()],
+            "average": {k: v.clone() for k, v in average.state_dict().items()}}
+
+
+@pytest.mark.parametrize("kind", ["swa", "ema"])
+def test_an_average_copied_from_a_head_on_the_meta_device_starts_as_the_model(kind, tmp_path):
+    """SWA: the copy gets the model's initial weights (the first checkpoint's average, before any update) and
+    training ends as on one process from the same start.  EMA: Lightning's callback moves its copy to the device in
+    its setup, which a module on the meta device cannot: refused before the first step naming the fix
+    (``Trainer.init_module(empty_init=False)``), and with the fix it trains as one process (the EMA swapped in for
+    the sanity check's validation included)."""
+    empty_init = None
+    if kind == "ema":
+        for res in run_in_processes(_train_built_on_meta, K, kind, str(tmp_path), timeout_s=400):
+            assert res["steps"] == 0 and re.search(r"EMAWeightAveraging copies the LightningModule.*meta device.*"
+                                                   r"Trainer.init_module\(empty_init=False\)", res["error"])
+        empty_init = False
+    results = run_in_processes(_train_built_on_meta, K, kind, str(tmp_path), None, empty_init, timeout_s=400)
+    one = _train_built_on_meta(0, 1, kind, str(tmp_path), results[0]["start"])
+    torch.testing.assert_close(one["start"], results[0]["start"], rtol=0, atol=0)
+    for rank, res in enumerate(results):
+        for what in ("sanity_val", "val", "params", "average"):
+            torch.testing.assert_close(res[what], one[what], rtol=0, atol=1e-9, msg=f"rank {rank}: {what}")
+    got, want = _checkpoint(str(tmp_path), K, 0, "meta"), _checkpoint(str(tmp_path), 1, 0, "meta")
+    for key, value in _averaged_state(want, kind).items():  # SWA: the copy as it started
+        torch.testing.assert_close(_averaged_state(got, kind)[key], value, rtol=0, atol=1e-9, msg=key)
