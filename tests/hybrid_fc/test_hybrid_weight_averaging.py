@@ -80,8 +80,12 @@ def _train(rank: int, world: int, kind: str, kfac: bool, directory: str) -> dict
     assert average is not None
     with torch.no_grad():
         logits = module(_data(4, 9)[0])  # on this rank alone
-    return {"params": run.params, "val": run.metric("val_loss"),
-            "average": {k: v.clone() for k, v in average.state_dict().items()}, "logits": logits}
+    averaged = {k: v.clone() for k, v in average.state_dict().items()}
+    # a later stage splits the model and the copy again (the EMA swaps its copy in around validation)
+    assert run.trainer is not None
+    validated = run.trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    return {"params": run.params, "val": run.metric("val_loss"), "average": averaged, "logits": logits,
+            "validated": validated, "after_validate": [p.detach().clone() for p in module.parameters()]}
 
 
 def _checkpoint(directory: str, world: int, epoch: int, prefix: str = "") -> dict:
@@ -114,6 +118,8 @@ def test_weight_averaging_trains_validates_and_checkpoints_as_one_process(kind, 
             torch.testing.assert_close(res["average"][key], want, rtol=0, atol=1e-9, msg=f"rank {rank}: {key}")
         torch.testing.assert_close(res["val"], one["val"], rtol=0, atol=1e-9)
         torch.testing.assert_close(res["logits"], one["logits"], rtol=0, atol=1e-9)
+        assert res["validated"] == pytest.approx(one["validated"], rel=1e-9, abs=0), rank
+        torch.testing.assert_close(res["after_validate"], one["after_validate"], rtol=0, atol=1e-9)
     for epoch in range(EPOCHS):
         got, want = _checkpoint(str(tmp_path), K, epoch), _checkpoint(str(tmp_path), 1, epoch)
         averaged = _averaged_state(got, kind)
