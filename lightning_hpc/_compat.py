@@ -44,6 +44,7 @@ __all__ = [
     "weight_norm",
     "weight_norm_parametrization_type",
     "averaged_copy",
+    "averaging_device",
 ]
 
 
@@ -146,6 +147,14 @@ def averaged_copy(callback: Any) -> nn.Module | None:
     if isinstance(average, torch.optim.swa_utils.AveragedModel):
         return average.module
     return average if isinstance(average, nn.Module) else None
+
+
+def averaging_device(callback: Any) -> torch.device | None:
+    """The device a weight-averaging callback was told to keep its averaged copy on (Lightning's private
+    ``_device``: ``StochasticWeightAveraging``'s defaults to the host, ``WeightAveraging``'s to None, the module's
+    device when its ``setup`` runs); None where none was given."""
+    device = getattr(callback, "_device", None)
+    return None if device is None else torch.device(device)
 
 
 def storage_use_count(t: torch.Tensor) -> int:

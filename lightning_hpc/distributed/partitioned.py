@@ -38,9 +38,9 @@ reductions the whole tensor's value:
 A block pickles (``torch.save``) as its plain block, since the partition is this run's process group; a deep copy
 (``AveragedModel``, an EMA's copy) is a block of the same partition.
 
-The refusals, each raised before the first step with the fix named: :func:`refuse_flat_view_optimizers`
-(``LBFGS``), :func:`refuse_weight_averaging` (Lightning's weight-averaging callbacks, found by
-:func:`averaging_callbacks`) and :func:`refuse_compiled` (a ``torch.compile``'d submodule).
+The refusal shared by the split strategies, raised before the first step with the fix named:
+:func:`refuse_flat_view_optimizers` (``LBFGS``); :func:`follow_split` points ``torch.compile``'d submodules at
+the modules a strategy put in their place.
 
 Why not torch's ``DTensor`` with ``Shard`` placements on the head's mesh: the results of user reductions must be
 plain tensors, since user code mixes them with the data-parallel trunk's plain tensors and hands them to
@@ -72,8 +72,6 @@ __all__ = [
     "local_block",
     "is_block",
     "refuse_flat_view_optimizers",
-    "refuse_weight_averaging",
-    "averaging_callbacks",
     "follow_split",
 ]
 
@@ -435,30 +433,6 @@ def refuse_flat_view_optimizers(optimizers: Sequence[torch.optim.Optimizer], str
                 "a first-order optimizer (SGD, Adam, AdamW: they update every element from its own gradient), or "
                 "train with strategy='ddp', where every rank holds the whole model"
             )
-
-
-def refuse_weight_averaging(callbacks: Sequence[str], strategy: str, layers: str) -> None:
-    """Raise before the first step for weight-averaging callbacks (``callbacks``: their class names), which keep
-    a copy of the whole module outside the strategy and swap it in: the copy would hold this rank's blocks without
-    the strategy's collectives around them."""
-    if callbacks:
-        raise ValueError(
-            f"{strategy}: {', '.join(callbacks)} keeps an averaged copy of the LightningModule outside the strategy "
-            f"and swaps it in, and {layers} are split over the ranks: the copy holds this rank's part without the "
-            "strategy's communication around it. Average the weights from the checkpoints instead (the strategy "
-            "writes full, unsplit checkpoints: torch.optim.swa_utils.AveragedModel over the loaded serial model), "
-            "or train with strategy='ddp'"
-        )
-
-
-#: Lightning's weight-averaging callbacks (``EMAWeightAveraging`` derives from ``WeightAveraging``), named here so
-#: that this module imports no Lightning
-_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")
-
-
-def averaging_callbacks(callbacks: Sequence[Any]) -> list[str]:
-    """Class names of the weight-averaging callbacks among a trainer's ``callbacks``."""
-    return [type(cb).__name__ for cb in callbacks if any(k.__name__ in _AVERAGING for k in type(cb).__mro__)]
 
 
 def follow_split(module: nn.Module, parallel: Sequence[nn.Module] = (), *, eager: bool = False) -> list[str]:

@@ -29,19 +29,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hpc._compat import ddp_ignore_parameters
+from lightning_hpc._compat import averaged_copy, averaging_device, ddp_ignore_parameters
 from lightning_hpc.distributed.clip import clip_by_global_norm
+from lightning_hpc.distributed.copies import tensor_signature
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
-from lightning_hpc.distributed.partitioned import (
-    averaging_callbacks,
-    follow_split,
-    refuse_flat_view_optimizers,
-    refuse_weight_averaging,
-)
+from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.hybrid_fc import (
@@ -128,6 +124,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._trainable: TrainableSet | None = None
         #: no DDP: the trunk had no trainable parameter when training started (see configure_ddp)
         self._averages_trunk = False
+        #: the head's process group and the LightningModule's tensors (names and shapes) before and after the
+        #: split, for splitting the copies weight-averaging callbacks keep alike (:meth:`_split_averages`)
+        self._group: dist.ProcessGroup | None = None
+        self._signatures: tuple[list[tuple[str, tuple[int, ...]]], ...] = ([], [])
+        #: those callbacks and their copies, split this stage (handed back whole with the model)
+        self._averages: list[tuple[Any, torch.nn.Module]] = []
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -140,6 +142,33 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             linear_layers_on_meta() if empty_init is not False else contextlib.nullcontext(),
         ):
             yield
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._refuse_weight_averaging_on_meta()
+
+    def _refuse_weight_averaging_on_meta(self) -> None:
+        """``WeightAveraging`` / ``EMAWeightAveraging`` move their copy of the LightningModule to its device in their
+        ``setup`` (torch's ``AveragedModel``), which runs before the head is allocated shard by shard: a module
+        whose layers were built on the meta device (``Trainer.init_module()``) would fail there, inside Lightning,
+        naming neither the strategy nor a fix.  Refused here first.  (``StochasticWeightAveraging`` copies without
+        moving: its copy gets the model's initial weights when it is split, :meth:`_split_averages`.)"""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if module is None or trainer is None or getattr(trainer.state, "fn", None) != "fit":
+            return
+        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            return
+        names = [type(cb).__name__ for cb in getattr(trainer, "callbacks", [])
+                 if any(k.__name__ == "WeightAveraging" for k in type(cb).__mro__)]
+        if names:
+            raise ValueError(
+                f"strategy='hybrid_fc': {names[0]} copies the LightningModule to its device when fit starts, and the "
+                "module's linear layers are on the meta device (built under Trainer.init_module(), so that each rank "
+                "allocates only its shards of the head): the copy has no values to move. Build the module with "
+                "Trainer.init_module(empty_init=False) (or outside it), or use StochasticWeightAveraging"
+            )
 
     @override
     def model_to_device(self) -> None:
@@ -194,6 +223,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # The head gets its own process group so its collectives never interleave with DDP's buckets.
         # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
         group = self._head_group(device) if dist.is_initialized() else None
+        unsplit = _names_and_shapes(module)
         root = parallelize_head(
             inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device
         )
@@ -207,6 +237,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         shard_ids = {id(p) for p in head_parameters(self._search_root())}
         ignore = [n for n, p in module.named_parameters() if id(p) in shard_ids]
         ddp_ignore_parameters(module, ignore)
+        self._group, self._signatures = group, (unsplit, _names_and_shapes(module))
         self._parallelized = True
 
     @override
@@ -273,7 +304,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         head_layers = "the fully-connected head's layers"
         refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)
-        refuse_weight_averaging(averaging_callbacks(trainer.callbacks), "strategy='hybrid_fc'", head_layers)
+        self._split_averages(trainer.callbacks)
         if self.lightning_module is not None:  # what DDP's reducer was built for (configure_ddp ran in setup)
             self._trainable = TrainableSet(self.lightning_module)
         # gradient_clip_val / clip_gradients by norm: the norm of the whole model (trunk once, every shard once),
@@ -285,6 +316,68 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._search_root()))
+
+    def _split_averages(self, callbacks: Sequence[Any]) -> None:
+        """The copy of the LightningModule each weight-averaging callback keeps (``StochasticWeightAveraging``,
+        ``WeightAveraging`` / ``EMAWeightAveraging``: made in the callback's ``setup``, which runs before this one)
+        split as the model is: the same head layers, layouts, blocks and process group.  The callbacks only copy
+        tensors between the two, element by element in ``parameters()`` (and ``buffers()``) order (averaging after
+        a step or an epoch, swapping the average in around validation, copying it into the model at the end), so
+        each rank pairs its blocks with the same blocks of the copy, as one process pairs whole tensors; the copy
+        is never called.  A copy made while the head was on the meta device (``Trainer.init_module``) holds no
+        values: it gets the model's as they start, which is what the callback copied on one process."""
+        self._averages = []
+        module = self.lightning_module
+        if not self._parallelized or module is None:
+            return
+        unsplit, split = self._signatures
+        for callback in callbacks:
+            copy = averaged_copy(callback)
+            if copy is None:
+                continue
+            name = type(callback).__name__
+            where = averaging_device(callback)
+            if where is not None and where.type != self.root_device.type:
+                raise ValueError(
+                    f"strategy='hybrid_fc': {name} keeps its averaged copy of the LightningModule on {where}, away "
+                    f"from the training device ({self.root_device}); the copy's fully-connected head is split over the "
+                    "ranks as the model's is, and its blocks are gathered (into checkpoints, and whole at the end of "
+                    f"every stage) by the head's collectives on the training device. Pass {name}(..., device=None): "
+                    "the copy then lives on the training device, 1/K of its head on each rank"
+                )
+            if _names_and_shapes(copy) != unsplit:
+                raise ValueError(
+                    f"strategy='hybrid_fc': the copy of the LightningModule {name} made in its setup does not hold "
+                    "the module's parameters and buffers as training starts (the module changed after the callback "
+                    "copied it: in LightningModule.setup or configure_model), so it cannot be split as the model is "
+                    "and averaging would pair different tensors. Build the layers in __init__, or train with "
+                    "strategy='ddp'"
+                )
+            meta = any(t.is_meta for t in [*copy.parameters(), *copy.buffers()])
+            if meta:
+                copy.to_empty(device=self.root_device)  # its values are the model's, set below
+            else:
+                copy.to(self.root_device)
+            root = copy if self.model_attr is None else getattr(copy, self.model_attr)
+            layouts = find_hybrid_head(self._search_root()).layouts
+            # the per-step head (the copy is never trained), without an exchange group of its own (never called)
+            split_root = parallelize_head(root, self.head, self.scheme, "per_step", self._group, None, layouts,
+                                          device=self.root_device, overlap=False)
+            if self.model_attr is not None:
+                setattr(copy, self.model_attr, split_root)
+            if _names_and_shapes(copy) != split:
+                raise ValueError(
+                    f"strategy='hybrid_fc': the copy of the LightningModule {name} keeps was split otherwise than the "
+                    "model (another head was found in it), so averaging would pair different blocks. Name the head: "
+                    "HybridParallelStrategy(head='<dotted.path>'), or train with strategy='ddp'"
+                )
+            if meta:
+                with torch.no_grad():
+                    for mine, model in zip([*copy.parameters(), *copy.buffers()],
+                                           [*module.parameters(), *module.buffers()]):
+                        mine.copy_(model)
+            follow_split(copy, find_hybrid_heads(root))
+            self._averages.append((callback, copy))
 
     @override
     def on_train_start(self) -> None:
@@ -340,7 +433,18 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def teardown(self) -> None:
         self._hand_back_model()
         self._failures.stop()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            super().teardown()
+            return
+        # a run that stopped before the head was allocated (a refusal, a callback's error) with layers built on the
+        # meta device: Lightning's teardown moves the module to the host, which a meta tensor cannot do, and that
+        # error would replace the run's own; those tensors stay where they are
+        module.cpu = lambda: module._apply(lambda t: t if t.is_meta else t.cpu())  # type: ignore[method-assign]
+        try:
+            super().teardown()
+        finally:
+            del module.cpu
 
     def _hand_back_model(self) -> None:
         """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the
@@ -361,6 +465,14 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
             rebind_optimizer(optimizer, params, state)
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module reduces the head again
+        for _, copy in self._averages:  # weight averaging's copies: whole again, where the callback keeps them
+            on_host = next(iter([*copy.parameters(), *copy.buffers()]), torch.empty(())).device.type == "cpu"
+            root, _ = unparallelize_head(copy if self.model_attr is None else getattr(copy, self.model_attr),
+                                         cpu=on_host)
+            if self.model_attr is not None:
+                setattr(copy, self.model_attr, root)
+            follow_split(copy)
+        self._averages = []
         self._parallelized = False
         self._head_optimizer = None
 
@@ -465,6 +577,23 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         return full_state_dict(module, rank0_only=True, cpu=True)
 
     @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Weight averaging's copy, split as the model is (:meth:`_split_averages`), whole in the checkpoint (the
+        callbacks put its ``state_dict()``, this rank's blocks, there after the model's was gathered):
+        ``StochasticWeightAveraging``'s ``average_model_state`` in its callback state, and the average that
+        ``WeightAveraging`` writes as the checkpoint's ``state_dict`` (the model's under ``current_model_state``).
+        Collective: every rank saves (only rank 0 writes)."""
+        for callback, copy in self._averages:  # split this stage (emptied when handed back whole)
+            state = checkpoint.get("callbacks", {}).get(callback.state_key)
+            if isinstance(state, dict) and state.get("average_model_state") is not None:
+                state["average_model_state"] = full_state_dict(copy, rank0_only=True, cpu=True)
+            elif "current_model_state" in checkpoint:
+                checkpoint["state_dict"] = full_state_dict(copy, rank0_only=True, cpu=True)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         assert self.lightning_module is not None
@@ -480,6 +609,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             for o, s in zip(self.optimizers, checkpoint["optimizer_states"])
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+
+def _names_and_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """The names and shapes of ``module``'s parameters then buffers (not their dtypes: a precision plugin converts
+    the LightningModule after weight averaging copied it, and the callbacks average across dtypes)."""
+    return [(name, shape) for name, shape, _ in tensor_signature(module)]
 
 
 def last_batch_sizes(trainer: Any, ranks: int) -> list[tuple[int, int, int]]:

@@ -182,7 +182,6 @@ _CHANGED = r"{}: parameters of {}.* {}: .*refused before it is taken.*between tw
 
 
 _LBFGS_MSG = r"strategy='{}': torch.optim.LBFGS views every parameter as one flat vector.*first-order.*strategy='ddp'"
-_SWA_MSG = r"strategy='{}': StochasticWeightAveraging keeps an averaged copy.*full, unsplit checkpoints.*strategy='ddp'"
 
 
 class _RefusedFor:
@@ -195,7 +194,7 @@ class _RefusedFor:
         return Refused(self.message.format(strategy))
 
 
-_LBFGS, _SWA = _RefusedFor(_LBFGS_MSG), _RefusedFor(_SWA_MSG)
+_LBFGS = _RefusedFor(_LBFGS_MSG)
 
 
 def _trainability_refused(strategy: str) -> dict[str, Verdict]:
@@ -283,9 +282,10 @@ def _hybrid_fc() -> dict[str, Verdict]:
     """hybrid_fc (2 ranks, scheme c, per-step head update).  Modules without a convolution, pooling or flatten
     (Lightning's demo modules, the GAN) have their last linear layers as the head; a trunk with nothing to train
     at the start (Flatten + Linear, a frozen stem, BackboneFinetuning's frozen backbone) is averaged by the strategy
-    instead of DDP; a head layer tied to a trunk layer stays in the trunk.  Refused where the split head makes the
-    feature impossible: an optimizer's flat view of every parameter (LBFGS), averaged copies of the model (SWA);
-    refused as DDP refuses it: trainability changed mid-run under DDP's reducer, an unused trunk parameter."""
+    instead of DDP; a head layer tied to a trunk layer stays in the trunk; weight averaging's copy of the module is
+    split as the model is.  Refused where the split head makes the feature impossible: an optimizer's flat view of
+    every parameter (LBFGS); refused as DDP refuses it: trainability changed mid-run under DDP's reducer, an unused
+    trunk parameter."""
     cells: dict[str, Verdict] = {f: Exact() for f in FEATURES}
     cells.update(adam_f32=_KFAC_ROUNDING_ONLY, boring_adam_f32=_KFAC_ROUNDING_ONLY)
     cells.update(
@@ -301,8 +301,7 @@ def _hybrid_fc() -> dict[str, Verdict]:
                                  fixed=True),
         freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
         lbfgs=_LBFGS.format("hybrid_fc"),
-        swa=_SWA.format("hybrid_fc"),
-    )
+    )  # swa: the callback's copy of the module is split alike
     return cells
 
 

@@ -111,20 +111,9 @@ def test_whole_tensor_reductions_on_uneven_blocks():
     assert out[0]["plain_norm"] < expected["pow(2).sum"] ** 0.5 - 1e-3
 
 
-def test_weight_averaging_and_flat_view_optimizers_are_named():
-    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+def test_flat_view_optimizers_are_named():
+    from lightning_hpc.distributed.partitioned import refuse_flat_view_optimizers
 
-    from lightning_hpc.distributed.partitioned import (
-        averaging_callbacks,
-        refuse_flat_view_optimizers,
-        refuse_weight_averaging,
-    )
-
-    found = averaging_callbacks([EMAWeightAveraging(), StochasticWeightAveraging(swa_lrs=0.1), ModelCheckpoint()])
-    assert found == ["EMAWeightAveraging", "StochasticWeightAveraging"]
-    with pytest.raises(ValueError, match=r"strategy='x': EMAWeightAveraging, StochasticWeightAveraging keeps"):
-        refuse_weight_averaging(found, "strategy='x'", "the layers")
-    refuse_weight_averaging([], "strategy='x'", "the layers")
     params = [nn.Parameter(torch.zeros(2))]
     refuse_flat_view_optimizers([torch.optim.SGD(params, lr=0.1)], "strategy='x'", "the layers")
     with pytest.raises(ValueError, match=r"strategy='x': torch.optim.LBFGS views every parameter"):
