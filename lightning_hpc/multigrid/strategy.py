@@ -135,6 +135,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         #: (parent, attribute, the user's trunk, its split block) of the trunk and of its copies while they are
         #: replaced; handed back at teardown
         self._user_trunks: list[tuple[nn.Module, str, nn.Module, LayerShardedTrunk]] = []
+        #: the weight-averaging callbacks whose copies of the module are split this stage (:meth:`save_checkpoint`)
+        self._averages: list[tuple[Any, nn.Module]] = []
 
     @property
     def kfac_unsupported(self) -> str | None:
@@ -307,7 +309,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             # weight averaging (StochasticWeightAveraging, EMAWeightAveraging) copied the unsplit module in its
             # setup, before this one: its copy is split alike, so averaging, swapping in and transferring the
             # averaged weights pair this rank's steps with the same steps
-            for copy in filter(None, map(averaged_copy, trainer.callbacks)):
+            self._averages = [(c, copy) for c in trainer.callbacks if (copy := averaged_copy(c)) is not None]
+            for _, copy in self._averages:
                 self._split_at(copy, self._trunk_path)
         # gradient_clip_val / clip_gradients by norm: each rank of a layer chain holds only its steps, so the
         # norm counts the replicated parameters once and every rank's steps once
@@ -347,7 +350,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 own.update(named)
                 rebind_optimizer(optimizer, [[own[n] for n in names] for names in layout], state)
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module broadcasts the trunk again
-        self.block, self._user_trunks = None, []
+        self.block, self._user_trunks, self._averages = None, [], []
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     @override
@@ -386,6 +389,25 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             return super().lightning_module_state_dict()
         assert self.lightning_module is not None
         return full_model_state_dict(self.lightning_module, dst=0)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Weight averaging's copy, split as the model is (:meth:`setup`), whole in the checkpoint (the callbacks
+        put its ``state_dict()``, this rank's steps, there): ``StochasticWeightAveraging``'s
+        ``average_model_state`` in its callback state, and the average that ``WeightAveraging`` writes as the
+        checkpoint's ``state_dict`` (the model's under ``current_model_state``).  Gathered onto global rank 0 as
+        the model is (collective over its layer chain; every rank saves, rank 0 writes)."""
+        sharded = self._sharded()
+        if sharded is not None and self._writes_checkpoint(sharded):
+            for callback, copy in self._averages:
+                state = checkpoint.get("callbacks", {}).get(callback.state_key)
+                if isinstance(state, dict) and state.get("average_model_state") is not None:
+                    state["average_model_state"] = full_model_state_dict(copy, dst=0)
+                elif "current_model_state" in checkpoint:
+                    checkpoint["state_dict"] = full_model_state_dict(copy, dst=0)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -7,6 +7,8 @@ matrix's ``swa`` row)."""
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -92,21 +94,51 @@ class TrainsPlain(TrainsWithEma):
         pass
 
 
-def _train_with_ema_callback(rank: int, world: int) -> dict:
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+def _averaging(kind: str) -> pl.Callback:
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    # SWA averages from the second of the two epochs (swa_epoch_start counts from 1)
+    return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2) if kind == "swa" else EMAWeightAveraging(decay=0.5)
+
+
+def _train_with_averaging_callback(rank: int, world: int, kind: str, directory: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     strategy = MultigridStrategy(mode="pm", cfactor=2) if world > 1 else "auto"
-    run = fit(TrainsPlain(), _loader(), devices=world, strategy=strategy, precision="64-true", max_steps=STEPS,
-              use_distributed_sampler=False, callbacks=[EMAWeightAveraging(decay=0.5)], limit_val_batches=0)
+    # a checkpoint after each epoch, while the trunk (and the callback's copy) are split
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(directory, str(world)), save_top_k=-1, filename="{epoch}")
+    run = fit(TrainsPlain(), _loader(), devices=world, strategy=strategy, precision="64-true", max_epochs=2,
+              use_distributed_sampler=False, callbacks=[_averaging(kind), checkpoints], limit_val_batches=0,
+              enable_checkpointing=True)
     assert run.module is not None
     # at the end of fit the callback copies the average into the module
     return {"state": {k: v.detach().clone() for k, v in run.module.state_dict().items()}}
 
 
-def test_lightnings_ema_callback_averages_a_copy_split_alike():
-    results = run_in_processes(_train_with_ema_callback, 2, timeout_s=240)
-    one = _train_with_ema_callback(0, 1)
+def _averaged_in_checkpoint(directory: str, world: int, epoch: int, kind: str) -> dict[str, torch.Tensor]:
+    """The averaged model a checkpoint holds: SWA's in its callback state, the EMA's in place of the model's."""
+    ckpt = torch.load(os.path.join(directory, str(world), f"epoch={epoch}.ckpt"), map_location="cpu",
+                      weights_only=False)
+    if kind == "swa":
+        (state,) = [s for k, s in ckpt["callbacks"].items() if k.startswith("StochasticWeightAveraging")]
+        return state["average_model_state"]
+    TrainsPlain().load_state_dict(ckpt["current_model_state"])  # the model's own state: whole as well
+    return ckpt["state_dict"]
+
+
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+def test_lightnings_averaging_callbacks_average_a_copy_split_alike_and_checkpoint_it_whole(kind, tmp_path):
+    """EMAWeightAveraging / StochasticWeightAveraging under the partitioned trunk: the module after fit (the average
+    copied in) and the averaged copy each epoch's checkpoint holds (every step: it loads strictly into the user's
+    class) equal one process's."""
+    results = run_in_processes(_train_with_averaging_callback, 2, kind, str(tmp_path), timeout_s=240)
+    one = _train_with_averaging_callback(0, 1, kind, str(tmp_path))
     for rank, res in enumerate(results):
         assert list(res["state"]) == list(one["state"]), rank
         for key, value in one["state"].items():
             torch.testing.assert_close(res["state"][key], value, rtol=0, atol=1e-9, msg=f"rank {rank}: {key}")
+    for epoch in range(2):
+        got = _averaged_in_checkpoint(str(tmp_path), 2, epoch, kind)
+        TrainsPlain().load_state_dict(got)  # strict: every step, under the user's names
+        for key, value in _averaged_in_checkpoint(str(tmp_path), 1, epoch, kind).items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-9, msg=f"epoch {epoch}: {key}")
