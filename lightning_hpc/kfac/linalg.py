@@ -50,6 +50,7 @@ __all__ = [
     "safe_damped_inverse",
     "safe_eigh",
     "sym_gram",
+    "unit_scaled",
 ]
 
 #: elements of the chunk buffer :func:`sym_gram` copies rows into on a CPU (2 MiB in float32: it stays in the L2/L3
@@ -115,6 +116,32 @@ def _single_thread_blas() -> None:
         return
     for lib in libs:
         lib.set_num_threads(1)
+
+
+#: the largest magnitude below which :func:`unit_scaled` scales a tensor before its Gram is formed
+SUBNORMAL_GUARD = 2.0**-32
+
+
+def unit_scaled(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(t * 2^s, 2^-2s)`` on the CPU's routes (:func:`cache_blocked`) when the largest magnitude of a float32 (or
+    lower precision) ``t`` is below :data:`SUBNORMAL_GUARD`: ``t`` scaled by the power of two that brings that
+    magnitude into ``[1, 2)``, and the factor that undoes the scaling on a Gram of it.  Otherwise ``(t, 1.0)``.
+
+    Products of float32 values below about ``1e-19`` are subnormal numbers, which x86 CPUs compute one to two
+    orders of magnitude more slowly than normal ones; output gradients get that small (a ConvNeXt-style network's,
+    whose blocks scale their branch by a layer scale of ``1e-6``, after some steps of training): measured at
+    128x128, batch 32, one thread, its factor step took 4.9 s instead of 1.4 s.  A power of two scales exactly, so
+    the Gram of the scaled tensor, scaled back, equals the Gram of ``t`` wherever that has no subnormal terms (and
+    is no less accurate where it has).  Costs one pass over ``t`` (its extrema) and, when it scales, one copy.
+    On accelerators, which compute subnormals at full speed, nothing is read or scaled."""
+    if not cache_blocked(t) or t.dtype == torch.float64 or not t.is_floating_point() or t.numel() == 0:
+        return t, 1.0
+    lo, hi = torch.aminmax(t)
+    amax = max(-float(lo), float(hi))
+    if not 0.0 < amax < SUBNORMAL_GUARD:  # (zero, normal, or not finite: as it is)
+        return t, 1.0
+    shift = min(1 - math.frexp(amax)[1], 120)  # amax = m 2^e with m in [0.5, 1): amax 2^(1 - e) is in [1, 2)
+    return t * 2.0**shift, 2.0 ** (-2 * shift)
 
 
 def _syrk_applies(t: torch.Tensor) -> bool:

@@ -202,3 +202,63 @@ def test_precondition_flops_count_the_products_the_step_runs(method):
         assert h.precondition_flops(pre.method) == counter.get_total_flops() > 0, h.name
         if method == "eigen":
             assert h.precondition_flops(make_method("inverse")) * 2 == h.precondition_flops(pre.method)
+
+
+def _output_factor(dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """G of a Linear layer fed 4096 rows whose output gradients have magnitude about ``scale`` (as a ConvNeXt
+    block's branch gets behind its layer scale after some training)."""
+    torch.manual_seed(0)
+    fc = nn.Linear(16, 8).to(dtype)
+    pre = KFACPreconditioner(fc, factor_update_freq=1, inv_update_freq=1, announce=False)
+    g = torch.Generator().manual_seed(1)
+    out = fc(torch.randn(4096, 16, generator=g, dtype=dtype))
+    out.backward(torch.randn(out.shape, generator=g, dtype=dtype) * scale)
+    (handler,) = pre.handlers
+    return handler.batch_factors()[1].double()
+
+
+def _unscaled(fn):
+    """``fn()`` with the output gradients' Grams formed as they come (no scaling into the normal range)."""
+    scaled = layers.base.unit_scaled  # type: ignore[attr-defined]
+    layers.base.unit_scaled = lambda t: (t, 1.0)  # type: ignore[attr-defined]
+    try:
+        return fn()
+    finally:
+        layers.base.unit_scaled = scaled  # type: ignore[attr-defined]
+
+
+def test_tiny_output_gradients_are_scaled_into_the_normal_range_before_their_gram():
+    """Output gradients of about ``1e-21``: their products (about ``1e-42``) would be subnormal float32 numbers,
+    which x86 CPUs compute one to two orders of magnitude more slowly (a ConvNeXt-style network's factor step took
+    3.5x as long).  The Gram is formed from the gradients scaled by a power of two into ``[1, 2)``
+    (``linalg.unit_scaled``).  (G's raw sums here are subnormal themselves, about ``1e-39``: float32 keeps a
+    few digits of them either way; ``float64`` factors, ``factor_dtype='float64'``, keep all.)"""
+    seen: list[float] = []
+    real = layers.LinearHandler.output_gram
+
+    def spy(self, g):
+        seen.append(float(g.abs().max()))
+        return real(self, g)
+
+    layers.LinearHandler.output_gram = spy  # type: ignore[method-assign]
+    try:
+        _output_factor(torch.float32, 1e-21)
+    finally:
+        layers.LinearHandler.output_gram = real  # type: ignore[method-assign]
+    assert len(seen) == 1 and 1.0 <= seen[0] < 2.0, seen
+
+
+def test_output_factor_scaled_exactly_where_no_product_is_subnormal():
+    """At ``1e-12`` (products about ``1e-24``: normal, but below the guard, so the gradients are scaled) the
+    scaled factor equals the unscaled one bit for bit: a power of two scales exactly."""
+    assert torch.equal(_output_factor(torch.float32, 1e-12), _unscaled(lambda: _output_factor(torch.float32, 1e-12)))
+
+
+def test_unit_scaled_leaves_accelerator_routes_and_normal_tensors_alone():
+    t = torch.full((4, 3), 1e-30)
+    scaled, unscale = linalg.unit_scaled(t)
+    assert 1.0 <= float(scaled.abs().max()) < 2.0 and torch.equal(scaled * unscale**0.5, t)
+    with linalg.accelerator_routes():  # a GPU computes subnormals at full speed: nothing read or scaled
+        assert linalg.unit_scaled(t) == (t, 1.0)
+    for plain in (torch.randn(4, 3), torch.zeros(4, 3), t.double()):
+        assert linalg.unit_scaled(plain)[0] is plain

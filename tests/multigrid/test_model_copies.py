@@ -98,7 +98,9 @@ def _averaging(kind: str) -> pl.Callback:
     from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 
     # SWA averages from the second of the two epochs (swa_epoch_start counts from 1)
-    return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2) if kind == "swa" else EMAWeightAveraging(decay=0.5)
+    if kind == "swa":
+        return StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)
+    return EMAWeightAveraging(decay=0.5)
 
 
 def _train_with_averaging_callback(rank: int, world: int, kind: str, directory: str) -> dict:

@@ -40,6 +40,7 @@ from torch import nn
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
 from lightning_hpc.kfac.layers.state import FactorState
 from lightning_hpc.kfac.layers.statistics import CapturedStatistics
+from lightning_hpc.kfac.linalg import unit_scaled
 from lightning_hpc.kfac.methods import ComputeMethod
 from lightning_hpc.kfac.subclasses import trainable_bias
 
@@ -262,8 +263,16 @@ class LayerHandler:
     def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
         """Add one call's statistics to the sums: its input statistic (:meth:`input_gram`, computed in the forward
         pass) and ``rows``, and the Gram of its output gradient ``g``."""
-        self.stats.add_output(self.output_gram(g))
+        self.stats.add_output(self.output_statistic(g))
         self.stats.add_input(input_stat, rows)
+
+    def output_statistic(self, g: torch.Tensor) -> torch.Tensor:
+        """:meth:`output_gram` of ``g``, formed from ``g`` scaled into the normal range where its products would be
+        subnormal on a CPU (:func:`~lightning_hpc.kfac.linalg.unit_scaled`: exact, and without the subnormals'
+        slow arithmetic)."""
+        g, unscale = unit_scaled(g)
+        gram = self.output_gram(g)
+        return gram if unscale == 1.0 else gram * unscale
 
     @property
     def has_statistics(self) -> bool:

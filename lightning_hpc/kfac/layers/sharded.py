@@ -96,7 +96,7 @@ class ShardedLinearHandler(LinearHandler):
             self._blocks.append((self._token, self.output_rows(g)))
         else:
             self.stats.a_rows += rows
-            self.stats.add_output(self.output_gram(g))
+            self.stats.add_output(self.output_statistic(g))
             self._blocks.append((self._token, input_stat))
 
     def _gather_statistics(self) -> None:
