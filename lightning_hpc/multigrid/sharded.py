@@ -102,10 +102,20 @@ class LayerShardedTrunk(nn.Sequential):
                 del state_dict[key]
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    def full_state_dict(self, prefix: str = "", dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
+    def full_state_dict(self, prefix: str = "", dst: int | None = None,
+                        device: torch.device | None = None) -> OrderedDict[str, torch.Tensor]:
         """State dict of the whole trunk (every step's parameters and buffers) in step order; collective over
-        the layer group.  With ``dst`` (a global rank) only that rank gets the full dict."""
-        return gather_keyed_tensors(self.state_dict(prefix=prefix), self.group if self.chain.size > 1 else None, dst)
+        the layer group.  With ``dst`` (a global rank) only that rank gets the full dict.  ``device``: where the
+        tensors travel when the trunk is kept elsewhere (a weight-averaging copy on the host beside a GPU model:
+        NCCL moves device tensors only); what is received is put where the trunk is."""
+        local = self.state_dict(prefix=prefix)
+        group = self.group if self.chain.size > 1 else None
+        home = next(iter(local.values())).device if local else None
+        if device is None or home is None or home == torch.device(device) or group is None:
+            return gather_keyed_tensors(local, group, dst)
+        moved = OrderedDict((k, v.to(device)) for k, v in local.items())
+        full = gather_keyed_tensors(moved, group, dst, device=torch.device(device), out_device=home)
+        return OrderedDict((k, v.to(home)) for k, v in full.items())
 
 
 def release_other_steps(sharded: LayerShardedTrunk, trunk: nn.Module) -> None:
@@ -148,14 +158,16 @@ def refuse_shared_parameters(blocks: list[ResidualStep], names: list[str]) -> No
                 )
 
 
-def full_model_state_dict(model: nn.Module, dst: int | None = None) -> OrderedDict[str, torch.Tensor]:
+def full_model_state_dict(model: nn.Module, dst: int | None = None,
+                          device: torch.device | None = None) -> OrderedDict[str, torch.Tensor]:
     """``model.state_dict()`` with every :class:`LayerShardedTrunk` inside gathered to its full set of steps,
-    in the serial model's key order (collective: every rank of the layer groups calls it)."""
+    in the serial model's key order (collective: every rank of the layer groups calls it; ``device``: where the
+    trunks' tensors travel, :meth:`LayerShardedTrunk.full_state_dict`)."""
     local = model.state_dict()
     trunks = [(name + "." if name else "", m) for name, m in model.named_modules() if isinstance(m, LayerShardedTrunk)]
     if not trunks:
         return OrderedDict(local)
-    full = {prefix: m.full_state_dict(prefix, dst) for prefix, m in trunks}
+    full = {prefix: m.full_state_dict(prefix, dst, device) for prefix, m in trunks}
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key, value in local.items():
         prefix = next((p for p, _ in trunks if key.startswith(p)), None)  # "" (the model is the trunk) matches all

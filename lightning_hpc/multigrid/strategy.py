@@ -398,15 +398,16 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         put its ``state_dict()``, this rank's steps, there): ``StochasticWeightAveraging``'s
         ``average_model_state`` in its callback state, and the average that ``WeightAveraging`` writes as the
         checkpoint's ``state_dict`` (the model's under ``current_model_state``).  Gathered onto global rank 0 as
-        the model is (collective over its layer chain; every rank saves, rank 0 writes)."""
+        the model is (collective over its layer chain; every rank saves, rank 0 writes).  A copy kept on the host
+        (``StochasticWeightAveraging``'s default) travels through the training device and stays on the host."""
         sharded = self._sharded()
         if sharded is not None and self._writes_checkpoint(sharded):
             for callback, copy in self._averages:
                 state = checkpoint.get("callbacks", {}).get(callback.state_key)
                 if isinstance(state, dict) and state.get("average_model_state") is not None:
-                    state["average_model_state"] = full_model_state_dict(copy, dst=0)
+                    state["average_model_state"] = full_model_state_dict(copy, dst=0, device=self.root_device)
                 elif "current_model_state" in checkpoint:
-                    checkpoint["state_dict"] = full_model_state_dict(copy, dst=0)
+                    checkpoint["state_dict"] = full_model_state_dict(copy, dst=0, device=self.root_device)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
