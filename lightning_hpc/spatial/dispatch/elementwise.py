@@ -156,7 +156,8 @@ _INPLACE: dict = {}
 
 def _same_layout_call(x: SpatialTensor, args, kwargs) -> bool:
     """Every tensor operand of the call is a split tensor laid out as ``x`` (same grid, global shape and split
-    dimensions) and no operand is a sequence: the op on the tiles is the output tile, laid out as ``x``."""
+    dimensions) and no operand is a sequence: the op on the tiles is the output tile, laid out as ``x``.  (A call
+    with ``out=`` is decided as before: its result is ``out`` itself.)"""
     grid, gshape, sdims = x._grid, x._gshape, x._sdims
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
@@ -174,7 +175,7 @@ def _plain_operand(v):
 
 def _elementwise(func, args, kwargs):
     x = args[0] if args else None
-    if type(x) is SpatialTensor and _same_layout_call(x, args, kwargs):
+    if type(x) is SpatialTensor and "out" not in kwargs and _same_layout_call(x, args, kwargs):
         # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): nothing to
         # decide or cut.  The operands are plain tiles (what autograd saves for backward stays plain, so a
         # dispatch mode seeing backward's ops, e.g. FlopCounterMode, gets no split tensor); an in-place op changes
