@@ -45,6 +45,7 @@ __all__ = [
     "weight_norm_parametrization_type",
     "averaged_copy",
     "averaging_device",
+    "put_whole_averages",
 ]
 
 
@@ -155,6 +156,20 @@ def averaging_device(callback: Any) -> torch.device | None:
     device when its ``setup`` runs); None where none was given."""
     device = getattr(callback, "_device", None)
     return None if device is None else torch.device(device)
+
+
+def put_whole_averages(checkpoint: dict[str, Any], averages: Sequence[tuple[Any, nn.Module]],
+                       whole: Callable[[nn.Module], Any]) -> None:
+    """Replace, in a checkpoint Lightning's weight-averaging callbacks wrote, their copies' ``state_dict()`` (this
+    rank's part of a copy a strategy split) by ``whole(copy)``: ``StochasticWeightAveraging``'s
+    ``average_model_state`` in its callback state, and the average ``WeightAveraging`` writes as the checkpoint's
+    ``state_dict`` (the model's under ``current_model_state``).  ``averages``: (callback, its copy) pairs."""
+    for callback, copy in averages:
+        state = checkpoint.get("callbacks", {}).get(callback.state_key)
+        if isinstance(state, dict) and state.get("average_model_state") is not None:
+            state["average_model_state"] = whole(copy)
+        elif "current_model_state" in checkpoint:
+            checkpoint["state_dict"] = whole(copy)
 
 
 def storage_use_count(t: torch.Tensor) -> int:

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hpc._compat import averaged_copy, averaging_device, ddp_ignore_parameters
+from lightning_hpc._compat import averaged_copy, averaging_device, ddp_ignore_parameters, put_whole_averages
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.copies import tensor_signature
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
@@ -158,7 +158,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         trainer = getattr(module, "_trainer", None)
         if module is None or trainer is None or getattr(trainer.state, "fn", None) != "fit":
             return
-        if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        if not _holds_meta(module):
             return
         names = [type(cb).__name__ for cb in getattr(trainer, "callbacks", [])
                  if any(k.__name__ == "WeightAveraging" for k in type(cb).__mro__)]
@@ -353,7 +353,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                     "and averaging would pair different tensors. Build the layers in __init__, or train with "
                     "strategy='ddp'"
                 )
-            meta = any(t.is_meta for t in [*copy.parameters(), *copy.buffers()])
+            meta = _holds_meta(copy)
             if meta:
                 copy.to_empty(device=self.root_device)  # its values are the model's, set below
             else:
@@ -434,7 +434,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._hand_back_model()
         self._failures.stop()
         module = self.lightning_module
-        if module is None or not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        if module is None or not _holds_meta(module):
             super().teardown()
             return
         # a run that stopped before the head was allocated (a refusal, a callback's error) with layers built on the
@@ -585,12 +585,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         ``StochasticWeightAveraging``'s ``average_model_state`` in its callback state, and the average that
         ``WeightAveraging`` writes as the checkpoint's ``state_dict`` (the model's under ``current_model_state``).
         Collective: every rank saves (only rank 0 writes)."""
-        for callback, copy in self._averages:  # split this stage (emptied when handed back whole)
-            state = checkpoint.get("callbacks", {}).get(callback.state_key)
-            if isinstance(state, dict) and state.get("average_model_state") is not None:
-                state["average_model_state"] = full_state_dict(copy, rank0_only=True, cpu=True)
-            elif "current_model_state" in checkpoint:
-                checkpoint["state_dict"] = full_state_dict(copy, rank0_only=True, cpu=True)
+        # (split this stage; emptied when handed back whole)
+        put_whole_averages(checkpoint, self._averages, lambda copy: full_state_dict(copy, rank0_only=True, cpu=True))
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -609,6 +605,11 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             for o, s in zip(self.optimizers, checkpoint["optimizer_states"])
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+
+def _holds_meta(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (built under ``Trainer.init_module``)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def _names_and_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hpc._compat import averaged_copy, ddp_ignore_parameters
+from lightning_hpc._compat import averaged_copy, ddp_ignore_parameters, put_whole_averages
 from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
@@ -402,12 +402,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         (``StochasticWeightAveraging``'s default) travels through the training device and stays on the host."""
         sharded = self._sharded()
         if sharded is not None and self._writes_checkpoint(sharded):
-            for callback, copy in self._averages:
-                state = checkpoint.get("callbacks", {}).get(callback.state_key)
-                if isinstance(state, dict) and state.get("average_model_state") is not None:
-                    state["average_model_state"] = full_model_state_dict(copy, dst=0, device=self.root_device)
-                elif "current_model_state" in checkpoint:
-                    checkpoint["state_dict"] = full_model_state_dict(copy, dst=0, device=self.root_device)
+            put_whole_averages(checkpoint, self._averages,
+                               lambda copy: full_model_state_dict(copy, dst=0, device=self.root_device))
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
