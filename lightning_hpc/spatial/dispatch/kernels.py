@@ -91,20 +91,23 @@ def _run(op: str, grid: SpatialGrid, fn: Callable[[], Any]) -> Any:
 # -- convolution ---------------------------------------------------------------------------------------------------
 def _convolution(func, a, args, kwargs, k: int):
     x, weight, bias = a["input"], a["weight"], a["bias"]
+    # (SpatialTensor has no subclasses: ``type(...) is`` is its isinstance, one call less on every convolution)
+    if not isinstance(weight, torch.Tensor) or type(weight) is SpatialTensor or type(bias) is SpatialTensor:
+        return NotImplemented
     stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
-    if type(x) is SpatialTensor and isinstance(weight, torch.Tensor) and type(weight) is not SpatialTensor \
-            and type(bias) is not SpatialTensor:
-        # a call decided before (the key of the decision below, from the call's values as given): replayed
-        # without re-reading the layout (a list argument is unhashable: decided below)
+    key, cached = None, True
+    if type(x) is SpatialTensor:
+        # (_hashable's conversion inline: this is every convolution's per-call path)
+        key = (_CONV_OPS[k], x._gshape, x._sdims, weight.shape, tuple(stride) if type(stride) is list else stride,
+               tuple(padding) if type(padding) is list else padding,
+               tuple(dilation) if type(dilation) is list else dilation, groups, x._grid.policy.overlap)
+        # a call decided before is replayed without re-reading its layout (an unhashable key: decided per call)
         try:
-            cp = x._grid.decisions.table.get((_CONV_OPS[k], x._gshape, x._sdims, weight.shape, stride, padding,
-                                              dilation, groups, x._grid.policy.overlap), _UNDECIDED)
+            cp = x._grid.decisions.table.get(key, _UNDECIDED)
         except TypeError:
-            cp = _UNDECIDED
+            cp, cached = _UNDECIDED, False
         if cp is not _UNDECIDED:
             return NotImplemented if cp is None else _run_conv_tile(x, weight, bias, cp)
-    if not isinstance(weight, torch.Tensor) or isinstance(weight, SpatialTensor) or isinstance(bias, SpatialTensor):
-        return NotImplemented
     if k == 2 and isinstance(x, SpatialTensor) and x.dim() == 4 and x._sdims == (3, 2) and weight.dim() == 4:
         # split along W, H (after a transpose(2, 3)): the convolution of the transposed input with the transposed
         # kernel, transposed back, is the same convolution, and that one is tiled
@@ -116,8 +119,7 @@ def _convolution(func, a, args, kwargs, k: int):
     x = _spatial_input(a, k)
     if x is None or weight.dim() != k + 2:
         return NotImplemented
-    key = (_CONV_OPS[k], x._gshape, x._sdims, weight.shape, _hashable(stride), _hashable(padding),
-           _hashable(dilation), groups, x._grid.policy.overlap)
+    assert key is not None  # x is the split input the key was made from
 
     def decide() -> K.ConvPlan | None:
         channels = x._gshape[1]
@@ -133,7 +135,7 @@ def _convolution(func, a, args, kwargs, k: int):
         except ValueError:
             return None  # an argument torch refuses: its own error from the gathered call
 
-    cp = x._grid.decisions.get(key, decide) if _hashable_key(key) else decide()
+    cp = x._grid.decisions.get(key, decide) if cached else decide()
     return NotImplemented if cp is None else _run_conv_tile(x, weight, bias, cp)
 
 
