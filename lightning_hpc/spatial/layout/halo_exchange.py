@@ -355,10 +355,7 @@ class Halo:
         if len(bounds) != 2 * k:
             raise ValueError(f"Halo.box: {len(bounds)} bounds for {k} split dimensions (expected lo, hi per dimension)")
         want = [(bounds[2 * e], bounds[2 * e + 1]) for e in range(k)]
-        clamped = [(max(lo, 0), min(hi, dim.n)) for (lo, hi), dim in zip(want, plan.dims)]
-        pads: list[int] = []
-        for (lo, hi), (clo, chi) in zip(reversed(want), reversed(clamped)):
-            pads += [clo - lo, hi - chi]
+        clamped, pads = _clamped(want, plan.dims)
         if any(chi <= clo for clo, chi in clamped):  # nothing of the sample inside the box: padding only
             shape = (*self.x.shape[: self.x.dim() - k], *(hi - lo for lo, hi in want))
             return self.x.new_full(shape, pad_value)
@@ -392,15 +389,22 @@ class Halo:
         return out
 
 
+def _clamped(want: Sequence[Range], dims: Sequence[Any]) -> tuple[list[Range], list[int]]:
+    """A box's global ranges clamped to the sample (``dims[e].n`` entries along split dimension ``e``), and the
+    padding outside it in ``F.pad``'s order (the last dimension first, low then high)."""
+    clamped = [(max(lo, 0), min(hi, dim.n)) for (lo, hi), dim in zip(want, dims)]
+    pads: list[int] = []
+    for (lo, hi), (clo, chi) in zip(reversed(want), reversed(clamped)):
+        pads += [clo - lo, hi - chi]
+    return clamped, pads
+
+
 def _local_box(plan: HaloPlan) -> tuple[Any, list[int] | None]:
     """For a plan that exchanges nothing: the index of the tile's part of the box ``plan.need`` (None: the whole
     tile) and the padding around it (None: none), as :meth:`Halo.box` cuts them (made once per plan)."""
     memo = plan.memo.get("local_box")
     if memo is None:
-        clamped = [(max(lo, 0), min(hi, dim.n)) for (lo, hi), dim in zip(plan.need, plan.dims)]
-        pads: list[int] = []
-        for (lo, hi), (clo, chi) in zip(reversed(plan.need), reversed(clamped)):
-            pads += [clo - lo, hi - chi]
+        clamped, pads = _clamped(plan.need, plan.dims)
         if [tuple(c) for c in clamped] != [tuple(o) for o in plan.own]:
             index = trailing(slice(a - r[0], b - r[0]) for (a, b), r in zip(clamped, plan.own))
         else:
