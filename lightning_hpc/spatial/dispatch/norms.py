@@ -155,5 +155,5 @@ def _batch_norm(func, a, args, kwargs):
         return _wrap_like(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x)
     y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
     if rm is not None and rv is not None:
-        _update_running(rm, rv, mean64, var64 * (n / max(n - 1.0, 1.0)), momentum)
+        _update_running(rm, rv, mean64, var64 * (n / (n - 1.0).clamp_min(1.0)), momentum)  # n: on the device
     return _wrap_like(y, x)

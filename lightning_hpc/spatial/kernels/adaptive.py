@@ -15,6 +15,7 @@ tile owns.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -52,11 +53,17 @@ def adaptive_output_size(output_size: Any, extents: Sequence[int]) -> tuple[int,
     return tuple(int(n) if s is None else int(s) for s, n in zip(sizes, extents))
 
 
-def _selection(n: int, m: int, lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The ``m x (hi - lo)`` 0/1 matrix of which of the tile's entries ``[lo, hi)`` fall in each window."""
+@functools.lru_cache(maxsize=256)
+def _selection(n: int, m: int, lo: int, hi: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``m x (hi - lo)`` 0/1 matrix of which of the tile's entries ``[lo, hi)`` fall in each of the ``m``
+    windows over ``n``, and each window's size.  Made once per distinct call (cached): made from host lists on
+    every call, the bounds and sizes would be uploads per call (on a GPU, waits for the queue)."""
+    windows = adaptive_windows(n, m)
+    bounds = torch.tensor(windows).to(device)
     idx = torch.arange(lo, hi, device=device)
-    bounds = torch.tensor(adaptive_windows(n, m), device=device)
-    return ((idx[None, :] >= bounds[:, :1]) & (idx[None, :] < bounds[:, 1:])).to(dtype)
+    sel = ((idx[None, :] >= bounds[:, :1]) & (idx[None, :] < bounds[:, 1:])).to(dtype)
+    return sel, torch.tensor([b - a for a, b in windows], dtype=dtype).to(device)
 
 
 class _AdaptiveMax(torch.autograd.Function):
@@ -141,9 +148,8 @@ def adaptive_avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int]
     with torch.autocast(x.device.type, enabled=False):  # autocast would run the sums as a bf16 matrix product
         for e, (n, o, m) in enumerate(zip(extents, origin, size)):
             dim = x.dim() - k + e
-            sel = _selection(n, m, o, o + x.shape[dim], cdt, x.device)
+            sel, sizes = _selection(n, m, o, o + x.shape[dim], cdt, x.device)
             part = (part.movedim(dim, -1) @ sel.T).movedim(-1, dim)
-            sizes = counts.new_tensor([b - a for a, b in adaptive_windows(n, m)])
             counts = counts * sizes.view([-1 if j == e else 1 for j in range(k)])
     return (all_reduce_replicated(part, grid.group) / counts).to(x.dtype)
 

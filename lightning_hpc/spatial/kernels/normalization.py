@@ -29,16 +29,18 @@ __all__ = ["aggregated_batch_norm", "aggregated_row_norm"]
 
 def _combine(
     local_mean: torch.Tensor, local_var: torch.Tensor, m: int, group
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Whole-row mean and biased variance (float64) from every tile's ``(mean, var, count)``: one all-gather."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole-row mean and biased variance (float64) from every tile's ``(mean, var, count)``: one all-gather.  The
+    whole count is returned as a float64 tensor too: nothing is read back to the host or made from host data, so
+    on a GPU the step never waits for the device here (a normalisation layer per synchronisation otherwise)."""
     r = local_mean.numel()
-    local = torch.cat([local_mean.double(), local_var.double(),
-                       torch.tensor([float(m)], dtype=torch.float64, device=local_mean.device)])
+    count = local_mean.new_full((1,), float(m), dtype=torch.float64)  # a fill, not an upload
+    local = torch.cat([local_mean.double(), local_var.double(), count])
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     stats = torch.stack(parts)  # (ranks, 2R + 1)
     counts = stats[:, 2 * r : 2 * r + 1]
-    n = float(counts.sum())
+    n = counts.sum()
     # an empty tile contributes count 0 (its mean and variance are NaN): weight it out explicitly
     means = torch.where(counts > 0, stats[:, :r], torch.zeros_like(stats[:, :r]))
     variances = torch.where(counts > 0, stats[:, r : 2 * r], torch.zeros_like(stats[:, :r]))
@@ -117,7 +119,7 @@ class _AggregatedBatchNorm(torch.autograd.Function):
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
         ctx.save_for_backward(x, weight, mean, var)
         ctx.n, ctx.eps, ctx.group, ctx.has_bias = n, eps, group, bias is not None
-        ctx.mark_non_differentiable(mean64, var64)
+        ctx.mark_non_differentiable(mean64, var64, n)
         return y, mean64, var64, n
 
     @staticmethod
@@ -141,8 +143,9 @@ class _AggregatedBatchNorm(torch.autograd.Function):
 
 
 def aggregated_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                          group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+                          group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training-mode batch norm of this rank's tile ``x`` (N x C x spatial...) with the statistics of the whole
     sample over ``group``.  Returns the normalised tile, the float64 per-channel mean and biased variance and the
-    element count per channel (for the running statistics' unbiased variance)."""
+    element count per channel (a float64 tensor on ``x``'s device, for the running statistics' unbiased
+    variance)."""
     return _AggregatedBatchNorm.apply(x, weight, bias, float(eps), group)

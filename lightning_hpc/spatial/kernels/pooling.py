@@ -14,7 +14,7 @@ native pooling and the exchange's adjoint.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,23 @@ class PoolPlan:
     #: output along each split dimension, or ``divisor_override``
     divisors: list[list[int]] | int | None
     out_extents: tuple[int, ...]
+    #: the divisors as one tensor per (device, dtype), made on the first call there: made from the host lists on
+    #: every call, they would be an upload per call (on a GPU, a wait for the queue)
+    _counts: dict[tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False,
+                                                                          repr=False)
+
+    def counts(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Per output position, the product of its window's counts along each split dimension (``divisors`` as a
+        list of lists), broadcastable over the pooled tile."""
+        assert isinstance(self.divisors, list)
+        out = self._counts.get((device, dtype))
+        if out is None:
+            k = len(self.kernel)
+            out = torch.ones((), dtype=dtype)
+            for e, div in enumerate(self.divisors):
+                out = out * torch.tensor(div, dtype=dtype).view([-1 if j == e else 1 for j in range(k)])
+            out = self._counts[(device, dtype)] = out.to(device)
+        return out
 
 
 def plan_pool(grid: SpatialGrid, extents: Sequence[int], kind: str, kernel_size: Any, stride: Any = None,
@@ -115,10 +132,7 @@ def run_pool(x: torch.Tensor, pp: PoolPlan) -> torch.Tensor:
     sums = _sum_pool(box, pp.kernel, pp.stride)
     if isinstance(pp.divisors, int):
         return sums / pp.divisors
-    counts = torch.ones((), dtype=sums.dtype, device=sums.device)
-    for e, div in enumerate(pp.divisors):  # per output, the product of its window's counts along each dimension
-        counts = counts * sums.new_tensor(div).view([-1 if j == e else 1 for j in range(k)])
-    return sums / counts
+    return sums / pp.counts(sums.device, sums.dtype)
 
 
 def avg_pool(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], kernel_size: Any, stride: Any = None,

@@ -28,7 +28,7 @@ to the row it came from and is added there (a mirrored or replicated row collect
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -88,6 +88,18 @@ class RemapPlan:
     pos: int
     recvs: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
     sends: tuple[tuple[int, tuple[int, ...]], ...]
+    #: the index tensors, made once per (index list, device): made from host lists on every call, each would be an
+    #: upload per call (on a GPU, a wait for the queue)
+    _indices: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def index(self, idx: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``idx`` (one of this plan's own index tuples, which live as long as the plan: keyed by identity) as an
+        index tensor on ``device``."""
+        key = (id(idx), device)
+        out = self._indices.get(key)
+        if out is None:
+            out = self._indices[key] = torch.tensor(idx, dtype=torch.long, device=device)
+        return out
 
     @classmethod
     def build(cls, grid: SpatialGrid, axis: int, in_bounds: Sequence[Range], out_bounds: Sequence[Range],
@@ -130,10 +142,6 @@ def _exchange(grid: SpatialGrid, plan: RemapPlan, tag: int, outgoing: dict[int, 
         w.wait()
 
 
-def _index(idx: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
-
-
 class _Remap(torch.autograd.Function):
     """``out[o] = x[src(o)]`` along ``dim`` (see :class:`RemapPlan`); backward sends each output row's gradient
     back to its source row and adds it there."""
@@ -150,11 +158,11 @@ class _Remap(torch.autograd.Function):
             if q != plan.pos:
                 shape[dim] = len(pos)
                 incoming[q] = x.new_empty(shape)
-        outgoing = {q: x.index_select(dim, _index(idx, x.device)).contiguous() for q, idx in plan.sends}
+        outgoing = {q: x.index_select(dim, plan.index(idx, x.device)).contiguous() for q, idx in plan.sends}
         _exchange(grid, plan, tag, outgoing, incoming)
         for q, pos, idx in plan.recvs:
-            rows = incoming[q] if q != plan.pos else x.index_select(dim, _index(idx, x.device))
-            out.index_copy_(dim, _index(pos, x.device), rows)
+            rows = incoming[q] if q != plan.pos else x.index_select(dim, plan.index(idx, x.device))
+            out.index_copy_(dim, plan.index(pos, x.device), rows)
         return out
 
     @staticmethod
@@ -162,7 +170,7 @@ class _Remap(torch.autograd.Function):
     def backward(ctx, g):  # type: ignore[override]
         grid, plan, dim, tag = ctx.args
         grad = g.new_zeros(ctx.shape)
-        outgoing = {q: g.index_select(dim, _index(pos, g.device)).contiguous()
+        outgoing = {q: g.index_select(dim, plan.index(pos, g.device)).contiguous()
                     for q, pos, _ in plan.recvs if q != plan.pos}
         shape = list(ctx.shape)
         incoming = {}
@@ -172,9 +180,9 @@ class _Remap(torch.autograd.Function):
         _exchange(grid, plan, tag + 1, outgoing, incoming)
         for q, pos, idx in plan.recvs:
             if q == plan.pos:
-                grad.index_add_(dim, _index(idx, g.device), g.index_select(dim, _index(pos, g.device)))
+                grad.index_add_(dim, plan.index(idx, g.device), g.index_select(dim, plan.index(pos, g.device)))
         for q, idx in plan.sends:
-            grad.index_add_(dim, _index(idx, g.device), incoming[q])
+            grad.index_add_(dim, plan.index(idx, g.device), incoming[q])
         return grad, None, None, None, None
 
 
