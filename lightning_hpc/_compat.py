@@ -211,7 +211,7 @@ def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) ->
     return _private("torch._utils", "_unflatten_dense_tensors")(flat, like)  # type: ignore[no-any-return]
 
 
-def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float | torch.Tensor) -> None:
     """Multiply every tensor by ``factor`` in place, as one multi-tensor operation (the kernels torch's optimizers
     use: on a GPU a few launches for all tensors, not one each)."""
     _private("torch", "_foreach_mul_")(list(tensors), factor)

@@ -118,9 +118,14 @@ class PreconditionBuckets:
         #: concatenation or single layer, with its layers' names (when asked for: ``kl_terms=True``)
         self.last_kl_terms: list[tuple[list[str], torch.Tensor]] = []
 
-    def scale_(self, factor: float) -> None:
-        """Multiply every result of the last call by ``factor`` in place (the KL clip's ``nu``)."""
+    def scale_(self, factor: float | torch.Tensor) -> None:
+        """Multiply every result of the last call by ``factor`` in place (the KL clip's ``nu``, a scalar tensor on
+        their device: no read-back)."""
         if self.last_outputs:
+            dtypes = {t.dtype for t in self.last_outputs}
+            if isinstance(factor, torch.Tensor) and len(dtypes) == 1:
+                # in the results' dtype, as a Python number is cast by the kernel (one multi-tensor kernel on a GPU)
+                factor = factor.to(dtypes.pop())
             foreach_mul_(self.last_outputs, factor)
 
     def clear(self) -> None:

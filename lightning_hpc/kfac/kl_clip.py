@@ -8,7 +8,7 @@ rate, so that no step moves the model's output distribution by more than about `
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,12 +37,15 @@ def layer_lrs(lr: float | None, optimizer: torch.optim.Optimizer | None,
 def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Tensor],
                    grads: dict[str, torch.Tensor], kl_clip: float, lr_of: Callable[[LayerHandler], float | None],
                    has_optimizer: bool,
-                   products: Sequence[tuple[list[str], torch.Tensor]] | None = None) -> float:
+                   products: Sequence[tuple[list[str], torch.Tensor]] | None = None) -> torch.Tensor | None:
     """``nu`` of Eq 18 for the layers of ``handlers`` in ``precond`` (their preconditioned gradient matrices;
-    ``grads``: the raw ones). ``products``, when given, holds every such layer's ``P_i . grad_i`` already, as
-    vectors over groups of layers (:attr:`~lightning_hpc.kfac.batched.PreconditionBuckets.last_kl_terms`: one
-    reduction per bucket); else they are formed here, one per layer. They are read back to the host in one copy (the
-    step's one host sync) and weighted there. A layer without a learning rate is refused, naming it."""
+    ``grads``: the raw ones), as a float64 scalar tensor on their device (``None``: no layer to clip, nu = 1).
+    ``products``, when given, holds every such layer's ``P_i . grad_i`` already, as vectors over groups of layers
+    (:attr:`~lightning_hpc.kfac.batched.PreconditionBuckets.last_kl_terms`: one reduction per bucket); else they are
+    formed here, one per layer. They are weighted and summed in float64 on the device: nothing is read back to the
+    host (on a GPU the step's last synchronisation, which made the host wait for the whole backward pass and the
+    preconditioning before it could go on), and the weights are uploaded only when the learning rates change. A
+    layer without a learning rate is refused, naming it."""
     lr_square: dict[str, float] = {}
     for h in handlers:
         if h.name not in precond:
@@ -57,16 +60,21 @@ def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Te
             )
         lr_square[h.name] = layer_lr**2
     if not lr_square:
-        return 1.0
+        return None
     if products is None:
         products = [([name], (precond[name] * grads[name].to(precond[name].dtype)).sum().reshape(1))
                     for name in lr_square]
     names = [name for group, _ in products for name in group]
     if sorted(names) != sorted(lr_square):
         raise AssertionError(f"K-FAC KL clip: products for {sorted(names)}, layers {sorted(lr_square)}")
-    # one copy of the products to the host (the step's one synchronisation), weighted and summed there in float64,
-    # as the per-layer Python floats were
-    terms = torch.cat([t.reshape(-1) for _, t in products]).to(torch.float64).abs().cpu()
-    weights = torch.tensor([lr_square[name] for name in names], dtype=torch.float64)
-    vg_sum = float((terms * weights).sum())
-    return min(1.0, math.sqrt(kl_clip / vg_sum)) if vg_sum > 0 else 1.0
+    terms = torch.cat([t.reshape(-1) for _, t in products]).to(torch.float64).abs()
+    vg_sum = (terms * _weights(tuple(lr_square[name] for name in names), terms.device)).sum()
+    # min(1, sqrt(kappa / vg)) for vg > 0, else 1 (a NaN sum included, as a Python comparison would have it)
+    return torch.where(vg_sum > 0, torch.sqrt(kl_clip / vg_sum).clamp(max=1.0), torch.ones_like(vg_sum))
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(lr_squares: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The layers' squared learning rates as a float64 tensor on ``device``, made once per distinct set (a
+    schedule changes them once per epoch or step; every call with the same ones reuses the upload)."""
+    return torch.tensor(lr_squares, dtype=torch.float64).to(device)

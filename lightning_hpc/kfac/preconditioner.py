@@ -169,8 +169,8 @@ class KFACPreconditioner:
         self.epoch = 0
         #: keys of the one-time warnings already given (:meth:`warn_once`)
         self.warned: set[str] = set()
-        #: KL-clip factor nu of the last step (Eq 18), for logging
-        self.last_nu = 1.0
+        #: KL-clip factor nu of the last step (Eq 18) on the device; None: nothing was clipped (see :attr:`last_nu`)
+        self._last_nu: torch.Tensor | None = None
         self._buckets = PreconditionBuckets()
         check_partitions(self.handlers, world)
         self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
@@ -264,6 +264,12 @@ class KFACPreconditioner:
     def current_factor_decay(self) -> float:
         """``factor_decay`` at the current step (a callable of the step is called)."""
         return float(value_at("factor_decay", self.factor_decay, self.steps, lambda v: 0.0 <= v < 1.0, "in [0, 1)"))
+
+    @property
+    def last_nu(self) -> float:
+        """The KL-clip factor nu of the last step (Eq 18), for logging: reading it waits for the device (the step
+        itself never does)."""
+        return 1.0 if self._last_nu is None else float(self._last_nu)
 
     def current_kl_clip(self) -> float | None:
         """``kl_clip`` at the current step (None or 0: disabled)."""
@@ -371,16 +377,17 @@ class KFACPreconditioner:
         if not precond:
             return
         # not by workers: the results are views of the buckets' outputs, which hold the KL products too
+        # nu stays on the device (no read-back): the scaling is applied whatever its value (by 1, exactly)
         nu = kl_clip_factor(self.handlers, precond, grads, kl_clip, layer_lrs(lr, self.optimizer, self.lr),
                             self.optimizer is not None,
-                            None if by_workers else self._buckets.last_kl_terms) if kl_clip else 1.0
-        self.last_nu = nu
-        if nu != 1.0 and not by_workers:
+                            None if by_workers else self._buckets.last_kl_terms) if kl_clip else None
+        self._last_nu = nu
+        if nu is not None and not by_workers:
             self._buckets.scale_(nu)
         for h in self.handlers:
             if h.name in precond:
                 p = precond[h.name]
-                h.set_grad_matrix(p * nu if nu != 1.0 and by_workers else p)
+                h.set_grad_matrix(p * nu if nu is not None and by_workers else p)
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
