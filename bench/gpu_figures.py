@@ -16,8 +16,10 @@
 4. ``spatial``: the op-dispatch overhead on the GPU: a training step of the mesh-tangling FCN at 1K on a split
    activation over one tile (every op through the handlers and tile kernels) over the same step on plain tensors,
    and over the plain step compiled (``torch.compile``): a split model runs its compiled code eagerly, so the
-   compiled plain step is what a split step is held against. The halo exchange itself needs two GPUs and NCCL:
-   it is not timed on one GPU.
+   compiled plain step is what a split step is held against. Also the host's own time per step (from the call to
+   its return, the device drained before) and the host synchronisations per step of the split and the plain
+   step: an overhead with the same synchronisations is host work exposed, one with more is host waits. The halo
+   exchange itself needs two GPUs and NCCL: it is not timed on one GPU.
 
 Times are CUDA-event medians (synchronised), TF32 off (float32 is float32).  Writes one JSON file.
 
@@ -273,11 +275,21 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the eager figures stand without it
         out["compiled_plain"] = {"error": traceback.format_exc()}
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    host: dict[str, list[float]] = {k: [] for k in ("plain", "dispatch")}
     for _ in range(repeats):  # alternated: the kinds see the same machine state
         for k, fn in kinds.items():
             times[k] += cuda_seconds(fn, repeats=1)
+        for k in host:  # the host's own time per step (launches return at once unless the host waits)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kinds[k]()
+            host[k].append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
     med = {k: statistics.median(v) for k, v in times.items()}
     out.update({f"{k}_s_per_step": v for k, v in med.items()})
+    # where the overhead comes from: host work (exposed once it exceeds the device's) or host waits
+    out.update({f"{k}_host_s_per_step": statistics.median(v) for k, v in host.items()})
+    out.update({f"{k}_host_syncs_per_step": host_syncs(kinds[k]) for k in host})
     out["dispatch_overhead"] = med["dispatch"] / med["plain"] - 1.0
     if "compiled_plain" in med:
         out["dispatch_vs_compiled_plain"] = med["dispatch"] / med["compiled_plain"]
