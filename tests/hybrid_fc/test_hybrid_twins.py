@@ -85,7 +85,8 @@ def _train(rank: int, world: int, kfac: bool = False, optimize_all: bool = False
     train, val = _loaders(rank, world)
     strategy = HybridParallelStrategy() if world > 1 else "auto"
     module = EmaUser(val, optimize_all, weight_norm)
-    callbacks = [KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64")] if kfac else []
+    callbacks = ([KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64", decomposition_dtype="float64")]
+                 if kfac else [])
     run = fit(module, train, devices=world, strategy=strategy, precision="64-true", callbacks=callbacks,
               max_steps=STEPS, use_distributed_sampler=False, num_sanity_val_steps=0)
     fresh = EmaUser(weight_norm=weight_norm)

@@ -66,7 +66,8 @@ def _train(rank: int, world: int, kind: str, kfac: bool, directory: str) -> dict
     averaging = _callback(kind)
     callbacks: list[pl.Callback] = [averaging]
     if kfac:
-        callbacks.append(KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64"))
+        callbacks.append(KFAC(factor_update_freq=1, inv_update_freq=1, factor_dtype="float64",
+                              decomposition_dtype="float64"))
     # a checkpoint after every epoch, while the head (and the averaged copy) are split
     callbacks.append(ModelCheckpoint(dirpath=os.path.join(directory, str(world)), save_top_k=-1,
                                      filename="{epoch}"))
