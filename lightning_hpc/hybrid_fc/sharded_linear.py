@@ -66,6 +66,10 @@ class ShardedLinear(nn.Module):
         #: positions per sample of the rows of the current forward (a (batch, tokens, features) input run row by
         #: row); K-FAC's sharded handler forms its factors per sample and refuses more than one
         self.kfac_positions = 1
+        #: the dtype autocast multiplied this layer in during its last training forward (None: none), whose
+        #: rounding of the weight and bias gradients :class:`~lightning_hpc.hybrid_fc.autocast_grads.AutocastGradients`
+        #: applies
+        self.autocast_dtype: torch.dtype | None = None
         w = linear.weight.detach()
         if w.is_meta:
             dev = torch.device("cpu") if device is None else torch.device(device)
@@ -218,6 +222,8 @@ class ShardedLinear(nn.Module):
         float32, so a row layer's partial sums are not rounded before the ranks' sum (the head rounds the
         result, ``HybridHead._layers``)."""
         self.kfac_grad_scale = grad_scale
+        if torch.is_grad_enabled():  # how the weight and bias gradients are rounded (autocast_grads.py)
+            self.autocast_dtype = compute_dtype
         # the plain blocks: the layer's own products are the block's, whatever a user reduction over them means
         weight = scale_grad(self._local_weight(), grad_scale)
         bias = None if self.bias is None else scale_grad(local_block(self.bias), grad_scale)

@@ -37,6 +37,7 @@ from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
+from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
@@ -59,6 +60,7 @@ from lightning_hpc.hybrid_fc import (
     trunk_parameters,
     unparallelize_head,
 )
+from lightning_hpc.hybrid_fc.autocast_grads import AutocastGradients
 from lightning_hpc.protocols import StrategyContract
 
 __all__ = ["HybridParallelStrategy"]
@@ -113,6 +115,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(**kwargs)
         self._failures = RunFailures("hybrid_fc")
+        self._autocast_grads = AutocastGradients()  # the head's gradients rounded as one process's autocast does
+        self._user_scaler: torch.amp.GradScaler | None = None  # replaced for the run by agree_on_overflow
         self.head, self.scheme, self.fc_update = head, scheme, fc_update
         self.layouts = list(layouts) if layouts is not None else None
         self.model_attr = model_attr
@@ -289,8 +293,16 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         allreduce_flat(grads, 1.0 / self.world_size)
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._parallelized:
+            self._autocast_grads.before_backward(s for h in find_hybrid_heads(self._search_root()) for s in h.shards)
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
+        # before the precision plugin unscales them (a GradScaler's overflow check) and anyone reads them
+        self._autocast_grads.after_backward()
         module = self.lightning_module
         if self._averages_trunk and module is not None and not module.automatic_optimization:
             # manual optimization: every manual_backward is synchronised, as DDP synchronises it (the user may clip
@@ -302,6 +314,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
         self._failures.start()  # a failing rank's message reaches every peer promptly
         super().setup(trainer)
+        # a GradScaler skips a step when any rank's shard overflowed, as one process skips it
+        self._user_scaler = agree_on_overflow(self.precision_plugin, self.root_device.type)
         head_layers = "the fully-connected head's layers"
         refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)
         self._split_averages(trainer.callbacks)
@@ -433,6 +447,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
     def teardown(self) -> None:
         self._hand_back_model()
         self._failures.stop()
+        restore_scaler(self.precision_plugin, self._user_scaler)
+        self._user_scaler = None
         module = self.lightning_module
         if module is None or not _holds_meta(module):
             super().teardown()

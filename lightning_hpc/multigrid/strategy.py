@@ -40,6 +40,7 @@ from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
+from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
@@ -112,6 +113,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         destroy_process_group_at_exit()  # gloo's async work must not outlive the interpreter
         super().__init__(timeout=timeout, **kwargs)
         self._failures = RunFailures("multigrid")
+        self._user_scaler: torch.amp.GradScaler | None = None  # replaced for the run by agree_on_overflow
         # validated now so a bad setting fails before any process is started
         self.options = MultigridOptions(
             cfactor=cfactor,
@@ -305,6 +307,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         self._wrap_model()  # also when validating / testing only (DDPStrategy skips configure_ddp then)
         if self._sharded() is not None:
+            # a GradScaler skips a step when any rank's steps overflowed, as one process skips it
+            self._user_scaler = agree_on_overflow(self.precision_plugin, self.root_device.type)
             refuse_flat_view_optimizers(self.optimizers, "strategy='multigrid'", "the trunk's residual steps")
             # weight averaging (StochasticWeightAveraging, EMAWeightAveraging) copied the unsplit module in its
             # setup, before this one: its copy is split alike, so averaging, swapping in and transferring the
@@ -324,6 +328,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._hand_back_model()
         self._trunkless = False  # the next stage looks for the trunk again (it may run another module)
         self._failures.stop()
+        restore_scaler(self.precision_plugin, self._user_scaler)
+        self._user_scaler = None
         super().teardown()
 
     def _hand_back_model(self) -> None:

@@ -240,7 +240,8 @@ def test_bounded(strategy, case, runs):
     weight gradient to bf16 before summing them (one process rounds the whole sample's once): measured 86%, bound
     2x (``cells.BF16_BOUND``).  K-FAC under hybrid_fc (whose head mixes the ranks' samples, so no micro-batch
     reference exists) amplifies the per-rank rounding: bf16 measured 48%, bound 1x (the head left unpreconditioned:
-    8.9x); 16-mixed through ``KFACMixedPrecision`` (its float32 run the yardstick) measured 1%, bound 25%."""
+    8.9x); 16-mixed through ``KFACMixedPrecision`` (its float32 run the yardstick) measured 1% on one CPU and 55% on
+    another, bound 1x."""
     what = f"{strategy} x {case}"
     got = runs.two(strategy, case)
     _trained(got, what)
