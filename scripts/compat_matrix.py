@@ -119,7 +119,7 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "round otherwise than DDP's per-rank ones, 5.2e-6 apart after 3 steps). **bounded**: bf16-mixed, within "
         "25% of bf16's own effect (the distance between one process in bf16-mixed and in float32; measured 5%; "
         "under `hybrid_fc`, whose sharded head rounds where one process's autocast rounds, after the ranks' "
-        "partial products are summed, 4% on a 3-layer head of width 64 where DDP is at 6%: "
+        "partial products are summed, 1.7% on a 3-layer head of width 64 where DDP is at 6%: "
         "`tests/hybrid_fc/test_hybrid_bf16.py`). **exact (micro-batches)**: reduced precision (`bf16_mixed`; "
         "`kfac_fp16_plugin`, 16-mixed with a grad scaler through `KFACMixedPrecision`), equal (float32, 1e-6; "
         "measured 0 without K-FAC, 6e-8 with it) to one process that accumulates the ranks' batches as "

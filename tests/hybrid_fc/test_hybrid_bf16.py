@@ -5,8 +5,8 @@ meet in cross-rank sums).
 One process's autocast multiplies each whole layer in one product and rounds the result once; the sharded head
 must round where it does (``HybridHead._autocast_dtype``), not each shard's partial product before the ranks' sum.
 The yardstick is bf16's own effect (one process in bf16-mixed against one in float32): docs/compatibility.md
-bounds the 2-process weights at 25% of it.  Measured: DDP 6%, hybrid_fc 4% (rounding each partial product and
-summing in bf16, as before: 28%, 4.5x DDP's).
+bounds the 2-process weights at 25% of it.  Measured: DDP 6%, hybrid_fc 1.7% (3.7% with float32 weight
+gradients; rounding each partial product and summing in bf16, as before: 28%, 4.5x DDP's).
 """
 
 from __future__ import annotations
