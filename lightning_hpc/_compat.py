@@ -46,6 +46,7 @@ __all__ = [
     "averaged_copy",
     "averaging_device",
     "put_whole_averages",
+    "replace_lbfgs_flat_views",
 ]
 
 
@@ -170,6 +171,40 @@ def put_whole_averages(checkpoint: dict[str, Any], averages: Sequence[tuple[Any,
             state["average_model_state"] = whole(copy)
         elif "current_model_state" in checkpoint:
             checkpoint["state_dict"] = whole(copy)
+
+
+#: torch.optim.LBFGS's private methods every flat vector of its step goes through (the step itself, and
+#: ``_directional_evaluate``, the strong-Wolfe line search's evaluation, calls both), and its parameter list
+_LBFGS_FLAT = ("_gather_flat_grad", "_add_grad")
+
+
+def replace_lbfgs_flat_views(
+    optimizer: torch.optim.LBFGS,
+    gather_flat_grad: Callable[[], torch.Tensor] | None,
+    add_grad: Callable[[float, torch.Tensor], None] | None,
+) -> None:
+    """Make ``optimizer`` (a ``torch.optim.LBFGS``) build its flat gradient with ``gather_flat_grad()`` and add
+    ``step_size * update`` (a flat vector) to its parameters with ``add_grad(step_size, update)``, in place of its
+    private ``_gather_flat_grad`` / ``_add_grad`` (instance attributes shadow the methods).  ``None``: torch's own
+    again, over the param group's current list of parameters (``_params``, the list the optimizer was built with,
+    re-read: a rebind to other parameters replaced it) and their count (``_numel_cache``) recomputed.  Checked
+    with torch 2.9-2.14: ``_gather_flat_grad()``, ``_add_grad(step_size, update)``, ``_directional_evaluate``
+    (which calls both), ``_params`` and ``_numel_cache`` are in all of them."""
+    needed = (*_LBFGS_FLAT, "_directional_evaluate", "_params", "_numel_cache")
+    missing = [name for name in needed if not hasattr(optimizer, name)]
+    if missing:
+        raise CompatError(
+            f"torch.optim.LBFGS has no {missing} in this torch; lightning_hpc was checked with torch 2.9-2.14: "
+            "install a version in that range or report the upgrade"
+        )
+    if gather_flat_grad is None or add_grad is None:
+        for name in _LBFGS_FLAT:
+            optimizer.__dict__.pop(name, None)
+        optimizer._params = optimizer.param_groups[0]["params"]  # type: ignore[attr-defined]
+        optimizer._numel_cache = None  # type: ignore[attr-defined]
+        return
+    optimizer._gather_flat_grad = gather_flat_grad  # type: ignore[method-assign]
+    optimizer._add_grad = add_grad  # type: ignore[method-assign, assignment]
 
 
 def storage_use_count(t: torch.Tensor) -> int:

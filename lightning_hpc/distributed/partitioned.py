@@ -1,6 +1,6 @@
 """Tensors that are one rank's block of a tensor partitioned over a process group, with the whole tensor's
-reductions (model-parallel parameters as user code sees them), and the refusals shared by the strategies that
-split the model or its activations (what they cannot make equal to one process).
+reductions (model-parallel parameters as user code sees them), and what the strategies that split the model
+share about it.
 
 A model-parallel strategy keeps on each rank only a block of some parameters (hybrid_fc's sharded head,
 Krizhevsky, "One weird trick", section 4).  User code that reduces over ``self.parameters()`` (a gradient norm
@@ -38,9 +38,9 @@ reductions the whole tensor's value:
 A block pickles (``torch.save``) as its plain block, since the partition is this run's process group; a deep copy
 (``AveragedModel``, an EMA's copy) is a block of the same partition.
 
-The refusal shared by the split strategies, raised before the first step with the fix named:
-:func:`refuse_flat_view_optimizers` (``LBFGS``); :func:`follow_split` points ``torch.compile``'d submodules at
-the modules a strategy put in their place.
+:func:`follow_split` points ``torch.compile``'d submodules at the modules a strategy put in their place.
+Optimizers that view every parameter as one flat vector (``LBFGS``) see the whole model's through
+:mod:`lightning_hpc.distributed.whole_flat`.
 
 Why not torch's ``DTensor`` with ``Shard`` placements on the head's mesh: the results of user reductions must be
 plain tensors, since user code mixes them with the data-parallel trunk's plain tensors and hands them to
@@ -71,7 +71,6 @@ __all__ = [
     "as_block_parameter",
     "local_block",
     "is_block",
-    "refuse_flat_view_optimizers",
     "follow_split",
 ]
 
@@ -416,23 +415,6 @@ def as_block_parameter(
     out = nn.Parameter(block, requires_grad=param.requires_grad)
     assert isinstance(out, BlockTensor)
     return out
-
-
-def refuse_flat_view_optimizers(optimizers: Sequence[torch.optim.Optimizer], strategy: str, layers: str) -> None:
-    """Raise before the first step for optimizers that view all parameters as one flat vector (``LBFGS``: its
-    ``torch.cat`` of the gradients' views, dot products and line search): on model-parallel blocks each rank would
-    compute its own curvature pairs and step length from its blocks, and the replicated parameters' copies would
-    drift apart.  ``layers`` names what is partitioned under ``strategy``."""
-    for opt in optimizers:
-        inner = getattr(opt, "optimizer", opt)  # Lightning's LightningOptimizer wraps it
-        if isinstance(inner, torch.optim.LBFGS):
-            raise ValueError(
-                f"{strategy}: torch.optim.LBFGS views every parameter as one flat vector (its curvature pairs, step "
-                f"length and line search are dot products over all of them), and {layers} are split over the "
-                "ranks: each rank would take its own step and the replicated layers' copies would drift apart. Use "
-                "a first-order optimizer (SGD, Adam, AdamW: they update every element from its own gradient), or "
-                "train with strategy='ddp', where every rank holds the whole model"
-            )
 
 
 def follow_split(module: nn.Module, parallel: Sequence[nn.Module] = (), *, eager: bool = False) -> list[str]:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_hpc.distributed.state import take_slice
+from lightning_hpc.distributed.whole_flat import keeps_global_state
 from lightning_hpc.hybrid_fc.sharded_linear import ShardedLinear, gather_shard_tensors
 
 __all__ = ["full_state_dict", "full_optimizer_state", "shard_optimizer_state"]
@@ -61,7 +62,10 @@ def full_state_dict(
 
 
 def _param_index(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[int, tuple[ShardedLinear, str]]:
-    """Optimizer state index -> (shard, parameter name) for the head's shards."""
+    """Optimizer state index -> (shard, parameter name) for the head's shards whose state is theirs (none for an
+    optimizer whose one state is the whole model's, LBFGS's flat vectors: equal on every rank, kept as they are)."""
+    if keeps_global_state(optimizer):
+        return {}
     owner = {id(s.get_parameter(p)): (s, p) for _, s in _shards(module) for p in s.param_names}
     out, i = {}, 0
     for group in optimizer.param_groups:

@@ -38,9 +38,10 @@ from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
-from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
+from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
+from lightning_hpc.distributed.whole_flat import whole_flat_views
 from lightning_hpc.hybrid_fc import (
     FC_UPDATES,
     SCHEMES,
@@ -134,6 +135,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._signatures: tuple[list[tuple[str, tuple[int, ...]]], ...] = ([], [])
         #: those callbacks and their copies, split this stage (handed back whole with the model)
         self._averages: list[tuple[Any, torch.nn.Module]] = []
+        #: the whole-model flat views installed on LBFGS optimizers this stage (removed when handed back whole)
+        self._whole_flat: list[Any] = []
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -316,8 +319,11 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         super().setup(trainer)
         # a GradScaler skips a step when any rank's shard overflowed, as one process skips it
         self._user_scaler = agree_on_overflow(self.precision_plugin, self.root_device.type)
-        head_layers = "the fully-connected head's layers"
-        refuse_flat_view_optimizers(self.optimizers, "strategy='hybrid_fc'", head_layers)
+        self._refuse_per_subbatch_lbfgs()
+        # LBFGS computes with flat vectors of every parameter: the whole model's on every rank (the head's blocks
+        # gathered, the loss the global batch's), so every rank takes one process's step; the trunk is averaged
+        # over every rank, the world
+        self._whole_flat = whole_flat_views(self.optimizers, None) if self._parallelized else []
         self._split_averages(trainer.callbacks)
         if self.lightning_module is not None:  # what DDP's reducer was built for (configure_ddp ran in setup)
             self._trainable = TrainableSet(self.lightning_module)
@@ -330,6 +336,18 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             if len(self.optimizers) != 1:
                 raise ValueError("fc_update='per_subbatch' supports exactly one optimizer")
             self._head_optimizer = HeadOptimizer(self.optimizers[0], head_parameters(self._search_root()))
+
+    def _refuse_per_subbatch_lbfgs(self) -> None:
+        """The per-sub-batch update steps the head by its own optimizer step after every sub-batch, inside the
+        forward pass, without a closure; LBFGS re-evaluates the loss through a closure at every step."""
+        if self.fc_update == "per_subbatch" and any(
+            isinstance(getattr(o, "optimizer", o), torch.optim.LBFGS) for o in self.optimizers
+        ):
+            raise ValueError(
+                "strategy='hybrid_fc' with fc_update='per_subbatch' steps the head after every sub-batch, inside the "
+                "forward pass, where torch.optim.LBFGS needs to re-evaluate the loss through its closure. Use "
+                "fc_update='per_step' (the default: LBFGS then trains as on one process), or a first-order optimizer"
+            )
 
     def _split_averages(self, callbacks: Sequence[Any]) -> None:
         """The copy of the LightningModule each weight-averaging callback keeps (``StochasticWeightAveraging``,
@@ -480,6 +498,9 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         for optimizer, state in zip(self.optimizers, states):
             params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
             rebind_optimizer(optimizer, params, state)
+        for view in self._whole_flat:  # the optimizer is over whole parameters again
+            view.remove()
+        self._whole_flat = []
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module reduces the head again
         for _, copy in self._averages:  # weight averaging's copies: whole again, where the callback keeps them
             on_host = next(iter([*copy.parameters(), *copy.buffers()]), torch.empty(())).device.type == "cpu"

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hpc.distributed.state import gather_keyed_tensors
+from lightning_hpc.distributed.whole_flat import keeps_global_state
 from lightning_hpc.multigrid.sharded import LayerShardedTrunk
 
 __all__ = [
@@ -160,6 +161,10 @@ def _full_optimizer_state(
         return local, [[name for name, _ in names] for names in mine], mine
     mine, layout = _layouts(optimizer, module, group)
     me = dist.get_rank()
+    # an optimizer whose one state is the whole model's (LBFGS's flat vectors, equal on every rank) keeps it under
+    # its first parameter: under the serial model's first one, as one process writes it, whichever rank's
+    # parameter this rank's first one is
+    global_state = keeps_global_state(optimizer)
     # this rank's sharded parameters' state: tensors travel as flat buffers on the parameters' device, the rest
     # (and where each tensor lives: Adam keeps "step" on the host) as a small object
     device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
@@ -167,7 +172,7 @@ def _full_optimizer_state(
     entries: list[tuple[str, str, str, bool]] = []  # (name, state key, key in tensors or values, on host)
     values: dict[str, Any] = {}
     for i, (name, sharded) in enumerate(n for names in mine for n in names):
-        if not sharded or i not in local["state"]:
+        if not sharded or i not in local["state"] or global_state:
             continue
         for key, value in local["state"][i].items():
             if torch.is_tensor(value):
@@ -189,8 +194,10 @@ def _full_optimizer_state(
     serial = _serial_indices(layout)
     state: dict[int, dict[str, Any]] = {}
     for i, (name, sharded) in enumerate(n for names in mine for n in names):  # replicated: this rank's state
-        if not sharded and i in local["state"]:
+        if not sharded and i in local["state"] and not global_state:
             state[serial[name]] = dict(local["state"][i])
+    if global_state and 0 in local["state"]:
+        state[0] = dict(local["state"][0])
     for meta in metas:
         rank_entries, rank_values = meta
         for name, key, vkey, host in rank_entries:
@@ -225,13 +232,17 @@ def local_optimizer_state(full: dict[str, Any], optimizer: torch.optim.Optimizer
     state: dict[int, Any] = {}
     groups = []
     i = 0
+    global_state = keeps_global_state(optimizer)
     for g, names in enumerate(mine):
         params = []
         for name, _ in names:
             entry = full["state"].get(saved_id[name])
-            if entry is not None:
+            if entry is not None and not global_state:
                 state[i] = dict(entry)
             params.append(i)
             i += 1
         groups.append({**{k: v for k, v in saved_groups[g].items() if k != "params"}, "params": params})
+    first = saved_groups[0]["params"][0] if saved_groups and saved_groups[0]["params"] else None
+    if global_state and first in full["state"]:  # the whole model's state, under the first parameter (every rank)
+        state[0] = dict(full["state"][first])
     return {"state": state, "param_groups": groups}

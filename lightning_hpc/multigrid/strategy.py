@@ -41,9 +41,10 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
-from lightning_hpc.distributed.partitioned import follow_split, refuse_flat_view_optimizers
+from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
 from lightning_hpc.distributed.start_equal import module_state_tensors, start_equal
+from lightning_hpc.distributed.whole_flat import whole_flat_views
 from lightning_hpc.multigrid.checkpoint import (
     full_optimizer_state,
     local_optimizer_state,
@@ -139,6 +140,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._user_trunks: list[tuple[nn.Module, str, nn.Module, LayerShardedTrunk]] = []
         #: the weight-averaging callbacks whose copies of the module are split this stage (:meth:`save_checkpoint`)
         self._averages: list[tuple[Any, nn.Module]] = []
+        #: the whole-model flat views installed on LBFGS optimizers this stage (removed when handed back whole)
+        self._whole_flat: list[Any] = []
 
     @property
     def kfac_unsupported(self) -> str | None:
@@ -309,7 +312,10 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         if self._sharded() is not None:
             # a GradScaler skips a step when any rank's steps overflowed, as one process skips it
             self._user_scaler = agree_on_overflow(self.precision_plugin, self.root_device.type)
-            refuse_flat_view_optimizers(self.optimizers, "strategy='multigrid'", "the trunk's residual steps")
+            # LBFGS computes with flat vectors of every parameter: the whole model's on every rank (the steps'
+            # gradients gathered over the layer group, the loss averaged over the data group), so every rank takes
+            # one process's step
+            self._whole_flat = whole_flat_views(self.optimizers, self.data_group)
             # weight averaging (StochasticWeightAveraging, EMAWeightAveraging) copied the unsplit module in its
             # setup, before this one: its copy is split alike, so averaging, swapping in and transferring the
             # averaged weights pair this rank's steps with the same steps
@@ -355,6 +361,9 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
                 own = {n: p for names, g in zip(mine, optimizer.param_groups) for (n, _), p in zip(names, g["params"])}
                 own.update(named)
                 rebind_optimizer(optimizer, [[own[n] for n in names] for names in layout], state)
+        for view in self._whole_flat:  # the optimizer is over the whole model's parameters again
+            view.remove()
+        self._whole_flat = []
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module broadcasts the trunk again
         self.block, self._user_trunks, self._averages = None, [], []
 

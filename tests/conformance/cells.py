@@ -181,22 +181,6 @@ _DDP_UNUSED = ExactWithFix("DDP's own error at the second step names `find_unuse
 _CHANGED = r"{}: parameters of {}.* {}: .*refused before it is taken.*between two trainer.fit calls"
 
 
-_LBFGS_MSG = r"strategy='{}': torch.optim.LBFGS views every parameter as one flat vector.*first-order.*strategy='ddp'"
-
-
-class _RefusedFor:
-    """A refusal whose message names the strategy."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def format(self, strategy: str) -> Refused:
-        return Refused(self.message.format(strategy))
-
-
-_LBFGS = _RefusedFor(_LBFGS_MSG)
-
-
 def _trainability_refused(strategy: str) -> dict[str, Verdict]:
     return {"backbone_finetuning": RefusedAt(_CHANGED.format(strategy, "BackboneClassifier", "became trainable"), 2),
             "freeze_mid_run": RefusedAt(_CHANGED.format(strategy, "UserCNN", "were frozen"), 2)}
@@ -283,9 +267,8 @@ def _hybrid_fc() -> dict[str, Verdict]:
     (Lightning's demo modules, the GAN) have their last linear layers as the head; a trunk with nothing to train
     at the start (Flatten + Linear, a frozen stem, BackboneFinetuning's frozen backbone) is averaged by the strategy
     instead of DDP; a head layer tied to a trunk layer stays in the trunk; weight averaging's copy of the module is
-    split as the model is.  Refused where the split head makes the feature impossible: an optimizer's flat view of
-    every parameter (LBFGS); refused as DDP refuses it: trainability changed mid-run under DDP's reducer, an unused
-    trunk parameter."""
+    split as the model is; LBFGS's flat vectors are the whole model's on every rank (the head's blocks gathered).
+    Refused as DDP refuses it: trainability changed mid-run under DDP's reducer, an unused trunk parameter."""
     cells: dict[str, Verdict] = {f: Exact() for f in FEATURES}
     cells.update(adam_f32=_KFAC_ROUNDING_ONLY, boring_adam_f32=_KFAC_ROUNDING_ONLY)
     cells.update(
@@ -300,7 +283,6 @@ def _hybrid_fc() -> dict[str, Verdict]:
         unused_parameter=Refused(r"took no part in the loss.*HybridParallelStrategy\(find_unused_parameters=True\)",
                                  fixed=True),
         freeze_mid_run=_trainability_refused("strategy='hybrid_fc'")["freeze_mid_run"],
-        lbfgs=_LBFGS.format("hybrid_fc"),
     )  # swa: the callback's copy of the module is split alike
     return cells
 
@@ -371,7 +353,6 @@ def _multigrid(column: str) -> dict[str, Verdict]:
         # on the ODE-ResNet, tied weights are one residual branch shared by every step
         tied_weights=Refused(r"steps '0' and '1' of the trunk share one parameter.*copy.deepcopy.*"
                              r"layer_parallel_size=1"),
-        lbfgs=_LBFGS.format("multigrid"),
     )  # swa: the callback's copy of the module is split alike
     return cells
 

@@ -111,15 +111,6 @@ def test_whole_tensor_reductions_on_uneven_blocks():
     assert out[0]["plain_norm"] < expected["pow(2).sum"] ** 0.5 - 1e-3
 
 
-def test_flat_view_optimizers_are_named():
-    from lightning_hpc.distributed.partitioned import refuse_flat_view_optimizers
-
-    params = [nn.Parameter(torch.zeros(2))]
-    refuse_flat_view_optimizers([torch.optim.SGD(params, lr=0.1)], "strategy='x'", "the layers")
-    with pytest.raises(ValueError, match=r"strategy='x': torch.optim.LBFGS views every parameter"):
-        refuse_flat_view_optimizers([torch.optim.LBFGS(params)], "strategy='x'", "the layers")
-
-
 def test_follow_split_points_compiled_modules_at_the_module_now_in_their_place():
     """``torch.compile(m)`` binds its forward to ``m`` when made; a strategy that replaces the compiled module's
     module (or puts the user's back) makes it follow, and ``eager=True`` runs it without dynamo until the next

@@ -604,3 +604,84 @@ def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool, compiled: bo
         out["logits"] = module(x)
         out["fresh_logits"] = fresh(x)
     return out
+
+
+# -- LBFGS: the whole model's flat vectors on every rank -------------------------------------------------------
+LBFGS_STEPS = 4  # two epochs of two batches
+LBFGS_BATCHES = 2
+
+
+def lbfgs_cnn(line_search: str | None, width: int, head_first: bool = False) -> nn.Module:
+    """A LightningModule with a conv trunk and a 2-layer classifier head of ``width`` hidden units (odd widths
+    split unevenly over 2 ranks), trained by ``torch.optim.LBFGS`` (3 iterations per step, float64);
+    ``head_first``: over the head's parameters first (LBFGS keeps its state under its first parameter)."""
+    import lightning.pytorch as pl
+
+    class LBFGSCNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.features = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.MaxPool2d(2), nn.Flatten(1))
+            self.classifier = nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.classifier(self.features(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            head = list(self.classifier.parameters())
+            params = head + list(self.features.parameters()) if head_first else list(self.parameters())
+            return torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4, line_search_fn=line_search)
+
+    return LBFGSCNN().double()
+
+
+def lbfgs_batch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (the epochs repeat their batches)."""
+    g = torch.Generator().manual_seed(2000 + step % LBFGS_BATCHES)
+    return torch.randn(k * B, 2, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (k * B,), generator=g)
+
+
+def serial_lbfgs(k: int, line_search: str | None, width: int, steps: int = LBFGS_STEPS,
+                 head_first: bool = False) -> tuple[dict, dict]:
+    """One process training ``lbfgs_cnn`` on the global batches: its state dict and its optimizer's."""
+    from tests import lbfgs_reference
+
+    model = lbfgs_cnn(line_search, width, head_first)
+    opt = model.configure_optimizers()
+    lbfgs_reference.train(model, opt, [lbfgs_batch(s, k) for s in range(steps)], F.cross_entropy)
+    return model.state_dict(), opt.state_dict()
+
+
+def hybrid_lbfgs(rank: int, k: int, line_search: str | None, width: int, ckpt_dir: str | None = None,
+                 resume: str | None = None, head_first: bool = False) -> dict:
+    """``Trainer.fit`` of ``lbfgs_cnn`` with ``strategy='hybrid_fc'``, each rank on its share of every global
+    batch, for two epochs; ``ckpt_dir``: a checkpoint after the first epoch (written while the head is split);
+    ``resume``: from that checkpoint.  Returns the module's whole state (handed back) and, from rank 0, what the
+    checkpoint holds."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import HybridParallelStrategy
+    from tests import fit_harness
+
+    mine = slice(rank * B, (rank + 1) * B)
+    batches = [lbfgs_batch(s, k) for s in range(LBFGS_BATCHES)]
+    xs, ys = torch.cat([x[mine] for x, _ in batches]), torch.cat([y[mine] for _, y in batches])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
+    module = lbfgs_cnn(line_search, width, head_first)
+    saving = {}
+    if ckpt_dir is not None:
+        saving = {"callbacks": [ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1)],
+                  "enable_checkpointing": True}
+    trainer = fit_harness.trainer(
+        devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_epochs=2,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, **saving,
+    )
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
+    return {"state": {key: value.detach().clone() for key, value in module.state_dict().items()},
+            "steps": trainer.global_step,
+            "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]]}

@@ -287,3 +287,67 @@ def handed_back_odenet(rank: int, world_size: int, mode: str, steps: int, also_t
         out["logits"] = module(x)
         out["fresh_logits"] = fresh(x)
     return out
+
+
+# -- LBFGS: the whole model's flat vectors on every rank -------------------------------------------------------
+LBFGS_STEPS = 4  # two epochs of two batches
+
+
+def lbfgs_odenet(line_search: str | None, steps_first: bool = False) -> torch.nn.Module:
+    """``user_odenet()`` trained by ``torch.optim.LBFGS`` (3 iterations per step); ``steps_first``: over the
+    trunk's parameters first (LBFGS keeps its state under its first parameter: then a residual step's)."""
+    module = user_odenet()
+
+    def params() -> list[torch.nn.Parameter]:
+        trunk = list(module.model.steps.parameters())
+        rest = [p for p in module.parameters() if all(p is not t for t in trunk)]
+        return trunk + rest if steps_first else list(module.parameters())
+
+    module.configure_optimizers = lambda: torch.optim.LBFGS(  # type: ignore[method-assign]
+        params(), lr=0.5, max_iter=3, history_size=4, line_search_fn=line_search)
+    return module
+
+
+def serial_lbfgs_odenet(line_search: str | None, steps: int = LBFGS_STEPS,
+                        steps_first: bool = False) -> tuple[dict, dict]:
+    """One process training ``lbfgs_odenet`` on the same batches: its state dict and its optimizer's."""
+    import torch.nn.functional as F
+
+    from tests import lbfgs_reference
+
+    model = lbfgs_odenet(line_search, steps_first)
+    opt = model.configure_optimizers()
+    xs, ys = data(2)
+    batches = [(xs[s % 2 * BATCH : (s % 2 + 1) * BATCH].double(), ys[s % 2 * BATCH : (s % 2 + 1) * BATCH])
+               for s in range(steps)]
+    lbfgs_reference.train(model, opt, batches, F.cross_entropy)
+    return model.state_dict(), opt.state_dict()
+
+
+def multigrid_lbfgs(rank: int, world_size: int, line_search: str | None, ckpt_dir: str | None = None,
+                    resume: str | None = None, steps_first: bool = False) -> dict:
+    """``Trainer.fit`` of ``lbfgs_odenet`` with the trunk split over ``world_size`` layer ranks (mode 'pm'), two
+    epochs of the same two batches; ``ckpt_dir``: a checkpoint after the first epoch (written while the trunk is
+    split); ``resume``: from that checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import MultigridStrategy
+    from tests import fit_harness
+
+    xs, ys = data(2)
+    loader = DataLoader(TensorDataset(xs.double(), ys), batch_size=BATCH, shuffle=False)
+    module = lbfgs_odenet(line_search, steps_first)
+    saving: dict = {}
+    if ckpt_dir is not None:
+        saving = {"callbacks": [ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1)],
+                  "enable_checkpointing": True}
+    trainer = fit_harness.trainer(
+        devices=world_size, precision="64-true", max_epochs=2,
+        strategy=MultigridStrategy(layer_parallel_size=world_size, mode="pm", **EXACT),
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, **saving,
+    )
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
+    return {"state": {key: value.detach().clone() for key, value in module.state_dict().items()},
+            "steps": trainer.global_step,
+            "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]]}
