@@ -33,7 +33,9 @@ reductions the whole tensor's value:
   is not a sum, maximum or minimum of the blocks' (``std``, ``var``, ``prod``, ``median``, ``dot``, ``vdot``,
   ``argmax``, ``argmin``, ``logsumexp``, ``count_nonzero``, ``nansum``, an explicit ``torch._foreach_norm``)
   raise: its value over the whole tensor is not this block's, and guessing would be silently wrong.
-  :func:`local_block` gives the plain block for code that means it.
+  :func:`local_block` gives the plain block for code that means it.  Lightning's ``grad_norm``, whose entries
+  are named by ``named_parameters()``, is refused over stacked blocks (a rank's step would be named with the
+  norm of its place in every share: :func:`refuse_per_parameter_stacked_norms`).
 
 A block pickles (``torch.save``) as its plain block, since the partition is this run's process group; a deep copy
 (``AveragedModel``, an EMA's copy) is a block of the same partition.
@@ -66,6 +68,7 @@ from lightning_hpc._compat import compiled_module_type, disable_torch_function_s
 
 __all__ = [
     "BlockTensor",
+    "refuse_per_parameter_stacked_norms",
     "Partition",
     "STACKED",
     "as_block_parameter",
@@ -307,6 +310,8 @@ def _reduce_norm(
     func: Any, part: Partition, args: Sequence[Any], kwargs: dict[str, Any], name: str
 ) -> torch.Tensor:
     x = args[0]
+    if part.dim == STACKED:
+        refuse_per_parameter_stacked_norms()
     if name == "linalg_vector_norm":
         p: Any = _arg(args, kwargs, 1, "ord", 2)
     elif name == "linalg_norm":
@@ -326,6 +331,34 @@ def _reduce_norm(
         dims, keepdim = _dims(x, dim), bool(_arg(args, kwargs, 3, "keepdim", False))
         return _vector_norm_along(x, part, float(p), kwargs.get("dtype"), dims, keepdim)
     return _vector_norm(x, part, float(p), kwargs.get("dtype"))
+
+
+#: modules whose per-parameter norms name each parameter: Lightning's ``grad_norm`` (both package names)
+_PER_PARAMETER_NORMS = {"lightning.pytorch.utilities.grads", "pytorch_lightning.utilities.grads"}
+
+
+def refuse_per_parameter_stacked_norms(depth: int = 8) -> None:
+    """Refuse Lightning's ``grad_norm`` over blocks stacked along a new dimension (multigrid's residual steps).
+
+    Its entries are keyed by ``named_parameters()``: on a rank holding steps ``i..j`` of a split trunk each entry
+    would name one of this rank's steps with the norm of that place in every rank's share, and the other ranks'
+    steps would have no entry (its total is right).  Called from such a norm, inside ``grad_norm`` (found by the
+    caller's module among the few frames above, which a call from anywhere else does not match); it runs in the
+    first ``on_before_optimizer_step``, before the first optimizer step."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__") in _PER_PARAMETER_NORMS:
+            raise RuntimeError(
+                "Lightning's grad_norm(...) over a model whose residual trunk is split over ranks "
+                "(strategy='multigrid' with layer_parallel_size > 1): its entries are named by this rank's "
+                "parameters, so each step's entry would hold the norm of that place in every rank's share and the "
+                "other ranks' steps would have none. Use lightning_hpc.multigrid.grad_norm(module, norm_type) "
+                "instead (the same keys, one per parameter of the whole model, every step's own norm, and the "
+                "total), or log only a total over self.parameters(), which covers every step once"
+            )
 
 
 def _vector_norm_along(

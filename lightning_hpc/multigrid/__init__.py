@@ -11,6 +11,7 @@ from lightning_hpc.multigrid.function import (
     MultigridFunction,
     MultigridODEBlock,
 )
+from lightning_hpc.multigrid.grad_norms import grad_norm
 from lightning_hpc.multigrid.options import MultigridOptions, SolveSettings
 from lightning_hpc.multigrid.partition import LayerPartition, check_layer_partition
 from lightning_hpc.multigrid.pm import PartitionedODEBlock
@@ -19,6 +20,7 @@ from lightning_hpc.multigrid.sharded import LayerShardedTrunk, full_model_state_
 __all__ = [
     "fas_cycle",
     "mgrit_solve",
+    "grad_norm",
     "LayerParallelSolver",
     "MultigridFunction",
     "MultigridODEBlock",

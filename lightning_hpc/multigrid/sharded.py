@@ -14,8 +14,9 @@ tensor that stacks the same parameter of the step at the same place in every ran
 step N/P + i of rank 1, ...).  A reduction over all of a parameter's (or its gradient's) elements is that
 tensor's, so a sum over ``self.parameters()`` of such reductions (a gradient norm logged in
 ``on_before_optimizer_step``, Lightning's ``grad_norm`` total, an L2 penalty in the loss) covers every step once,
-as on one process; a single step's value read alone is that of its place in all the shares (Lightning's
-per-parameter ``grad_norm`` entries of the steps are not one process's; their total is).  Every rank's share must
+as on one process; a single step's value read alone is that of its place in all the shares (so Lightning's
+per-parameter ``grad_norm`` is refused, naming :func:`lightning_hpc.multigrid.grad_norms.grad_norm`, which gives
+every step's own entry).  Every rank's share must
 then hold the same parameters in the same order (checked at construction: the reductions are collectives).
 
 State dicts: :meth:`full_state_dict` gathers the whole trunk (collective), with the keys of the serial

@@ -351,3 +351,68 @@ def multigrid_lbfgs(rank: int, world_size: int, line_search: str | None, ckpt_di
     return {"state": {key: value.detach().clone() for key, value in module.state_dict().items()},
             "steps": trainer.global_step,
             "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]]}
+
+
+# -- per-parameter gradient norms: every step's own, as one process's grad_norm logs them ----------------------
+def grad_norm_odenet(use_lightning: bool) -> torch.nn.Module:
+    """``user_odenet()`` recording, at every step, the per-parameter gradient norms and their total as Lightning's
+    docs show (``self.log_dict(grad_norm(self, norm_type=2))`` in ``on_before_optimizer_step``): with Lightning's
+    ``grad_norm`` (``use_lightning``) or with ``lightning_hpc.multigrid.grad_norm``."""
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    from lightning_hpc.multigrid import grad_norm
+
+    module = user_odenet()
+    module.recorded = []  # type: ignore[attr-defined]
+
+    def on_before_optimizer_step(optimizer) -> None:
+        norms = (lightning_grad_norm if use_lightning else grad_norm)(module, norm_type=2)
+        module.recorded.append({k: float(v) for k, v in norms.items()})  # type: ignore[attr-defined]
+        module.log_dict(norms)
+
+    module.on_before_optimizer_step = on_before_optimizer_step  # type: ignore[method-assign]
+    return module
+
+
+def serial_grad_norms(steps: int) -> list[dict[str, float]]:
+    """One process's ``lightning.pytorch.utilities.grad_norm`` of ``user_odenet()`` at each of ``steps`` steps."""
+    import torch.nn.functional as F
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    model = user_odenet()
+    opt = model.configure_optimizers()
+    xs, ys = data(steps)
+    out = []
+    for s in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(xs[s * BATCH : (s + 1) * BATCH].double()), ys[s * BATCH : (s + 1) * BATCH]).backward()
+        out.append({k: float(v) for k, v in lightning_grad_norm(model, norm_type=2).items()})
+        opt.step()
+    return out
+
+
+def multigrid_grad_norms(rank: int, world_size: int, use_lightning: bool, steps: int) -> dict:
+    """``Trainer.fit`` of ``grad_norm_odenet`` with the trunk split over ``world_size`` layer ranks (mode 'pm'):
+    the recorded norms, or the error and whether any weight changed."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import MultigridStrategy
+    from lightning_hpc.distributed.partitioned import local_block
+    from tests import fit_harness
+
+    xs, ys = data(steps)
+    loader = DataLoader(TensorDataset(xs.double(), ys), batch_size=BATCH, shuffle=False)
+    module = grad_norm_odenet(use_lightning)
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    trainer = fit_harness.trainer(
+        devices=world_size, precision="64-true", max_steps=steps,
+        strategy=MultigridStrategy(layer_parallel_size=world_size, mode="pm", **EXACT),
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result under test
+        after = {k: local_block(v) for k, v in module.state_dict().items()}
+        changed = [k for k, v in before.items() if k in after and not torch.equal(v, after[k])]
+        return {"error": str(e), "global_step": trainer.global_step, "changed": changed}
+    return {"recorded": module.recorded}  # type: ignore[attr-defined]
