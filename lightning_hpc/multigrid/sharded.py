@@ -26,6 +26,7 @@ local steps' entries of a full state dict and ignores the others.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Any
 
@@ -59,6 +60,7 @@ class LayerShardedTrunk(nn.Sequential):
         if self.chain.size > 1:
             refuse_shared_parameters(blocks, names)
         self.partition = LayerPartition(len(blocks), self.chain.size, self.chain.index, cfactor, levels)
+        self._cfactor, self._levels = cfactor, levels
         self.num_steps = len(blocks)
         self.step_names = names
         part = self.partition
@@ -93,6 +95,37 @@ class LayerShardedTrunk(nn.Sequential):
     def local_blocks(self) -> list[ResidualStep]:
         return list(self)  # type: ignore[arg-type]
 
+    # Indexing reads as the user's nn.Sequential of every step (as on one process): index i is step i of the
+    # whole trunk, wherever it lives.  Positional indexing of this rank's share would silently give rank 1's
+    # first step for ``trunk[0]``; a step another rank holds is refused by name instead.  Iteration (``for step
+    # in trunk``, ``children()``) goes over this rank's own steps, as ``parameters()`` does.
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __getitem__(self, idx: int | slice) -> nn.Module:  # type: ignore[override]
+        if isinstance(idx, slice):
+            indices = range(self.num_steps)[idx]
+            for i in indices:
+                self._local_step(i)  # refused if another rank holds it
+            return nn.Sequential(OrderedDict((self.step_names[i], self._local_step(i)) for i in indices))
+        index = operator.index(idx)
+        if not -self.num_steps <= index < self.num_steps:
+            raise IndexError(f"index {index} is out of range: the trunk has {self.num_steps} residual steps")
+        return self._local_step(index % self.num_steps)
+
+    def _local_step(self, index: int) -> nn.Module:
+        part = self.partition
+        if part.start <= index < part.stop:
+            return self._modules[self.step_names[index]]  # type: ignore[return-value]
+        holder = next(r for r in range(self.chain.size) if _share_of(self, r).start <= index < _share_of(self, r).stop)
+        raise IndexError(
+            f"residual step {index} ('{self.step_names[index]}') of the trunk is held by layer rank {holder}: the "
+            f"trunk's {self.num_steps} steps are split over {self.chain.size} ranks (strategy='multigrid'), and "
+            f"this rank (layer rank {self.chain.index}) holds steps {part.start}..{part.stop - 1}. Reach a step on "
+            "the rank that holds it (trunk.partition.start / .stop), or after the stage, when the whole trunk is "
+            "handed back on every rank; reductions over all of self.parameters() already cover every step"
+        )
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # A full (serial or gathered) state dict holds every step: keep this rank's, drop the others' so that
         # strict loading neither reports them as unexpected nor loads them anywhere.
@@ -117,6 +150,13 @@ class LayerShardedTrunk(nn.Sequential):
         moved = OrderedDict((k, v.to(device)) for k, v in local.items())
         full = gather_keyed_tensors(moved, group, dst, device=torch.device(device), out_device=home)
         return OrderedDict((k, v.to(home)) for k, v in full.items())
+
+
+def _share_of(trunk: LayerShardedTrunk, rank: int) -> LayerPartition:
+    """The steps layer rank ``rank`` holds (the partition is a function of the sizes alone)."""
+    part = trunk.partition
+    return LayerPartition(trunk.num_steps, trunk.chain.size, rank, trunk._cfactor, trunk._levels) \
+        if rank != trunk.chain.index else part
 
 
 def release_other_steps(sharded: LayerShardedTrunk, trunk: nn.Module) -> None:

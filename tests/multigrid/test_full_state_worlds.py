@@ -53,7 +53,7 @@ def _load(rank: int, world_size: int, path: str) -> dict:
     _steps(model, opt, 1)  # state of its own, to be replaced
     model.load_state_dict(saved["model"])
     opt.load_state_dict(local_optimizer_state(saved["optimizer"], opt, model))
-    local_steps = len(model.steps)
+    local_steps = len(model.steps.local_blocks)  # len() is the whole trunk's, as on one process
     state = {"model": full_model_state_dict(model, dst=0), "optimizer": full_optimizer_state(opt, model, dst=0)}
     return {"local_steps": local_steps, **(state if rank == 0 else {})}
 
