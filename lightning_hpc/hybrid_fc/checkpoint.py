@@ -43,21 +43,23 @@ def _head_group(module: nn.Module) -> Any:
 
 
 def _gather(module: nn.Module, shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]], rank0_only: bool,
-            cpu: bool) -> dict[str, torch.Tensor]:
-    return gather_shard_tensors(shards, _head_group(module), rank0_only, cpu)
+            cpu: bool, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    return gather_shard_tensors(shards, _head_group(module), rank0_only, cpu, device)
 
 
 def full_state_dict(
-    module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False
+    module: nn.Module, prefix: str = "", rank0_only: bool = False, cpu: bool = False,
+    device: torch.device | None = None,
 ) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every head shard replaced by the full tensor (collective: call on all ranks).
 
     ``rank0_only``: gather to group rank 0 only (the other ranks' dict keeps the shards); ``cpu``: move each
-    gathered tensor to host memory as it arrives (see the module docstring for the peaks)."""
+    gathered tensor to host memory as it arrives (see the module docstring for the peaks); ``device``: the device
+    the head's collectives run on, for a module kept elsewhere (:func:`gather_shard_tensors`)."""
     state = module.state_dict(prefix=prefix)
     shards = {f"{prefix}{name}.{pname}": (shard, pname, state[f"{prefix}{name}.{pname}"])
               for name, shard in _shards(module) for pname in shard.param_names if f"{prefix}{name}.{pname}" in state}
-    state.update(_gather(module, shards, rank0_only, cpu))
+    state.update(_gather(module, shards, rank0_only, cpu, device))
     return state
 
 

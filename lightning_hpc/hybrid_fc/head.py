@@ -365,16 +365,17 @@ class HybridHead(IndexedLikeSequential, nn.Module):
         finally:
             self._whole = None
 
-    def gather_layers(self, cpu: bool = False) -> list[dict[str, torch.Tensor]]:
+    def gather_layers(self, cpu: bool = False, device: torch.device | None = None) -> list[dict[str, torch.Tensor]]:
         """The full parameters of every linear layer of the head by their names in the layer (``weight``, ``bias``;
         a weight_norm'ed layer's ``g`` and ``v`` in place of ``weight``), on every rank (collective over the head's
-        group; ``cpu``: each gathered tensor lands in host memory as it arrives)."""
+        group; ``cpu``: each gathered tensor lands in host memory as it arrives; ``device``: where the collectives
+        run, for a head kept elsewhere, :func:`gather_shard_tensors`)."""
         shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]] = {
             f"{i}/{pname}": (shard, pname, shard.get_parameter(pname))
             for i, shard in enumerate(self.shards)
             for pname in shard.param_names
         }
-        full = gather_shard_tensors(shards, self.comm.group, rank0_only=False, cpu=cpu)
+        full = gather_shard_tensors(shards, self.comm.group, rank0_only=False, cpu=cpu, device=device)
         return [{pname: full[f"{i}/{pname}"] for pname in shard.param_names} for i, shard in enumerate(self.shards)]
 
     @contextlib.contextmanager

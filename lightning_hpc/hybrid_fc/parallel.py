@@ -362,10 +362,12 @@ def _split(model: nn.Module, spec: HeadSpec, twin_of: str | None, **options: Any
     return model, hybrid
 
 
-def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, dict[int, nn.Parameter]]:
+def unparallelize_head(model: nn.Module, cpu: bool = False,
+                       device: torch.device | None = None) -> tuple[nn.Module, dict[int, nn.Parameter]]:
     """The inverse of :func:`parallelize_head`: the user's head container back in its place in ``model``, its
     ``nn.Linear`` layers holding the full trained weights (gathered from every rank's shards, on every rank:
-    collective over the head's group; ``cpu``: gathered into host memory).  The trunk's modules were never
+    collective over the head's group; ``cpu``: gathered into host memory; ``device``: where the collectives run,
+    for a model kept elsewhere, :func:`gather_shard_tensors`).  The trunk's modules were never
     replaced, so the whole model is the user's again: its ``state_dict`` loads strictly into the user's class and
     its forward runs on one rank alone.
 
@@ -375,19 +377,19 @@ def unparallelize_head(model: nn.Module, cpu: bool = False) -> tuple[nn.Module, 
     root = model
     # the copies first: the head's own container may be the root, which the last put-back replaces
     for hybrid in reversed(find_hybrid_heads(model)):
-        root = _put_back(model, root, hybrid, cpu, replaced)
+        root = _put_back(model, root, hybrid, cpu, replaced, device)
     return root, replaced
 
 
 def _put_back(model: nn.Module, root: nn.Module, hybrid: HybridHead, cpu: bool,
-              replaced: dict[int, nn.Parameter]) -> nn.Module:
+              replaced: dict[int, nn.Parameter], device: torch.device | None = None) -> nn.Module:
     """One head of :func:`unparallelize_head`: its user's container back in its place (``root`` when that is the
     model itself); ``replaced`` gets each shard parameter's whole replacement."""
     user = hybrid.user_head
     if not isinstance(user, UserHead):
         raise ValueError("this hybrid head was not built by parallelize_head, so the user's head is not known")
     current = model.get_submodule(user.path) if user.path else model  # the HybridHead or the _TrunkThenHead
-    for lin, shard, full in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu)):
+    for lin, shard, full in zip(user.linears, hybrid.shards, hybrid.gather_layers(cpu, device)):
         for pname, value in full.items():  # weight and bias, or weight_norm's g and v and the bias
             old = shard.get_parameter(pname)
             new = nn.Parameter(value, requires_grad=old.requires_grad)

@@ -256,21 +256,28 @@ class ShardedLinear(nn.Module):
 
 
 def gather_shard_tensors(shards: dict[str, tuple[ShardedLinear, str, torch.Tensor]], group: Any, rank0_only: bool,
-                         cpu: bool) -> dict[str, torch.Tensor]:
+                         cpu: bool, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The full tensors of shard-shaped tensors (key -> (shard, parameter name, this rank's tensor)) over the head's
     ``group`` (``None``: the world); with ``rank0_only`` only group rank 0 gets them (the other ranks get an empty
-    dict).  Collective.  Here, beside the shards, so that the head (whole-head inference) and the checkpoints
-    (which find the head in a model) both use it without importing each other."""
+    dict).  Collective.  ``device``: the device the group's collectives run on, where tensors kept elsewhere travel
+    (a weight-averaging copy on the host beside a model on a GPU: NCCL moves device tensors only); what is received
+    lands where the tensors were (or on the host with ``cpu``).  Here, beside the shards, so that the head
+    (whole-head inference) and the checkpoints (which find the head in a model) both use it without importing each
+    other."""
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {key: local_block(value).detach().cpu() if cpu else local_block(value).detach()
                 for key, (_, _, value) in shards.items()}
     local = {key: local_block(value).detach().contiguous() for key, (_, _, value) in shards.items()}
+    home = next(iter(local.values())).device if local else None
+    travel = device is not None and home is not None and torch.device(device) != home
+    if travel:
+        local = {key: value.to(device) for key, value in local.items()}
     split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
     dst = dist.get_global_rank(group, 0)
     full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,
-                                out_device="cpu" if cpu else None)
+                                out_device="cpu" if cpu else (home if travel else None))
     if rank0_only and dist.get_rank() != dst:
         return {}
     for key, (shard, pname, _) in shards.items():

@@ -369,13 +369,12 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                 continue
             name = type(callback).__name__
             where = averaging_device(callback)
-            if where is not None and where.type != self.root_device.type:
+            if where is not None and not _usable(where):  # Lightning would fail there at swa_epoch_start, mid-run
                 raise ValueError(
-                    f"strategy='hybrid_fc': {name} keeps its averaged copy of the LightningModule on {where}, away "
-                    f"from the training device ({self.root_device}); the copy's fully-connected head is split over the "
-                    "ranks as the model's is, and its blocks are gathered (into checkpoints, and whole at the end of "
-                    f"every stage) by the head's collectives on the training device. Pass {name}(..., device=None): "
-                    "the copy then lives on the training device, 1/K of its head on each rank"
+                    f"strategy='hybrid_fc': {name} keeps its averaged copy of the LightningModule on {where}, which "
+                    f"this process cannot use (training runs on {self.root_device}), so averaging would fail once it "
+                    f"starts. Pass {name}(..., device=None) (the copy then lives on the training device) or a device "
+                    "this process has"
                 )
             if _names_and_shapes(copy) != unsplit:
                 raise ValueError(
@@ -409,6 +408,10 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
                                            [*module.parameters(), *module.buffers()]):
                         mine.copy_(model)
             follow_split(copy, find_hybrid_heads(root))
+            if where is not None and where != self.root_device:
+                # where the callback keeps it (StochasticWeightAveraging's default: the host); its blocks travel
+                # through the training device whenever they are gathered (checkpoints, the hand-back)
+                copy.to(where)
             self._averages.append((callback, copy))
 
     @override
@@ -505,7 +508,7 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         for _, copy in self._averages:  # weight averaging's copies: whole again, where the callback keeps them
             on_host = next(iter([*copy.parameters(), *copy.buffers()]), torch.empty(())).device.type == "cpu"
             root, _ = unparallelize_head(copy if self.model_attr is None else getattr(copy, self.model_attr),
-                                         cpu=on_host)
+                                         cpu=on_host, device=self.root_device)
             if self.model_attr is not None:
                 setattr(copy, self.model_attr, root)
             follow_split(copy)
@@ -623,7 +626,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         ``WeightAveraging`` writes as the checkpoint's ``state_dict`` (the model's under ``current_model_state``).
         Collective: every rank saves (only rank 0 writes)."""
         # (split this stage; emptied when handed back whole)
-        put_whole_averages(checkpoint, self._averages, lambda copy: full_state_dict(copy, rank0_only=True, cpu=True))
+        put_whole_averages(checkpoint, self._averages,
+                           lambda copy: full_state_dict(copy, rank0_only=True, cpu=True, device=self.root_device))
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -642,6 +646,15 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
             for o, s in zip(self.optimizers, checkpoint["optimizer_states"])
         ]
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+
+
+def _usable(device: torch.device) -> bool:
+    """Whether this process can put tensors on ``device`` (a CUDA device in a CPU-only build cannot)."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError):  # torch raises AssertionError for a backend it was built without
+        return False
+    return True
 
 
 def _holds_meta(module: torch.nn.Module) -> bool:

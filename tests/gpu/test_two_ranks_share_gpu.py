@@ -35,6 +35,11 @@ NEEDS: dict[str, set[str]] = {
                       "gather"},
     "spatial:sgd": {"all_reduce", "broadcast", "all_gather", "all_to_all_single", "isend_irecv"},
     "multigrid_pm:odenet": {"all_reduce", "broadcast", "all_gather", "send_recv", "isend_irecv"},
+    # StochasticWeightAveraging keeps its copy on the host (its default) beside the model on the GPU: the split
+    # copy's blocks travel through the GPU when gathered (checkpoints, the hand-back after the stage)
+    "hybrid_fc:swa": {"all_reduce", "broadcast", "all_gather", "all_to_all_single", "reduce_scatter_tensor",
+                      "gather"},
+    "multigrid_pm:odenet_swa": {"all_reduce", "broadcast", "all_gather", "send_recv", "isend_irecv"},
 }
 
 

@@ -149,6 +149,12 @@ def per_step_equivalence(rank: int, k: int, scheme: str, layouts, steps: int, me
     full = full_state_dict(hyb)
     for key, value in ref.state_dict().items():
         worst["params"] = max(worst["params"], float((full[key] - value).abs().max()))
+    # the shards gathered through another device than where they are kept (a weight-averaging copy on the host
+    # beside a GPU model; here "cpu:0", which differs from the tensors' "cpu" as a device): the same tensors,
+    # landing where they were kept
+    via = full_state_dict(hyb, device=torch.device("cpu", 0))
+    assert list(via) == list(full) and all(torch.equal(via[k], full[k]) and via[k].device == full[k].device
+                                           for k in full)
     return worst
 
 
