@@ -9,19 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hpc.spatial.dispatch import elementwise, split_tensor, tensor
+from lightning_hpc.spatial.dispatch import SpatialTensor, elementwise, split_tensor
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
 
 def _counting(monkeypatch) -> list[str]:
     seen: list[str] = []
-    real = tensor._dispatch  # the entry SpatialTensor.__torch_function__ calls
+    real = SpatialTensor.__torch_function__.__func__  # type: ignore[attr-defined]
 
-    def count(func, args, kwargs):
+    def count(cls, func, types, args=(), kwargs=None):
         seen.append(getattr(func, "__name__", str(func)))
-        return real(func, args, kwargs)
+        return real(cls, func, types, args, kwargs)
 
-    monkeypatch.setattr(tensor, "_dispatch", count)
+    monkeypatch.setattr(SpatialTensor, "__torch_function__", classmethod(count))
     return seen
 
 
