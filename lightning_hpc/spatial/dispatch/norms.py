@@ -160,8 +160,7 @@ def _batch_norm(func, a, args, kwargs):
     x, rm, rv, weight, bias = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
     training, momentum, eps = a["training"], a["momentum"], a["eps"]
     weight, bias = _replicated_operands(x._grid, weight, bias)
-    with torch._C.DisableTorchFunctionSubclass():  # (_plain, inline: every batch norm's path)
-        local = x.as_subclass(torch.Tensor)
+    local = _plain(x)
     if not training or x._grid.group is None:
         return _fresh(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x._grid, x._gshape, x._sdims)
     y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
