@@ -118,7 +118,7 @@ class _Gather(torch.autograd.Function):
 def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
     """A replicated tensor used with tiles: parameters are recorded (partial gradient, summed by the strategy),
     other tensors needing a gradient get it completed over the group."""
-    if isinstance(t, nn.Parameter):
+    if type(t) is nn.Parameter or isinstance(t, nn.Parameter):  # (the first test: no call for a layer's own)
         grid.tile_params[id(t)] = t
         return t
     if t.requires_grad and grid.group is not None:

@@ -18,7 +18,7 @@ class _Binder:
     binds to the op's parameters: decided once by ``inspect.Signature.bind`` (which also rejects a call that does
     not fit), then replayed with plain dict updates, so a repeated call pays no signature binding."""
 
-    __slots__ = ("positional", "defaults", "var_positional", "var_keyword", "extra_keywords")
+    __slots__ = ("positional", "defaults", "var_positional", "var_keyword", "extra_keywords", "plain")
 
     def __init__(self, sig: inspect.Signature, nargs: int, keywords: tuple[str, ...]) -> None:
         params = list(sig.parameters.values())
@@ -34,6 +34,9 @@ class _Binder:
         #: per call: a shared empty container could be changed by a handler)
         self.defaults = {p.name: p.default for p in params if p.default is not p.empty
                          and p.name not in keywords and p.name not in self.positional}
+        #: a signature without ``*args`` / ``**kwargs``: the call's names are its positional parameters, its
+        #: keywords and the defaults (:func:`bind_call` builds that dict itself, without a call of its own)
+        self.plain = self.var_positional is None and self.var_keyword is None
 
     def __call__(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         out = dict(self.defaults)
@@ -63,6 +66,11 @@ def bind_call(op: Callable, args: tuple, kwargs: dict) -> dict[str, Any] | None:
     shape is decided once (:class:`_Binder`)."""
     key = (op, len(args), tuple(kwargs))
     binder = _BINDERS.get(key, _UNSEEN)
+    if binder is not _UNSEEN and binder is not None and binder.plain:  # the usual case, first
+        out = dict(zip(binder.positional, args), **binder.defaults)
+        if kwargs:
+            out.update(kwargs)
+        return out
     if binder is _UNSEEN:
         sig = _SIGNATURES.get(op)
         if sig is None:

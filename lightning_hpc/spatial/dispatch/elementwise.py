@@ -150,51 +150,58 @@ def _decide(func, args, kwargs, spatial: list[SpatialTensor]) -> _Decision | Non
     return _Decision(func, args, kwargs, spatial, loc)
 
 
-#: per op: whether it changes its first operand in place (:func:`_is_inplace`, read from its name once)
-_INPLACE: dict = {}
+#: the types of the non-tensor operands an element-wise call passes through as given (numbers, ``inplace=``,
+#: ``alpha=``): read as they are, without an ``isinstance`` per operand
+_SCALARS = frozenset({bool, int, float, complex, str, type(None), torch.dtype})
+
+_Tensor = torch.Tensor
 
 
-def _same_layout_call(x: SpatialTensor, args, kwargs) -> bool:
-    """Every tensor operand of the call is a split tensor laid out as ``x`` (same grid, global shape and split
-    dimensions) and no operand is a sequence: the op on the tiles is the output tile, laid out as ``x``.  (A call
-    with ``out=`` is decided as before: its result is ``out`` itself.)"""
-    grid, gshape, sdims = x._grid, x._gshape, x._sdims
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            if type(v) is not SpatialTensor or v._grid is not grid or v._gshape != gshape or v._sdims != sdims:
-                return False
-        elif isinstance(v, (list, tuple)):
-            return False
-    return True
-
-
-def _plain_operand(v):
-    """A split operand's tile as a plain tensor (call with the subclass's dispatch off); anything else as it is."""
-    return v.as_subclass(torch.Tensor) if type(v) is SpatialTensor else v
-
-
-def _elementwise(func, args, kwargs):
+def _elementwise(func, args, kwargs, inplace: bool):
+    """The element-wise op ``func`` on split operands (``inplace``: ``func`` changes its first operand, from its
+    name), or ``NotImplemented`` for the gather path."""
     x = args[0] if args else None
-    if type(x) is SpatialTensor and "out" not in kwargs and _same_layout_call(x, args, kwargs):
-        # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): nothing to
-        # decide or cut.  The operands are plain tiles (what autograd saves for backward stays plain, so a
-        # dispatch mode seeing backward's ops, e.g. FlopCounterMode, gets no split tensor); an in-place op changes
-        # the split tensor itself (an in-place op on an alias would make autograd copy the whole tile back)
-        inplace = _INPLACE.get(func)
-        if inplace is None:
-            inplace = _INPLACE[func] = _is_inplace(func)
-        inplace = inplace or kwargs.get("inplace") is True
-        with torch._C.DisableTorchFunctionSubclass():
-            largs = [_plain_operand(a) for a in args[1:]] if len(args) > 1 else ()
-            lkw = {k: _plain_operand(v) for k, v in kwargs.items()} if kwargs else kwargs
-            if inplace:
-                func(x, *largs, **lkw)
-                return x
-            out = func(x.as_subclass(torch.Tensor), *largs, **lkw)
-        if isinstance(out, torch.Tensor) and out.dim() == len(x._gshape):
-            return SpatialTensor.wrap(out, x._grid, x._gshape, x._sdims, fresh=True)
-        raise SpatialDispatchError(
-            f"spatial: internal error: {_op_name(func)} in {where(x._grid)} gave an unexpected result")
+    if type(x) is SpatialTensor and "out" not in kwargs:
+        # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): every tensor
+        # operand is a split tensor laid out as ``x`` (same grid, global shape and split dimensions) and none is
+        # a sequence, so the op on the tiles is the output tile, laid out as ``x``; nothing to decide or cut.
+        # (A call with ``out=`` is decided as below: its result is ``out`` itself.)  Checked inline, with no
+        # call per operand: this is most of a network's ops.
+        grid, gshape, sdims = x._grid, x._gshape, x._sdims
+        alike, split_operands = True, False
+        for v in (*args[1:], *kwargs.values()) if kwargs else args[1:]:
+            if type(v) is SpatialTensor:
+                if v._grid is not grid or v._gshape != gshape or v._sdims != sdims:
+                    alike = False
+                    break
+                split_operands = True
+            elif type(v) not in _SCALARS and isinstance(v, (_Tensor, list, tuple)):
+                alike = False
+                break
+        if alike:
+            # the operands are plain tiles (what autograd saves for backward stays plain, so a dispatch mode
+            # seeing backward's ops, e.g. FlopCounterMode, gets no split tensor); an in-place op changes the split
+            # tensor itself (an in-place op on an alias would make autograd copy the whole tile back)
+            inplace = inplace or ("inplace" in kwargs and kwargs["inplace"] is True)
+            with torch._C.DisableTorchFunctionSubclass():
+                largs, lkw = args[1:], kwargs
+                if split_operands:
+                    largs = [v.as_subclass(_Tensor) if type(v) is SpatialTensor else v for v in largs]
+                    lkw = {k: v.as_subclass(_Tensor) if type(v) is SpatialTensor else v for k, v in kwargs.items()}
+                if inplace:
+                    func(x, *largs, **lkw)
+                    return x
+                out = func(x.as_subclass(_Tensor), *largs, **lkw)
+            if type(out) is _Tensor and out.ndim == len(gshape):
+                # a new result nobody else holds becomes the split tensor itself (tensor._fresh, inline: this is
+                # the path of most ops)
+                out.__class__ = SpatialTensor
+                out._grid, out._gshape, out._sdims = grid, gshape, sdims  # type: ignore[attr-defined]
+                return out
+            if isinstance(out, _Tensor) and out.dim() == len(gshape):
+                return SpatialTensor.wrap(out, grid, gshape, sdims, fresh=True)
+            raise SpatialDispatchError(
+                f"spatial: internal error: {_op_name(func)} in {where(grid)} gave an unexpected result")
     spatial = _spatials(args, kwargs)
     if getattr(func, "__name__", "") == "copy_":
         a = bind_call(_copy_args, args, kwargs)

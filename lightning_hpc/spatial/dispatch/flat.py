@@ -40,7 +40,7 @@ from lightning_hpc.spatial.dispatch.registry import (
     _resolve,
     run_registered,
 )
-from lightning_hpc.spatial.dispatch.registry import _dispatch as _dispatch_split
+from lightning_hpc.spatial.dispatch.registry import _torch_function as _split_torch_function
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
@@ -516,7 +516,7 @@ def _dispatch_flat(func, args, kwargs):
     elif getattr(func, "__name__", None) == "__get__":
         return _property(func, args, kwargs)
     elif func in _LAYOUT_FREE:  # sizes (global), metadata, hooks, backward: the ordinary split tensor's handling
-        return _dispatch_split(func, args, kwargs)
+        return _split_torch_function(SpatialTensor, func, (), args, kwargs)
     elif func in _ELEMENTWISE:
         out = _flat_elementwise(func, args, kwargs)
         if out is not NotImplemented:

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_hpc.spatial import kernels as K
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _channels_first, _fresh, _plain, _wrap_like
 from lightning_hpc.spatial.kernels.adaptive import adaptive_output_size
 from lightning_hpc.spatial.kernels.plan import ntuple
 from lightning_hpc.spatial.layout.halo_exchange import PartitionError
@@ -89,16 +90,19 @@ def _run(op: str, grid: SpatialGrid, fn: Callable[[], Any]) -> Any:
 
 
 # -- convolution ---------------------------------------------------------------------------------------------------
-def _convolution(func, a, args, kwargs, k: int):
+def _convolution(func, a, args, kwargs):
+    # the number of spatial dimensions by the op (a table, not a partial: no keyword call per convolution)
+    k, name = _CONV_OPS[func]
     x, weight, bias = a["input"], a["weight"], a["bias"]
     # (SpatialTensor has no subclasses: ``type(...) is`` is its isinstance, one call less on every convolution)
-    if not isinstance(weight, torch.Tensor) or type(weight) is SpatialTensor or type(bias) is SpatialTensor:
+    if type(weight) is not nn.Parameter and (not isinstance(weight, torch.Tensor) or type(weight) is SpatialTensor) \
+            or type(bias) is SpatialTensor:
         return NotImplemented
     stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
     key, cached = None, True
     if type(x) is SpatialTensor:
         # (_hashable's conversion inline: this is every convolution's per-call path)
-        key = (_CONV_OPS[k], x._gshape, x._sdims, weight.shape, tuple(stride) if type(stride) is list else stride,
+        key = (name, x._gshape, x._sdims, weight.shape, tuple(stride) if type(stride) is list else stride,
                tuple(padding) if type(padding) is list else padding,
                tuple(dilation) if type(dilation) is list else dilation, groups, x._grid.policy.overlap)
         # a call decided before is replayed without re-reading its layout (an unhashable key: decided per call)
@@ -139,8 +143,8 @@ def _convolution(func, a, args, kwargs, k: int):
     return NotImplemented if cp is None else _run_conv_tile(x, weight, bias, cp)
 
 
-#: the first entry of a convolution's decision key, per number of spatial dimensions
-_CONV_OPS = {1: "conv1d", 2: "conv2d", 3: "conv3d"}
+#: per convolution op: its number of spatial dimensions and the first entry of its decision key
+_CONV_OPS: dict[Callable, tuple[int, str]] = {f: (k, f"conv{k}d") for k in (1, 2, 3) for f in _resolve(f"conv{k}d")}
 
 #: a decision cache miss (None is a decision: the call is gathered)
 _UNDECIDED: Any = object()
@@ -157,7 +161,7 @@ def _run_conv_tile(x: SpatialTensor, weight: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         bias = _replicated_operand(bias, grid)
     out = K.run_conv(_plain(x), weight, bias, cp, record)
-    return SpatialTensor.wrap(out, grid, (x._gshape[0], weight.shape[0], *cp.out_extents), x._sdims, fresh=True)
+    return _fresh(out, grid, (x._gshape[0], weight.shape[0], *cp.out_extents), x._sdims)
 
 
 def _hashable(v: Any) -> Any:
@@ -282,7 +286,7 @@ def _adaptive_pool(func, a, args, kwargs, k: int, kind: str):
 
 # -- registration: one handler per op family, for each number of spatial dimensions -------------------------------
 for _k in (1, 2, 3):
-    _handles(*_resolve(f"conv{_k}d"), signature=_conv, windows=_conv_windows)(partial(_convolution, k=_k))
+    _handles(*_resolve(f"conv{_k}d"), signature=_conv, windows=_conv_windows)(_convolution)
     _handles(*_resolve(f"conv_transpose{_k}d"), signature=_conv_transpose,
              windows=_transposed_windows)(partial(_transposed, k=_k))
     _max_windows, _avg_windows = _pool_windows(_k, "max"), _pool_windows(_k, "avg")  # one each, made here

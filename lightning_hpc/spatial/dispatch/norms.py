@@ -10,10 +10,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operands, _tile_index
 from lightning_hpc.spatial.dispatch.registry import _handles
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _wrap_like
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _fresh, _plain, _wrap_like
 from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, aggregated_row_norm
 
 
@@ -98,12 +99,21 @@ def _affine(y: torch.Tensor, w, b, view, dtype: torch.dtype) -> torch.Tensor:
 
 def _norm_over_space(x) -> bool:
     """N x C x spatial... with the split dimensions among the spatial ones (statistics over them)."""
-    return isinstance(x, SpatialTensor) and x.dim() >= 3 and min(x._sdims) >= 2
+    # (``type(x) is`` first and the number of dimensions from the global shape: no call for the usual input)
+    return (type(x) is SpatialTensor or isinstance(x, SpatialTensor)) and len(x._gshape) >= 3 and min(x._sdims) >= 2
+
+
+#: the types of a layer's own parameters and buffers, which are not split tensors (no ``isinstance`` per operand)
+_PLAIN = frozenset({torch.Tensor, nn.Parameter, type(None)})
 
 
 def _split_operand(a: dict, *names: str) -> bool:
     """A parameter or running statistic given as a split tensor: no tiled form (gathered)."""
-    return any([isinstance(a[k], SpatialTensor) for k in names])
+    for k in names:
+        v = a[k]
+        if type(v) not in _PLAIN and isinstance(v, SpatialTensor):
+            return True
+    return False
 
 
 @_handles(F.group_norm)
@@ -152,8 +162,8 @@ def _batch_norm(func, a, args, kwargs):
     weight, bias = _replicated_operands(x._grid, weight, bias)
     local = _plain(x)
     if not training or x._grid.group is None:
-        return _wrap_like(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x)
+        return _fresh(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x._grid, x._gshape, x._sdims)
     y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
     if rm is not None and rv is not None:
         _update_running(rm, rv, mean64, var64 * (n / (n - 1.0).clamp_min(1.0)), momentum)  # n: on the device
-    return _wrap_like(y, x)
+    return _fresh(y, x._grid, x._gshape, x._sdims)

@@ -1,11 +1,11 @@
 """The handler table and the dispatch entry.
 
 Handler modules register a function for the torch ops they compute on tiles with :func:`_handles`, which names the
-signature the calls are bound against; :func:`_dispatch` (called by :meth:`SpatialTensor.__torch_function__`) binds
-the call's arguments once and runs the registered handler with them, or routes
-attribute reads (``x.shape``, ``x.grad``), metadata queries, hook registrations and the element-wise ops
-(:mod:`.elementwise`); whatever is left, or what a handler declines (``NotImplemented``), goes to the gather
-path (:mod:`.fallback`).
+signature the calls are bound against; :func:`_torch_function` (installed here as
+:meth:`SpatialTensor.__torch_function__`) binds the call's arguments once and runs the registered handler with
+them, or routes attribute reads (``x.shape``, ``x.grad``), metadata queries, hook registrations and the
+element-wise ops (:mod:`.elementwise`); whatever is left, or what a handler declines (``NotImplemented``), goes to
+the gather path (:mod:`.fallback`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_hpc.spatial.dispatch import tensor as _tensor_module
-from lightning_hpc.spatial.dispatch.calls import bind_call
+from lightning_hpc.spatial.dispatch.calls import _is_inplace, bind_call
 from lightning_hpc.spatial.dispatch.elementwise import _elementwise
 from lightning_hpc.spatial.dispatch.fallback import _fallback
+from lightning_hpc.spatial.dispatch.state import _STATE
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
 
 _HANDLERS: dict[Any, tuple[Callable, Callable | None]] = {}
@@ -83,7 +83,8 @@ __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __rand__ __ror__ __rxor__ add
 masked_fill_ lerp_ addcmul_ addcdiv_ copy_ maximum minimum type_as heaviside""".split()
 
 
-_ELEMENTWISE = set(_resolve(" ".join(_UNARY + _BINARY)))
+#: the element-wise ops, each with whether it changes its first operand in place (read from its name once)
+_ELEMENTWISE: dict[Any, bool] = {f: _is_inplace(f) for f in _resolve(" ".join(_UNARY + _BINARY))}
 
 
 _NO_TENSOR_OUT = set(_resolve("backward retain_grad register_post_accumulate_grad_hook"))
@@ -101,26 +102,36 @@ def run_registered(entry: tuple[Callable, Callable | None], func, args, kwargs):
     return NotImplemented if a is None else handler(func, a, args, kwargs)
 
 
-def _dispatch(func, args, kwargs):
-    # the element-wise ops first: they are most of a network's ops (the sets are disjoint)
-    if func in _ELEMENTWISE:
-        out = _elementwise(func, args, kwargs)
-        if out is not NotImplemented:
-            return out
+def _torch_function(cls, func, types, args=(), kwargs=None):
+    """:meth:`SpatialTensor.__torch_function__`: every op on a split tensor.  The route is read from two tables
+    (the element-wise ops' in-place flags, the handlers), one lookup each, in the method itself: a Python call
+    saved per op, and nothing re-derived on a repeated call."""
+    kwargs = kwargs or {}
+    _STATE.depth += 1  # the ops the handlers run on local tensors are the dispatch's own (parameter_check)
+    try:
+        # the element-wise ops first: they are most of a network's ops (the tables are disjoint)
+        inplace = _ELEMENTWISE.get(func)
+        if inplace is not None:
+            out = _elementwise(func, args, kwargs, inplace)
+            return _fallback(func, args, kwargs) if out is NotImplemented else out
+        entry = _HANDLERS.get(func)
+        if entry is not None:
+            handler, signature = entry  # (run_registered, inline)
+            a = bind_call(func if signature is None else signature, args, kwargs)
+            if a is not None:
+                out = handler(func, a, args, kwargs)
+                if out is not NotImplemented:
+                    return out
+        elif getattr(func, "__name__", None) == "__get__":
+            return _property(func, args, kwargs)
+        elif func in _META:
+            return func(*[_plain(a) if isinstance(a, SpatialTensor) else a for a in args], **kwargs)
+        elif func in _NO_TENSOR_OUT:  # on the tensor itself (a hook on an alias would never fire)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         return _fallback(func, args, kwargs)
-    entry = _HANDLERS.get(func)
-    if entry is not None:
-        out = run_registered(entry, func, args, kwargs)
-        if out is not NotImplemented:
-            return out
-    elif getattr(func, "__name__", None) == "__get__":
-        return _property(func, args, kwargs)
-    elif func in _META:
-        return func(*[_plain(a) if isinstance(a, SpatialTensor) else a for a in args], **kwargs)
-    elif func in _NO_TENSOR_OUT:  # on the tensor itself (a hook on an alias would never fire)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    return _fallback(func, args, kwargs)
+    finally:
+        _STATE.depth -= 1
 
 
 def _property(func, args, kwargs):
@@ -141,4 +152,5 @@ def _property(func, args, kwargs):
         return func(*args, **kwargs)
 
 
-_tensor_module._dispatch = _dispatch  # SpatialTensor.__torch_function__'s entry (tensor.py cannot import this module)
+# (tensor.py cannot import this module: the handler modules import it)
+SpatialTensor.__torch_function__ = classmethod(_torch_function)  # type: ignore[method-assign,assignment]

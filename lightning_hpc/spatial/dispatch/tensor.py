@@ -1,8 +1,8 @@
 """The split activation: :class:`SpatialTensor` holds one tile of an activation blocked over the spatial grid:
 grid axis ``k`` splits tensor dimension ``sdims[k]`` (:func:`lightning_hpc.distributed.partition.block_bounds`
 over each), like DTensor's ``Shard(sdims[k])`` placement on mesh dimension ``k``, and reports the *global* shape
-(see the package docstring).  Its ``__torch_function__`` hands every op to :func:`registry._dispatch`, which the
-registry installs here when it is imported (the package's ``__init__`` imports it before any split tensor exists).
+(see the package docstring).  Its ``__torch_function__`` is :func:`registry._torch_function`, which the registry
+installs when it is imported (the package's ``__init__`` imports it before any split tensor exists).
 
 Also the functions that make, cut and gather split tensors (:func:`split_tensor`, :func:`gather_tensor`,
 :func:`local_tile`) and wrap a handler's local result with its global layout.
@@ -17,17 +17,7 @@ import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _Gather
 from lightning_hpc.spatial.dispatch.calls import _flat
-from lightning_hpc.spatial.dispatch.state import _STATE
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
-
-
-def _not_installed(func, args, kwargs):
-    raise RuntimeError("the spatial op registry is not installed: import lightning_hpc.spatial.dispatch")
-
-
-# the dispatch entry, set by registry.py on import: the handler modules (and the registry) import this module, so
-# it cannot import them back
-_dispatch = _not_installed
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -92,12 +82,9 @@ class SpatialTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        _STATE.depth += 1
-        try:
-            return _dispatch(func, args, kwargs)
-        finally:
-            _STATE.depth -= 1
+        # replaced by registry._torch_function when the registry is imported: the handler modules (and the
+        # registry) import this module, so it cannot import them
+        raise RuntimeError("the spatial op registry is not installed: import lightning_hpc.spatial.dispatch")
 
 
 def split_tensor(tile: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int],
@@ -136,7 +123,19 @@ def _layout(t: SpatialTensor):
     return (t._grid, t._gshape, t._sdims)
 
 
+def _fresh(local: torch.Tensor, grid: SpatialGrid, gshape: tuple[int, ...], sdims: tuple[int, ...]) -> SpatialTensor:
+    """``SpatialTensor.wrap(local, grid, gshape, sdims, fresh=True)`` for a layout already in its normal form (a
+    tuple global shape, the split dimensions of a split tensor): the handlers' per-op wrap, without the checks."""
+    if type(local) is torch.Tensor:
+        local.__class__ = SpatialTensor
+        local._grid, local._gshape, local._sdims = grid, gshape, sdims  # type: ignore[attr-defined]
+        return local  # type: ignore[return-value]  # its class was just set
+    return SpatialTensor.wrap(local, grid, gshape, sdims, fresh=True)
+
+
 def _wrap_like(local: torch.Tensor, ref: SpatialTensor, gshape=None, sdims=None) -> SpatialTensor:
+    if gshape is None and sdims is None:  # ``ref``'s own layout
+        return _fresh(local, ref._grid, ref._gshape, ref._sdims)
     return SpatialTensor.wrap(local, ref._grid, ref._gshape if gshape is None else gshape,
                               ref._sdims if sdims is None else sdims, fresh=True)
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
-from lightning_hpc.spatial.kernels.plan import autocast_cast, autocast_dtype, halo_plan, ntuple
+from lightning_hpc.spatial.kernels.plan import autocast_cast, halo_plan, ntuple
 from lightning_hpc.spatial.layout.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
@@ -170,9 +170,10 @@ def plan_conv(grid: SpatialGrid, extents: Sequence[int], weight_shape: Sequence[
 def run_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
              record: Recorder | None = None) -> torch.Tensor:
     """This rank's output tile of the convolution ``cp`` plans, on the tile ``x`` (see :func:`conv`)."""
-    dtype = autocast_dtype(x)
-    if dtype is not None:
-        with torch.autocast(x.device.type, enabled=False):
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # the dtype autocast casts a convolution's operands to
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
             return run_conv(autocast_cast(x, dtype), autocast_cast(weight, dtype),
                             None if bias is None else autocast_cast(bias, dtype), cp, record)
     spec, k = cp.spec, len(cp.spec.windows)

@@ -20,7 +20,6 @@ from lightning_hpc.spatial.layout.tiling import SpatialGrid, parts_text
 
 __all__ = [
     "dim_names", "ntuple", "halo_plan", "check_partition", "check_tile", "largest_split", "output_extents",
-    "autocast_dtype",
     "autocast_cast",
 ]
 
@@ -127,13 +126,6 @@ def check_tile(x: torch.Tensor, grid: SpatialGrid, extents: Sequence[int], op: s
     if tuple(x.shape[-k:]) != want:
         raise PartitionError(f"{op}: local tile {tuple(x.shape[-k:])} is not block {grid.index} of an input "
                              f"{parts_text(extents)} split {parts_text(grid.parts)} (expected {want})")
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast would cast a convolution's operands to on ``x``'s device, or ``None`` outside
-    autocast."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def autocast_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
