@@ -244,7 +244,7 @@ class PreconditionBuckets:
             return {}
         blocked = cache_blocked(grads[handlers[0].name])
         specs = [(h, tuple(grads[h.name].shape), grads[h.name].dtype, grads[h.name].device) for h in handlers]
-        signature = (generation(), blocked, dtype, tuple((id(h), *spec[1:]) for h, *spec in specs))
+        signature = (generation(), blocked, dtype, id(method), tuple((id(h), *spec[1:]) for h, *spec in specs))
         plan = self._plan("matrices", signature, specs, blocked)
         foreach_copy_([m for grp in plan.groups for m in grp.mats],
                       [grads[h.name] for grp in plan.groups for h in grp.members])
@@ -257,7 +257,9 @@ class PreconditionBuckets:
         decompositions and a weight gradient, into the output buffers (:attr:`last_outputs`, :attr:`last_kl_terms`
         as :meth:`precondition`'s); :meth:`write_back` then writes them into ``.grad``. False: no such layer."""
         present = [w.grad is not None for w in weights]
-        signature = (generation(), dtype, bool(weights) and cache_blocked(weights[0]), tuple(present))
+        # the weights list is kept by the caller: a new one (parameters re-read) is a new plan
+        signature = (generation(), dtype, bool(weights) and cache_blocked(weights[0]), id(method), id(weights),
+                     tuple(present))
         plan = self._plans.get("grads")
         if plan is None or plan.signature != signature:
             chosen = [h for h, has in zip(handlers, present) if has and h.factors and h.decompositions]

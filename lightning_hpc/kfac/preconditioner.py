@@ -175,7 +175,7 @@ class KFACPreconditioner:
         self._buckets = PreconditionBuckets()
         self._lrs = LayerLearningRates()
         self._complete_at = -1  # the generation at which no layer missed its decompositions
-        #: the layers' weights as the optimizer holds them (read once: ``module.weight`` is a Python call per layer)
+        #: the layers' weights (re-read on factor-update steps: ``module.weight`` is a Python call per layer)
         self._weights = [h.weight for h in self.handlers]
         check_partitions(self.handlers, world)
         self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
@@ -299,12 +299,14 @@ class KFACPreconditioner:
         self._hooks.remove()
 
     def discard_statistics(self) -> None:
-        """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients)."""
+        """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients); layer by
+        layer only when they captured anything since the last time (a step that only preconditions: nothing)."""
         if self.overlap is not None:
             self.overlap.abandon()
-        for h in self.handlers:
-            h.reset_statistics()
-        self._hooks.forward_hooks_ran = False
+        if self._hooks.captured:
+            for h in self.handlers:
+                h.reset_statistics()
+        self._hooks.captured = self._hooks.forward_hooks_ran = False
 
     # -- step --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -322,6 +324,9 @@ class KFACPreconditioner:
         try:
             scale = resolve_grad_scale(self, grad_scale)
             if self.is_factor_update_step:
+                weights = [h.weight for h in self.handlers]  # re-read: a replaced parameter makes a new plan
+                if any([a is not b for a, b in zip(weights, self._weights)]):
+                    self._weights = weights
                 note_shared_layers(self)
                 update_factors(self, scale)  # step 1 of Algorithm 1
             spread = self.options.spread_decompositions
