@@ -157,13 +157,11 @@ class _Plan:
     without such views (``custom``: their :meth:`grad_matrix` / :meth:`set_grad_matrix`), and the layers in the
     order of the KL products."""
 
-    __slots__ = ("custom", "groups", "in_views", "kl_layers", "names", "out_views", "param_views", "params",
-                 "signature")
+    __slots__ = ("custom", "groups", "in_views", "kl_layers", "out_views", "param_views", "params", "signature")
 
     def __init__(self, signature: Hashable, groups: list[_Group]) -> None:
         self.signature, self.groups = signature, groups
         self.kl_layers = [h for grp in groups for h in grp.members]
-        self.names = [h.name for h in self.kl_layers]
         self.params: list[torch.Tensor] = []
         self.param_views: list[tuple[_Group, int, int]] = []  # (group, member, part of grad_views)
         self.custom: list[tuple[LayerHandler, _Group, int]] = []
