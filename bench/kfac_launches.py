@@ -151,19 +151,27 @@ def count(model_name: str, size: int, batch: int, decomp: bool, sites: int,
         for what in ("launches", "syncs"):
             row[f"decompositions_{what}"] = row[f"decomp_{what}"] - row[f"factors_{what}"]
         row["decompositions_launches_per_layer"] = row["decompositions_launches"] / max(row["layers"], 1)
-    return row
+    return row | precondition_host(model, x, y, opt, pre, 0)
 
 
 def host_work(model_name: str, size: int, batch: int, repeats: int,
               model: nn.Module | None = None, width: float = 1.0, classes: int = 1000) -> dict[str, Any]:
     """The host work of one precondition-only ``KFACPreconditioner.step`` on ``MODELS[model_name]`` (or ``model``)
-    at ``size``^2, ``batch``: Python function calls per preconditioned layer (``cProfile``), and with ``repeats`` the
-    median process CPU time of the step in ms (the KL clip on, as by default)."""
+    at ``size``^2, ``batch`` (:func:`precondition_host`)."""
     model, x, y, opt, pre = _setup(model_name, size, batch, model, width, classes)
     force_kfac_step_kind(pre, True, True)
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     pre.step()  # factors and decompositions exist
+    row: dict[str, Any] = {"model": model_name, "width": width, "classes": classes, "size": size, "batch": batch}
+    return row | precondition_host(model, x, y, opt, pre, repeats)
+
+
+def precondition_host(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer,
+                      pre: KFACPreconditioner, repeats: int) -> dict[str, Any]:
+    """Python function calls per preconditioned layer of one ``pre.step()`` that only preconditions (``cProfile``,
+    after warm-up; ``pre`` has decompositions), and with ``repeats`` the step's median process CPU time in ms (the
+    KL clip on, as by default; the gradients restored before each call, untimed)."""
     opt.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
     grads = [p for p in model.parameters() if p.grad is not None]
@@ -182,9 +190,8 @@ def host_work(model_name: str, size: int, batch: int, repeats: int,
     profile.runcall(pre.step)
     calls = pstats.Stats(profile).total_calls  # type: ignore[attr-defined]
     layers = len(pre.preconditioned_modules)
-    row: dict[str, Any] = {"model": model_name, "width": width, "classes": classes, "size": size, "batch": batch,
-                           "layers": layers,
-                           "precondition_python_calls": calls, "precondition_python_calls_per_layer": calls / layers}
+    row: dict[str, Any] = {"layers": layers, "precondition_python_calls": calls,
+                           "precondition_python_calls_per_layer": calls / layers}
     times = []
     for _ in range(repeats):
         precondition()
