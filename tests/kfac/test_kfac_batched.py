@@ -223,3 +223,16 @@ def test_the_kept_plan_follows_gradients_that_come_and_go():
                 continue
             torch.testing.assert_close(h.grad_matrix(), want[h.name], rtol=1e-11,
                                        atol=1e-11 * float(want[h.name].abs().max()))
+
+
+def test_a_replaced_weight_is_preconditioned_from_the_next_factor_update_step():
+    """The plan keeps the layers' weights; a weight replaced by another parameter object is re-read at the next
+    factor-update step (every step here), whose preconditioning then rewrites the new parameter's gradient."""
+    model, p = _fitted("eigen")
+    old, model.l1.weight = model.l1.weight, nn.Parameter(model.l1.weight.detach().clone())
+    old.grad = None  # the replaced parameter takes no more gradients
+    model.zero_grad()
+    model(torch.randint(0, 10, (6, 5, 5))).pow(2).sum().backward()
+    raw = model.l1.weight.grad.clone()
+    p.step()
+    assert not torch.allclose(model.l1.weight.grad, raw)
