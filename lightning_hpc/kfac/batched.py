@@ -66,8 +66,13 @@ def keep_zeros(precond: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     of about +-lr, and which differs with the number of processes.  A mask, not a test (no host sync).  The last
     two dimensions are a block's rows and columns; leading ones (groups, a bucket's layers) are blocks of their
     own."""
+    return precond.masked_fill(_zero_mask(grad), 0.0)
+
+
+def _zero_mask(grad: torch.Tensor) -> torch.Tensor:
+    """:func:`keep_zeros`' mask: the exactly-zero rows and columns of ``grad`` (broadcast over its blocks)."""
     zero = grad == 0
-    return precond.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
+    return zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True)
 
 
 #: largest side of a gradient matrix that is padded into a shared bucket on an accelerator (see the module
@@ -84,11 +89,15 @@ def keep_zeros_by_layer(precond: torch.Tensor, grad: torch.Tensor, layer_of_row:
     """:func:`keep_zeros` of a row concatenation of ``layers`` layers' ``(rows_i, k)`` gradient matrices
     (``layer_of_row``: the layer of each row): a row is zero on its own, a column is zero when it is zero in all
     rows of its layer. Masks and one segment count, no host sync."""
+    return precond.masked_fill(_zero_mask_by_layer(grad, layer_of_row, layers), 0.0)
+
+
+def _zero_mask_by_layer(grad: torch.Tensor, layer_of_row: torch.Tensor, layers: int) -> torch.Tensor:
+    """:func:`keep_zeros_by_layer`'s mask."""
     zero = grad == 0
     nonzero = torch.zeros(layers, grad.shape[-1], dtype=grad.dtype, device=grad.device)
     nonzero.index_add_(0, layer_of_row, (~zero).to(grad.dtype))
-    column_zero = (nonzero == 0).index_select(0, layer_of_row)
-    return precond.masked_fill(zero.all(dim=-1, keepdim=True) | column_zero, 0.0)
+    return zero.all(dim=-1, keepdim=True) | (nonzero == 0).index_select(0, layer_of_row)
 
 
 def _generic(h: LayerHandler) -> bool:
@@ -118,7 +127,7 @@ class _Group:
     of a plan: its members, its input buffer ``inp`` (zeros where a padded bucket pads) with each member's gradient
     matrix as a view ``mats[i]``, and its output buffer ``out`` (made at the first step, in the result's dtype)."""
 
-    __slots__ = ("inp", "key", "kind", "mats", "members", "names", "out", "outs", "stack")
+    __slots__ = ("inp", "key", "kind", "mats", "members", "names", "out", "outs", "stack", "zero")
 
     def __init__(self, kind: str, key: Hashable, members: list[LayerHandler], shapes: list[tuple[int, ...]],
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -127,6 +136,7 @@ class _Group:
         self.stack: _Stack | None = None  # the stacked decompositions (rows: concatenated), made at the first step
         self.out: torch.Tensor | None = None
         self.outs: list[torch.Tensor] = []
+        self.zero: torch.Tensor | None = None  # a scalar zero in the output's dtype
         if kind in ("stack", "padded"):
             side = key[1] if kind == "padded" else shapes[0]  # type: ignore[index]
             self.inp = torch.zeros(len(members), *side, dtype=dtype, device=device)
@@ -141,13 +151,14 @@ class _Group:
             return [block[: s[0], : s[1]] for block, s in zip(buf.unbind(0), shapes)]
         return list(buf.unbind(0)) if self.kind == "stack" else list(buf.split([s[0] for s in shapes]))
 
-    def output(self, p: torch.Tensor) -> bool:
-        """Keep ``p`` in the output buffer; True when the buffer was made (with its members' views) for it."""
+    def output(self, p: torch.Tensor, zero: torch.Tensor) -> bool:
+        """``p`` with the entries of the mask ``zero`` set to zero (:func:`keep_zeros`), written into the output
+        buffer by one kernel; True when the buffer was made (with its members' views) for it."""
         made = self.out is None or self.out.dtype != p.dtype or self.out.shape != p.shape
         if made:
-            self.out = torch.empty_like(p)
+            self.out, self.zero = torch.empty_like(p), p.new_zeros(())
             self.outs = self._views(self.out, [tuple(m.shape) for m in self.mats])
-        self.out.copy_(p)  # type: ignore[union-attr]
+        torch.where(zero, self.zero, p, out=self.out)  # type: ignore[arg-type]
         return made
 
 
@@ -331,39 +342,42 @@ class PreconditionBuckets:
         self.last_outputs, self.last_kl_terms, self.last_kl_layers = [], [], plan.kl_layers
         for grp in plan.groups:
             g, kind, members = grp.inp, grp.kind, grp.members
+            stack = grp.stack
             if kind == "single":
                 h = members[0]  # its decompositions in dtype (LayerHandler.preconditioned's), kept with the plan
-                grp.stack = grp.stack or _Stack([], h.state.decompositions_in(dtype))
-                p = keep_zeros(h.precondition(g, grp.stack.stacked, method, damping), g)
-                terms = (p * g.to(p.dtype)).sum().reshape(1) if kl_terms else None
+                stack = grp.stack = stack or _Stack([], h.state.decompositions_in(dtype))
+                p, zero = h.precondition(g, stack.stacked, method, damping), _zero_mask(g)
             elif kind in ("stack", "padded"):
                 padded = grp.key[1] if kind == "padded" else None  # type: ignore[index]
-                stack = grp.stack
                 if stack is None or (padded is not None and stack.damping != damping):
                     stack = grp.stack = self._stacked(grp.key, members, dtype, padded=padded, method=method,
                                                       damping=damping)
-                p = keep_zeros(method.precondition(g, stack.stacked, damping), g)
-                terms = (p * g.to(p.dtype)).flatten(1).sum(1) if kl_terms else None
+                p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
             else:
-                stack = grp.stack = grp.stack or self._stacked(grp.key, members, dtype, rows=True)
+                stack = grp.stack = stack or self._stacked(grp.key, members, dtype, rows=True)
                 assert stack.layer_of_row is not None
                 if kind == "groups":
                     # grouped layers of equal group shape: the compute method's chain over all their groups, each
-                    # group's zero rows and columns its own (keep_zeros works per leading index)
-                    p = keep_zeros(method.precondition(g, stack.stacked, damping), g)
+                    # group's zero rows and columns its own (the mask works per leading index)
+                    p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
                 else:
                     # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
                     p = members[0].precondition(g, stack.stacked, method, damping)
-                    p = keep_zeros_by_layer(p, g, stack.layer_of_row, len(members))
-                terms = None
-                if kl_terms:
-                    terms = p.new_zeros(len(members)).index_add_(0, stack.layer_of_row,
-                                                                (p * g.to(p.dtype)).flatten(1).sum(-1))
-            if grp.output(p):
+                    zero = _zero_mask_by_layer(g, stack.layer_of_row, len(members))
+            if grp.output(p, zero):
                 plan.out_views = None
-            assert grp.out is not None
-            self.last_outputs.append(grp.out)
-            if terms is not None:
+            out = grp.out
+            assert out is not None
+            self.last_outputs.append(out)
+            if kl_terms:  # P_i . grad_i of Eq 18: one reduction per group
+                product = out * g.to(out.dtype)
+                if kind == "single":
+                    terms = product.sum().reshape(1)
+                elif kind in ("stack", "padded"):
+                    terms = product.flatten(1).sum(1)
+                else:
+                    assert stack is not None and stack.layer_of_row is not None
+                    terms = out.new_zeros(len(members)).index_add_(0, stack.layer_of_row, product.flatten(1).sum(-1))
                 self.last_kl_terms.append((grp.names, terms))
 
     def _stacked(self, key: Hashable, members: list[LayerHandler], dtype: torch.dtype, rows: bool = False,
