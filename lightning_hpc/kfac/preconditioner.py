@@ -391,8 +391,6 @@ class KFACPreconditioner:
             if self._last_nu is not None:
                 b.scale_(self._last_nu)
             b.write_back()
-        else:
-            self._last_nu = None
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -70,7 +70,8 @@ def share_decompositions(pre: KFACPreconditioner, work: Work, results: Results, 
 def precondition_by_workers(pre: KFACPreconditioner, lr: float | None, kl_clip: float | None) -> torch.Tensor | None:
     """Step 3 under KAISA (K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
     layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source); every
-    rank then scales the results by the KL clip's nu (Eq 18, returned; None: not clipped) and writes them back."""
+    rank then scales the results by the KL clip's nu (Eq 18, returned; None: not clipped; the last one when no layer
+    was preconditioned) and writes them back."""
     matrices = ((h, h.grad_matrix()) for h in pre.handlers if h.factors)
     grads: dict[str, torch.Tensor] = {h.name: g for h, g in matrices if g is not None}
     columns = pre.layer_columns()
@@ -93,8 +94,10 @@ def precondition_by_workers(pre: KFACPreconditioner, lr: float | None, kl_clip: 
     out = broadcast_by_owner(pre.comm, items, local, pre.decomposition_dtype, pre.comm_device(), pre._row_group)
     precond = {name: res["p"] for name, res in out.items()}
     layers = [h for h in pre.handlers if h.name in precond]
+    if not layers:  # nothing preconditioned: the last nu stands
+        return pre._last_nu
     nu = None
-    if kl_clip and layers:
+    if kl_clip:
         products = [(precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum().reshape(1) for h in layers]
         nu = kl_clip_factor(products, pre._lrs.squares(layers, lr, pre.optimizer, pre.lr, products[0].device), kl_clip)
     for h in layers:
