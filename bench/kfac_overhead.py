@@ -67,7 +67,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac import KFACPreconditioner
-from lightning_hpc.kfac.batched import PreconditionBuckets
+from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
 from lightning_hpc.kfac.schedules import spread_phases
 from lightning_hpc.models import build_model, cifar_resnet
 
@@ -252,14 +252,23 @@ def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> floa
 
 
 class _PerLayer(PreconditionBuckets):
-    """Every layer its own bucket: the per-layer product chains batched preconditioning replaced (the
-    ``--per-layer`` comparison)."""
+    """Every layer its own product chain, its gradient matrix built and written back on its own: the per-layer
+    code that batched preconditioning replaced (the ``--per-layer`` comparison)."""
 
-    def precondition(self, handlers, grads, method, damping, dtype):  # type: ignore[no-untyped-def]
-        out: dict[str, torch.Tensor] = {}
+    def precondition_grads(self, handlers, weights, method, damping, dtype, kl_terms=False):  # type: ignore[no-untyped-def]
+        done = []
         for h in handlers:
-            out.update(super().precondition([h], grads, method, damping, dtype))
-        return out
+            g = h.grad_matrix() if h.factors and h.decompositions else None
+            if g is not None:
+                done.append((h, g, keep_zeros(h.preconditioned(g, method, damping, dtype), g)))
+        self.last_buckets, self.last_outputs, self.last_kl_layers = [], [p for _, _, p in done], [h for h, _, _ in done]
+        self.last_kl_terms = [([h.name], (p * g.to(p.dtype)).sum().reshape(1)) for h, g, p in done] if kl_terms else []
+        self._done = done
+        return bool(done)
+
+    def write_back(self) -> None:
+        for h, _, p in self._done:
+            h.set_grad_matrix(p)
 
 
 def _measure_rank(rank: int, world_size: int, args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:

@@ -38,6 +38,7 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "groups_made_unsplit",
+    "foreach_copy_",
     "foreach_mul_",
     "foreach_add_",
     "foreach_norm",
@@ -244,6 +245,12 @@ def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Views of ``flat`` shaped like ``like`` (inverse of :func:`flatten_dense_tensors`)."""
     return _private("torch._utils", "_unflatten_dense_tensors")(flat, like)  # type: ignore[no-any-return]
+
+
+def foreach_copy_(tensors: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``t.copy_(s)`` for every pair (cast to ``t``'s dtype), as one multi-tensor operation (none: nothing)."""
+    if tensors:
+        _private("torch", "_foreach_copy_")(list(tensors), list(sources))
 
 
 def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float | torch.Tensor) -> None:

@@ -31,6 +31,15 @@ decompositions in memory, in the decomposition dtype.  Layers with their own pre
 blocks of normalisation layers are grouped as above; embeddings' diagonal A) and buckets of one layer are
 preconditioned one by one.
 
+Host work is per step, not per layer (on a GPU the host's Python is what a small layer costs, beside its kernel
+launches): how the layers fall into buckets, each bucket's input and output buffers and every layer's views of
+them are a *plan*, kept between steps and rebuilt only when a layer's factors or decompositions are replaced
+(:func:`~lightning_hpc.kfac.layers.state.generation`), a layer gains or loses its gradient, or the dtype or the
+routes change. A step then fills all buffers from the layers' ``.grad`` with one multi-tensor copy (through each
+handler's :meth:`~lightning_hpc.kfac.layers.base.LayerHandler.grad_views`: the weight and bias gradients' places in
+the gradient matrix), runs one chain per bucket, and writes all results back with one more; the buffers cost one
+copy of the preconditioned gradients in their dtype and one in the decomposition dtype, kept between steps.
+
 Also here: the exactly-zero rows and columns of a gradient stay exactly zero (:func:`keep_zeros`), for a bucket
 in one masked fill.
 """
@@ -41,10 +50,10 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from lightning_hpc._compat import foreach_mul_
+from lightning_hpc._compat import foreach_copy_, foreach_mul_
 from lightning_hpc.kfac.layers.base import LayerHandler
+from lightning_hpc.kfac.layers.state import generation
 from lightning_hpc.kfac.linalg import cache_blocked
 from lightning_hpc.kfac.methods import ComputeMethod
 
@@ -57,8 +66,13 @@ def keep_zeros(precond: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     of about +-lr, and which differs with the number of processes.  A mask, not a test (no host sync).  The last
     two dimensions are a block's rows and columns; leading ones (groups, a bucket's layers) are blocks of their
     own."""
+    return precond.masked_fill(_zero_mask(grad), 0.0)
+
+
+def _zero_mask(grad: torch.Tensor) -> torch.Tensor:
+    """:func:`keep_zeros`' mask: the exactly-zero rows and columns of ``grad`` (broadcast over its blocks)."""
     zero = grad == 0
-    return precond.masked_fill(zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True), 0.0)
+    return zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True)
 
 
 #: largest side of a gradient matrix that is padded into a shared bucket on an accelerator (see the module
@@ -75,11 +89,15 @@ def keep_zeros_by_layer(precond: torch.Tensor, grad: torch.Tensor, layer_of_row:
     """:func:`keep_zeros` of a row concatenation of ``layers`` layers' ``(rows_i, k)`` gradient matrices
     (``layer_of_row``: the layer of each row): a row is zero on its own, a column is zero when it is zero in all
     rows of its layer. Masks and one segment count, no host sync."""
+    return precond.masked_fill(_zero_mask_by_layer(grad, layer_of_row, layers), 0.0)
+
+
+def _zero_mask_by_layer(grad: torch.Tensor, layer_of_row: torch.Tensor, layers: int) -> torch.Tensor:
+    """:func:`keep_zeros_by_layer`'s mask."""
     zero = grad == 0
     nonzero = torch.zeros(layers, grad.shape[-1], dtype=grad.dtype, device=grad.device)
     nonzero.index_add_(0, layer_of_row, (~zero).to(grad.dtype))
-    column_zero = (nonzero == 0).index_select(0, layer_of_row)
-    return precond.masked_fill(zero.all(dim=-1, keepdim=True) | column_zero, 0.0)
+    return zero.all(dim=-1, keepdim=True) | (nonzero == 0).index_select(0, layer_of_row)
 
 
 def _generic(h: LayerHandler) -> bool:
@@ -104,12 +122,101 @@ class _Stack:
             len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(sources, self.sources))
 
 
+class _Group:
+    """One bucket (``kind`` "stack" or "padded"), row concatenation ("groups", "rows") or single layer ("single")
+    of a plan: its members, its input buffer ``inp`` (zeros where a padded bucket pads) with each member's gradient
+    matrix as a view ``mats[i]``, and its output buffer ``out`` (made at the first step, in the result's dtype)."""
+
+    __slots__ = ("inp", "key", "kind", "mats", "members", "names", "out", "outs", "stack", "zero")
+
+    def __init__(self, kind: str, key: Hashable, members: list[LayerHandler], shapes: list[tuple[int, ...]],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.kind, self.key, self.members = kind, key, members
+        self.names = [h.name for h in members]
+        self.stack: _Stack | None = None  # the stacked decompositions (rows: concatenated), made at the first step
+        self.out: torch.Tensor | None = None
+        self.outs: list[torch.Tensor] = []
+        self.zero: torch.Tensor | None = None  # a scalar zero in the output's dtype
+        if kind in ("stack", "padded"):
+            side = key[1] if kind == "padded" else shapes[0]  # type: ignore[index]
+            self.inp = torch.zeros(len(members), *side, dtype=dtype, device=device)
+            self.mats = self._views(self.inp, shapes)
+        else:  # rows of all members (a single layer: its own)
+            self.inp = torch.zeros(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype, device=device)
+            self.mats = list(self.inp.split([s[0] for s in shapes]))
+
+    def _views(self, buf: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Each member's matrix in ``buf``: a stack's blocks, or the rows and columns of a padded one's."""
+        if self.kind == "padded":
+            return [block[: s[0], : s[1]] for block, s in zip(buf.unbind(0), shapes)]
+        return list(buf.unbind(0)) if self.kind == "stack" else list(buf.split([s[0] for s in shapes]))
+
+    def output(self, p: torch.Tensor, zero: torch.Tensor) -> bool:
+        """``p`` with the entries of the mask ``zero`` set to zero (:func:`keep_zeros`), written into the output
+        buffer by one kernel; True when the buffer was made (with its members' views) for it."""
+        made = self.out is None or self.out.dtype != p.dtype or self.out.shape != p.shape
+        if made:
+            self.out, self.zero = torch.empty_like(p), p.new_zeros(())
+            self.outs = self._views(self.out, [tuple(m.shape) for m in self.mats])
+        torch.where(zero, self.zero, p, out=self.out)  # type: ignore[arg-type]
+        return made
+
+
+class _Plan:
+    """The groups of one call's layers and what a step needs of them, kept while ``signature`` holds: the
+    parameters whose ``.grad`` fill the buffers and their views (:meth:`LayerHandler.grad_views`), the layers
+    without such views (``custom``: their :meth:`grad_matrix` / :meth:`set_grad_matrix`), and the layers in the
+    order of the KL products."""
+
+    __slots__ = ("custom", "groups", "in_views", "kl_layers", "out_views", "param_views", "params", "signature")
+
+    def __init__(self, signature: Hashable, groups: list[_Group]) -> None:
+        self.signature, self.groups = signature, groups
+        self.kl_layers = [h for grp in groups for h in grp.members]
+        self.params: list[torch.Tensor] = []
+        self.param_views: list[tuple[_Group, int, int]] = []  # (group, member, part of grad_views)
+        self.custom: list[tuple[LayerHandler, _Group, int]] = []
+        for grp in groups:
+            for i, (h, mat) in enumerate(zip(grp.members, grp.mats)):
+                try:
+                    views = h.grad_views(mat)
+                except RuntimeError:  # a layout .view cannot express
+                    views = None
+                if views is None:
+                    self.custom.append((h, grp, i))
+                    continue
+                self.params += h.grad_params()
+                self.param_views += [(grp, i, j) for j in range(len(views))]
+        #: the input buffers' views the parameters' gradients are copied into, and the custom layers' matrices
+        self.in_views = self._views(lambda grp: grp.mats) + [grp.mats[i] for _, grp, i in self.custom]
+        #: the output buffers' views the results are written back from (known after the first step)
+        self.out_views: list[torch.Tensor] | None = None
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The output buffers' views the results are written back from: the parameters', the custom layers'."""
+        if self.out_views is None:
+            self.out_views = self._views(lambda grp: grp.outs) + [grp.outs[i] for _, grp, i in self.custom]
+        return self.out_views
+
+    def _views(self, mats: Any) -> list[torch.Tensor]:
+        seen: dict[tuple[int, int], list[torch.Tensor]] = {}
+        out = []
+        for grp, i, j in self.param_views:
+            views = seen.get((id(grp), i))
+            if views is None:
+                views = seen[(id(grp), i)] = grp.members[i].grad_views(mats(grp)[i]) or []
+            out.append(views[j])
+        return out
+
+
 class PreconditionBuckets:
-    """Preconditions layers bucket by bucket (see the module docstring); :attr:`last_buckets` lists the buckets of
-    the last call (layer names), for tests and the setup report."""
+    """Preconditions layers bucket by bucket (see the module docstring): :meth:`precondition` for given gradient
+    matrices, :meth:`precondition_grads` and :meth:`write_back` in place on the layers' ``.grad``.
+    :attr:`last_buckets` lists the buckets of the last call (layer names), for tests and the setup report."""
 
     def __init__(self) -> None:
         self._stacks: dict[Hashable, _Stack] = {}
+        self._plans: dict[str, _Plan] = {}
         self.last_buckets: list[list[str]] = []
         #: the tensors the last call's results are views of (one per bucket, row concatenation or single layer):
         #: :meth:`scale_` scales them all in one multi-tensor operation
@@ -117,6 +224,8 @@ class PreconditionBuckets:
         #: the last call's per-layer KL-clip products ``P_i . grad_i`` (Eq 18), one vector per bucket, row
         #: concatenation or single layer, with its layers' names (when asked for: ``kl_terms=True``)
         self.last_kl_terms: list[tuple[list[str], torch.Tensor]] = []
+        #: the layers of :attr:`last_kl_terms`' products, in their order
+        self.last_kl_layers: list[LayerHandler] = []
 
     def scale_(self, factor: float | torch.Tensor) -> None:
         """Multiply every result of the last call by ``factor`` in place (the KL clip's ``nu``, a scalar tensor on
@@ -129,86 +238,147 @@ class PreconditionBuckets:
             foreach_mul_(self.last_outputs, factor)
 
     def clear(self) -> None:
-        """Forget the stacked decompositions (they are rebuilt on the next call)."""
+        """Forget the stacked decompositions and the plans (they are rebuilt on the next call)."""
         self._stacks.clear()
+        self._plans.clear()
 
     def precondition(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor], method: ComputeMethod,
                      damping: float, dtype: torch.dtype, kl_terms: bool = False) -> dict[str, torch.Tensor]:
         """The preconditioned gradient matrix of each handler (all have decompositions and a gradient in
         ``grads``), in ``dtype``, its exactly-zero rows and columns kept zero; with ``kl_terms``, also each layer's
-        ``P_i . grad_i`` (:attr:`last_kl_terms`), a reduction per bucket."""
-        buckets: dict[Hashable, list[LayerHandler]] = {}
-        rows: dict[Hashable, list[LayerHandler]] = {}
-        singles: list[LayerHandler] = []
-        for h in handlers:
-            g = grads[h.name]
-            decomps = tuple(sorted(h.decompositions))
-            if _generic(h) and g.dim() == 2 and max(g.shape) <= PAD_MAX_DIM and not cache_blocked(g):
-                sides = (_padded_side(g.shape[0]), _padded_side(g.shape[1]))
-                buckets.setdefault(("padded", sides, g.dtype, g.device, decomps), []).append(h)
-            elif _generic(h) and g.dim() == 3:  # grouped: its groups are blocks of their own, concatenated
-                rows.setdefault(("groups", tuple(g.shape[1:]), g.dtype, g.device, decomps), []).append(h)
-            elif _generic(h):
-                buckets.setdefault((tuple(g.shape), g.dtype, g.device, decomps), []).append(h)
-            elif h.row_blocks and g.dim() == 2:
-                rows.setdefault(("rows", type(h), g.shape[1], g.dtype, g.device, decomps), []).append(h)
-            else:
-                singles.append(h)
-        out: dict[str, torch.Tensor] = {}
-        self.last_buckets, self.last_outputs, self.last_kl_terms = [], [], []
-        for key, members in buckets.items():
-            if len(members) == 1:
-                singles.append(members[0])
-                continue
-            self.last_buckets.append([h.name for h in members])
-            padded: tuple[int, int] | None = key[1] if isinstance(key, tuple) and key[0] == "padded" else None
-            if padded is None:
-                g = torch.stack([grads[h.name] for h in members])
-            else:  # zeros below and right of each layer's gradient
-                g = torch.stack([F.pad(grads[h.name], (0, padded[1] - grads[h.name].shape[1],
-                                                       0, padded[0] - grads[h.name].shape[0])) for h in members])
-            stacked = self._stacked(key, members, dtype, padded=padded, method=method, damping=damping).stacked
-            p = keep_zeros(method.precondition(g, stacked, damping), g)
-            self._keep(members, p, (p * g.to(p.dtype)).flatten(1).sum(1) if kl_terms else None)
-            for h, block in zip(members, p.unbind(0)):
-                out[h.name] = block if padded is None else block[: grads[h.name].shape[0], : grads[h.name].shape[1]]
-        for key, members in rows.items():
-            if len(members) == 1:
-                singles.append(members[0])
-                continue
-            self.last_buckets.append([h.name for h in members])
-            g = torch.cat([grads[h.name] for h in members])
-            stack = self._stacked(key, members, dtype, rows=True)
-            assert stack.layer_of_row is not None
-            if isinstance(key, tuple) and key[0] == "groups":
-                # grouped layers of equal group shape: the compute method's chain over all their groups, each
-                # group's zero rows and columns its own (keep_zeros works per leading index)
-                p = keep_zeros(method.precondition(g, stack.stacked, damping), g)
-            else:
-                # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
-                p = members[0].precondition(g, stack.stacked, method, damping)
-                p = keep_zeros_by_layer(p, g, stack.layer_of_row, len(members))
-            terms = None
-            if kl_terms:
-                terms = p.new_zeros(len(members)).index_add_(0, stack.layer_of_row,
-                                                            (p * g.to(p.dtype)).flatten(1).sum(-1))
-            self._keep(members, p, terms)
-            for h, block in zip(members, p.split([grads[h.name].shape[0] for h in members])):
-                out[h.name] = block
-        buckets.update(rows)
-        for h in singles:
-            g = grads[h.name]
-            p = out[h.name] = keep_zeros(h.preconditioned(g, method, damping, dtype), g)
-            self._keep([h], p, (p * g.to(p.dtype)).sum().reshape(1) if kl_terms else None)
-        # stacks of buckets that no longer exist (layers skipped this step) are dropped with their memory
-        for key in [k for k in self._stacks if k not in buckets]:
-            del self._stacks[key]
-        return out
+        ``P_i . grad_i`` (:attr:`last_kl_terms`), a reduction per bucket. The results are views of buffers the
+        next call reuses."""
+        if not handlers:
+            self.last_buckets, self.last_outputs, self.last_kl_terms, self.last_kl_layers = [], [], [], []
+            return {}
+        blocked = cache_blocked(grads[handlers[0].name])
+        specs = [(h, tuple(grads[h.name].shape), grads[h.name].dtype, grads[h.name].device) for h in handlers]
+        signature = (generation(), blocked, dtype, id(method), tuple((id(h), *spec[1:]) for h, *spec in specs))
+        plan = self._plan("matrices", signature, specs, blocked)
+        foreach_copy_([m for grp in plan.groups for m in grp.mats],
+                      [grads[h.name] for grp in plan.groups for h in grp.members])
+        self._run(plan, method, damping, dtype, kl_terms)
+        return {h.name: o for grp in plan.groups for h, o in zip(grp.members, grp.outs)}
 
-    def _keep(self, members: list[LayerHandler], p: torch.Tensor, terms: torch.Tensor | None) -> None:
-        self.last_outputs.append(p)
-        if terms is not None:
-            self.last_kl_terms.append(([h.name for h in members], terms))
+    def precondition_grads(self, handlers: Sequence[LayerHandler], weights: Sequence[torch.Tensor],
+                           method: ComputeMethod, damping: float, dtype: torch.dtype, kl_terms: bool = False) -> bool:
+        """Precondition, from their ``.grad``, the ``handlers`` (``weights``: their weights) that have factors,
+        decompositions and a weight gradient, into the output buffers (:attr:`last_outputs`, :attr:`last_kl_terms`
+        as :meth:`precondition`'s); :meth:`write_back` then writes them into ``.grad``. False: no such layer."""
+        present = [w.grad is not None for w in weights]
+        # the weights list is kept by the caller: a new one (parameters re-read) is a new plan
+        signature = (generation(), dtype, bool(weights) and cache_blocked(weights[0]), id(method), id(weights),
+                     tuple(present))
+        plan = self._plans.get("grads")
+        if plan is None or plan.signature != signature:
+            chosen = [h for h, has in zip(handlers, present) if has and h.factors and h.decompositions]
+            specs = [(h, h.grad_shape, w.dtype, w.device) for h, w in zip(chosen, [h.weight for h in chosen])]
+            plan = self._plan("grads", signature, specs, signature[2])  # type: ignore[arg-type]
+        if not plan.groups:
+            self.last_buckets, self.last_outputs, self.last_kl_terms, self.last_kl_layers = [], [], [], []
+            return False
+        grads = [p.grad for p in plan.params]
+        for i in [i for i, g in enumerate(grads) if g is None]:  # a bias without a gradient: zero, as grad_matrix
+            grads[i] = plan.params[i].grad = torch.zeros_like(plan.params[i])
+        foreach_copy_(plan.in_views, grads + [h.grad_matrix() for h, _, _ in plan.custom])  # type: ignore[arg-type]
+        self._run(plan, method, damping, dtype, kl_terms)
+        return True
+
+    def write_back(self) -> None:
+        """Copy :meth:`precondition_grads`' results (scaled by :meth:`scale_` if it was called) into ``.grad``:
+        one multi-tensor copy, and the layers without gradient views one by one."""
+        plan = self._plans["grads"]
+        out = plan.outputs()
+        n = len(plan.params)
+        foreach_copy_([p.grad for p in plan.params], out[:n])  # type: ignore[misc]
+        for (h, _, _), mat in zip(plan.custom, out[n:]):
+            h.set_grad_matrix(mat)
+
+    def _plan(self, which: str, signature: Hashable, specs: list[tuple[LayerHandler, tuple[int, ...], torch.dtype,
+              torch.device]], blocked: bool) -> _Plan:
+        """The kept plan ``which`` if its signature holds, else a new one from ``specs``: (handler, gradient
+        matrix shape, dtype, device) of each layer."""
+        plan = self._plans.get(which)
+        if plan is not None and plan.signature == signature:
+            return plan
+        Spec = tuple[LayerHandler, tuple[int, ...], torch.dtype, torch.device]
+        buckets: dict[Hashable, list[Spec]] = {}
+        rows: dict[Hashable, list[Spec]] = {}
+        singles: list[Spec] = []
+        for spec in specs:
+            h, shape, dt, dev = spec
+            decomps = tuple(sorted(h.decompositions))
+            if _generic(h) and len(shape) == 2 and max(shape) <= PAD_MAX_DIM and not blocked:
+                sides = (_padded_side(shape[0]), _padded_side(shape[1]))
+                buckets.setdefault(("padded", sides, dt, dev, decomps), []).append(spec)
+            elif _generic(h) and len(shape) == 3:  # grouped: its groups are blocks of their own, concatenated
+                rows.setdefault(("groups", shape[1:], dt, dev, decomps), []).append(spec)
+            elif _generic(h):
+                buckets.setdefault((shape, dt, dev, decomps), []).append(spec)
+            elif h.row_blocks and len(shape) == 2:
+                rows.setdefault(("rows", type(h), shape[1], dt, dev, decomps), []).append(spec)
+            else:
+                singles.append(spec)
+        groups: list[_Group] = []
+        for bucket, parts in ((True, buckets), (False, rows)):
+            for key, members in parts.items():
+                if len(members) == 1:
+                    singles.append(members[0])
+                    continue
+                first = key[0]  # type: ignore[index]
+                kind = ("padded" if first == "padded" else "stack") if bucket else first
+                groups.append(_Group(kind, key, [m[0] for m in members], [m[1] for m in members], *members[0][2:]))
+        groups += [_Group("single", h.name, [h], [shape], dt, dev) for h, shape, dt, dev in singles]
+        # stacks of buckets that no longer exist (layers skipped this step) are dropped with their memory
+        keys = {grp.key for grp in groups}
+        for key in [k for k in self._stacks if k not in keys]:
+            del self._stacks[key]
+        plan = self._plans[which] = _Plan(signature, groups)
+        return plan
+
+    def _run(self, plan: _Plan, method: ComputeMethod, damping: float, dtype: torch.dtype, kl_terms: bool) -> None:
+        """Every group's chain on its filled input buffer, into its output buffer."""
+        self.last_buckets = [grp.names for grp in plan.groups if grp.kind != "single"]
+        self.last_outputs, self.last_kl_terms, self.last_kl_layers = [], [], plan.kl_layers
+        for grp in plan.groups:
+            g, kind, members = grp.inp, grp.kind, grp.members
+            stack = grp.stack
+            if kind == "single":
+                h = members[0]  # its decompositions in dtype (LayerHandler.preconditioned's), kept with the plan
+                stack = grp.stack = stack or _Stack([], h.state.decompositions_in(dtype))
+                p, zero = h.precondition(g, stack.stacked, method, damping), _zero_mask(g)
+            elif kind in ("stack", "padded"):
+                padded = grp.key[1] if kind == "padded" else None  # type: ignore[index]
+                if stack is None or (padded is not None and stack.damping != damping):
+                    stack = grp.stack = self._stacked(grp.key, members, dtype, padded=padded, method=method,
+                                                      damping=damping)
+                p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
+            else:
+                stack = grp.stack = stack or self._stacked(grp.key, members, dtype, rows=True)
+                assert stack.layer_of_row is not None
+                if kind == "groups":
+                    # grouped layers of equal group shape: the compute method's chain over all their groups, each
+                    # group's zero rows and columns its own (the mask works per leading index)
+                    p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
+                else:
+                    # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
+                    p = members[0].precondition(g, stack.stacked, method, damping)
+                    zero = _zero_mask_by_layer(g, stack.layer_of_row, len(members))
+            if grp.output(p, zero):
+                plan.out_views = None
+            out = grp.out
+            assert out is not None
+            self.last_outputs.append(out)
+            if kl_terms:  # P_i . grad_i of Eq 18: one reduction per group
+                product = out * g.to(out.dtype)
+                if kind == "single":
+                    terms = product.sum().reshape(1)
+                elif kind in ("stack", "padded"):
+                    terms = product.flatten(1).sum(1)
+                else:
+                    assert stack is not None and stack.layer_of_row is not None
+                    terms = out.new_zeros(len(members)).index_add_(0, stack.layer_of_row, product.flatten(1).sum(-1))
+                self.last_kl_terms.append((grp.names, terms))
 
     def _stacked(self, key: Hashable, members: list[LayerHandler], dtype: torch.dtype, rows: bool = False,
                  padded: tuple[int, int] | None = None, method: ComputeMethod | None = None,
@@ -231,3 +401,4 @@ class PreconditionBuckets:
                 layer_of_row = torch.arange(len(members)).repeat_interleave(sizes).to(sources[0][0].device)
             stack = self._stacks[key] = _Stack(sources, stacked, layer_of_row, damping)
         return stack
+

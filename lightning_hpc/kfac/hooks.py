@@ -35,6 +35,8 @@ class CaptureHooks:
         self.pre = pre
         #: a forward hook ran since the last step (the refusal of a forward that bypassed them)
         self.forward_hooks_ran = False
+        #: a call was captured since the statistics were last discarded (every statistic begins with one)
+        self.captured = True
         handlers = pre.handlers
         self.handles: list[Any] = [
             h.module.register_forward_hook(self._forward_hook(i, h)) for i, h in enumerate(handlers) if not h.traced
@@ -157,6 +159,7 @@ class CaptureHooks:
                 self.pre.overlap.abandon()  # and whatever that backward pass launched
             for h in self.pre.handlers:
                 h.discard_committed()
+        self.captured = True
         token = handler.capture_input(x)
         # the raw gradient of this tensor, also for a tensor subclass that would wrap it for user hooks (a
         # spatial tile: the tiled handler expects the tile's own part)

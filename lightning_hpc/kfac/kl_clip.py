@@ -10,71 +10,73 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from lightning_hpc.kfac.layers import LayerHandler
 
-__all__ = ["kl_clip_factor", "layer_lrs"]
+__all__ = ["LayerLearningRates", "kl_clip_factor"]
 
 
-def layer_lrs(lr: float | None, optimizer: torch.optim.Optimizer | None,
-              default: float | Callable[[], float] | None) -> Callable[[LayerHandler], float | None]:
-    """Each layer's learning rate for Eq 18: ``lr`` when given, else the lr of the first ``optimizer`` parameter
-    group holding the layer's weight, else ``default`` (a float or a zero-argument callable; None: none known).
-    The groups are indexed once per step: searching them for every layer cost as much as a fifth of a
-    preconditioning step."""
-    if lr is not None:
-        return lambda h: float(lr)
-    by_param: dict[int, float] = {}
-    for group in optimizer.param_groups if optimizer is not None else ():
-        for p in group["params"]:
-            by_param.setdefault(id(p), float(group["lr"]))
-    fallback = None if default is None else float(default() if callable(default) else default)
-    return lambda h: by_param.get(id(h.module.weight), fallback)
+class LayerLearningRates:
+    """Each layer's learning rate for Eq 18, squared: the ``lr`` of a step when given, else the lr of the first
+    ``optimizer`` parameter group holding the layer's weight, else ``default`` (a float or a zero-argument callable;
+    None: none known, and the layer is refused, naming it). Which group holds which layer is looked up once per
+    list of layers and layout of the groups (their number and sizes), the rates read from the groups every step,
+    and the squares uploaded once per distinct set: a step does no per-layer work for them (searching the groups
+    for every layer cost as much as a fifth of a preconditioning step)."""
+
+    def __init__(self) -> None:
+        self._index: tuple[Any, ...] | None = None  # (layers, optimizer, layout, group index per layer, names)
+
+    def squares(self, layers: Sequence[LayerHandler], lr: float | None, optimizer: torch.optim.Optimizer | None,
+                default: float | Callable[[], float] | None, device: torch.device) -> torch.Tensor:
+        """The squared learning rates of ``layers`` as a float64 vector on ``device``."""
+        groups = optimizer.param_groups if optimizer is not None else []
+        layout = [len(g["params"]) for g in groups]
+        index = self._index
+        if index is None or index[0] is not layers or index[1] is not optimizer or index[2] != layout:
+            first: dict[int, int] = {}
+            for i, group in enumerate(groups):
+                for p in group["params"]:
+                    first.setdefault(id(p), i)
+            index = self._index = (layers, optimizer, layout, tuple(first.get(id(h.weight), -1) for h in layers),
+                                   tuple(h.name for h in layers))
+        fallback = None if default is None else float(default() if callable(default) else default)
+        rates = (*(float(g["lr"]) for g in groups), fallback)  # index -1: the fallback
+        return _weights(None if lr is None else float(lr), rates, index[3], index[4], optimizer is not None, device)
 
 
-def kl_clip_factor(handlers: Sequence[LayerHandler], precond: dict[str, torch.Tensor],
-                   grads: dict[str, torch.Tensor], kl_clip: float, lr_of: Callable[[LayerHandler], float | None],
-                   has_optimizer: bool,
-                   products: Sequence[tuple[list[str], torch.Tensor]] | None = None) -> torch.Tensor | None:
-    """``nu`` of Eq 18 for the layers of ``handlers`` in ``precond`` (their preconditioned gradient matrices;
-    ``grads``: the raw ones), as a float64 scalar tensor on their device (``None``: no layer to clip, nu = 1).
-    ``products``, when given, holds every such layer's ``P_i . grad_i`` already, as vectors over groups of layers
-    (:attr:`~lightning_hpc.kfac.batched.PreconditionBuckets.last_kl_terms`: one reduction per bucket); else they are
-    formed here, one per layer. They are weighted and summed in float64 on the device: nothing is read back to the
-    host (on a GPU the step's last synchronisation, which made the host wait for the whole backward pass and the
-    preconditioning before it could go on), and the weights are uploaded only when the learning rates change. A
-    layer without a learning rate is refused, naming it."""
-    lr_square: dict[str, float] = {}
-    for h in handlers:
-        if h.name not in precond:
-            continue
-        layer_lr = lr_of(h)
-        if layer_lr is None:
-            where = (f": the weight of layer {h.name!r} is in none of the optimizer's parameter groups"
-                     if has_optimizer else "")
-            raise ValueError(
-                f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
-                "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
-            )
-        lr_square[h.name] = layer_lr**2
-    if not lr_square:
-        return None
-    if products is None:
-        products = [([name], (precond[name] * grads[name].to(precond[name].dtype)).sum().reshape(1))
-                    for name in lr_square]
-    names = [name for group, _ in products for name in group]
-    if sorted(names) != sorted(lr_square):
-        raise AssertionError(f"K-FAC KL clip: products for {sorted(names)}, layers {sorted(lr_square)}")
-    terms = torch.cat([t.reshape(-1) for _, t in products]).to(torch.float64).abs()
-    vg_sum = (terms * _weights(tuple(lr_square[name] for name in names), terms.device)).sum()
+def kl_clip_factor(products: Sequence[torch.Tensor], lr_squares: torch.Tensor, kl_clip: float) -> torch.Tensor:
+    """``nu`` of Eq 18 as a float64 scalar tensor on the products' device, from every clipped layer's
+    ``P_i . grad_i`` (``products``: vectors over groups of layers, :attr:`~lightning_hpc.kfac.batched.
+    PreconditionBuckets.last_kl_terms`, one reduction per bucket) and their squared learning rates in the same
+    order (:meth:`LayerLearningRates.squares`). They are weighted and summed in float64 on the device: nothing is
+    read back to the host (on a GPU the step's last synchronisation, which made the host wait for the whole backward
+    pass and the preconditioning before it could go on)."""
+    terms = torch.cat(list(products)).to(torch.float64).abs()
+    if terms.shape != lr_squares.shape:
+        raise AssertionError(f"K-FAC KL clip: {terms.numel()} products, {lr_squares.numel()} learning rates")
+    vg_sum = (terms * lr_squares).sum()
     # min(1, sqrt(kappa / vg)) for vg > 0, else 1 (a NaN sum included, as a Python comparison would have it)
     return torch.where(vg_sum > 0, torch.sqrt(kl_clip / vg_sum).clamp(max=1.0), torch.ones_like(vg_sum))
 
 
 @functools.lru_cache(maxsize=8)
-def _weights(lr_squares: tuple[float, ...], device: torch.device) -> torch.Tensor:
+def _weights(lr: float | None, rates: tuple[float | None, ...], index: tuple[int, ...], names: tuple[str, ...],
+             has_optimizer: bool, device: torch.device) -> torch.Tensor:
     """The layers' squared learning rates as a float64 tensor on ``device``, made once per distinct set (a
     schedule changes them once per epoch or step; every call with the same ones reuses the upload)."""
-    return torch.tensor(lr_squares, dtype=torch.float64).to(device)
+    squares = []
+    for i, name in zip(index, names):
+        layer_lr = lr if lr is not None else rates[i]
+        if layer_lr is None:
+            where = (f": the weight of layer {name!r} is in none of the optimizer's parameter groups"
+                     if has_optimizer else "")
+            raise ValueError(
+                f"K-FAC kl_clip needs the learning rate{where}; pass the optimizer that trains every "
+                "preconditioned layer as optimizer= (or lr=) to KFACPreconditioner, or lr= to step()"
+            )
+        squares.append(layer_lr**2)
+    return torch.tensor(squares, dtype=torch.float64).to(device)

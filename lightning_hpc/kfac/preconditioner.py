@@ -57,8 +57,9 @@ from lightning_hpc.kfac.factor_update import (
     update_factors,
 )
 from lightning_hpc.kfac.hooks import CaptureHooks
-from lightning_hpc.kfac.kl_clip import kl_clip_factor, layer_lrs
+from lightning_hpc.kfac.kl_clip import LayerLearningRates, kl_clip_factor
 from lightning_hpc.kfac.layers import LayerHandler
+from lightning_hpc.kfac.layers.state import generation
 from lightning_hpc.kfac.methods import COMPUTE_METHODS, make_method
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns, with_option_keywords
 from lightning_hpc.kfac.overlap import OverlappedFactorAllreduce, make_overlap
@@ -172,6 +173,10 @@ class KFACPreconditioner:
         #: KL-clip factor nu of the last step (Eq 18) on the device; None: nothing was clipped (see :attr:`last_nu`)
         self._last_nu: torch.Tensor | None = None
         self._buckets = PreconditionBuckets()
+        self._lrs = LayerLearningRates()
+        self._complete_at = -1  # the generation at which no layer missed its decompositions
+        #: the layers' weights (re-read on factor-update steps: ``module.weight`` is a Python call per layer)
+        self._weights = [h.weight for h in self.handlers]
         check_partitions(self.handlers, world)
         self.conv_input_sample_fraction = float(options.conv_input_sample_fraction)
         #: draws the A-factor sample subsets (only used when conv_input_sample_fraction < 1; saved in checkpoints)
@@ -294,12 +299,14 @@ class KFACPreconditioner:
         self._hooks.remove()
 
     def discard_statistics(self) -> None:
-        """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients)."""
+        """Drop what the hooks captured since the last step (an AMP step skipped for inf/nan gradients); layer by
+        layer only when they captured anything since the last time (a step that only preconditions: nothing)."""
         if self.overlap is not None:
             self.overlap.abandon()
-        for h in self.handlers:
-            h.reset_statistics()
-        self._hooks.forward_hooks_ran = False
+        if self._hooks.captured:
+            for h in self.handlers:
+                h.reset_statistics()
+        self._hooks.captured = self._hooks.forward_hooks_ran = False
 
     # -- step --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -309,7 +316,7 @@ class KFACPreconditioner:
         ``grad_scale`` is the AMP loss scale the captured output gradients carry (default: the ``grad_scaler``'s
         scale, else 1; required when float16 output gradients were captured without a ``grad_scaler``).
         """
-        if all(h.module.weight.grad is None for h in self.handlers):
+        if not any([w.grad is not None for w in self._weights]):
             # No gradient at all (a training_step that returned None, a loss that did not reach these layers):
             # the optimizer step does nothing, so neither does K-FAC; the step does not count.
             self.discard_statistics()
@@ -317,6 +324,9 @@ class KFACPreconditioner:
         try:
             scale = resolve_grad_scale(self, grad_scale)
             if self.is_factor_update_step:
+                weights = [h.weight for h in self.handlers]  # re-read: a replaced parameter makes a new plan
+                if any([a is not b for a, b in zip(weights, self._weights)]):
+                    self._weights = weights
                 note_shared_layers(self)
                 update_factors(self, scale)  # step 1 of Algorithm 1
             spread = self.options.spread_decompositions
@@ -332,8 +342,13 @@ class KFACPreconditioner:
     def _missing_decompositions(self) -> bool:
         """Layers with factors but no decomposition on a rank that must hold it (hooks that fired late, a checkpoint
         restored with a gradient-worker fraction below 1): decomposed at once, not at the next interval. Every rank
-        answers alike: factors, shared decompositions and a layer's workers' decompositions are identical."""
-        return any(h.factors and not h.decompositions for i, h in enumerate(self.handlers) if self._is_worker(i))
+        answers alike: factors, shared decompositions and a layer's workers' decompositions are identical. Asked
+        again only once factors or decompositions were replaced (:func:`~.layers.state.generation`)."""
+        if self._complete_at != generation():
+            if any(h.factors and not h.decompositions for i, h in enumerate(self.handlers) if self._is_worker(i)):
+                return True
+            self._complete_at = generation()
+        return False
 
     def comm_device(self) -> torch.device:
         """The device of K-FAC's collectives, the layers' (NCCL needs CUDA tensors, gloo takes CPU ones)."""
@@ -357,37 +372,25 @@ class KFACPreconditioner:
         worker_groups.decompose(self, due)
 
     # preconditioning ------------------------------------------------------------------------------------
-    def _precondition_layers(self, handlers: Sequence[LayerHandler], grads: dict[str, torch.Tensor],
-                             kl_terms: bool = False) -> dict[str, torch.Tensor]:
+    def _precondition_layers(self, handlers: Sequence[LayerHandler],
+                             grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The preconditioned gradients of ``handlers`` (with decompositions), by buckets (:mod:`.batched`)."""
-        return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype,
-                                          kl_terms=kl_terms)
+        return self._buckets.precondition(handlers, grads, self.method, self.damping, self.decomposition_dtype)
 
     def _precondition(self, lr: float | None) -> None:
-        """Step 3 of Algorithm 1: precondition, scale by the KL clip of Eq 18, write back into ``.grad``."""
-        matrices = ((h, h.grad_matrix()) for h in self.handlers if h.factors)
-        grads: dict[str, torch.Tensor] = {h.name: g for h, g in matrices if g is not None}
-        kl_clip = self.current_kl_clip()
-        by_workers = self.comm.world_size > 1 and self.grid.broadcasts_gradients
-        if by_workers:
-            precond = worker_groups.precondition_by_workers(self, grads)
-        else:
-            precond = self._precondition_layers([h for h in self.handlers if h.name in grads and h.decompositions],
-                                                grads, kl_terms=bool(kl_clip))
-        if not precond:
-            return
-        # not by workers: the results are views of the buckets' outputs, which hold the KL products too
-        # nu stays on the device (no read-back): the scaling is applied whatever its value (by 1, exactly)
-        nu = kl_clip_factor(self.handlers, precond, grads, kl_clip, layer_lrs(lr, self.optimizer, self.lr),
-                            self.optimizer is not None,
-                            None if by_workers else self._buckets.last_kl_terms) if kl_clip else None
-        self._last_nu = nu
-        if nu is not None and not by_workers:
-            self._buckets.scale_(nu)
-        for h in self.handlers:
-            if h.name in precond:
-                p = precond[h.name]
-                h.set_grad_matrix(p * nu if nu is not None and by_workers else p)
+        """Step 3 of Algorithm 1: precondition, scale by the KL clip of Eq 18, write back into ``.grad``; without
+        gradient workers' broadcasts, from and into ``.grad`` by the buckets' kept plan (:mod:`.batched`)."""
+        kl_clip, b = self.current_kl_clip(), self._buckets
+        if self.comm.world_size > 1 and self.grid.broadcasts_gradients:
+            self._last_nu = worker_groups.precondition_by_workers(self, lr, kl_clip)
+        elif b.precondition_grads(self.handlers, self._weights, self.method, self.damping, self.decomposition_dtype,
+                                  kl_terms=bool(kl_clip)):
+            # nu stays on the device (no read-back): the scaling is applied whatever its value
+            self._last_nu = kl_clip_factor([t for _, t in b.last_kl_terms], self._lrs.squares(
+                b.last_kl_layers, lr, self.optimizer, self.lr, b.last_outputs[0].device), kl_clip) if kl_clip else None
+            if self._last_nu is not None:
+                b.scale_(self._last_nu)
+            b.write_back()
 
     # -- checkpointing -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 
 from lightning_hpc.kfac.batched_decompositions import decompose_factors
 from lightning_hpc.kfac.collectives import broadcast_by_owner
+from lightning_hpc.kfac.kl_clip import kl_clip_factor
 from lightning_hpc.kfac.layers import LayerHandler
 
 if TYPE_CHECKING:
@@ -66,9 +67,13 @@ def share_decompositions(pre: KFACPreconditioner, work: Work, results: Results, 
     )
 
 
-def precondition_by_workers(pre: KFACPreconditioner, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def precondition_by_workers(pre: KFACPreconditioner, lr: float | None, kl_clip: float | None) -> torch.Tensor | None:
     """Step 3 under KAISA (K-FAC-lw at one worker per layer): in each broadcast group (row), the member of a
-    layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source)."""
+    layer's worker group preconditions the layer and broadcasts the result to the row (one buffer per source); every
+    rank then scales the results by the KL clip's nu (Eq 18, returned; None: not clipped; the last one when no layer
+    was preconditioned) and writes them back."""
+    matrices = ((h, h.grad_matrix()) for h in pre.handlers if h.factors)
+    grads: dict[str, torch.Tensor] = {h.name: g for h, g in matrices if g is not None}
     columns = pre.layer_columns()
     rank = pre.comm.rank
     items: dict[int, list[tuple[Hashable, dict[str, tuple[int, ...]]]]] = {}
@@ -87,4 +92,14 @@ def precondition_by_workers(pre: KFACPreconditioner, grads: dict[str, torch.Tens
                 local[h.name] = {"p": grads[h.name]}
     local.update({name: {"p": p} for name, p in pre._precondition_layers(mine, grads).items()})
     out = broadcast_by_owner(pre.comm, items, local, pre.decomposition_dtype, pre.comm_device(), pre._row_group)
-    return {name: res["p"] for name, res in out.items()}  # type: ignore[misc]
+    precond = {name: res["p"] for name, res in out.items()}
+    layers = [h for h in pre.handlers if h.name in precond]
+    if not layers:  # nothing preconditioned: the last nu stands
+        return pre._last_nu
+    nu = None
+    if kl_clip:
+        products = [(precond[h.name] * grads[h.name].to(precond[h.name].dtype)).sum().reshape(1) for h in layers]
+        nu = kl_clip_factor(products, pre._lrs.squares(layers, lr, pre.optimizer, pre.lr, products[0].device), kl_clip)
+    for h in layers:
+        h.set_grad_matrix(precond[h.name] * nu if nu is not None else precond[h.name])  # type: ignore[arg-type]
+    return nu

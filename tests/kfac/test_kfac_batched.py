@@ -199,3 +199,40 @@ def test_depthwise_layers_of_different_widths_are_one_concatenation(method):
     products = {n: t for names, ts in buckets.last_kl_terms for n, t in zip(names, ts)}
     for name in want:
         torch.testing.assert_close(products[name], (want[name] * grads[name]).sum(), rtol=1e-11, atol=1e-14)
+
+
+def test_the_kept_plan_follows_gradients_that_come_and_go():
+    """The step's plan (buckets, buffers, views) is kept between steps: a layer whose weight has no gradient in a
+    step is left alone, one whose bias has none gets the zero bias column of :meth:`grad_matrix`, and the next step
+    with every gradient back preconditions every layer again, each equal to the per-layer product."""
+    model, p = _fitted("eigen")
+    for dropped, bias_only in ((("c1", "l2", "bn"), ("l1",)), ((), ()), (("g2",), ("c2", "ln"))):
+        model.zero_grad()  # new .grad tensors every step (set_to_none)
+        model(torch.randint(0, 10, (6, 5, 5))).pow(2).sum().backward()
+        for name in dropped:
+            getattr(model, name).weight.grad = getattr(model, name).bias.grad = None
+        for name in bias_only:
+            getattr(model, name).bias.grad = None
+        grads = {h.name: h.grad_matrix().clone() for h in p.handlers if h.weight.grad is not None}
+        want = _per_layer(p, grads)
+        p._precondition(None)
+        assert set(grads) == {h.name for h in p.handlers} - set(dropped)
+        for h in p.handlers:
+            if h.name in dropped:
+                assert h.weight.grad is None and h.bias.grad is None
+                continue
+            torch.testing.assert_close(h.grad_matrix(), want[h.name], rtol=1e-11,
+                                       atol=1e-11 * float(want[h.name].abs().max()))
+
+
+def test_a_replaced_weight_is_preconditioned_from_the_next_factor_update_step():
+    """The plan keeps the layers' weights; a weight replaced by another parameter object is re-read at the next
+    factor-update step (every step here), whose preconditioning then rewrites the new parameter's gradient."""
+    model, p = _fitted("eigen")
+    old, model.l1.weight = model.l1.weight, nn.Parameter(model.l1.weight.detach().clone())
+    old.grad = None  # the replaced parameter takes no more gradients
+    model.zero_grad()
+    model(torch.randint(0, 10, (6, 5, 5))).pow(2).sum().backward()
+    raw = model.l1.weight.grad.clone()
+    p.step()
+    assert not torch.allclose(model.l1.weight.grad, raw)

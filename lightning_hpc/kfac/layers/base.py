@@ -359,6 +359,24 @@ class LayerHandler:
             mat = torch.cat([mat, bgrad.reshape(*self.grad_shape[:-1], 1)], dim=-1)
         return mat
 
+    def grad_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients make up :meth:`grad_matrix`, in :meth:`grad_views`' order."""
+        return [self.weight, self.bias] if self.has_bias else [self.weight]
+
+    def grad_views(self, mat: torch.Tensor) -> list[torch.Tensor] | None:
+        """Views of ``mat``, a matrix laid out as :meth:`grad_matrix`'s, shaped like the gradients of
+        :meth:`grad_params`: the batched route (:mod:`lightning_hpc.kfac.batched`) fills its buffers from ``.grad``
+        and writes the results back through them, in one multi-tensor copy each for all layers. None where the
+        layout is no such view (a handler with its own :meth:`grad_matrix` that does not say otherwise): its
+        :meth:`grad_matrix` and :meth:`set_grad_matrix` are used."""
+        if type(self).grad_matrix is not LayerHandler.grad_matrix:
+            return None
+        n_w = mat.shape[-1] - int(self.has_bias)
+        views = [mat[..., :n_w].view(self.weight.shape)]
+        if self.has_bias:
+            views.append(mat[..., n_w].view(self.bias.shape))
+        return views
+
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         """Write :meth:`grad_matrix`'s layout back into ``.grad`` in place (dtype of the gradient kept)."""

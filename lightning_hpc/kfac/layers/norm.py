@@ -188,6 +188,12 @@ class NormAffineHandler(LayerHandler):
             cols.append((b.grad if b.grad is not None else torch.zeros_like(b)).reshape(-1, 1))
         return torch.cat(cols, dim=1)
 
+    def grad_views(self, mat: torch.Tensor) -> list[torch.Tensor] | None:
+        views = [mat[:, 0].view(self.weight.shape)]
+        if self.has_bias:
+            views.append(mat[:, 1].view(self.bias.shape))
+        return views
+
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         w = self.weight

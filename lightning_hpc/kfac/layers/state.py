@@ -12,7 +12,23 @@ import torch
 from lightning_hpc.kfac.forms import FactorForm
 from lightning_hpc.kfac.methods import ComputeMethod
 
-__all__ = ["FactorState"]
+__all__ = ["FactorState", "generation"]
+
+#: how many times any layer's factors or decompositions were replaced (:func:`generation`)
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever any layer's running factors or decompositions are replaced or cleared (by
+    :class:`FactorState`'s setters and methods; not by writing into their dicts from outside): what the
+    preconditioning plan of :mod:`lightning_hpc.kfac.batched` compares, once per step, instead of every layer's
+    decomposition tensors."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 class FactorState:
@@ -29,11 +45,29 @@ class FactorState:
         self.forms = forms
         self.output_gradient_factors = output_gradient_factors
         self.partition_size = partition_size
-        #: the running factors by name (Eq 16-17); empty before the first factor update
-        self.factors: dict[str, torch.Tensor] = {}
-        #: the decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
-        #: until the first decomposition, and on ranks outside the layer's gradient-worker group
-        self.decompositions: dict[str, torch.Tensor] = {}
+        self._factors: dict[str, torch.Tensor] = {}
+        self._decompositions: dict[str, torch.Tensor] = {}
+
+    @property
+    def factors(self) -> dict[str, torch.Tensor]:
+        """The running factors by name (Eq 16-17); empty before the first factor update (updated in place after)."""
+        return self._factors
+
+    @factors.setter
+    def factors(self, value: dict[str, torch.Tensor]) -> None:
+        self._factors = value
+        _changed()
+
+    @property
+    def decompositions(self) -> dict[str, torch.Tensor]:
+        """The decompositions of the factors, ``f"{key}_{factor}"`` (:meth:`.forms.FactorForm.result_shapes`); empty
+        until the first decomposition, and on ranks outside the layer's gradient-worker group."""
+        return self._decompositions
+
+    @decompositions.setter
+    def decompositions(self, value: dict[str, torch.Tensor]) -> None:
+        self._decompositions = value
+        _changed()
 
     # -- wire format ---------------------------------------------------------------------------------------
     def packed_numel(self, symmetric: bool) -> int:
@@ -103,7 +137,8 @@ class FactorState:
     def set_decomposition(self, kind: str, res: dict[str, torch.Tensor]) -> None:
         """Keep ``res`` (:meth:`decompose`'s, computed here or received) as factor ``kind``'s decomposition."""
         for k, v in res.items():
-            self.decompositions[f"{k}_{kind}"] = v
+            self._decompositions[f"{k}_{kind}"] = v
+        _changed()
 
     def decomposition_of(self, kind: str, method: ComputeMethod) -> dict[str, torch.Tensor]:
         """Factor ``kind``'s part of :attr:`decompositions`, by its own names (for a broadcast)."""

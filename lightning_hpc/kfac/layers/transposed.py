@@ -85,6 +85,9 @@ class ConvTransposeHandler(LayerHandler):
         w = self.weight
         return None if w.grad is None else w.grad.reshape(*self.grad_shape[:-2], self.a_dim, -1).mT
 
+    def grad_views(self, mat: torch.Tensor) -> list[torch.Tensor] | None:
+        return [mat.mT.view(self.weight.shape)]  # no bias (left to the optimizer)
+
     @torch.no_grad()
     def set_grad_matrix(self, mat: torch.Tensor) -> None:
         w = self.weight
