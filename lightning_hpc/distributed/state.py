@@ -72,10 +72,11 @@ def gather_keyed_tensors(
     Collective over ``group`` (``None``: this process alone, the dict is returned as is).  ``dst`` (a global
     rank of the group) receives the full dict and the other ranks get only their own tensors back (saves the
     memory of a full copy where only one rank writes the checkpoint); ``dst=None`` gives it to every rank.
-    ``device``: where the buckets travel (default: the device of this rank's first tensor, or the host); every
-    local tensor must be on it.  ``out_device``: where received tensors are put (default: ``device``); this
-    rank's own owned tensors are returned as they are.  ``bucket_bytes``: the largest flat message (default
-    :data:`DEFAULT_BUCKET_BYTES`).
+    ``device``: where the buckets travel (default: the device of this rank's first tensor, or the host); local
+    tensors kept elsewhere (a weight-averaging copy on the host beside a model on a GPU: NCCL moves device tensors
+    only) travel through it.  ``out_device``: where received tensors are put (default: where this rank's tensors
+    are kept, or ``device`` when it has none); this rank's own owned tensors are returned as they are.
+    ``bucket_bytes``: the largest flat message (default :data:`DEFAULT_BUCKET_BYTES`).
     """
     split = dict(split_dims or {})
     if group is None or dist.get_world_size(group) == 1:
@@ -85,9 +86,11 @@ def gather_keyed_tensors(
     if dst is not None and dst not in ranks:
         raise ValueError(f"dst={dst} is not a rank of the group {ranks}")
     tensors = OrderedDict((k, v.detach()) for k, v in local.items())
-    if device is None:
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    target = torch.device(out_device) if out_device is not None else device
+    home = next(iter(tensors.values())).device if tensors else None
+    device = torch.device(device) if device is not None else home or torch.device("cpu")
+    target = torch.device(out_device) if out_device is not None else home or device
+    # what this rank sends, on the device the collectives run on (the tensors themselves where they are there)
+    sent = OrderedDict((k, v.to(device)) for k, v in tensors.items())
     # shapes/dtypes first (small objects), so that receivers can allocate the buckets
     metas: list[list[_Meta] | None] = [None] * len(ranks)
     dist.all_gather_object(metas, [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], group=group)
@@ -105,10 +108,10 @@ def gather_keyed_tensors(
             if me == owner and (dst is None or dst == owner):
                 received = {key: tensors[key] for key, _, _ in bucket}  # the receiver's own tensors
                 if dst is None:
-                    dist.broadcast(torch.cat([t.reshape(-1) for t in received.values()]), owner, group=group)
+                    dist.broadcast(torch.cat([sent[key].reshape(-1) for key in received]), owner, group=group)
             else:
                 if me == owner:
-                    flat = torch.cat([tensors[key].reshape(-1) for key, _, _ in bucket])
+                    flat = torch.cat([sent[key].reshape(-1) for key, _, _ in bucket])
                 else:
                     flat = torch.empty(sum(math.prod(s) for _, s, _ in bucket), dtype=bucket[0][2], device=device)
                 if dst is None:

@@ -270,14 +270,10 @@ def gather_shard_tensors(shards: dict[str, tuple[ShardedLinear, str, torch.Tenso
         return {key: local_block(value).detach().cpu() if cpu else local_block(value).detach()
                 for key, (_, _, value) in shards.items()}
     local = {key: local_block(value).detach().contiguous() for key, (_, _, value) in shards.items()}
-    home = next(iter(local.values())).device if local else None
-    travel = device is not None and home is not None and torch.device(device) != home
-    if travel:
-        local = {key: value.to(device) for key, value in local.items()}
     split = {key: shard.shard_sizes(pname)[1] for key, (shard, pname, _) in shards.items()}
     dst = dist.get_global_rank(group, 0)
     full = gather_keyed_tensors(local, group, dst if rank0_only else None, split_dims=split,
-                                out_device="cpu" if cpu else (home if travel else None))
+                                device=device, out_device="cpu" if cpu else None)
     if rank0_only and dist.get_rank() != dst:
         return {}
     for key, (shard, pname, _) in shards.items():

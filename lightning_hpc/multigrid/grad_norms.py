@@ -13,8 +13,6 @@ a split trunk is refused at its first step parameter (before the first optimizer
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,7 +70,7 @@ def _trunk_norms(trunk: LayerShardedTrunk, p: float) -> list[tuple[str, torch.Te
             values[1, i] = 1.0
     shares = [torch.empty_like(values) for _ in range(trunk.chain.size)]
     dist.all_gather(shares, values, group=trunk.group)
-    starts = _share_starts(trunk)
+    starts = [trunk.share(r).start for r in range(trunk.chain.size)]  # in the layer group's rank order
     dtype = local[0][1].dtype
     out: list[tuple[str, torch.Tensor]] = []
     for start, share in zip(starts, shares):
@@ -84,12 +82,3 @@ def _trunk_norms(trunk: LayerShardedTrunk, p: float) -> list[tuple[str, torch.Te
             out.append((f"{trunk.step_names[index]}.{rest}", value.to(dtype)))
     return out
 
-
-def _share_starts(trunk: LayerShardedTrunk) -> list[int]:
-    """The index of every layer rank's first step (one gather, kept on the trunk: the split does not change)."""
-    starts: list[Any] | None = getattr(trunk, "_share_starts", None)
-    if starts is None:
-        starts = [None] * trunk.chain.size
-        dist.all_gather_object(starts, trunk.partition.start, group=trunk.group)
-        trunk._share_starts = starts  # type: ignore[assignment]
-    return [int(s) for s in starts]

@@ -113,11 +113,17 @@ class LayerShardedTrunk(nn.Sequential):
             raise IndexError(f"index {index} is out of range: the trunk has {self.num_steps} residual steps")
         return self._local_step(index % self.num_steps)
 
+    def share(self, rank: int) -> LayerPartition:
+        """The steps layer rank ``rank`` holds (a partition is a function of the sizes alone)."""
+        if rank == self.chain.index:
+            return self.partition
+        return LayerPartition(self.num_steps, self.chain.size, rank, self._cfactor, self._levels)
+
     def _local_step(self, index: int) -> nn.Module:
         part = self.partition
         if part.start <= index < part.stop:
             return self._modules[self.step_names[index]]  # type: ignore[return-value]
-        holder = next(r for r in range(self.chain.size) if _share_of(self, r).start <= index < _share_of(self, r).stop)
+        holder = next(r for r in range(self.chain.size) if self.share(r).start <= index < self.share(r).stop)
         raise IndexError(
             f"residual step {index} ('{self.step_names[index]}') of the trunk is held by layer rank {holder}: the "
             f"trunk's {self.num_steps} steps are split over {self.chain.size} ranks (strategy='multigrid'), and "
@@ -142,21 +148,8 @@ class LayerShardedTrunk(nn.Sequential):
         the layer group.  With ``dst`` (a global rank) only that rank gets the full dict.  ``device``: where the
         tensors travel when the trunk is kept elsewhere (a weight-averaging copy on the host beside a GPU model:
         NCCL moves device tensors only); what is received is put where the trunk is."""
-        local = self.state_dict(prefix=prefix)
         group = self.group if self.chain.size > 1 else None
-        home = next(iter(local.values())).device if local else None
-        if device is None or home is None or home == torch.device(device) or group is None:
-            return gather_keyed_tensors(local, group, dst)
-        moved = OrderedDict((k, v.to(device)) for k, v in local.items())
-        full = gather_keyed_tensors(moved, group, dst, device=torch.device(device), out_device=home)
-        return OrderedDict((k, v.to(home)) for k, v in full.items())
-
-
-def _share_of(trunk: LayerShardedTrunk, rank: int) -> LayerPartition:
-    """The steps layer rank ``rank`` holds (the partition is a function of the sizes alone)."""
-    part = trunk.partition
-    return LayerPartition(trunk.num_steps, trunk.chain.size, rank, trunk._cfactor, trunk._levels) \
-        if rank != trunk.chain.index else part
+        return gather_keyed_tensors(self.state_dict(prefix=prefix), group, dst, device=device)
 
 
 def release_other_steps(sharded: LayerShardedTrunk, trunk: nn.Module) -> None:
