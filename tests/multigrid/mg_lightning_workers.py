@@ -416,3 +416,36 @@ def multigrid_grad_norms(rank: int, world_size: int, use_lightning: bool, steps:
         changed = [k for k, v in before.items() if k in after and not torch.equal(v, after[k])]
         return {"error": str(e), "global_step": trainer.global_step, "changed": changed}
     return {"recorded": module.recorded}  # type: ignore[attr-defined]
+
+
+# -- the split trunk indexed by user code while training ---------------------------------------------------
+def multigrid_indexing(rank: int, world_size: int, index: int) -> dict:
+    """``Trainer.fit`` of ``user_odenet()`` whose ``on_before_optimizer_step`` reads ``len(self.model.steps)`` and
+    the first weight of ``self.model.steps[index]``, with the trunk split over ``world_size`` layer ranks: what it
+    read, or the error and the steps taken."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import MultigridStrategy
+    from lightning_hpc.distributed.partitioned import local_block
+    from tests import fit_harness
+
+    xs, ys = data(1)
+    loader = DataLoader(TensorDataset(xs.double(), ys), batch_size=BATCH, shuffle=False)
+    module = user_odenet()
+    seen: dict = {}
+
+    def on_before_optimizer_step(optimizer) -> None:
+        seen["len"] = len(module.model.steps)
+        seen["weight"] = local_block(next(module.model.steps[index].parameters())).detach().clone()
+
+    module.on_before_optimizer_step = on_before_optimizer_step  # type: ignore[method-assign]
+    trainer = fit_harness.trainer(
+        devices=world_size, precision="64-true", max_steps=1,
+        strategy=MultigridStrategy(layer_parallel_size=world_size, mode="pm", **EXACT),
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+    )
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result under test
+        return {"error": str(e), "global_step": trainer.global_step}
+    return seen

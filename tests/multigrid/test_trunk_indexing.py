@@ -66,3 +66,29 @@ def test_one_process_trunk_indexes_as_the_users_sequential():
     assert len(trunk) == len(full)
     assert all(trunk[i] is full[i] for i in range(-STEPS, STEPS))
     assert list(trunk[1:7:2]) == list(full[1:7:2])
+
+
+def test_trainer_fit_reads_the_users_step_or_refuses_before_the_first_step():
+    """Through ``Trainer.fit`` (a user's ODE-ResNet, 16 steps over 2 layer ranks): ``self.model.steps[-1]`` read in
+    ``on_before_optimizer_step`` is refused on rank 0 before its first optimizer step, naming rank 1, which holds
+    it, and every rank ends with that message; likewise ``steps[5]`` on rank 1.  One process reads step 5."""
+    from mg_lightning_workers import NUM_STEPS, multigrid_indexing
+
+    serial = user_odenet_first_weights()
+    last = run_in_processes(multigrid_indexing, 2, -1, timeout_s=300, collective_timeout_s=120)
+    # rank 0 refuses before its step; rank 1, which holds step 15, ends with rank 0's message (its own step
+    # may have been taken before the failure reached it: the refusal is the reading rank's)
+    assert "held by layer rank 1" in last[0]["error"] and last[0]["global_step"] == 0, last[0]
+    assert "rank 0: IndexError: residual step 15" in last[1].get("error", ""), last[1]
+    fifth = run_in_processes(multigrid_indexing, 2, 5, timeout_s=300, collective_timeout_s=120)
+    assert "held by layer rank 0" in fifth[1]["error"] and fifth[1]["global_step"] == 0, fifth[1]
+    assert "rank 1: IndexError: residual step 5" in fifth[0].get("error", ""), fifth[0]
+    single = multigrid_indexing(0, 1, 5)  # one process holds every step
+    assert single["len"] == NUM_STEPS and torch.equal(single["weight"], serial[5]), single
+
+
+def user_odenet_first_weights() -> dict[int, torch.Tensor]:
+    from mg_lightning_workers import user_odenet
+
+    model = user_odenet()
+    return {i: next(step.parameters()).detach().clone() for i, step in enumerate(model.model.steps)}
