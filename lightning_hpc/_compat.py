@@ -34,6 +34,9 @@ __all__ = [
     "enable_torch_function",
     "disable_torch_function_subclass",
     "compiled_module_type",
+    "compiled_backend",
+    "graph_tracer",
+    "dynamo_error_type",
     "replace_metric_hooks",
     "all_gather_single",
     "reduce_scatter_single",
@@ -129,6 +132,28 @@ def disable_torch_function_subclass() -> Any:
 def compiled_module_type() -> type:
     """The module type ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``)."""
     return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
+
+
+def compiled_backend(compiled: Any) -> Any:
+    """The backend a ``torch.compile``'d module was compiled with (a name's compiler, or the user's callable), from
+    the wrappers dynamo puts around it (``_torchdynamo_orig_backend`` at each level)."""
+    fn = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    if fn is None:
+        raise CompatError("torch.compile'd module without dynamo_ctx.callback: checked with torch 2.9-2.14")
+    while hasattr(fn, "_torchdynamo_orig_backend"):
+        fn = fn._torchdynamo_orig_backend
+    return fn
+
+
+def dynamo_error_type() -> type[Exception]:
+    """The base class of dynamo's errors (a graph break under ``fullgraph=True``, an unsupported construct):
+    ``torch._dynamo.exc.TorchDynamoException``."""
+    return _private("torch._dynamo.exc", "TorchDynamoException")  # type: ignore[no-any-return]
+
+
+def graph_tracer() -> Callable[..., Any]:
+    """``make_fx``: records the aten ops a Python function runs (``torch.fx.experimental.proxy_tensor``)."""
+    return _private("torch.fx.experimental.proxy_tensor", "make_fx")  # type: ignore[no-any-return]
 
 
 def weight_norm_parametrization_type() -> type:

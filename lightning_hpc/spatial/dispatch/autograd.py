@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
 
 class _CompleteGrad(torch.autograd.Function):
@@ -56,6 +57,7 @@ class _ScatterTile(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid, sdims):  # type: ignore[override]
+        refuse_trace('a replicated tensor cut to a tile with its gradient summed')
         ctx.args, ctx.shape = (grid, sdims), x.shape
         return x[_tile_index(x.shape, sdims, grid)].clone()
 
@@ -105,6 +107,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, grid, gshape, sdims):  # type: ignore[override]
+        refuse_trace('gathering a split activation whole')
         ctx.args = (grid, tuple(gshape), tuple(sdims))
         return _gather_raw(local, grid, gshape, sdims)
 
@@ -122,6 +125,10 @@ def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
         grid.tile_params[id(t)] = t
         return t
     if t.requires_grad and grid.group is not None:
+        if Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
+            from lightning_hpc.spatial.layout.graph_ops import complete_gradient
+
+            return complete_gradient(t, grid.group)
         return _CompleteGrad.apply(t, grid.group)
     return t
 

@@ -10,7 +10,7 @@ import torch
 from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _tile_of
 from lightning_hpc.spatial.dispatch.calls import _flat, _inplace_call, _is_inplace, _op_name, bind_call
 from lightning_hpc.spatial.dispatch.state import SpatialDispatchError, where
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials, _Trace
 
 
 def _align_operand(t, out_ndim: int, ref: SpatialTensor, sdims: tuple[int, ...]):
@@ -161,7 +161,7 @@ def _elementwise(func, args, kwargs, inplace: bool):
     """The element-wise op ``func`` on split operands (``inplace``: ``func`` changes its first operand, from its
     name), or ``NotImplemented`` for the gather path."""
     x = args[0] if args else None
-    if type(x) is SpatialTensor and "out" not in kwargs:
+    if type(x) is SpatialTensor and "out" not in kwargs and not _Trace.active:
         # the common case (an activation, a residual sum of two tiles, a tile scaled by a number): every tensor
         # operand is a split tensor laid out as ``x`` (same grid, global shape and split dimensions) and none is
         # a sequence, so the op on the tiles is the output tile, laid out as ``x``; nothing to decide or cut.

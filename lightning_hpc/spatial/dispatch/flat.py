@@ -43,9 +43,10 @@ from lightning_hpc.spatial.dispatch.registry import (
 from lightning_hpc.spatial.dispatch.registry import _torch_function as _split_torch_function
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.state import where as where_of
-from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _plain, _spatials
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _alias, _plain, _spatials, _Trace
 from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import refuse_trace
 
 #: one flattened dimension: its extent and the grid axis blocking it (-1: whole on every rank)
 Atom = tuple[int, int]
@@ -144,6 +145,9 @@ def make(local: torch.Tensor, grid: SpatialGrid, atoms: Sequence[Sequence[Atom]]
     if type(local) is torch.Tensor:
         local.__class__ = FlatSpatialTensor
         t = local  # type: ignore[assignment]
+    elif _Trace.active:
+        t = _alias(local)  # type: ignore[assignment]
+        t.__class__ = FlatSpatialTensor
     else:
         with disable_torch_function_subclass():
             t = local.as_subclass(FlatSpatialTensor)  # type: ignore[assignment]
@@ -430,6 +434,7 @@ def _one_hot(func, a, args, kwargs):
     if classes < 0:
         if local.numel() == 0:
             return NotImplemented
+        refuse_trace("F.one_hot(num_classes=-1) of a split label (the largest label read back to the host)")
         top = local.max().reshape(1)
         if x._grid.group is not None:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=x._grid.group)

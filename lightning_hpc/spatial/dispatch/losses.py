@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -72,7 +71,7 @@ def _loss(func, a, args, kwargs):
         den = valid.sum().double()
     den = den.reshape(1).to(local_sum.device)
     if inp._grid.group is not None:
-        dist.all_reduce(den, group=inp._grid.group)
+        den = all_reduce_replicated(den, inp._grid.group)  # no gradient: the count of the targets
     return total / den.to(total.dtype)[0]
 
 

@@ -18,9 +18,19 @@ import torch
 from lightning_hpc.spatial.dispatch.autograd import _Gather
 from lightning_hpc.spatial.dispatch.calls import _flat
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import Trace as _Trace
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A plain alias of ``t`` made by an operator a tracer records (see
+    :class:`~lightning_hpc.spatial.layout.tracing.Trace`)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.ops.aten.alias.default(t)  # type: ignore[no-any-return]
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
+    if _Trace.active:
+        return _alias(t)
     with torch._C.DisableTorchFunctionSubclass():
         return t.as_subclass(torch.Tensor)
 
@@ -48,6 +58,9 @@ class SpatialTensor(torch.Tensor):
         if fresh and type(local) is torch.Tensor:
             local.__class__ = SpatialTensor
             t = local  # type: ignore[assignment]  # its class was just set (typing.cast costs a call per op)
+        elif _Trace.active:
+            t = _alias(local)  # type: ignore[assignment]
+            t.__class__ = SpatialTensor
         else:
             with torch._C.DisableTorchFunctionSubclass():
                 t = local.as_subclass(SpatialTensor)  # type: ignore[assignment]

@@ -29,6 +29,7 @@ from lightning_hpc.spatial.kernels.plan import check_tile
 from lightning_hpc.spatial.layout.collectives import all_reduce_replicated
 from lightning_hpc.spatial.layout.halo_exchange import trailing
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import refuse_trace
 
 __all__ = ["adaptive_windows", "adaptive_output_size", "adaptive_avg_pool", "adaptive_max_pool"]
 
@@ -74,6 +75,7 @@ class _AdaptiveMax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, extents, origin, size):  # type: ignore[override]
+        refuse_trace('adaptive max pooling over split dimensions')
         k = len(extents)
         tile = tuple(x.shape[-k:])
         lead = tuple(x.shape[:-k])

@@ -38,6 +38,7 @@ from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.kernels.plan import autocast_cast, halo_plan, ntuple
 from lightning_hpc.spatial.layout.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace, refuse_trace
 
 __all__ = [
     "conv",
@@ -181,6 +182,8 @@ def run_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
         if record is not None:  # pointwise: the tile is its own box, no halo
             record(x.detach(), cp.out_extents)
         return spec.conv(x, weight, bias, [0] * k)
+    if Trace.active and not (cp.native and record is None and cp.regions is not None):
+        return _traced_conv(x, weight, bias, cp, record)
     if record is None and cp.regions is not None:
         if cp.native:
             cp.plan.grid.next_tag()  # as the exchange of any other path would: the ranks' tags stay in step
@@ -317,6 +320,22 @@ def tile_convolution_applies(extents: Sequence[int], parts: Sequence[int], windo
     return True
 
 
+def _traced_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
+                 record: Recorder | None) -> torch.Tensor:
+    """The convolution of :class:`_BoxConv` (the same box, the same native call) as a graph can hold it: the
+    exchange is an operator with its own adjoint (:func:`~lightning_hpc.spatial.layout.graph_ops.halo_blocks`),
+    the box is assembled and convolved by ordinary differentiable ops."""
+    if record is not None:
+        raise NotTraceable("a convolution whose input statistics K-FAC records on tiles")
+    from lightning_hpc.spatial.layout.graph_ops import halo_blocks
+
+    plan = cp.plan
+    native = native_padding(plan, cp.spec.windows)
+    # every rank of a group runs the exchange operator (its tags stay in step even where a tile has nothing to send)
+    blocks = halo_blocks(x, plan) if plan.grid.group is not None else []
+    return cp.spec.conv(extended_box(x, blocks, plan, native=native), weight, bias, native)
+
+
 def _grad_mask(ctx) -> tuple[bool, bool, bool]:
     """Which of (input, weight, bias) gradients a convolution node must produce."""
     return ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
@@ -342,6 +361,7 @@ class _TileConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: _Spec, plan: HaloPlan, regions):  # type: ignore[override]
+        refuse_trace('a convolution on tiles (eager form)')
         exchange = HaloExchange(plan)
         exchange.post_forward(x)
         padding = [w.padding for w in spec.windows]
@@ -403,6 +423,7 @@ class _BoxConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: _Spec, plan: HaloPlan, record):  # type: ignore[override]
+        refuse_trace('a convolution on tiles (eager form)')
         native = native_padding(plan, spec.windows)
         exchange = HaloExchange(plan)
         exchange.post_forward(x)

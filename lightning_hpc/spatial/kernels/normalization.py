@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace, refuse_trace
+
 __all__ = ["aggregated_batch_norm", "aggregated_row_norm"]
 
 
@@ -63,6 +65,7 @@ class _AggregatedRowNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, eps, group):  # type: ignore[override]
+        refuse_trace('a row normalisation (eager form)')
         m = x.shape[1]
         if m > 0:
             var_l, mean_l = torch.var_mean(x, dim=1, correction=0)
@@ -91,9 +94,34 @@ class _AggregatedRowNorm(torch.autograd.Function):
         return dx, None, None
 
 
+def _traced_statistics(x: torch.Tensor, dims: list[int], group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistics of :func:`_combine` as a graph can hold them (a traced split step): the whole mean from the
+    tiles' float64 sums and counts, then the whole biased variance from each tile's float64 sum of squared
+    deviations from that mean (two passes over the tile, no cancellation), each summed over the group by
+    :func:`~lightning_hpc.spatial.layout.graph_ops.sum_partial`, whose adjoint sums the tiles' partial gradients
+    (the adjoint of the statistics' reduction, as the eager backward's all-reduce).  Differentiable."""
+    from lightning_hpc.spatial.layout.graph_ops import sum_partial
+
+    if x.dtype not in (torch.float32, torch.float64):
+        raise NotTraceable(f"a normalisation of {x.dtype} tiles")
+    m = x.numel() // max(1, x.shape[1] if dims[0] == 0 else x.shape[0])
+    count = x.new_full((1,), float(m), dtype=torch.float64)  # a fill, not an upload
+    total = sum_partial(torch.cat([x.sum(dims, dtype=torch.float64), count]), group)
+    n = total[-1:]
+    mean64 = total[:-1] / n
+    shape = [-1 if d not in dims else 1 for d in range(x.dim())]
+    dev = x - mean64.to(x.dtype).view(shape)
+    var64 = sum_partial((dev * dev).sum(dims, dtype=torch.float64), group) / n
+    return mean64, var64, n
+
+
 def aggregated_row_norm(rows: torch.Tensor, eps: float, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalise each row of ``rows`` (``(R, m)``, this tile's part of every row) with the statistics of the whole
     row over ``group``.  Returns the normalised tile and the float64 per-row mean and biased variance."""
+    if Trace.active:
+        mean64, var64, _ = _traced_statistics(rows, [1], group)
+        y = (rows - mean64.to(rows.dtype).unsqueeze(1)) * torch.rsqrt(var64 + eps).to(rows.dtype).unsqueeze(1)
+        return y, mean64.detach(), var64.detach()
     return _AggregatedRowNorm.apply(rows, float(eps), group)
 
 
@@ -109,6 +137,7 @@ class _AggregatedBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, group):  # type: ignore[override]
+        refuse_trace('a batch normalisation (eager form)')
         # the native (Welford) statistics kernel of batch norm: one pass, several times faster than var_mean
         mean_l, var_l = torch.batch_norm_update_stats(x, None, None, 0.0)
         mean64, var64, n = _combine(mean_l, var_l, x.numel() // x.shape[1], group)
@@ -148,4 +177,15 @@ def aggregated_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: to
     sample over ``group``.  Returns the normalised tile, the float64 per-channel mean and biased variance and the
     element count per channel (a float64 tensor on ``x``'s device, for the running statistics' unbiased
     variance)."""
+    if Trace.active:
+        dims = [0, *range(2, x.dim())]
+        mean64, var64, n = _traced_statistics(x, dims, group)
+        view = (1, -1) + (1,) * (x.dim() - 2)
+        gain = torch.rsqrt(var64 + eps).to(x.dtype)
+        if weight is not None:
+            gain = gain * weight
+        y = (x - mean64.to(x.dtype).view(view)) * gain.view(view)
+        if bias is not None:
+            y = y + bias.view(view)
+        return y, mean64.detach(), var64.detach(), n.detach()
     return _AggregatedBatchNorm.apply(x, weight, bias, float(eps), group)

@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
+
 __all__ = ["all_reduce_replicated"]
 
 
 class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        refuse_trace('a sum over the group (eager form)')
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
@@ -35,4 +38,10 @@ class _AllReduceReplicated(torch.autograd.Function):
 
 def all_reduce_replicated(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ``group`` into a value every rank then uses identically; gradient passes through unchanged."""
-    return x if group is None else _AllReduceReplicated.apply(x, group)
+    if group is None:
+        return x
+    if Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
+        from lightning_hpc.spatial.layout.graph_ops import sum_replicated
+
+        return sum_replicated(x, group)
+    return _AllReduceReplicated.apply(x, group)

@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
 __all__ = [
     "Window1d",
@@ -306,6 +307,7 @@ class _HaloStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, exchange: HaloExchange) -> torch.Tensor:  # type: ignore[override]
+        refuse_trace('a halo exchange (eager form)')
         exchange.post_forward(x)
         ctx.exchange = exchange
         return x.view_as(x)
@@ -321,6 +323,7 @@ class _HaloFinish(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, exchange: HaloExchange):  # type: ignore[override]
+        refuse_trace('a halo exchange (eager form)')
         ctx.exchange = exchange
         bufs = exchange.finish_forward()
         return (x.view_as(x), *bufs)
@@ -421,6 +424,11 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) ->
         index, pads = _local_box(plan)
         out = x if index is None else x[index]
         return F.pad(out, pads, value=pad_value) if pads else out
-    exchange = HaloExchange(plan)
-    x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
+    if Trace.active:  # the exchange as an operator a graph holds, with its adjoint (graph_ops)
+        from lightning_hpc.spatial.layout.graph_ops import halo_blocks
+
+        bufs = halo_blocks(x, plan)
+    else:
+        exchange = HaloExchange(plan)
+        x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
     return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)

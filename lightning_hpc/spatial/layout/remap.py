@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
+from lightning_hpc.spatial.layout.tracing import refuse_trace
 
 __all__ = ["RemapPlan", "remap", "pad_source", "constant_pad_source", "PAD_MODES"]
 
@@ -148,6 +149,7 @@ class _Remap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid: SpatialGrid, plan: RemapPlan, dim: int, fill: float):  # type: ignore[override]
+        refuse_trace('moving rows between tiles (pixel shuffle, strided slices, re-blocking)')
         tag = grid.next_tag()
         ctx.args, ctx.shape = (grid, plan, dim, tag), x.shape
         shape = list(x.shape)

@@ -1,0 +1,106 @@
+"""A ``torch.compile``'d module whose inputs are split activations: compiled as one graph of tile operations.
+
+:class:`SplitCompiledForward` takes the place of a compiled module's forward while the spatial strategy runs it.
+On a call with split inputs it hands dynamo a *stand-in* for each (a tensor of the global shape over one element:
+no memory, never computed on), so dynamo captures the forward on global shapes exactly as it would on one process,
+with its guards over the Python around it and ``fullgraph=True`` (no code runs outside the graph, where it would
+meet a stand-in).  The captured graph is not run on the stand-ins: its callable swaps the real split inputs back
+in and runs the tile program traced from it for these inputs' layouts (:mod:`.tile_program`), compiled with the
+module's own backend (inductor by default, or what the user passed to ``torch.compile``).  A later call replays
+it: dynamo's guard check, one dictionary lookup, the compiled graph.
+
+A forward that cannot be one graph (a graph break, or an op the dispatch has no traceable form for:
+:class:`~lightning_hpc.spatial.layout.tracing.NotTraceable`) runs eagerly through the op dispatch from then on,
+exactly, and the module says so once with the reason.  Every rank of a spatial group traces the same ops, so they
+refuse alike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_hpc._compat import compiled_backend, dynamo_error_type
+from lightning_hpc.spatial.compile.tile_program import TileProgram, trace_tile_program
+from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
+from lightning_hpc.spatial.layout.tracing import NotTraceable
+
+__all__ = ["SplitCompiledForward"]
+
+
+def _stand_in(t: SpatialTensor) -> torch.Tensor:
+    """A tensor dynamo traces as ``t`` (global shape, dtype, device, ``requires_grad``) over one element."""
+    with torch._C.DisableTorchFunctionSubclass():
+        one = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+    return one.expand(t._gshape)
+
+
+class SplitCompiledForward:
+    """The forward of the ``torch.compile``'d module ``compiled`` under the spatial strategy (see the module
+    docstring).  ``name``: the module's place, for messages.  Counters for tests and benchmarks: ``traces`` (tile
+    programs traced), ``graphs`` (forward graphs dynamo captured), ``refused`` (why it runs eagerly, or None)."""
+
+    def __init__(self, compiled: Any, name: str = "") -> None:
+        self.module: torch.nn.Module = compiled._orig_mod
+        self.compiled_forward: Callable[..., Any] = compiled.forward  # the user's compiled code, for plain inputs
+        self.backend = compiled_backend(compiled)
+        self.name = name or type(self.module).__name__
+        self.refused: str | None = None
+        self.traces = 0
+        self.graphs = 0
+        self._real: dict[int, SpatialTensor] = {}
+        self._captured = torch.compile(self.module, backend=self._capture, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, _ = tree_flatten((args, kwargs))
+        if not any(isinstance(t, SpatialTensor) for t in leaves):
+            return self.compiled_forward(*args, **kwargs)
+        if self.refused is not None:
+            return self.module(*args, **kwargs)
+        self._real.clear()
+
+        def stand(t: Any) -> Any:
+            if not isinstance(t, SpatialTensor):
+                return t
+            s = _stand_in(t)
+            self._real[id(s)] = t
+            return s
+
+        s_args, s_kwargs = tree_map(stand, (args, kwargs))
+        try:
+            return self._captured(*s_args, **s_kwargs)
+        except (NotTraceable, dynamo_error_type()) as e:
+            self._refuse(e)
+            return self.module(*args, **kwargs)
+        finally:
+            self._real.clear()
+
+    def _refuse(self, e: BaseException) -> None:
+        self.refused = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(
+            f"strategy='spatial': the torch.compile'd {self.name} runs eagerly (exactly, through the op dispatch) "
+            f"while the strategy runs it: its split step cannot be one compiled graph ({self.refused})",
+            stacklevel=3,
+        )
+
+    def _capture(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Dynamo's backend: the callable of one captured forward graph (see the module docstring)."""
+        self.graphs += 1
+        programs: dict[tuple[Any, ...], TileProgram] = {}
+        real = self._real
+
+        def run(*args: Any) -> Any:
+            args = tuple(real.get(id(a), a) for a in args)
+            key = tuple((i, id(a._grid), a._gshape, a._sdims, a.dtype, a.device, a.requires_grad)
+                        for i, a in enumerate(args) if type(a) is SpatialTensor) + (torch.is_grad_enabled(),)
+            program = programs.get(key)
+            if program is None:
+                program = programs[key] = trace_tile_program(gm, args, self.backend)
+                self.traces += 1
+            return program(args)
+
+        return run

@@ -1,0 +1,181 @@
+"""The split step's communication as custom operators (``torch.library.custom_op``) that a compiler keeps in its
+graph: the halo exchange (Dryden et al., section III-A) and the two sums over the spatial group (section III-B).
+
+A traced split step (:mod:`lightning_hpc.spatial.compile`) is a graph of plain tile ops and these
+operators.  Each carries its own adjoint (``register_autograd``), so the compiler derives the backward graph:
+
+* :func:`halo_blocks`: the blocks of the neighbours' tiles this tile's windows read (``plan.recvs`` order).  Its
+  adjoint :func:`halo_return` sends each block's gradient back to its owner and adds what the neighbours send
+  into the tile's edge entries: the same messages as :class:`~lightning_hpc.spatial.layout.halo_exchange.
+  HaloExchange` in eager mode.
+* :func:`sum_partial`: the sum over the group of per-tile parts of a value every tile then uses (batch and row
+  statistics); adjoint: the same sum of the per-tile partial gradients.
+* :func:`sum_replicated`: the sum over the group of a value every rank then uses identically (losses, global
+  pooling feeding a replicated head); adjoint: the identity (each rank holds the whole gradient already).
+* :func:`complete_gradient`: the identity on a replicated tensor that meets tiles; adjoint: the sum over the group.
+
+Plans and process groups are objects; an operator's arguments are tensors and numbers, so each object is
+referred to by a key (:func:`key_of`) that :func:`lookup` resolves, as torch resolves process groups by name.
+The keys live for the process: a plan is small and a step uses a fixed set.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_hpc.distributed.p2p import exchange
+from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, HaloPlan
+
+__all__ = ["halo_blocks", "sum_partial", "sum_replicated", "complete_gradient", "key_of", "lookup"]
+
+
+_keys: dict[int, int] = {}  # id(object) -> key
+_objects: dict[int, Any] = {}  # key -> object (kept alive, so an id is never reused for another object)
+_counter = itertools.count(1)
+
+
+def key_of(obj: Any) -> int:
+    """The operator-argument key of a plan or a process group (one per object)."""
+    k = _keys.get(id(obj))
+    if k is None:
+        k = _keys[id(obj)] = next(_counter)
+        _objects[k] = obj
+    return k
+
+
+def lookup(key: int) -> Any:
+    """The object :func:`key_of` gave ``key``."""
+    return _objects[key]
+
+
+# -- halo exchange -------------------------------------------------------------------------------------------------
+def _block_shape(x_shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[int]:
+    lead = list(x_shape[: len(x_shape) - len(ranges)])
+    return lead + [hi - lo for lo, hi in ranges]
+
+
+def _exchange(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
+              recvs: list[tuple[torch.Tensor, int, int]], backward: bool) -> None:
+    # tags: fresh per exchange on every rank alike (every rank runs the same operators in the same order)
+    tag = plan.grid.next_tag() + (BACKWARD_TAG_OFFSET if backward else 0)
+    for w in exchange([(b, p, tag + d) for b, p, d in sends], [(b, p, tag + d) for b, p, d in recvs],
+                      plan.grid.group):
+        w.wait()
+
+
+@torch.library.custom_op("lightning_hpc::halo_blocks", mutates_args=())
+def _halo_blocks(x: torch.Tensor, plan_key: int) -> list[torch.Tensor]:
+    plan: HaloPlan = lookup(plan_key)
+    recvs = [(x.new_empty(_block_shape(x.shape, r)), peer, d) for peer, d, *r in plan.recvs]
+    sends = [(x[plan.local(r)].contiguous(), peer, d) for peer, d, *r in plan.sends]
+    _exchange(plan, sends, recvs, backward=False)
+    return [b for b, _, _ in recvs]
+
+
+@_halo_blocks.register_fake
+def _(x: torch.Tensor, plan_key: int) -> list[torch.Tensor]:
+    plan: HaloPlan = lookup(plan_key)
+    return [x.new_empty(_block_shape(x.shape, r)) for _, _, *r in plan.recvs]
+
+
+@torch.library.custom_op("lightning_hpc::halo_return", mutates_args=())
+def _halo_return(grads: list[torch.Tensor], like: torch.Tensor, plan_key: int) -> torch.Tensor:
+    plan: HaloPlan = lookup(plan_key)
+    sends = [(g.contiguous(), peer, d) for g, (peer, d, *_) in zip(grads, plan.recvs)]
+    recvs = [(like.new_empty(_block_shape(like.shape, r)), peer, d) for peer, d, *r in plan.sends]
+    _exchange(plan, sends, recvs, backward=True)
+    out = torch.zeros_like(like)
+    for (_, _, *r), buf in zip(plan.sends, recvs):
+        out[plan.local(r)] += buf[0]
+    return out
+
+
+@_halo_return.register_fake
+def _(grads: list[torch.Tensor], like: torch.Tensor, plan_key: int) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+def _halo_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, plan_key = inputs
+    ctx.plan_key = plan_key
+    ctx.save_for_backward(x)  # only for its shape, dtype and device (the adjoint's zero tile)
+
+
+def _halo_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, None]:
+    (x,) = ctx.saved_tensors
+    plan: HaloPlan = lookup(ctx.plan_key)
+    # a block no output read has no gradient; its owner still expects the message
+    full = [torch.zeros(_block_shape(x.shape, r), dtype=x.dtype, device=x.device) if g is None else g
+            for g, (_, _, *r) in zip(grads, plan.recvs)]
+    return torch.ops.lightning_hpc.halo_return(full, x, ctx.plan_key), None
+
+
+_halo_blocks.register_autograd(_halo_backward, setup_context=_halo_setup)
+
+
+def halo_blocks(x: torch.Tensor, plan: HaloPlan) -> list[torch.Tensor]:
+    """The neighbours' blocks of ``plan`` (``plan.recvs`` order) for tile ``x``, differentiable (see module)."""
+    return torch.ops.lightning_hpc.halo_blocks(x, key_of(plan))  # type: ignore[no-any-return]
+
+
+# -- sums over the group -----------------------------------------------------------------------------------------
+def _all_reduce(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    y = x.clone()
+    dist.all_reduce(y, group=lookup(group_key))
+    return y
+
+
+@torch.library.custom_op("lightning_hpc::sum_partial", mutates_args=())
+def _sum_partial(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    return _all_reduce(x, group_key)
+
+
+@torch.library.custom_op("lightning_hpc::sum_replicated", mutates_args=())
+def _sum_replicated(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    return _all_reduce(x, group_key)
+
+
+@torch.library.custom_op("lightning_hpc::complete_gradient", mutates_args=())
+def _complete_gradient(x: torch.Tensor, group_key: int) -> torch.Tensor:
+    return x.clone()
+
+
+for _op in (_sum_partial, _sum_replicated, _complete_gradient):
+    _op.register_fake(lambda x, group_key: torch.empty_like(x))
+
+
+def _group_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.group_key = inputs[1]
+
+
+def _sum_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return torch.ops.lightning_hpc.sum_partial(grad, ctx.group_key), None
+
+
+def _identity_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None
+
+
+_sum_partial.register_autograd(_sum_backward, setup_context=_group_setup)
+_sum_replicated.register_autograd(_identity_backward, setup_context=_group_setup)
+_complete_gradient.register_autograd(_sum_backward, setup_context=_group_setup)
+
+
+def sum_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group`` of per-tile parts used per tile afterwards; adjoint: the same sum."""
+    return torch.ops.lightning_hpc.sum_partial(x, key_of(group))  # type: ignore[no-any-return]
+
+
+def sum_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ``group`` of a value every rank then uses identically; adjoint: the identity."""
+    return torch.ops.lightning_hpc.sum_replicated(x, key_of(group))  # type: ignore[no-any-return]
+
+
+def complete_gradient(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` (a replicated tensor meeting tiles); adjoint: its gradient summed over ``group``."""
+    return torch.ops.lightning_hpc.complete_gradient(x, key_of(group))  # type: ignore[no-any-return]
