@@ -36,6 +36,9 @@ __all__ = [
     "compiled_module_type",
     "compiled_backend",
     "graph_tracer",
+    "untraced",
+    "torch_function_modes",
+    "torch_function_modes_suspended",
     "dynamo_error_type",
     "replace_metric_hooks",
     "all_gather_single",
@@ -149,6 +152,35 @@ def dynamo_error_type() -> type[Exception]:
     """The base class of dynamo's errors (a graph break under ``fullgraph=True``, an unsupported construct):
     ``torch._dynamo.exc.TorchDynamoException``."""
     return _private("torch._dynamo.exc", "TorchDynamoException")  # type: ignore[no-any-return]
+
+
+def torch_function_modes() -> list[Any]:
+    """The active ``TorchFunctionMode`` objects, outermost first
+    (``torch.overrides._get_current_function_mode_stack``)."""
+    return list(_private("torch.overrides", "_get_current_function_mode_stack")())
+
+
+@contextmanager
+def torch_function_modes_suspended() -> Iterator[list[Any]]:
+    """Pop every active ``TorchFunctionMode`` for the block (yielded, outermost first) and push them back after it
+    (``torch._C._pop_torch_function_stack`` / ``_push_on_torch_function_stack``)."""
+    pop = _private("torch._C", "_pop_torch_function_stack")
+    push = _private("torch._C", "_push_on_torch_function_stack")
+    modes = []
+    while torch_function_modes():
+        modes.append(pop())
+    modes.reverse()
+    try:
+        yield modes
+    finally:
+        for m in modes:
+            push(m)
+
+
+def untraced() -> Any:
+    """Context manager hiding the ops of a block from a running ``make_fx`` trace (their results are constants of
+    the graph): ``torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing``."""
+    return _private("torch.fx.experimental.proxy_tensor", "disable_proxy_modes_tracing")()
 
 
 def graph_tracer() -> Callable[..., Any]:

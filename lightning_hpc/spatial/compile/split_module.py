@@ -9,6 +9,8 @@ in and runs the tile program traced from it for these inputs' layouts (:mod:`.ti
 module's own backend (inductor by default, or what the user passed to ``torch.compile``).  A later call replays
 it: dynamo's guard check, one dictionary lookup, the compiled graph.
 
+The strategy's check of parameter uses (a ``TorchFunctionMode``) is set aside for dynamo and sees the trace,
+whose ops every replay repeats; a call under a mode of the user's runs eagerly through it.
 A forward that cannot be one graph (a graph break, or an op the dispatch has no traceable form for:
 :class:`~lightning_hpc.spatial.layout.tracing.NotTraceable`) runs eagerly through the op dispatch from then on,
 exactly, and the module says so once with the reason.  Every rank of a spatial group traces the same ops, so they
@@ -24,8 +26,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_hpc._compat import compiled_backend, dynamo_error_type
+from lightning_hpc._compat import (
+    compiled_backend,
+    dynamo_error_type,
+    torch_function_modes,
+    torch_function_modes_suspended,
+)
 from lightning_hpc.spatial.compile.tile_program import TileProgram, trace_tile_program
+from lightning_hpc.spatial.dispatch.parameter_check import ParameterUseCheck
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor
 from lightning_hpc.spatial.layout.tracing import NotTraceable
 
@@ -53,13 +61,16 @@ class SplitCompiledForward:
         self.traces = 0
         self.graphs = 0
         self._real: dict[int, SpatialTensor] = {}
+        self._modes: list[Any] = []
         self._captured = torch.compile(self.module, backend=self._capture, fullgraph=True, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, _ = tree_flatten((args, kwargs))
         if not any(isinstance(t, SpatialTensor) for t in leaves):
             return self.compiled_forward(*args, **kwargs)
-        if self.refused is not None:
+        modes = torch_function_modes()
+        if self.refused is not None or not all(isinstance(m, ParameterUseCheck) for m in modes):
+            # a function mode of the user's sees every op of every step: this call runs eagerly, through it
             return self.module(*args, **kwargs)
         self._real.clear()
 
@@ -72,7 +83,11 @@ class SplitCompiledForward:
 
         s_args, s_kwargs = tree_map(stand, (args, kwargs))
         try:
-            return self._captured(*s_args, **s_kwargs)
+            with torch_function_modes_suspended() as self._modes:
+                out = self._captured(*s_args, **s_kwargs)
+            # the graph's split outputs reached dynamo's code as stand-ins too (its checks read a tensor's sizes
+            # below the dispatch, where a split tensor's are its tile's): the real ones take their places
+            return tree_map(lambda t: self._real.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         except (NotTraceable, dynamo_error_type()) as e:
             self._refuse(e)
             return self.module(*args, **kwargs)
@@ -99,8 +114,16 @@ class SplitCompiledForward:
                         for i, a in enumerate(args) if type(a) is SpatialTensor) + (torch.is_grad_enabled(),)
             program = programs.get(key)
             if program is None:
-                program = programs[key] = trace_tile_program(gm, args, self.backend)
+                # the strategy's check of parameter uses sees the trace, whose ops every replay repeats
+                program = programs[key] = trace_tile_program(gm, args, self.backend, self._modes)
                 self.traces += 1
-            return program(args)
+            outs = []
+            for o in program(args):
+                if type(o) is SpatialTensor:
+                    s = _stand_in(o)
+                    real[id(s)] = o
+                    o = s
+                outs.append(o)
+            return tuple(outs)
 
         return run

@@ -18,6 +18,7 @@ eagerly, exactly as before.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +83,14 @@ def _layout(t: SpatialTensor) -> Layout:
     return (t._grid, t._gshape, t._sdims)
 
 
-def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: Any) -> TileProgram:
+def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: Any,
+                       modes: Sequence[Any] = ()) -> TileProgram:
     """Trace ``graph`` (dynamo's graph of the forward, global shapes) on ``args`` (split inputs as
     :class:`SpatialTensor`) into a tile graph, compiled with ``backend`` (the user's ``torch.compile`` backend).
     The trace runs the step once for real on copies of every argument that is not a parameter (the running
     statistics, the inputs: the step the caller then runs changes them once) with the random state put back, so
-    the step that follows is the first.  Raises :class:`NotTraceable` naming what has no traceable form."""
+    the step that follows is the first.  ``modes``: ``TorchFunctionMode`` objects the trace runs under (outermost
+    first).  Raises :class:`NotTraceable` naming what has no traceable form."""
     split = tuple(i for i, a in enumerate(args) if isinstance(a, SpatialTensor))
     layouts = {i: _layout(args[i]) for i in split}
     out_layouts: list[Layout | None] = []
@@ -122,8 +125,14 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
                      key=str)
     Trace.active = True
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
             gm = graph_tracer()(tile_step, tracing_mode="real")(*trace_args)
+    except RuntimeError as e:
+        if "get value out of a tracing tensor" in str(e):  # make_fx refuses a value read back to the host
+            raise NotTraceable("a value read back to the host (x.item(), int(x), a Python branch on a tensor)") from e
+        raise
     finally:
         Trace.active = False
     refused = refused_node(gm)

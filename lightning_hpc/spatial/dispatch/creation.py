@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_hpc.spatial.dispatch.autograd import _tile_index
-from lightning_hpc.spatial.dispatch.calls import _call_with
+from lightning_hpc.spatial.dispatch.calls import _call_with, _op_name
 from lightning_hpc.spatial.dispatch.registry import _handles, _resolve
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _layout, _plain, _wrap_like
 from lightning_hpc.spatial.dispatch.tile_streams import draws_in_pieces, tile_of_draw
+from lightning_hpc.spatial.layout.tracing import refuse_trace
 
 
 # the part of the ops' signatures the handlers read; the rest passes through as given
@@ -62,6 +63,7 @@ def _randint_range(args: tuple, kwargs: dict) -> tuple[int, int] | None:
 def _random_like(func, a, args, kwargs):
     """This tile's part of what one process draws for the whole activation from the same generator: drawn in
     pieces where :func:`_drawn_in_tile` can (on the CPU), else drawn whole and cut."""
+    refuse_trace(f"a random draw ({_op_name(func)}) on tiles")
     x = a["input"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented
@@ -122,6 +124,7 @@ _FILLS = {torch.Tensor.uniform_: ("uniform", "a", "to"), torch.Tensor.normal_: (
 @_handles(torch.Tensor.uniform_, signature=_uniform_args)
 @_handles(torch.Tensor.normal_, signature=_normal_args)
 def _uniform_or_normal_(func, a, args, kwargs):
+    refuse_trace(f"a random draw ({_op_name(func)}) on tiles")
     x = a["input"]
     kind, first, second = _FILLS[func]
     out = _drawn_in_tile(x, kind, x.dtype, a["generator"], float(a[first]), float(a[second])) if (
@@ -136,6 +139,7 @@ def _bernoulli(func, a, args, kwargs):
     probabilities split as ``x`` is): element ``i`` of one process's draw is ``u_i < p_i``, ``u`` the uniforms
     of the probabilities' dtype (float64 for a number), so the tile compares its part of ``u`` with its
     probabilities."""
+    refuse_trace(f"a random draw ({_op_name(func)}) on tiles")
     x, p = a["input"], a["p"]
     if not isinstance(x, SpatialTensor) or a.get("out") is not None:
         return NotImplemented
@@ -179,6 +183,7 @@ _CHANNEL_DROPOUT: dict = {
 
 @_handles(F.dropout, *_CHANNEL_DROPOUT)
 def _dropout(func, a, args, kwargs):
+    refuse_trace(f"a random draw ({_op_name(func)}) on tiles")
     if not isinstance(a["input"], SpatialTensor):
         return NotImplemented
     x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
@@ -221,6 +226,7 @@ def _alpha_dropout(func, a, args, kwargs):
     affine map that keeps mean and variance) on the tile: its part of the noise ``bernoulli_(1 - p)`` one process
     draws (one value per sample and channel for the feature form, drawn whole), then torch's own steps on it:
     ``b = (noise - 1) * alpha a + alpha a p``, ``noise * a``, ``x * noise + b``."""
+    refuse_trace(f"a random draw ({_op_name(func)}) on tiles")
     x, p, training, inplace = a["input"], a["p"], a["training"], a["inplace"]
     if not isinstance(x, SpatialTensor):
         return NotImplemented

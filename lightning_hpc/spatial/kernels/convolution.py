@@ -322,18 +322,16 @@ def tile_convolution_applies(extents: Sequence[int], parts: Sequence[int], windo
 
 def _traced_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
                  record: Recorder | None) -> torch.Tensor:
-    """The convolution of :class:`_BoxConv` (the same box, the same native call) as a graph can hold it: the
-    exchange is an operator with its own adjoint (:func:`~lightning_hpc.spatial.layout.graph_ops.halo_blocks`),
-    the box is assembled and convolved by ordinary differentiable ops."""
+    """The convolution of :class:`_BoxConv` (the same box, the same native call) as a graph can hold it: the box
+    is an operator with its own adjoint (:func:`~lightning_hpc.spatial.layout.graph_ops.halo_box`)."""
     if record is not None:
         raise NotTraceable("a convolution whose input statistics K-FAC records on tiles")
-    from lightning_hpc.spatial.layout.graph_ops import halo_blocks
+    from lightning_hpc.spatial.layout.graph_ops import halo_box
 
     plan = cp.plan
     native = native_padding(plan, cp.spec.windows)
-    # every rank of a group runs the exchange operator (its tags stay in step even where a tile has nothing to send)
-    blocks = halo_blocks(x, plan) if plan.grid.group is not None else []
-    return cp.spec.conv(extended_box(x, blocks, plan, native=native), weight, bias, native)
+    box = halo_box(x, plan, native) if plan.grid.group is not None else extended_box(x, [], plan, native=native)
+    return cp.spec.conv(box, weight, bias, native)
 
 
 def _grad_mask(ctx) -> tuple[bool, bool, bool]:

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from lightning_hpc._compat import untraced
+from lightning_hpc.spatial.layout.tracing import Trace
+
 
 class DecisionCache:
     """Decisions by key; :attr:`made` counts the decisions actually derived (cache misses), the figure that a
@@ -31,7 +34,13 @@ class DecisionCache:
             return self.table[key]
         except KeyError:
             pass
-        decision = decide()
+        if Trace.active:
+            # a decision depends on layouts and arguments only (it is replayed on other steps' values): while a
+            # step is traced its tensors (index tables, weights) are made outside the trace, constants of the graph
+            with untraced():
+                decision = decide()
+        else:
+            decision = decide()
         self.table[key] = decision
         self.made += 1
         return decision

@@ -4,10 +4,12 @@ graph: the halo exchange (Dryden et al., section III-A) and the two sums over th
 A traced split step (:mod:`lightning_hpc.spatial.compile`) is a graph of plain tile ops and these
 operators.  Each carries its own adjoint (``register_autograd``), so the compiler derives the backward graph:
 
-* :func:`halo_blocks`: the blocks of the neighbours' tiles this tile's windows read (``plan.recvs`` order).  Its
-  adjoint :func:`halo_return` sends each block's gradient back to its owner and adds what the neighbours send
-  into the tile's edge entries: the same messages as :class:`~lightning_hpc.spatial.layout.halo_exchange.
-  HaloExchange` in eager mode.
+* :func:`halo_box`: the tile extended by the blocks of the neighbours' tiles its windows read.  Its adjoint sends
+  each received block's gradient back to its owner and adds what the neighbours send into the tile's edge
+  entries: the same messages as :class:`~lightning_hpc.spatial.layout.halo_exchange.HaloExchange` in eager mode.
+  The box is one output every layer reads, so the adjoint runs on every rank that exchanged (an operator whose
+  outputs were only the received blocks would have no output on a rank that only sends, and its backward would
+  never run there, leaving its neighbour waiting).
 * :func:`sum_partial`: the sum over the group of per-tile parts of a value every tile then uses (batch and row
   statistics); adjoint: the same sum of the per-tile partial gradients.
 * :func:`sum_replicated`: the sum over the group of a value every rank then uses identically (losses, global
@@ -29,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.p2p import exchange
-from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, HaloPlan
+from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloPlan
 
-__all__ = ["halo_blocks", "sum_partial", "sum_replicated", "complete_gradient", "key_of", "lookup"]
+__all__ = ["halo_box", "sum_partial", "sum_replicated", "complete_gradient", "key_of", "lookup"]
 
 
 _keys: dict[int, int] = {}  # id(object) -> key
@@ -59,6 +61,16 @@ def _block_shape(x_shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> l
     return lead + [hi - lo for lo, hi in ranges]
 
 
+def _box(plan: HaloPlan, native: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The box's global range per split dimension: the needed range, or the whole extent where the kernel pads
+    itself (``native``)."""
+    return tuple((0, dim.n) if p else tuple(need) for need, p, dim in zip(plan.need, native, plan.dims))
+
+
+def _rel(ranges: Sequence[tuple[int, int]], origin: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
+    return (Ellipsis, *(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(ranges, origin)))
+
+
 def _exchange(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
               recvs: list[tuple[torch.Tensor, int, int]], backward: bool) -> None:
     # tags: fresh per exchange on every rank alike (every rank runs the same operators in the same order)
@@ -68,59 +80,70 @@ def _exchange(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
         w.wait()
 
 
-@torch.library.custom_op("lightning_hpc::halo_blocks", mutates_args=())
-def _halo_blocks(x: torch.Tensor, plan_key: int) -> list[torch.Tensor]:
+@torch.library.custom_op("lightning_hpc::halo_box", mutates_args=())
+def _halo_box(x: torch.Tensor, plan_key: int, native: list[int], pad_value: float) -> torch.Tensor:
     plan: HaloPlan = lookup(plan_key)
     recvs = [(x.new_empty(_block_shape(x.shape, r)), peer, d) for peer, d, *r in plan.recvs]
     sends = [(x[plan.local(r)].contiguous(), peer, d) for peer, d, *r in plan.sends]
     _exchange(plan, sends, recvs, backward=False)
-    return [b for b, _, _ in recvs]
+    blocks = [b for b, _, _ in recvs]
+    if any(native):  # the convolution's box: the border it pads itself left out
+        from lightning_hpc.spatial.kernels.convolution import extended_box
+
+        return extended_box(x, blocks, plan, native=native)
+    return Halo(x, blocks, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value).contiguous()
 
 
-@_halo_blocks.register_fake
-def _(x: torch.Tensor, plan_key: int) -> list[torch.Tensor]:
+@_halo_box.register_fake
+def _(x: torch.Tensor, plan_key: int, native: list[int], pad_value: float) -> torch.Tensor:
+    return x.new_empty(_block_shape(x.shape, _box(lookup(plan_key), native)))
+
+
+@torch.library.custom_op("lightning_hpc::halo_box_adjoint", mutates_args=())
+def _halo_box_adjoint(grad_box: torch.Tensor, like: torch.Tensor, plan_key: int, native: list[int]) -> torch.Tensor:
     plan: HaloPlan = lookup(plan_key)
-    return [x.new_empty(_block_shape(x.shape, r)) for _, _, *r in plan.recvs]
-
-
-@torch.library.custom_op("lightning_hpc::halo_return", mutates_args=())
-def _halo_return(grads: list[torch.Tensor], like: torch.Tensor, plan_key: int) -> torch.Tensor:
-    plan: HaloPlan = lookup(plan_key)
-    sends = [(g.contiguous(), peer, d) for g, (peer, d, *_) in zip(grads, plan.recvs)]
+    box = _box(plan, native)
+    sends = [(grad_box[_rel(r, box)].contiguous(), peer, d) for peer, d, *r in plan.recvs]
     recvs = [(like.new_empty(_block_shape(like.shape, r)), peer, d) for peer, d, *r in plan.sends]
     _exchange(plan, sends, recvs, backward=True)
     out = torch.zeros_like(like)
-    for (_, _, *r), buf in zip(plan.sends, recvs):
-        out[plan.local(r)] += buf[0]
+    part = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(plan.own, box))
+    if all(hi > lo for lo, hi in part):  # the tile's entries the box holds (a strided window may skip its last)
+        out[plan.local(part)] = grad_box[_rel(part, box)]
+    for (_, _, *r), (buf, _, _) in zip(plan.sends, recvs):
+        out[plan.local(r)] += buf
     return out
 
 
-@_halo_return.register_fake
-def _(grads: list[torch.Tensor], like: torch.Tensor, plan_key: int) -> torch.Tensor:
+@_halo_box_adjoint.register_fake
+def _(grad_box: torch.Tensor, like: torch.Tensor, plan_key: int, native: list[int]) -> torch.Tensor:
     return torch.empty_like(like)
 
 
 def _halo_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, plan_key = inputs
-    ctx.plan_key = plan_key
-    ctx.save_for_backward(x)  # only for its shape, dtype and device (the adjoint's zero tile)
+    x, plan_key, native, _ = inputs
+    ctx.plan_key, ctx.native = plan_key, native
+    ctx.save_for_backward(x)  # only for its shape, dtype and device (the adjoint's tile gradient)
 
 
-def _halo_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[torch.Tensor, None]:
+def _halo_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
     (x,) = ctx.saved_tensors
-    plan: HaloPlan = lookup(ctx.plan_key)
-    # a block no output read has no gradient; its owner still expects the message
-    full = [torch.zeros(_block_shape(x.shape, r), dtype=x.dtype, device=x.device) if g is None else g
-            for g, (_, _, *r) in zip(grads, plan.recvs)]
-    return torch.ops.lightning_hpc.halo_return(full, x, ctx.plan_key), None
+    return torch.ops.lightning_hpc.halo_box_adjoint(grad, x, ctx.plan_key, ctx.native), None, None, None
 
 
-_halo_blocks.register_autograd(_halo_backward, setup_context=_halo_setup)
+_halo_box.register_autograd(_halo_backward, setup_context=_halo_setup)
 
 
-def halo_blocks(x: torch.Tensor, plan: HaloPlan) -> list[torch.Tensor]:
-    """The neighbours' blocks of ``plan`` (``plan.recvs`` order) for tile ``x``, differentiable (see module)."""
-    return torch.ops.lightning_hpc.halo_blocks(x, key_of(plan))  # type: ignore[no-any-return]
+def halo_box(x: torch.Tensor, plan: HaloPlan, native: Sequence[int] | None = None,
+             pad_value: float = 0.0) -> torch.Tensor:
+    """Tile ``x`` extended by the neighbours' blocks of ``plan`` to its box (``pad_value`` outside the sample;
+    ``native``: per split dimension, the padding the kernel applies itself, whose border the box leaves out), as
+    :func:`~lightning_hpc.spatial.layout.halo_exchange.halo_exchange` and the convolution's box give it;
+    differentiable: the adjoint sends each received block's gradient back to its owner (see module).  Every rank
+    of a group calls it for every layer (the operator is one node whose output the layer reads, so its backward
+    runs on every rank that exchanged)."""
+    nat = [int(p) for p in native] if native is not None else [0] * plan.ndim
+    return torch.ops.lightning_hpc.halo_box(x, key_of(plan), nat, float(pad_value))  # type: ignore[no-any-return]
 
 
 # -- sums over the group -----------------------------------------------------------------------------------------

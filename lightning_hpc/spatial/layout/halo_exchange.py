@@ -425,10 +425,9 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) ->
         out = x if index is None else x[index]
         return F.pad(out, pads, value=pad_value) if pads else out
     if Trace.active:  # the exchange as an operator a graph holds, with its adjoint (graph_ops)
-        from lightning_hpc.spatial.layout.graph_ops import halo_blocks
+        from lightning_hpc.spatial.layout.graph_ops import halo_box
 
-        bufs = halo_blocks(x, plan)
-    else:
-        exchange = HaloExchange(plan)
-        x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
+        return halo_box(x, plan, pad_value=pad_value)
+    exchange = HaloExchange(plan)
+    x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
     return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)

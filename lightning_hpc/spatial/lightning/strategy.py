@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,11 +38,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_hpc._compat import compiled_module_type
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.partitioned import follow_split
@@ -54,6 +56,7 @@ from lightning_hpc.distributed.start_equal import (
     start_equal_generators,
 )
 from lightning_hpc.protocols import StrategyContract
+from lightning_hpc.spatial.compile import SplitCompiledForward
 from lightning_hpc.spatial.dispatch import ParameterUseCheck, SpatialTensor, split_tensor
 from lightning_hpc.spatial.dispatch.checkpoint import refuse_reentrant
 from lightning_hpc.spatial.dispatch.kfac_contract import TiledLayerRegistry
@@ -181,7 +184,6 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self.layout: HybridLayout | None = None
         self.plan: Any = None
         self._prepared = False
-        self._warned_compiled = False
         self._slice_batches = False
         self._warned_nothing_split = False
         self._failures = RunFailures("spatial")  # a peer's failure message reaches this rank
@@ -286,28 +288,30 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         sigterm_without_collective(trainer)  # SIGTERM ends every rank promptly (no collective in its handler)
-        self._run_compiled_eagerly()
+        self._compile_split()
         self._prepare_model()
         self._attach()
         super().setup(trainer)
 
-    def _run_compiled_eagerly(self) -> None:
-        """Dynamo cannot trace a split activation (its sizes are global, its storage holds a tile): a
-        ``torch.compile``'d module runs eagerly while this strategy runs it (every stage; exactly, without compiled
-        code), says so once, and calls its compiled code again after the stage (:meth:`teardown`)."""
+    def _compile_split(self) -> None:
+        """A ``torch.compile``'d module compiles its split step: while this strategy runs it, its forward on split
+        inputs is one graph of tile operations compiled with its own backend (:mod:`lightning_hpc.spatial.compile`);
+        one that cannot be (named once, in a warning) runs eagerly through the op dispatch, exactly.  After the
+        stage it calls its own compiled code again (:meth:`teardown`)."""
         module = self.lightning_module
         assert self.layout is not None and module is not None
-        if self.layout.grid.parts == (1, 1) or self.world_size == 1:
+        if self.layout.grid.parts == (1,) * len(self.layout.grid.parts) or self.world_size == 1:
             return
-        compiled = follow_split(module, eager=True)
-        if compiled and not self._warned_compiled:
-            self._warned_compiled = True
-            where = f"{type(module).__name__}.{compiled[0]}" if compiled[0] else type(module).__name__
-            rank_zero_warn(
-                f"strategy='spatial': {where} is a torch.compile'd module; torch.compile cannot trace split "
-                "activations, so it runs eagerly (exactly, without compiled code) while this strategy runs it, "
-                "and calls its compiled code again afterwards"
-            )
+        if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
+            return
+        outer: list[str] = []
+        for name, m in module.named_modules():
+            if isinstance(m, compiled_module_type()) and not any(name.startswith(f"{o}.") for o in outer if o):
+                if outer and outer[0] == "":
+                    break  # the LightningModule itself is compiled: its forward covers every submodule
+                outer.append(name)
+                where = f"{type(module).__name__}.{name}" if name else type(module).__name__
+                m.forward = SplitCompiledForward(m, name=where)
 
     def _prepare_model(self) -> None:
         if self._prepared:

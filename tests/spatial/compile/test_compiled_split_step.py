@@ -1,0 +1,127 @@
+"""``torch.compile`` of a split model (:mod:`lightning_hpc.spatial.compile`): the forward is one graph of tile
+operations (no graph break per op: one dynamo graph, halo exchanges and group sums as operators in it), traced
+once per input layout and replayed, and the step equals one process's (float64, outputs and gradients, 2-D and
+3-D splits).  What has no traceable form runs eagerly, exactly, and is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial.compile import SplitCompiledForward
+from lightning_hpc.spatial.dispatch import split_tensor
+from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
+
+
+class Net2d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                                  nn.Conv2d(6, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.ReLU())
+        self.head = nn.Conv2d(6, 2, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h + F.avg_pool2d(h, 3, 1, 1))
+
+
+class Net3d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+        self.down = nn.Sequential(nn.MaxPool3d(2), nn.Conv3d(4, 4, 3, padding=1), nn.ReLU())
+        self.out = nn.Conv3d(8, 2, 1)
+
+    def forward(self, x):
+        e = self.enc(x)
+        d = F.interpolate(self.down(e), scale_factor=2, mode="nearest")
+        return self.out(torch.cat([e, d], dim=1))
+
+
+class WithDropout(Net2d):
+    def forward(self, x):
+        return self.head(F.dropout(self.body(x), 0.5))
+
+
+MODELS = {"net2d": (Net2d, (2, 3, 12, 10)), "net3d": (Net3d, (2, 2, 8, 6, 6)), "dropout": (WithDropout, (2, 3, 12, 10))}
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return MODELS[name][0]().double()
+
+
+def _step(forward, x, model):
+    for p in model.parameters():
+        p.grad = None
+    out = forward(x)
+    out.square().sum().backward()
+    return out
+
+
+def _run(rank, world, parts, name, shapes, backend):
+    cls_shape = MODELS[name][1]
+    results = []
+    grid = create_hybrid_layout(parts).grid
+    model = _model(name)
+    compiled = SplitCompiledForward(torch.compile(model, backend=backend))
+    for shape in shapes:
+        torch.manual_seed(1)
+        x = torch.randn(*(shape or cls_shape), dtype=torch.float64)
+        ref_model = _model(name)
+        ref_model.load_state_dict(model.state_dict())
+        tile = x[(Ellipsis, *tile_slices(x.shape[2:], grid.parts, grid.index))].contiguous()
+        for step in range(2):  # the second call replays the program the first traced
+            torch.manual_seed(10 + step)  # the same random stream for both (the dropout model)
+            ref = _step(ref_model, x, ref_model)
+            torch.manual_seed(10 + step)
+            out = _step(compiled, split_tensor(tile, grid, x.shape), model)
+        grads = []
+        for p, r in zip(model.parameters(), ref_model.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=grid.group)  # tile parameters hold partial sums (the strategy sums them)
+            grads.append(float((g - r.grad).abs().max()))
+        buffers = max((float((b - r).abs().max()) for b, r in zip(model.buffers(), ref_model.buffers())
+                       if b.is_floating_point()), default=0.0)
+        results.append({"out": float((out.full() - ref).abs().max()), "grads": max(grads), "buffers": buffers})
+    return {"results": results, "traces": compiled.traces, "graphs": compiled.graphs, "refused": compiled.refused}
+
+
+@pytest.mark.parametrize(("name", "parts"), [("net2d", (2, 1)), ("net2d", (1, 2)), ("net3d", (2, 1, 1))],
+                         ids=["2d-2x1", "2d-1x2", "3d-2x1x1"])
+def test_compiled_split_step_equals_one_process(name, parts):
+    for res in run_in_processes(_run, 2, parts, name, [None], "eager", timeout_s=300):
+        assert res["refused"] is None, res["refused"]
+        # one dynamo graph for the whole forward (no graph break), one trace: the second step replays it
+        assert (res["graphs"], res["traces"]) == (1, 1), res
+        for r in res["results"]:
+            assert r["out"] < 1e-12 and r["grads"] < 1e-10 and r["buffers"] < 1e-12, r
+
+
+def test_another_shape_is_traced_again_and_exact():
+    """A program is kept per input layout: a second global shape is a second graph and a second trace, both
+    exact (a program replayed on another shape's tiles would compute the first shape's windows)."""
+    res = run_in_processes(_run, 2, (2, 1), "net2d", [(2, 3, 12, 10), (2, 3, 16, 10)], "eager", timeout_s=300)[0]
+    assert res["refused"] is None and res["traces"] == 2 and res["graphs"] == 2, res
+    for r in res["results"]:
+        assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
+
+
+def test_random_draws_run_eagerly_and_are_named():
+    res = run_in_processes(_run, 2, (2, 1), "dropout", [None], "eager", timeout_s=300)[0]
+    assert res["refused"] is not None and "random draw" in res["refused"], res
+    for r in res["results"]:
+        assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_split_step():
+    """The default backend (inductor, C++ kernels on the CPU) compiles the tile program: float64 to 1e-10."""
+    for res in run_in_processes(_run, 2, (2, 1), "net2d", [None], "inductor", timeout_s=600):
+        assert res["refused"] is None and res["traces"] == 1, res
+        for r in res["results"]:
+            assert r["out"] < 1e-10 and r["grads"] < 1e-9, r
