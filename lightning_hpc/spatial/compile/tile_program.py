@@ -60,6 +60,15 @@ def refused_node(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def _grad_mode_change(graph: Any) -> str | None:
+    """A grad-mode change inside dynamo's graph (``torch.no_grad()`` in the forward), which the recorded tile
+    graph would not keep."""
+    for node in getattr(getattr(graph, "graph", None), "nodes", ()):
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_set_grad_enabled":
+            return "a grad-mode change inside the forward (torch.no_grad() / torch.enable_grad())"
+    return None
+
+
 @dataclass
 class TileProgram:
     """A traced split step for one set of input layouts: ``run`` (the compiled tile graph) takes the arguments
@@ -99,7 +108,10 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
         wrapped = list(flat)
         for i in split:
             wrapped[i] = SpatialTensor.wrap(flat[i], *layouts[i])
-        outs = graph(*wrapped)
+        with ExitStack() as stack:  # the modes see the forward's ops, not the tracer's own work
+            for mode in modes:
+                stack.enter_context(mode)
+            outs = graph(*wrapped)
         out_layouts.clear()
         plain = []
         for o in outs if isinstance(outs, (tuple, list)) else (outs,):
@@ -125,9 +137,9 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
                      key=str)
     Trace.active = True
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), ExitStack() as stack:
-            for mode in modes:
-                stack.enter_context(mode)
+        # under the caller's grad mode: the dispatch decides by ``requires_grad`` (a replicated value meeting tiles
+        # gets its gradient completed over the group only when it has one)
+        with torch.random.fork_rng(devices=devices):
             gm = graph_tracer()(tile_step, tracing_mode="real")(*trace_args)
     except RuntimeError as e:
         if "get value out of a tracing tensor" in str(e):  # make_fx refuses a value read back to the host
@@ -135,7 +147,7 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
         raise
     finally:
         Trace.active = False
-    refused = refused_node(gm)
+    refused = refused_node(gm) or _grad_mode_change(graph)
     if refused is not None:
         raise NotTraceable(refused)
     run = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)

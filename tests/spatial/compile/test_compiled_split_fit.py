@@ -1,0 +1,66 @@
+"""``Trainer.fit`` of a ``torch.compile``'d user model under ``strategy="spatial"`` (``self.model =
+torch.compile(self.model)``) equals one process (the idioms and checks of
+``tests/spatial/lightning/test_split_equals_one_process.py``), and the split step ran compiled: one dynamo graph
+(no graph break), traced once, nothing refused.  A model whose forward has a graph break on one process too
+(batch norm with ``momentum=None`` reads its step counter) runs eagerly, exactly, and says why."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_hpc.distributed import run_in_processes
+from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
+from tests.fit_harness import fit
+from tests.spatial.lightning import test_split_equals_one_process as idioms
+
+
+class CompiledState(pl.Callback):
+    """What the compiled module's split forward did, read before the strategy hands the module back."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+
+    def on_train_end(self, trainer, module) -> None:
+        f = module.model.forward
+        self.state = {"kind": type(f).__name__, "traces": getattr(f, "traces", None),
+                      "graphs": getattr(f, "graphs", None), "refused": getattr(f, "refused", None)}
+
+
+def _compiled_run(rank, world, parts, names):
+    results = {}
+    x, seg, cls = idioms.make_data()
+    for name in names:
+        y = idioms.target_for(name, seg, cls)
+        module = idioms.UserModule(idioms.build(name))
+        module.model = torch.compile(module.model, backend="eager")
+        probe = CompiledState()
+        run = fit(module, datamodule=idioms.TileData(x, y), devices=world,
+                  strategy=SpatialParallelStrategy(spatial_parts=parts), max_steps=idioms.STEPS, max_epochs=1,
+                  use_distributed_sampler=False, callbacks=[probe], params=lambda m: m.model.parameters())
+        results[name] = {"loss": run.metric(), "grads": [g.clone() for g in module.first_grads],
+                         "params": run.params, "compiled": probe.state}
+    return results
+
+
+@pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
+def test_compiled_user_models_fit_as_one_process(parts):
+    names = ["se_block", "per_pixel_linear", "unet_pad_to_skip"]
+    results = run_in_processes(_compiled_run, 2, parts, names, timeout_s=600, collective_timeout_s=120)
+    for name in names:
+        ref = idioms.serial(name)
+        for res in results:
+            r = res[name]
+            assert abs(r["loss"] - ref["loss"]) <= idioms.TOL * max(1.0, abs(ref["loss"])), (name, r, ref["loss"])
+            for g, gr in zip(r["grads"], ref["grads"]):
+                assert idioms._err(g, gr) <= idioms.TOL, name
+            for p, pr in zip(r["params"], ref["params"]):
+                assert idioms._err(p, pr) <= idioms.TOL, name
+    for name in ("se_block", "per_pixel_linear"):
+        state = results[0][name]["compiled"]
+        # compiled: one graph for the whole forward, traced once (the first step runs under the parameter check,
+        # which sees the trace), replayed by the later steps
+        assert state == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "refused": None}, (name, state)
+    refused = results[0]["unet_pad_to_skip"]["compiled"]["refused"]
+    assert refused is not None and "data-dependent" in refused, refused
