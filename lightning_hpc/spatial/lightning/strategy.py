@@ -311,7 +311,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
                     break  # the LightningModule itself is compiled: its forward covers every submodule
                 outer.append(name)
                 where = f"{type(module).__name__}.{name}" if name else type(module).__name__
-                m.forward = SplitCompiledForward(m, name=where)
+                compiled: Any = m
+                compiled.forward = SplitCompiledForward(compiled, name=where)
 
     def _prepare_model(self) -> None:
         if self._prepared:

@@ -61,7 +61,10 @@ class SqueezeExcite(Net2d):
         return self.head(h * gate[:, :, None, None])
 
 
-MODELS = {"net2d": (Net2d, (2, 3, 12, 10)), "se": (SqueezeExcite, (2, 3, 12, 10)), "net3d": (Net3d, (2, 2, 8, 6, 6)), "dropout": (WithDropout, (2, 3, 12, 10))}
+MODELS = {
+    "net2d": (Net2d, (2, 3, 12, 10)), "se": (SqueezeExcite, (2, 3, 12, 10)), "net3d": (Net3d, (2, 2, 8, 6, 6)),
+    "dropout": (WithDropout, (2, 3, 12, 10)),
+}
 
 
 def _model(name):
@@ -106,8 +109,9 @@ def _run(rank, world, parts, name, shapes, backend):
     return {"results": results, "traces": compiled.traces, "graphs": compiled.graphs, "refused": compiled.refused}
 
 
-@pytest.mark.parametrize(("name", "parts"), [("net2d", (2, 1)), ("net2d", (1, 2)), ("se", (2, 1)), ("net3d", (2, 1, 1))],
-                         ids=["2d-2x1", "2d-1x2", "se-2x1", "3d-2x1x1"])
+@pytest.mark.parametrize(
+    ("name", "parts"), [("net2d", (2, 1)), ("net2d", (1, 2)), ("se", (2, 1)), ("net3d", (2, 1, 1))],
+    ids=["2d-2x1", "2d-1x2", "se-2x1", "3d-2x1x1"])
 def test_compiled_split_step_equals_one_process(name, parts):
     for res in run_in_processes(_run, 2, parts, name, [None], "eager", timeout_s=300):
         assert res["refused"] is None, res["refused"]
