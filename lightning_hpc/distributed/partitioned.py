@@ -450,27 +450,23 @@ def as_block_parameter(
     return out
 
 
-def follow_split(module: nn.Module, parallel: Sequence[nn.Module] = (), *, eager: bool = False) -> list[str]:
+def follow_split(module: nn.Module, parallel: Sequence[nn.Module] = ()) -> list[str]:
     """Point every ``torch.compile``'d submodule of ``module`` at the module now in its place, after a strategy
     replaced layers inside it (or put the user's back): ``OptimizedModule`` binds its forward to its module's call
     when it is made, so without this it would keep calling the module the strategy replaced.  Dynamo compiles
     lazily on the first call, so the graph it captures is that of the split model; the strategy's ``parallel``
     modules (the hybrid head, the layer-parallel trunk: collectives, and a head updated inside its forward, which
     a dynamo graph trained 0.14 off one process) are excluded from tracing (``torch.compiler.disable`` on their
-    forward) and run eagerly between the compiled parts.  ``eager``: the compiled modules run eagerly instead (the
-    spatial strategy: dynamo cannot trace a split activation, whose sizes are global while its storage holds a
-    tile).  Returns the compiled modules' names (``""``: ``module`` itself); with none, nothing is changed (and
-    the compiler is not imported)."""
+    forward) and run eagerly between the compiled parts.  (The spatial strategy compiles a split step its own way:
+    :mod:`lightning_hpc.spatial.compile`.)  Returns the compiled modules' names (``""``: ``module`` itself); with
+    none, nothing is changed (and the compiler is not imported)."""
     if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
         return []
     names = []
     for name, m in module.named_modules():
         if isinstance(m, compiled_module_type()):
             compiled: Any = m
-            if eager:
-                compiled.forward = torch.compiler.disable(compiled._orig_mod.__call__)
-            else:
-                compiled._initialize()  # binds forward to the current _orig_mod, as torch.compile did
+            compiled._initialize()  # binds forward to the current _orig_mod, as torch.compile did
             names.append(name)
     if names:
         for part in parallel:
