@@ -36,6 +36,8 @@ __all__ = [
     "compiled_module_type",
     "compiled_backend",
     "graph_tracer",
+    "tree_map",
+    "tree_leaves",
     "untraced",
     "torch_function_modes",
     "torch_function_modes_suspended",
@@ -181,6 +183,16 @@ def untraced() -> Any:
     """Context manager hiding the ops of a block from a running ``make_fx`` trace (their results are constants of
     the graph): ``torch.fx.experimental.proxy_tensor.disable_proxy_modes_tracing``."""
     return _private("torch.fx.experimental.proxy_tensor", "disable_proxy_modes_tracing")()
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of nested tuples, lists and dicts (``torch.utils._pytree.tree_map``)."""
+    return _private("torch.utils._pytree", "tree_map")(fn, tree)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples, lists and dicts (``torch.utils._pytree.tree_leaves``)."""
+    return list(_private("torch.utils._pytree", "tree_leaves")(tree))
 
 
 def graph_tracer() -> Callable[..., Any]:

@@ -11,6 +11,8 @@ Plain PyTorch + torch.distributed, in layers, each a sub-package importing only 
   (:class:`~lightning_hpc.spatial.dispatch.SpatialTensor`, :func:`~lightning_hpc.spatial.dispatch.split_tensor`),
   the windows each op reads (:mod:`.dispatch.windows`), the setup-time split check (:mod:`.dispatch.split_check`)
   and what K-FAC reads of tiled convolutions (:mod:`.dispatch.kfac_contract`);
+* :mod:`.compile`: ``torch.compile`` of a split model, its split step one graph of tile operations (the halo
+  exchange and the group sums as the operators of :mod:`.kernels.graph_ops`);
 * :mod:`.planner`: the performance model and the search for a split (section V);
 * :mod:`.lightning`: the Lightning adapter (:mod:`.lightning.strategy`, imported lazily by the registry, and the
   torchmetrics support :mod:`.lightning.metrics`).

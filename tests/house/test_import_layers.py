@@ -45,7 +45,7 @@ TECHNIQUES = tuple(sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (p / 
                           and p.name not in SHARED + LIGHTNING_PACKAGES))
 LIGHTNING_MODULES = ("__main__", "registry", "_registration")
 #: the layers of spatial/, each a sub-package that imports only the ones before it (docs/architecture.md)
-SPATIAL_LAYERS = ("layout", "kernels", "dispatch", "planner", "lightning")
+SPATIAL_LAYERS = ("layout", "kernels", "dispatch", "compile", "planner", "lightning")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 PRIVATE_OWNERS = ("torch", "torchmetrics", *LIGHTNING)
 

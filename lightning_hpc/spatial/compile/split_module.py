@@ -24,13 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_hpc._compat import (
     compiled_backend,
+    disable_torch_function_subclass,
     dynamo_error_type,
     torch_function_modes,
     torch_function_modes_suspended,
+    tree_leaves,
+    tree_map,
 )
 from lightning_hpc.spatial.compile.tile_program import TileProgram, trace_tile_program
 from lightning_hpc.spatial.dispatch.parameter_check import ParameterUseCheck
@@ -42,7 +44,7 @@ __all__ = ["SplitCompiledForward"]
 
 def _stand_in(t: SpatialTensor) -> torch.Tensor:
     """A tensor dynamo traces as ``t`` (global shape, dtype, device, ``requires_grad``) over one element."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with disable_torch_function_subclass():
         one = torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
     return one.expand(t._gshape)
 
@@ -65,7 +67,7 @@ class SplitCompiledForward:
         self._captured = torch.compile(self.module, backend=self._capture, fullgraph=True, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves = tree_leaves((args, kwargs))
         if not any(isinstance(t, SpatialTensor) for t in leaves):
             return self.compiled_forward(*args, **kwargs)
         modes = torch_function_modes()

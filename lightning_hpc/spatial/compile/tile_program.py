@@ -4,7 +4,7 @@ Dynamo captures the user's forward as a graph of torch-level calls on *global* s
 Python around it; :mod:`.split_module`).  :func:`trace_tile_program` runs that graph once on this rank's tiles
 through the op dispatch (:mod:`lightning_hpc.spatial.dispatch`) while ``make_fx`` records the aten operations
 the dispatch issues: the tile kernels, the halo exchanges and the sums over the group as the custom operators of
-:mod:`lightning_hpc.spatial.layout.graph_ops`.  Every per-op decision of the dispatch (the windows, the
+:mod:`lightning_hpc.spatial.kernels.graph_ops`.  Every per-op decision of the dispatch (the windows, the
 exchanges, the layouts) is made once, at the trace; the recorded graph holds only tile-level work, which the
 user's backend compiles (its backward derived by AOTAutograd through the operators' adjoints).  A later call
 with the same layouts replays the compiled graph: no Python per op, no graph break per convolution.
@@ -26,6 +26,7 @@ import torch
 
 from lightning_hpc._compat import graph_tracer
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _alias
+from lightning_hpc.spatial.kernels import graph_ops  # noqa: F401  (registers the operators the trace records)
 from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace
 
 __all__ = ["TileProgram", "trace_tile_program", "refused_node"]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
@@ -126,9 +127,7 @@ def _replicated_operand(t: torch.Tensor, grid: SpatialGrid) -> torch.Tensor:
         return t
     if t.requires_grad and grid.group is not None:
         if Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
-            from lightning_hpc.spatial.layout.graph_ops import complete_gradient
-
-            return complete_gradient(t, grid.group)
+            return torch.ops.lightning_hpc.complete_gradient(t, key_of(grid.group))
         return _CompleteGrad.apply(t, grid.group)
     return t
 

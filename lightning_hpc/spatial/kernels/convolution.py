@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.kernels.plan import autocast_cast, halo_plan, ntuple
 from lightning_hpc.spatial.layout.halo_exchange import Halo, HaloExchange, HaloPlan, Window1d, intersect, trailing
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace, refuse_trace
 
@@ -323,14 +324,15 @@ def tile_convolution_applies(extents: Sequence[int], parts: Sequence[int], windo
 def _traced_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
                  record: Recorder | None) -> torch.Tensor:
     """The convolution of :class:`_BoxConv` (the same box, the same native call) as a graph can hold it: the box
-    is an operator with its own adjoint (:func:`~lightning_hpc.spatial.layout.graph_ops.halo_box`)."""
+    is an operator with its own adjoint (:func:`~lightning_hpc.spatial.kernels.graph_ops.halo_box`)."""
     if record is not None:
         raise NotTraceable("a convolution whose input statistics K-FAC records on tiles")
-    from lightning_hpc.spatial.layout.graph_ops import halo_box
-
     plan = cp.plan
     native = native_padding(plan, cp.spec.windows)
-    box = halo_box(x, plan, native) if plan.grid.group is not None else extended_box(x, [], plan, native=native)
+    if plan.grid.group is not None:
+        box = torch.ops.lightning_hpc.halo_box(x, key_of(plan), [int(p) for p in native], 0.0)
+    else:
+        box = extended_box(x, [], plan, native=native)
     return cp.spec.conv(box, weight, bias, native)
 
 

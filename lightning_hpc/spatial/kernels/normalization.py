@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace, refuse_trace
 
 __all__ = ["aggregated_batch_norm", "aggregated_row_norm"]
@@ -98,9 +99,10 @@ def _traced_statistics(x: torch.Tensor, dims: list[int], group) -> tuple[torch.T
     """The statistics of :func:`_combine` as a graph can hold them (a traced split step): the whole mean from the
     tiles' float64 sums and counts, then the whole biased variance from each tile's float64 sum of squared
     deviations from that mean (two passes over the tile, no cancellation), each summed over the group by
-    :func:`~lightning_hpc.spatial.layout.graph_ops.sum_partial`, whose adjoint sums the tiles' partial gradients
+    :func:`~lightning_hpc.spatial.kernels.graph_ops.sum_partial`, whose adjoint sums the tiles' partial gradients
     (the adjoint of the statistics' reduction, as the eager backward's all-reduce).  Differentiable."""
-    from lightning_hpc.spatial.layout.graph_ops import sum_partial
+    def sum_partial(t: torch.Tensor, group) -> torch.Tensor:
+        return torch.ops.lightning_hpc.sum_partial(t, key_of(group))  # type: ignore[no-any-return]
 
     if x.dtype not in (torch.float32, torch.float64):
         raise NotTraceable(f"a normalisation of {x.dtype} tiles")

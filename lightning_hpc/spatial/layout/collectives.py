@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
 __all__ = ["all_reduce_replicated"]
@@ -41,7 +42,5 @@ def all_reduce_replicated(x: torch.Tensor, group) -> torch.Tensor:
     if group is None:
         return x
     if Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
-        from lightning_hpc.spatial.layout.graph_ops import sum_replicated
-
-        return sum_replicated(x, group)
+        return torch.ops.lightning_hpc.sum_replicated(x, key_of(group))  # type: ignore[no-any-return]
     return _AllReduceReplicated.apply(x, group)

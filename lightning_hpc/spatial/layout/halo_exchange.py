@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
@@ -424,10 +425,8 @@ def halo_exchange(x: torch.Tensor, plan: HaloPlan, *, pad_value: float = 0.0) ->
         index, pads = _local_box(plan)
         out = x if index is None else x[index]
         return F.pad(out, pads, value=pad_value) if pads else out
-    if Trace.active:  # the exchange as an operator a graph holds, with its adjoint (graph_ops)
-        from lightning_hpc.spatial.layout.graph_ops import halo_box
-
-        return halo_box(x, plan, pad_value=pad_value)
+    if Trace.active:  # the exchange as an operator a graph holds, with its adjoint (graph_ops.halo_box)
+        return torch.ops.lightning_hpc.halo_box(x, key_of(plan), [0] * plan.ndim, float(pad_value))  # type: ignore[no-any-return]
     exchange = HaloExchange(plan)
     x, *bufs = _HaloFinish.apply(_HaloStart.apply(x, exchange), exchange)
     return Halo(x, bufs, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)

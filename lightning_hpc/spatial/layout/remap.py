@@ -35,8 +35,9 @@ from torch.autograd.function import once_differentiable
 
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.distributed.partition import block_bounds
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
-from lightning_hpc.spatial.layout.tracing import refuse_trace
+from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
 
 __all__ = ["RemapPlan", "remap", "pad_source", "constant_pad_source", "PAD_MODES"]
 
@@ -143,49 +144,62 @@ def _exchange(grid: SpatialGrid, plan: RemapPlan, tag: int, outgoing: dict[int, 
         w.wait()
 
 
+def remap_forward(x: torch.Tensor, grid: SpatialGrid, plan: RemapPlan, dim: int, fill: float,
+                  tag: int) -> torch.Tensor:
+    """``out[o] = x[src(o)]`` along ``dim`` on this rank's tile (the messages tagged ``tag``)."""
+    shape = list(x.shape)
+    shape[dim] = plan.n_out_local
+    out = x.new_full(shape, fill) if fill else x.new_zeros(shape)
+    incoming = {}
+    for q, pos, _ in plan.recvs:
+        if q != plan.pos:
+            shape[dim] = len(pos)
+            incoming[q] = x.new_empty(shape)
+    outgoing = {q: x.index_select(dim, plan.index(idx, x.device)).contiguous() for q, idx in plan.sends}
+    _exchange(grid, plan, tag, outgoing, incoming)
+    for q, pos, idx in plan.recvs:
+        rows = incoming[q] if q != plan.pos else x.index_select(dim, plan.index(idx, x.device))
+        out.index_copy_(dim, plan.index(pos, x.device), rows)
+    return out
+
+
+def remap_backward(g: torch.Tensor, shape: Sequence[int], grid: SpatialGrid, plan: RemapPlan, dim: int,
+                   tag: int) -> torch.Tensor:
+    """The adjoint of :func:`remap_forward`: each output row's gradient sent back to its source row and added
+    there (the tile's gradient, of ``shape``)."""
+    grad = g.new_zeros(shape)
+    outgoing = {q: g.index_select(dim, plan.index(pos, g.device)).contiguous()
+                for q, pos, _ in plan.recvs if q != plan.pos}
+    buf_shape = list(shape)
+    incoming = {}
+    for q, idx in plan.sends:
+        buf_shape[dim] = len(idx)
+        incoming[q] = g.new_empty(buf_shape)
+    _exchange(grid, plan, tag, outgoing, incoming)
+    for q, pos, idx in plan.recvs:
+        if q == plan.pos:
+            grad.index_add_(dim, plan.index(idx, g.device), g.index_select(dim, plan.index(pos, g.device)))
+    for q, idx in plan.sends:
+        grad.index_add_(dim, plan.index(idx, g.device), incoming[q])
+    return grad
+
+
 class _Remap(torch.autograd.Function):
     """``out[o] = x[src(o)]`` along ``dim`` (see :class:`RemapPlan`); backward sends each output row's gradient
     back to its source row and adds it there."""
 
     @staticmethod
     def forward(ctx, x, grid: SpatialGrid, plan: RemapPlan, dim: int, fill: float):  # type: ignore[override]
-        refuse_trace('moving rows between tiles (pixel shuffle, strided slices, re-blocking)')
+        refuse_trace("a remap in its eager form")
         tag = grid.next_tag()
         ctx.args, ctx.shape = (grid, plan, dim, tag), x.shape
-        shape = list(x.shape)
-        shape[dim] = plan.n_out_local
-        out = x.new_full(shape, fill) if fill else x.new_zeros(shape)
-        incoming = {}
-        for q, pos, _ in plan.recvs:
-            if q != plan.pos:
-                shape[dim] = len(pos)
-                incoming[q] = x.new_empty(shape)
-        outgoing = {q: x.index_select(dim, plan.index(idx, x.device)).contiguous() for q, idx in plan.sends}
-        _exchange(grid, plan, tag, outgoing, incoming)
-        for q, pos, idx in plan.recvs:
-            rows = incoming[q] if q != plan.pos else x.index_select(dim, plan.index(idx, x.device))
-            out.index_copy_(dim, plan.index(pos, x.device), rows)
-        return out
+        return remap_forward(x, grid, plan, dim, fill, tag)
 
     @staticmethod
     @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         grid, plan, dim, tag = ctx.args
-        grad = g.new_zeros(ctx.shape)
-        outgoing = {q: g.index_select(dim, plan.index(pos, g.device)).contiguous()
-                    for q, pos, _ in plan.recvs if q != plan.pos}
-        shape = list(ctx.shape)
-        incoming = {}
-        for q, idx in plan.sends:
-            shape[dim] = len(idx)
-            incoming[q] = g.new_empty(shape)
-        _exchange(grid, plan, tag + 1, outgoing, incoming)
-        for q, pos, idx in plan.recvs:
-            if q == plan.pos:
-                grad.index_add_(dim, plan.index(idx, g.device), g.index_select(dim, plan.index(pos, g.device)))
-        for q, idx in plan.sends:
-            grad.index_add_(dim, plan.index(idx, g.device), incoming[q])
-        return grad, None, None, None, None
+        return remap_backward(g, ctx.shape, grid, plan, dim, tag + 1), None, None, None, None
 
 
 _PLANS: dict[tuple, RemapPlan] = {}
@@ -206,6 +220,9 @@ def remap(x: torch.Tensor, grid: SpatialGrid, axis: int, dim: int, in_bounds: Se
     # decided from the global map, the same on every rank: each remap takes one message tag on all of them
     if tuple(in_bounds) == tuple(out_bounds) and all(s == o for o, s in enumerate(src)):
         return x
+    if Trace.active:  # an operator a graph holds, with its adjoint (graph_ops)
+        return torch.ops.lightning_hpc.remap_rows(  # type: ignore[no-any-return]
+            x, key_of(grid), key_of(plan), dim % x.dim(), float(fill))
     return _Remap.apply(x, grid, plan, dim % x.dim(), fill)
 
 

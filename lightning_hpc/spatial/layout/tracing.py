@@ -10,7 +10,7 @@ __all__ = ["Trace", "NotTraceable", "refuse_trace"]
 class Trace:
     """Whether a split step is being traced into a graph (:mod:`lightning_hpc.spatial.compile`), set only for the
     trace's duration.  While tracing, the kernels take their traceable forms (the operators of
-    :mod:`~lightning_hpc.spatial.layout.graph_ops` for the exchanges, no autograd Functions, whose hand-written
+    :mod:`~lightning_hpc.spatial.kernels.graph_ops` for the exchanges, no autograd Functions, whose hand-written
     backward a graph would not hold), and a tile's plain alias is made by the ``alias`` operator, which the tracer
     records (it follows tensors by their Python objects, and ``as_subclass`` makes an object it does not know).
     An op with no traceable form refuses the trace (:class:`NotTraceable`); the step then runs eagerly."""

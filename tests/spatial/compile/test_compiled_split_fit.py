@@ -64,3 +64,31 @@ def test_compiled_user_models_fit_as_one_process(parts):
         assert state == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "refused": None}, (name, state)
     refused = results[0]["unet_pad_to_skip"]["compiled"]["refused"]
     assert refused is not None and "data-dependent" in refused, refused
+
+
+def _compiled_volume_run(rank, world, parts):
+    from tests.spatial.lightning import test_volumes as volumes
+
+    module = volumes.Segmenter("volume")
+    module.model = torch.compile(module.model, backend="eager")
+    probe = CompiledState()
+    run = fit(module, datamodule=volumes.SubVolumes("volume"), devices=world,
+              strategy=SpatialParallelStrategy(spatial_parts=parts), use_distributed_sampler=False,
+              callbacks=[probe], **volumes.OPTIONS)
+    return {"params": run.params, "loss": run.metric(), "compiled": probe.state}
+
+
+def test_compiled_3d_unet_fits_as_one_process():
+    """The 3-D U-Net of ``tests/spatial/lightning/test_volumes.py`` (replicate padding, ceil-mode pooling, group and
+    instance norm, a transposed convolution, a crop to the skip, a concatenation), compiled, on 2x1x1 sub-volumes:
+    equal to one process in float64, and compiled as one graph traced once."""
+    from tests.spatial.lightning import test_volumes as volumes
+
+    ref = fit(volumes.Segmenter("volume"), datamodule=volumes.SubVolumes("volume"), **volumes.OPTIONS)
+    results = run_in_processes(_compiled_volume_run, 2, (2, 1, 1), timeout_s=600, collective_timeout_s=120)
+    for res in results:
+        assert abs(res["loss"] - ref.metric()) <= volumes.TOL * max(1.0, abs(ref.metric())), res["loss"]
+        for p, r in zip(res["params"], ref.params):
+            assert float((p - r).abs().max()) <= volumes.TOL
+    assert results[0]["compiled"] == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "refused": None}, \
+        results[0]["compiled"]

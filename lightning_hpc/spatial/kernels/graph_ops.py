@@ -10,6 +10,8 @@ operators.  Each carries its own adjoint (``register_autograd``), so the compile
   The box is one output every layer reads, so the adjoint runs on every rank that exchanged (an operator whose
   outputs were only the received blocks would have no output on a rank that only sends, and its backward would
   never run there, leaving its neighbour waiting).
+* :func:`remap_rows`: rows moved between tiles (pixel shuffle, strided slices, crops that re-block); adjoint:
+  each output row's gradient sent back to its source row.
 * :func:`sum_partial`: the sum over the group of per-tile parts of a value every tile then uses (batch and row
   statistics); adjoint: the same sum of the per-tile partial gradients.
 * :func:`sum_replicated`: the sum over the group of a value every rank then uses identically (losses, global
@@ -17,13 +19,13 @@ operators.  Each carries its own adjoint (``register_autograd``), so the compile
 * :func:`complete_gradient`: the identity on a replicated tensor that meets tiles; adjoint: the sum over the group.
 
 Plans and process groups are objects; an operator's arguments are tensors and numbers, so each object is
-referred to by a key (:func:`key_of`) that :func:`lookup` resolves, as torch resolves process groups by name.
-The keys live for the process: a plan is small and a step uses a fixed set.
+referred to by a key (:mod:`~lightning_hpc.spatial.layout.op_keys`).  The kernels call the operators by name
+(``torch.ops.lightning_hpc.*``), so this module depends on them and not the reverse; it is imported by
+:mod:`lightning_hpc.spatial.compile`, which is what traces.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,28 +33,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.p2p import exchange
+from lightning_hpc.spatial.kernels.convolution import extended_box
 from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloPlan
+from lightning_hpc.spatial.layout.op_keys import key_of, lookup
+from lightning_hpc.spatial.layout.remap import RemapPlan, remap_backward, remap_forward
 
-__all__ = ["halo_box", "sum_partial", "sum_replicated", "complete_gradient", "key_of", "lookup"]
-
-
-_keys: dict[int, int] = {}  # id(object) -> key
-_objects: dict[int, Any] = {}  # key -> object (kept alive, so an id is never reused for another object)
-_counter = itertools.count(1)
-
-
-def key_of(obj: Any) -> int:
-    """The operator-argument key of a plan or a process group (one per object)."""
-    k = _keys.get(id(obj))
-    if k is None:
-        k = _keys[id(obj)] = next(_counter)
-        _objects[k] = obj
-    return k
-
-
-def lookup(key: int) -> Any:
-    """The object :func:`key_of` gave ``key``."""
-    return _objects[key]
+__all__ = ["halo_box", "remap_rows", "sum_partial", "sum_replicated", "complete_gradient"]
 
 
 # -- halo exchange -------------------------------------------------------------------------------------------------
@@ -88,10 +74,10 @@ def _halo_box(x: torch.Tensor, plan_key: int, native: list[int], pad_value: floa
     _exchange(plan, sends, recvs, backward=False)
     blocks = [b for b, _, _ in recvs]
     if any(native):  # the convolution's box: the border it pads itself left out
-        from lightning_hpc.spatial.kernels.convolution import extended_box
-
         return extended_box(x, blocks, plan, native=native)
-    return Halo(x, blocks, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value).contiguous()
+    box = Halo(x, blocks, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)
+    # an operator's output may not alias its input (a box that is the tile itself, or a slice of it)
+    return box.clone() if box.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else box.contiguous()
 
 
 @_halo_box.register_fake
@@ -144,6 +130,52 @@ def halo_box(x: torch.Tensor, plan: HaloPlan, native: Sequence[int] | None = Non
     runs on every rank that exchanged)."""
     nat = [int(p) for p in native] if native is not None else [0] * plan.ndim
     return torch.ops.lightning_hpc.halo_box(x, key_of(plan), nat, float(pad_value))  # type: ignore[no-any-return]
+
+
+# -- rows moved between tiles -----------------------------------------------------------------------------------
+@torch.library.custom_op("lightning_hpc::remap_rows", mutates_args=())
+def _remap_rows(x: torch.Tensor, grid_key: int, plan_key: int, dim: int, fill: float) -> torch.Tensor:
+    grid = lookup(grid_key)
+    return remap_forward(x, grid, lookup(plan_key), dim, fill, grid.next_tag())
+
+
+@_remap_rows.register_fake
+def _(x: torch.Tensor, grid_key: int, plan_key: int, dim: int, fill: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = lookup(plan_key).n_out_local
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("lightning_hpc::remap_rows_adjoint", mutates_args=())
+def _remap_rows_adjoint(g: torch.Tensor, like: torch.Tensor, grid_key: int, plan_key: int,
+                        dim: int) -> torch.Tensor:
+    grid = lookup(grid_key)
+    return remap_backward(g, like.shape, grid, lookup(plan_key), dim, grid.next_tag())
+
+
+@_remap_rows_adjoint.register_fake
+def _(g: torch.Tensor, like: torch.Tensor, grid_key: int, plan_key: int, dim: int) -> torch.Tensor:
+    return torch.empty_like(like)
+
+
+def _remap_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, ctx.grid_key, ctx.plan_key, ctx.dim, _ = inputs
+    ctx.save_for_backward(x)  # for its shape, dtype and device
+
+
+def _remap_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+    (x,) = ctx.saved_tensors
+    return torch.ops.lightning_hpc.remap_rows_adjoint(g, x, ctx.grid_key, ctx.plan_key, ctx.dim), None, None, None, None
+
+
+_remap_rows.register_autograd(_remap_backward, setup_context=_remap_setup)
+
+
+def remap_rows(x: torch.Tensor, grid: Any, plan: RemapPlan, dim: int, fill: float) -> torch.Tensor:
+    """:func:`~lightning_hpc.spatial.layout.remap.remap`'s rows moved between tiles (pixel shuffle, strided slices,
+    re-blocking crops) as an operator with its adjoint (each output row's gradient sent back to its source)."""
+    return torch.ops.lightning_hpc.remap_rows(  # type: ignore[no-any-return]
+        x, key_of(grid), key_of(plan), int(dim), float(fill))
 
 
 # -- sums over the group -----------------------------------------------------------------------------------------
