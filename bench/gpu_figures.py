@@ -274,6 +274,14 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
         kinds["compiled_plain"] = compiled
     except Exception:  # noqa: BLE001 - the eager figures stand without it
         out["compiled_plain"] = {"error": traceback.format_exc()}
+    try:  # the split step compiled (lightning_hpc.spatial.compile): one graph of tile operations
+        compiled_split = compiled_step(size, split=True)
+        t0 = time.perf_counter()
+        compiled_split()
+        out["compile_split_s"] = time.perf_counter() - t0
+        kinds["compiled_split"] = compiled_split
+    except Exception:  # noqa: BLE001 - the other figures stand without it
+        out["compiled_split"] = {"error": traceback.format_exc()}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     host: dict[str, list[float]] = {k: [] for k in ("plain", "dispatch")}
     for _ in range(repeats):  # alternated: the kinds see the same machine state
@@ -294,19 +302,30 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     if "compiled_plain" in med:
         out["dispatch_vs_compiled_plain"] = med["dispatch"] / med["compiled_plain"]
         out["compiled_plain_vs_plain"] = med["compiled_plain"] / med["plain"]
+    if "compiled_split" in med and "compiled_plain" in med:
+        out["compiled_split_vs_compiled_plain"] = med["compiled_split"] / med["compiled_plain"]
     return out
 
 
-def compiled_step(size: int) -> Callable[[], None]:
-    """The plain step of :func:`spatial_figure` with the network under ``torch.compile`` (its own copy)."""
+def compiled_step(size: int, split: bool = False) -> Callable[[], None]:
+    """The plain step of :func:`spatial_figure` with the network under ``torch.compile`` (its own copy);
+    ``split``: on a split activation over one tile, the compiled module's forward as the spatial strategy runs it
+    (:class:`~lightning_hpc.spatial.compile.SplitCompiledForward`)."""
     from lightning_hpc.models import mesh_fcn
+    from lightning_hpc.spatial.compile import SplitCompiledForward
+    from lightning_hpc.spatial.dispatch import split_tensor
+    from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
     torch.manual_seed(0)
     net = mesh_fcn(in_channels=18, convs_per_block=3).cuda()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    fast = torch.compile(net)
+    fast: Callable[[torch.Tensor], torch.Tensor] = torch.compile(net)
     x = torch.randn(1, 18, size, size, device="cuda")
     y = (torch.rand(1, 1, size, size, device="cuda") > 0.5).float()
+    if split:
+        grid = SpatialGrid.single()
+        fast = SplitCompiledForward(fast)
+        x, y = split_tensor(x, grid, tuple(x.shape)), split_tensor(y, grid, tuple(y.shape))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
