@@ -119,7 +119,7 @@ def _selected(case: str, only: str | None = None) -> bool:
     only = only or os.environ.get("CONFORMANCE_FEATURES")
     if not only:
         return True
-    base = case.removeprefix("odenet_").removesuffix("_micro_batches").removesuffix("_2_to_1")
+    base = case.removeprefix("odenet_").removeprefix("volume_").removesuffix("_micro_batches").removesuffix("_2_to_1")
     return (base if case != "odenet" else "sgd") in only.split(",")
 
 
