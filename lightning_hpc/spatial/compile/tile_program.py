@@ -34,8 +34,8 @@ __all__ = ["TileProgram", "trace_tile_program", "refused_node"]
 Layout = tuple[Any, tuple[int, ...], tuple[int, ...]]  # (grid, global shape, split dims)
 
 #: aten operations a tile graph may not hold: random draws (a compiled graph draws from its own generator, not
-#: from the stream one process uses), values read back to the host (the trace would keep this step's value), and
-#: torch.distributed's own (non-functional) collectives, whose completion a graph does not order
+#: from the stream one process uses) and torch.distributed's own (non-functional) collectives, whose completion a
+#: graph does not order.  (A value read back to the host stops the trace itself: make_fx refuses it.)
 _RANDOM = frozenset({
     "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli", "bernoulli_",
     "uniform_", "normal", "normal_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_", "multinomial",
@@ -56,8 +56,6 @@ def refused_node(gm: torch.fx.GraphModule) -> str | None:
             return f"a torch.distributed collective ({name})"
         if ns == "aten" and base in _RANDOM:
             return f"a random draw ({name}): dropout or a random tensor in the forward"
-        if ns == "aten" and base in ("_local_scalar_dense", "item"):
-            return "a value read back to the host (x.item(), int(x), a Python branch on a tensor)"
     return None
 
 
@@ -101,6 +99,9 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
     statistics, the inputs: the step the caller then runs changes them once) with the random state put back, so
     the step that follows is the first.  ``modes``: ``TorchFunctionMode`` objects the trace runs under (outermost
     first).  Raises :class:`NotTraceable` naming what has no traceable form."""
+    changed = _grad_mode_change(graph)
+    if changed is not None:  # known from dynamo's graph alone: refused before the step is run for the trace
+        raise NotTraceable(changed)
     split = tuple(i for i, a in enumerate(args) if isinstance(a, SpatialTensor))
     layouts = {i: _layout(args[i]) for i in split}
     out_layouts: list[Layout | None] = []
@@ -148,7 +149,7 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
         raise
     finally:
         Trace.active = False
-    refused = refused_node(gm) or _grad_mode_change(graph)
+    refused = refused_node(gm)
     if refused is not None:
         raise NotTraceable(refused)
     run = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)

@@ -324,7 +324,7 @@ def tile_convolution_applies(extents: Sequence[int], parts: Sequence[int], windo
 def _traced_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cp: ConvPlan,
                  record: Recorder | None) -> torch.Tensor:
     """The convolution of :class:`_BoxConv` (the same box, the same native call) as a graph can hold it: the box
-    is an operator with its own adjoint (:func:`~lightning_hpc.spatial.kernels.graph_ops.halo_box`)."""
+    is an operator with its own adjoint (``halo_box`` of :mod:`~lightning_hpc.spatial.kernels.graph_ops`)."""
     if record is not None:
         raise NotTraceable("a convolution whose input statistics K-FAC records on tiles")
     plan = cp.plan

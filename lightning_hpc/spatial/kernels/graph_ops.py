@@ -4,19 +4,19 @@ graph: the halo exchange (Dryden et al., section III-A) and the two sums over th
 A traced split step (:mod:`lightning_hpc.spatial.compile`) is a graph of plain tile ops and these
 operators.  Each carries its own adjoint (``register_autograd``), so the compiler derives the backward graph:
 
-* :func:`halo_box`: the tile extended by the blocks of the neighbours' tiles its windows read.  Its adjoint sends
+* ``halo_box``: the tile extended by the blocks of the neighbours' tiles its windows read.  Its adjoint sends
   each received block's gradient back to its owner and adds what the neighbours send into the tile's edge
   entries: the same messages as :class:`~lightning_hpc.spatial.layout.halo_exchange.HaloExchange` in eager mode.
   The box is one output every layer reads, so the adjoint runs on every rank that exchanged (an operator whose
   outputs were only the received blocks would have no output on a rank that only sends, and its backward would
   never run there, leaving its neighbour waiting).
-* :func:`remap_rows`: rows moved between tiles (pixel shuffle, strided slices, crops that re-block); adjoint:
+* ``remap_rows``: rows moved between tiles (pixel shuffle, strided slices, crops that re-block); adjoint:
   each output row's gradient sent back to its source row.
-* :func:`sum_partial`: the sum over the group of per-tile parts of a value every tile then uses (batch and row
+* ``sum_partial``: the sum over the group of per-tile parts of a value every tile then uses (batch and row
   statistics); adjoint: the same sum of the per-tile partial gradients.
-* :func:`sum_replicated`: the sum over the group of a value every rank then uses identically (losses, global
+* ``sum_replicated``: the sum over the group of a value every rank then uses identically (losses, global
   pooling feeding a replicated head); adjoint: the identity (each rank holds the whole gradient already).
-* :func:`complete_gradient`: the identity on a replicated tensor that meets tiles; adjoint: the sum over the group.
+* ``complete_gradient``: the identity on a replicated tensor that meets tiles; adjoint: the sum over the group.
 
 Plans and process groups are objects; an operator's arguments are tensors and numbers, so each object is
 referred to by a key (:mod:`~lightning_hpc.spatial.layout.op_keys`).  The kernels call the operators by name
@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_hpc.distributed.p2p import exchange
-from lightning_hpc.spatial.kernels.convolution import extended_box
-from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloPlan
-from lightning_hpc.spatial.layout.op_keys import key_of, lookup
-from lightning_hpc.spatial.layout.remap import RemapPlan, remap_backward, remap_forward
+from lightning_hpc.spatial.kernels.convolution import _box_ranges, _own_part, _rel, extended_box
+from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloExchange, HaloPlan
+from lightning_hpc.spatial.layout.op_keys import lookup
+from lightning_hpc.spatial.layout.remap import remap_backward, remap_forward
 
-__all__ = ["halo_box", "remap_rows", "sum_partial", "sum_replicated", "complete_gradient"]
+__all__: list[str] = []  # the operators are used by name: torch.ops.lightning_hpc.*
 
 
 # -- halo exchange -------------------------------------------------------------------------------------------------
@@ -47,20 +47,11 @@ def _block_shape(x_shape: Sequence[int], ranges: Sequence[tuple[int, int]]) -> l
     return lead + [hi - lo for lo, hi in ranges]
 
 
-def _box(plan: HaloPlan, native: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """The box's global range per split dimension: the needed range, or the whole extent where the kernel pads
-    itself (``native``)."""
-    return tuple((0, dim.n) if p else tuple(need) for need, p, dim in zip(plan.need, native, plan.dims))
-
-
-def _rel(ranges: Sequence[tuple[int, int]], origin: Sequence[tuple[int, int]]) -> tuple[Any, ...]:
-    return (Ellipsis, *(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(ranges, origin)))
-
-
-def _exchange(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
-              recvs: list[tuple[torch.Tensor, int, int]], backward: bool) -> None:
-    # tags: fresh per exchange on every rank alike (every rank runs the same operators in the same order)
-    tag = plan.grid.next_tag() + (BACKWARD_TAG_OFFSET if backward else 0)
+def _exchange_back(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
+                   recvs: list[tuple[torch.Tensor, int, int]]) -> None:
+    """The adjoint's messages: the received blocks' gradients back to their owners.  Tags: fresh per exchange on
+    every rank alike (every rank runs the same operators in the same order)."""
+    tag = plan.grid.next_tag() + BACKWARD_TAG_OFFSET
     for w in exchange([(b, p, tag + d) for b, p, d in sends], [(b, p, tag + d) for b, p, d in recvs],
                       plan.grid.group):
         w.wait()
@@ -69,10 +60,9 @@ def _exchange(plan: HaloPlan, sends: list[tuple[torch.Tensor, int, int]],
 @torch.library.custom_op("lightning_hpc::halo_box", mutates_args=())
 def _halo_box(x: torch.Tensor, plan_key: int, native: list[int], pad_value: float) -> torch.Tensor:
     plan: HaloPlan = lookup(plan_key)
-    recvs = [(x.new_empty(_block_shape(x.shape, r)), peer, d) for peer, d, *r in plan.recvs]
-    sends = [(x[plan.local(r)].contiguous(), peer, d) for peer, d, *r in plan.sends]
-    _exchange(plan, sends, recvs, backward=False)
-    blocks = [b for b, _, _ in recvs]
+    exchange = HaloExchange(plan)  # the eager exchange's messages; its backward half is the adjoint operator
+    exchange.post_forward(x)
+    blocks = exchange.finish_forward()
     if any(native):  # the convolution's box: the border it pads itself left out
         return extended_box(x, blocks, plan, native=native)
     box = Halo(x, blocks, plan).box(*(b for r in plan.need for b in r), pad_value=pad_value)
@@ -82,18 +72,18 @@ def _halo_box(x: torch.Tensor, plan_key: int, native: list[int], pad_value: floa
 
 @_halo_box.register_fake
 def _(x: torch.Tensor, plan_key: int, native: list[int], pad_value: float) -> torch.Tensor:
-    return x.new_empty(_block_shape(x.shape, _box(lookup(plan_key), native)))
+    return x.new_empty(_block_shape(x.shape, _box_ranges(lookup(plan_key), native)))
 
 
 @torch.library.custom_op("lightning_hpc::halo_box_adjoint", mutates_args=())
 def _halo_box_adjoint(grad_box: torch.Tensor, like: torch.Tensor, plan_key: int, native: list[int]) -> torch.Tensor:
     plan: HaloPlan = lookup(plan_key)
-    box = _box(plan, native)
+    box = _box_ranges(plan, native)
     sends = [(grad_box[_rel(r, box)].contiguous(), peer, d) for peer, d, *r in plan.recvs]
     recvs = [(like.new_empty(_block_shape(like.shape, r)), peer, d) for peer, d, *r in plan.sends]
-    _exchange(plan, sends, recvs, backward=True)
+    _exchange_back(plan, sends, recvs)
     out = torch.zeros_like(like)
-    part = tuple((max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(plan.own, box))
+    part = _own_part(plan, box)
     if all(hi > lo for lo, hi in part):  # the tile's entries the box holds (a strided window may skip its last)
         out[plan.local(part)] = grad_box[_rel(part, box)]
     for (_, _, *r), (buf, _, _) in zip(plan.sends, recvs):
@@ -118,18 +108,6 @@ def _halo_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, No
 
 
 _halo_box.register_autograd(_halo_backward, setup_context=_halo_setup)
-
-
-def halo_box(x: torch.Tensor, plan: HaloPlan, native: Sequence[int] | None = None,
-             pad_value: float = 0.0) -> torch.Tensor:
-    """Tile ``x`` extended by the neighbours' blocks of ``plan`` to its box (``pad_value`` outside the sample;
-    ``native``: per split dimension, the padding the kernel applies itself, whose border the box leaves out), as
-    :func:`~lightning_hpc.spatial.layout.halo_exchange.halo_exchange` and the convolution's box give it;
-    differentiable: the adjoint sends each received block's gradient back to its owner (see module).  Every rank
-    of a group calls it for every layer (the operator is one node whose output the layer reads, so its backward
-    runs on every rank that exchanged)."""
-    nat = [int(p) for p in native] if native is not None else [0] * plan.ndim
-    return torch.ops.lightning_hpc.halo_box(x, key_of(plan), nat, float(pad_value))  # type: ignore[no-any-return]
 
 
 # -- rows moved between tiles -----------------------------------------------------------------------------------
@@ -169,13 +147,6 @@ def _remap_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
 
 
 _remap_rows.register_autograd(_remap_backward, setup_context=_remap_setup)
-
-
-def remap_rows(x: torch.Tensor, grid: Any, plan: RemapPlan, dim: int, fill: float) -> torch.Tensor:
-    """:func:`~lightning_hpc.spatial.layout.remap.remap`'s rows moved between tiles (pixel shuffle, strided slices,
-    re-blocking crops) as an operator with its adjoint (each output row's gradient sent back to its source)."""
-    return torch.ops.lightning_hpc.remap_rows(  # type: ignore[no-any-return]
-        x, key_of(grid), key_of(plan), int(dim), float(fill))
 
 
 # -- sums over the group -----------------------------------------------------------------------------------------
@@ -219,18 +190,3 @@ def _identity_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None
 _sum_partial.register_autograd(_sum_backward, setup_context=_group_setup)
 _sum_replicated.register_autograd(_identity_backward, setup_context=_group_setup)
 _complete_gradient.register_autograd(_sum_backward, setup_context=_group_setup)
-
-
-def sum_partial(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over ``group`` of per-tile parts used per tile afterwards; adjoint: the same sum."""
-    return torch.ops.lightning_hpc.sum_partial(x, key_of(group))  # type: ignore[no-any-return]
-
-
-def sum_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over ``group`` of a value every rank then uses identically; adjoint: the identity."""
-    return torch.ops.lightning_hpc.sum_replicated(x, key_of(group))  # type: ignore[no-any-return]
-
-
-def complete_gradient(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` (a replicated tensor meeting tiles); adjoint: its gradient summed over ``group``."""
-    return torch.ops.lightning_hpc.complete_gradient(x, key_of(group))  # type: ignore[no-any-return]

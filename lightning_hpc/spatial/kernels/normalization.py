@@ -99,21 +99,19 @@ def _traced_statistics(x: torch.Tensor, dims: list[int], group) -> tuple[torch.T
     """The statistics of :func:`_combine` as a graph can hold them (a traced split step): the whole mean from the
     tiles' float64 sums and counts, then the whole biased variance from each tile's float64 sum of squared
     deviations from that mean (two passes over the tile, no cancellation), each summed over the group by
-    :func:`~lightning_hpc.spatial.kernels.graph_ops.sum_partial`, whose adjoint sums the tiles' partial gradients
+    ``sum_partial`` of :mod:`~lightning_hpc.spatial.kernels.graph_ops`, whose adjoint sums the tiles' partial gradients
     (the adjoint of the statistics' reduction, as the eager backward's all-reduce).  Differentiable."""
-    def sum_partial(t: torch.Tensor, group) -> torch.Tensor:
-        return torch.ops.lightning_hpc.sum_partial(t, key_of(group))  # type: ignore[no-any-return]
-
     if x.dtype not in (torch.float32, torch.float64):
         raise NotTraceable(f"a normalisation of {x.dtype} tiles")
     m = x.numel() // max(1, x.shape[1] if dims[0] == 0 else x.shape[0])
     count = x.new_full((1,), float(m), dtype=torch.float64)  # a fill, not an upload
-    total = sum_partial(torch.cat([x.sum(dims, dtype=torch.float64), count]), group)
+    key = key_of(group)
+    total = torch.ops.lightning_hpc.sum_partial(torch.cat([x.sum(dims, dtype=torch.float64), count]), key)
     n = total[-1:]
     mean64 = total[:-1] / n
     shape = [-1 if d not in dims else 1 for d in range(x.dim())]
     dev = x - mean64.to(x.dtype).view(shape)
-    var64 = sum_partial((dev * dev).sum(dims, dtype=torch.float64), group) / n
+    var64 = torch.ops.lightning_hpc.sum_partial((dev * dev).sum(dims, dtype=torch.float64), key) / n
     return mean64, var64, n
 
 

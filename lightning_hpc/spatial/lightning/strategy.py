@@ -300,19 +300,16 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         stage it calls its own compiled code again (:meth:`teardown`)."""
         module = self.lightning_module
         assert self.layout is not None and module is not None
-        if self.layout.grid.parts == (1,) * len(self.layout.grid.parts) or self.world_size == 1:
+        if self.layout.grid.size == 1 or self.world_size == 1:
             return
         if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
             return
-        outer: list[str] = []
+        outer: list[str] = []  # a compiled module inside another is covered by the outer one's forward
         for name, m in module.named_modules():
-            if isinstance(m, compiled_module_type()) and not any(name.startswith(f"{o}.") for o in outer if o):
-                if outer and outer[0] == "":
-                    break  # the LightningModule itself is compiled: its forward covers every submodule
+            if isinstance(m, compiled_module_type()) and not any(name.startswith(f"{o}.") for o in outer):
                 outer.append(name)
-                where = f"{type(module).__name__}.{name}" if name else type(module).__name__
                 compiled: Any = m
-                compiled.forward = SplitCompiledForward(compiled, name=where)
+                compiled.forward = SplitCompiledForward(compiled, name=f"{type(module).__name__}.{name}")
 
     def _prepare_model(self) -> None:
         if self._prepared:
