@@ -345,7 +345,7 @@ class PreconditionBuckets:
             stack = grp.stack
             if kind == "single":
                 h = members[0]  # its decompositions in dtype (LayerHandler.preconditioned's), kept with the plan
-                stack = grp.stack = stack or _Stack([], h.state.decompositions_in(dtype))
+                stack = grp.stack = stack or _Stack([], method.product_operands(h.state.decompositions_in(dtype)))
                 p, zero = h.precondition(g, stack.stacked, method, damping), _zero_mask(g)
             elif kind in ("stack", "padded"):
                 padded = grp.key[1] if kind == "padded" else None  # type: ignore[index]
@@ -395,6 +395,8 @@ class PreconditionBuckets:
                 assert method is not None
                 parts = [method.padded(d, {"G": padded[0], "A": padded[1]}, damping) for d in parts]
             stacked: dict[str, Any] = {k: join([d[k] for d in parts]) for k in names}
+            if method is not None:
+                stacked = method.product_operands(stacked)
             layer_of_row = None
             if rows:
                 sizes = torch.tensor([src[0].shape[0] for src in sources])

@@ -45,8 +45,10 @@ __all__ = [
     "depthwise_patch_gram",
     "gram_chunk_elements",
     "group_gram",
+    "keeps_transposes",
     "precondition_eigen",
     "precondition_inverse",
+    "product",
     "safe_damped_inverse",
     "safe_eigh",
     "sym_gram",
@@ -548,19 +550,111 @@ def safe_damped_inverse(
     return None if res is None else res[0].to(dtype)
 
 
+#: smallest product (``m k n`` multiply-adds) that :func:`product` runs through oneDNN on a CPU: below it the
+#: convolution's call and the operand copies cost more than its faster arithmetic saves (measured on an AMD EPYC
+#: with AVX-512 at one thread: Eq 13-15's chain 1.08x faster at 320 x 81 x 81, 0.7x at 128 x 128 x 129)
+ONEDNN_MIN_MACS = 1 << 23
+
+
+def _onednn_route(t: torch.Tensor) -> bool:
+    """Whether products of ``t`` may run through oneDNN (:func:`precondition_eigen`): float32 on a CPU
+    (:func:`cache_blocked`) with oneDNN built in and enabled (``torch.backends.mkldnn.flags(enabled=False)`` turns
+    the route off)."""
+    return (cache_blocked(t) and t.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.enabled))
+
+
+def _onednn_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x @ w`` takes oneDNN's route: :func:`_onednn_route` for both, the same leading dimensions and at
+    least :data:`ONEDNN_MIN_MACS` multiply-adds per matrix."""
+    m, k = x.shape[-2:]
+    return (x.shape[:-2] == w.shape[:-2] and m * k * w.shape[-1] >= ONEDNN_MIN_MACS and _onednn_route(x)
+            and _onednn_route(w))
+
+
+def _onednn_mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x @ wt^T`` for two row-major matrices ``x (m, k)`` and ``wt (n, k)``, computed as a 1x1 convolution
+    (oneDNN's kernels): the ``m`` rows of ``x`` are the pixels of a one-column channels-last image of ``k``
+    channels and ``wt`` is the ``(n, k, 1, 1)`` filter bank; the output is ``(m, n)`` row-major. No copies."""
+    m, k = x.shape
+    image = x.view(1, m, 1, k).permute(0, 3, 1, 2)  # (1, k, m, 1) channels-last
+    # A 1x1 filter's dilation changes nothing; it keeps torch from its own GEMM path, which it takes for undilated
+    # 1x1 convolutions of fewer than 16 images on one thread (aten/src/ATen/native/Convolution.cpp, use_mkldnn).
+    out = F.conv2d(image, wt.view(wt.shape[0], k, 1, 1), dilation=2)
+    return out.permute(0, 2, 3, 1).reshape(m, wt.shape[0])  # channels-last output: a view
+
+
+def keeps_transposes(q: torch.Tensor) -> bool:
+    """Whether eigenvectors ``q`` are kept beside a row-major copy of their transpose for :func:`precondition_eigen`
+    (one more copy of them in memory): where its oneDNN route can apply (float32 on a CPU with oneDNN enabled)."""
+    return _onednn_route(q)
+
+
+def _mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x @ wt^T`` of row-major matrices: through oneDNN where :func:`_onednn_applies`, else torch's BLAS."""
+    if _onednn_applies(x, wt.mT):
+        return _onednn_mm_t(x.contiguous(), wt.contiguous())
+    return x @ wt.mT
+
+
+def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w``, batched over equal leading dimensions; each matrix through :func:`_mm_t` (oneDNN on a CPU where
+    it applies, see :func:`precondition_eigen`), or one batched product where it does not."""
+    if not _onednn_applies(x, w):
+        return x @ w
+    m, n = x.shape[-2], w.shape[-1]
+    out = x.new_empty(*x.shape[:-2], m, n)
+    for o, a, b in zip(out.view(-1, m, n), x.reshape(-1, *x.shape[-2:]), w.reshape(-1, *w.shape[-2:]), strict=True):
+        o.copy_(_mm_t(a, b.mT))
+    return out
+
+
 def precondition_eigen(
-    grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float
+    grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
+    qa_t: torch.Tensor | None = None, qg_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq 13-15 on a ``(g_dim, a_dim)`` gradient matrix; computed in the decomposition dtype. Leading dimensions
     are a batch of independent blocks (a grouped layer's ``(G, g_dim, a_dim)`` gradients with ``(G, n, n)``
-    eigenvectors and ``(G, n)`` eigenvalues): one batched product per side for all of them."""
+    eigenvectors and ``(G, n)`` eigenvalues): one batched product per side for all of them.
+
+    On a CPU, large float32 chains run matrix by matrix through oneDNN's convolution kernels instead
+    (:func:`_eigen_onednn`): torch's CPU wheels link MKL, whose ``sgemm`` runs 256-bit vector code on CPUs that are
+    not Intel's, while oneDNN uses every vector unit the CPU has (on an AMD EPYC with AVX-512, one thread: about
+    100 GFLOP/s against 190-230, the rate of the SGD step's own convolutions; report
+    ``bench/reports/2026-11-29-kfac-onednn-products.md``). Each matrix is then its own chain on both the batched
+    and the per-layer path, so the two agree bit for bit. ``qa_t`` and ``qg_t``, row-major copies of ``Q_A^T`` and
+    ``Q_G^T`` kept with the decompositions (:func:`keeps_transposes`), save that chain its two transposes."""
     g = grad.to(qa.dtype)
+    if _onednn_applies(qg, g):
+        return _eigen_onednn(g, qa, da, qg, dg, damping, qa_t, qg_t)
     v1 = qg.mT @ g @ qa
     v2 = v1 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
     return qg @ v2 @ qa.mT
 
 
+def _eigen_onednn(
+    g: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
+    qa_t: torch.Tensor | None, qg_t: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`precondition_eigen` matrix by matrix as products ``x @ wt^T`` of row-major operands (:func:`_mm_t`):
+    ``V1^T = (Q_A^T grad^T) Q_G``, ``V2^T = V1^T / (v_A v_G^T + damping)``, ``P = (Q_G V2) Q_A^T``, so that the
+    gradient, the intermediate and the result are all row-major and only ``Q_A^T`` and ``Q_G^T`` are copied (unless
+    given)."""
+    m, n = g.shape[-2:]
+    qa_t = qa.mT.contiguous() if qa_t is None else qa_t
+    qg_t = qg.mT.contiguous() if qg_t is None else qg_t
+    out = g.new_empty(g.shape)
+    flat = zip(out.view(-1, m, n), g.reshape(-1, m, n), qa.reshape(-1, n, n), qa_t.reshape(-1, n, n),
+               da.reshape(-1, n), qg.reshape(-1, m, m), qg_t.reshape(-1, m, m), dg.reshape(-1, m), strict=True)
+    for o, gi, qai, qati, dai, qgi, qgti, dgi in flat:
+        v1t = _mm_t(_mm_t(qati, gi), qgti)
+        v2t = v1t / (dai.unsqueeze(-1) * dgi.unsqueeze(-2) + damping)
+        o.copy_(_mm_t(_mm_t(qgi, v2t), qai))
+    return out
+
+
 def precondition_inverse(grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor) -> torch.Tensor:
     """Eq 12: ``(G + damping I)^-1 grad (A + damping I)^-1`` with the damped inverses precomputed (batched over
     leading dimensions, as :func:`precondition_eigen`)."""
-    return g_inv @ grad.to(a_inv.dtype) @ a_inv
+    grad = grad.to(a_inv.dtype)
+    return product(product(g_inv, grad), a_inv)

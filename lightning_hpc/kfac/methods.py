@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lightning_hpc.kfac.linalg import (
+    keeps_transposes,
     precondition_eigen,
     precondition_inverse,
     safe_damped_inverse,
@@ -71,6 +72,11 @@ class ComputeMethod(ABC):
             out[key] = torch.cat([t, fill]) if t.dim() == 1 else torch.block_diag(t, fill)
         return out
 
+    def product_operands(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``d`` with what :meth:`precondition` reads besides the decompositions, derived from them once and kept
+        with them (:mod:`lightning_hpc.kfac.batched` keeps them with its stacks): nothing by default."""
+        return d
+
     @abstractmethod
     def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
         """Floating-point operations of the matrix products of :meth:`precondition` on one ``(g_dim, a_dim)`` block
@@ -98,7 +104,16 @@ class EigenMethod(ComputeMethod):
         return {"d": torch.ones(n, dtype=dtype, device=device), "q": torch.eye(n, dtype=dtype, device=device)}
 
     def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
-        return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], damping)
+        return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], damping, d.get("qT_A"),
+                                  d.get("qT_G"))
+
+    def product_operands(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``d`` with row-major copies of ``Q_A^T`` and ``Q_G^T`` (``qT_A``, ``qT_G``) where Eq 15's products run
+        through oneDNN (:func:`~lightning_hpc.kfac.linalg.keeps_transposes`), which would otherwise transpose them at
+        every step."""
+        extra = {f"qT_{side}": d[f"q_{side}"].mT.contiguous() for side in ("A", "G")
+                 if f"q_{side}" in d and keeps_transposes(d[f"q_{side}"])}  # fmt: skip
+        return {**d, **extra} if extra else d
 
     def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
         # four products: Q_G^T grad and Q_G V2 (g^2 a each), then Q_A and Q_A^T (g a^2 each)

@@ -1,0 +1,113 @@
+"""Eq 13-15's products through oneDNN on a CPU (:func:`lightning_hpc.kfac.linalg.precondition_eigen`): large float32
+chains run matrix by matrix as 1x1 convolutions, equal to torch's BLAS chain and to the float64 computation within
+float32's rounding; the route is taken where it applies (the profiler sees oneDNN's convolution) and not elsewhere;
+the batched and the per-layer preconditioning agree bit for bit on it, also after the decompositions are replaced
+(the eigenvectors' kept transposes follow them); ``torch.backends.mkldnn.flags(enabled=False)`` turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_hpc.kfac import KFACPreconditioner
+from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
+from lightning_hpc.kfac.factor_update import update_factors
+from lightning_hpc.kfac.linalg import ONEDNN_MIN_MACS, precondition_eigen
+
+pytestmark = [
+    pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
+    pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN"),  # torch's, from mkldnn.flags()
+]
+
+
+def _operands(g_dim: int, a_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    qg = torch.linalg.qr(torch.randn(g_dim, g_dim, generator=gen, dtype=torch.float64))[0]
+    qa = torch.linalg.qr(torch.randn(a_dim, a_dim, generator=gen, dtype=torch.float64))[0]
+    dg = torch.rand(g_dim, generator=gen, dtype=torch.float64)
+    da = torch.rand(a_dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(g_dim, a_dim, generator=gen, dtype=torch.float64)
+    return grad, qa, da, qg, dg
+
+
+def _convolutions(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::mkldnn_convolution")
+
+
+def test_the_onednn_chain_equals_blas_and_float64_within_rounding():
+    ops64 = _operands(384, 257)  # 384 * 384 * 257 multiply-adds: above the route's threshold
+    assert 384 * 384 * 257 >= ONEDNN_MIN_MACS
+    ops32 = [t.float() for t in ops64]
+    want = precondition_eigen(*ops64, 0.01)
+    got = precondition_eigen(*ops32, 0.01)
+    with torch.backends.mkldnn.flags(enabled=False):
+        blas = precondition_eigen(*ops32, 0.01)
+    scale = float(want.abs().max())
+    err_route = float((got.double() - want).abs().max()) / scale
+    err_blas = float((blas.double() - want).abs().max()) / scale
+    assert err_route < 1e-5 and err_blas < 1e-5, (err_route, err_blas)
+    assert not torch.equal(got, blas)  # two kernels, two roundings: the comparison above is between routes
+    # the kept transposes give the same chain bit for bit
+    grad, qa, da, qg, dg = ops32
+    torch.testing.assert_close(precondition_eigen(grad, qa, da, qg, dg, 0.01, qa.mT.contiguous(),
+                                                  qg.mT.contiguous()), got, rtol=0, atol=0)
+
+
+def test_the_route_is_taken_where_it_applies_and_only_there():
+    big = [t.float() for t in _operands(384, 257)]
+    small = [t.float() for t in _operands(64, 65)]
+    assert _convolutions(lambda: precondition_eigen(*big, 0.01)) == 4
+    assert _convolutions(lambda: precondition_eigen(*small, 0.01)) == 0
+    assert _convolutions(lambda: precondition_eigen(*[t.double() for t in big], 0.01)) == 0
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert _convolutions(lambda: precondition_eigen(*big, 0.01)) == 0
+    # a stack of two: one chain per matrix
+    stacked = [torch.stack([t, t.flip(0)]) for t in big]
+    got = precondition_eigen(*stacked, 0.01)
+    assert _convolutions(lambda: precondition_eigen(*stacked, 0.01)) == 8
+    for i in range(2):
+        torch.testing.assert_close(got[i], precondition_eigen(*[s[i] for s in stacked], 0.01), rtol=0, atol=0)
+
+
+class _Pair(nn.Module):
+    """Two Linear layers of one shape (one bucket) large enough for the route, and a small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(256, 384), nn.Linear(256, 384)
+        self.head = nn.Linear(384, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.l1(x)) * torch.tanh(self.l2(x)))
+
+
+def _batch(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    model.zero_grad()
+    model(torch.randn(512, 256, generator=gen)).pow(2).sum().backward()
+
+
+def test_batched_equals_per_layer_bit_for_bit_and_follows_new_decompositions():
+    torch.manual_seed(0)
+    model = _Pair()
+    p = KFACPreconditioner(model, inv_update_freq=1, factor_update_freq=1, kl_clip=None, damping=0.03,
+                           announce=False)
+    for step in range(3):
+        _batch(model, step)
+        update_factors(p, 1.0)
+        p._update_decompositions()  # new eigenvectors: the bucket's stack and its transposes are rebuilt
+        grads = {h.name: h.grad_matrix().clone() for h in p.handlers}
+        buckets = p._buckets
+        got = buckets.precondition(p.handlers, grads, p.method, p.damping, torch.float32)
+        assert ["l1", "l2"] in buckets.last_buckets
+        stack = next(s for s in buckets._stacks.values() if s.stacked["q_A"].dim() == 3)
+        assert torch.equal(stack.stacked["qT_G"], stack.stacked["q_G"].mT)
+        for h in p.handlers:
+            want = keep_zeros(h.preconditioned(grads[h.name], p.method, p.damping, torch.float32), grads[h.name])
+            torch.testing.assert_close(got[h.name], want, rtol=0, atol=0)
+    assert _convolutions(lambda: PreconditionBuckets().precondition(p.handlers, grads, p.method, p.damping,
+                                                                    torch.float32)) == 8
