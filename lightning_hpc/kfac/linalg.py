@@ -17,6 +17,10 @@ columns for a convolution's A, about 9x the layer's forward FLOPs): :func:`sym_g
 FLOPs (BLAS ``syrk``, upper triangle only) from cache-sized chunks, which is what keeps K-FAC's factor steps cheap.
 For stride-1 zero-padded convolutions (most of a ResNet), :func:`conv_patch_gram` computes A from the
 ``(2 kh - 1)(2 kw - 1)`` shifted channel correlations of the input instead, a third of syrk's FLOPs for 3x3.
+
+On a CPU, large float32 products (Eq 13-15's, and the Grams of Linear layers that syrk does not take) run through
+oneDNN's convolution kernels rather than torch's BLAS (:func:`precondition_eigen`, :func:`product`): MKL's
+``sgemm`` runs 256-bit code on CPUs that are not Intel's.
 """
 
 from __future__ import annotations
@@ -90,6 +94,68 @@ def accelerator_routes() -> Iterator[None]:
 def gram_chunk_elements(t: torch.Tensor) -> int:
     """The chunk bound of the Grams of ``t`` (:func:`cache_blocked`)."""
     return GRAM_CHUNK_ELEMENTS if cache_blocked(t) else ACCELERATOR_GRAM_ELEMENTS
+
+
+#: smallest product (``m k n`` multiply-adds) that :func:`product` runs through oneDNN on a CPU: below it the
+#: convolution's call and the operand copies cost more than its faster arithmetic saves (measured on an AMD EPYC
+#: with AVX-512 at one thread: Eq 13-15's chain 1.08x faster at 320 x 81 x 81, 0.7x at 128 x 128 x 129)
+ONEDNN_MIN_MACS = 1 << 23
+#: most rows per column of a Linear layer's inputs or output gradients whose Gram :func:`_row_gram` takes through
+#: oneDNN where BLAS syrk does not apply
+ONEDNN_GRAM_MAX_ROWS_PER_COLUMN = 8
+
+
+def _onednn_route(t: torch.Tensor) -> bool:
+    """Whether products of ``t`` may run through oneDNN (:func:`precondition_eigen`): float32 on a CPU
+    (:func:`cache_blocked`) with oneDNN built in and enabled (``torch.backends.mkldnn.flags(enabled=False)`` turns
+    the route off)."""
+    return (cache_blocked(t) and t.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and bool(torch.backends.mkldnn.enabled))
+
+
+def _onednn_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x @ w`` takes oneDNN's route: :func:`_onednn_route` for both, the same leading dimensions and at
+    least :data:`ONEDNN_MIN_MACS` multiply-adds per matrix."""
+    m, k = x.shape[-2:]
+    return (x.shape[:-2] == w.shape[:-2] and m * k * w.shape[-1] >= ONEDNN_MIN_MACS and _onednn_route(x)
+            and _onednn_route(w))
+
+
+def _onednn_mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x @ wt^T`` for two row-major matrices ``x (m, k)`` and ``wt (n, k)``, computed as a 1x1 convolution
+    (oneDNN's kernels): the ``m`` rows of ``x`` are the pixels of a one-column channels-last image of ``k``
+    channels and ``wt`` is the ``(n, k, 1, 1)`` filter bank; the output is ``(m, n)`` row-major. No copies."""
+    m, k = x.shape
+    image = x.view(1, m, 1, k).permute(0, 3, 1, 2)  # (1, k, m, 1) channels-last
+    # A 1x1 filter's dilation changes nothing; it keeps torch from its own GEMM path, which it takes for undilated
+    # 1x1 convolutions of fewer than 16 images on one thread (aten/src/ATen/native/Convolution.cpp, use_mkldnn).
+    out = F.conv2d(image, wt.view(wt.shape[0], k, 1, 1), dilation=2)
+    return out.permute(0, 2, 3, 1).reshape(m, wt.shape[0])  # channels-last output: a view
+
+
+def keeps_transposes(q: torch.Tensor) -> bool:
+    """Whether eigenvectors ``q`` are kept beside a row-major copy of their transpose for :func:`precondition_eigen`
+    (one more copy of them in memory): where its oneDNN route can apply (float32 on a CPU with oneDNN enabled)."""
+    return _onednn_route(q)
+
+
+def _mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``x @ wt^T`` of row-major matrices: through oneDNN where :func:`_onednn_applies`, else torch's BLAS."""
+    if _onednn_applies(x, wt.mT):
+        return _onednn_mm_t(x.contiguous(), wt.contiguous())
+    return x @ wt.mT
+
+
+def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w``, batched over equal leading dimensions; each matrix through :func:`_mm_t` (oneDNN on a CPU where
+    it applies, see :func:`precondition_eigen`), or one batched product where it does not."""
+    if not _onednn_applies(x, w):
+        return x @ w
+    m, n = x.shape[-2], w.shape[-1]
+    out = x.new_empty(*x.shape[:-2], m, n)
+    for o, a, b in zip(out.view(-1, m, n), x.reshape(-1, *x.shape[-2:]), w.reshape(-1, *w.shape[-2:]), strict=True):
+        o.copy_(_mm_t(a, b.mT))
+    return out
 
 
 #: smallest side for which the BLAS syrk path pays off: below it (and when the rows fit one chunk), one matrix
@@ -222,6 +288,12 @@ def _row_gram(t: torch.Tensor, colsum: bool) -> tuple[torch.Tensor, torch.Tensor
     n, k = t.shape
     sums = t.sum(dim=0) if colsum else None
     if not (_syrk_applies(t) and k >= SYRK_MIN_DIM and n >= 2 * k):
+        if n <= ONEDNN_GRAM_MAX_ROWS_PER_COLUMN * k and _onednn_applies(t.mT, t):
+            # oneDNN's full product (see precondition_eigen) from one transposed copy: 2x MKL's rate on an AMD
+            # EPYC at 128-2048 rows of 320-1280 columns; with many more rows than columns its convolution has
+            # few pixels for a long reduction and is slower than BLAS (0.5x at 8192 rows of 160)
+            rows_t = t.t().contiguous()
+            return _onednn_mm_t(rows_t, rows_t), sums
         return t.t() @ t, sums
     syrk = _scipy_blas.ssyrk if t.dtype == torch.float32 else _scipy_blas.dsyrk
     _single_thread_blas()
@@ -548,65 +620,6 @@ def safe_damped_inverse(
 
     res = _with_fallbacks(factor, dtype, "inverse", name, "the previous one", solve)
     return None if res is None else res[0].to(dtype)
-
-
-#: smallest product (``m k n`` multiply-adds) that :func:`product` runs through oneDNN on a CPU: below it the
-#: convolution's call and the operand copies cost more than its faster arithmetic saves (measured on an AMD EPYC
-#: with AVX-512 at one thread: Eq 13-15's chain 1.08x faster at 320 x 81 x 81, 0.7x at 128 x 128 x 129)
-ONEDNN_MIN_MACS = 1 << 23
-
-
-def _onednn_route(t: torch.Tensor) -> bool:
-    """Whether products of ``t`` may run through oneDNN (:func:`precondition_eigen`): float32 on a CPU
-    (:func:`cache_blocked`) with oneDNN built in and enabled (``torch.backends.mkldnn.flags(enabled=False)`` turns
-    the route off)."""
-    return (cache_blocked(t) and t.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and bool(torch.backends.mkldnn.enabled))
-
-
-def _onednn_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w`` takes oneDNN's route: :func:`_onednn_route` for both, the same leading dimensions and at
-    least :data:`ONEDNN_MIN_MACS` multiply-adds per matrix."""
-    m, k = x.shape[-2:]
-    return (x.shape[:-2] == w.shape[:-2] and m * k * w.shape[-1] >= ONEDNN_MIN_MACS and _onednn_route(x)
-            and _onednn_route(w))
-
-
-def _onednn_mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x @ wt^T`` for two row-major matrices ``x (m, k)`` and ``wt (n, k)``, computed as a 1x1 convolution
-    (oneDNN's kernels): the ``m`` rows of ``x`` are the pixels of a one-column channels-last image of ``k``
-    channels and ``wt`` is the ``(n, k, 1, 1)`` filter bank; the output is ``(m, n)`` row-major. No copies."""
-    m, k = x.shape
-    image = x.view(1, m, 1, k).permute(0, 3, 1, 2)  # (1, k, m, 1) channels-last
-    # A 1x1 filter's dilation changes nothing; it keeps torch from its own GEMM path, which it takes for undilated
-    # 1x1 convolutions of fewer than 16 images on one thread (aten/src/ATen/native/Convolution.cpp, use_mkldnn).
-    out = F.conv2d(image, wt.view(wt.shape[0], k, 1, 1), dilation=2)
-    return out.permute(0, 2, 3, 1).reshape(m, wt.shape[0])  # channels-last output: a view
-
-
-def keeps_transposes(q: torch.Tensor) -> bool:
-    """Whether eigenvectors ``q`` are kept beside a row-major copy of their transpose for :func:`precondition_eigen`
-    (one more copy of them in memory): where its oneDNN route can apply (float32 on a CPU with oneDNN enabled)."""
-    return _onednn_route(q)
-
-
-def _mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x @ wt^T`` of row-major matrices: through oneDNN where :func:`_onednn_applies`, else torch's BLAS."""
-    if _onednn_applies(x, wt.mT):
-        return _onednn_mm_t(x.contiguous(), wt.contiguous())
-    return x @ wt.mT
-
-
-def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w``, batched over equal leading dimensions; each matrix through :func:`_mm_t` (oneDNN on a CPU where
-    it applies, see :func:`precondition_eigen`), or one batched product where it does not."""
-    if not _onednn_applies(x, w):
-        return x @ w
-    m, n = x.shape[-2], w.shape[-1]
-    out = x.new_empty(*x.shape[:-2], m, n)
-    for o, a, b in zip(out.view(-1, m, n), x.reshape(-1, *x.shape[-2:]), w.reshape(-1, *w.shape[-2:]), strict=True):
-        o.copy_(_mm_t(a, b.mT))
-    return out
 
 
 def precondition_eigen(

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
 from lightning_hpc.kfac.factor_update import update_factors
-from lightning_hpc.kfac.linalg import ONEDNN_MIN_MACS, precondition_eigen
+from lightning_hpc.kfac.linalg import ONEDNN_GRAM_MAX_ROWS_PER_COLUMN, ONEDNN_MIN_MACS, precondition_eigen, sym_gram
 
 pytestmark = [
     pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
@@ -111,3 +111,18 @@ def test_batched_equals_per_layer_bit_for_bit_and_follows_new_decompositions():
             torch.testing.assert_close(got[h.name], want, rtol=0, atol=0)
     assert _convolutions(lambda: PreconditionBuckets().precondition(p.handlers, grads, p.method, p.damping,
                                                                     torch.float32)) == 8
+
+
+def test_linear_grams_take_the_route_where_syrk_does_not():
+    """A Linear layer's Gram (:func:`~lightning_hpc.kfac.linalg.sym_gram` of its row matrix) with fewer than twice
+    as many rows as columns, or on several threads, runs through oneDNN, equal to the float64 Gram within
+    float32's rounding; a tall one with BLAS syrk or BLAS (its convolution would have few pixels for a long sum)."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(384, 640, generator=gen)
+    want = wide.double().t() @ wide.double()
+    got, sums = sym_gram(wide, colsum=True)
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
+    torch.testing.assert_close(sums, wide.sum(0))
+    assert _convolutions(lambda: sym_gram(wide)) == 1
+    tall = torch.randn(ONEDNN_GRAM_MAX_ROWS_PER_COLUMN * 160 + 1, 160, generator=gen)
+    assert _convolutions(lambda: sym_gram(tall)) == 0
