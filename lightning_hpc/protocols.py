@@ -142,7 +142,8 @@ class TiledLayers(Protocol):
     optimizer).  Before a forward whose statistics K-FAC captures it calls :meth:`request` for the layer; after it,
     :meth:`take` gives the input box whose padding-0 convolution is exactly the output positions this tile owns
     (halo rows and border padding included) and the whole sample's output extent, or None when nothing was
-    recorded.
+    recorded.  :meth:`watch`: K-FAC reads the statistics of this tiled layer (at its handler's creation), so a
+    compiled split step of a model holding it runs eagerly (a compiled graph records no input box).
     """
 
     partition_size: int
@@ -150,6 +151,8 @@ class TiledLayers(Protocol):
     def is_tiled(self, module: Any) -> bool: ...
 
     def splits_statistics(self, module: Any) -> bool: ...
+
+    def watch(self, module: Any) -> None: ...
 
     def request(self, module: Any, capturing: bool) -> None: ...
 

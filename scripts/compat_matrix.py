@@ -2,6 +2,7 @@
 
     python scripts/compat_matrix.py            # runs the suite (2-process Trainer cells, batched per strategy)
     python scripts/compat_matrix.py --junit results.xml   # or reads a JUnit file pytest already wrote
+                                                          # (with -o junit_family=xunit1 for the compiled notes)
 
 Every cell is a test: "exact" = final parameters equal one process on the global batch (float64, 1e-9),
 "= ddp" = equal to DDP (modules that make DDP itself differ from one process), "bounded" = within a tested bound,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import re
 import subprocess
 import sys
@@ -47,7 +49,9 @@ _RANK = {"FAILS": 3, "exact (micro-batches)": 2}
 def run_suite() -> Path:
     junit = Path(tempfile.mkdtemp()) / "conformance.xml"
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "tests/conformance", f"--junitxml={junit}"], cwd=REPO, check=False
+        # xunit1: the family whose test cases carry the tests' recorded properties (compiled_notes)
+        [sys.executable, "-m", "pytest", "-q", "tests/conformance", f"--junitxml={junit}", "-o", "junit_family=xunit1"],
+        cwd=REPO, check=False,
     )
     return junit
 
@@ -67,6 +71,21 @@ def cells(junit: Path) -> dict[tuple[str, str], str]:
     return found
 
 
+def compiled_notes(junit: Path) -> dict[tuple[str, str], str]:
+    """How each exact cell with a ``torch.compile``d module ran under the spatial strategy (the test's ``compiled``
+    property): ``"compiled"`` (its split step one compiled graph) or ``"eager: <why>"``."""
+    notes: dict[tuple[str, str], str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        m = CELL.search(case.get("name", ""))
+        prop = case.find("properties/property[@name='compiled']")
+        if m is None or prop is None:
+            continue
+        state = json.loads(prop.get("value", "{}"))
+        refused = [s["refused"] for s in state.values() if s["refused"]]
+        notes[(m["strategy"], m["case"])] = f"eager: {refused[0]}" if refused else "compiled"
+    return notes
+
+
 def _conformance_cells() -> Any:
     """``tests/conformance/cells.py``: the matrix's columns, features and verdicts."""
     if str(REPO / "tests" / "conformance") not in sys.path:
@@ -76,7 +95,8 @@ def _conformance_cells() -> Any:
     return conformance
 
 
-def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: str, reasons: list[str]) -> str:
+def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: str, reasons: list[str],
+             notes: dict[tuple[str, str], str]) -> str:
     """What the suite showed for one cell of the matrix (the fix's column merged in), or the reason it has none."""
     verdict = c.MATRIX[(column, feature)]
     if isinstance(verdict, c.NotApplicable):
@@ -89,6 +109,15 @@ def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: st
         if verdict.why not in reasons:
             reasons.append(verdict.why)
         return f"{shown or 'not run'} ({reasons.index(verdict.why) + 1})"
+    note = notes.get((column, case))
+    if note is not None and shown:
+        if note.startswith("eager: "):
+            why = f"the compiled module's split step ran eagerly through the dispatch, exactly: {note[7:]}"
+            if why not in reasons:
+                reasons.append(why)
+            shown = f"{shown}, eager ({reasons.index(why) + 1})"
+        else:
+            shown = f"{shown}, compiled"
     fixed = found.get((f"{column}_find_unused", case), "")
     if isinstance(verdict, c.ExactWithFix):
         suffix = "" if fixed == "exact" else f" ({fixed or 'not run'})"
@@ -98,10 +127,10 @@ def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: st
     return shown or "not run"
 
 
-def write(found: dict[tuple[str, str], str]) -> None:
+def write(found: dict[tuple[str, str], str], notes: dict[tuple[str, str], str]) -> None:
     c = _conformance_cells()
     reasons: list[str] = []
-    rows = [[_verdict(c, found, s, f, reasons) for s in c.COLUMNS] for f in c.FEATURES]
+    rows = [[_verdict(c, found, s, f, reasons, notes) for s in c.COLUMNS] for f in c.FEATURES]
     refused = [sum(row[i].startswith("refused") for row in rows) for i in range(len(c.COLUMNS))]
     skipped = any(v.startswith("skipped") for row in rows for v in row)
     counted = f"{sum(refused)} refused cells in all{', skipped cells not counted' if skipped else ''}"
@@ -157,7 +186,10 @@ def write(found: dict[tuple[str, str], str]) -> None:
         "parameters became trainable or frozen mid-run (after 2 steps); every rank stopped before the step that "
         "would have applied unreduced gradients, naming the parameters and the fix. **differs (k)**: a known "
         "difference from one process (reason k below the table), tested to still be one. **skipped**: Horovod is "
-        "not installed where the matrix was generated. **n/a (k)**: no test, for reason k below the table. "
+        "not installed where the matrix was generated. **, compiled** (after a `torch_compile` verdict under the "
+        "spatial strategies): the `torch.compile`d module's split step ran as compiled graphs of tile operations "
+        "(`lightning_hpc.spatial.compile`; the test checks it); **, eager (k)**: it ran eagerly through the "
+        "dispatch instead, for reason k below the table. **n/a (k)**: no test, for reason k below the table. "
         "**FAILS**: the test failed where the matrix was generated.",
         "",
         "Columns: `ddp` is Lightning's own `DDPStrategy` (the harness: it checks the references); "
@@ -250,11 +282,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--junit", type=Path, help="read this JUnit XML instead of running the suite")
     args = parser.parse_args()
-    found = cells(args.junit or run_suite())
+    junit = args.junit or run_suite()
+    found = cells(junit)
     if not found:
         print("no conformance results found", file=sys.stderr)
         return 1
-    write(found)
+    write(found, compiled_notes(junit))
     return 0
 
 

@@ -623,6 +623,25 @@ class ReportSteps(pl.Callback):
         self.steps += 1
 
 
+class CompiledForwards(pl.Callback):
+    """What each ``torch.compile``d submodule's forward did under the spatial strategy (its compiled split step,
+    :class:`~lightning_hpc.spatial.compile.SplitCompiledForward`): graphs captured, tile programs traced, or why it
+    ran eagerly; read when training ends, before the strategy hands the modules back."""
+
+    postponed_update_safe = True
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_hpc.spatial.compile import SplitCompiledForward
+
+        for name, module in pl_module.named_modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, SplitCompiledForward):
+                self.state[name] = {"graphs": forward.graphs, "traces": forward.traces, "refused": forward.refused}
+
+
 def broken_layered_sgd() -> Any:
     """The negative control of the rows about user code around the step and trainability changes: layered SGD that
     always postpones the update and never rebuilds its buckets (what it did before it learned to do otherwise)."""
@@ -814,7 +833,7 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
     out.mkdir(parents=True, exist_ok=True)
     if case.data == "transformer":
         wikitext()
-    steps = ReportSteps()
+    steps, compiled = ReportSteps(), CompiledForwards()
     result: dict[str, Any] = {"rank": int(os.environ.get("RANK", os.environ.get("HOROVOD_RANK", 0)))}
 
     def trainer(**extra: Any) -> pl.Trainer:
@@ -841,7 +860,7 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[steps, *callbacks, *kwargs.pop("callbacks", [])],
+            callbacks=[steps, compiled, *callbacks, *kwargs.pop("callbacks", [])],
             num_sanity_val_steps=0,
             use_distributed_sampler=world > 1,
             **kwargs,
@@ -903,6 +922,8 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
             result["global_step"] = t.global_step
         print(f"CASE {strategy_name}:{case_name} raised {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     result["steps"] = steps.steps
+    if compiled.state:
+        result["compiled"] = compiled.state
     rank = t.global_rank if t is not None else result["rank"]
     (out / f"result_rank{rank}.json").write_text(json.dumps(result, default=str))
 

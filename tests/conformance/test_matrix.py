@@ -20,6 +20,7 @@ Each cell is one of:
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -200,10 +201,11 @@ def _predictions(files, what: str) -> dict[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("strategy", "case"), _params(EXACT))
-def test_two_processes_equal_one(strategy, case, runs):
+def test_two_processes_equal_one(strategy, case, runs, record_property):
     what = f"{strategy} x {case}"
     got = _run(runs, strategy, case)
     _trained(got, what)
+    _compiled_as_expected(got, strategy, what, record_property)
     dp = data_parallel(strategy, case)
     ref = runs.one(case.replace("_2_to_1", ""), dp, kfac=kfac_reference(strategy))
     _trained(ref, f"one process x {case}")
@@ -215,6 +217,24 @@ def test_two_processes_equal_one(strategy, case, runs):
         worst = _max_diff(params, ref.params())
         assert worst < tol, f"{what}: final parameters differ from one process by {worst:.3g}"
     _same_observations(got, ref, what, dp)
+
+
+def _compiled_as_expected(got: CaseResult, strategy: str, what: str, record_property) -> None:
+    """A ``torch.compile``d module under the spatial strategy: its split step is one compiled graph (``spatial``,
+    ``spatial3d``), or runs eagerly because K-FAC records its tiled convolutions' statistics (``kfac_spatial``).
+    Recorded as the test's ``compiled`` property, which ``scripts/compat_matrix.py`` shows in the cell."""
+    states = [r.get("compiled") for r in got.ranks]
+    if not any(states):
+        assert strategy.removeprefix("kfac_") not in ("spatial", "spatial3d") or "compile" not in what, \
+            f"{what}: no compiled split step was installed"
+        return
+    assert all(s == states[0] for s in states), f"{what}: the ranks compiled differently: {states}"
+    for name, state in states[0].items():
+        if strategy.startswith("kfac_"):
+            assert state["refused"] is not None and "K-FAC" in state["refused"], (what, name, state)
+        else:
+            assert state["refused"] is None and state["graphs"] >= 1 and state["traces"] >= 1, (what, name, state)
+    record_property("compiled", json.dumps(states[0]))
 
 
 @pytest.mark.parametrize(("strategy", "case"), _params(EQUAL_DDP))

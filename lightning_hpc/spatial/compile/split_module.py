@@ -62,6 +62,7 @@ class SplitCompiledForward:
         self.refused: str | None = None
         self.traces = 0
         self.graphs = 0
+        self._checked_readers = False
         self._real: dict[int, SpatialTensor] = {}
         self._modes: list[Any] = []
         self._captured = torch.compile(self.module, backend=self._capture, fullgraph=True, dynamic=False)
@@ -74,6 +75,13 @@ class SplitCompiledForward:
         if self.refused is not None or not all(isinstance(m, ParameterUseCheck) for m in modes):
             # a function mode of the user's sees every op of every step: this call runs eagerly, through it
             return self.module(*args, **kwargs)
+        if not self._checked_readers:  # once per stage: the strategy installs a new one at each setup
+            self._checked_readers = True
+            tiled = next(t for t in leaves if isinstance(t, SpatialTensor))._grid.tiled_layers
+            if tiled is not None and tiled.watches(self.module):
+                self._refuse(NotTraceable("K-FAC records the statistics of its tiled convolutions, which a "
+                                          "compiled graph does not hand it"))
+                return self.module(*args, **kwargs)
         self._real.clear()
 
         def stand(t: Any) -> Any:

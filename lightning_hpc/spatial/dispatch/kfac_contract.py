@@ -53,6 +53,8 @@ class TiledLayerRegistry:
         #: the layers asked to record, by ``id`` of their weight (what the convolution handler sees of its caller)
         self._requested: dict[int, nn.Module] = {}
         self._records: dict[int, Record] = {}
+        #: the tiled layers whose statistics K-FAC reads (:meth:`watch`)
+        self._watched: dict[int, nn.Module] = {}
 
     def declare(self, model: nn.Module) -> TiledLayerRegistry:
         """Add every convolution and normalisation layer of ``model``; returns the registry."""
@@ -68,6 +70,16 @@ class TiledLayerRegistry:
 
     def splits_statistics(self, module: Any) -> bool:
         return self._norms.get(id(module)) is module
+
+    def watch(self, module: Any) -> None:
+        """K-FAC reads the statistics of ``module`` (a tiled convolution): see :meth:`watches`."""
+        self._watched[id(module)] = module
+
+    def watches(self, model: nn.Module) -> bool:
+        """Whether K-FAC reads the statistics of a tiled layer of ``model``: a compiled split step of ``model``
+        then runs eagerly (:class:`~lightning_hpc.spatial.compile.SplitCompiledForward`), since a compiled graph
+        records no input box."""
+        return any(self._watched.get(id(m)) is m for m in model.modules())
 
     def request(self, module: Any, capturing: bool) -> None:
         """K-FAC, before the layer's forward: record its input box in this forward (``capturing``), or not."""
