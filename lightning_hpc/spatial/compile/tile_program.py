@@ -10,9 +10,9 @@ user's backend compiles (its backward derived by AOTAutograd through the operato
 with the same layouts replays the compiled graph: no Python per op, no graph break per convolution.
 
 What the dispatch cannot put into a graph refuses the trace (:class:`~lightning_hpc.spatial.layout.tracing.
-NotTraceable`, naming the op): random draws on tiles, values read back to the host, ops computed on a gathered
-activation, rows moved between tiles, K-FAC's statistics of tiled convolutions.  The caller then runs the step
-eagerly, exactly as before.
+NotTraceable`, naming the op): random draws on tiles, values read back to the host, a grad-mode change, K-FAC's
+statistics of tiled convolutions.  The caller then runs the step eagerly, exactly as before.  An op with no tiled
+form is computed on the whole activation as in eager mode, gathered by an operator of the graph.
 """
 
 from __future__ import annotations

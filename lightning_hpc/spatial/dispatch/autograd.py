@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
+from lightning_hpc.spatial.layout.whole import gather_tiles
+from lightning_hpc.spatial.layout.whole import tile_index as _tile_index
 
 
 class _CompleteGrad(torch.autograd.Function):
@@ -42,14 +42,6 @@ class _CompleteGrad(torch.autograd.Function):
         g = g.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
         return g, None
-
-
-def _tile_index(shape: Sequence[int], sdims: Sequence[int], grid: SpatialGrid) -> tuple:
-    """The index selecting this rank's tile of a whole tensor of ``shape`` split along ``sdims``."""
-    idx = [slice(None)] * len(shape)
-    for d, p, i in zip(sdims, grid.parts, grid.index):
-        idx[d] = slice(*block_bounds(shape[d], p)[i])
-    return tuple(idx)
 
 
 class _ScatterTile(torch.autograd.Function):
@@ -76,31 +68,10 @@ def _tile_of(t: torch.Tensor, grid: SpatialGrid, sdims: Sequence[int]) -> torch.
     """This tile of a replicated whole tensor split along ``sdims``: through :class:`_ScatterTile` when it needs a
     gradient (complete on every rank), else a plain index."""
     if t.requires_grad and grid.group is not None:
+        if Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
+            return torch.ops.lightning_hpc.tile_of(t, key_of(grid), list(sdims))
         return _ScatterTile.apply(t, grid, sdims)
     return t[_tile_index(t.shape, sdims, grid)]
-
-
-def _gather_raw(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], sdims: Sequence[int]) -> torch.Tensor:
-    """The whole tensor from every rank's tile: tiles padded to the largest tile (all_gather needs one size),
-    gathered, and each placed at its bounds.  A grid of one tile holds the whole tensor already."""
-    if grid.group is None:
-        return local.clone()
-    k = len(sdims)
-    moved = local.movedim(tuple(sdims), tuple(range(-k, 0))).contiguous()
-    bounds = [block_bounds(gshape[d], p) for d, p in zip(sdims, grid.parts)]
-    largest = [max(b - a for a, b in bs) for bs in bounds]
-    pad: list[int] = []
-    for j in reversed(range(k)):
-        pad += [0, largest[j] - moved.shape[moved.dim() - k + j]]
-    padded = F.pad(moved, pad).contiguous()
-    parts = [torch.empty_like(padded) for _ in range(grid.size)]
-    dist.all_gather(parts, padded, group=grid.group)
-    full = moved.new_empty(*moved.shape[:-k], *(gshape[d] for d in sdims))
-    for pos, part in enumerate(parts):
-        ranges = [bs[i] for bs, i in zip(bounds, grid.unravel(pos))]
-        into = (Ellipsis,) + tuple(slice(a, b) for a, b in ranges)
-        full[into] = part[(Ellipsis,) + tuple(slice(0, b - a) for a, b in ranges)]
-    return full.movedim(tuple(range(-k, 0)), tuple(sdims))
 
 
 class _Gather(torch.autograd.Function):
@@ -110,7 +81,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, local, grid, gshape, sdims):  # type: ignore[override]
         refuse_trace('gathering a split activation whole')
         ctx.args = (grid, tuple(gshape), tuple(sdims))
-        return _gather_raw(local, grid, gshape, sdims)
+        return gather_tiles(local, grid, gshape, sdims)
 
     @staticmethod
     @once_differentiable  # the exchange in this backward is not itself differentiated

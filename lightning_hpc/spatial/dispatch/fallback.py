@@ -16,7 +16,6 @@ from lightning_hpc.spatial.dispatch.calls import _inplace_call, _is_inplace, _op
 from lightning_hpc.spatial.dispatch.state import _STATE, SpatialDispatchError
 from lightning_hpc.spatial.dispatch.state import where as where_of
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _nbytes, _spatials
-from lightning_hpc.spatial.layout.tracing import refuse_trace
 
 
 def _unsupported(func, reason: str, fix: str, spatial: list[SpatialTensor], *, inplace: bool = False) -> None:
@@ -43,7 +42,6 @@ def gathered_call(func, args, kwargs, spatial: list[SpatialTensor], *, what: str
     """``func`` on the whole tensors: the split operands ``spatial`` gathered (refused first when the call changes
     a split operand in place, or when gathering is off; warned about once otherwise, and counted), the result whole.
     ``what`` names the operands in messages ("a split activation"), ``reason`` says why the op is gathered."""
-    refuse_trace(f"{_op_name(func)} on {what}, which {reason} (computed on the gathered whole tensor)")
     # the operand an in-place op changes is its first (a method's self; the input a functional hands on first)
     if (_is_inplace(func) or _inplace_call(kwargs)) and isinstance(args[0], SpatialTensor) or \
             kwargs.get("out") is not None:

@@ -17,6 +17,7 @@ import torch
 
 from lightning_hpc.spatial.dispatch.autograd import _Gather
 from lightning_hpc.spatial.dispatch.calls import _flat
+from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import Trace as _Trace
 
@@ -82,6 +83,9 @@ class SpatialTensor(torch.Tensor):
 
     def full(self) -> torch.Tensor:
         """The whole activation on every rank (one all-gather; differentiable)."""
+        if _Trace.active:  # an operator a graph holds, with the same adjoint (graph_ops)
+            return torch.ops.lightning_hpc.gather_whole(_plain(self), key_of(self._grid), list(self._gshape),
+                                                         list(self._sdims))
         return _Gather.apply(_plain(self), self._grid, self._gshape, self._sdims)
 
     @property

@@ -17,6 +17,10 @@ operators.  Each carries its own adjoint (``register_autograd``), so the compile
 * ``sum_replicated``: the sum over the group of a value every rank then uses identically (losses, global
   pooling feeding a replicated head); adjoint: the identity (each rank holds the whole gradient already).
 * ``complete_gradient``: the identity on a replicated tensor that meets tiles; adjoint: the sum over the group.
+* ``gather_whole``: the whole activation on every rank from the tiles (an op with no tiled form, computed on the
+  whole tensor); adjoint: this tile's part of the (complete) gradient.
+* ``tile_of``: this tile of a replicated whole tensor (such an op's result split again, a replicated operand cut
+  to the tiles); adjoint: the tile's gradient placed in zeros and summed over the group.
 
 Plans and process groups are objects; an operator's arguments are tensors and numbers, so each object is
 referred to by a key (:mod:`~lightning_hpc.spatial.layout.op_keys`).  The kernels call the operators by name
@@ -35,8 +39,9 @@ import torch.distributed as dist
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.spatial.kernels.convolution import _box_ranges, _own_part, _rel, extended_box
 from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloExchange, HaloPlan
-from lightning_hpc.spatial.layout.op_keys import lookup
+from lightning_hpc.spatial.layout.op_keys import key_of, lookup
 from lightning_hpc.spatial.layout.remap import remap_backward, remap_forward
+from lightning_hpc.spatial.layout.whole import gather_tiles, tile_index
 
 __all__: list[str] = []  # the operators are used by name: torch.ops.lightning_hpc.*
 
@@ -190,3 +195,51 @@ def _identity_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None
 _sum_partial.register_autograd(_sum_backward, setup_context=_group_setup)
 _sum_replicated.register_autograd(_identity_backward, setup_context=_group_setup)
 _complete_gradient.register_autograd(_sum_backward, setup_context=_group_setup)
+
+
+# -- a whole tensor and its tiles ----------------------------------------------------------------------------------
+@torch.library.custom_op("lightning_hpc::gather_whole", mutates_args=())
+def _gather_whole(local: torch.Tensor, grid_key: int, gshape: list[int], sdims: list[int]) -> torch.Tensor:
+    return gather_tiles(local, lookup(grid_key), gshape, sdims).contiguous()
+
+
+@_gather_whole.register_fake
+def _(local: torch.Tensor, grid_key: int, gshape: list[int], sdims: list[int]) -> torch.Tensor:
+    return local.new_empty(gshape)
+
+
+def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    _, ctx.grid_key, ctx.gshape, ctx.sdims = inputs
+
+
+def _gather_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+    return g[tile_index(ctx.gshape, ctx.sdims, lookup(ctx.grid_key))].contiguous(), None, None, None
+
+
+_gather_whole.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+@torch.library.custom_op("lightning_hpc::tile_of", mutates_args=())
+def _tile_of(x: torch.Tensor, grid_key: int, sdims: list[int]) -> torch.Tensor:
+    return x[tile_index(x.shape, sdims, lookup(grid_key))].clone()
+
+
+@_tile_of.register_fake
+def _(x: torch.Tensor, grid_key: int, sdims: list[int]) -> torch.Tensor:
+    index = tile_index(x.shape, sdims, lookup(grid_key))
+    return x.new_empty([len(range(*s.indices(n))) for s, n in zip(index, x.shape)])
+
+
+def _tile_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, ctx.grid_key, ctx.sdims = inputs
+    ctx.shape = tuple(x.shape)
+
+
+def _tile_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+    grid = lookup(ctx.grid_key)
+    full = g.new_zeros(ctx.shape)
+    full[tile_index(ctx.shape, ctx.sdims, grid)] = g
+    return torch.ops.lightning_hpc.sum_partial(full, key_of(grid.group)), None, None
+
+
+_tile_of.register_autograd(_tile_backward, setup_context=_tile_setup)

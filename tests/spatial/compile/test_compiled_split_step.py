@@ -61,9 +61,24 @@ class SqueezeExcite(Net2d):
         return self.head(h * gate[:, :, None, None])
 
 
+class GatheredOps(Net2d):
+    """Ops with no tiled form, computed on the gathered whole activation: a cumulative sum along a split dimension
+    (its result split again, its gradient summed over the group) and a Flatten + Linear head (every rank computes
+    it whole; the gather's adjoint keeps this tile's part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Identity()
+        self.fc = nn.Linear(6 * 6 * 5, 4)
+
+    def forward(self, x):
+        h = torch.cumsum(self.body(x), dim=2) / 8.0
+        return self.fc(torch.flatten(h, 1))
+
+
 MODELS = {
     "net2d": (Net2d, (2, 3, 12, 10)), "se": (SqueezeExcite, (2, 3, 12, 10)), "net3d": (Net3d, (2, 2, 8, 6, 6)),
-    "dropout": (WithDropout, (2, 3, 12, 10)),
+    "dropout": (WithDropout, (2, 3, 12, 10)), "gathered": (GatheredOps, (2, 3, 12, 10)),
 }
 
 
@@ -105,13 +120,16 @@ def _run(rank, world, parts, name, shapes, backend):
             grads.append(float((g - r.grad).abs().max()))
         buffers = max((float((b - r).abs().max()) for b, r in zip(model.buffers(), ref_model.buffers())
                        if b.is_floating_point()), default=0.0)
-        results.append({"out": float((out.full() - ref).abs().max()), "grads": max(grads), "buffers": buffers})
+        whole = out.full() if hasattr(out, "full") else out  # a replicated output (the Flatten + Linear head)
+        results.append({"out": float((whole - ref).abs().max()), "grads": max(grads), "buffers": buffers})
     return {"results": results, "traces": compiled.traces, "graphs": compiled.graphs, "refused": compiled.refused}
 
 
 @pytest.mark.parametrize(
-    ("name", "parts"), [("net2d", (2, 1)), ("net2d", (1, 2)), ("se", (2, 1)), ("net3d", (2, 1, 1))],
-    ids=["2d-2x1", "2d-1x2", "se-2x1", "3d-2x1x1"])
+    ("name", "parts"),
+    [("net2d", (2, 1)), ("net2d", (1, 2)), ("se", (2, 1)), ("net3d", (2, 1, 1)), ("gathered", (2, 1)),
+     ("gathered", (1, 2))],
+    ids=["2d-2x1", "2d-1x2", "se-2x1", "3d-2x1x1", "gathered-2x1", "gathered-1x2"])
 def test_compiled_split_step_equals_one_process(name, parts):
     for res in run_in_processes(_run, 2, parts, name, [None], "eager", timeout_s=300):
         assert res["refused"] is None, res["refused"]
