@@ -63,7 +63,8 @@ def test_compiled_user_models_fit_as_one_process(parts):
         # which sees the trace), replayed by the later steps
         assert state == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "refused": None}, (name, state)
     refused = results[0]["unet_pad_to_skip"]["compiled"]["refused"]
-    assert refused is not None and "data-dependent" in refused, refused
+    # dynamo's words for a value read back to the host ("data-dependent"; torch 2.9: "Tensor.item() call")
+    assert refused is not None and ("data-dependent" in refused or "item()" in refused), refused
 
 
 def _compiled_volume_run(rank, world, parts):
