@@ -44,9 +44,13 @@ time there: the ranks wait for each other, and waiting is what overlap removes.
 costs with the decompositions spread, against ``kfac_factors_decomp``'s stall once per interval.
 
 Beside each K-FAC ratio, ``flop_floor`` is the FLOP floor of the eigen route (:func:`flop_floor`): ``1 + P / S``
-with ``S`` the SGD step's FLOPs (torch's FLOP counter) and ``P`` the matrix-product FLOPs every K-FAC step must run
-to precondition (Eq 13-15: four products per layer). It is a ratio of FLOPs, not of times: what the amortized ratio
-would be if K-FAC's products ran at the SGD step's FLOP rate and the factor steps and decompositions were free.
+with ``S`` the SGD step's FLOPs (torch's FLOP counter, with grouped convolutions' backward counted right:
+:func:`harness.flop_counter`) and ``P`` the matrix-product FLOPs every K-FAC step must run to precondition (Eq
+13-15: four products per layer). It is a ratio of FLOPs, not of times: what the amortized ratio would be if K-FAC's
+products ran at the SGD step's FLOP rate and the factor steps and decompositions were free. Networks of depthwise
+convolutions run their SGD step far below a product's FLOP rate, so there it is no lower bound on time;
+``time_floor`` (:func:`product_rate`) is: ``1 + P / (R t_sgd)`` with ``R`` the rate the products reach on this
+machine in the same run.
 The inverse route's floor (two products) is printed too; it damps differently, so it is no exact cheaper route.
 """
 
@@ -61,7 +65,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Report, force_kfac_step_kind
+from harness import Report, flop_counter, force_kfac_step_kind
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -140,6 +144,7 @@ def main() -> None:
     report.meta.update(floor)
     print(f"FLOP floor (SGD step + the every-step preconditioning products, as a ratio of the SGD step's FLOPs): "
           f"eigen {floor['floor_eigen']:.3f}x, inverse {floor['floor_inverse']:.3f}x")
+    time_floors: dict[int, float] = {}
     for threads in dict.fromkeys(counts):
         if args.processes > 1:
             # rank 0's medians (every step kind synchronises the ranks through its collectives)
@@ -149,6 +154,12 @@ def main() -> None:
             t, t_wall = measure(args, threads, modes)
         # waiting for the other ranks is not CPU time: with several processes only wall time counts it
         ratio_on = "cpu_s_per_step" if threads == 1 and args.processes == 1 else "wall_s_per_step"
+        rate = product_rate(threads)
+        sgd_s = (t if ratio_on == "cpu_s_per_step" else t_wall)["sgd"]
+        time_floors[threads] = 1.0 + floor["precondition_flops_eigen"] / (rate * sgd_s)
+        report.meta[f"product_gflops_threads{threads}"] = rate / 1e9
+        print(f"{threads} thread(s): the preconditioning's products run at {rate / 1e9:.0f} GFLOP/s (a 1024 x 513 "
+              f"layer's Eq 13-15 chain): time floor {time_floors[threads]:.3f}x")
         for k, v in t.items():
             report.add(
                 threads=threads,
@@ -171,8 +182,9 @@ def main() -> None:
                     wall_s_per_step=amortized(t_wall, f, d, suffix),
                     ratio_on=ratio_on,
                 )
-    for row in report.rows:  # the floor of the compute method timed (the default, eigen) beside each K-FAC ratio
+    for row in report.rows:  # the floors of the compute method timed (the default, eigen) beside each K-FAC ratio
         row["flop_floor"] = None if row["config"] == "sgd" else floor["floor_eigen"]
+        row["time_floor"] = None if row["config"] == "sgd" else time_floors[row["threads"]]
     report.add_ratios("config", "cpu_s_per_step", "sgd", ratio_name="cpu_vs_sgd", group_by=["threads"])
     report.add_ratios("config", "wall_s_per_step", "sgd", ratio_name="wall_vs_sgd", group_by=["threads"])
     for row in report.rows:  # the ratio that measures the step's own work at this thread count
@@ -222,14 +234,12 @@ def flop_floor(args: argparse.Namespace, batch: int) -> dict[str, float]:
     decompositions come on top of it. Of the two routes only the eigen one (the default, timed here) computes the
     exact damping ``(A (x) G + damping I)^-1``; the inverse route's is factored, ``(A + damping I)^-1 (x) (G +
     damping I)^-1``, so it is not an exact cheaper route to the same step."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from lightning_hpc.kfac.methods import make_method
 
     torch.manual_seed(0)
     model = build(args)
     x, y = torch.randn(batch, 3, args.size, args.size), torch.randint(0, 10, (batch,))
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:  # grouped convolutions' backward counted right (torch's own formula does not)
         F.cross_entropy(model(x), y).backward()
     sgd = counter.get_total_flops()
     pre = KFACPreconditioner(model, layer_types=args.layer_types, announce=False)
@@ -239,6 +249,29 @@ def flop_floor(args: argparse.Namespace, batch: int) -> dict[str, float]:
         out[f"precondition_flops_{name}"] = flops
         out[f"floor_{name}"] = 1.0 + flops / sgd
     return out
+
+
+def product_rate(threads: int) -> float:
+    """FLOP/s of the every-step preconditioning's products on this machine at ``threads``: Eq 13-15's chain
+    (:func:`~lightning_hpc.kfac.linalg.precondition_eigen`, four products) on a float32 1024 x 513 layer, median of
+    5 after a warm-up. With it, ``time_floor = 1 + P / (rate * t_sgd)``: the amortized ratio if every layer's
+    products ran at that (large-layer) rate and the factor steps and decompositions were free. Unlike
+    ``flop_floor``, it does not assume the products run at the SGD step's own FLOP rate, which depthwise
+    convolutions keep far below a product's."""
+    from lightning_hpc.kfac.linalg import precondition_eigen
+
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    qg = torch.linalg.qr(torch.randn(1024, 1024, generator=gen))[0].contiguous()
+    qa = torch.linalg.qr(torch.randn(513, 513, generator=gen))[0].contiguous()
+    grad = torch.randn(1024, 513, generator=gen)
+    dg, da = torch.rand(1024, generator=gen), torch.rand(513, generator=gen)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        precondition_eigen(grad, qa, da, qg, dg, 0.01)
+        times.append(time.perf_counter() - t0)
+    return 4 * 1024 * 513 * (1024 + 513) / statistics.median(times[1:])
 
 
 def amortized(times: dict[str, float], f: int, d: int, suffix: str = "") -> float:

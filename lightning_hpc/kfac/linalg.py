@@ -113,12 +113,17 @@ def _onednn_route(t: torch.Tensor) -> bool:
             and bool(torch.backends.mkldnn.enabled))
 
 
+#: torch sends a one-image convolution of at most this many input elements to its slow dilated kernel, not to
+#: oneDNN (``use_mkldnn`` in aten/src/ATen/native/Convolution.cpp): such products stay with BLAS
+_ONEDNN_MIN_IMAGE = 20480
+
+
 def _onednn_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``x @ w`` takes oneDNN's route: :func:`_onednn_route` for both, the same leading dimensions and at
-    least :data:`ONEDNN_MIN_MACS` multiply-adds per matrix."""
+    """Whether ``x @ w`` takes oneDNN's route: :func:`_onednn_route` for both, the same leading dimensions, at
+    least :data:`ONEDNN_MIN_MACS` multiply-adds per matrix and more than ``_ONEDNN_MIN_IMAGE`` entries of ``x``."""
     m, k = x.shape[-2:]
-    return (x.shape[:-2] == w.shape[:-2] and m * k * w.shape[-1] >= ONEDNN_MIN_MACS and _onednn_route(x)
-            and _onednn_route(w))
+    return (x.shape[:-2] == w.shape[:-2] and m * k * w.shape[-1] >= ONEDNN_MIN_MACS and m * k > _ONEDNN_MIN_IMAGE
+            and _onednn_route(x) and _onednn_route(w))
 
 
 def _onednn_mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
@@ -638,8 +643,9 @@ def precondition_eigen(
     and the per-layer path, so the two agree bit for bit. ``qa_t`` and ``qg_t``, row-major copies of ``Q_A^T`` and
     ``Q_G^T`` kept with the decompositions (:func:`keeps_transposes`), save that chain its two transposes."""
     g = grad.to(qa.dtype)
-    if _onednn_applies(qg, g):
-        return _eigen_onednn(g, qa, da, qg, dg, damping, qa_t, qg_t)
+    g_dim, a_dim = g.shape[-2:]
+    if g_dim * a_dim * max(g_dim, a_dim) >= ONEDNN_MIN_MACS and _onednn_route(g) and _onednn_route(qg):
+        return _eigen_onednn(g, qa, da, qg, dg, damping, qa_t, qg_t)  # each product decides (_mm_t)
     v1 = qg.mT @ g @ qa
     v2 = v1 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
     return qg @ v2 @ qa.mT

@@ -35,7 +35,10 @@ def _operands(g_dim: int, a_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]
 def _convolutions(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "aten::mkldnn_convolution")
+    events = {e.key: e.count for e in prof.key_averages()}
+    # a one-image convolution torch does not give oneDNN runs its slow reference kernel: never taken
+    assert "aten::slow_conv_dilated2d" not in events, events
+    return events.get("aten::mkldnn_convolution", 0)
 
 
 def test_the_onednn_chain_equals_blas_and_float64_within_rounding():
@@ -65,6 +68,15 @@ def test_the_route_is_taken_where_it_applies_and_only_there():
     assert _convolutions(lambda: precondition_eigen(*[t.double() for t in big], 0.01)) == 0
     with torch.backends.mkldnn.flags(enabled=False):
         assert _convolutions(lambda: precondition_eigen(*big, 0.01)) == 0
+    # each product decides: a squeeze-and-excitation layer's 48 x 1153 chain takes the route for its two products
+    # with Q_A (1153^2 x 48 multiply-adds each), BLAS for the two small ones with Q_G; a classifier's 10 x 1281 chain
+    # for its first product only (the last one's 10 x 1281 image is one torch would not give oneDNN)
+    for (g_dim, a_dim), convs in (((48, 1153), 2), ((10, 1281), 1)):
+        ops64 = _operands(g_dim, a_dim)
+        ops32 = [t.float() for t in ops64]
+        assert _convolutions(lambda: precondition_eigen(*ops32, 0.01)) == convs, (g_dim, a_dim)
+        want = precondition_eigen(*ops64, 0.01)
+        assert float((precondition_eigen(*ops32, 0.01).double() - want).abs().max() / want.abs().max()) < 1e-5
     # a stack of two: one chain per matrix
     stacked = [torch.stack([t, t.flip(0)]) for t in big]
     got = precondition_eigen(*stacked, 0.01)
