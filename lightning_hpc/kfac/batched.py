@@ -63,14 +63,21 @@ __all__ = ["PreconditionBuckets", "keep_zeros", "keep_zeros_by_layer"]
 def keep_zeros(precond: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``precond`` with the rows (output units) and columns (inputs) whose gradient is exactly zero set to zero:
     the eigenbasis products would turn them into rounding noise, which adaptive optimizers (Adam) scale up to steps
-    of about +-lr, and which differs with the number of processes.  A mask, not a test (no host sync).  The last
+    of about +-lr, and which differs with the number of processes.  On an accelerator a mask, not a test (no host
+    sync); on a CPU, where a host read costs nothing, nothing is masked when no row or column is zero.  The last
     two dimensions are a block's rows and columns; leading ones (groups, a bucket's layers) are blocks of their
     own."""
-    return precond.masked_fill(_zero_mask(grad), 0.0)
+    zero = _zero_mask(grad)
+    return precond if zero is None else precond.masked_fill(zero, 0.0)
 
 
-def _zero_mask(grad: torch.Tensor) -> torch.Tensor:
-    """:func:`keep_zeros`' mask: the exactly-zero rows and columns of ``grad`` (broadcast over its blocks)."""
+def _zero_mask(grad: torch.Tensor) -> torch.Tensor | None:
+    """:func:`keep_zeros`' mask: the exactly-zero rows and columns of ``grad`` (broadcast over its blocks); None on
+    a CPU when ``grad`` has no zero entry at all, the usual case (one count and one host read, a ninth of the mask's
+    time on a 2 x 1280 x 321 bucket: the every-step preconditioning of a ConvNeXt-style net spent 8 % of its time
+    in the mask)."""
+    if cache_blocked(grad) and int(torch.count_nonzero(grad)) == grad.numel():
+        return None
     zero = grad == 0
     return zero.all(dim=-1, keepdim=True) | zero.all(dim=-2, keepdim=True)
 
@@ -151,14 +158,17 @@ class _Group:
             return [block[: s[0], : s[1]] for block, s in zip(buf.unbind(0), shapes)]
         return list(buf.unbind(0)) if self.kind == "stack" else list(buf.split([s[0] for s in shapes]))
 
-    def output(self, p: torch.Tensor, zero: torch.Tensor) -> bool:
-        """``p`` with the entries of the mask ``zero`` set to zero (:func:`keep_zeros`), written into the output
-        buffer by one kernel; True when the buffer was made (with its members' views) for it."""
+    def output(self, p: torch.Tensor, zero: torch.Tensor | None) -> bool:
+        """``p`` with the entries of the mask ``zero`` (None: no entry) set to zero (:func:`keep_zeros`), written
+        into the output buffer by one kernel; True when the buffer was made (with its members' views) for it."""
         made = self.out is None or self.out.dtype != p.dtype or self.out.shape != p.shape
         if made:
             self.out, self.zero = torch.empty_like(p), p.new_zeros(())
             self.outs = self._views(self.out, [tuple(m.shape) for m in self.mats])
-        torch.where(zero, self.zero, p, out=self.out)  # type: ignore[arg-type]
+        if zero is None:
+            self.out.copy_(p)  # type: ignore[union-attr]
+        else:
+            torch.where(zero, self.zero, p, out=self.out)  # type: ignore[arg-type]
         return made
 
 

@@ -236,3 +236,25 @@ def test_a_replaced_weight_is_preconditioned_from_the_next_factor_update_step():
     raw = model.l1.weight.grad.clone()
     p.step()
     assert not torch.allclose(model.l1.weight.grad, raw)
+
+
+def test_the_zero_mask_on_a_cpu_is_skipped_only_without_zero_entries():
+    """On a CPU :func:`keep_zeros` first counts the gradient's zero entries: none (the usual case), nothing is
+    masked; scattered zeros in no full row or column, nothing either; a zero row and a zero column, exactly those
+    (in each block of a stack)."""
+    from lightning_hpc.kfac.batched import _zero_mask
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(2, 5, 4, generator=gen) + 10.0  # no zero entry
+    precond = torch.randn(2, 5, 4, generator=gen)
+    assert _zero_mask(grad) is None
+    assert torch.equal(keep_zeros(precond, grad), precond)
+    grad[0, 1, 2] = grad[1, 3, 0] = 0.0  # scattered zeros
+    assert not _zero_mask(grad).any()
+    grad[1, 2, :] = 0.0  # a zero row of block 1
+    grad[0, :, 3] = 0.0  # a zero column of block 0
+    got = keep_zeros(precond, grad)
+    want = precond.clone()
+    want[1, 2, :] = 0.0
+    want[0, :, 3] = 0.0
+    assert torch.equal(got, want)
