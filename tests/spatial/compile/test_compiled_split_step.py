@@ -148,6 +148,15 @@ def test_another_shape_is_traced_again_and_exact():
         assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
 
 
+def test_ops_computed_whole_on_uneven_tiles_are_exact():
+    """The gathered ops of :class:`GatheredOps` on 13 rows split 7 / 6 (the gather pads the smaller tile to the
+    larger one's size and places each at its bounds; the cut result is uneven too): one graph, exact."""
+    res = run_in_processes(_run, 2, (2, 1), "gathered", [(2, 3, 13, 10)], "eager", timeout_s=300)[0]
+    assert res["refused"] is None and (res["graphs"], res["traces"]) == (1, 1), res
+    for r in res["results"]:
+        assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
+
+
 def test_random_draws_run_eagerly_and_are_named():
     res = run_in_processes(_run, 2, (2, 1), "dropout", [None], "eager", timeout_s=300)[0]
     assert res["refused"] is not None and "random draw" in res["refused"], res
