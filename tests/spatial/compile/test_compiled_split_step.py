@@ -165,9 +165,11 @@ def test_random_draws_run_eagerly_and_are_named():
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_split_step():
-    """The default backend (inductor, C++ kernels on the CPU) compiles the tile program: float64 to 1e-10."""
-    for res in run_in_processes(_run, 2, (2, 1), "net2d", [None], "inductor", timeout_s=600):
+@pytest.mark.parametrize("name", ["net2d", "gathered"])
+def test_inductor_compiles_the_split_step(name):
+    """The default backend (inductor, C++ kernels on the CPU) compiles the tile program, the gather and cut
+    operators included: float64 to 1e-10."""
+    for res in run_in_processes(_run, 2, (2, 1), name, [None], "inductor", timeout_s=600):
         assert res["refused"] is None and res["traces"] == 1, res
         for r in res["results"]:
             assert r["out"] < 1e-10 and r["grads"] < 1e-9, r
