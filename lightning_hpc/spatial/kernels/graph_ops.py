@@ -20,7 +20,12 @@ operators.  Each carries its own adjoint (``register_autograd``), so the compile
 * ``gather_whole``: the whole activation on every rank from the tiles (an op with no tiled form, computed on the
   whole tensor); adjoint: this tile's part of the (complete) gradient.
 * ``tile_of``: this tile of a replicated whole tensor (such an op's result split again, a replicated operand cut
-  to the tiles); adjoint: the tile's gradient placed in zeros and summed over the group.
+  to the tiles); adjoint: the tile's gradient placed in zeros and summed over the group (``tile_of_adjoint``).
+
+An adjoint is operators over the forward's arguments only, resolved when it runs: the backward graph derived from
+it is cached under the forward graph's key (inductor's and AOTAutograd's caches), which every rank of a group
+shares when their forward graphs are alike, and other processes share too; an index or a key worked out while the
+backward is traced would be one rank's or one process's for all.
 
 Plans and process groups are objects; an operator's arguments are tensors and numbers, so each object is
 referred to by a key (:mod:`~lightning_hpc.spatial.layout.op_keys`).  The kernels call the operators by name
@@ -39,7 +44,7 @@ import torch.distributed as dist
 from lightning_hpc.distributed.p2p import exchange
 from lightning_hpc.spatial.kernels.convolution import _box_ranges, _own_part, _rel, extended_box
 from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloExchange, HaloPlan
-from lightning_hpc.spatial.layout.op_keys import key_of, lookup
+from lightning_hpc.spatial.layout.op_keys import lookup
 from lightning_hpc.spatial.layout.remap import remap_backward, remap_forward
 from lightning_hpc.spatial.layout.whole import gather_tiles, tile_index
 
@@ -213,7 +218,8 @@ def _gather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _gather_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-    return g[tile_index(ctx.gshape, ctx.sdims, lookup(ctx.grid_key))].contiguous(), None, None, None
+    # this tile's part through the operator, not an index worked out here (see the module docstring)
+    return torch.ops.lightning_hpc.tile_of(g, ctx.grid_key, ctx.sdims), None, None, None
 
 
 _gather_whole.register_autograd(_gather_backward, setup_context=_gather_setup)
@@ -221,7 +227,7 @@ _gather_whole.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 @torch.library.custom_op("lightning_hpc::tile_of", mutates_args=())
 def _tile_of(x: torch.Tensor, grid_key: int, sdims: list[int]) -> torch.Tensor:
-    return x[tile_index(x.shape, sdims, lookup(grid_key))].clone()
+    return x[tile_index(x.shape, sdims, lookup(grid_key))].clone(memory_format=torch.contiguous_format)
 
 
 @_tile_of.register_fake
@@ -236,10 +242,21 @@ def _tile_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _tile_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-    grid = lookup(ctx.grid_key)
-    full = g.new_zeros(ctx.shape)
-    full[tile_index(ctx.shape, ctx.sdims, grid)] = g
-    return torch.ops.lightning_hpc.sum_partial(full, key_of(grid.group)), None, None
+    return torch.ops.lightning_hpc.tile_of_adjoint(g, ctx.grid_key, list(ctx.shape), ctx.sdims), None, None
+
+
+@torch.library.custom_op("lightning_hpc::tile_of_adjoint", mutates_args=())
+def _tile_of_adjoint(g: torch.Tensor, grid_key: int, shape: list[int], sdims: list[int]) -> torch.Tensor:
+    grid = lookup(grid_key)
+    full = g.new_zeros(shape)
+    full[tile_index(shape, sdims, grid)] = g
+    dist.all_reduce(full, group=grid.group)
+    return full
+
+
+@_tile_of_adjoint.register_fake
+def _(g: torch.Tensor, grid_key: int, shape: list[int], sdims: list[int]) -> torch.Tensor:
+    return g.new_empty(shape)
 
 
 _tile_of.register_autograd(_tile_backward, setup_context=_tile_setup)
