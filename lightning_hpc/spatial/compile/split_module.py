@@ -117,6 +117,7 @@ class SplitCompiledForward:
         self.graphs += 1
         programs: dict[tuple[Any, ...], TileProgram] = {}
         real = self._real
+        buffers = [b for b in self.module.buffers() if b.is_floating_point()]
 
         def run(*args: Any) -> Any:
             args = tuple(real.get(id(a), a) for a in args)
@@ -127,8 +128,16 @@ class SplitCompiledForward:
                 # the strategy's check of parameter uses sees the trace, whose ops every replay repeats
                 program = programs[key] = trace_tile_program(gm, args, self.backend, self._modes)
                 self.traces += 1
+            results = program(args)
+            for b in buffers:
+                if b.requires_grad:
+                    # a buffer the graph updated (running statistics) gets the update's value through the compiled
+                    # graph's outputs, which some torch releases (2.14) hand over with their autograd history: as
+                    # after the eager update, it is a plain value (else the next capture sees a buffer that needs a
+                    # gradient and batch norm refuses it)
+                    b.detach_()
             outs = []
-            for o in program(args):
+            for o in results:
                 if type(o) is SpatialTensor:
                     s = _stand_in(o)
                     real[id(s)] = o

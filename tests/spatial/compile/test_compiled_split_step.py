@@ -122,7 +122,10 @@ def _run(rank, world, parts, name, shapes, backend):
                        if b.is_floating_point()), default=0.0)
         whole = out.full() if hasattr(out, "full") else out  # a replicated output (the Flatten + Linear head)
         results.append({"out": float((whole - ref).abs().max()), "grads": max(grads), "buffers": buffers})
-    return {"results": results, "traces": compiled.traces, "graphs": compiled.graphs, "refused": compiled.refused}
+    return {"results": results, "traces": compiled.traces, "graphs": compiled.graphs, "refused": compiled.refused,
+            # the running statistics after compiled steps are plain values, as after eager ones (torch 2.14 hands
+            # a graph's buffer update over with its autograd history; the next capture then refused the step)
+            "buffers_need_grad": [n for n, b in model.named_buffers() if b.requires_grad]}
 
 
 @pytest.mark.parametrize(
@@ -135,6 +138,7 @@ def test_compiled_split_step_equals_one_process(name, parts):
         assert res["refused"] is None, res["refused"]
         # one dynamo graph for the whole forward (no graph break), one trace: the second step replays it
         assert (res["graphs"], res["traces"]) == (1, 1), res
+        assert res["buffers_need_grad"] == [], res
         for r in res["results"]:
             assert r["out"] < 1e-12 and r["grads"] < 1e-10 and r["buffers"] < 1e-12, r
 
