@@ -130,7 +130,7 @@ class SplitCompiledForward:
                 self.traces += 1
             results = program(args)
             for b in buffers:
-                if b.requires_grad:
+                if b.grad_fn is not None:  # (a leaf buffer the user made require a gradient is left as it is)
                     # a buffer the graph updated (running statistics) gets the update's value through the compiled
                     # graph's outputs, which some torch releases (2.14) hand over with their autograd history: as
                     # after the eager update, it is a plain value (else the next capture sees a buffer that needs a
