@@ -152,14 +152,14 @@ def _mm_t(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
 
 
 def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w``, batched over equal leading dimensions; each matrix through :func:`_mm_t` (oneDNN on a CPU where
-    it applies, see :func:`precondition_eigen`), or one batched product where it does not."""
+    """``x @ w``, batched over equal leading dimensions: matrix by matrix through oneDNN on a CPU where it applies
+    (every matrix alike; see :func:`precondition_eigen`), else one batched product."""
     if not _onednn_applies(x, w):
         return x @ w
     m, n = x.shape[-2], w.shape[-1]
     out = x.new_empty(*x.shape[:-2], m, n)
     for o, a, b in zip(out.view(-1, m, n), x.reshape(-1, *x.shape[-2:]), w.reshape(-1, *w.shape[-2:]), strict=True):
-        o.copy_(_mm_t(a, b.mT))
+        o.copy_(_onednn_mm_t(a.contiguous(), b.mT.contiguous()))
     return out
 
 

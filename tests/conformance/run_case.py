@@ -628,8 +628,6 @@ class CompiledForwards(pl.Callback):
     :class:`~lightning_hpc.spatial.compile.SplitCompiledForward`): graphs captured, tile programs traced, or why it
     ran eagerly; read when training ends, before the strategy hands the modules back."""
 
-    postponed_update_safe = True
-
     def __init__(self) -> None:
         self.state: dict[str, dict[str, Any]] = {}
 

@@ -14,7 +14,13 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_hpc.kfac import KFACPreconditioner
 from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
 from lightning_hpc.kfac.factor_update import update_factors
-from lightning_hpc.kfac.linalg import ONEDNN_GRAM_MAX_ROWS_PER_COLUMN, ONEDNN_MIN_MACS, precondition_eigen, sym_gram
+from lightning_hpc.kfac.linalg import (
+    ONEDNN_GRAM_MAX_ROWS_PER_COLUMN,
+    ONEDNN_MIN_MACS,
+    precondition_eigen,
+    product,
+    sym_gram,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
@@ -138,3 +144,14 @@ def test_linear_grams_take_the_route_where_syrk_does_not():
     assert _convolutions(lambda: sym_gram(wide)) == 1
     tall = torch.randn(ONEDNN_GRAM_MAX_ROWS_PER_COLUMN * 160 + 1, 160, generator=gen)
     assert _convolutions(lambda: sym_gram(tall)) == 0
+
+
+def test_the_inverse_routes_products_take_the_route_matrix_by_matrix():
+    """:func:`~lightning_hpc.kfac.linalg.product` (Eq 12's products) on a stack of two: one oneDNN call per matrix,
+    equal to the float64 product within float32's rounding; a small one stays with BLAS."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 384, 384, generator=gen), torch.randn(2, 384, 257, generator=gen)
+    want = x.double() @ w.double()
+    assert float((product(x, w).double() - want).abs().max() / want.abs().max()) < 1e-6
+    assert _convolutions(lambda: product(x, w)) == 2
+    assert _convolutions(lambda: product(x[:, :64, :64], w[:, :64, :65])) == 0

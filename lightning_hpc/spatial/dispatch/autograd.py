@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from lightning_hpc.spatial.layout.op_keys import key_of
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 from lightning_hpc.spatial.layout.tracing import Trace, refuse_trace
-from lightning_hpc.spatial.layout.whole import gather_tiles
+from lightning_hpc.spatial.layout.whole import gather_tiles, tile_adjoint
 from lightning_hpc.spatial.layout.whole import tile_index as _tile_index
 
 
@@ -58,10 +58,7 @@ class _ScatterTile(torch.autograd.Function):
     @once_differentiable  # the exchange in this backward is not itself differentiated
     def backward(ctx, g):  # type: ignore[override]
         grid, sdims = ctx.args
-        full = g.new_zeros(ctx.shape)
-        full[_tile_index(ctx.shape, sdims, grid)] = g
-        dist.all_reduce(full, group=grid.group)
-        return full, None, None
+        return tile_adjoint(g, grid, ctx.shape, sdims), None, None
 
 
 def _tile_of(t: torch.Tensor, grid: SpatialGrid, sdims: Sequence[int]) -> torch.Tensor:

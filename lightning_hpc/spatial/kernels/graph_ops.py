@@ -46,7 +46,7 @@ from lightning_hpc.spatial.kernels.convolution import _box_ranges, _own_part, _r
 from lightning_hpc.spatial.layout.halo_exchange import BACKWARD_TAG_OFFSET, Halo, HaloExchange, HaloPlan
 from lightning_hpc.spatial.layout.op_keys import lookup
 from lightning_hpc.spatial.layout.remap import remap_backward, remap_forward
-from lightning_hpc.spatial.layout.whole import gather_tiles, tile_index
+from lightning_hpc.spatial.layout.whole import gather_tiles, tile_adjoint, tile_index
 
 __all__: list[str] = []  # the operators are used by name: torch.ops.lightning_hpc.*
 
@@ -247,11 +247,7 @@ def _tile_backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
 
 @torch.library.custom_op("lightning_hpc::tile_of_adjoint", mutates_args=())
 def _tile_of_adjoint(g: torch.Tensor, grid_key: int, shape: list[int], sdims: list[int]) -> torch.Tensor:
-    grid = lookup(grid_key)
-    full = g.new_zeros(shape)
-    full[tile_index(shape, sdims, grid)] = g
-    dist.all_reduce(full, group=grid.group)
-    return full
+    return tile_adjoint(g, lookup(grid_key), shape, sdims)
 
 
 @_tile_of_adjoint.register_fake

@@ -1,7 +1,8 @@
-"""A whole tensor and its tiles: the index of this rank's tile (:func:`tile_index`) and the whole tensor gathered
-from every rank's tile (:func:`gather_tiles`), the two plain moves between a split activation and its replicated
-whole that the op dispatch's autograd pieces (:mod:`lightning_hpc.spatial.dispatch.autograd`) and the graph
-operators of a compiled split step (:mod:`lightning_hpc.spatial.kernels.graph_ops`) share.
+"""A whole tensor and its tiles: the index of this rank's tile (:func:`tile_index`), the whole tensor gathered
+from every rank's tile (:func:`gather_tiles`) and the complete gradient of a replicated whole tensor from its tiles'
+gradients (:func:`tile_adjoint`): the plain moves between a split activation and its replicated whole that the op
+dispatch's autograd pieces (:mod:`lightning_hpc.spatial.dispatch.autograd`) and the graph operators of a compiled
+split step (:mod:`lightning_hpc.spatial.kernels.graph_ops`) share.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from lightning_hpc.distributed.partition import block_bounds
 from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
-__all__ = ["gather_tiles", "tile_index"]
+__all__ = ["gather_tiles", "tile_adjoint", "tile_index"]
 
 
 def tile_index(shape: Sequence[int], sdims: Sequence[int], grid: SpatialGrid) -> tuple:
@@ -47,3 +48,12 @@ def gather_tiles(local: torch.Tensor, grid: SpatialGrid, gshape: Sequence[int], 
         into = (Ellipsis,) + tuple(slice(a, b) for a, b in ranges)
         full[into] = part[(Ellipsis,) + tuple(slice(0, b - a) for a, b in ranges)]
     return full.movedim(tuple(range(-k, 0)), tuple(sdims))
+
+
+def tile_adjoint(g: torch.Tensor, grid: SpatialGrid, shape: Sequence[int], sdims: Sequence[int]) -> torch.Tensor:
+    """The adjoint of cutting this rank's tile out of a replicated whole tensor of ``shape``: the tile's gradient
+    ``g`` placed in zeros and summed over the group (the complete gradient of the whole tensor on every rank)."""
+    full = g.new_zeros(shape)
+    full[tile_index(shape, sdims, grid)] = g
+    dist.all_reduce(full, group=grid.group)
+    return full
