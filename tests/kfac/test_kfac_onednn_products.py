@@ -155,3 +155,41 @@ def test_the_inverse_routes_products_take_the_route_matrix_by_matrix():
     assert float((product(x, w).double() - want).abs().max() / want.abs().max()) < 1e-6
     assert _convolutions(lambda: product(x, w)) == 2
     assert _convolutions(lambda: product(x[:, :64, :64], w[:, :64, :65])) == 0
+
+
+def test_trainer_fit_of_lightnings_boring_model_takes_the_route_and_equals_blas(monkeypatch):
+    """``Trainer.fit`` of Lightning's ``BoringModel`` with a wider body (float32, the ``KFAC`` callback): its
+    preconditioning goes through oneDNN (the calls are counted), and the trained weights equal the same fit with
+    oneDNN off (torch's BLAS) within float32's rounding."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_hpc import KFAC
+    from lightning_hpc.kfac import linalg
+
+    class WideBoring(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Sequential(nn.Linear(32, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2))
+
+    calls = []
+    real = linalg._onednn_mm_t
+    monkeypatch.setattr(linalg, "_onednn_mm_t", lambda x, wt: calls.append(1) or real(x, wt))
+
+    def fit() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = WideBoring()
+        trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[KFAC(factor_update_freq=1, inv_update_freq=2)])
+        trainer.fit(model)
+        return [p.detach().clone() for p in model.parameters()]
+
+    routed = fit()
+    assert calls, "no product went through oneDNN"
+    with torch.backends.mkldnn.flags(enabled=False):
+        calls.clear()
+        blas = fit()
+        assert not calls
+    for a, b in zip(routed, blas, strict=True):
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max())), (a - b).abs().max()
