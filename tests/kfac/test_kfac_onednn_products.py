@@ -2,7 +2,9 @@
 chains run matrix by matrix as 1x1 convolutions, equal to torch's BLAS chain and to the float64 computation within
 float32's rounding; the route is taken where it applies (the profiler sees oneDNN's convolution) and not elsewhere;
 the batched and the per-layer preconditioning agree bit for bit on it, also after the decompositions are replaced
-(the eigenvectors' kept transposes follow them); ``torch.backends.mkldnn.flags(enabled=False)`` turns it off."""
+(the eigenvectors' kept transposes follow them); ``torch.backends.mkldnn.flags(enabled=False)`` turns it off, and a
+CPU without AVX-512 (where oneDNN gains nothing over MKL) keeps BLAS. The tests but the last one take the route on
+any CPU: they check its sums and where it applies, not its speed."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_hpc.kfac import KFACPreconditioner
+from lightning_hpc.kfac import KFACPreconditioner, linalg
 from lightning_hpc.kfac.batched import PreconditionBuckets, keep_zeros
 from lightning_hpc.kfac.factor_update import update_factors
 from lightning_hpc.kfac.linalg import (
@@ -26,6 +28,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
     pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN"),  # torch's, from mkldnn.flags()
 ]
+
+
+@pytest.fixture(autouse=True)
+def _route_on_any_cpu(request, monkeypatch):
+    if request.function is not test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas:
+        monkeypatch.setattr(linalg, "onednn_outruns_blas", lambda: True)
 
 
 def _operands(g_dim: int, a_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -203,3 +211,15 @@ def test_trainer_fit_of_lightnings_boring_model_takes_the_route_and_equals_blas(
         return max(float((p - e).abs().max()) for p, e in zip(ps, exact, strict=True))
 
     assert dist(routed) <= 4 * dist(blas), (dist(routed), dist(blas))
+
+
+@pytest.mark.parametrize(("capability", "convs"), [("AVX2", 0), ("DEFAULT", 0), ("AVX512", 4)])
+def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(monkeypatch, capability, convs):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    linalg.onednn_outruns_blas.cache_clear()
+    try:
+        big = [t.float() for t in _operands(384, 257)]
+        assert _convolutions(lambda: precondition_eigen(*big, 0.01)) == convs
+        assert linalg.keeps_transposes(big[1]) == (convs > 0)
+    finally:
+        linalg.onednn_outruns_blas.cache_clear()
