@@ -260,11 +260,13 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     """A training step of the mesh-tangling FCN on a split activation over one tile (every op through the
     handlers and tile kernels; no exchange) over the same step on plain tensors, alternated."""
 
-    from spatial_dispatch import one_tile_step  # the same step bench/spatial_dispatch.py times on the CPU
+    # the same steps bench/spatial_dispatch.py times on the CPU, the protocol floor among them
+    from spatial_dispatch import one_tile_step, protocol_floor_step
 
     step, _ = one_tile_step(size, device="cuda")
 
-    kinds: dict[str, Callable[[], None]] = {"plain": lambda: step(False), "dispatch": lambda: step(True)}
+    kinds: dict[str, Callable[[], None]] = {"plain": lambda: step(False), "dispatch": lambda: step(True),
+                                            "protocol_floor": protocol_floor_step(size, device="cuda")}
     out: dict[str, Any] = {"model": "mesh_fcn (18 channels, 3 convs per block)", "size": size, "batch": 1}
     try:
         compiled = compiled_step(size)
@@ -283,7 +285,7 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the other figures stand without it
         out["compiled_split"] = {"error": traceback.format_exc()}
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    host: dict[str, list[float]] = {k: [] for k in ("plain", "dispatch")}
+    host: dict[str, list[float]] = {k: [] for k in ("plain", "dispatch", "protocol_floor")}
     for _ in range(repeats):  # alternated: the kinds see the same machine state
         for k, fn in kinds.items():
             times[k] += cuda_seconds(fn, repeats=1)
@@ -299,6 +301,8 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     out.update({f"{k}_host_s_per_step": statistics.median(v) for k, v in host.items()})
     out.update({f"{k}_host_syncs_per_step": host_syncs(kinds[k]) for k in host})
     out["dispatch_overhead"] = med["dispatch"] / med["plain"] - 1.0
+    # what any __torch_function__ subclass costs on this device (bench/spatial_dispatch.py's protocol floor)
+    out["protocol_floor_overhead"] = med["protocol_floor"] / med["plain"] - 1.0
     if "compiled_plain" in med:
         out["dispatch_vs_compiled_plain"] = med["dispatch"] / med["compiled_plain"]
         out["compiled_plain_vs_plain"] = med["compiled_plain"] / med["plain"]

@@ -4,6 +4,12 @@ handlers and the tile kernels; no exchange) against the same step on plain tenso
 one process.  On a CPU at 128^2 a kernel costs about what it costs on a GPU at 1K, so the small sizes stand for the
 GPU's exposure of per-op Python work.
 
+Beside them, the same step on a *protocol floor*: the input re-classed as a ``torch.Tensor`` subclass whose
+``__torch_function__`` only calls the op with the subclass switched off and re-classes the result (no layout, no
+decision, no alias, no wrap checks). Any split tensor that dispatches through ``__torch_function__`` pays at least
+that much (torch's C++ to Python round trip per op, the functionals' ``handle_torch_function``), so the floor's
+ratio is what the eager dispatch can approach, and ``added_over_floor_ms`` is the dispatch's own work above it.
+
 Also counts what stands for the GPU cost independently of the machine's load: the ops dispatched per step
 (``__torch_function__`` calls), the Python function calls per step (cProfile) of the split and the plain step,
 and their difference per dispatched op; and the decisions the dispatch derives on a repeated step (0: every
@@ -58,6 +64,36 @@ def one_tile_step(size: int, device: str = "cpu") -> tuple[Callable[[bool], None
     return step, grid
 
 
+class ProtocolFloor(torch.Tensor):
+    """The least a ``__torch_function__`` subclass does per op: call it with the subclass switched off and
+    re-class a new result (the module docstring's protocol floor)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:
+            out.__class__ = cls
+        return out
+
+
+def protocol_floor_step(size: int, device: str = "cpu") -> Callable[[], None]:
+    """One SGD step of the net of :func:`one_tile_step` (its own copy, the same initial weights) on inputs
+    re-classed as :class:`ProtocolFloor`."""
+    torch.manual_seed(0)
+    net = mesh_fcn(in_channels=18, convs_per_block=3).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(1, 18, size, size, device=device).as_subclass(ProtocolFloor)
+    y = (torch.rand(1, 1, size, size, device=device) > 0.5).float().as_subclass(ProtocolFloor)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.binary_cross_entropy_with_logits(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
 def measure(size: int, repeats: int) -> dict[str, float | int]:
     step, grid = one_tile_step(size)
     for split in (False, True, False, True):  # warm-up (and the decisions of the first split step)
@@ -86,15 +122,20 @@ def measure(size: int, repeats: int) -> dict[str, float | int]:
         return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
 
     calls_split, calls_plain = python_calls(True), python_calls(False)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(repeats):
-        for split in ((False, True) if r % 2 else (True, False)):
+    floor_step = protocol_floor_step(size)
+    floor_step()
+    kinds: dict[str, Callable[[], None]] = {"plain": lambda: step(False), "split": lambda: step(True),
+                                            "floor": floor_step}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(repeats):  # alternated, the order turned every round
+        for k in (list(kinds) if r % 2 else list(kinds)[::-1]):
             t0 = time.perf_counter()
-            step(split)
-            times[split].append(time.perf_counter() - t0)
-    plain, dispatched = statistics.median(times[False]), statistics.median(times[True])
+            kinds[k]()
+            times[k].append(time.perf_counter() - t0)
+    plain, dispatched, floor = (statistics.median(times[k]) for k in ("plain", "split", "floor"))
     return {"size": size, "plain_s": plain, "split_s": dispatched, "ratio": dispatched / plain,
-            "added_ms": (dispatched - plain) * 1e3, "ops_per_step": ops[0], "py_calls_split": calls_split,
+            "added_ms": (dispatched - plain) * 1e3, "floor_ratio": floor / plain,
+            "added_over_floor_ms": (dispatched - floor) * 1e3, "ops_per_step": ops[0], "py_calls_split": calls_split,
             "py_calls_plain": calls_plain, "py_calls_per_op": (calls_split - calls_plain) / max(ops[0], 1),
             "decisions_on_repeat": new_decisions}
 
