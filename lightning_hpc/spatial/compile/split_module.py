@@ -13,8 +13,12 @@ The strategy's check of parameter uses (a ``TorchFunctionMode``) is set aside fo
 whose ops every replay repeats; a call under a mode of the user's runs eagerly through it.
 A forward that cannot be one graph (a graph break, or an op the dispatch has no traceable form for:
 :class:`~lightning_hpc.spatial.layout.tracing.NotTraceable`) runs eagerly through the op dispatch from then on,
-exactly, and the module says so once with the reason.  Every rank of a spatial group traces the same ops, so they
-refuse alike.
+exactly, and the module says so once with the reason.  The ranks of a spatial group decide together: each
+reaches one agreement (a MAX all-reduce of a refusal flag over the group) per attempt to capture and trace a new
+program, before the trace's first exchange, so a forward that dynamo captures on some ranks only (Python that
+branches on the rank: a ``print`` on rank 0 is a graph break there alone) runs eagerly on every rank instead of
+leaving one rank in the trace's exchanges while the others run the eager ones.  A refusal inside the trace comes
+from an op every rank runs, on every rank alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_hpc._compat import (
     compiled_backend,
@@ -65,6 +70,7 @@ class SplitCompiledForward:
         self._checked_readers = False
         self._real: dict[int, SpatialTensor] = {}
         self._modes: list[Any] = []
+        self._agreed = False  # this call's attempt reached the spatial group's agreement (_agree)
         self._captured = torch.compile(self.module, backend=self._capture, fullgraph=True, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +89,7 @@ class SplitCompiledForward:
                                           "compiled graph does not hand it"))
                 return self.module(*args, **kwargs)
         self._real.clear()
+        self._agreed = False
 
         def stand(t: Any) -> Any:
             if not isinstance(t, SpatialTensor):
@@ -99,10 +106,31 @@ class SplitCompiledForward:
             # below the dispatch, where a split tensor's are its tile's): the real ones take their places
             return tree_map(lambda t: self._real.get(id(t), t) if isinstance(t, torch.Tensor) else t, out)
         except (NotTraceable, dynamo_error_type()) as e:
+            # a rank whose capture failed before its trace tells the others (who wait for it before tracing)
+            self._agree(next(t for t in leaves if isinstance(t, SpatialTensor)), e)
             self._refuse(e)
             return self.module(*args, **kwargs)
         finally:
             self._real.clear()
+
+    def _agree(self, t: SpatialTensor, refusal: BaseException | None) -> None:
+        """The spatial group's agreement on this attempt (module docstring): once per call, on every rank of the
+        group of ``t``'s grid, by a rank about to trace (``refusal`` None) or one that refused before its trace.
+        Raises :class:`NotTraceable` on a rank about to trace when another refused, so every rank runs eagerly.
+        A rank that refuses later than the others agree waits here until the group's collective timeout: an
+        error, not a hang."""
+        group = t._grid.group
+        if self._agreed or group is None:
+            return
+        self._agreed = True
+        with disable_torch_function_subclass():
+            flag = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=t.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            refused_elsewhere = refusal is None and bool(flag.item())
+        if refused_elsewhere:
+            raise NotTraceable("another rank of the spatial group cannot run the forward as one compiled graph (its "
+                               "warning names why; a forward that differs by rank, such as a print on one rank, is "
+                               "a graph break there alone); every rank runs it eagerly")
 
     def _refuse(self, e: BaseException) -> None:
         self.refused = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -125,6 +153,10 @@ class SplitCompiledForward:
                         for i, a in enumerate(args) if type(a) is SpatialTensor) + (torch.is_grad_enabled(),)
             program = programs.get(key)
             if program is None:
+                # every rank of the group about to trace, or refusing before it, agrees first (_agree)
+                split = next((a for a in args if type(a) is SpatialTensor), None)
+                if split is not None:
+                    self._agree(split, None)
                 # the strategy's check of parameter uses sees the trace, whose ops every replay repeats
                 program = programs[key] = trace_tile_program(gm, args, self.backend, self._modes)
                 self.traces += 1

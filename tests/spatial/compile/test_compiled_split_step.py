@@ -76,9 +76,22 @@ class GatheredOps(Net2d):
         return self.fc(torch.flatten(h, 1))
 
 
+class RankBranch(Net2d):
+    """A forward dynamo captures on some ranks only: a graph break where ``breaks`` is set (on rank 0 in
+    :func:`_run`), as Python that branches on the rank makes one (a ``print`` on rank 0)."""
+
+    breaks = False
+
+    def forward(self, x):
+        if self.breaks:
+            torch._dynamo.graph_break()
+        return super().forward(x)
+
+
 MODELS = {
     "net2d": (Net2d, (2, 3, 12, 10)), "se": (SqueezeExcite, (2, 3, 12, 10)), "net3d": (Net3d, (2, 2, 8, 6, 6)),
     "dropout": (WithDropout, (2, 3, 12, 10)), "gathered": (GatheredOps, (2, 3, 12, 10)),
+    "rank_branch": (RankBranch, (2, 3, 12, 10)),
 }
 
 
@@ -100,6 +113,7 @@ def _run(rank, world, parts, name, shapes, backend):
     results = []
     grid = create_hybrid_layout(parts).grid
     model = _model(name)
+    model.breaks = rank == 0  # (read by RankBranch only)
     compiled = SplitCompiledForward(torch.compile(model, backend=backend))
     for shape in shapes:
         torch.manual_seed(1)
@@ -166,6 +180,19 @@ def test_random_draws_run_eagerly_and_are_named():
     assert res["refused"] is not None and "random draw" in res["refused"], res
     for r in res["results"]:
         assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
+
+
+def test_a_forward_captured_on_one_rank_only_runs_eagerly_on_every_rank():
+    """Rank 0's forward is a graph break, rank 1's one graph: the ranks agree before rank 1's trace, so both run
+    eagerly (exact), each naming why; without the agreement rank 1 would wait in its trace's first halo exchange
+    for a rank that runs the eager ones (a hang until the collective timeout)."""
+    first, second = run_in_processes(_run, 2, (2, 1), "rank_branch", [None], "eager", timeout_s=120)
+    assert first["refused"] is not None and "graph_break" in first["refused"], first
+    assert second["refused"] is not None and "another rank of the spatial group" in second["refused"], second
+    assert first["traces"] == second["traces"] == 0, (first, second)
+    for res in (first, second):
+        for r in res["results"]:
+            assert r["out"] < 1e-12 and r["grads"] < 1e-10 and r["buffers"] < 1e-12, r
 
 
 @pytest.mark.slow
