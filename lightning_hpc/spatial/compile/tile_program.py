@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lightning_hpc._compat import graph_tracer
+from lightning_hpc.spatial.dispatch.state import _STATE
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _alias
 from lightning_hpc.spatial.kernels import graph_ops  # noqa: F401  (registers the operators the trace records)
 from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace
@@ -71,17 +72,25 @@ def _grad_mode_change(graph: Any) -> str | None:
 @dataclass
 class TileProgram:
     """A traced split step for one set of input layouts: ``run`` (the compiled tile graph) takes the arguments
-    with each split input replaced by its tile and returns plain tiles, which :meth:`__call__` lays out again."""
+    with each split input replaced by its tile and returns plain tiles, which :meth:`__call__` lays out again.
+    ``gathers`` / ``gathered_bytes``: the whole activations the graph gathers per call (its ops with no tiled
+    form), which every call adds to the dispatch's counters (``spatial.dispatch.state()``) as an eager step would;
+    the trace itself counts nothing."""
 
     run: Callable[..., Any]
     split_positions: tuple[int, ...]
     out_layouts: tuple[Layout | None, ...]
     graph: torch.fx.GraphModule
+    gathers: int = 0
+    gathered_bytes: int = 0
 
     def __call__(self, args: Sequence[Any]) -> tuple[Any, ...]:
         flat = list(args)
         for i in self.split_positions:
             flat[i] = flat[i].local()
+        if self.gathers:
+            _STATE.gathers += self.gathers
+            _STATE.gathered_bytes += self.gathered_bytes
         outs = self.run(*flat)
         return tuple(o if lay is None else SpatialTensor.wrap(o, *lay, fresh=True)
                      for o, lay in zip(outs, self.out_layouts))
@@ -137,6 +146,7 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
     trace_args = [copy(i, a) for i, a in enumerate(args)]
     devices = sorted({a.device for a in trace_args if isinstance(a, torch.Tensor) and a.device.type != "cpu"},
                      key=str)
+    counted = (_STATE.gathers, _STATE.gathered_bytes)
     Trace.active = True
     try:
         # under the caller's grad mode: the dispatch decides by ``requires_grad`` (a replicated value meeting tiles
@@ -149,8 +159,11 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
         raise
     finally:
         Trace.active = False
+        # the trace's gathers are the program's per call, counted by each call (TileProgram.__call__)
+        gathers, gathered_bytes = _STATE.gathers - counted[0], _STATE.gathered_bytes - counted[1]
+        _STATE.gathers, _STATE.gathered_bytes = counted
     refused = refused_node(gm)
     if refused is not None:
         raise NotTraceable(refused)
     run = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
-    return TileProgram(run, split, tuple(out_layouts), gm)
+    return TileProgram(run, split, tuple(out_layouts), gm, gathers, gathered_bytes)

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.compile import SplitCompiledForward
 from lightning_hpc.spatial.dispatch import split_tensor
+from lightning_hpc.spatial.dispatch.state import state
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 
@@ -173,6 +174,31 @@ def test_ops_computed_whole_on_uneven_tiles_are_exact():
     assert res["refused"] is None and (res["graphs"], res["traces"]) == (1, 1), res
     for r in res["results"]:
         assert r["out"] < 1e-12 and r["grads"] < 1e-10, r
+
+
+def _gather_counts(rank, world):
+    grid = create_hybrid_layout((2, 1)).grid
+    model = _model("gathered")
+    compiled = SplitCompiledForward(torch.compile(model, backend="eager"))
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 12, 10, dtype=torch.float64)
+    tile = x[(Ellipsis, *tile_slices(x.shape[2:], grid.parts, grid.index))].contiguous()
+    counts = {}
+    for name, forward in (("eager", model), ("compiled 1", compiled), ("compiled 2", compiled),
+                          ("compiled 3", compiled)):
+        before = (state().gathers, state().gathered_bytes)
+        _step(forward, split_tensor(tile, grid, x.shape), model)
+        counts[name] = (state().gathers - before[0], state().gathered_bytes - before[1])
+    return {"counts": counts, "traces": compiled.traces}
+
+
+def test_the_gather_counters_count_every_compiled_step_as_an_eager_one():
+    """The dispatch's gather counters (``state().gathers``, ``gathered_bytes``) see a compiled step's gathers at
+    every call, as many as the eager step's, and none from the trace (which runs the step once more on copies)."""
+    for res in run_in_processes(_gather_counts, 2, timeout_s=300):
+        counts = res["counts"]
+        assert res["traces"] == 1 and counts["eager"][0] > 0, res
+        assert counts["compiled 1"] == counts["compiled 2"] == counts["compiled 3"] == counts["eager"], res
 
 
 def test_random_draws_run_eagerly_and_are_named():
