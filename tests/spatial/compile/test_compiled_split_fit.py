@@ -2,13 +2,15 @@
 torch.compile(self.model)``) equals one process (the idioms and checks of
 ``tests/spatial/lightning/test_split_equals_one_process.py``), and the split step ran compiled: one dynamo graph
 (no graph break), traced once, nothing refused.  A model whose forward has a graph break on one process too
-(batch norm with ``momentum=None`` reads its step counter) runs eagerly, exactly, and says why."""
+(batch norm with ``momentum=None`` reads its step counter) runs eagerly, exactly, and says why; so does one whose
+forward prints on rank 0 only (a graph break there alone), on every rank."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
@@ -93,3 +95,44 @@ def test_compiled_3d_unet_fits_as_one_process():
             assert float((p - r).abs().max()) <= volumes.TOL
     assert results[0]["compiled"] == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "refused": None}, \
         results[0]["compiled"]
+
+
+class PrintsOnRankZero(nn.Module):
+    """A user's model that prints a progress line from rank 0 only: a graph break on that rank alone."""
+
+    def __init__(self, inner: nn.Module, chatty: bool) -> None:
+        super().__init__()
+        self.inner, self.chatty = inner, chatty
+
+    def forward(self, x):
+        if self.chatty:
+            print("forward on", tuple(x.shape))
+        return self.inner(x)
+
+
+def _rank_branch_run(rank, world, parts, name):
+    x, seg, cls = idioms.make_data()
+    module = idioms.UserModule(PrintsOnRankZero(idioms.build(name), chatty=rank == 0))
+    module.model = torch.compile(module.model, backend="eager")
+    probe = CompiledState()
+    run = fit(module, datamodule=idioms.TileData(x, idioms.target_for(name, seg, cls)), devices=world,
+              strategy=SpatialParallelStrategy(spatial_parts=parts), max_steps=idioms.STEPS, max_epochs=1,
+              use_distributed_sampler=False, callbacks=[probe], params=lambda m: m.model.parameters())
+    return {"loss": run.metric(), "params": run.params, "compiled": probe.state}
+
+
+def test_a_forward_that_prints_on_rank_zero_only_fits_eagerly_on_every_rank_as_one_process():
+    """The ranks agree before tracing (``SplitCompiledForward._agree``): rank 0's forward, a graph break there,
+    and rank 1's, one graph, both run eagerly and equal one process; without the agreement rank 1 waits in its
+    trace's first halo exchange until the collective timeout."""
+    name = "se_block"
+    ref = idioms.serial(name)
+    results = run_in_processes(_rank_branch_run, 2, (2, 1), name, timeout_s=600, collective_timeout_s=60)
+    for res in results:
+        assert abs(res["loss"] - ref["loss"]) <= idioms.TOL * max(1.0, abs(ref["loss"])), (res, ref["loss"])
+        for p, pr in zip(res["params"], ref["params"]):
+            assert idioms._err(p, pr) <= idioms.TOL
+    first, second = (res["compiled"] for res in results)
+    assert first["refused"] is not None and "Unsupported" in first["refused"], first  # dynamo on `print`
+    assert second["refused"] is not None and "another rank of the spatial group" in second["refused"], second
+    assert first["traces"] == second["traces"] == 0, (first, second)
