@@ -24,6 +24,11 @@
 Times are CUDA-event medians (synchronised), TF32 off (float32 is float32).  Writes one JSON file.
 
     python bench/gpu_figures.py --out gpu_figures.json [--only kfac kfac_parts multigrid spatial] [--steps 100]
+
+``--smoke`` runs every figure on the CPU at toy sizes (small nets, 32^2 images, batch 2, 2 steps, one round; the
+spatial step at 128^2 with torch.compile's ``eager`` backend) and says so in the file: its numbers are not
+figures. A test runs it (``tests/test_gpu_figures_smoke.py``), so the script that runs on a GPU machine, with
+little time on it, has run end to end before it gets there.
 """
 
 from __future__ import annotations
@@ -50,11 +55,32 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
+#: where the figures run: "cuda", or "cpu" under ``--smoke``
+DEVICE = "cuda"
+#: the K-FAC figures' image side (ImageNet's; 32 under ``--smoke``)
+IMAGE_SIZE = 224
+#: torch.compile's backend for the spatial figure's compiled steps (``eager`` under ``--smoke``: the wiring, not
+#: inductor's code generation)
+COMPILE_BACKEND = "inductor"
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def cuda_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    """Seconds per call of ``fn`` on the current CUDA device, one CUDA-event pair per call."""
+    """Seconds per call of ``fn`` on the current CUDA device, one CUDA-event pair per call (wall seconds on the
+    CPU under ``--smoke``)."""
     for _ in range(warmup):
         fn()
     out = []
+    if DEVICE != "cuda":
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return out
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -67,10 +93,19 @@ def cuda_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[f
 
 # ----------------------------------------------------------------------------------------------------- 1. K-FAC
 def builders() -> dict[str, Callable[[], nn.Module]]:
-    """ResNet-50 and the three modern CNNs, ImageNet heads."""
-    from lightning_hpc.models import resnet50
+    """ResNet-50 and the three modern CNNs, ImageNet heads (under ``--smoke``: a CIFAR ResNet-8 and narrow, shallow
+    nets of the same three kinds, so every code path runs in seconds on a CPU)."""
+    from lightning_hpc.models import cifar_resnet, resnet50
     from lightning_hpc.models.modern_cnns import convnext, efficientnet, mobilenetv3
 
+    if DEVICE != "cuda":
+        return {
+            "cifar_resnet8 (smoke)": lambda: cifar_resnet(8, num_classes=1000),
+            "convnext (smoke: dims 8-64, one block per stage)":
+                lambda: convnext(num_classes=1000, dims=(8, 16, 32, 64), depths=(1, 1, 1, 1)),
+            "efficientnet (smoke: width 0.25)": lambda: efficientnet(num_classes=1000, width=0.25),
+            "mobilenetv3 (smoke: width 0.25)": lambda: mobilenetv3(num_classes=1000, width=0.25),
+        }
     return {
         "resnet50": lambda: resnet50(num_classes=1000),
         "convnext": lambda: convnext(num_classes=1000),
@@ -94,10 +129,10 @@ def kfac_all(steps: int, batch: int) -> list[dict[str, Any]]:
 def kfac_figure(name: str, build: Callable[[], nn.Module], steps: int, batch: int) -> dict[str, Any]:
     from lightning_hpc.kfac import KFACPreconditioner
 
-    device = torch.device("cuda")
+    device = torch.device(DEVICE)
     torch.manual_seed(0)
     model0 = build().to(device)
-    x = torch.randn(batch, 3, 224, 224, device=device)
+    x = torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
 
     def trainer(precondition: Callable[[nn.Module, torch.optim.Optimizer], Callable[[], None]] | None):
@@ -135,6 +170,10 @@ def kfac_figure(name: str, build: Callable[[], nn.Module], steps: int, batch: in
     result["sgd_s_per_step"] = window(trainer(None))
     result["kfac_s_per_step"] = window(trainer(ours))
     result["kfac_vs_sgd"] = result["kfac_s_per_step"] / result["sgd_s_per_step"]
+    if DEVICE != "cuda" and name != next(iter(builders())):
+        # (kfac-pytorch takes minutes on the CPU for the smoke EfficientNet's 131 layers)
+        result["kfac_pytorch"] = "not measured: --smoke runs kfac-pytorch on its first net only"
+        return result
     try:
         result["kfac_pytorch_s_per_step"] = window(trainer(kfac_pytorch))
         result["kfac_pytorch_vs_sgd"] = result["kfac_pytorch_s_per_step"] / result["sgd_s_per_step"]
@@ -145,7 +184,11 @@ def kfac_figure(name: str, build: Callable[[], nn.Module], steps: int, batch: in
 
 # ----------------------------------------------------------------------------------------------- 2. K-FAC parts
 def host_syncs(fn: Callable[[], Any]) -> int:
-    """The host synchronisations one call of ``fn`` makes (each a warning of torch's sync debug mode)."""
+    """The host synchronisations one call of ``fn`` makes (each a warning of torch's sync debug mode); -1 on the
+    CPU (``--smoke``), which has none to count."""
+    if DEVICE != "cuda":
+        fn()
+        return -1
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -165,9 +208,9 @@ def kfac_parts_figure(name: str, build: Callable[[], nn.Module], batch: int, siz
     from lightning_hpc.kfac import KFACPreconditioner
 
     torch.manual_seed(0)
-    model0 = build().cuda()
-    x = torch.randn(batch, 3, size, size, device="cuda")
-    y = torch.randint(0, classes, (batch,), device="cuda")
+    model0 = build().to(DEVICE)
+    x = torch.randn(batch, 3, size, size, device=DEVICE)
+    y = torch.randint(0, classes, (batch,), device=DEVICE)
     sgd_model = copy.deepcopy(model0)
     sgd_opt = torch.optim.SGD(sgd_model.parameters(), lr=0.01, momentum=0.9)
     model = copy.deepcopy(model0)
@@ -226,7 +269,7 @@ def kfac_parts_all(batch: int, rounds: int) -> list[dict[str, Any]]:
     for name, build in builders().items():
         t0 = time.perf_counter()
         try:
-            rows.append(kfac_parts_figure(name, build, batch, 224, 1000, rounds))
+            rows.append(kfac_parts_figure(name, build, batch, IMAGE_SIZE, 1000, rounds))
         except Exception:  # noqa: BLE001 - one model failing must not lose the others
             rows.append({"model": name, "error": traceback.format_exc()})
         print(f"  kfac_parts {name} ({time.perf_counter() - t0:.0f} s): {json.dumps(rows[-1])}", flush=True)
@@ -239,8 +282,8 @@ def multigrid_figure(depths: list[int], repeats: int) -> list[dict[str, Any]]:
 
     rows = []
     for depth in depths:
-        x = torch.randn(8, 1, 8, 8, device="cuda")
-        nets = {name: build(method, depth, None, concurrent).cuda().eval()
+        x = torch.randn(8, 1, 8, 8, device=DEVICE)
+        nets = {name: build(method, depth, None, concurrent).to(DEVICE).eval()
                 for name, method, concurrent in (("serial", "serial", True), ("mg_batched", "mg", True),
                                                  ("mg_layer_by_layer", "mg", False))}
         times: dict[str, list[float]] = {name: [] for name in nets}
@@ -263,10 +306,10 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
     # the same steps bench/spatial_dispatch.py times on the CPU, the protocol floor among them
     from spatial_dispatch import one_tile_step, protocol_floor_step
 
-    step, _ = one_tile_step(size, device="cuda")
+    step, _ = one_tile_step(size, device=DEVICE)
 
     kinds: dict[str, Callable[[], None]] = {"plain": lambda: step(False), "dispatch": lambda: step(True),
-                                            "protocol_floor": protocol_floor_step(size, device="cuda")}
+                                            "protocol_floor": protocol_floor_step(size, device=DEVICE)}
     out: dict[str, Any] = {"model": "mesh_fcn (18 channels, 3 convs per block)", "size": size, "batch": 1}
     try:
         compiled = compiled_step(size)
@@ -290,11 +333,11 @@ def spatial_figure(size: int, repeats: int) -> dict[str, Any]:
         for k, fn in kinds.items():
             times[k] += cuda_seconds(fn, repeats=1)
         for k in host:  # the host's own time per step (launches return at once unless the host waits)
-            torch.cuda.synchronize()
+            synchronize()
             t0 = time.perf_counter()
             kinds[k]()
             host[k].append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
+            synchronize()
     med = {k: statistics.median(v) for k, v in times.items()}
     out.update({f"{k}_s_per_step": v for k, v in med.items()})
     # where the overhead comes from: host work (exposed once it exceeds the device's) or host waits
@@ -321,11 +364,11 @@ def compiled_step(size: int, split: bool = False) -> Callable[[], None]:
     from lightning_hpc.spatial.layout.tiling import SpatialGrid
 
     torch.manual_seed(0)
-    net = mesh_fcn(in_channels=18, convs_per_block=3).cuda()
+    net = mesh_fcn(in_channels=18, convs_per_block=3).to(DEVICE)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    fast: Callable[[torch.Tensor], torch.Tensor] = torch.compile(net)
-    x = torch.randn(1, 18, size, size, device="cuda")
-    y = (torch.rand(1, 1, size, size, device="cuda") > 0.5).float()
+    fast: Callable[[torch.Tensor], torch.Tensor] = torch.compile(net, backend=COMPILE_BACKEND)
+    x = torch.randn(1, 18, size, size, device=DEVICE)
+    y = (torch.rand(1, 1, size, size, device=DEVICE) > 0.5).float()
     if split:
         grid = SpatialGrid.single()
         fast = SplitCompiledForward(fast)
@@ -347,15 +390,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="kfac_parts: interleaved rounds per step kind")
     ap.add_argument("--steps", type=int, default=100, help="K-FAC: consecutive steps timed (a multiple of 100)")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true",
+                    help="every figure on the CPU at toy sizes: a run of the script, not figures")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu_figures.py needs a CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.benchmark = True
+    global DEVICE, IMAGE_SIZE, COMPILE_BACKEND
+    sizes = {"mg_depths": [256, 1024], "mg_repeats": 7, "spatial_size": 1024, "spatial_repeats": 10}
+    if args.smoke:
+        DEVICE, IMAGE_SIZE, COMPILE_BACKEND = "cpu", 32, "eager"
+        args.steps, args.rounds, args.batch = 2, 1, 2
+        sizes = {"mg_depths": [16], "mg_repeats": 1, "spatial_size": 128, "spatial_repeats": 2}
+    elif not torch.cuda.is_available():
+        sys.exit("bench/gpu_figures.py needs a CUDA device (--smoke runs it on the CPU at toy sizes)")
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = True
     figures: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (--smoke: not figures)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "host": platform.node(),
@@ -363,8 +415,8 @@ def main() -> None:
     runs: dict[str, Callable[[], Any]] = {
         "kfac": lambda: kfac_all(args.steps, args.batch),
         "kfac_parts": lambda: kfac_parts_all(args.batch, args.rounds),
-        "multigrid": lambda: multigrid_figure([256, 1024], repeats=7),
-        "spatial": lambda: spatial_figure(1024, repeats=10),
+        "multigrid": lambda: multigrid_figure(sizes["mg_depths"], repeats=sizes["mg_repeats"]),
+        "spatial": lambda: spatial_figure(sizes["spatial_size"], repeats=sizes["spatial_repeats"]),
     }
     for name in args.only:
         t0 = time.perf_counter()
