@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lightning_hpc._compat import graph_tracer
-from lightning_hpc.spatial.dispatch.state import _STATE
+from lightning_hpc.spatial.dispatch.state import state
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _alias
 from lightning_hpc.spatial.kernels import graph_ops  # noqa: F401  (registers the operators the trace records)
 from lightning_hpc.spatial.layout.tracing import NotTraceable, Trace
@@ -89,8 +89,9 @@ class TileProgram:
         for i in self.split_positions:
             flat[i] = flat[i].local()
         if self.gathers:
-            _STATE.gathers += self.gathers
-            _STATE.gathered_bytes += self.gathered_bytes
+            counters = state()
+            counters.gathers += self.gathers
+            counters.gathered_bytes += self.gathered_bytes
         outs = self.run(*flat)
         return tuple(o if lay is None else SpatialTensor.wrap(o, *lay, fresh=True)
                      for o, lay in zip(outs, self.out_layouts))
@@ -146,7 +147,8 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
     trace_args = [copy(i, a) for i, a in enumerate(args)]
     devices = sorted({a.device for a in trace_args if isinstance(a, torch.Tensor) and a.device.type != "cpu"},
                      key=str)
-    counted = (_STATE.gathers, _STATE.gathered_bytes)
+    counters = state()
+    counted = (counters.gathers, counters.gathered_bytes)
     Trace.active = True
     try:
         # under the caller's grad mode: the dispatch decides by ``requires_grad`` (a replicated value meeting tiles
@@ -160,8 +162,8 @@ def trace_tile_program(graph: Callable[..., Any], args: Sequence[Any], backend: 
     finally:
         Trace.active = False
         # the trace's gathers are the program's per call, counted by each call (TileProgram.__call__)
-        gathers, gathered_bytes = _STATE.gathers - counted[0], _STATE.gathered_bytes - counted[1]
-        _STATE.gathers, _STATE.gathered_bytes = counted
+        gathers, gathered_bytes = counters.gathers - counted[0], counters.gathered_bytes - counted[1]
+        counters.gathers, counters.gathered_bytes = counted
     refused = refused_node(gm)
     if refused is not None:
         raise NotTraceable(refused)
