@@ -15,13 +15,23 @@ after the run with the state it reached.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 __all__ = ["agree_on_overflow", "restore_scaler"]
+
+
+def _sharded_grad_scaler() -> type[ShardedGradScaler]:
+    """torch's ``ShardedGradScaler``, imported when a run needs it: its module imports FSDP, about a second of a
+    small CPU's time that a program importing this package's cores without mixed precision should not pay."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Scaler
+
+    return Scaler
 
 
 def agree_on_overflow(precision_plugin: Any, device_type: str,
@@ -30,14 +40,15 @@ def agree_on_overflow(precision_plugin: Any, device_type: str,
     (``None``: every rank), starting from the state of the one it had; returns that one (``None``: nothing was
     replaced, the plugin has no enabled scaler or already agrees)."""
     scaler = getattr(precision_plugin, "scaler", None)
-    if not isinstance(scaler, torch.amp.GradScaler) or isinstance(scaler, ShardedGradScaler):
+    if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
         return None
-    if not scaler.is_enabled():
+    sharded = _sharded_grad_scaler()
+    if isinstance(scaler, sharded):
         return None
     state = scaler.state_dict()
-    agreeing = ShardedGradScaler(device=device_type, init_scale=state["scale"], growth_factor=state["growth_factor"],
-                                 backoff_factor=state["backoff_factor"], growth_interval=state["growth_interval"],
-                                 process_group=group if group is not None else dist.group.WORLD)
+    agreeing = sharded(device=device_type, init_scale=state["scale"], growth_factor=state["growth_factor"],
+                       backoff_factor=state["backoff_factor"], growth_interval=state["growth_interval"],
+                       process_group=group if group is not None else dist.group.WORLD)
     agreeing.load_state_dict(state)  # the growth tracker too
     precision_plugin.scaler = agreeing
     return scaler
@@ -49,6 +60,6 @@ def restore_scaler(precision_plugin: Any, original: torch.amp.GradScaler | None)
     if original is None:
         return
     current = getattr(precision_plugin, "scaler", None)
-    if isinstance(current, ShardedGradScaler):
+    if isinstance(current, _sharded_grad_scaler()):
         original.load_state_dict(current.state_dict())
     precision_plugin.scaler = original
