@@ -72,15 +72,13 @@ def synchronize() -> None:
 def cuda_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     """Seconds per call of ``fn`` on the current CUDA device, one CUDA-event pair per call (wall seconds on the
     CPU under ``--smoke``)."""
+    if DEVICE != "cuda":
+        from harness import timeit  # bench/harness.py
+
+        return timeit(fn, warmup=warmup, repeats=repeats).samples
     for _ in range(warmup):
         fn()
     out = []
-    if DEVICE != "cuda":
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

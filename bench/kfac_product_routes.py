@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import Report  # noqa: E402
+from harness import Report, timeit  # noqa: E402
 
 from lightning_hpc.kfac import linalg  # noqa: E402
 
@@ -29,16 +27,6 @@ from lightning_hpc.kfac import linalg  # noqa: E402
 #: Linear, a 96 x 864 conv, a wide 4096 Gram-like product
 SHAPES = [(320, 1280, 1280), (1280, 1280, 320), (1280, 320, 320), (576, 576, 576), (384, 1536, 1536),
           (96, 864, 864), (64, 4096, 4096)]
-
-
-def best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     for m, k, n in SHAPES:
         x, wt = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
         flops = 2.0 * m * k * n
-        blas = best(lambda: x @ wt.mT, args.repeats)
-        onednn = best(lambda: linalg._onednn_mm_t(x, wt), args.repeats)
+        blas = min(timeit(lambda: x @ wt.mT, warmup=1, repeats=args.repeats).samples)
+        onednn = min(timeit(lambda: linalg._onednn_mm_t(x, wt), warmup=1, repeats=args.repeats).samples)
         report.add(m=m, k=k, n=n, blas_gflops=flops / blas / 1e9, onednn_gflops=flops / onednn / 1e9,
                    onednn_vs_blas_time=onednn / blas)
     report.print()
