@@ -34,9 +34,13 @@ FEATURES = (
     "boring_adam_f32", "l2_penalty_logged", "tied_weights", "torch_compile", "lbfgs", "swa", "last_batch_one_sample",
 )
 
-#: columns whose cells run in the slow tier (their own CI step): the second spatial layout and K-FAC over it and over
-#: hybrid_fc, each a launch of its own on top of its strategy's column (with their one-process references)
-SLOW_COLUMNS = {"spatial3d", "kfac_spatial", "kfac_hybrid_fc"}
+#: columns whose cells run in the slow tier (their own CI step), so that the default suite stays under ten minutes on
+#: a small machine: the second spatial layout and K-FAC over it and over hybrid_fc, each a launch of its own on top
+#: of its strategy's column (with their one-process references); the Horovod columns, whose ``horovodrun`` launch
+#: costs seconds to start (tests/horovod keeps the strategy's own checks in the default tier); mode 'mg' of the
+#: multigrid strategy, whose bound needs three more one-process solves per case (tests/multigrid keeps its own bound
+#: tests in the default tier; ``multigrid_pm``, the exact mode, stays)
+SLOW_COLUMNS = {"spatial3d", "kfac_spatial", "kfac_hybrid_fc", "horovod", "kfac_horovod", "multigrid"}
 
 #: the row whose cells are in the torch-range subset (pytest marker ``torch_range``): one fit per strategy, each
 #: against one process; ``-m torch_range`` launches that row's cases only (conftest.py)
