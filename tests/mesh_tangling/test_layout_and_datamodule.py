@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,31 @@ def test_mesh_data_says_the_bytes_and_time_it_will_take_before_it_starts(tmp_pat
     assert int(announced.group(1).replace(",", "")) == written == planned_bytes(16, 3)
     # the README's 1024^2 x 16 data set: 1.27 GB
     assert planned_bytes(1024, 16) == 19 * 4 * 1024 * 1024 * 16
+
+
+def test_mesh_data_workers_write_the_same_bytes_as_one_worker(tmp_path, capsys):
+    """``--workers 2`` generates the samples in two processes at once: every file is byte for byte the one a single
+    worker writes (a sample depends on the seed and its index only), ``meta.json`` included, and the summary line
+    counts the same share of tangling cells."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--size", "24", "--samples", "3", "--start", "1", "--steps", "4", "--lookahead", "2", "--quiet"]
+    assert mesh_data_main([*common, "--out", str(one)]) == 0
+    summary_one = capsys.readouterr().out.splitlines()[-1]
+    assert mesh_data_main([*common, "--out", str(two), "--workers", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 workers at once" in lines[0], lines
+    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
+    assert len(files) == 19 * 3 + 1 and sorted(p.relative_to(two) for p in two.rglob("*") if p.is_file()) == files
+    for rel in files:
+        assert (one / rel).read_bytes() == (two / rel).read_bytes(), rel
+    # the share of tangling cells (the summary's last figure) is the same sum, whatever order the samples finished in
+    share = re.compile(r"([\d.]+)% cells labelled tangling")
+    assert abs(float(share.search(summary_one).group(1)) - float(share.search(lines[-1]).group(1))) < 2e-3
+
+
+@pytest.mark.parametrize("bad", [["--workers", "0"], ["--threads", "0"]])
+def test_mesh_data_refuses_no_workers_or_threads_before_writing(tmp_path, capsys, bad):
+    out = tmp_path / "mesh"
+    assert mesh_data_main(["--size", "16", "--samples", "1", "--out", str(out), *bad]) == 2
+    assert "--workers and --threads >= 1" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,14 +1,21 @@
 """``lightning-hpc mesh-data``: generate a mesh-tangling data set in LBANN's layout, with a progress bar.
 
     lightning-hpc mesh-data --size 1024 --samples 16 --out DIR [--seed 0] [--start 0] [--suffix ""] [--threads 1]
+                            [--workers 1]
+
+Samples are independent (sample ``i`` depends on the seed and ``i`` only) and each is written to its own files, so
+``--workers N`` generates N of them at once, each in its own process of ``--threads`` threads: the files are the
+same bytes as one worker's.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from lightning_hpc.data.mesh_tangling.generator import (
     CHANNELS,
@@ -57,14 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1 avoids oversubscribing shared nodes)"
     )
+    p.add_argument(
+        "--workers", type=int, default=1, help="samples generated at once, each in its own process of --threads threads"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
-    if args.size < 2 or args.samples < 1 or args.start < 0:
-        print("mesh-data: --size must be >= 2, --samples >= 1 and --start >= 0", file=sys.stderr)
+    if args.size < 2 or args.samples < 1 or args.start < 0 or args.workers < 1 or args.threads < 1:
+        print("mesh-data: --size must be >= 2, --samples, --workers and --threads >= 1 and --start >= 0",
+              file=sys.stderr)
         return 2
     if args.start + args.samples > MAX_SAMPLES:
         print(f"mesh-data: indices are 4 digits: --start + --samples must be <= {MAX_SAMPLES}", file=sys.stderr)
@@ -72,16 +83,16 @@ def main(argv: Sequence[str]) -> int:
     # Said before any work: a 1024^2 data set of 16 samples is 1.3 GB and about a minute (2048^2: four times both).
     nbytes = planned_bytes(args.size, args.samples)
     estimate = REFERENCE_SECONDS_PER_CELL_STEP * args.size * args.size * args.steps * args.samples
+    workers = min(args.workers, args.samples)
+    at_once = f" ({workers} workers at once: about {max(estimate / workers, 1):,.0f} s on {workers} such cores)" \
+        if workers > 1 else ""
     print(
         f"mesh-data: {args.samples} samples of {len(CHANNELS) + 1} x {args.size} x {args.size} float32 "
         f"({len(CHANNELS)} channels and the label) = {nbytes:,} bytes ({_human(nbytes)}) to {args.out}; "
-        f"about {max(estimate, 1):,.0f} s at one thread of a 2-core x86 CPU",
+        f"about {max(estimate, 1):,.0f} s at one thread of a 2-core x86 CPU{at_once}",
         flush=True,
     )
-    import torch
     from tqdm import tqdm
-
-    torch.set_num_threads(max(args.threads, 1))
 
     write_meta(
         args.out, height=args.size, width=args.size, samples=args.start + args.samples, seed=args.seed,
@@ -89,15 +100,46 @@ def main(argv: Sequence[str]) -> int:
     )
     positives, t0 = 0.0, time.perf_counter()
     indices = range(args.start, args.start + args.samples)
-    for index in tqdm(
-        indices, desc=f"mesh-data {args.size}x{args.size}", unit="sample", disable=args.quiet, file=sys.stderr
+    for share in tqdm(
+        _written(args, indices, workers), total=args.samples, desc=f"mesh-data {args.size}x{args.size}",
+        unit="sample", disable=args.quiet, file=sys.stderr,
     ):
-        sample = generate_sample(args.seed, index, args.size, args.steps, args.lookahead)
-        write_sample(args.out, index, sample, args.suffix)
-        positives += float(sample[TARGET].mean())
+        positives += share
     elapsed = time.perf_counter() - t0
     print(
         f"wrote {args.samples} samples of 18 x {args.size} x {args.size} to {args.out} "
         f"({elapsed / args.samples:.2f} s/sample, {100 * positives / args.samples:.3f}% cells labelled tangling)"
     )
     return 0
+
+
+def _write_one(args: argparse.Namespace, index: int) -> float:
+    """Generate and write sample ``index``; its share of cells labelled tangling."""
+    sample = generate_sample(args.seed, index, args.size, args.steps, args.lookahead)
+    write_sample(args.out, index, sample, args.suffix)
+    return float(sample[TARGET].mean())
+
+
+def _start_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _written(args: argparse.Namespace, indices: range, workers: int) -> Iterator[float]:
+    """Each sample's share of tangling cells as it is written: in this process, or by ``workers`` processes (fresh
+    interpreters: a fork would copy torch's thread pools) as they finish; a worker's error is raised here."""
+    if workers == 1:
+        _start_worker(args.threads)
+        for index in indices:
+            yield _write_one(args, index)
+        return
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+                             initargs=(args.threads,)) as pool:
+        futures = [pool.submit(_write_one, args, index) for index in indices]
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
