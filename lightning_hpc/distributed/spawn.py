@@ -169,6 +169,7 @@ def _run_once(
         p.start()
     out: dict[int, Any] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    finished = False
     try:
         while len(out) < world_size:
             remaining = (deadline - datetime.datetime.now()).total_seconds()
@@ -197,9 +198,13 @@ def _run_once(
                 error = _PortTaken if "EADDRINUSE" in value and "init_process_group" in value else DistributedRunError
                 raise error(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{value}")
             out[rank] = pickle.loads(value)
+        finished = True
     finally:
         for p in procs:
-            p.join(timeout=5.0)
+            # every rank delivered its result: it is leaving, give it the time to; on an error the others are
+            # waiting in a collective for a rank that will never join (or past the deadline): killed at once
+            if finished:
+                p.join(timeout=5.0)
             if p.is_alive():
                 p.kill()
                 p.join()

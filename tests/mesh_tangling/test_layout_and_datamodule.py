@@ -108,6 +108,7 @@ def test_mesh_data_says_the_bytes_and_time_it_will_take_before_it_starts(tmp_pat
     assert planned_bytes(1024, 16) == 19 * 4 * 1024 * 1024 * 16
 
 
+@pytest.mark.slow  # the workers are fresh interpreters: seconds to import torch
 def test_mesh_data_workers_write_the_same_bytes_as_one_worker(tmp_path, capsys):
     """``--workers 2`` generates the samples in two processes at once: every file is byte for byte the one a single
     worker writes (a sample depends on the seed and its index only), ``meta.json`` included, and the summary line
