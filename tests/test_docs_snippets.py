@@ -374,8 +374,8 @@ TOOLS = {
     "lightning-hpc plan-spatial recipe=mesh_tangling_1k --world-size 8 --per-layer": ("slow", _check_plan_spatial),
     "lightning-hpc plan-spatial recipe=mesh_tangling_1k --world-size 8 --json": ("slow", _check_plan_spatial_json),
     "lightning-hpc plan-spatial recipe=volumes_unet3d --world-size 4": ("slow", _check_plan_spatial),
-    "lightning-hpc mesh-data --size 1024 --samples 16 --out data/mesh1k --workers 4": ("slow", _check_mesh_data),
-    "lightning-hpc mesh-data --size 1024 --samples 16 --out /data/mesh1k --workers 4":
+    "lightning-hpc mesh-data --size 1024 --samples 16 --out data/mesh1k --workers auto": ("slow", _check_mesh_data),
+    "lightning-hpc mesh-data --size 1024 --samples 16 --out /data/mesh1k --workers auto":
         ("not run", "README's command (run above) with another --out"),
     "lightning-hpc mesh-data --size 2048 --samples 64 --out /data/mesh2k":
         ("not run", "20 GB and about 17 minutes: its arguments are parsed and its announced size checked"),

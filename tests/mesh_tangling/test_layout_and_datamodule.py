@@ -135,3 +135,25 @@ def test_mesh_data_refuses_no_workers_or_threads_before_writing(tmp_path, capsys
     assert mesh_data_main(["--size", "16", "--samples", "1", "--out", str(out), *bad]) == 2
     assert "--workers and --threads >= 1" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("threads", "cores", "workers"), [(1, 4, 4), (2, 4, 2), (3, 2, 1)])
+def test_mesh_data_auto_workers_are_the_cores_over_the_threads(tmp_path, capsys, monkeypatch, threads, cores,
+                                                               workers):
+    """``--workers auto``: one worker per ``--threads`` of the cores the process may run on (its affinity), at least
+    one; the announcement says how many (the generation itself is stubbed: only the count is under test)."""
+    import os
+
+    from lightning_hpc.data.mesh_tangling import cli
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "_written", lambda args, indices, n: seen.append(n) or iter([0.0] * len(indices)))
+    argv = ["--size", "16", "--samples", "8", "--out", str(tmp_path / "m"), "--threads", str(threads), "--quiet",
+            "--workers", "auto"]
+    assert mesh_data_main(argv) == 0
+    assert seen == [workers]
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (f"({workers} workers at once" in first) == (workers > 1), first
+    with pytest.raises(SystemExit):
+        mesh_data_main(["--out", str(tmp_path / "x"), "--workers", "many"])
