@@ -81,6 +81,7 @@ def test_recipe_fast_dev_run(cli_in_process, recipe):
                    *FAST[recipe])
 
 
+@pytest.mark.slow  # seconds of 2 ranks per job; the default tier composes multirun commands (test_docs_snippets.py)
 def test_multirun_sweep_with_two_processes_keeps_one_folder_per_job_and_overrides_take_effect(cli_in_process):
     # resuming from last.ckpt through the CLI is owned by test_cli_resume_and_help.py (exact steps and epochs);
     # resuming under DDP through Trainer.fit by the conformance matrix's ddp:resume cell

@@ -14,7 +14,9 @@ def _fast_dev_run(cli_in_process, recipe, devices, *extra):
     return proc.stdout
 
 
-@pytest.mark.slow  # the recipe's wiring is the default tier's under the spatial strategy (below)
+# the mesh recipes run in the slow tier (each is seconds of 2 ranks at 128^2); the default tier runs the spatial
+# strategy through `lightning-hpc train` on the volumes recipe (tests/spatial/lightning/test_volume_recipe.py)
+@pytest.mark.slow
 def test_mesh_tangling_1k_fast_dev_run_ddp(cli_in_process):
     _fast_dev_run(cli_in_process, "mesh_tangling_1k", devices=2)
 
@@ -24,6 +26,7 @@ def test_mesh_tangling_2k_fast_dev_run_ddp(cli_in_process):
     _fast_dev_run(cli_in_process, "mesh_tangling_2k", devices=2)
 
 
+@pytest.mark.slow
 def test_mesh_tangling_1k_fast_dev_run_spatial_tiles(cli_in_process):
     """The recipe under the spatial strategy: each of 2 ranks reads and computes one half (W split) of the sample."""
     out = _fast_dev_run(cli_in_process, "mesh_tangling_1k", 2, "strategy=spatial", "strategy.spatial_parts=[1,2]")
