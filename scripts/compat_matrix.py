@@ -73,7 +73,8 @@ def cells(junit: Path) -> dict[tuple[str, str], str]:
 
 def compiled_notes(junit: Path) -> dict[tuple[str, str], str]:
     """How each exact cell with a ``torch.compile``d module ran under the spatial strategy (the test's ``compiled``
-    property): ``"compiled"`` (its split step one compiled graph) or ``"eager: <why>"``."""
+    property): ``"compiled"`` (its split step one compiled graph), ``"compiled, K-FAC"`` (compiled, the forwards
+    whose statistics K-FAC captured run eagerly) or ``"eager: <why>"``."""
     notes: dict[tuple[str, str], str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         m = CELL.search(case.get("name", ""))
@@ -82,7 +83,9 @@ def compiled_notes(junit: Path) -> dict[tuple[str, str], str]:
             continue
         state = json.loads(prop.get("value", "{}"))
         refused = [s["refused"] for s in state.values() if s["refused"]]
-        notes[(m["strategy"], m["case"])] = f"eager: {refused[0]}" if refused else "compiled"
+        eager_calls = sum(s.get("eager_calls", 0) for s in state.values())
+        notes[(m["strategy"], m["case"])] = (f"eager: {refused[0]}" if refused
+                                             else "compiled, K-FAC" if eager_calls else "compiled")
     return notes
 
 
@@ -116,6 +119,8 @@ def _verdict(c: Any, found: dict[tuple[str, str], str], column: str, feature: st
             if why not in reasons:
                 reasons.append(why)
             shown = f"{shown}, eager ({reasons.index(why) + 1})"
+        elif note == "compiled, K-FAC":
+            shown = f"{shown}, compiled (K-FAC's capture steps eager)"
         else:
             shown = f"{shown}, compiled"
     fixed = found.get((f"{column}_find_unused", case), "")
@@ -188,7 +193,9 @@ def write(found: dict[tuple[str, str], str], notes: dict[tuple[str, str], str]) 
         "difference from one process (reason k below the table), tested to still be one. **skipped**: Horovod is "
         "not installed where the matrix was generated. **, compiled** (after a `torch_compile` verdict under the "
         "spatial strategies): the `torch.compile`d module's split step ran as compiled graphs of tile operations "
-        "(`lightning_hpc.spatial.compile`; the test checks it); **, eager (k)**: it ran eagerly through the "
+        "(`lightning_hpc.spatial.compile`; the test checks it); **(K-FAC's capture steps eager)**: under K-FAC, the "
+        "forwards whose statistics K-FAC captures (factor-update steps: every second step in this row) ran eagerly, "
+        "the others as the compiled graph; **, eager (k)**: it ran eagerly through the "
         "dispatch instead, for reason k below the table. **n/a (k)**: no test, for reason k below the table. "
         "**FAILS**: the test failed where the matrix was generated.",
         "",

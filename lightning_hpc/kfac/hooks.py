@@ -33,6 +33,9 @@ class CaptureHooks:
 
     def __init__(self, pre: KFACPreconditioner) -> None:
         self.pre = pre
+        #: the spatial strategy's registry of tiled layers (None without one): told which forwards capture each
+        #: layer's statistics; while it runs a compiled split step nobody captures, every hook returns at once
+        self.tiled = pre.tiled_layers
         #: a forward hook ran since the last step (the refusal of a forward that bypassed them)
         self.forward_hooks_ran = False
         #: a call was captured since the statistics were last discarded (every statistic begins with one)
@@ -45,11 +48,22 @@ class CaptureHooks:
         for i, h in enumerate(handlers):
             if h.traced:
                 self.handles += self._tracer_hooks(i, h)
+        if self.tiled is not None:
+            for h in handlers:
+                self.tiled.watch(h.module, self.capturing)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self.tiled is not None:
+            for handler in self.pre.handlers:
+                self.tiled.watch(handler.module, None)
+
+    def idle(self) -> bool:
+        """A compiled split step nobody captures is running (:attr:`TiledLayers.statistics_idle`): the hooks
+        return at once, and the compiled graph holds none of their Python."""
+        return self.tiled is not None and self.tiled.statistics_idle
 
     def capturing(self, module: nn.Module) -> bool:
         # Only training forwards that will be backpropagated, and only on factor-update steps:
@@ -70,6 +84,8 @@ class CaptureHooks:
 
     def _pre_hook(self, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            if self.idle():
+                return
             self.check_module(handler, module)
             handler.prepare_capture(self.capturing(module))
 
@@ -90,6 +106,8 @@ class CaptureHooks:
 
     def _forward_hook(self, index: int, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if self.idle():
+                return
             self.forward_hooks_ran = True  # (capturing or not: an eval-mode or no-grad forward ran the hooks too)
             self.check_module(handler, module)
             x = handler.captured_input(inputs)  # also ends the layer's recording when it records its input
@@ -118,11 +136,15 @@ class CaptureHooks:
         tracer = CallTracer(module, op, on_call)
 
         def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            if self.idle():
+                return
             self.check_module(handler, module)
             if handler.left_out is None and torch.is_grad_enabled():
                 tracer.start()
 
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if self.idle():
+                return
             self.forward_hooks_ran = True
             used, reason = tracer.finish(output)
             if reason is not None:

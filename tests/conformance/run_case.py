@@ -465,6 +465,8 @@ class Case:
     logger: bool = False
     #: training samples (``N``: every rank's share a multiple of the batch size)
     n: int = N
+    #: K-FAC options of this case over ``KFAC_OPTIONS`` (the ``kfac_*`` columns and their one-process references)
+    kfac: dict[str, Any] = field(default_factory=dict)
 
 
 def _kfac_fp16_plugin() -> list[Any]:
@@ -534,7 +536,8 @@ CASES: dict[str, Case] = {
     "grad_norm_logging": Case(GradNormCNN, logger=True),
     "l2_penalty_logged": Case(L2PenaltyCNN, logger=True),
     "tied_weights": Case(TiedCNN),
-    "torch_compile": Case(lambda: compiled(UserCNN())),
+    # factors every second step: under kfac_spatial the split step runs its compiled graph on the other steps
+    "torch_compile": Case(lambda: compiled(UserCNN()), kfac={"factor_update_freq": 2}),
     "lbfgs": Case(lambda: UserCNN(optimizer="lbfgs")),
     "swa": Case(UserCNN, {**EPOCH2, "max_epochs": 3}, callbacks=_swa),
     # 18 samples: 9 per rank of 2 in batches of 4, so each epoch ends with one sample per rank
@@ -637,7 +640,8 @@ class CompiledForwards(pl.Callback):
         for name, module in pl_module.named_modules():
             forward = module.__dict__.get("forward")
             if isinstance(forward, SplitCompiledForward):
-                self.state[name] = {"graphs": forward.graphs, "traces": forward.traces, "refused": forward.refused}
+                self.state[name] = {"graphs": forward.graphs, "traces": forward.traces,
+                                    "eager_calls": forward.eager_calls, "refused": forward.refused}
 
 
 def broken_layered_sgd() -> Any:
@@ -701,7 +705,7 @@ def multigrid_pm_plain_blocks() -> Any:
     return PlainSteps(mode="pm", log_residuals=False, process_group_backend=PG_BACKEND)
 
 
-def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
+def build_strategy(name: str, kfac_options: dict[str, Any] | None = None) -> tuple[Any, list[pl.Callback]]:
     """A strategy by name, and the callbacks it implies: ``kfac_<strategy>`` is ``<strategy>`` with the KFAC
     callback; ``multigrid``: mode 'mg' with ``MG_OPTIONS`` and ``MG_CYCLES`` cycles (``multigrid_cycles<k>``: k
     cycles); ``multigrid_pm``: the multigrid strategy's partitioned model (layer-sharded trunk, serial
@@ -710,7 +714,7 @@ def build_strategy(name: str) -> tuple[Any, list[pl.Callback]]:
         from lightning_hpc import KFAC
 
         strategy, callbacks = build_strategy(name[len("kfac_"):])
-        return strategy, [*callbacks, KFAC(**KFAC_OPTIONS)]
+        return strategy, [*callbacks, KFAC(**{**KFAC_OPTIONS, **(kfac_options or {})})]
     if name == "spatial3d":  # sub-volumes: D split in two
         from lightning_hpc import SpatialParallelStrategy
 
@@ -839,7 +843,7 @@ def run_one(strategy_name: str, case_name: str, devices: int, out: Path, data_pa
         base = strategy_name.removeprefix("kfac_")
         one_process = base in ("spatial", "spatial3d") and world == 1
         name = strategy_name.replace(base, "auto") if one_process else strategy_name
-        strategy, callbacks = build_strategy(name)
+        strategy, callbacks = build_strategy(name, case.kfac)
         kwargs = {"max_steps": STEPS, **case.trainer, **extra}
         if case.plugins is not None:
             kwargs["plugins"] = case.plugins()

@@ -44,7 +44,6 @@ class TiledConvHandler(ConvHandler):
     def __init__(self, name: str, module: nn.Module, layers: TiledLayers) -> None:
         self.layers = layers  # before the base class's state, which reads partition_size
         super().__init__(name, module)
-        layers.watch(module)
         #: the whole sample's output extent of the captured forward (for the whole-sample normalisation)
         self.output_extent: tuple[int, ...] | None = None
 

@@ -11,6 +11,10 @@ it: dynamo's guard check, one dictionary lookup, the compiled graph.
 
 The strategy's check of parameter uses (a ``TorchFunctionMode``) is set aside for dynamo and sees the trace,
 whose ops every replay repeats; a call under a mode of the user's runs eagerly through it.
+Under K-FAC (whose layers the strategy's registry of tiled layers knows: ``TiledLayerRegistry``), a forward whose
+statistics K-FAC captures (a factor-update step) runs eagerly, so its hooks see every layer's input and the tile
+kernels record the halo-padded boxes; the other forwards run the compiled graph with K-FAC's hooks idle, so the
+graph holds none of their Python and is the same graph with K-FAC as without it.
 A forward that cannot be one graph (a graph break, or an op the dispatch has no traceable form for:
 :class:`~lightning_hpc.spatial.layout.tracing.NotTraceable`) runs eagerly through the op dispatch from then on,
 exactly, and the module says so once with the reason.  The ranks of a spatial group decide together: each
@@ -23,6 +27,7 @@ from an op every rank runs, on every rank alike.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +62,8 @@ def _stand_in(t: SpatialTensor) -> torch.Tensor:
 class SplitCompiledForward:
     """The forward of the ``torch.compile``'d module ``compiled`` under the spatial strategy (see the module
     docstring).  ``name``: the module's place, for messages.  Counters for tests and benchmarks: ``traces`` (tile
-    programs traced), ``graphs`` (forward graphs dynamo captured), ``refused`` (why it runs eagerly, or None)."""
+    programs traced), ``graphs`` (forward graphs dynamo captured), ``eager_calls`` (forwards run eagerly because
+    K-FAC captured their statistics), ``refused`` (why it runs eagerly, or None)."""
 
     def __init__(self, compiled: Any, name: str = "") -> None:
         self.module: torch.nn.Module = compiled._orig_mod
@@ -67,7 +73,7 @@ class SplitCompiledForward:
         self.refused: str | None = None
         self.traces = 0
         self.graphs = 0
-        self._checked_readers = False
+        self.eager_calls = 0
         self._real: dict[int, SpatialTensor] = {}
         self._modes: list[Any] = []
         self._agreed = False  # this call's attempt reached the spatial group's agreement (_agree)
@@ -81,13 +87,15 @@ class SplitCompiledForward:
         if self.refused is not None or not all(isinstance(m, ParameterUseCheck) for m in modes):
             # a function mode of the user's sees every op of every step: this call runs eagerly, through it
             return self.module(*args, **kwargs)
-        if not self._checked_readers:  # once per stage: the strategy installs a new one at each setup
-            self._checked_readers = True
-            tiled = next(t for t in leaves if isinstance(t, SpatialTensor))._grid.tiled_layers
-            if tiled is not None and tiled.watches(self.module):
-                self._refuse(NotTraceable("K-FAC records the statistics of its tiled convolutions, which a "
-                                          "compiled graph does not hand it"))
+        idle: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        tiled = next(t for t in leaves if isinstance(t, SpatialTensor))._grid.tiled_layers
+        if tiled is not None and tiled.watched_in(self.module):
+            if tiled.captures(self.module):
+                # K-FAC captures this forward's statistics (a factor-update step): its hooks, and the input boxes
+                # the tile kernels record for it, run eagerly; a compiled graph would hand it none of them
+                self.eager_calls += 1
                 return self.module(*args, **kwargs)
+            idle = tiled.idle_statistics()  # nobody captures: K-FAC's hooks stay out of the graph
         self._real.clear()
         self._agreed = False
 
@@ -100,7 +108,7 @@ class SplitCompiledForward:
 
         s_args, s_kwargs = tree_map(stand, (args, kwargs))
         try:
-            with torch_function_modes_suspended() as self._modes:
+            with torch_function_modes_suspended() as self._modes, idle:
                 out = self._captured(*s_args, **s_kwargs)
             # the graph's split outputs reached dynamo's code as stand-ins too (its checks read a tensor's sizes
             # below the dispatch, where a split tensor's are its tile's): the real ones take their places
