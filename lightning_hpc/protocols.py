@@ -23,7 +23,6 @@ No Lightning import here: the plain-torch cores import this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -143,21 +142,14 @@ class TiledLayers(Protocol):
     optimizer).  Before a forward whose statistics K-FAC captures it calls :meth:`request` for the layer; after it,
     :meth:`take` gives the input box whose padding-0 convolution is exactly the output positions this tile owns
     (halo rows and border padding included) and the whole sample's output extent, or None when nothing was
-    recorded.  :meth:`watch`: K-FAC reads the statistics of this layer (tiled or not; when it registers its hooks)
-    and answers, per forward, whether that forward captures them; a compiled split step of a model holding such
-    layers runs eagerly on the forwards K-FAC captures (a compiled graph records no input box) and as its compiled
-    graph on the others, during which :attr:`statistics_idle` is True and K-FAC's hooks return at once (the graph
-    then holds none of their Python).
+    recorded.
     """
 
     partition_size: int
-    statistics_idle: bool
 
     def is_tiled(self, module: Any) -> bool: ...
 
     def splits_statistics(self, module: Any) -> bool: ...
-
-    def watch(self, module: Any, capturing: Callable[[Any], bool] | None) -> None: ...
 
     def request(self, module: Any, capturing: bool) -> None: ...
 

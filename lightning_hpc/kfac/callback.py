@@ -45,6 +45,7 @@ from lightning_hpc.distributed.backend import BACKENDS, communicator_for
 from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
+from lightning_hpc.kfac.compiled import CompiledUnderKFAC, attach_compiled, detach_compiled
 from lightning_hpc.kfac.options import KFACOptions
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
@@ -105,6 +106,8 @@ class KFAC(Callback):
         self.preconditioner: KFACPreconditioner | None = None
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
+        #: the compiled modules whose forward K-FAC's route took while fitting (:mod:`lightning_hpc.kfac.compiled`)
+        self._compiled: list[CompiledUnderKFAC] = []
         #: on_fit_start has run in this fit: the model is on its device, so restored state can be placed at once
         self._fit_started = False
         #: the parameters trainable when training started, under a strategy that cannot follow a change
@@ -159,6 +162,9 @@ class KFAC(Callback):
         if self.preconditioner is not None and self._pending_state is not None:
             self.preconditioner.load_state_dict(self._pending_state)
             self._pending_state = None
+        if self.preconditioner is not None:
+            # after the strategy's setup, which may have given a compiled module its own forward (spatial)
+            self._compiled = attach_compiled(self.preconditioner, pl_module)
         self._fit_started = True
 
     def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,6 +210,8 @@ class KFAC(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.preconditioner is not None:
+            detach_compiled(self._compiled)
+            self._compiled = []
             self.preconditioner.remove_hooks()
 
     # -- training ----------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ micro-batch launch the factor all-reduce (:mod:`.overlap`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +34,8 @@ class CaptureHooks:
 
     def __init__(self, pre: KFACPreconditioner) -> None:
         self.pre = pre
-        #: the spatial strategy's registry of tiled layers (None without one): told which forwards capture each
-        #: layer's statistics; while it runs a compiled split step nobody captures, every hook returns at once
-        self.tiled = pre.tiled_layers
+        #: every hook returns at once (:meth:`idle`): a compiled forward whose statistics nobody captures runs
+        self.suspended = False
         #: a forward hook ran since the last step (the refusal of a forward that bypassed them)
         self.forward_hooks_ran = False
         #: a call was captured since the statistics were last discarded (every statistic begins with one)
@@ -48,22 +48,21 @@ class CaptureHooks:
         for i, h in enumerate(handlers):
             if h.traced:
                 self.handles += self._tracer_hooks(i, h)
-        if self.tiled is not None:
-            for h in handlers:
-                self.tiled.watch(h.module, self.capturing)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
-        if self.tiled is not None:
-            for handler in self.pre.handlers:
-                self.tiled.watch(handler.module, None)
 
-    def idle(self) -> bool:
-        """A compiled split step nobody captures is running (:attr:`TiledLayers.statistics_idle`): the hooks
-        return at once, and the compiled graph holds none of their Python."""
-        return self.tiled is not None and self.tiled.statistics_idle
+    @contextmanager
+    def idle(self) -> Iterator[None]:
+        """Inside, every hook returns at once (:attr:`suspended`): a compiled forward whose statistics nobody
+        captures runs (:mod:`.compiled`), and the graph the compiler captures holds none of the hooks' Python."""
+        before, self.suspended = self.suspended, True
+        try:
+            yield
+        finally:
+            self.suspended = before
 
     def capturing(self, module: nn.Module) -> bool:
         # Only training forwards that will be backpropagated, and only on factor-update steps:
@@ -84,7 +83,7 @@ class CaptureHooks:
 
     def _pre_hook(self, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if self.idle():
+            if self.suspended:
                 return
             self.check_module(handler, module)
             handler.prepare_capture(self.capturing(module))
@@ -106,7 +105,7 @@ class CaptureHooks:
 
     def _forward_hook(self, index: int, handler: LayerHandler) -> Callable[..., None]:
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if self.idle():
+            if self.suspended:
                 return
             self.forward_hooks_ran = True  # (capturing or not: an eval-mode or no-grad forward ran the hooks too)
             self.check_module(handler, module)
@@ -136,14 +135,14 @@ class CaptureHooks:
         tracer = CallTracer(module, op, on_call)
 
         def pre_hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if self.idle():
+            if self.suspended:
                 return
             self.check_module(handler, module)
             if handler.left_out is None and torch.is_grad_enabled():
                 tracer.start()
 
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if self.idle():
+            if self.suspended:
                 return
             self.forward_hooks_ran = True
             used, reason = tracer.finish(output)

@@ -148,9 +148,6 @@ class KFACPreconditioner:
         #: factor-update steps whose statistics were dropped for being non-finite
         self.dropped_statistics_steps = 0
 
-        #: the spatial strategy's registry of the layers on tiles (None: no spatial strategy), which the hooks tell
-        #: which forwards they capture
-        self.tiled_layers = tiled_layers
         patterns = compile_skip_patterns(options.skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
         self.layer_report = find_layers(model, patterns, options.layer_types, tiled_layers)
@@ -298,6 +295,11 @@ class KFACPreconditioner:
         return self.steps % self.inv_update_freq == 0
 
     # -- hooks -------------------------------------------------------------------------------------------
+    @property
+    def capture_hooks(self) -> CaptureHooks:
+        """The hooks that capture the statistics (:mod:`.compiled` idles them around a compiled forward)."""
+        return self._hooks
+
     def remove_hooks(self) -> None:
         self._hooks.remove()
 

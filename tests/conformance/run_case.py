@@ -635,13 +635,17 @@ class CompiledForwards(pl.Callback):
         self.state: dict[str, dict[str, Any]] = {}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_hpc.kfac.compiled import CompiledUnderKFAC
         from lightning_hpc.spatial.compile import SplitCompiledForward
 
         for name, module in pl_module.named_modules():
             forward = module.__dict__.get("forward")
+            eager_calls = 0
+            if isinstance(forward, CompiledUnderKFAC):  # K-FAC's route over the split step
+                forward, eager_calls = forward.inner, forward.eager_calls
             if isinstance(forward, SplitCompiledForward):
                 self.state[name] = {"graphs": forward.graphs, "traces": forward.traces,
-                                    "eager_calls": forward.eager_calls, "refused": forward.refused}
+                                    "eager_calls": eager_calls, "refused": forward.refused}
 
 
 def broken_layered_sgd() -> Any:

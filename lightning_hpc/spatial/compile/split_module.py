@@ -10,11 +10,10 @@ module's own backend (inductor by default, or what the user passed to ``torch.co
 it: dynamo's guard check, one dictionary lookup, the compiled graph.
 
 The strategy's check of parameter uses (a ``TorchFunctionMode``) is set aside for dynamo and sees the trace,
-whose ops every replay repeats; a call under a mode of the user's runs eagerly through it.
-Under K-FAC (whose layers the strategy's registry of tiled layers knows: ``TiledLayerRegistry``), a forward whose
-statistics K-FAC captures (a factor-update step) runs eagerly, so its hooks see every layer's input and the tile
-kernels record the halo-padded boxes; the other forwards run the compiled graph with K-FAC's hooks idle, so the
-graph holds none of their Python and is the same graph with K-FAC as without it.
+whose ops every replay repeats; a call under a mode of the user's runs eagerly through it.  Under K-FAC, the
+forwards whose statistics K-FAC captures do not reach this forward
+(:class:`~lightning_hpc.kfac.compiled.CompiledUnderKFAC` runs them eagerly); the others arrive with K-FAC's hooks
+idle.
 A forward that cannot be one graph (a graph break, or an op the dispatch has no traceable form for:
 :class:`~lightning_hpc.spatial.layout.tracing.NotTraceable`) runs eagerly through the op dispatch from then on,
 exactly, and the module says so once with the reason.  The ranks of a spatial group decide together: each
@@ -27,7 +26,6 @@ from an op every rank runs, on every rank alike.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -62,8 +60,7 @@ def _stand_in(t: SpatialTensor) -> torch.Tensor:
 class SplitCompiledForward:
     """The forward of the ``torch.compile``'d module ``compiled`` under the spatial strategy (see the module
     docstring).  ``name``: the module's place, for messages.  Counters for tests and benchmarks: ``traces`` (tile
-    programs traced), ``graphs`` (forward graphs dynamo captured), ``eager_calls`` (forwards run eagerly because
-    K-FAC captured their statistics), ``refused`` (why it runs eagerly, or None)."""
+    programs traced), ``graphs`` (forward graphs dynamo captured), ``refused`` (why it runs eagerly, or None)."""
 
     def __init__(self, compiled: Any, name: str = "") -> None:
         self.module: torch.nn.Module = compiled._orig_mod
@@ -73,7 +70,6 @@ class SplitCompiledForward:
         self.refused: str | None = None
         self.traces = 0
         self.graphs = 0
-        self.eager_calls = 0
         self._real: dict[int, SpatialTensor] = {}
         self._modes: list[Any] = []
         self._agreed = False  # this call's attempt reached the spatial group's agreement (_agree)
@@ -87,15 +83,6 @@ class SplitCompiledForward:
         if self.refused is not None or not all(isinstance(m, ParameterUseCheck) for m in modes):
             # a function mode of the user's sees every op of every step: this call runs eagerly, through it
             return self.module(*args, **kwargs)
-        idle: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        tiled = next(t for t in leaves if isinstance(t, SpatialTensor))._grid.tiled_layers
-        if tiled is not None and tiled.watched_in(self.module):
-            if tiled.captures(self.module):
-                # K-FAC captures this forward's statistics (a factor-update step): its hooks, and the input boxes
-                # the tile kernels record for it, run eagerly; a compiled graph would hand it none of them
-                self.eager_calls += 1
-                return self.module(*args, **kwargs)
-            idle = tiled.idle_statistics()  # nobody captures: K-FAC's hooks stay out of the graph
         self._real.clear()
         self._agreed = False
 
@@ -108,7 +95,7 @@ class SplitCompiledForward:
 
         s_args, s_kwargs = tree_map(stand, (args, kwargs))
         try:
-            with torch_function_modes_suspended() as self._modes, idle:
+            with torch_function_modes_suspended() as self._modes:
                 out = self._captured(*s_args, **s_kwargs)
             # the graph's split outputs reached dynamo's code as stand-ins too (its checks read a tensor's sizes
             # below the dispatch, where a split tensor's are its tile's): the real ones take their places

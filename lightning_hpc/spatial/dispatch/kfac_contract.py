@@ -14,16 +14,13 @@ On a step whose statistics K-FAC captures, it asks the registry to record a laye
 op dispatch's convolution handler then records the box the tile kernel builds
 (:func:`lightning_hpc.spatial.kernels.conv`'s ``record``) for the call on that layer's weight, and K-FAC takes it
 after the forward (:meth:`take`).  An input that is not split (after a global pooling) is padded there as the
-layer pads it.  K-FAC also tells the registry, per layer it preconditions, whether a forward captures its
-statistics (:meth:`watch`): a compiled split step runs eagerly where one does and as its compiled graph elsewhere,
-with K-FAC's hooks idle (:meth:`idle_statistics`).  Everything lives in the registry, which belongs to one strategy: the user's modules carry no
+layer pads it.  Everything lives in the registry, which belongs to one strategy: the user's modules carry no
 attribute and no hook of it, and a later run of the same modules (another Trainer, a plain run) sees none of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,14 +53,6 @@ class TiledLayerRegistry:
         #: the layers asked to record, by ``id`` of their weight (what the convolution handler sees of its caller)
         self._requested: dict[int, nn.Module] = {}
         self._records: dict[int, Record] = {}
-        #: the layers whose statistics K-FAC reads, each with K-FAC's answer to whether a forward captures them
-        #: (:meth:`watch`)
-        self._watched: dict[int, tuple[nn.Module, Callable[[Any], bool]]] = {}
-        self._generation = 0  # changes with every watch: the per-model lists below are made again
-        self._watched_in: dict[int, tuple[int, nn.Module, tuple[tuple[nn.Module, Callable[[Any], bool]], ...]]] = {}
-        #: True while the strategy runs a forward whose statistics nobody captures as one compiled graph
-        #: (:meth:`idle_statistics`): K-FAC's hooks return at once, so the graph holds none of their Python
-        self.statistics_idle = False
 
     def declare(self, model: nn.Module) -> TiledLayerRegistry:
         """Add every convolution and normalisation layer of ``model``; returns the registry."""
@@ -79,46 +68,6 @@ class TiledLayerRegistry:
 
     def splits_statistics(self, module: Any) -> bool:
         return self._norms.get(id(module)) is module
-
-    def watch(self, module: Any, capturing: Callable[[Any], bool] | None) -> None:
-        """K-FAC reads the statistics of ``module`` (a layer it preconditions, tiled or not); ``capturing(module)``
-        tells, before a forward, whether that forward captures them.  ``None``: no longer read (K-FAC's hooks
-        removed).  A compiled split step of a model holding such layers runs its compiled graph on the forwards
-        nobody captures and eagerly on the others (:meth:`captures`), since a compiled graph records no input box."""
-        if capturing is None:
-            self._watched.pop(id(module), None)
-        else:
-            self._watched[id(module)] = (module, capturing)
-        self._generation += 1
-
-    def watched_in(self, model: nn.Module) -> tuple[tuple[nn.Module, Callable[[Any], bool]], ...]:
-        """The layers of ``model`` whose statistics K-FAC reads, with its queries (listed again only after a
-        :meth:`watch`)."""
-        cached = self._watched_in.get(id(model))
-        if cached is not None and cached[0] == self._generation and cached[1] is model:
-            return cached[2]
-        found = []
-        for m in model.modules():
-            entry = self._watched.get(id(m))
-            if entry is not None and entry[0] is m:
-                found.append(entry)
-        self._watched_in[id(model)] = (self._generation, model, tuple(found))
-        return tuple(found)
-
-    def captures(self, model: nn.Module) -> bool:
-        """Whether K-FAC captures the statistics of any layer of ``model`` in the forward about to run (its own
-        answer, asked per layer: the training flag, grad mode and its factor-update schedule)."""
-        return any(capturing(m) for m, capturing in self.watched_in(model))
-
-    @contextmanager
-    def idle_statistics(self) -> Iterator[None]:
-        """Inside, K-FAC's hooks do nothing (:attr:`statistics_idle`): the strategy runs a forward that nobody
-        captures as one compiled graph (:class:`~lightning_hpc.spatial.compile.SplitCompiledForward`)."""
-        before, self.statistics_idle = self.statistics_idle, True
-        try:
-            yield
-        finally:
-            self.statistics_idle = before
 
     def request(self, module: Any, capturing: bool) -> None:
         """K-FAC, before the layer's forward: record its input box in this forward (``capturing``), or not."""

@@ -2,8 +2,9 @@
 equals one process with the same callback, and the split step ran compiled on the steps K-FAC does not capture.
 
 K-FAC captures its statistics on factor-update steps only (every ``factor_update_freq``-th step). Those forwards
-run eagerly through the op dispatch, so K-FAC's hooks see every layer and the tile kernels record the halo-padded
-input boxes of the tiled convolutions; every other forward is the compiled graph, with K-FAC's hooks idle. So the
+run eagerly through the op dispatch (:class:`~lightning_hpc.kfac.compiled.CompiledUnderKFAC`), so K-FAC's hooks see
+every layer and the tile kernels record the halo-padded input boxes of the tiled convolutions; every other forward
+is the strategy's compiled split step, with K-FAC's hooks idle. So the
 counts below are exact: ``eager_calls`` is the number of factor-update steps, the tile program is traced once and
 every other step replays it. A negative control: with the eager route for the capture steps switched off (every
 forward compiled, hooks idle), K-FAC captures nothing and the run differs from one process.
@@ -19,9 +20,9 @@ from torch import nn
 
 from lightning_hpc.distributed import run_in_processes
 from lightning_hpc.kfac.callback import KFAC
+from lightning_hpc.kfac.compiled import CompiledUnderKFAC
 from lightning_hpc.kfac.layers import TiledConvHandler
 from lightning_hpc.spatial.dispatch import state
-from lightning_hpc.spatial.dispatch.kfac_contract import TiledLayerRegistry
 from lightning_hpc.spatial.lightning.strategy import SpatialParallelStrategy
 from tests.fit_harness import fit
 from tests.spatial.lightning.test_volumes import CLASSES, SubVolumes
@@ -70,14 +71,15 @@ class CompiledState(pl.Callback):
         self.state: dict = {}
 
     def on_train_end(self, trainer, module) -> None:
-        f = module.model.forward
-        self.state = {k: getattr(f, k, None) for k in ("traces", "graphs", "eager_calls", "refused")}
-        self.state["kind"] = type(f).__name__
+        kfac = module.model.forward  # K-FAC's route (lightning_hpc.kfac.compiled), over the strategy's split step
+        f = getattr(kfac, "inner", kfac)
+        self.state = {k: getattr(f, k, None) for k in ("traces", "graphs", "refused")}
+        self.state.update(kind=type(f).__name__, route=type(kfac).__name__, eager_calls=getattr(kfac, "eager_calls", 0))
 
 
 def _run(rank: int, world: int, kind: str, parts, compiled: bool, never_eager: bool = False) -> dict:
     if never_eager:  # the negative control: the capture steps compiled too, so K-FAC's hooks stay idle on them
-        TiledLayerRegistry.captures = lambda self, model: False  # type: ignore[method-assign]
+        CompiledUnderKFAC.captures = lambda self: False  # type: ignore[method-assign]
     module = Segmenter(kind, compiled)
     kfac, probe = KFAC(**KFAC_OPTIONS), CompiledState()
     strategy = SpatialParallelStrategy(spatial_parts=parts) if parts else "auto"
@@ -109,8 +111,8 @@ def test_compiled_split_step_under_kfac_equals_one_process(kind, parts):
         err = _max_error(res, ref)
         assert err <= TOL, f"{what}: parameters differ from one process by {err:.3g}"
         # the factor-update steps (0, 2, 4) ran eagerly; the others replayed one tile program, traced once
-        assert res["compiled"] == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1,
-                                   "eager_calls": steps // 2, "refused": None}, (what, res["compiled"])
+        assert res["compiled"] == {"kind": "SplitCompiledForward", "route": "CompiledUnderKFAC", "traces": 1,
+                                   "graphs": 1, "eager_calls": steps // 2, "refused": None}, (what, res["compiled"])
 
 
 def test_compiling_the_capture_steps_too_loses_the_statistics():
@@ -153,5 +155,5 @@ def test_compiled_se_block_under_kfac_equals_one_process(parts):
         assert ("model.fc1", "LinearHandler") in res["layers"], res["layers"]
         err = _max_error(res, ref)
         assert err <= TOL, f"{what}: parameters differ from one process by {err:.3g}"
-        assert res["compiled"] == {"kind": "SplitCompiledForward", "traces": 1, "graphs": 1, "eager_calls": 2,
-                                   "refused": None}, (what, res["compiled"])
+        assert res["compiled"] == {"kind": "SplitCompiledForward", "route": "CompiledUnderKFAC", "traces": 1,
+                                   "graphs": 1, "eager_calls": 2, "refused": None}, (what, res["compiled"])
