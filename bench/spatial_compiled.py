@@ -9,11 +9,13 @@ factors every 10 steps, decompositions every 100; the split kinds with the tiled
 gives K-FAC, through a registry of the tiled layers over the one tile), and the kinds alternate by blocks of 10
 steps (one factor-update step each): the amortized step.  Both compiled kinds take K-FAC's route for compiled
 modules (:mod:`lightning_hpc.kfac.compiled`): their factor-update steps run eagerly (``eager_calls``, counted for
-the split kind) and the others as the compiled graph, K-FAC's hooks idle.  The first block (step 0: factors and
+the split kind) and the others as the compiled graph, K-FAC's hooks idle.  One more kind compiles the plain model
+without that route (``plain_compiled_hooks_traced``: dynamo traces the hooks into the forward, a graph break at
+every hooked layer).  The first block (step 0: factors and
 decompositions) is a warm-up; no timed block holds a decomposition step.
 
     python bench/spatial_compiled.py [--sizes 128 256] [--repeats 15] [--backend inductor] [--tag _2026_11_29]
-    python bench/spatial_compiled.py --kfac --sizes 128 256 --repeats 6 --tag _kfac_2026_12_07
+    python bench/spatial_compiled.py --kfac --sizes 128 512 --repeats 4 --tag _kfac_2026_12_07
 
 One torch thread; run it alone on the machine (step times taken beside other work are not figures).
 """
@@ -46,6 +48,8 @@ from lightning_hpc.spatial.dispatch.kfac_contract import declare_tiled_convoluti
 from lightning_hpc.spatial.layout.tiling import SpatialGrid  # noqa: E402
 
 KINDS = ("plain", "split", "plain_compiled", "split_compiled")
+#: with ``--kfac`` also the plain model compiled without K-FAC's route (its hooks traced into the forward)
+KFAC_KINDS = (*KINDS, "plain_compiled_hooks_traced")
 
 
 def steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], SplitCompiledForward]:
@@ -84,7 +88,7 @@ def kfac_steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], 
     out: dict[str, Callable[[], None]] = {}
     split_compiled: SplitCompiledForward | None = None
     routes: list[CompiledUnderKFAC] = []
-    for kind in KINDS:
+    for kind in KFAC_KINDS:
         net = copy.deepcopy(base)
         opt = torch.optim.SGD(net.parameters(), lr=0.0)  # lr 0: every kind steps the same values
         split = kind.startswith("split")
@@ -98,6 +102,8 @@ def kfac_steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], 
                 compiled.forward = split_compiled = SplitCompiledForward(compiled)
             routes.extend(attach_compiled(pre, compiled))
             forward = compiled
+        elif kind == "plain_compiled_hooks_traced":  # no route: dynamo traces K-FAC's hooks into the forward
+            forward = torch.compile(net, backend=backend)
 
         def step(forward=forward, opt=opt, pre=pre, grid=grid, split=split) -> None:
             xs = split_tensor(x, grid, tuple(x.shape)) if split else x
@@ -118,18 +124,20 @@ def measure_kfac(size: int, repeats: int, backend: str) -> dict[str, float | int
     for step in kinds.values():  # warm-up: step 0 (factors, decompositions), compiles and traces
         for _ in range(block):
             step()
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    times: dict[str, list[float]] = {k: [] for k in KFAC_KINDS}
     for r in range(repeats):
-        for k in (KINDS if r % 2 else tuple(reversed(KINDS))):
+        for k in (KFAC_KINDS if r % 2 else tuple(reversed(KFAC_KINDS))):
             t0 = time.perf_counter()
             for _ in range(block):
                 kinds[k]()
             times[k].append((time.perf_counter() - t0) / block)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"size": size, **{f"{k}_ms": med[k] * 1e3 for k in KINDS},
+    return {"size": size, **{f"{k}_ms": med[k] * 1e3 for k in KFAC_KINDS},
             "split_over_plain": med["split"] / med["plain"],
             "compiled_split_over_compiled_plain": med["split_compiled"] / med["plain_compiled"],
             "compiled_split_over_eager_split": med["split_compiled"] / med["split"],
+            "compiled_plain_hooks_traced_over_compiled_plain": med["plain_compiled_hooks_traced"]
+            / med["plain_compiled"],
             "graphs": split_compiled.graphs, "traces": split_compiled.traces,
             "eager_calls": route.eager_calls, "refused": split_compiled.refused}
 

@@ -19,6 +19,7 @@ the op dispatch, whose tile kernels record the halo-padded input boxes K-FAC rea
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,11 @@ class CompiledUnderKFAC:
         #: the preconditioned layers this module holds (the hooks of the others run outside its forward)
         self.layers = [h.module for h in pre.handlers if id(h.module) in inside]
         self.eager_calls = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # a copy of the model made while K-FAC trains it (weight averaging's) is not trained by K-FAC: it gets the
+        # forward this route replaced, not a second reference to the preconditioner and its process groups
+        return copy.deepcopy(self.inner, memo)
 
     def captures(self) -> bool:
         """Whether K-FAC captures the statistics of a layer of this module in the forward about to run."""

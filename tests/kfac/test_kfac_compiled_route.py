@@ -10,6 +10,8 @@ idle on every forward and it refuses at its first factor step, for want of stati
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -60,6 +62,8 @@ class Classifier(pl.LightningModule):
 
     def on_train_end(self) -> None:  # before the callback's teardown gives the compiled module its forward back
         self.eager_calls = getattr(self.model.forward, "eager_calls", None)
+        # a copy made meanwhile (weight averaging's) is not K-FAC's: no route, no preconditioner
+        self.copied_forward = type(copy.deepcopy(self.model).__dict__.get("forward")).__name__
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -87,6 +91,7 @@ def test_compiled_model_under_kfac_is_one_graph_and_trains_as_the_eager_model():
         assert float((p - q).abs().max()) <= 1e-12
     assert backend.count == 1, f"{backend.count} graphs: the hooks reached the compiled forward"
     assert module.eager_calls == STEPS // 2  # the factor-update steps 0, 2, 4
+    assert module.copied_forward != "CompiledUnderKFAC", module.copied_forward
     assert "forward" not in module.model.__dict__ or not isinstance(module.model.forward,
                                                                     compiled_route.CompiledUnderKFAC)
 
