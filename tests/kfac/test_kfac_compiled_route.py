@@ -96,6 +96,7 @@ def test_compiled_model_under_kfac_is_one_graph_and_trains_as_the_eager_model():
                                                                     compiled_route.CompiledUnderKFAC)
 
 
+@pytest.mark.slow  # dynamo compiles every piece: the longest of these tests
 def test_without_the_route_the_hooks_break_the_graph(monkeypatch):
     monkeypatch.setattr("lightning_hpc.kfac.callback.attach_compiled", lambda pre, model: [])
     backend = Graphs()

@@ -97,8 +97,11 @@ def _max_error(res: dict, ref: dict) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(res["params"], ref["params"]))
 
 
-@pytest.mark.parametrize(("kind", "parts"), [("volume", (2, 1, 1)), ("volume", (1, 1, 2)), ("signal", (2,))],
-                         ids=["volume-2x1x1", "volume-1x1x2", "signal-2"])
+@pytest.mark.parametrize(("kind", "parts"), [
+    pytest.param("volume", (2, 1, 1), id="volume-2x1x1"),
+    pytest.param("volume", (1, 1, 2), id="volume-1x1x2", marks=pytest.mark.slow),
+    pytest.param("signal", (2,), id="signal-2", marks=pytest.mark.slow),
+])
 def test_compiled_split_step_under_kfac_equals_one_process(kind, parts):
     ref = _run(0, 1, kind, None, compiled=False)
     steps = STEPS_PER_EPOCH * EPOCHS
@@ -141,7 +144,8 @@ def _image_run(rank: int, world: int, parts, compiled: bool) -> dict:
             "layers": sorted((h.name.replace("_orig_mod.", ""), type(h).__name__) for h in pre.handlers)}
 
 
-@pytest.mark.parametrize("parts", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
+@pytest.mark.parametrize("parts", [pytest.param((2, 1), id="2x1"),
+                                   pytest.param((1, 2), id="1x2", marks=pytest.mark.slow)])
 def test_compiled_se_block_under_kfac_equals_one_process(parts):
     """A user's squeeze-and-excitation CNN (a tiled convolution, two Linear layers on the pooled gate, a 1x1 head),
     compiled, K-FAC on every layer: the Linear layers' hooks (on replicated values) are idle in the compiled graph
