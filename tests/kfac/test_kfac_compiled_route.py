@@ -111,6 +111,40 @@ def test_compiling_the_capture_steps_too_leaves_kfac_without_statistics(monkeypa
     assert run.steps == 0
 
 
+def plain_loop(device: str, compiled: bool) -> tuple[list[torch.Tensor], int, int]:
+    """A plain training loop (no Lightning): ``KFACPreconditioner`` and ``attach_compiled`` on a compiled model, on
+    ``device`` in float64; the final parameters, the graphs dynamo captured and the forwards run eagerly."""
+    from lightning_hpc.kfac import KFACPreconditioner
+
+    torch._dynamo.reset()
+    net = _net().to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    pre = KFACPreconditioner(net, optimizer=opt, announce=False, **KFAC_OPTIONS)
+    backend = Graphs()
+    model: nn.Module = net
+    routes: list[compiled_route.CompiledUnderKFAC] = []
+    if compiled:
+        model = torch.compile(net, backend=backend)
+        routes = compiled_route.attach_compiled(pre, model)
+        assert len(routes) == 1
+    for x, y in _data():
+        opt.zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        pre.step()
+        opt.step()
+    compiled_route.detach_compiled(routes)
+    eager = routes[0].eager_calls if routes else 0
+    return [p.detach().cpu() for p in net.parameters()], backend.count, eager
+
+
+def test_a_plain_training_loop_attaches_the_route():
+    params, graphs, eager = plain_loop("cpu", compiled=True)
+    ref, _, _ = plain_loop("cpu", compiled=False)
+    assert graphs == 1 and eager == STEPS // 2, (graphs, eager)
+    for p, q in zip(params, ref):
+        assert float((p - q).abs().max()) <= 1e-12
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     yield
