@@ -325,10 +325,8 @@ def _spatial() -> dict[str, Verdict]:
     # the whole sample's once), measured 0.86x bf16's own effect; a missing or doubled tile sum moves the weights
     # by more than 10x it
     cells.update(bf16_mixed=Bounded(micro_batches=False, bound=2.0), kfac_fp16_plugin=_KFAC_PLUGIN)
-    # the spatial strategy's own parameter check: a penalty over the convolution's weight uses it outside the
-    # split activations too, whose gradient the tile reduction cannot tell apart
-    cells["l2_penalty_logged"] = Refused(r"parameter 'model.0.conv.weight' is used on split activations and, by "
-                                         r"Tensor.pow in the LightningModule's step.*spatial_parts=\(1, 1\)")
+    # (l2_penalty_logged: a penalty over the convolution's weight uses it outside the split activations too; each
+    # rank's penalty gets 1/P of its gradient, spatial.dispatch.parameter_check: exact)
     return cells
 
 

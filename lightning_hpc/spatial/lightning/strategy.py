@@ -108,12 +108,13 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         on_unsupported: what an op on a split activation without a tiled form does: ``"gather"`` (default; the
             whole activation is gathered and the op computed exactly, with a one-time warning naming the op, the
             module and the bytes) or ``"error"`` (refused before the first optimizer step).
-        check_parameter_use: when to check that no parameter is used both on split activations and on
-            replicated values (its gradient could not be reduced exactly): ``"every_step"`` (default: a forward
-            that takes other branches later, e.g. by a data-dependent condition, is refused at the step that first
-            mixes the uses, before that step's update; one more Python call per torch op of the training step) or
-            ``"first_step"`` (a forward whose branches never change is fully checked then; a later branch that
-            mixes the uses would train silently differently).
+        check_parameter_use: when the parameters used on replicated values get their share of the gradient (a
+            parameter also used on split activations is summed over the spatial group, so each replicated use
+            gets ``1/P`` of its gradient: ``lightning_hpc.spatial.dispatch.parameter_check``): ``"every_step"``
+            (default: also a forward that takes other branches later, e.g. by a data-dependent condition; one
+            more Python call per torch op of the training step) or ``"first_step"`` (only the first step, unless
+            it already used a parameter both ways, then every step; a later branch that starts such a use would
+            train silently differently).
         Remaining arguments go to :class:`lightning.pytorch.strategies.DDPStrategy`.
     """
 
@@ -178,6 +179,7 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         self._modules = ModuleTrace()
         self._tiled_layers: TiledLayerRegistry | None = None
         self._params_checked = False
+        self._params_shared = False  # a tile parameter had a replicated use (parameter_check): checked every step
         self.overlap = bool(overlap)
         self.batchnorm = batchnorm
         self.input_shape = tuple(int(v) for v in input_shape) if input_shape is not None else None
@@ -457,18 +459,21 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._modules.clear()
-        checked = self._params_checked and self.check_parameter_use == "first_step"
+        checked = self._params_checked and self.check_parameter_use == "first_step" and not self._params_shared
         if checked or self.layout is None or self.layout.grid.size == 1:
             return super().training_step(*args, **kwargs)
-        # every step (or the first): also record the parameters used on replicated values (a parameter used on
-        # tiles and on replicated values cannot have its gradient reduced exactly: refused before the update)
+        # every step (or the first): the parameters used on replicated values get their share of the gradient (a
+        # parameter also used on tiles is summed over the group: parameter_check), and what a compiled step's
+        # trace used on both is refused before the update
         assert self.lightning_module is not None
         names = ParameterNames(self.lightning_module)  # listed only if a message needs them
-        check = ParameterUseCheck(self.layout.grid.tile_params, names, self._modules)
+        check = ParameterUseCheck(self.layout.grid.tile_params, names, self._modules, self.layout.grid.size)
         with check:
             out = super().training_step(*args, **kwargs)
         check.raise_if_mixed(names)
         self._params_checked = True
+        # a parameter used on tiles and on replicated values needs its share at every step, also under "first_step"
+        self._params_shared = self._params_shared or check.shares_tile_parameters()
         return out
 
     @override

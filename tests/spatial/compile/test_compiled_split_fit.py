@@ -136,3 +136,24 @@ def test_a_forward_that_prints_on_rank_zero_only_fits_eagerly_on_every_rank_as_o
     assert first["refused"] is not None and "Unsupported" in first["refused"], first  # dynamo on `print`
     assert second["refused"] is not None and "another rank of the spatial group" in second["refused"], second
     assert first["traces"] == second["traces"] == 0, (first, second)
+
+
+def _compiled_mix_run(rank, world):
+    x, seg, _ = idioms.make_data()
+    module = idioms.UserModule(idioms.build("shared_across_pool"))
+    module.model = torch.compile(module.model, backend="eager")
+    run = fit(module, datamodule=idioms.TileData(x, seg), devices=world,
+              strategy=SpatialParallelStrategy(spatial_parts=(2, 1)), max_steps=idioms.STEPS, max_epochs=1,
+              use_distributed_sampler=False, refusal_is_result=True)
+    return {"error": run.error, "steps": run.steps}
+
+
+def test_a_parameter_used_on_tiles_and_replicated_inside_the_compiled_forward_is_refused():
+    """Eagerly, each replicated use of a parameter also used on tiles gets its share of the gradient
+    (``spatial.dispatch.parameter_check``: exact, ``test_split_equals_one_process``); a compiled split step's graph
+    cannot carry that share, so the same model compiled is refused before its first step, naming the fix."""
+    for res in run_in_processes(_compiled_mix_run, 2, timeout_s=300, collective_timeout_s=60):
+        err = res["error"]
+        assert err is not None and "parameter 'model._orig_mod.mix.weight'" in err, err
+        assert "inside a compiled split step" in err and "in training_step" in err, err
+        assert res["steps"] == 0
