@@ -185,7 +185,7 @@ def write(found: dict[tuple[str, str], str], notes: dict[tuple[str, str], str]) 
         "layer with fewer inputs or outputs than ranks: the GAN's one-logit discriminator); under K-FAC, "
         "hybrid_fc's head fed `(batch, tokens, features)`, whose "
         "sub-batches split a sample's positions over the ranks where K-FAC sums them; layered SGD refuses LBFGS's "
-        "repeated closure, the spatial strategy a penalty over a tiled convolution's weight; as DDP refuses it: an"
+        "repeated closure; as DDP refuses it: an"
         " unused trunk parameter, trainability changed under DDP's reducer); where the fix is a setting "
         "(`find_unused_parameters=True`), the cell also shows the run with it. **refused at the change**: "
         "parameters became trainable or frozen mid-run (after 2 steps); every rank stopped before the step that "
