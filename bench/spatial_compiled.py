@@ -87,7 +87,7 @@ def kfac_steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], 
     y = (torch.rand(1, 1, size, size) > 0.5).float()
     out: dict[str, Callable[[], None]] = {}
     split_compiled: SplitCompiledForward | None = None
-    routes: list[CompiledUnderKFAC] = []
+    split_route: CompiledUnderKFAC | None = None
     for kind in KFAC_KINDS:
         net = copy.deepcopy(base)
         opt = torch.optim.SGD(net.parameters(), lr=0.0)  # lr 0: every kind steps the same values
@@ -100,7 +100,9 @@ def kfac_steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], 
             compiled: Any = torch.compile(net, backend=backend)
             if split:  # as the spatial strategy and the K-FAC callback set a compiled module up
                 compiled.forward = split_compiled = SplitCompiledForward(compiled)
-            routes.extend(attach_compiled(pre, compiled))
+            (route,) = attach_compiled(pre, compiled)
+            if split:
+                split_route = route
             forward = compiled
         elif kind == "plain_compiled_hooks_traced":  # no route: dynamo traces K-FAC's hooks into the forward
             forward = torch.compile(net, backend=backend)
@@ -114,8 +116,8 @@ def kfac_steps(size: int, backend: str) -> tuple[dict[str, Callable[[], None]], 
             opt.step()
 
         out[kind] = step
-    assert split_compiled is not None and len(routes) == 2
-    return out, split_compiled, routes[1]
+    assert split_compiled is not None and split_route is not None
+    return out, split_compiled, split_route
 
 
 def measure_kfac(size: int, repeats: int, backend: str) -> dict[str, float | int | str | None]:

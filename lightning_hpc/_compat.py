@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "enable_torch_function",
     "disable_torch_function_subclass",
     "compiled_module_type",
+    "outermost_compiled_modules",
     "compiled_backend",
     "graph_tracer",
     "tree_map",
@@ -137,6 +139,19 @@ def disable_torch_function_subclass() -> Any:
 def compiled_module_type() -> type:
     """The module type ``torch.compile(module)`` returns (``torch._dynamo.eval_frame.OptimizedModule``)."""
     return _private("torch._dynamo.eval_frame", "OptimizedModule")  # type: ignore[no-any-return]
+
+
+def outermost_compiled_modules(module: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of each ``torch.compile``'d submodule of ``module`` (``""``: ``module`` itself) that is not
+    inside another one (whose forward covers it); none where nothing was compiled in this process (the compiler is
+    then not imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return []
+    found: list[tuple[str, Any]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, compiled_module_type()) and not any(name.startswith(f"{o}.") for o, _ in found):
+            found.append((name, m))
+    return found
 
 
 def compiled_backend(compiled: Any) -> Any:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -43,7 +42,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_hpc._compat import compiled_module_type
+from lightning_hpc._compat import outermost_compiled_modules
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.partitioned import follow_split
@@ -304,14 +303,8 @@ class SpatialParallelStrategy(StrategyContract, DDPStrategy):
         assert self.layout is not None and module is not None
         if self.layout.grid.size == 1 or self.world_size == 1:
             return
-        if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
-            return
-        outer: list[str] = []  # a compiled module inside another is covered by the outer one's forward
-        for name, m in module.named_modules():
-            if isinstance(m, compiled_module_type()) and not any(name.startswith(f"{o}.") for o in outer):
-                outer.append(name)
-                compiled: Any = m
-                compiled.forward = SplitCompiledForward(compiled, name=f"{type(module).__name__}.{name}")
+        for name, compiled in outermost_compiled_modules(module):
+            compiled.forward = SplitCompiledForward(compiled, name=f"{type(module).__name__}.{name}")
 
     def _prepare_model(self) -> None:
         if self._prepared:
