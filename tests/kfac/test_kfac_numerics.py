@@ -373,6 +373,35 @@ def test_kl_clip_matches_eq18_by_hand():
         torch.testing.assert_close(clipped[n], unclipped[n] * nu, rtol=1e-5, atol=1e-7)
 
 
+def test_kl_clip_never_scales_up():
+    """Eq 18's ``min(1, ...)``: where ``sqrt(kappa / vg)`` exceeds 1 (a large kappa, and a step with zero gradients,
+    ``vg = 0``) the preconditioned gradients are left as they are, not scaled up."""
+    torch.manual_seed(6)
+    base = _cnn()
+    x, y = torch.randn(8, 2, 7, 7), torch.randint(0, 5, (8,))
+    lr, kappa = 0.5, 1e3
+    out = {}
+    for clip in (None, kappa):
+        m = copy.deepcopy(base)
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        p = KFACPreconditioner(m, optimizer=opt, inv_update_freq=1, damping=0.01, kl_clip=clip, announce=False)
+        F.cross_entropy(m(x), y).backward()
+        raw = {h.name: h.grad_matrix().clone() for h in p.handlers}
+        p.step()
+        out[clip] = (raw, {h.name: h.grad_matrix().clone() for h in p.handlers}, p, m)
+    raw, unclipped, _, _ = out[None]
+    _, kept, pre, model = out[kappa]
+    vg = sum(abs(float((unclipped[n].double() * raw[n].double()).sum())) for n in raw)
+    assert math.sqrt(kappa / (lr**2 * vg)) > 1.0  # the test must exercise the min(1, ...) branch
+    assert pre.last_nu == 1.0
+    for n in raw:
+        assert torch.equal(kept[n], unclipped[n]), n
+    model.zero_grad()
+    (model(x).sum() * 0.0).backward()  # a step with zero gradients: vg = 0, nu = 1
+    pre.step()
+    assert pre.last_nu == 1.0
+
+
 def test_kl_clip_uses_each_layers_parameter_group_lr():
     """Eq 18 weighs each layer by the lr of the optimizer parameter group holding its weight; a layer whose weight
     is in no group, with no lr to fall back on, is refused by name."""
