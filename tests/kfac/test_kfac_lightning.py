@@ -313,6 +313,14 @@ def test_schedules_follow_epochs():
         pre.set_epoch(epoch)
         seen.append((pre.damping, pre.factor_update_freq, pre.inv_update_freq))
     assert seen == [(0.01, 10, 100), (0.01, 10, 100), (0.005, 10, 100), (0.005, 1, 10), (0.0025, 1, 10)]
+    # a rate that leaves a fraction: the nearest interval (10 x 0.37 = 3.7 -> 4, not 3), never below 1
+    pre = KFACPreconditioner(nn.Linear(2, 2), inv_update_freq=100, update_freq_decay_epochs=[1, 2],
+                             update_freq_decay_rate=0.37)  # fmt: skip
+    seen = []
+    for epoch in range(3):
+        pre.set_epoch(epoch)
+        seen.append((pre.factor_update_freq, pre.inv_update_freq))
+    assert seen == [(10, 100), (4, 37), (1, 14)]
 
 
 def test_accumulate_grad_batches_covers_every_micro_batch():
