@@ -258,6 +258,17 @@ def put_whole_averages(checkpoint: dict[str, Any], averages: Sequence[tuple[Any,
             checkpoint["state_dict"] = whole(copy)
 
 
+def scaler_found_inf(scaler: Any, optimizer: Any) -> bool | None:
+    """Whether ``scaler.unscale_(optimizer)`` found inf/nan in that optimizer's gradients this step (the verdict
+    ``scaler.step`` acts on; ``torch.amp.GradScaler`` keeps it in its private ``_per_optimizer_states``); None where
+    the scaler recorded none for it (not unscaled yet, or another torch that keeps it elsewhere)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    per_device = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if not per_device:
+        return None
+    return any(float(v) > 0 for v in per_device.values())
+
+
 #: torch.optim.LBFGS's private methods every flat vector of its step goes through (the step itself, and
 #: ``_directional_evaluate``, the strong-Wolfe line search's evaluation, calls both), and its parameter list
 _LBFGS_FLAT = ("_gather_flat_grad", "_add_grad")

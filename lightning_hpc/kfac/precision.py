@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
+from lightning_hpc._compat import scaler_found_inf
+
 __all__ = ["KFACMixedPrecision"]
 
 
@@ -52,10 +54,9 @@ class KFACMixedPrecision(MixedPrecision):
         assert self.scaler is not None
         # The verdict scaler.unscale_ recorded for this optimizer (the one scaler.step acts on). GradScaler keeps
         # it in a private table; if that ever changes we check the gradients ourselves (same answer, one pass).
-        state = getattr(self.scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
-        per_device = state.get("found_inf_per_device") if isinstance(state, dict) else None
-        if per_device:
-            return any(float(v) > 0 for v in per_device.values())
+        found = scaler_found_inf(self.scaler, optimizer)
+        if found is not None:
+            return found
         return any(
             p.grad is not None and not bool(torch.isfinite(p.grad).all())
             for group in optimizer.param_groups
