@@ -488,6 +488,28 @@ def test_sym_gram_equals_dense_product(monkeypatch, use_blas, k_dims, chunked):
     torch.testing.assert_close(colsum, rows.sum(1), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("k_dims", [1, 2])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunks", "one_product"])
+def test_group_gram_equals_each_groups_product(monkeypatch, k_dims, chunked):
+    """The block-diagonal Grams of a grouped layer (one batched product per chunk of samples) equal each group's
+    ``rows rows^T`` in float64, on a strided view, with a partial last chunk; the column sums are the folded bias."""
+    if chunked:
+        monkeypatch.setattr(linalg, "GRAM_CHUNK_ELEMENTS", 300)  # two samples per chunk: 4 chunks, the last partial
+    torch.manual_seed(8)
+    t = torch.randn(7, 4, 3, 5, 2, dtype=torch.float64).permute(0, 2, 1, 4, 3)  # (N, G=3, 4, 2, 5), not contiguous
+    if k_dims == 1:
+        t = t.flatten(3)  # (N, G, k=4, P=10)
+    gram, colsum = linalg.group_gram(t, k_dims=k_dims, colsum=True)
+    expected = []
+    for g in range(t.shape[1]):
+        rows = t[:, g].movedim(0, k_dims).reshape(math.prod(t.shape[2 : 2 + k_dims]), -1)
+        expected.append((rows @ rows.t(), rows.sum(1)))
+    assert colsum is not None and gram.shape == (3, *expected[0][0].shape)
+    for g, (gram_g, sums_g) in enumerate(expected):
+        torch.testing.assert_close(gram[g], gram_g, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(colsum[g], sums_g, rtol=1e-12, atol=1e-12)
+
+
 class _SyrkSpy:
     """Stands in for scipy's BLAS module: records syrk calls and delegates to the real one."""
 
