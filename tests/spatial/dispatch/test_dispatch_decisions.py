@@ -125,6 +125,54 @@ def test_negative_control_a_key_without_shapes_reuses_wrong_decisions():
     assert max(max(e) for e in errs) > 1e-3, errs
 
 
+# pairs of calls on one split input that differ in one argument only, the second decided after the first:
+# dilation (a "same" convolution of the same weight shape), ceil_mode (max and average pooling) and align_corners
+# (bilinear interpolation): each argument must be part of the call's decision key
+_ARGUMENT_PAIRS = [
+    ("conv dilation", lambda x, w: F.conv2d(x, w, padding="same"),
+     lambda x, w: F.conv2d(x, w, padding="same", dilation=2)),
+    ("max_pool ceil_mode", lambda x, w: F.max_pool2d(x, 2, 2), lambda x, w: F.max_pool2d(x, 2, 2, ceil_mode=True)),
+    ("avg_pool ceil_mode", lambda x, w: F.avg_pool2d(x, 2, 2), lambda x, w: F.avg_pool2d(x, 2, 2, ceil_mode=True)),
+    ("interpolate align_corners",
+     lambda x, w: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False),
+     lambda x, w: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True)),
+]
+
+
+def _argument_pairs(rank, world, parts):
+    """Per pair: the max abs error of both calls' output tiles against the serial ops (float64, the second call
+    after the first on one grid); inf where a call gives the wrong shape or fails."""
+    grid = create_hybrid_layout(parts).grid
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 9, 11, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 3, 3, 3, generator=g, dtype=torch.float64)
+    sdims = (2, 3)
+    tile = x[_tile_index(x.shape, sdims, grid)]
+    errs = {}
+    for name, first, second in _ARGUMENT_PAIRS:
+        worst = 0.0
+        for call in (first, second):
+            want = call(x, w)
+            want = want[_tile_index(want.shape, sdims, grid)]
+            try:
+                got = call(split_tensor(tile, grid, x.shape, sdims), w).local()
+            except RuntimeError:  # a wrong decision may also fail outright
+                got = None
+            worst = max(worst, float((got - want).abs().max()) if got is not None and got.shape == want.shape
+                        else float("inf"))
+        errs[name] = worst
+    return errs
+
+
+def test_a_decision_is_not_reused_for_another_dilation_ceil_mode_or_align_corners():
+    """Two calls that differ only in one non-tensor argument (the input's layout and shapes and the weight's shape
+    the same) are decided apart: a "same" convolution with dilation 1 then 2, max and average pooling without and
+    with ``ceil_mode`` on an odd extent, bilinear interpolation without and with ``align_corners``."""
+    for parts in ((2, 1), (1, 2)):
+        for errs in run_in_processes(_argument_pairs, 2, parts, timeout_s=120):
+            assert max(errs.values()) < 1e-12, (parts, errs)
+
+
 def _sum_of_two_layouts(rank, world):
     """``a + b`` for split tensors of one global shape laid out otherwise (``b`` split along W by the grid's first
     axis, ``a`` along H), and ``a + a2`` for two laid out alike, against the serial sums."""
