@@ -1,6 +1,7 @@
 """Mean losses on split activations equal one process's (value and gradient), with uneven tiles: the
 element-wise losses and cross-entropy with class probabilities divide by the global element count (from the
-global shape), cross-entropy with class indices by the counted non-ignored targets."""
+global shape), cross-entropy with class indices by the counted non-ignored targets (their summed class weights
+with ``weight=``); ``reduction="sum"`` is the whole sample's sum."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from lightning_hpc.spatial.dispatch import split_tensor
 from lightning_hpc.spatial.layout.tiling import create_hybrid_layout, tile_slices
 
 N, C, H, W = 2, 3, 7, 5
+CLASS_WEIGHT = torch.tensor([0.5, 2.0, 3.5], dtype=torch.float64)
 
 
 def _cases(x: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, binary: torch.Tensor):
@@ -23,6 +25,12 @@ def _cases(x: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, binary: t
         "ce_probabilities": lambda a: F.cross_entropy(a, probs),
         "ce_labels_ignore": lambda a: F.cross_entropy(a, labels, ignore_index=0),
         "ce_labels_smoothing": lambda a: F.cross_entropy(a, labels, label_smoothing=0.1),
+        # class weights: the mean divides by the global sum of the weights of the non-ignored targets
+        "ce_labels_weight_ignore": lambda a: F.cross_entropy(a, labels, weight=CLASS_WEIGHT, ignore_index=0),
+        "nll_weight": lambda a: F.nll_loss(F.log_softmax(a, 1), labels, weight=CLASS_WEIGHT),
+        # reduction="sum": the sum over the whole sample, no division
+        "mse_sum": lambda a: F.mse_loss(a, binary, reduction="sum"),
+        "ce_labels_sum": lambda a: F.cross_entropy(a, labels, reduction="sum"),
     }
 
 
