@@ -163,6 +163,8 @@ POOL_CASES: list[dict[str, Any]] = [
     dict(kernel_size=3, stride=1, padding=1),
     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
     dict(kernel_size=2, stride=2, ceil_mode=True),
+    # odd extents: ceil mode's last window would start in the right padding, which torch drops
+    dict(kernel_size=2, stride=2, padding=1, ceil_mode=True),
     dict(kernel_size=3, stride=2, padding=1, count_include_pad=False),
     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, dilation=2),
