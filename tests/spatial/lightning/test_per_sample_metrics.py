@@ -1,8 +1,8 @@
-"""Metrics that are not sums over pixels: per-sample scores (``segmentation.MeanIoU``, ``segmentation.DiceScore``)
-and windowed ones (SSIM) fed split activations are computed on the whole samples (their split inputs gathered),
-so the computed and logged values equal one process's; metrics that are sums over pixels (Jaccard) keep
-counting on the tiles, without a gather.  Fed a tile cut out with ``local_tile``, a per-sample metric is refused
-by name."""
+"""Metrics that are not sums over pixels: per-sample scores (``segmentation.MeanIoU``, ``segmentation.DiceScore``,
+accuracy with ``multidim_average="samplewise"``, PSNR with ``dim``) and windowed ones (SSIM) fed split activations
+are computed on the whole samples (their split inputs gathered), so the computed and logged values equal one
+process's; metrics that are sums over pixels (Jaccard) keep counting on the tiles, without a gather.  Fed a tile
+cut out with ``local_tile``, a per-sample metric is refused by name."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics.classification import MulticlassJaccardIndex
-from torchmetrics.image import StructuralSimilarityIndexMeasure
+from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 from torchmetrics.segmentation import DiceScore, MeanIoU
 
 from lightning_hpc.distributed import run_in_processes
@@ -22,7 +22,7 @@ from tests.fit_harness import fit
 
 N, C, CLASSES, H, W = 4, 3, 3, 13, 10
 BATCH = 2
-NAMES = ("miou", "dice", "ssim", "jaccard")
+NAMES = ("miou", "dice", "ssim", "jaccard", "acc_samplewise", "psnr_per_sample")
 
 
 class MetricModule(pl.LightningModule):
@@ -34,6 +34,9 @@ class MetricModule(pl.LightningModule):
         self.dice = DiceScore(num_classes=CLASSES, input_format="index")
         self.ssim = StructuralSimilarityIndexMeasure(data_range=1.0)
         self.jaccard = MulticlassJaccardIndex(num_classes=CLASSES)
+        # the per-sample forms of metrics whose global forms are sums over pixels
+        self.acc_samplewise = MulticlassAccuracy(num_classes=CLASSES, average="micro", multidim_average="samplewise")
+        self.psnr_per_sample = PeakSignalNoiseRatio(data_range=1.0, dim=(1, 2, 3))
         self.by_hand, self.final = by_hand, {}
 
     def training_step(self, batch, batch_idx):
@@ -50,6 +53,8 @@ class MetricModule(pl.LightningModule):
         self.dice(pred, y)
         self.ssim(out.detach().softmax(1), F.one_hot(y, CLASSES).permute(0, 3, 1, 2).float())
         self.jaccard(pred, y)
+        self.acc_samplewise(pred, y)
+        self.psnr_per_sample(out.detach().softmax(1), F.one_hot(y, CLASSES).permute(0, 3, 1, 2).float())
         self.log("miou", self.miou, on_step=False, on_epoch=True)
         self.log("ssim", self.ssim, on_step=False, on_epoch=True)
         return loss
@@ -91,7 +96,8 @@ def test_per_sample_metrics_equal_one_process(parts):
         for name, value in res["logged"].items():
             assert abs(value - ref["logged"][name]) <= 1e-5, (name, value, ref["logged"][name])
     warned = " ".join(results[0]["warnings"])
-    for name in ("miou", "dice", "ssim"):  # gathered, and said so once with the bytes
+    # gathered, and said so once with the bytes
+    for name in ("miou", "dice", "ssim", "acc_samplewise", "psnr_per_sample"):
         assert f"metric '{name}'" in warned and "bytes per rank" in warned, warned
     assert "metric 'jaccard'" not in warned, warned  # confusion counts: tiles summed, nothing gathered
 
