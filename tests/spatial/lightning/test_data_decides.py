@@ -201,6 +201,27 @@ def test_global_pixel_count_counts_whole_tensors_once(marked):
     assert strategy.global_pixel_count(rows) == 14
 
 
+def _hand_cut_tile_count(rank, world):
+    from lightning_hpc.spatial.dispatch import local_tile, split_tensor
+    from lightning_hpc.spatial.layout.tiling import create_hybrid_layout
+
+    strategy = SpatialParallelStrategy(spatial_parts=(2, 1))
+    strategy.layout = create_hybrid_layout((2, 1))
+    grid = strategy.layout.grid
+    y = torch.zeros(2, 7, 5, dtype=torch.long)
+    rs, cs = tile_slices((7, 5), (2, 1), grid.index)
+    tile = local_tile(split_tensor(y[:, rs, cs].contiguous(), grid, y.shape))
+    return strategy.global_pixel_count(tile), tile.numel()
+
+
+def test_global_pixel_count_sums_a_hand_cut_tile_over_the_spatial_group():
+    """Two processes at 2x1 with uneven tiles (rows 4 and 3 of 7): a tile cut out with ``local_tile`` counts the
+    whole sample's pixels on every rank, its own count summed over the spatial group."""
+    results = run_in_processes(_hand_cut_tile_count, 2, timeout_s=120)
+    assert sorted(local for _, local in results) == [30, 40], results
+    assert [count for count, _ in results] == [70, 70], results
+
+
 def test_declared_entries_of_dict_and_nested_batches():
     """Single process: ``spatial_tiles`` names keys of a dict batch and paths into nested batches; undeclared, the
     first N x C x H x W tensor is the input; a name that is not a tensor of the batch is refused naming it."""
