@@ -99,3 +99,34 @@ def test_keyword_and_varargs_forms_equal_one_process():
         for res in run_in_processes(_run, 2, parts):
             bad = [name for name in CASES if not _close(res[name], refs[name])]
             assert not bad, (parts, bad)
+
+
+# ops over one of two split dimensions (a 2x2 grid): along H alone or W alone only a row or column of tiles would
+# reduce together, so they run gathered (and still equal one process); over both, on the tiles.  Even tiles: a
+# reduction wrongly taken over the whole group then gives wrong values on every rank (with uneven ones, results of
+# different sizes, which hang the collective)
+H2, W2 = 8, 6
+PARTIAL_CASES = {
+    "x.sum(dim=3)": lambda x: x.sum(dim=3),
+    "x.mean(dim=2, keepdim=True)": lambda x: x.mean(dim=2, keepdim=True),
+    "F.layer_norm(x, (W2,))": lambda x: F.layer_norm(x, (W2,)),
+    "F.layer_norm(x, (H2, W2))": lambda x: F.layer_norm(x, (H2, W2)),
+}
+
+
+def _data_2x2() -> torch.Tensor:
+    return torch.randn(N, C, H2, W2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def _run_partial(rank, world):
+    grid = create_hybrid_layout((2, 2)).grid
+    x = _data_2x2()
+    rs, cs = tile_slices((H2, W2), (2, 2), grid.index)
+    return {name: _whole(op(split_tensor(x[..., rs, cs].clone(), grid, x.shape))) for name, op in PARTIAL_CASES.items()}
+
+
+def test_reductions_and_layer_norm_over_one_of_two_split_dimensions_equal_one_process():
+    refs = {name: op(_data_2x2()) for name, op in PARTIAL_CASES.items()}
+    for res in run_in_processes(_run_partial, 4, timeout_s=300):
+        bad = [name for name in PARTIAL_CASES if not _close(res[name], refs[name])]
+        assert not bad, bad
