@@ -20,6 +20,7 @@ from lightning_hpc.spatial.dispatch.autograd import _tile_index
 from lightning_hpc.spatial.dispatch.calls import bind_call
 from lightning_hpc.spatial.dispatch.state import state
 from lightning_hpc.spatial.layout.tiling import SpatialGrid, create_hybrid_layout
+from lightning_hpc.spatial.layout.tracing import Trace
 
 
 def _reference_bind(op, args, kwargs):
@@ -202,6 +203,23 @@ def test_inplace_keyword_is_part_of_the_decision():
     assert (x.local() < 0).any() and (out.local() >= 0).all()
     same = F.relu(x, inplace=True)
     assert same is x and (x.local() >= 0).all()
+
+
+def test_inplace_keyword_is_part_of_the_decision_while_a_step_is_traced():
+    """While a split step is traced, every element-wise call is decided (operands laid out alike take no shortcut):
+    ``F.relu(x, inplace=False)`` then ``F.relu(x, inplace=True)`` on the same layout, whose keywords differ in value
+    only, are decided apart, and the second changes ``x`` itself."""
+    grid = SpatialGrid.single()
+    x = split_tensor(torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)), grid, (2, 3, 4, 4))
+    Trace.active = True
+    try:
+        out = F.relu(x, inplace=False)
+        kept = bool((x.local() < 0).any()) and bool((out.local() >= 0).all())
+        same = F.relu(x, inplace=True)
+    finally:
+        Trace.active = False
+    assert kept and same is x and (x.local() >= 0).all()
+    assert grid.decisions.made == 2
 
 
 def test_backward_under_a_dispatch_mode_meets_no_split_tensor():
