@@ -235,8 +235,9 @@ def user_odenet() -> torch.nn.Module:
     return UserODENet().double()
 
 
-def serial_user_odenet(steps: int) -> dict[str, torch.Tensor]:
-    """One process training ``user_odenet()`` on the same batches."""
+def serial_user_odenet(steps: int, with_optimizer: bool = False):
+    """One process training ``user_odenet()`` on the same batches: its state dict (``with_optimizer``: and its
+    optimizer's state by parameter name, :func:`state_by_name`)."""
     import torch.nn.functional as F
 
     model = user_odenet()
@@ -246,6 +247,8 @@ def serial_user_odenet(steps: int) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         F.cross_entropy(model(xs[s * BATCH : (s + 1) * BATCH].double()), ys[s * BATCH : (s + 1) * BATCH]).backward()
         opt.step()
+    if with_optimizer:
+        return model.state_dict(), state_by_name(opt, model)
     return model.state_dict()
 
 
@@ -277,6 +280,10 @@ def handed_back_odenet(rank: int, world_size: int, mode: str, steps: int, also_t
         "state": {key: value.detach().clone() for key, value in module.state_dict().items()},
         "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
     }
+    if not also_test:  # the optimizer fit rebound: over the module's parameters, its state by their names
+        held = [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        out["optimizer_holds_module_parameters"] = held == [id(p) for p in module.parameters()]
+        out["optimizer_state"] = state_by_name(trainer.optimizers[0], module)
     fresh = user_odenet()
     fresh.load_state_dict(module.state_dict(), strict=True)
     if rank != 0:
