@@ -528,9 +528,10 @@ def checkpoint_from_hybrid_rank0(rank: int, k: int, path: str, steps: int) -> di
 
 
 # -- the model handed back after a stage: the user's module, whole, on every rank ------------------------------
-def user_cnn(compiled: bool = False) -> nn.Module:
+def user_cnn(compiled: bool = False, dropout: bool = False) -> nn.Module:
     """A LightningModule as users write one: a conv trunk ``features`` and an ``nn.Sequential`` classifier head
-    (``compiled``: the head ``torch.compile``'d, ``self.classifier = torch.compile(...)``, graph capture only)."""
+    (``compiled``: the head ``torch.compile``'d, ``self.classifier = torch.compile(...)``, graph capture only;
+    ``dropout``: a dropout between the head's two layers)."""
     import lightning.pytorch as pl
 
     class UserCNN(pl.LightningModule):
@@ -538,7 +539,8 @@ def user_cnn(compiled: bool = False) -> nn.Module:
             super().__init__()
             torch.manual_seed(0)
             self.features = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(1))
-            self.classifier = nn.Sequential(nn.Linear(64, 24), nn.ReLU(), nn.Linear(24, 10))
+            middle = [nn.ReLU(), nn.Dropout(0.5)] if dropout else [nn.ReLU()]
+            self.classifier = nn.Sequential(nn.Linear(64, 24), *middle, nn.Linear(24, 10))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.classifier(self.features(x))
@@ -570,6 +572,40 @@ def serial_user_cnn(k: int, steps: int) -> dict[str, torch.Tensor]:
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return model.state_dict()
+
+
+def handed_back_cnn_in_eval_mode(rank: int, k: int, steps: int) -> dict:
+    """``Trainer.fit`` of ``user_cnn()`` with ``strategy='hybrid_fc'`` and a callback that puts the model in eval
+    mode when training ends (ready for inference, while the head is still split); after fit: every submodule's
+    ``training`` flag by name, and (rank 0, with no process group left) the logits of a batch."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_hpc import HybridParallelStrategy
+    from tests import fit_harness
+
+    class EvalAtTrainEnd(pl.Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            pl_module.eval()
+
+    mine = slice(rank * B, (rank + 1) * B)
+    xs = torch.cat([batch(s, k, torch.float64)[0][mine] for s in range(steps)])
+    ys = torch.cat([batch(s, k, torch.float64)[1][mine] for s in range(steps)])
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=B, shuffle=False)
+    module = user_cnn(dropout=True)
+    trainer = fit_harness.trainer(
+        devices=k, strategy=HybridParallelStrategy(), precision="64-true", max_steps=steps, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[EvalAtTrainEnd()],
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    out: dict = {"modes": {name: m.training for name, m in module.named_modules()}}
+    if rank != 0:
+        return out
+    dist.destroy_process_group()
+    with torch.no_grad():
+        out["logits"] = module(batch(steps, k, torch.float64)[0])
+        out["state"] = {key: value.detach().clone() for key, value in module.state_dict().items()}
+    return out
 
 
 def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool, compiled: bool = False) -> dict:

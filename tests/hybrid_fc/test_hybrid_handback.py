@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_workers import batch, handed_back_cnn, serial_user_cnn, user_cnn
+from hybrid_workers import batch, handed_back_cnn, handed_back_cnn_in_eval_mode, serial_user_cnn, user_cnn
 
 from lightning_hpc.distributed import run_in_processes
 
@@ -36,3 +36,19 @@ def test_fit_hands_back_the_users_model_whole_on_every_rank(also_test, compiled)
         expected = serial(batch(STEPS, k, torch.float64)[0])
     assert torch.allclose(out[0]["logits"], expected, rtol=0, atol=1e-9)
     assert torch.allclose(out[0]["fresh_logits"], expected, rtol=0, atol=1e-9)
+
+
+def test_the_handed_back_head_keeps_the_mode_the_model_was_left_in():
+    """A callback puts the model in eval mode when training ends, while the head is still split (ready for
+    inference, as users do): the head handed back after fit is in eval mode with the rest of the model, as one
+    process's model is, so its dropout is off and its logits are those of the same weights in eval mode."""
+    k = 2
+    out = run_in_processes(handed_back_cnn_in_eval_mode, k, STEPS, timeout_s=400, collective_timeout_s=60)
+    for rank, o in enumerate(out):
+        assert o["modes"] and not any(o["modes"].values()), (rank, o["modes"])
+    serial = user_cnn(dropout=True)
+    serial.load_state_dict(out[0]["state"])
+    serial.eval()
+    with torch.no_grad():
+        expected = serial(batch(STEPS, k, torch.float64)[0])
+    assert torch.allclose(out[0]["logits"], expected, rtol=0, atol=1e-12)
