@@ -49,3 +49,20 @@ def test_every_rank_starts_from_rank_0():
     assert torch.equal(r1["shard"], torch.full((2,), 101.0)), "a skipped tensor was overwritten"
     assert r1["4.weight"].data_ptr() != 0 and torch.equal(r1["3.weight"], r1["4.weight"])
     assert sorted(map(str, calls0)) == ["torch.float32", "torch.float64", "torch.int64"], calls0
+
+
+def _generators(rank, world):
+    from lightning_hpc.distributed.start_equal import start_equal_generators
+
+    torch.manual_seed(1000 + rank)  # every rank seeded apart, as processes started without a common seed are
+    start_equal_generators(torch.device("cpu"))
+    return torch.rand(5, dtype=torch.float64), torch.randn(3)
+
+
+def test_generators_start_from_rank_0s_state():
+    """After ``start_equal_generators`` every rank draws what rank 0 would have drawn from its own seed (a model's
+    dropout masks and ``rand_like`` then agree over the ranks)."""
+    torch.manual_seed(1000)
+    expected = torch.rand(5, dtype=torch.float64), torch.randn(3)
+    for rank, (uniform, normal) in enumerate(run_in_processes(_generators, 2)):
+        assert torch.equal(uniform, expected[0]) and torch.equal(normal, expected[1]), rank
