@@ -33,11 +33,15 @@ class _PipelineFunction(torch.autograd.Function):
         block = ctx.block
         g = grad_out.detach().clone().contiguous()
         block.adjoint_chain.recv_prev(g)
-        grads = torch.autograd.grad(ctx.y, [ctx.x, *block.local_params], g, allow_unused=True)
+        # frozen parameters (requires_grad=False) are not differentiated: autograd.grad refuses them, and they
+        # get no gradient, as in the serial network
+        trained = [p for p in block.local_params if p.requires_grad]
+        grads = torch.autograd.grad(ctx.y, [ctx.x, *trained], g, allow_unused=True)
         block.adjoint_chain.send_next(grads[0])
         grad_u0 = block.chain.broadcast(grads[0].clone(), block.chain.first_rank)
         ctx.x = ctx.y = None
-        return (None, grad_u0, *grads[1:])
+        of_trained = iter(grads[1:])
+        return (None, grad_u0, *(next(of_trained) if p.requires_grad else None for p in block.local_params))
 
 
 class PartitionedODEBlock(LayerShardedTrunk):

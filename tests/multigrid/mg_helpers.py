@@ -40,7 +40,8 @@ def serial_reference(net, x):
     logits = net(x)
     w = torch.linspace(-1, 1, logits.numel(), dtype=logits.dtype).view_as(logits)
     (logits * w).sum().backward()
-    return logits.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in net.named_parameters()}
+    return logits.detach(), x.grad.detach(), grads
 
 
 def multigrid_run(net, x, opts, group=None):

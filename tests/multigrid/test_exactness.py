@@ -109,3 +109,25 @@ def test_partitioned_model_single_process_equals_serial():
     assert rel(logits.detach(), ref[0]) < 1e-14 and rel(xx.grad, ref[1]) < 1e-14
     for n, p in net2.named_parameters():
         assert rel(p.grad, ref[2][n]) < 1e-13
+
+
+def test_partitioned_model_with_frozen_step_parameters_equals_serial():
+    """Frozen parameters in the trunk (``requires_grad=False``, e.g. fine-tuning some steps) train as in the serial
+    network: no gradient for them, the others' gradients unchanged."""
+    net, x = make_net(16)
+    frozen = ["steps.3.branch.0.bias", "steps.5.branch.0.weight"]
+    for name in frozen:
+        net.get_parameter(name).requires_grad_(False)
+    ref = serial_reference(net, x)
+    net2 = copy.deepcopy(net)
+    net2.steps = PartitionedODEBlock(net2.steps)
+    xx = x.clone().requires_grad_()
+    logits = net2(xx)
+    w = torch.linspace(-1, 1, logits.numel(), dtype=logits.dtype).view_as(logits)
+    (logits * w).sum().backward()
+    assert rel(logits.detach(), ref[0]) < 1e-14 and rel(xx.grad, ref[1]) < 1e-14
+    for n, p in net2.named_parameters():
+        if n in frozen:
+            assert p.grad is None and ref[2][n] is None, n
+        else:
+            assert rel(p.grad, ref[2][n]) < 1e-13, n
