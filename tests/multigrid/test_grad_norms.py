@@ -48,3 +48,41 @@ def test_grad_norm_of_an_unsplit_model_is_lightnings():
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     with pytest.raises(ValueError, match="must be a positive number"):
         grad_norm(model, 0)
+
+
+FROZEN = ("steps.2.branch.0.bias", "steps.13.branch.0.weight")  # one on each layer rank's half of the trunk
+
+
+def _split_trunk_norms(rank, world_size):
+    import copy
+
+    import torch.distributed as dist
+    from mg_helpers import make_net
+
+    from lightning_hpc.multigrid import PartitionedODEBlock
+
+    net, x = make_net(16)
+    for name in FROZEN:
+        net.get_parameter(name).requires_grad_(False)
+    net = copy.deepcopy(net)
+    net.steps = PartitionedODEBlock(net.steps, group=dist.group.WORLD)
+    net(x).square().sum().backward()
+    return {k: float(v) for k, v in grad_norm(net, 2).items()}
+
+
+def test_grad_norm_of_a_split_trunk_leaves_out_frozen_parameters_as_lightning_does():
+    """Parameters without a gradient (frozen) have no entry in Lightning's ``grad_norm``: none either for the
+    residual steps held by another layer rank."""
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+    from mg_helpers import make_net
+
+    net, x = make_net(16)
+    for name in FROZEN:
+        net.get_parameter(name).requires_grad_(False)
+    net(x).square().sum().backward()
+    reference = {k: float(v) for k, v in lightning_grad_norm(net, 2).items()}
+    assert not any(name in key for key in reference for name in FROZEN)
+    for rank, got in enumerate(run_in_processes(_split_trunk_norms, 2)):
+        assert list(got) == list(reference), rank
+        for key, value in reference.items():
+            assert abs(got[key] - value) <= 1e-9 * max(1.0, abs(value)), (rank, key, got[key], value)
