@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_hpc.distributed.partitioned import local_block
 
-__all__ = ["ended_normally", "rebind_optimizer"]
+__all__ = ["ended_normally", "follow_parameters", "rebind_optimizer"]
 
 
 def ended_normally(module: Any) -> bool:
@@ -51,3 +51,18 @@ def rebind_optimizer(
     plain = {i: {k: local_block(v) if torch.is_tensor(v) else v for k, v in entry.items()}
              for i, entry in state["state"].items()}
     optimizer.load_state_dict({**state, "state": plain})
+
+
+def follow_parameters(optimizer: torch.optim.Optimizer, replacements: Mapping[int, nn.Parameter]) -> None:
+    """Replace, in ``optimizer``'s param groups and state, each parameter whose ``id`` is a key of
+    ``replacements`` by its replacement (a parameter of the same name restored into the user's module), keeping
+    its state: the optimizer of an earlier fit follows the module when a later stage restores it."""
+    for group in optimizer.param_groups:
+        for j, p in enumerate(group["params"]):
+            new = replacements.get(id(p))
+            if new is None or new is p:
+                continue
+            group["params"][j] = new
+            if p in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(p)
+

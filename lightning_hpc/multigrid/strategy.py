@@ -39,7 +39,7 @@ from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
-from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
+from lightning_hpc.distributed.handback import ended_normally, follow_parameters, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
@@ -140,6 +140,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         self._user_trunks: list[tuple[nn.Module, str, nn.Module, LayerShardedTrunk]] = []
         #: the weight-averaging callbacks whose copies of the module are split this stage (:meth:`save_checkpoint`)
         self._averages: list[tuple[Any, nn.Module]] = []
+        #: the module's parameters by ``id`` before this stage split its trunk: their names
+        self._names_before_split: dict[int, str] = {}
         #: the whole-model flat views installed on LBFGS optimizers this stage (removed when handed back whole)
         self._whole_flat: list[Any] = []
 
@@ -247,6 +249,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         # found on the unsplit model (an EMA's deepcopy of it), from the trunk's path (through a compiled wrapper)
         self._trunk_path = next(n for n, m in module.named_modules(remove_duplicate=False) if m is found[2])
         copies = copies_of(module, self._trunk_path)
+        # the module's parameters by name before the split: an earlier fit's optimizers hold them (see teardown)
+        self._names_before_split = {id(p): n for n, p in module.named_parameters()}
         self.block = self._split(*found)
         for copy in copies:
             self._split_at(module, copy.path)
@@ -342,19 +346,27 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the
         user's trunk back in its place, holding every step with its trained weights on every rank (gathered over
         the layer group), and the optimizers rebound to the serial model's parameters with the serial state (see
-        :mod:`lightning_hpc.distributed.handback`).  Costs the whole trunk (and its optimizer state) on every
-        rank; the next stage splits the trunk again."""
+        :mod:`lightning_hpc.distributed.handback`); after a stage other than fit, an earlier fit's optimizers follow
+        the module's parameters into the restored trunk, with their state.  Costs the whole trunk (and its optimizer
+        state) on every rank; the next stage splits the trunk again."""
         module = self.lightning_module
         if module is None or not self._user_trunks or not ended_normally(module):
             return
-        # the optimizers' serial state and parameter names first: they are found through the sharded trunk
-        serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers]
+        # Fit's optimizers are over the sharded trunk: their serial state and parameter names first, found through
+        # it. After another stage they are over the module as the last fit handed it back (this stage split it
+        # again and steps nothing): they follow its parameters by name into the restored module.
+        fitting = module.trainer.state.fn == "fit"  # TrainerFn is a str enum
+        serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers] if fitting else []
         replaced: dict[int, nn.Parameter] = {}
         for parent, name, trunk, block in self._user_trunks:
             replaced.update(restore_trunk(block, trunk))
             setattr(parent, name, trunk)
         follow_split(module)
-        if replaced:
+        if not fitting:
+            named = dict(module.named_parameters())
+            for optimizer in self.optimizers:
+                follow_parameters(optimizer, {k: named[n] for k, n in self._names_before_split.items() if n in named})
+        elif replaced:
             named = dict(module.named_parameters())
             for optimizer, state, layout, mine in serial:
                 # parameters outside the module (unnamed) are replicated: the optimizer's own objects
@@ -365,7 +377,7 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             view.remove()
         self._whole_flat = []
         ddp_ignore_parameters(module, [])  # a later plain DDP run of this module broadcasts the trunk again
-        self.block, self._user_trunks, self._averages = None, [], []
+        self.block, self._user_trunks, self._averages, self._names_before_split = None, [], [], {}
 
     # -- gradients, logging, checkpoints ----------------------------------------------------------------------
     @override

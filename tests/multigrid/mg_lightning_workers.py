@@ -81,9 +81,9 @@ def state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> 
     """The optimizer's per-parameter state keyed by the parameter's name in the module (copies)."""
     names = {id(p): n for n, p in module.named_parameters()}
     return {
-        names[id(p)]: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
-        for g in optimizer.param_groups
-        for p in g["params"]
+        names.get(id(p), f"<not in the module: {i}>"): {k: v.detach().clone() if torch.is_tensor(v) else v
+                                                        for k, v in optimizer.state[p].items()}
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
         if p in optimizer.state
     }
 
@@ -280,10 +280,11 @@ def handed_back_odenet(rank: int, world_size: int, mode: str, steps: int, also_t
         "state": {key: value.detach().clone() for key, value in module.state_dict().items()},
         "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
     }
-    if not also_test:  # the optimizer fit rebound: over the module's parameters, its state by their names
-        held = [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
-        out["optimizer_holds_module_parameters"] = held == [id(p) for p in module.parameters()]
-        out["optimizer_state"] = state_by_name(trainer.optimizers[0], module)
+    # the optimizer fit rebound (and a later stage's hand-back followed): over the module's parameters, its state by
+    # their names
+    held = [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
+    out["optimizer_holds_module_parameters"] = held == [id(p) for p in module.parameters()]
+    out["optimizer_state"] = state_by_name(trainer.optimizers[0], module)
     fresh = user_odenet()
     fresh.load_state_dict(module.state_dict(), strict=True)
     if rank != 0:
