@@ -53,16 +53,16 @@ def rebind_optimizer(
     optimizer.load_state_dict({**state, "state": plain})
 
 
-def follow_parameters(optimizer: torch.optim.Optimizer, replacements: Mapping[int, nn.Parameter]) -> None:
-    """Replace, in ``optimizer``'s param groups and state, each parameter whose ``id`` is a key of
-    ``replacements`` by its replacement (a parameter of the same name restored into the user's module), keeping
-    its state: the optimizer of an earlier fit follows the module when a later stage restores it."""
+def follow_parameters(optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: nn.Module) -> None:
+    """Replace, in ``optimizer``'s param groups and state, each parameter that ``names`` names (by ``id``: the
+    parameters of ``module`` before a stage split it) by ``module``'s parameter of that name now, keeping its
+    state: the optimizer of an earlier fit follows the module when a later stage hands it back."""
+    now = dict(module.named_parameters())
     for group in optimizer.param_groups:
         for j, p in enumerate(group["params"]):
-            new = replacements.get(id(p))
+            new = now.get(names.get(id(p), ""))
             if new is None or new is p:
                 continue
             group["params"][j] = new
             if p in optimizer.state:
                 optimizer.state[new] = optimizer.state.pop(p)
-

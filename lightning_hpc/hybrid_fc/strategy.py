@@ -36,7 +36,7 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
-from lightning_hpc.distributed.handback import ended_normally, rebind_optimizer
+from lightning_hpc.distributed.handback import ended_normally, follow_parameters, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
@@ -137,6 +137,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         self._averages: list[tuple[Any, torch.nn.Module]] = []
         #: the whole-model flat views installed on LBFGS optimizers this stage (removed when handed back whole)
         self._whole_flat: list[Any] = []
+        #: the module's parameters by ``id`` before this stage split its head: their names
+        self._names_before_split: dict[int, str] = {}
 
     # -- setup ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -231,6 +233,8 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # (with the strategy's timeout: torch's default for a new group is 30 minutes, so a dead peer would hang)
         group = self._head_group(device) if dist.is_initialized() else None
         unsplit = _names_and_shapes(module)
+        # the module's parameters by name before the split: an earlier fit's optimizers hold them (see teardown)
+        self._names_before_split = {id(p): n for n, p in module.named_parameters()}
         root = parallelize_head(
             inner, self.head, self.scheme, self.fc_update, group, self.byte_counter, self.layouts, device=device
         )
@@ -487,13 +491,19 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         """At the end of every stage (fit / validate / test / predict) that ended normally on every rank: the
         user's head container back in its place with the full trained weights in its ``nn.Linear`` layers, on
         every rank, and the optimizers rebound to them with their state gathered to full shape (see
-        :mod:`lightning_hpc.distributed.handback`).  Costs the full head (and its optimizer state) in host memory
-        on every rank; the next stage splits the model again."""
+        :mod:`lightning_hpc.distributed.handback`); after a stage other than fit, an earlier fit's optimizers follow
+        the module's parameters into the whole head, with their state.  Costs the full head (and its optimizer
+        state) in host memory on every rank; the next stage splits the model again."""
         module = self.lightning_module
         if not self._parallelized or module is None or not ended_normally(module):
             return
-        # gathered straight to host memory: Lightning's teardown moves the model and optimizers there next
-        states = [full_optimizer_state(o, module, rank0_only=False, cpu=True) for o in self.optimizers]
+        # Fit's optimizers are over the split head: their state gathered to full shape first, straight to host
+        # memory (Lightning's teardown moves the model and optimizers there next). After another stage they are over
+        # the module as the last fit handed it back (this stage split it again and steps nothing): they follow its
+        # parameters by name into the whole head.
+        fitting = module.trainer.state.fn == "fit"  # TrainerFn is a str enum
+        states = [full_optimizer_state(o, module, rank0_only=False, cpu=True) for o in self.optimizers] if fitting \
+            else []
         root, replaced = unparallelize_head(self._search_root(), cpu=True)
         if self.model_attr is not None:
             setattr(module, self.model_attr, root)
@@ -501,6 +511,10 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         for optimizer, state in zip(self.optimizers, states):
             params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
             rebind_optimizer(optimizer, params, state)
+        if not fitting:
+            for optimizer in self.optimizers:
+                follow_parameters(optimizer, self._names_before_split, module)
+        self._names_before_split = {}
         for view in self._whole_flat:  # the optimizer is over whole parameters again
             view.remove()
         self._whole_flat = []

@@ -363,9 +363,8 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
             setattr(parent, name, trunk)
         follow_split(module)
         if not fitting:
-            named = dict(module.named_parameters())
             for optimizer in self.optimizers:
-                follow_parameters(optimizer, {k: named[n] for k, n in self._names_before_split.items() if n in named})
+                follow_parameters(optimizer, self._names_before_split, module)
         elif replaced:
             named = dict(module.named_parameters())
             for optimizer, state, layout, mine in serial:

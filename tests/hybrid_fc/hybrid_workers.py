@@ -635,6 +635,9 @@ def handed_back_cnn(rank: int, k: int, steps: int, also_test: bool, compiled: bo
         "last_layer": type(classifier[-1]).__name__,
         "state": {key.replace("_orig_mod.", ""): value.detach().clone() for key, value in module.state_dict().items()},
         "optimizer_shapes": [tuple(p.shape) for g in trainer.optimizers[0].param_groups for p in g["params"]],
+        # the optimizer holds the module's own parameter objects (after fit, and after a later stage)
+        "optimizer_holds_module_parameters": [id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        == [id(p) for p in module.parameters()],
     }
     fresh = user_cnn(compiled)
     fresh.load_state_dict(module.state_dict(), strict=True)

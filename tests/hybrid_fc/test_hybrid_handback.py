@@ -30,6 +30,7 @@ def test_fit_hands_back_the_users_model_whole_on_every_rank(also_test, compiled)
             assert torch.allclose(o["state"][key], value, rtol=0, atol=1e-9), (rank, key)
         # the optimizer is over the whole parameters too (a checkpoint after fit needs no gather)
         assert o["optimizer_shapes"] == [tuple(p.shape) for p in user_cnn().parameters()], rank
+        assert o["optimizer_holds_module_parameters"], rank
     serial = user_cnn()
     serial.load_state_dict(reference)
     with torch.no_grad():
