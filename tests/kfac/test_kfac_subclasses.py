@@ -69,6 +69,14 @@ class GeluLinear(nn.Linear):
         return F.gelu(F.linear(x, self.weight, self.bias))
 
 
+class LinearWithAux(nn.Linear):
+    """A forward that returns its output with auxiliary values (a tuple holding a dict), as detection and
+    multi-task heads do: the layer is followed through every tensor of the result."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.linear(x, self.weight, self.bias), {"input_mean": x.mean(), "steps": torch.ones(())}
+
+
 class LayerNormT(nn.LayerNorm):
     """timm's LayerNorm: its own forward calling F.layer_norm."""
 
@@ -135,6 +143,9 @@ PAIRS = {
                                                      nn.Tanh(), Head(4))),
     "linear_then_gelu": (lambda: nn.Sequential(nn.Flatten(), GeluLinear(192, 5), Head(5)),
                          lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 5), nn.GELU(), Head(5))),
+    "linear_with_aux_outputs": (lambda: nn.Sequential(nn.Flatten(), LinearWithAux(192, 5), Lambda(lambda out: out[0]),
+                                                      Head(5)),
+                                lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 5), Head(5))),
     "layernorm": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), Lambda(lambda x: x.permute(0, 2, 3, 1)), LayerNormT(4),
                                         Lambda(lambda x: x.permute(0, 3, 1, 2)), Head(4)),
                   lambda: nn.Sequential(nn.Conv2d(3, 4, 1), Lambda(lambda x: x.permute(0, 2, 3, 1)), nn.LayerNorm(4),
@@ -207,6 +218,14 @@ class ConvPlusPenalty(nn.Conv2d):
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding) + 0.1 * self.weight.square().sum()
 
 
+class LinearAndPenalty(nn.Linear):
+    """Returns its output with a penalty on its weight (a tuple holding a dict): another use of the weight, found
+    in the result's every tensor."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return F.linear(x, self.weight, self.bias), {"penalty": 0.1 * self.weight.square().sum()}
+
+
 class BiasAfterConv(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.weight, None, self.stride, self.padding) + self.bias.view(1, -1, 1, 1)
@@ -236,6 +255,7 @@ class Mixed(nn.Module):
         self.plain_bn = nn.BatchNorm2d(4)
         self.wn = parametrizations.weight_norm(nn.Linear(4, 6))
         self.ln = LayerNormT(6)
+        self.aux = LinearAndPenalty(6, 6)
         self.gelu = GeluLinear(6, 6)
         self.head = nn.Linear(6, 3)
 
@@ -243,8 +263,8 @@ class Mixed(nn.Module):
         h = self.bnact(self.same(torch.relu(self.stem(x))))
         h = self.ln2d(self.std(h))
         h = self.plain_bn(self.frozen_bn(self.bias_after(self.penalty(self.scaled(h)))))
-        h = self.ln(self.wn(torch.tanh(h).mean((2, 3))))
-        return self.head(self.gelu(h))
+        h, aux = self.aux(self.ln(self.wn(torch.tanh(h).mean((2, 3)))))
+        return self.head(self.gelu(h + aux["penalty"]))
 
 
 PRECONDITIONED = {"stem", "same", "bnact", "ln2d", "plain_bn", "ln", "gelu", "head"}
@@ -253,6 +273,7 @@ REASONS = {
            "ConvolutionBackward0, ViewBackward0)",
     "scaled": "uses its weight and bias other than as the weight and bias of an F.conv2d call",
     "penalty": "uses its weight other than as the weight of an F.conv2d call (autograd node PowBackward0)",
+    "aux": "uses its weight other than as the weight of an F.linear call (autograd node PowBackward0)",
     "bias_after": "calls F.conv2d with a bias other than its trainable bias",
     "frozen_bn": "calls F.batch_norm with training=False, not the module's True",
     "wn": "its weight is computed from other parameters (parametrizations.weight.original0, "
