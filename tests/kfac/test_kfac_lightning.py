@@ -323,6 +323,21 @@ def test_schedules_follow_epochs():
     assert seen == [(10, 100), (4, 37), (1, 14)]
 
 
+def test_the_epoch_and_its_schedules_survive_a_checkpoint():
+    """A plain loop that resumes from ``state_dict()`` continues the damping and interval schedules at the saved
+    epoch (Lightning's callback sets the epoch again; a plain loop need not)."""
+    def make() -> KFACPreconditioner:
+        return KFACPreconditioner(nn.Linear(2, 2), damping=0.01, damping_decay_epochs=[2], damping_decay_rate=0.5,
+                                  inv_update_freq=100, update_freq_decay_epochs=[3], update_freq_decay_rate=0.1,
+                                  announce=False)  # fmt: skip
+
+    pre = make()
+    pre.set_epoch(3)
+    resumed = make()
+    resumed.load_state_dict(pre.state_dict())
+    assert (resumed.epoch, resumed.damping, resumed.factor_update_freq, resumed.inv_update_freq) == (3, 0.005, 1, 10)
+
+
 def test_accumulate_grad_batches_covers_every_micro_batch():
     def net() -> nn.Module:  # no BatchNorm: micro-batches must see the same function as the full batch
         torch.manual_seed(0)
