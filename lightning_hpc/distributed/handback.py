@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_hpc.distributed.partitioned import local_block
 
-__all__ = ["ended_normally", "follow_parameters", "rebind_optimizer"]
+__all__ = ["ended_normally", "fitting", "follow_parameters", "rebind_optimizer"]
 
 
 def ended_normally(module: Any) -> bool:
@@ -34,6 +34,14 @@ def ended_normally(module: Any) -> bool:
         return False
     # TrainerStatus is a str enum: compared by value, so this core module does not import Lightning
     return trainer.state.status == "running" and not getattr(trainer, "received_sigterm", False)
+
+
+def fitting(module: Any) -> bool:
+    """Whether the stage ``module``'s trainer tears down is ``fit``: the one whose optimizers are over the split model
+    (another stage steps nothing; its optimizers, if any, are an earlier fit's, over the model it handed back)."""
+    trainer = getattr(module, "_trainer", None)
+    # TrainerFn is a str enum: compared by value, as ended_normally compares the status
+    return trainer is not None and trainer.state.fn == "fit"
 
 
 def rebind_optimizer(

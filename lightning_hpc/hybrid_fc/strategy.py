@@ -36,7 +36,7 @@ from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
 from lightning_hpc.distributed.gradients import allreduce_flat
 from lightning_hpc.distributed.groups import MeshDim, build_mesh
-from lightning_hpc.distributed.handback import ended_normally, follow_parameters, rebind_optimizer
+from lightning_hpc.distributed.handback import ended_normally, fitting, follow_parameters, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
@@ -501,17 +501,17 @@ class HybridParallelStrategy(StrategyContract, DDPStrategy):
         # memory (Lightning's teardown moves the model and optimizers there next). After another stage they are over
         # the module as the last fit handed it back (this stage split it again and steps nothing): they follow its
         # parameters by name into the whole head.
-        fitting = module.trainer.state.fn == "fit"  # TrainerFn is a str enum
-        states = [full_optimizer_state(o, module, rank0_only=False, cpu=True) for o in self.optimizers] if fitting \
-            else []
+        fit = fitting(module)
+        states = [full_optimizer_state(o, module, rank0_only=False, cpu=True) for o in self.optimizers] if fit else []
         root, replaced = unparallelize_head(self._search_root(), cpu=True)
         if self.model_attr is not None:
             setattr(module, self.model_attr, root)
         follow_split(module)
-        for optimizer, state in zip(self.optimizers, states):
-            params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
-            rebind_optimizer(optimizer, params, state)
-        if not fitting:
+        if fit:
+            for optimizer, state in zip(self.optimizers, states, strict=True):
+                params = [[replaced.get(id(p), p) for p in group["params"]] for group in optimizer.param_groups]
+                rebind_optimizer(optimizer, params, state)
+        else:
             for optimizer in self.optimizers:
                 follow_parameters(optimizer, self._names_before_split, module)
         self._names_before_split = {}

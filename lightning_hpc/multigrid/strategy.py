@@ -39,7 +39,7 @@ from lightning_hpc.distributed.clip import clip_by_global_norm
 from lightning_hpc.distributed.copies import copies_of
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.failure import RunFailures
-from lightning_hpc.distributed.handback import ended_normally, follow_parameters, rebind_optimizer
+from lightning_hpc.distributed.handback import ended_normally, fitting, follow_parameters, rebind_optimizer
 from lightning_hpc.distributed.overflow import agree_on_overflow, restore_scaler
 from lightning_hpc.distributed.partitioned import follow_split
 from lightning_hpc.distributed.sigterm import sigterm_without_collective
@@ -355,14 +355,14 @@ class MultigridStrategy(StrategyContract, DDPStrategy):
         # Fit's optimizers are over the sharded trunk: their serial state and parameter names first, found through
         # it. After another stage they are over the module as the last fit handed it back (this stage split it
         # again and steps nothing): they follow its parameters by name into the restored module.
-        fitting = module.trainer.state.fn == "fit"  # TrainerFn is a str enum
-        serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers] if fitting else []
+        fit = fitting(module)
+        serial = [(o, *serial_optimizer(o, module)) for o in self.optimizers] if fit else []
         replaced: dict[int, nn.Parameter] = {}
         for parent, name, trunk, block in self._user_trunks:
             replaced.update(restore_trunk(block, trunk))
             setattr(parent, name, trunk)
         follow_split(module)
-        if not fitting:
+        if not fit:
             for optimizer in self.optimizers:
                 follow_parameters(optimizer, self._names_before_split, module)
         elif replaced:
