@@ -11,8 +11,11 @@ It translates Lightning hooks, and refuses before the first step what it cannot 
   and norms) run it after the callbacks' ``setup``; the preconditioner is then built in ``on_fit_start``, on the
   layers that run, still before training starts.  The layers a strategy runs on spatial tiles come from the
   strategy (``kfac_tiled_layers``), which hands its registry to the preconditioner.
-* ``on_fit_start``: refuses more than one optimizer, remembers the trainable parameters under a strategy that does
-  not follow trainability changes, builds a deferred preconditioner and loads a pending checkpoint state.
+* ``on_fit_start``: remembers the trainable parameters under a strategy that does not follow trainability changes,
+  builds a deferred preconditioner and loads a pending checkpoint state.  With several optimizers (a GAN's generator
+  and discriminator, stepped in manual optimization) it builds one preconditioner per optimizer, over the layers
+  whose parameters that optimizer steps (:attr:`KFAC.preconditioners`): each has its own factors, schedule step
+  counter and KL clip (Eq 18, with its optimizer's lr), and steps before its optimizer's step.
 * ``on_train_epoch_start``: applies the epoch schedules (damping decay, update-frequency decay).
 * ``on_train_batch_start``: tells the preconditioner whether this batch's backward pass is the last of the
   optimizer step (Lightning's own accumulation decision, a short last group included), so that with
@@ -46,7 +49,8 @@ from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.kfac.compiled import CompiledUnderKFAC, attach_compiled, detach_compiled
-from lightning_hpc.kfac.options import KFACOptions
+from lightning_hpc.kfac.discovery import find_layers
+from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
 from lightning_hpc.protocols import contract_of
@@ -63,8 +67,8 @@ class KFAC(Callback):
     ``_target_`` (``conf/callbacks/kfac.yaml``) and IDEs see them; :meth:`from_options` takes a ready
     ``KFACOptions``. ``communicator`` may also be a backend name: ``"auto"`` (default: the strategy's backend,
     Horovod under ``strategy="horovod"``, else torch.distributed), ``"torch"``, ``"horovod"``. Invalid options raise
-    at construction, a precision without the K-FAC plugin or a strategy that refuses K-FAC at setup, several
-    optimizers at fit start: all before training starts."""
+    at construction, a precision without the K-FAC plugin or a strategy that refuses K-FAC at setup: all before
+    training starts. Several optimizers (manual optimization) get one preconditioner each (:attr:`preconditioners`)."""
 
     #: its step hook reads gradients and parameters only (see :class:`lightning_hpc.protocols.PostponedUpdateSafe`)
     postponed_update_safe = True
@@ -103,7 +107,11 @@ class KFAC(Callback):
             raise ValueError(f"KFAC communicator must be one of {BACKENDS} or a Communicator, got {communicator!r}")
         self.communicator = communicator
         destroy_process_group_at_exit()  # the factor collectives are asynchronous
-        self.preconditioner: KFACPreconditioner | None = None
+        #: the preconditioner of each optimizer, by its index in ``trainer.optimizers`` (an optimizer none of whose
+        #: layers K-FAC preconditions has none); one optimizer: ``{0: preconditioner}``
+        self.preconditioners: dict[int, KFACPreconditioner] = {}
+        #: the preconditioners were built per optimizer (several optimizers), not over every layer of the module
+        self._per_optimizer = False
         self._pending_state: dict[str, Any] | None = None
         self._deferred = False
         #: the compiled modules whose forward K-FAC's route took while fitting (:mod:`lightning_hpc.kfac.compiled`)
@@ -114,6 +122,15 @@ class KFAC(Callback):
         self._trainable: TrainableSet | None = None
         #: ids of the parameters trainable at setup, for a build deferred to on_fit_start
         self._trainable_at_setup: set[int] = set()
+
+    @property
+    def preconditioner(self) -> KFACPreconditioner | None:
+        """The preconditioner of the only optimizer (None until it is built); with several optimizers, each one's is
+        in :attr:`preconditioners`."""
+        if self._per_optimizer:
+            raise RuntimeError("KFAC preconditions the layers of several optimizers: KFAC.preconditioners holds each "
+                               "optimizer's preconditioner, by its index in trainer.optimizers")
+        return self.preconditioners.get(0)
 
     @classmethod
     def from_options(cls, options: KFACOptions, communicator: str | Communicator = "auto") -> KFAC:
@@ -126,27 +143,32 @@ class KFAC(Callback):
         if stage != "fit":
             return
         self._fit_started = False
-        if self.preconditioner is not None:
+        if self.preconditioners:
             return
         self.check_precision(trainer)
         contract = contract_of(trainer.strategy)
         if contract.kfac_unsupported:  # before any layer is hooked or any step runs
             raise ValueError(contract.kfac_unsupported)
+        # which layers are preconditioned is decided by what trains now, also when built later (below): a callback
+        # whose setup comes later and freezes a backbone until it unfreezes it (BackboneFinetuning) must not drop it
+        self._trainable_at_setup = {id(p) for p in pl_module.parameters() if p.requires_grad}
         if contract.replaces_layers_in_setup:
             self._deferred = True  # hook the layers the strategy's setup puts in place (on_fit_start)
-            # which layers are preconditioned is decided by what trains now, as when built here: a callback whose
-            # setup comes later and freezes a backbone until it unfreezes it (BackboneFinetuning) must not drop it
-            self._trainable_at_setup = {id(p) for p in pl_module.parameters() if p.requires_grad}
             return
         self._build(trainer, pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.check_optimizers(trainer)
         # after every setup hook (BackboneFinetuning freezes in its setup) and the strategy's gradient reduction
         follows = contract_of(trainer.strategy).follows_trainability_changes
         self._trainable = None if follows or trainer.world_size == 1 else TrainableSet(pl_module)
-        if self._deferred and self.preconditioner is None:
+        several = len(trainer.optimizers) > 1
+        if several and self.preconditioners and not self._per_optimizer:
+            # built in setup over every layer, before the optimizers existed: one per optimizer instead
+            self.preconditioners[0].remove_hooks()
+            self.preconditioners = {}
+            self._deferred = True
+        if self._deferred and not self.preconditioners:
             self._deferred = False
             # trainable when setup ran, frozen since (by a later callback's setup): discovered as trainable, as a
             # build in setup would have found them (the strategy's replacement layers are new: as they are)
@@ -155,45 +177,67 @@ class KFAC(Callback):
             for p in frozen_since:
                 p.requires_grad_(True)
             try:
-                self._build(trainer, pl_module)
+                self._build(trainer, pl_module, trainer.optimizers if several else None)
             finally:
                 for p in frozen_since:
                     p.requires_grad_(False)
-        if self.preconditioner is not None and self._pending_state is not None:
-            self.preconditioner.load_state_dict(self._pending_state)
+        if self.preconditioners and self._pending_state is not None:
+            self._load(self._pending_state)
             self._pending_state = None
-        if self.preconditioner is not None:
+        if self.preconditioners:
             # after the strategy's setup, which may have given a compiled module its own forward (spatial)
-            self._compiled = attach_compiled(self.preconditioner, pl_module)
+            self._compiled = attach_compiled(list(self.preconditioners.values()), pl_module)
         self._fit_started = True
 
-    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _build(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+               optimizers: Sequence[torch.optim.Optimizer] | None = None) -> None:
+        """The preconditioner of every layer, or with ``optimizers`` (several), one per optimizer over the layers
+        whose parameters it steps."""
         contract = contract_of(trainer.strategy)
         note = contract.kfac_note
         if note:  # layers the strategy replaced by ones K-FAC does not precondition: say so, once
             rank_zero_warn(note)
         comm = communicator_for(trainer.strategy, self.communicator)
-        # the layers this run's strategy tiles (spatial parallelism), from the strategy itself: nothing on the modules
-        self.preconditioner = KFACPreconditioner.from_options(pl_module, self.options, communicator=comm,
-                                                              announce=False, tiled_layers=contract.kfac_tiled_layers)
+
+        def build(parameters: list[torch.Tensor] | None) -> KFACPreconditioner:
+            # the layers this run's strategy tiles (spatial parallelism), from the strategy itself
+            return KFACPreconditioner.from_options(pl_module, self.options, communicator=comm, announce=False,
+                                                   tiled_layers=contract.kfac_tiled_layers, parameters=parameters)
+
+        self._per_optimizer = optimizers is not None
+        if optimizers is None:
+            self.preconditioners = {0: build(None)}
+            report = self.preconditioners[0].describe_layers()
+        else:
+            owned = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+            patterns = compile_skip_patterns(self.options.skip_layers)
+            with_layers = [i for i, params in enumerate(owned) if find_layers(
+                pl_module, patterns, self.options.layer_types, contract.kfac_tiled_layers, {id(p) for p in params}
+            ).handlers]
+            if not with_layers:
+                build(None)  # raises: no layer to precondition
+            # every rank builds the same preconditioners in the same order (their process groups are collective)
+            self.preconditioners = {i: build(owned[i]) for i in with_layers}
+            report = "\n".join(
+                f"optimizer {i} ({type(opt).__name__}): "
+                + (self.preconditioners[i].describe_layers() if i in self.preconditioners
+                   else "K-FAC preconditions none of its layers")
+                for i, opt in enumerate(optimizers))
         # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
-        report = self.preconditioner.describe_layers()
-        if self.preconditioner.skipped_modules:
+        if any(pre.skipped_modules for pre in self.preconditioners.values()):
             rank_zero_warn(report)
         else:
             rank_zero_info(report)
 
-    @staticmethod
-    def check_optimizers(trainer: pl.Trainer) -> None:
-        """K-FAC preconditions the layers of one optimizer (its factors, step counter and the lr of Eq 18 belong
-        to one optimizer step per training step): several optimizers are refused before the first step."""
-        n = len(trainer.optimizers)
-        if n > 1:
-            raise ValueError(
-                f"KFAC supports one optimizer, but configure_optimizers returned {n} (e.g. a GAN's generator and "
-                "discriminator optimizers). Use one optimizer with a parameter group per sub-network (each group "
-                "keeps its own lr, and K-FAC's KL clip uses each layer's group lr), or remove the KFAC callback"
-            )
+    def preconditioner_of(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> KFACPreconditioner | None:
+        """The preconditioner that steps before ``optimizer`` (None: K-FAC preconditions none of its layers)."""
+        if not self._per_optimizer:
+            return self.preconditioners.get(0)
+        raw = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's wrapped optimizer
+        for i, opt in enumerate(trainer.optimizers):
+            if opt is raw or opt is optimizer:
+                return self.preconditioners.get(i)
+        return None
 
     @staticmethod
     def check_precision(trainer: pl.Trainer) -> None:
@@ -209,23 +253,25 @@ class KFAC(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.preconditioner is not None:
+        if stage == "fit" and self.preconditioners:
             detach_compiled(self._compiled)
             self._compiled = []
-            self.preconditioner.remove_hooks()
+            for pre in self.preconditioners.values():
+                pre.remove_hooks()
 
     # -- training ----------------------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.preconditioner is not None:
-            self.preconditioner.set_epoch(trainer.current_epoch)
+        for pre in self.preconditioners.values():
+            pre.set_epoch(trainer.current_epoch)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.preconditioner is not None:
-            self.preconditioner.final_micro_batch = self.last_micro_batch(trainer, batch_idx)
+        final = self.last_micro_batch(trainer, batch_idx)
+        for pre in self.preconditioners.values():
+            pre.final_micro_batch = final
 
     @staticmethod
     def last_micro_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
@@ -243,7 +289,7 @@ class KFAC(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        pre = self.preconditioner
+        pre = self.preconditioner_of(trainer, optimizer)
         if pre is None:
             return
         if self._trainable is not None:  # the strategy reduced the gradients of the parameters trainable at start
@@ -263,19 +309,38 @@ class KFAC(Callback):
     # -- checkpointing -----------------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.preconditioner is None:
+        if not self.preconditioners:
             return dict(self._pending_state or {})
-        return self.preconditioner.state_dict()
+        if self._per_optimizer:
+            return {"per_optimizer": {i: pre.state_dict() for i, pre in self.preconditioners.items()}}
+        return self.preconditioners[0].state_dict()
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into preconditioners built alike (one, or one per optimizer)."""
+        per = state.get("per_optimizer")
+        if self._per_optimizer != (per is not None) or (per is not None and set(per) != set(self.preconditioners)):
+            def which(per_optimizer: bool, indices: Any) -> str:
+                return f"the optimizers {sorted(indices)}" if per_optimizer else "one optimizer"
+
+            raise ValueError(
+                f"the checkpoint's K-FAC state preconditions the layers of {which(per is not None, per or ())}, this "
+                f"fit those of {which(self._per_optimizer, self.preconditioners)}: resume with the "
+                "configure_optimizers the checkpoint was trained with")
+        if per is None:
+            self.preconditioners[0].load_state_dict(state)
+        else:
+            for i, pre in self.preconditioners.items():
+                pre.load_state_dict(per[i])
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if self.preconditioner is not None and self._fit_started:
+        if self.preconditioners and self._fit_started:
             # a strategy that restores the checkpoint after its setup (restore_checkpoint_after_setup: hybrid_fc
             # restores into its sharded model), which Lightning does after on_fit_start: the layers are hooked and
             # on their device already
-            self.preconditioner.load_state_dict(state_dict)
+            self._load(state_dict)
             return
         # Lightning restores callbacks before the strategy moves the model to its device (the preconditioner may be
         # built already, in setup): the factors are placed on the layers' device at fit start (on_fit_start), once

@@ -21,7 +21,8 @@ the op dispatch, whose tile kernels record the halo-padded input boxes K-FAC rea
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -35,19 +36,27 @@ __all__ = ["CompiledUnderKFAC", "attach_compiled", "detach_compiled"]
 
 
 class CompiledUnderKFAC:
-    """The forward of the ``torch.compile``'d module ``compiled`` while ``pre`` preconditions layers inside it (see
-    the module docstring); ``inner``: the forward it replaces (the compiled code, or a strategy's compiled split
-    step).  ``eager_calls`` counts the forwards run eagerly because K-FAC captured their statistics."""
+    """The forward of the ``torch.compile``'d module ``compiled`` while the preconditioners ``pres`` (one, or one per
+    optimizer) precondition layers inside it (see the module docstring); ``inner``: the forward it replaces (the
+    compiled code, or a strategy's compiled split step).  ``eager_calls`` counts the forwards run eagerly because
+    K-FAC captured their statistics."""
 
-    def __init__(self, compiled: nn.Module, pre: KFACPreconditioner, inner: Callable[..., Any]) -> None:
+    def __init__(self, compiled: nn.Module, pres: Sequence[KFACPreconditioner], inner: Callable[..., Any]) -> None:
         self.compiled = compiled
         self.module: nn.Module = compiled._orig_mod  # type: ignore[assignment]
         self.inner = inner
-        self.hooks = pre.capture_hooks
         inside = {id(m) for m in self.module.modules()}
-        #: the preconditioned layers this module holds (the hooks of the others run outside its forward)
-        self.layers = [h.module for h in pre.handlers if id(h.module) in inside]
+        #: each preconditioner's hooks with the preconditioned layers this module holds (the hooks of the others run
+        #: outside its forward)
+        self.hooks_and_layers = [(pre.capture_hooks, [h.module for h in pre.handlers if id(h.module) in inside])
+                                 for pre in pres]
+        self.hooks_and_layers = [(hooks, layers) for hooks, layers in self.hooks_and_layers if layers]
         self.eager_calls = 0
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The preconditioned layers this module holds."""
+        return [m for _, layers in self.hooks_and_layers for m in layers]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # a copy of the model made while K-FAC trains it (weight averaging's) is not trained by K-FAC: it gets the
@@ -56,28 +65,31 @@ class CompiledUnderKFAC:
 
     def captures(self) -> bool:
         """Whether K-FAC captures the statistics of a layer of this module in the forward about to run."""
-        capturing = self.hooks.capturing
-        return any(capturing(m) for m in self.layers)
+        return any(hooks.capturing(m) for hooks, layers in self.hooks_and_layers for m in layers)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.captures():
             self.eager_calls += 1
             return self.module(*args, **kwargs)
-        with self.hooks.idle():
+        with ExitStack() as idle:
+            for hooks, _ in self.hooks_and_layers:
+                idle.enter_context(hooks.idle())
             return self.inner(*args, **kwargs)
 
 
-def attach_compiled(pre: KFACPreconditioner, model: nn.Module) -> list[CompiledUnderKFAC]:
+def attach_compiled(pres: KFACPreconditioner | Sequence[KFACPreconditioner],
+                    model: nn.Module) -> list[CompiledUnderKFAC]:
     """Give every outermost ``torch.compile``'d submodule of ``model`` (``model`` itself included) that holds a
-    layer ``pre`` preconditions a :class:`CompiledUnderKFAC` forward; returns them, for :func:`detach_compiled`.
-    The K-FAC callback does this when fitting starts; a plain training loop calls it after building the
-    preconditioner (nothing is changed where nothing was compiled)."""
+    layer one of ``pres`` preconditions (one preconditioner, or one per optimizer) a :class:`CompiledUnderKFAC`
+    forward; returns them, for :func:`detach_compiled`.  The K-FAC callback does this when fitting starts; a plain
+    training loop calls it after building the preconditioners (nothing is changed where nothing was compiled)."""
+    pres = [pres] if not isinstance(pres, Sequence) else list(pres)
     attached: list[CompiledUnderKFAC] = []
     for _, compiled in outermost_compiled_modules(model):
         current = compiled.__dict__.get("forward", compiled.forward)
         if isinstance(current, CompiledUnderKFAC):
             continue  # already (a second fit of the same callback)
-        wrapper = CompiledUnderKFAC(compiled, pre, current)
+        wrapper = CompiledUnderKFAC(compiled, pres, current)
         if wrapper.layers:
             compiled.forward = wrapper
             attached.append(wrapper)

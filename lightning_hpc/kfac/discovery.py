@@ -131,14 +131,32 @@ class LayerReport:
         return "\n".join(lines)
 
 
+def own_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters a module contributes as one layer (a handled type's include those a parametrization
+    computes its weight from; a container's, only its direct ones)."""
+    return [p for p in module.parameters(recurse=base_type(module) is not None) if p.requires_grad]
+
+
 def find_layers(model: nn.Module, patterns: list[re.Pattern[str]], layer_types: Collection[str] | None = None,
-                tiled: TiledLayers | None = None) -> LayerReport:
+                tiled: TiledLayers | None = None, owned: Collection[int] | None = None) -> LayerReport:
     """Handlers for the layers K-FAC preconditions, in model order, and the report of all modules; ``tiled``: the
-    layers a spatial strategy runs on tiles (they get tiled handlers, or are left out with the reason)."""
+    layers a spatial strategy runs on tiles (they get tiled handlers, or are left out with the reason); ``owned``:
+    the ``id`` of the parameters one of several optimizers steps (None: every parameter), whose layers alone are
+    considered (a layer whose trainable parameters that optimizer and another share is left out, with the reason:
+    its parameters would be stepped with gradients of different backward passes)."""
     report = LayerReport()
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        reason = skip_reason(name, module, modules, patterns, layer_types, tiled)
+        reason = None
+        if owned is not None:
+            trainable = own_parameters(module)
+            held = [p for p in trainable if id(p) in owned]
+            if not held:
+                continue  # another optimizer's layer (or nothing to train)
+            if len(held) < len(trainable):
+                reason = ("its trainable parameters are stepped by more than one optimizer (K-FAC preconditions a "
+                          "layer whose weight and bias one optimizer steps)")
+        reason = reason or skip_reason(name, module, modules, patterns, layer_types, tiled)
         if reason is None:
             handler = make_handler(name, module, tiled)
             assert handler is not None

@@ -92,6 +92,12 @@ class CaptureHooks:
 
     def _output_grad_hook(self, index: int, handler: LayerHandler, token: int) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:  # returns None: the gradient itself is never replaced
+            if handler.stale_before(token):
+                # zero_grad since an earlier backward pass of this layer (after this pass's forward): its
+                # statistics belong to gradients no step will use
+                if self.pre.overlap is not None:
+                    self.pre.overlap.abandon()
+                handler.discard_committed()
             committed = handler.capture_output_grad(g, token)
             overlap = self.pre.overlap
             if committed and overlap is not None and self.pre.final_micro_batch:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -101,6 +101,12 @@ class KFACPreconditioner:
             (:class:`~lightning_hpc.protocols.TiledLayers`, e.g. the spatial strategy's
             :class:`~lightning_hpc.spatial.dispatch.kfac_contract.TiledLayerRegistry`; the Lightning callback passes the
             strategy's ``kfac_tiled_layers``): their factors are partial sums over the tiles.
+        parameters: with several optimizers (a GAN's generator and discriminator), the parameters of the one this
+            preconditioner serves: only the layers whose trainable parameters are among them are preconditioned, and
+            :meth:`step` is called before that optimizer's step. One preconditioner per optimizer; a layer's
+            statistics are those of the backward passes since its optimizer's gradients were last cleared (the
+            discriminator's factors leave out the generator step's pass through it once ``zero_grad`` cleared the
+            gradients it left). None (default): every layer of ``model``.
     """
 
     @with_option_keywords
@@ -115,6 +121,7 @@ class KFACPreconditioner:
         grad_scaler: torch.amp.GradScaler | None = None,
         announce: bool = True,
         tiled_layers: TiledLayers | None = None,
+        parameters: Iterable[torch.Tensor] | None = None,
         **option_fields: Any,
     ) -> None:
         options = options or KFACOptions()
@@ -150,7 +157,8 @@ class KFACPreconditioner:
 
         patterns = compile_skip_patterns(options.skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
-        self.layer_report = find_layers(model, patterns, options.layer_types, tiled_layers)
+        owned = None if parameters is None else {id(p) for p in parameters}
+        self.layer_report = find_layers(model, patterns, options.layer_types, tiled_layers, owned)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
         if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)
             for h in self.handlers:
@@ -161,6 +169,7 @@ class KFACPreconditioner:
                 "layers' affine parameters, embeddings)"
                 + (f" after skip_layers={options.skip_layers!r}" if patterns else "")
                 + (f" with layer_types={list(options.layer_types)!r}" if options.layer_types is not None else "")
+                + (" among the given parameters" if owned is not None else "")
             )
         if announce:
             self.announce_layers()

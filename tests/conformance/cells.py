@@ -173,7 +173,6 @@ Verdict = (
     | RefusedAt | Differs
 )
 
-_KFAC_ONE_OPT = r"KFAC supports one optimizer.*parameter group per sub-network"
 _KFAC_PLUGIN = NotApplicable("`KFACMixedPrecision` is K-FAC's precision plugin: it needs the KFAC callback")
 _DDP_REFERENCE = NotApplicable(
     "the reference run of this row's `= ddp` cells (`ddp` for the columns without K-FAC, `kfac_ddp` for the K-FAC "
@@ -240,9 +239,10 @@ def _kfac(column: str) -> dict[str, Verdict]:
     cells = _data_parallel(column, "kfac_ddp")
     cells.update(_KFAC_ROUNDING)
     cells.update(bf16_mixed=MicroBatches(), kfac_fp16_plugin=MicroBatches(),
-                 two_optimizers_gan=Refused(_KFAC_ONE_OPT), boring_model=RoundingBounded("boring_model_own_f64"))
+                 boring_model=RoundingBounded("boring_model_own_f64"))
     if column == "kfac_ddp":
-        cells.update(demo_model=_DDP_REFERENCE, lightning_transformer=_DDP_REFERENCE, unused_parameter=_DDP_UNUSED)
+        cells.update(demo_model=_DDP_REFERENCE, lightning_transformer=_DDP_REFERENCE, unused_parameter=_DDP_UNUSED,
+                     two_optimizers_gan=_DDP_UNUSED)
         cells.update(_trainability_refused("KFAC"))
     if column == "kfac_horovod":  # the strategy's own check comes first (after the backward pass)
         cells.update(_trainability_refused("strategy='horovod'"))
@@ -255,7 +255,7 @@ def _kfac_spatial() -> dict[str, Verdict]:
     gathered Flatten see replicated features.  Reference: KFAC on one process on the same samples."""
     cells = _spatial()
     cells.update(_KFAC_ROUNDING)
-    cells.update(two_optimizers_gan=Refused(_KFAC_ONE_OPT), boring_model=RoundingBounded("boring_model_own_f64"))
+    cells.update(boring_model=RoundingBounded("boring_model_own_f64"))
     cells.update(_trainability_refused("KFAC"))
     cells["kfac_fp16_plugin"] = NotApplicable(
         "no test yet: with one sample group the micro-batch reference is the global batch, and the tiles' float16 "

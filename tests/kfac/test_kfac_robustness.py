@@ -322,49 +322,6 @@ def test_callback_skipped_non_finite_batch_leaves_no_statistics(precision):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_callback_refuses_two_optimizers_before_any_step():
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_hpc import KFAC
-    from tests.fit_harness import fit
-
-    class Gan(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.generator, self.discriminator = nn.Linear(4, 6), nn.Linear(6, 1)
-            self.automatic_optimization = False
-
-        def training_step(self, batch, batch_idx):
-            opt_g, opt_d = self.optimizers()
-            fake = self.generator(batch[0])
-            loss_g = -self.discriminator(fake).mean()
-            opt_g.zero_grad()
-            self.manual_backward(loss_g)
-            opt_g.step()
-            loss_d = self.discriminator(fake.detach()).mean() - self.discriminator(batch[1]).mean()
-            opt_d.zero_grad()
-            self.manual_backward(loss_d)
-            opt_d.step()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(
-                self.discriminator.parameters(), lr=0.1
-            )
-
-    module = Gan()
-    before = [p.clone() for p in module.parameters()]
-    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 6)), batch_size=4)
-    with (
-        pytest.raises(ValueError, match="supports one optimizer.*parameter group per sub-network"),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("ignore")
-        fit(module, data, max_steps=2, callbacks=[KFAC(kl_clip=0.01)])
-    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # refused before any step
-
-
 # -- KFAC + Adam: exact zeros stay exact, for any number of processes --------------------------------------------------
 DEAD = [1, 4, 6]
 

@@ -169,8 +169,21 @@ class LayerHandler:
         """True when statistics from a completed backward pass are held but the weight's gradient was cleared
         since (``zero_grad`` without :meth:`KFACPreconditioner.step`, e.g. a step skipped by the user or a
         grad scaler): they belong to a step that never happened. Gradient accumulation keeps ``.grad``."""
-        if self.stats.g_sum is None:
+        return self.stats.commits > 0 and self.gradient_cleared()
+
+    def stale_before(self, token: int) -> bool:
+        """True when the call ``token``'s output gradient arrives after the weight's gradient was cleared, while
+        statistics of an earlier backward pass are held: ``zero_grad`` between this pass's forward and its backward
+        (the usual order of a GAN's second step, whose forward passes come before its ``zero_grad``; the first
+        step's pass through this network left statistics and gradients that ``zero_grad`` cleared). The calls of
+        one forward pass share the gradient, which the layer's weight receives after all of them."""
+        pending = self.stats.pending.get(token)
+        if pending is None or not any(f != pending[3] for f in self.stats.forward_counted):
             return False
+        return self.gradient_cleared()
+
+    def gradient_cleared(self) -> bool:
+        """The weight has no gradient, or an all-zero one (``zero_grad(set_to_none=False)``)."""
         grad = self.weight.grad
         return grad is None or not bool(grad.any())
 

@@ -52,9 +52,7 @@ class ShardedLinearHandler(LinearHandler):
         #: (token, rows) of the side seen as a block: a row layer's inputs, a column layer's output gradients
         self._blocks: list[tuple[int, torch.Tensor]] = []
 
-    def is_stale(self) -> bool:
-        if not self.stats.commits:
-            return False
+    def gradient_cleared(self) -> bool:
         grad = self.weight.grad
         return grad is None or not bool(local_block(grad).any())
 

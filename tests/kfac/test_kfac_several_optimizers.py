@@ -1,0 +1,290 @@
+"""K-FAC with several optimizers (a GAN's generator and discriminator): one preconditioner per optimizer, over the
+layers whose parameters it steps, each layer's statistics those of the backward passes since its optimizer's
+gradients were last cleared.
+
+The reference is built without the mechanism under test: a preconditioner on each sub-network alone (no
+``parameters=`` filter), whose hooks are idled explicitly wherever a pass must not count (the generator step's pass
+through the discriminator, whose gradients ``zero_grad`` clears before the discriminator's step)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hpc import KFAC
+from lightning_hpc.kfac import KFACPreconditioner
+from lightning_hpc.kfac.layers import LayerHandler
+from tests.fit_harness import fit
+
+OPTIONS: dict[str, Any] = dict(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01,
+                               factor_dtype="float64", decomposition_dtype="float64")
+STEPS = 5
+
+
+class Gan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6)).double()
+        self.discriminator = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1)).double()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g, dtype=torch.float64))
+            for _ in range(STEPS)]
+
+
+def optimizers(gan: Gan) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(gan.generator.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.SGD(gan.discriminator.parameters(), lr=0.05, momentum=0.9)]
+
+
+def gan_step(gan: nn.Module, z: torch.Tensor, real: torch.Tensor, opts: list[Any], step: Callable[[int], Any], *,
+             backward: Callable[[torch.Tensor], Any] = torch.Tensor.backward,
+             phase: Callable[[int], AbstractContextManager[Any]] = lambda i: nullcontext(),
+             idle_d_in_g_step: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+    """One iteration as Lightning's docs write a GAN: the generator's step (its loss through the discriminator),
+    then the discriminator's on real and detached fake samples; each optimizer's gradients cleared after the
+    forward passes, before its backward pass (``phase(i)``: around optimizer ``i``'s part)."""
+    g_opt, d_opt = opts
+    with phase(0):
+        fake = gan.generator(z)
+        with idle_d_in_g_step():
+            d_fake = gan.discriminator(fake)
+        g_loss = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
+        g_opt.zero_grad()
+        backward(g_loss)
+        step(0)
+    with phase(1):
+        ones, zeros = torch.ones(len(z), 1, dtype=z.dtype), torch.zeros(len(z), 1, dtype=z.dtype)
+        d_loss = 0.5 * (F.binary_cross_entropy_with_logits(gan.discriminator(real), ones)
+                        + F.binary_cross_entropy_with_logits(gan.discriminator(fake.detach()), zeros))
+        d_opt.zero_grad()
+        backward(d_loss)
+        step(1)
+
+
+def train_plain(*, reference: bool, count_g_pass_for_d: bool = False) -> tuple[Gan, list[KFACPreconditioner]]:
+    gan = Gan()
+    opts = optimizers(gan)
+    if reference:  # each sub-network's own preconditioner
+        pres = [KFACPreconditioner(gan.generator, optimizer=opts[0], announce=False, **OPTIONS),
+                KFACPreconditioner(gan.discriminator, optimizer=opts[1], announce=False, **OPTIONS)]
+    else:  # the whole model's layers, filtered by each optimizer's parameters
+        pres = [KFACPreconditioner(gan, parameters=list(opt.param_groups[0]["params"]), optimizer=opt,
+                                   announce=False, **OPTIONS) for opt in opts]
+    idle = nullcontext if (count_g_pass_for_d or not reference) else pres[1].capture_hooks.idle
+
+    def step(i: int) -> None:
+        pres[i].step()
+        opts[i].step()
+
+    for z, real in batches():
+        gan_step(gan, z, real, opts, step, idle_d_in_g_step=idle)
+    return gan, pres
+
+
+def assert_same_parameters(a: nn.Module | list[torch.Tensor], b: nn.Module | list[torch.Tensor],
+                           atol: float = 1e-12) -> None:
+    pa = list(a.parameters()) if isinstance(a, nn.Module) else a
+    pb = list(b.parameters()) if isinstance(b, nn.Module) else b
+    assert len(pa) == len(pb)
+    for x, y in zip(pa, pb):
+        torch.testing.assert_close(x, y, rtol=0, atol=atol)
+
+
+def test_per_optimizer_preconditioners_equal_each_sub_network_alone() -> None:
+    gan, pres = train_plain(reference=False)
+    ref, ref_pres = train_plain(reference=True)
+    assert [h.name for h in pres[0].handlers] == ["generator.0", "generator.2"]
+    assert [h.name for h in pres[1].handlers] == ["discriminator.0", "discriminator.2"]
+    assert [p.steps for p in pres] == [STEPS, STEPS]
+    for pre, r in zip(pres, ref_pres):
+        for h, hr in zip(pre.handlers, r.handlers):
+            for k, f in h.factors.items():
+                torch.testing.assert_close(f, hr.factors[k], rtol=0, atol=1e-13)
+    assert_same_parameters(gan, ref)
+    # what K-FAC changed is large against the tolerance: the same loop with SGD alone ends elsewhere
+    sgd = Gan()
+    opts = optimizers(sgd)
+    for z, real in batches():
+        gan_step(sgd, z, real, opts, lambda i: opts[i].step())
+    assert max((a - b).abs().max().item() for a, b in zip(gan.parameters(), sgd.parameters())) > 1e-3
+
+
+def test_counting_the_generator_steps_pass_for_the_discriminator_would_change_the_result(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: were the generator step's pass through the discriminator (whose gradients zero_grad clears
+    before the discriminator's step) kept in its statistics, the run would end elsewhere; so the equality above
+    sees which passes are counted."""
+    ref, _ = train_plain(reference=True)
+    # statistics kept across zero_grad
+    monkeypatch.setattr(LayerHandler, "is_stale", lambda self: False)
+    monkeypatch.setattr(LayerHandler, "stale_before", lambda self, token: False)
+    counted, _ = train_plain(reference=True, count_g_pass_for_d=True)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.discriminator.parameters(),
+                                                          counted.discriminator.parameters()))
+    assert diff > 1e-6
+
+
+def test_a_layer_whose_weight_and_bias_two_optimizers_step_is_left_out() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    pre = KFACPreconditioner(model, parameters=[model[0].weight, model[1].weight, model[1].bias], announce=False,
+                             factor_dtype="float64")
+    assert [h.name for h in pre.handlers] == ["1"]
+    assert [(n, "stepped by more than one optimizer" in why) for n, _, why in pre.skipped_modules] == [("0", True)]
+    model(torch.randn(5, 3, dtype=torch.float64)).square().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    pre.step(lr=0.1)
+    after = [p.grad for p in model.parameters()]
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])  # left to the optimizers
+    assert not torch.equal(after[2], before[2])  # (the other layer is preconditioned)
+    # the other optimizer (the first layer's bias alone) holds no whole layer
+    with pytest.raises(ValueError, match="among the given parameters"):
+        KFACPreconditioner(model, parameters=[model[0].bias], announce=False)
+
+
+# -- through Lightning ----------------------------------------------------------------------------------------------
+class LightningGan(pl.LightningModule):
+    """The GAN of the plain loops as a user writes it in Lightning: manual optimization, two optimizers."""
+
+    def __init__(self, toggle: bool = False) -> None:
+        super().__init__()
+        gan = Gan()
+        self.generator, self.discriminator = gan.generator, gan.discriminator
+        self.toggle = toggle
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        opts = self.optimizers()[:2]
+
+        @contextmanager
+        def toggled(i: int) -> Iterator[None]:
+            # Lightning's idiom: the other optimizer's parameters frozen during each optimizer's part
+            if self.toggle:
+                self.toggle_optimizer(opts[i])
+            yield
+            if self.toggle:
+                self.untoggle_optimizer(opts[i])
+
+        gan_step(self, *batch, opts, lambda i: opts[i].step(), backward=self.manual_backward, phase=toggled)
+
+    def configure_optimizers(self) -> Any:
+        return optimizers(self)  # type: ignore[arg-type]
+
+
+def loader() -> DataLoader:
+    zs, reals = zip(*batches())
+    return DataLoader(TensorDataset(torch.cat(zs), torch.cat(reals)), batch_size=8)
+
+
+@pytest.mark.parametrize("toggle", [False, True], ids=["plain", "toggle_optimizer"])
+def test_callback_trains_a_gan_as_the_per_network_loop(toggle: bool) -> None:
+    kfac = KFAC(**OPTIONS)
+    run = fit(LightningGan(toggle), loader(), max_epochs=1, callbacks=[kfac], record_warnings=True)
+    ref, _ = train_plain(reference=True)
+    assert_same_parameters(run.params, list(ref.parameters()))
+    assert sorted(kfac.preconditioners) == [0, 1]
+    assert [p.steps for p in kfac.preconditioners.values()] == [STEPS, STEPS]
+    with pytest.raises(RuntimeError, match="KFAC.preconditioners"):
+        _ = kfac.preconditioner
+
+
+class GanWithTemperature(LightningGan):
+    """The GAN and a third optimizer over a parameter no K-FAC layer holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        super().training_step(batch, batch_idx)
+        t_opt = self.optimizers()[2]
+        t_opt.zero_grad()
+        self.manual_backward((self.temperature - 2) ** 2)
+        t_opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return [*optimizers(self), torch.optim.SGD([self.temperature], lr=0.1)]  # type: ignore[arg-type]
+
+
+def test_an_optimizer_without_layers_gets_no_preconditioner() -> None:
+    kfac = KFAC(**OPTIONS)
+    run = fit(GanWithTemperature(), loader(), max_epochs=1, callbacks=[kfac], record_warnings=True)
+    assert sorted(kfac.preconditioners) == [0, 1]
+    ref, _ = train_plain(reference=True)
+    assert_same_parameters(run.params[1:], list(ref.parameters()))  # (the module's own parameter comes first)
+    torch.testing.assert_close(run.params[0], torch.tensor(2.0, dtype=torch.float64) - torch.tensor(
+        0.8, dtype=torch.float64) ** STEPS, rtol=0, atol=1e-12)  # plain SGD on (t - 2)^2: t -> 2 - 0.8^k
+
+
+def test_resume_from_a_checkpoint_continues_every_preconditioner(tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole = fit(LightningGan(), loader(), max_epochs=2, callbacks=[KFAC(**OPTIONS)])
+    # one epoch, checkpointed at its end, then resumed from the checkpoint for the second
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
+    first = fit(LightningGan(), loader(), max_epochs=1, callbacks=[KFAC(**OPTIONS), ckpt], enable_checkpointing=True)
+    assert first.steps == 2 * STEPS  # (manual optimization: each optimizer's step counts)
+    (path,) = tmp_path.glob("*.ckpt")
+    state = torch.load(path, weights_only=False)["callbacks"]
+    kfac_state = next(v for k, v in state.items() if k.startswith("KFAC"))
+    assert sorted(kfac_state["per_optimizer"]) == [0, 1]
+    kfac = KFAC(**OPTIONS)
+    resumed = fit(LightningGan(), loader(), max_epochs=2, callbacks=[kfac], ckpt_path=str(path))
+    assert [p.steps for p in kfac.preconditioners.values()] == [2 * STEPS, 2 * STEPS]
+    assert_same_parameters(resumed.params, whole.params)
+
+
+def test_a_checkpoint_of_one_optimizer_does_not_load_into_several() -> None:
+    kfac = KFAC(**OPTIONS)
+    single = KFACPreconditioner(Gan(), announce=False, **OPTIONS).state_dict()
+    kfac.load_state_dict(single)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = fit(LightningGan(), loader(), max_epochs=1, callbacks=[kfac], refusal_is_result=True)
+    assert run.error is not None and "resume with the configure_optimizers" in run.error
+    assert run.steps == 0
+
+
+def _ddp_overlap_run(rank: int, world_size: int) -> dict[Any, Any]:
+    """Each rank trains on its half of every batch under DDP; with and without the overlapped factor all-reduce,
+    which the generator step's pass launches for the discriminator's layers too (statistics then dropped)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    zs, reals = zip(*batches())
+    half = slice(rank * 4, (rank + 1) * 4)
+    data = DataLoader(TensorDataset(torch.cat([z[half] for z in zs]), torch.cat([r[half] for r in reals])),
+                      batch_size=4)
+    out = {}
+    for overlap in (False, True):
+        kfac = KFAC(**OPTIONS, overlap_factor_allreduce=overlap, bucket_cap_mb=1e-4)
+        run = fit(LightningGan(), data, devices=world_size, strategy=DDPStrategy(find_unused_parameters=True),
+                  max_epochs=1, callbacks=[kfac], use_distributed_sampler=False, record_warnings=True)
+        assert [p.steps for p in kfac.preconditioners.values()] == [STEPS, STEPS]
+        out[overlap] = [p.numpy() for p in run.params]
+        # the launch of the dropped statistics was abandoned, not found late at the step and reduced again
+        out["late", overlap] = run.warned("captured after a layer's factors had been launched")
+    return out
+
+
+def test_overlapped_factor_allreduce_with_two_optimizers_equals_the_synchronous_path() -> None:
+    from lightning_hpc.distributed import run_in_processes
+
+    ref, _ = train_plain(reference=True)
+    for out in run_in_processes(_ddp_overlap_run, 2, timeout_s=300, collective_timeout_s=60):
+        assert out["late", True] == out["late", False] == []
+        for a, b, r in zip(out[True], out[False], ref.parameters()):
+            assert abs(a - b).max() <= 1e-12
+            assert abs(torch.from_numpy(b) - r).max() <= 1e-12  # two processes on halves: one on the global batch
