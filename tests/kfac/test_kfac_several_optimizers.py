@@ -288,3 +288,29 @@ def test_overlapped_factor_allreduce_with_two_optimizers_equals_the_synchronous_
         for a, b, r in zip(out[True], out[False], ref.parameters()):
             assert abs(a - b).max() <= 1e-12
             assert abs(torch.from_numpy(b) - r).max() <= 1e-12  # two processes on halves: one on the global batch
+
+
+class CompiledGan(LightningGan):
+    """The GAN with each network compiled, as ``self.generator = torch.compile(...)`` writes it."""
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__()
+        self.generator = torch.compile(self.generator, backend=backend)  # type: ignore[assignment]
+        self.discriminator = torch.compile(self.discriminator, backend=backend)  # type: ignore[assignment]
+
+
+def test_compiled_networks_under_two_preconditioners_compile_as_without_kfac() -> None:
+    """Each compiled network runs its compiled code on the steps neither preconditioner captures (the route of
+    :mod:`lightning_hpc.kfac.compiled`, here over two preconditioners), and the fit equals the eager one."""
+    from tests.kfac.test_kfac_compiled_route import Graphs
+
+    options = {**OPTIONS, "factor_update_freq": 2}
+    eager = fit(LightningGan(), loader(), max_epochs=1, callbacks=[KFAC(**options)])
+    counts = {}
+    for with_kfac in (False, True):
+        torch._dynamo.reset()
+        backend = Graphs()
+        run = fit(CompiledGan(backend), loader(), max_epochs=1, callbacks=[KFAC(**options)] if with_kfac else [])
+        counts[with_kfac] = backend.count
+    assert_same_parameters(run.params, eager.params)
+    assert counts[True] == counts[False] > 0, counts
