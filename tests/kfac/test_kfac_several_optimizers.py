@@ -260,7 +260,9 @@ def test_a_checkpoint_of_one_optimizer_does_not_load_into_several() -> None:
 
 def _ddp_overlap_run(rank: int, world_size: int) -> dict[Any, Any]:
     """Each rank trains on its half of every batch under DDP; with and without the overlapped factor all-reduce,
-    which the generator step's pass launches for the discriminator's layers too (statistics then dropped)."""
+    which the generator step's pass launches for the discriminator's layers too (statistics then dropped); and with
+    KAISA's layer-wise placement (each layer's decompositions and preconditioning on one rank, broadcast), whose
+    process groups each preconditioner makes."""
     from lightning.pytorch.strategies import DDPStrategy
 
     zs, reals = zip(*batches())
@@ -276,17 +278,23 @@ def _ddp_overlap_run(rank: int, world_size: int) -> dict[Any, Any]:
         out[overlap] = [p.numpy() for p in run.params]
         # the launch of the dropped statistics was abandoned, not found late at the step and reduced again
         out["late", overlap] = run.warned("captured after a layer's factors had been launched")
+    kfac = KFAC(**OPTIONS, placement="layer_wise")
+    run = fit(LightningGan(), data, devices=world_size, strategy=DDPStrategy(find_unused_parameters=True),
+              max_epochs=1, callbacks=[kfac], use_distributed_sampler=False)
+    assert all(pre.grad_worker_fraction == 0.5 for pre in kfac.preconditioners.values())
+    out["layer_wise"] = [p.numpy() for p in run.params]
     return out
 
 
-def test_overlapped_factor_allreduce_with_two_optimizers_equals_the_synchronous_path() -> None:
+def test_two_optimizers_with_overlap_and_layer_wise_placement_on_two_processes_equal_one() -> None:
     from lightning_hpc.distributed import run_in_processes
 
     ref, _ = train_plain(reference=True)
     for out in run_in_processes(_ddp_overlap_run, 2, timeout_s=300, collective_timeout_s=60):
         assert out["late", True] == out["late", False] == []
-        for a, b, r in zip(out[True], out[False], ref.parameters()):
+        for a, b, lw, r in zip(out[True], out[False], out["layer_wise"], ref.parameters()):
             assert abs(a - b).max() <= 1e-12
+            assert abs(lw - b).max() <= 1e-12
             assert abs(torch.from_numpy(b) - r).max() <= 1e-12  # two processes on halves: one on the global batch
 
 
