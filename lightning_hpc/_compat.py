@@ -477,3 +477,8 @@ def replace_metric_hooks(wrap_update: Callable[..., Any], sync: Callable[..., An
     metric._wrap_update = wrap_update
     metric.sync = sync
     return previous
+
+
+def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks and forward pre-hooks registered on ``module`` (``nn.Module`` keeps them in private dicts)."""
+    return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]

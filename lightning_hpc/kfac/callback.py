@@ -35,6 +35,7 @@ It translates Lightning hooks, and refuses before the first step what it cannot 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ from lightning_hpc.distributed.comm import Communicator
 from lightning_hpc.distributed.exit import destroy_process_group_at_exit
 from lightning_hpc.distributed.trainability import REBUILD_FIX, TrainableSet
 from lightning_hpc.kfac.compiled import CompiledUnderKFAC, attach_compiled, detach_compiled
-from lightning_hpc.kfac.discovery import find_layers
+from lightning_hpc.kfac.discovery import find_layers, own_parameters
 from lightning_hpc.kfac.options import KFACOptions, compile_skip_patterns
 from lightning_hpc.kfac.precision import KFACMixedPrecision
 from lightning_hpc.kfac.preconditioner import KFACPreconditioner
@@ -205,11 +206,15 @@ class KFAC(Callback):
                                                    tiled_layers=contract.kfac_tiled_layers, parameters=parameters)
 
         self._per_optimizer = optimizers is not None
+        shared: list[str] = []
         if optimizers is None:
             self.preconditioners = {0: build(None)}
             report = self.preconditioners[0].describe_layers()
         else:
-            owned = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+            held = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
+            # a parameter two optimizers step: its layer is left to them (each would precondition its gradient)
+            times = Counter(i for ids in ({id(p) for p in params} for params in held) for i in ids)
+            owned = [[p for p in params if times[id(p)] == 1] for params in held]
             patterns = compile_skip_patterns(self.options.skip_layers)
             with_layers = [i for i, params in enumerate(owned) if find_layers(
                 pl_module, patterns, self.options.layer_types, contract.kfac_tiled_layers, {id(p) for p in params}
@@ -218,13 +223,16 @@ class KFAC(Callback):
                 build(None)  # raises: no layer to precondition
             # every rank builds the same preconditioners in the same order (their process groups are collective)
             self.preconditioners = {i: build(owned[i]) for i in with_layers}
-            report = "\n".join(
-                f"optimizer {i} ({type(opt).__name__}): "
-                + (self.preconditioners[i].describe_layers() if i in self.preconditioners
-                   else "K-FAC preconditions none of its layers")
-                for i, opt in enumerate(optimizers))
+            lines = [f"optimizer {i} ({type(opt).__name__}): "
+                     + (self.preconditioners[i].describe_layers() if i in self.preconditioners
+                        else "K-FAC preconditions none of its layers") for i, opt in enumerate(optimizers)]
+            shared = [name or "<root>" for name, m in pl_module.named_modules()
+                      if any(times[id(p)] > 1 for p in own_parameters(m))]
+            if shared:
+                lines.append(f"left to the optimizers, whose parameters several optimizers step: {', '.join(shared)}")
+            report = "\n".join(lines)
         # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
-        if any(pre.skipped_modules for pre in self.preconditioners.values()):
+        if shared or any(pre.skipped_modules for pre in self.preconditioners.values()):
             rank_zero_warn(report)
         else:
             rank_zero_info(report)

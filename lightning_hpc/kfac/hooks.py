@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_hpc._compat import disable_torch_function_subclass
+from lightning_hpc._compat import disable_torch_function_subclass, forward_hooks
 from lightning_hpc.kfac.layers import ConvHandler, LayerHandler, base_type
 from lightning_hpc.kfac.subclasses import FUNCTIONAL_OPS, CallTracer, ConvGeometry
 
@@ -48,6 +48,19 @@ class CaptureHooks:
         for i, h in enumerate(handlers):
             if h.traced:
                 self.handles += self._tracer_hooks(i, h)
+
+    @staticmethod
+    def refuse_hooked_layers(handlers: list[LayerHandler]) -> None:
+        """Refuse a layer that another preconditioner's hooks capture: both would precondition its gradient (the
+        preconditioners of several optimizers given overlapping ``parameters``)."""
+        for h in handlers:
+            if any(getattr(fn, "__qualname__", "").startswith("CaptureHooks.") for fn in forward_hooks(h.module)):
+                raise ValueError(
+                    f"K-FAC layer {h.name!r} ({type(h.module).__name__}) is already preconditioned by another "
+                    "KFACPreconditioner, whose hooks are still registered: one preconditioner per layer. With one "
+                    "preconditioner per optimizer, give each the parameters of its own optimizer (parameters=...); "
+                    "to replace a preconditioner, call remove_hooks() on the old one first"
+                )
 
     def remove(self) -> None:
         for h in self.handles:

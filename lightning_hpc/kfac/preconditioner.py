@@ -103,7 +103,8 @@ class KFACPreconditioner:
             strategy's ``kfac_tiled_layers``): their factors are partial sums over the tiles.
         parameters: with several optimizers (a GAN's generator and discriminator), the parameters of the one this
             preconditioner serves: only the layers whose trainable parameters are among them are preconditioned, and
-            :meth:`step` is called before that optimizer's step. One preconditioner per optimizer; a layer's
+            :meth:`step` is called before that optimizer's step. One preconditioner per optimizer (a layer that another
+            preconditioner already hooks is refused: their ``parameters`` must not overlap); a layer's
             statistics are those of the backward passes since its optimizer's gradients were last cleared (the
             discriminator's factors leave out the generator step's pass through it once ``zero_grad`` cleared the
             gradients it left). None (default): every layer of ``model``.
@@ -199,6 +200,8 @@ class KFACPreconditioner:
         self.final_micro_batch = True
         #: the overlapped factor all-reduce (None: reduced synchronously at the step)
         self.overlap: OverlappedFactorAllreduce | None = make_overlap(self, stacklevel=3)
+        if owned is not None:  # one of several optimizers' preconditioners: each layer is one's alone
+            CaptureHooks.refuse_hooked_layers(self.handlers)
         self._hooks = CaptureHooks(self)
 
     @classmethod

@@ -322,3 +322,23 @@ def test_compiled_networks_under_two_preconditioners_compile_as_without_kfac() -
         counts[with_kfac] = backend.count
     assert_same_parameters(run.params, eager.params)
     assert counts[True] == counts[False] > 0, counts
+
+
+def test_a_layer_two_optimizers_step_is_left_to_them_and_overlapping_preconditioners_are_refused() -> None:
+    class SharedLayer(LightningGan):
+        def configure_optimizers(self) -> Any:  # the generator's last layer in the discriminator's optimizer too
+            g_opt, _ = optimizers(self)  # type: ignore[arg-type]
+            both = [*self.discriminator.parameters(), *self.generator[2].parameters()]
+            return [g_opt, torch.optim.SGD(both, lr=0.05)]
+
+    kfac = KFAC(**OPTIONS)
+    run = fit(SharedLayer(), loader(), max_epochs=1, callbacks=[kfac], record_warnings=True)
+    assert [h.name for h in kfac.preconditioners[0].handlers] == ["generator.0"]
+    assert [h.name for h in kfac.preconditioners[1].handlers] == ["discriminator.0", "discriminator.2"]
+    assert run.warned("left to the optimizers, whose parameters several optimizers step: generator.2")
+    # in a plain loop, preconditioners whose parameters overlap: the second is refused
+    gan = Gan()
+    KFACPreconditioner(gan, parameters=gan.generator.parameters(), announce=False)
+    with pytest.raises(ValueError, match="'generator.2' .* already preconditioned by another KFACPreconditioner"):
+        KFACPreconditioner(gan, parameters=[*gan.discriminator.parameters(), *gan.generator[2].parameters()],
+                           announce=False)
