@@ -105,7 +105,7 @@ class CaptureHooks:
 
     def _output_grad_hook(self, index: int, handler: LayerHandler, token: int) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:  # returns None: the gradient itself is never replaced
-            if handler.stale_before(token):
+            if self.pre.one_of_several and handler.stale_before(token):
                 # zero_grad since an earlier backward pass of this layer (after this pass's forward): its
                 # statistics belong to gradients no step will use
                 if self.pre.overlap is not None:

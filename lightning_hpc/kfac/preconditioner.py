@@ -159,6 +159,10 @@ class KFACPreconditioner:
         patterns = compile_skip_patterns(options.skip_layers)
         #: the preconditioned layers' handlers and the report of every module (:mod:`.discovery`)
         owned = None if parameters is None else {id(p) for p in parameters}
+        #: serves one of several optimizers (``parameters`` given): a layer's statistics also end at a ``zero_grad``
+        #: between a backward pass's forward and its output gradient (:meth:`LayerHandler.stale_before`), the order of
+        #: a GAN's steps, where the other optimizer's step left statistics and gradients through its layers
+        self.one_of_several = owned is not None
         self.layer_report = find_layers(model, patterns, options.layer_types, tiled_layers, owned)
         self.handlers: list[LayerHandler] = self.layer_report.handlers
         if self.factor_dtype == torch.float64:  # statistics in float64 too (float32 otherwise, whatever the storage)

@@ -52,6 +52,11 @@ class ShardedLinearHandler(LinearHandler):
         #: (token, rows) of the side seen as a block: a row layer's inputs, a column layer's output gradients
         self._blocks: list[tuple[int, torch.Tensor]] = []
 
+    def stale_before(self, token: int) -> bool:
+        # each call is a sub-batch of the step, and the layer's gradient is assembled from all of them: an earlier
+        # call's statistics are this step's whatever the gradient holds while the calls' output gradients arrive
+        return False
+
     def gradient_cleared(self) -> bool:
         grad = self.weight.grad
         return grad is None or not bool(local_block(grad).any())
