@@ -6,6 +6,7 @@ and keeps its own block of the result.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any, cast
 
 import torch
@@ -42,6 +43,8 @@ class ShardedLinearHandler(LinearHandler):
         super().reset_statistics()
         #: the gradient scale of each pending call (the layer's ``kfac_grad_scale`` at its forward)
         self._scales: dict[int, float] = {}
+        #: positions per sample of each pending call (the layer's ``kfac_positions`` at its forward)
+        self._call_positions: dict[int, int] = {}
 
     @property
     def _layout(self) -> str:
@@ -51,6 +54,8 @@ class ShardedLinearHandler(LinearHandler):
         super().discard_committed()
         #: (token, rows) of the side seen as a block: a row layer's inputs, a column layer's output gradients
         self._blocks: list[tuple[int, torch.Tensor]] = []
+        #: the samples of the committed calls: rows / positions per sample, summed exactly (see :meth:`batch_factors`)
+        self._samples = Fraction(0)
 
     def stale_before(self, token: int) -> bool:
         # each call is a sub-batch of the step, and the layer's gradient is assembled from all of them: an earlier
@@ -72,26 +77,24 @@ class ShardedLinearHandler(LinearHandler):
         return rows, rows.shape[0]  # this rank's input block: gathered at the step
 
     def capture_input(self, x: torch.Tensor) -> int:
-        positions = int(getattr(self.module, "kfac_positions", 1))
-        if positions > 1:
-            # KFC's weight sharing sums G over a sample's positions (LinearHandler); the head's sub-batches cut the
-            # rows of (batch, positions, features) without regard to samples, so no rank has a sample's positions
-            raise ValueError(
-                f"KFAC under strategy='hybrid_fc': the head layer {self.name!r} takes {positions} positions per sample "
-                "(a (batch, tokens, features) input), and its sub-batches split a sample's positions over the ranks, "
-                "where K-FAC's factors sum the output gradients over each sample's positions. Leave the head to the "
-                f"optimizer (KFAC(skip_layers=[{self.name!r}])), or train with strategy='ddp'"
-            )
-        self.stats.in_forward = False  # every call is a sub-batch of samples of its own, not a position
+        self.stats.in_forward = False  # every call is a sub-batch of rows of its own, counted as samples
         token = super().capture_input(x)
-        self._scales[token] = float(cast(Any, self.module).kfac_grad_scale)
+        m = cast(Any, self.module)
+        self._scales[token] = float(m.kfac_grad_scale)
+        # a (batch, tokens, features) input runs through the head as rows, which its sub-batches cut without regard
+        # to samples: the rows are counted, and the samples are rows / positions (batch_factors)
+        self._call_positions[token] = int(getattr(m, "kfac_positions", 1))
         return token
 
     def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
         key = token if token is not None else self.stats.latest_token()
         scale = self._scales.pop(key, 1.0)
+        positions = self._call_positions.pop(key, 1)
         self._token = key
-        return super().capture_output_grad(g * scale if scale != 1.0 else g, token)
+        committed = super().capture_output_grad(g * scale if scale != 1.0 else g, token)
+        if committed:
+            self._samples += Fraction(g.reshape(-1, g.shape[-1]).shape[0], positions)
+        return committed
 
     def accumulate(self, input_stat: torch.Tensor, rows: int, g: torch.Tensor) -> None:
         if self._layout == "col":
@@ -117,8 +120,18 @@ class ShardedLinearHandler(LinearHandler):
             self.stats.a_sum = self._fold_bias(gram, colsum, whole.shape[0])
 
     def batch_factors(self, grad_scale: float = 1.0, batch_averaged: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`LinearHandler.batch_factors`, with the samples of inputs that have ``T`` positions per sample
+        (KFC's weight sharing, as :class:`LinearHandler` counts them): A is the mean over all rows and G the sum of
+        the rows' Grams per sample either way, so only the sample count changes, from the rows counted per call
+        to rows / T (whichever sub-batch, or rank, each of a sample's positions landed in; micro-batches of other
+        lengths each with their own T)."""
         self._gather_statistics()
-        return super().batch_factors(grad_scale, batch_averaged)
+        a, g = super().batch_factors(grad_scale, batch_averaged)
+        rows = max(self.stats.samples, 1)  # what the base class scaled by
+        if self._samples and self._samples != rows:
+            ratio = float(self._samples / rows)
+            g = g * ratio if batch_averaged else g / ratio
+        return a, g
 
     def grad_matrix(self) -> torch.Tensor | None:
         """The whole layer's ``[dW | db]`` (collective: every rank's blocks gathered)."""
