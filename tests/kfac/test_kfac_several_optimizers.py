@@ -342,3 +342,28 @@ def test_a_layer_two_optimizers_step_is_left_to_them_and_overlapping_preconditio
     with pytest.raises(ValueError, match="'generator.2' .* already preconditioned by another KFACPreconditioner"):
         KFACPreconditioner(gan, parameters=[*gan.discriminator.parameters(), *gan.generator[2].parameters()],
                            announce=False)
+
+
+def test_a_step_the_grad_scaler_skips_drops_only_its_optimizers_statistics() -> None:
+    """16-mixed through K-FAC's precision plugin: a batch whose real samples overflow skips the discriminator's step
+    (the scaler finds inf in its gradients); its preconditioner drops that step's statistics and does not count it,
+    the generator's preconditioner steps as usual, and no factor holds a non-finite value."""
+    from lightning_hpc import KFACMixedPrecision
+
+    class Float32Gan(LightningGan):
+        def __init__(self) -> None:
+            super().__init__()
+            self.float()
+
+    zs, reals = zip(*batches())
+    z, real = torch.cat(zs).float(), torch.cat(reals).float()
+    real[16] = float("inf")  # the third batch
+    kfac = KFAC(factor_update_freq=1, inv_update_freq=2, damping=0.01, kl_clip=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = fit(Float32Gan(), DataLoader(TensorDataset(z, real), batch_size=8), max_epochs=1, callbacks=[kfac],
+                  plugins=[KFACMixedPrecision("16-mixed", device="cpu")])
+    assert {i: pre.steps for i, pre in kfac.preconditioners.items()} == {0: STEPS, 1: STEPS - 1}
+    assert all(bool(torch.isfinite(p).all()) for p in run.params)
+    for pre in kfac.preconditioners.values():
+        assert all(bool(torch.isfinite(f).all()) for fs in pre.factors.values() for f in fs.values())
