@@ -136,6 +136,7 @@ PYTHON = [
     ("docs/kfac.md", "precond.set_epoch(epoch)", "run", "the plain-PyTorch loop on the reader's model"),
     ("docs/kfac.md", "precond.no_sync()", "compile", "needs the reader's DDP model (model.no_sync())"),
     ("docs/kfac.md", "damping_decay_epochs=[25, 35]", "run", "builds the Trainer with the paper's schedule"),
+    ("docs/kfac.md", "g_pre, d_pre = ", "run", "a GAN's plain loop, one preconditioner per optimizer"),
     ("docs/layered_sgd.md", "procs_per_node=2))", "compile", "its second Trainer asks for 16 nodes x 8 GPUs"),
     ("docs/layered_sgd.md", "build_layered_groups(procs_per_node=2)", "compile", "runs on every rank of a group"),
     ("docs/mesh_tangling.md", "MeshTanglingDataModule(on_the_fly=True, size=128", "run", "one epoch on one CPU"),
@@ -214,6 +215,14 @@ def test_kfac_trainer_block_sets_the_paper_schedule(capsys):
     scope = _exec("docs/kfac.md", "damping_decay_epochs=[25, 35]", capsys)
     (callback,) = [c for c in scope["trainer"].callbacks if isinstance(c, KFAC)]
     assert callback.options.inv_update_freq == 500 and list(callback.options.damping_decay_epochs) == [25, 35]
+
+
+def test_kfac_gan_block_steps_one_preconditioner_per_optimizer(capsys):
+    scope = _exec("docs/kfac.md", "g_pre, d_pre = ", capsys)
+    g_pre, d_pre = scope["g_pre"], scope["d_pre"]
+    assert [h.name for h in g_pre.handlers] == ["generator.0", "generator.2"]
+    assert [h.name for h in d_pre.handlers] == ["discriminator.0", "discriminator.2"]
+    assert g_pre.steps == d_pre.steps == 3
 
 
 def test_multigrid_block_prints_the_residual_history(capsys):
