@@ -66,16 +66,17 @@ def gan_step(gan: nn.Module, z: torch.Tensor, real: torch.Tensor, opts: list[Any
         backward(g_loss)
         step(0)
     with phase(1):
-        ones, zeros = torch.ones(len(z), 1, dtype=z.dtype), torch.zeros(len(z), 1, dtype=z.dtype)
-        d_loss = 0.5 * (F.binary_cross_entropy_with_logits(gan.discriminator(real), ones)
-                        + F.binary_cross_entropy_with_logits(gan.discriminator(fake.detach()), zeros))
+        d_real, d_fake = gan.discriminator(real), gan.discriminator(fake.detach())
+        d_loss = 0.5 * (F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real))
+                        + F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake)))
         d_opt.zero_grad()
         backward(d_loss)
         step(1)
 
 
-def train_plain(*, reference: bool, count_g_pass_for_d: bool = False) -> tuple[Gan, list[KFACPreconditioner]]:
-    gan = Gan()
+def train_plain(*, reference: bool, count_g_pass_for_d: bool = False,
+                device: str = "cpu") -> tuple[Gan, list[KFACPreconditioner]]:
+    gan = Gan().to(device)
     opts = optimizers(gan)
     if reference:  # each sub-network's own preconditioner
         pres = [KFACPreconditioner(gan.generator, optimizer=opts[0], announce=False, **OPTIONS),
@@ -90,7 +91,7 @@ def train_plain(*, reference: bool, count_g_pass_for_d: bool = False) -> tuple[G
         opts[i].step()
 
     for z, real in batches():
-        gan_step(gan, z, real, opts, step, idle_d_in_g_step=idle)
+        gan_step(gan, z.to(device), real.to(device), opts, step, idle_d_in_g_step=idle)
     return gan, pres
 
 
