@@ -191,6 +191,10 @@ class CaptureHooks:
         forms G (the module's, or the traced functional call's)."""
         if not self.capturing(module):
             return
+        if self.pre.one_of_several and not handler.weight.requires_grad:
+            # another optimizer's pass with this network frozen (toggle_optimizer): the weight takes no gradient
+            # from it, so it is not a statistic of the gradient this layer's optimizer steps with
+            return
         if x is None or not isinstance(output, torch.Tensor) or not output.requires_grad or not handler.captures(x):
             return
         if handler.is_stale():

@@ -105,7 +105,8 @@ class KFACPreconditioner:
             preconditioner serves: only the layers whose trainable parameters are among them are preconditioned, and
             :meth:`step` is called before that optimizer's step. One preconditioner per optimizer (a layer that another
             preconditioner already hooks is refused: their ``parameters`` must not overlap); a layer's
-            statistics are those of the backward passes since its optimizer's gradients were last cleared (the
+            statistics are those of the backward passes that give its weight a gradient (not those with the layer
+            frozen, as ``toggle_optimizer`` freezes it) since its optimizer's gradients were last cleared (the
             discriminator's factors leave out the generator step's pass through it once ``zero_grad`` cleared the
             gradients it left). None (default): every layer of ``model``.
     """
