@@ -194,6 +194,55 @@ def test_passes_in_which_the_weight_is_frozen_are_not_its_statistics() -> None:
     assert_same_parameters(train_accumulating(reference=False), train_accumulating(reference=True))
 
 
+def train_wgan_gp(*, idle_penalty: bool, zero_grad_first: bool) -> Gan:
+    """WGAN-GP: the critic's loss holds a penalty on its input gradient at interpolated samples, taken with
+    ``torch.autograd.grad`` (whose pass fires the output-gradient hooks with the gradient of the critic's output, not
+    of the loss). ``idle_penalty``: the reference, that pass kept out of the statistics by hand."""
+    gan = Gan()
+    opts = optimizers(gan)
+    pres = [KFACPreconditioner(gan, parameters=list(opt.param_groups[0]["params"]), optimizer=opt, announce=False,
+                               **OPTIONS) for opt in opts]
+    g = torch.Generator().manual_seed(2)
+    for z, real in batches():
+        if zero_grad_first:
+            opts[1].zero_grad()
+        fake = gan.generator(z)
+        eps = torch.rand(len(z), 1, generator=g, dtype=z.dtype)
+        interp = (eps * real + (1 - eps) * fake.detach()).requires_grad_(True)
+        with pres[1].capture_hooks.idle() if idle_penalty else nullcontext():
+            (slope,) = torch.autograd.grad(gan.discriminator(interp).sum(), interp, create_graph=True)
+        d_loss = (gan.discriminator(fake.detach()).mean() - gan.discriminator(real).mean()
+                  + 10 * ((slope.norm(dim=1) - 1) ** 2).mean())
+        if not zero_grad_first:
+            opts[1].zero_grad()
+        d_loss.backward()
+        pres[1].step()
+        opts[1].step()
+        opts[0].zero_grad()
+        (-gan.discriminator(gan.generator(z)).mean()).backward()
+        pres[0].step()
+        opts[0].step()
+    return gan
+
+
+@pytest.mark.parametrize("zero_grad_first", [True, False], ids=["zero_grad_first", "zero_grad_before_backward"])
+def test_a_gradient_penalty_pass_is_not_among_the_critics_statistics(zero_grad_first: bool) -> None:
+    """The penalty's ``autograd.grad`` pass gives the critic's weights no gradient of their own (the loss's backward
+    pass differentiates the penalty through it), so its statistics are dropped as the loss's backward pass arrives
+    with the gradients cleared; equal to the reference that keeps them out by hand."""
+    assert_same_parameters(train_wgan_gp(idle_penalty=False, zero_grad_first=zero_grad_first),
+                           train_wgan_gp(idle_penalty=True, zero_grad_first=zero_grad_first))
+
+
+def test_counting_the_penalty_pass_would_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the test above: with the statistics kept across zero_grad, the critic ends elsewhere."""
+    reference = train_wgan_gp(idle_penalty=True, zero_grad_first=False)
+    monkeypatch.setattr(LayerHandler, "is_stale", lambda self: False)
+    monkeypatch.setattr(LayerHandler, "stale_before", lambda self, token: False)
+    counted = train_wgan_gp(idle_penalty=False, zero_grad_first=False)
+    assert max((a - b).abs().max().item() for a, b in zip(counted.parameters(), reference.parameters())) > 1e-3
+
+
 # -- through Lightning ----------------------------------------------------------------------------------------------
 class LightningGan(pl.LightningModule):
     """The GAN of the plain loops as a user writes it in Lightning: manual optimization, two optimizers."""
