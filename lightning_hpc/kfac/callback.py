@@ -4,13 +4,14 @@ It translates Lightning hooks, and refuses before the first step what it cannot 
 
 * ``setup`` (fit): checks the precision (a grad scaler needs
   :class:`~lightning_hpc.kfac.precision.KFACMixedPrecision`) and that the strategy supports K-FAC (a strategy
-  whose ``kfac_unsupported`` is a message refuses it), picks the communicator, registers the factor hooks on the
-  LightningModule's layers and reports, on rank 0, which layers it preconditions and which it leaves to the
-  optimizer, with the reason. Strategies that change or declare layers in their own ``setup``
-  (``replaces_layers_in_setup = True``: hybrid_fc's sharded head, the spatial strategy's tiled convolutions
-  and norms) run it after the callbacks' ``setup``; the preconditioner is then built in ``on_fit_start``, on the
-  layers that run, still before training starts.  The layers a strategy runs on spatial tiles come from the
-  strategy (``kfac_tiled_layers``), which hands its registry to the preconditioner.
+  whose ``kfac_unsupported`` is a message refuses it), picks the communicator and registers the factor hooks on the
+  LightningModule's layers; which layers it preconditions and which it leaves to the optimizer, with the reason,
+  is said on rank 0 when fitting starts (after the per-optimizer build that several optimizers need). Strategies
+  that change or declare layers in their own ``setup`` (``replaces_layers_in_setup = True``: hybrid_fc's sharded
+  head, the spatial strategy's tiled convolutions and norms) run it after the callbacks' ``setup``; the
+  preconditioner is then built in ``on_fit_start``, on the layers that run, still before training starts.  The
+  layers a strategy runs on spatial tiles come from the strategy (``kfac_tiled_layers``), which hands its registry
+  to the preconditioner.
 * ``on_fit_start``: remembers the trainable parameters under a strategy that does not follow trainability changes,
   builds a deferred preconditioner and loads a pending checkpoint state.  With several optimizers (a GAN's generator
   and discriminator, stepped in manual optimization) it builds one preconditioner per optimizer, over the layers
@@ -121,6 +122,8 @@ class KFAC(Callback):
         self._fit_started = False
         #: the parameters trainable when training started, under a strategy that cannot follow a change
         self._trainable: TrainableSet | None = None
+        #: the setup report of the last build, said at fit start: (text, whether it warns)
+        self._report: tuple[str, bool] | None = None
         #: ids of the parameters trainable at setup, for a build deferred to on_fit_start
         self._trainable_at_setup: set[int] = set()
 
@@ -182,6 +185,10 @@ class KFAC(Callback):
             finally:
                 for p in frozen_since:
                     p.requires_grad_(False)
+        if self._report is not None:
+            report, warn = self._report
+            self._report = None
+            (rank_zero_warn if warn else rank_zero_info)(report)
         if self.preconditioners and self._pending_state is not None:
             self._load(self._pending_state)
             self._pending_state = None
@@ -231,11 +238,9 @@ class KFAC(Callback):
             if shared:
                 lines.append(f"left to the optimizers, whose parameters several optimizers step: {', '.join(shared)}")
             report = "\n".join(lines)
-        # once, on rank 0: what is preconditioned, and what is left to the optimizer and why
-        if shared or any(pre.skipped_modules for pre in self.preconditioners.values()):
-            rank_zero_warn(report)
-        else:
-            rank_zero_info(report)
+        #: said once, on rank 0, when fitting starts (a build in setup is replaced there when there are several
+        #: optimizers): what is preconditioned, what is left to the optimizer and why, and whether to warn
+        self._report = (report, bool(shared) or any(pre.skipped_modules for pre in self.preconditioners.values()))
 
     def preconditioner_of(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> KFACPreconditioner | None:
         """The preconditioner that steps before ``optimizer`` (None: K-FAC preconditions none of its layers)."""

@@ -455,3 +455,14 @@ def test_a_step_the_grad_scaler_skips_drops_only_its_optimizers_statistics() -> 
     assert all(bool(torch.isfinite(p).all()) for p in run.params)
     for pre in kfac.preconditioners.values():
         assert all(bool(torch.isfinite(f).all()) for fs in pre.factors.values() for f in fs.values())
+
+
+def test_the_setup_report_is_said_once_per_optimizer(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        fit(LightningGan(), loader(), max_epochs=1, callbacks=[KFAC(**OPTIONS)])
+    reports = [r.getMessage() for r in caplog.records if "K-FAC preconditions" in r.getMessage()]
+    assert len(reports) == 1, reports  # not also the whole model's, built in setup before the optimizers existed
+    assert reports[0].startswith("optimizer 0 (SGD): K-FAC preconditions 2 layer(s)")
+    assert "optimizer 1 (SGD): K-FAC preconditions 2 layer(s)" in reports[0]
