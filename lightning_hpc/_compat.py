@@ -482,3 +482,11 @@ def replace_metric_hooks(wrap_update: Callable[..., Any], sync: Callable[..., An
 def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     """The forward hooks and forward pre-hooks registered on ``module`` (``nn.Module`` keeps them in private dicts)."""
     return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+
+
+def backward_reaches(leaf: torch.Tensor) -> bool:
+    """Inside a backward pass (from a tensor hook): whether this pass computes a gradient for the leaf tensor ``leaf``,
+    i.e. runs its gradient accumulator: True under ``loss.backward()``, False under ``torch.autograd.grad(outputs,
+    inputs)`` that leaves it out (a gradient penalty's pass). The engine's answer is private in torch."""
+    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return bool(torch._C._will_engine_execute_node(node))  # type: ignore[attr-defined]

@@ -105,6 +105,11 @@ class CaptureHooks:
 
     def _output_grad_hook(self, index: int, handler: LayerHandler, token: int) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:  # returns None: the gradient itself is never replaced
+            if not handler.backward_gives_gradient():
+                # a torch.autograd.grad pass that gives the weight no gradient (a gradient penalty at the call's
+                # input): the call is the penalty's, not a sample of the loss's Fisher; left out
+                handler.stats.take_call(token)
+                return
             if self.pre.one_of_several and handler.stale_before(token):
                 # zero_grad since an earlier backward pass of this layer (after this pass's forward): its
                 # statistics belong to gradients no step will use

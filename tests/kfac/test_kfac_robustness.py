@@ -3,6 +3,7 @@ setup report: each test fails on a preconditioner that lets the defect through."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -393,3 +394,36 @@ def test_finiteness_check_of_the_factors_is_exact() -> None:
     assert _all_finite(huge)
     huge[2][0, 0] = float("nan")
     assert not _all_finite(huge)
+
+
+# -- gradient penalties: a torch.autograd.grad pass is not a backward pass of the loss -------------------------------
+def test_the_calls_a_gradient_penalty_differentiates_are_left_out_of_the_statistics():
+    """R1 / WGAN-GP style: ``torch.autograd.grad`` of the critic's output with respect to its input, on the forward
+    the loss also uses. That pass fires the layers' output-gradient hooks with the gradient of ``out.sum()`` (not of
+    the loss) and gives the weights no gradient: the calls it reaches are left out, so every factor equals that of
+    the same loss without the penalty whose penalised forward is not captured (float64). Counting the pass's
+    gradient as the loss's made the last layer's G 64 times too large here (the gradient of a sum, not a mean)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1)).double()
+    real, fake = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+
+    def factors(penalty: bool) -> dict[str, dict[str, torch.Tensor]]:
+        model = copy.deepcopy(critic)
+        pre = KFACPreconditioner(model, lr=0.1, announce=False, factor_dtype="float64",
+                                 decomposition_dtype="float64")
+        x = real.clone().requires_grad_(True)
+        with contextlib.nullcontext() if penalty else pre.capture_hooks.idle():
+            out = model(x)
+        loss = out.mean() - model(fake).mean()
+        if penalty:
+            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = loss + 10 * slope.square().sum(dim=1).mean()
+        loss.backward()
+        pre.step()
+        return pre.factors
+
+    with_penalty, reference = factors(True), factors(False)
+    assert sorted(with_penalty) == sorted(reference) == ["0", "2"]
+    for name, fs in reference.items():
+        for k, f in fs.items():
+            torch.testing.assert_close(with_penalty[name][k], f, rtol=0, atol=1e-13)

@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from lightning_hpc._compat import backward_reaches
 from lightning_hpc.kfac.forms import DenseForm, FactorForm, LayerForms
 from lightning_hpc.kfac.layers.state import FactorState
 from lightning_hpc.kfac.layers.statistics import CapturedStatistics
@@ -181,6 +182,14 @@ class LayerHandler:
         if pending is None or not any(f != pending[3] for f in self.stats.forward_counted):
             return False
         return self.gradient_cleared()
+
+    def backward_gives_gradient(self) -> bool:
+        """Inside the backward pass that reaches one of the layer's outputs: whether it gives the weight a gradient.
+        Not a ``torch.autograd.grad`` pass that leaves the weight out (a gradient penalty differentiating the
+        critic's output with respect to its input): its output gradient is that of the differentiated output, not of
+        the loss, and the call it reaches is left out of the statistics. A frozen weight is not asked."""
+        w = self.weight
+        return not w.requires_grad or backward_reaches(w)
 
     def gradient_cleared(self) -> bool:
         """The weight has no gradient, or an all-zero one (``zero_grad(set_to_none=False)``)."""

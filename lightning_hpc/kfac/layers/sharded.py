@@ -57,6 +57,10 @@ class ShardedLinearHandler(LinearHandler):
         #: the samples of the committed calls: rows / positions per sample, summed exactly (see :meth:`batch_factors`)
         self._samples = Fraction(0)
 
+    def backward_gives_gradient(self) -> bool:
+        # the strategy assembles the head's gradient from its sub-batches' backward passes itself
+        return True
+
     def stale_before(self, token: int) -> bool:
         # each call is a sub-batch of the step, and the layer's gradient is assembled from all of them: an earlier
         # call's statistics are this step's whatever the gradient holds while the calls' output gradients arrive
