@@ -3,9 +3,11 @@
 A layer's forward hook computes the input statistics of each call (A's Gram, :meth:`LayerHandler.capture_input`)
 and registers a hook on the call's output, whose gradient commits them with the output-gradient statistics (G's
 Gram, :meth:`LayerHandler.capture_output_grad`). Only training forwards that will be backpropagated, on
-factor-update steps, are captured. A layer subclass with its own forward is followed through the functional op it
-calls on its weight (:class:`~lightning_hpc.kfac.subclasses.CallTracer`) and left to the optimizer when its weight
-reaches the result any other way. With ``overlap_factor_allreduce`` the output-gradient hooks of the step's last
+factor-update steps, are captured, and only backward passes that give the layer's weight its gradient commit them
+(a ``torch.autograd.grad`` pass of a gradient penalty leaves the calls it reaches out). A layer subclass with its
+own forward is followed through the functional op it calls on its weight
+(:class:`~lightning_hpc.kfac.subclasses.CallTracer`) and left to the optimizer when its weight reaches the result
+any other way. With ``overlap_factor_allreduce`` the output-gradient hooks of the step's last
 micro-batch launch the factor all-reduce (:mod:`.overlap`).
 """
 
