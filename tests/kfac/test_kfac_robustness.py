@@ -396,7 +396,16 @@ def test_finiteness_check_of_the_factors_is_exact() -> None:
     assert not _all_finite(huge)
 
 
-# -- gradient penalties: a torch.autograd.grad pass is not a backward pass of the loss -------------------------------
+# -- backward passes that are not the loss's, or not only -----------------------------------------------------------
+def _one_step_factors(net: nn.Module, loss_of) -> dict[str, dict[str, torch.Tensor]]:
+    """The factors after one float64 step on a copy of ``net``, whose loss ``loss_of(model, pre)`` computes."""
+    model = copy.deepcopy(net)
+    pre = KFACPreconditioner(model, lr=0.1, announce=False, factor_dtype="float64", decomposition_dtype="float64")
+    loss_of(model, pre).backward()
+    pre.step()
+    return pre.factors
+
+
 def test_the_calls_a_gradient_penalty_differentiates_are_left_out_of_the_statistics():
     """R1 / WGAN-GP style: ``torch.autograd.grad`` of the critic's output with respect to its input, on the forward
     the loss also uses. That pass fires the layers' output-gradient hooks with the gradient of ``out.sum()`` (not of
@@ -407,23 +416,35 @@ def test_the_calls_a_gradient_penalty_differentiates_are_left_out_of_the_statist
     critic = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1)).double()
     real, fake = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
 
-    def factors(penalty: bool) -> dict[str, dict[str, torch.Tensor]]:
-        model = copy.deepcopy(critic)
-        pre = KFACPreconditioner(model, lr=0.1, announce=False, factor_dtype="float64",
-                                 decomposition_dtype="float64")
-        x = real.clone().requires_grad_(True)
-        with contextlib.nullcontext() if penalty else pre.capture_hooks.idle():
-            out = model(x)
-        loss = out.mean() - model(fake).mean()
-        if penalty:
-            (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-            loss = loss + 10 * slope.square().sum(dim=1).mean()
-        loss.backward()
-        pre.step()
-        return pre.factors
+    def loss_of(penalty: bool):
+        def loss(model: nn.Module, pre: KFACPreconditioner) -> torch.Tensor:
+            x = real.clone().requires_grad_(True)
+            with contextlib.nullcontext() if penalty else pre.capture_hooks.idle():
+                out = model(x)
+            loss = out.mean() - model(fake).mean()
+            if penalty:
+                (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+                loss = loss + 10 * slope.square().sum(dim=1).mean()
+            return loss
+        return loss
 
-    with_penalty, reference = factors(True), factors(False)
-    assert sorted(with_penalty) == sorted(reference) == ["0", "2"]
-    for name, fs in reference.items():
-        for k, f in fs.items():
-            torch.testing.assert_close(with_penalty[name][k], f, rtol=0, atol=1e-13)
+    reference = _one_step_factors(critic, loss_of(False))
+    assert sorted(reference) == ["0", "2"]
+    _assert_factors_equal(_one_step_factors(critic, loss_of(True)), reference, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_captures_the_same_factors(use_reentrant):
+    """``torch.utils.checkpoint`` recomputes the forward inside the backward pass (the reentrant variant in a
+    backward pass of its own, which is the one that gives the weights their gradients): the factors equal those of
+    the same step without checkpointing (float64)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 5)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+    inp = x.clone().requires_grad_(use_reentrant)  # the reentrant variant needs an input that requires grad
+    reference = _one_step_factors(net, lambda model, pre: F.mse_loss(model(inp), y))
+    got = _one_step_factors(net, lambda model, pre: F.mse_loss(checkpoint(model, inp, use_reentrant=use_reentrant), y))
+    assert sorted(reference) == ["0", "2"]
+    _assert_factors_equal(got, reference, rtol=0, atol=1e-13)
