@@ -48,9 +48,8 @@ class CompiledUnderKFAC:
         inside = {id(m) for m in self.module.modules()}
         #: each preconditioner's hooks with the preconditioned layers this module holds (the hooks of the others run
         #: outside its forward)
-        self.hooks_and_layers = [(pre.capture_hooks, [h.module for h in pre.handlers if id(h.module) in inside])
-                                 for pre in pres]
-        self.hooks_and_layers = [(hooks, layers) for hooks, layers in self.hooks_and_layers if layers]
+        self.hooks_and_layers = [(pre.capture_hooks, layers) for pre in pres
+                                 if (layers := [h.module for h in pre.handlers if id(h.module) in inside])]
         self.eager_calls = 0
 
     @property

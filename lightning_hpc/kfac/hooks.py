@@ -110,7 +110,7 @@ class CaptureHooks:
             if not handler.backward_gives_gradient():
                 # a torch.autograd.grad pass that gives the weight no gradient (a gradient penalty at the call's
                 # input): the call is the penalty's, not a sample of the loss's Fisher; left out
-                handler.stats.take_call(token)
+                handler.drop_call(token)
                 return
             if self.pre.one_of_several and handler.stale_before(token):
                 # zero_grad since an earlier backward pass of this layer (after this pass's forward): its

@@ -183,6 +183,10 @@ class LayerHandler:
             return False
         return self.gradient_cleared()
 
+    def drop_call(self, token: int) -> None:
+        """Forget the pending call ``token`` without committing it (see :meth:`backward_gives_gradient`)."""
+        self.stats.take_call(token)
+
     def backward_gives_gradient(self) -> bool:
         """Inside the backward pass that reaches one of the layer's outputs: whether it gives the weight a gradient.
         Not a ``torch.autograd.grad`` pass that leaves the weight out (a gradient penalty differentiating the

@@ -41,10 +41,9 @@ class ShardedLinearHandler(LinearHandler):
 
     def reset_statistics(self) -> None:
         super().reset_statistics()
-        #: the gradient scale of each pending call (the layer's ``kfac_grad_scale`` at its forward)
-        self._scales: dict[int, float] = {}
-        #: positions per sample of each pending call (the layer's ``kfac_positions`` at its forward)
-        self._call_positions: dict[int, int] = {}
+        #: the gradient scale and the positions per sample of each pending call (the layer's ``kfac_grad_scale`` and
+        #: ``kfac_positions`` at its forward)
+        self._calls: dict[int, tuple[float, int]] = {}
 
     @property
     def _layout(self) -> str:
@@ -84,16 +83,14 @@ class ShardedLinearHandler(LinearHandler):
         self.stats.in_forward = False  # every call is a sub-batch of rows of its own, counted as samples
         token = super().capture_input(x)
         m = cast(Any, self.module)
-        self._scales[token] = float(m.kfac_grad_scale)
         # a (batch, tokens, features) input runs through the head as rows, which its sub-batches cut without regard
         # to samples: the rows are counted, and the samples are rows / positions (batch_factors)
-        self._call_positions[token] = int(getattr(m, "kfac_positions", 1))
+        self._calls[token] = (float(m.kfac_grad_scale), int(getattr(m, "kfac_positions", 1)))
         return token
 
     def capture_output_grad(self, g: torch.Tensor, token: int | None = None) -> bool:
         key = token if token is not None else self.stats.latest_token()
-        scale = self._scales.pop(key, 1.0)
-        positions = self._call_positions.pop(key, 1)
+        scale, positions = self._calls.pop(key, (1.0, 1))
         self._token = key
         committed = super().capture_output_grad(g * scale if scale != 1.0 else g, token)
         if committed:
