@@ -1,7 +1,7 @@
 """K-FAC's float32 products on this CPU through torch's BLAS (``x @ w^T``, MKL in torch's CPU wheels) and through
 oneDNN (the 1x1-convolution route of :func:`lightning_hpc.kfac.linalg._onednn_mm_t`), side by side on the shapes
 Eq 13-15's chains and the Linear Grams make, with the route :func:`~lightning_hpc.kfac.linalg.onednn_outruns_blas`
-chooses here (oneDNN where torch reports AVX-512, where MKL runs 256-bit code on CPUs that are not Intel's).
+chooses here (oneDNN where torch reports AVX-512 on a CPU that is not Intel's: MKL runs 256-bit code there).
 
     python bench/kfac_product_routes.py [--threads 1] [--repeats 7] [--tag _2026_12_07]
 
@@ -37,9 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     report = Report(f"kfac_product_routes{args.tag}")
-    report.meta.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), threads=args.threads,
+    report.meta.update(cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_vendor=linalg.cpu_vendor(),
+                       threads=args.threads,
                        route_taken="onednn" if linalg.onednn_outruns_blas() else "blas")
-    print(f"torch CPU capability {report.meta['cpu_capability']}: K-FAC takes the {report.meta['route_taken']} route")
+    print(f"torch CPU capability {report.meta['cpu_capability']}, vendor {report.meta['cpu_vendor'] or '(unknown)'}: "
+          f"K-FAC takes the {report.meta['route_taken']} route")
     gen = torch.Generator().manual_seed(0)
     for m, k, n in SHAPES:
         x, wt = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)

@@ -19,8 +19,8 @@ For stride-1 zero-padded convolutions (most of a ResNet), :func:`conv_patch_gram
 ``(2 kh - 1)(2 kw - 1)`` shifted channel correlations of the input instead, a third of syrk's FLOPs for 3x3.
 
 On a CPU, large float32 products (Eq 13-15's, and the Grams of Linear layers that syrk does not take) run through
-oneDNN's convolution kernels rather than torch's BLAS (:func:`precondition_eigen`, :func:`product`): MKL's
-``sgemm`` runs 256-bit code on CPUs that are not Intel's.
+oneDNN's convolution kernels rather than torch's BLAS (:func:`precondition_eigen`, :func:`product`) where oneDNN
+runs wider code (:func:`onednn_outruns_blas`): MKL's ``sgemm`` runs 256-bit code on CPUs that are not Intel's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import platform
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +47,7 @@ __all__ = [
     "accelerator_routes",
     "cache_blocked",
     "conv_patch_gram",
+    "cpu_vendor",
     "depthwise_patch_gram",
     "gram_chunk_elements",
     "group_gram",
@@ -105,15 +107,33 @@ ONEDNN_MIN_MACS = 1 << 23
 ONEDNN_GRAM_MAX_ROWS_PER_COLUMN = 8
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor string as the operating system reports it (``GenuineIntel``, ``AuthenticAMD``, ...): the
+    ``vendor_id`` line of ``/proc/cpuinfo`` on Linux, else :func:`platform.processor` (which names the vendor on
+    Windows); empty where neither says."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 @functools.cache
 def onednn_outruns_blas() -> bool:
     """Whether this CPU runs oneDNN's float32 kernels wider than torch's BLAS: where torch reports AVX-512
-    (``torch.backends.cpu.get_cpu_capability()``). MKL's ``sgemm`` runs 256-bit code on CPUs that are not Intel's,
-    oneDNN 512-bit code (measured on an AMD EPYC with AVX-512, one thread: 85-104 against 190-230 GFLOP/s). On an
-    AVX2-only CPU both run 256-bit code and oneDNN gains nothing (measured on an AMD EPYC with AVX2, one thread:
-    79-90 against 84-92 GFLOP/s, and 31 against 64 at 64 x 4096 x 4096), so the products stay with BLAS there. The
-    answer is the same on every rank of a cluster of one CPU model, so replicas round alike."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    (``torch.backends.cpu.get_cpu_capability()``) on a CPU that is not Intel's. MKL's ``sgemm`` runs 256-bit code on
+    CPUs that are not Intel's, oneDNN 512-bit code (measured on an AMD EPYC with AVX-512, one thread: 85-104
+    against 190-230 GFLOP/s). On an Intel CPU with AVX-512 MKL runs 512-bit code too and oneDNN gains nothing
+    (measured on an Intel Xeon with AVX-512 and AMX, one thread: BLAS 128-160 against oneDNN 108-156 GFLOP/s, and
+    110 against 42 at 64 x 4096 x 4096); on an AVX2-only CPU both run 256-bit code and oneDNN gains nothing either
+    (measured on an AMD EPYC with AVX2, one thread: 79-90 against 84-92 GFLOP/s, and 31 against 64 at
+    64 x 4096 x 4096). There the products stay with BLAS. The answer is the same on every rank of a cluster of one
+    CPU model, so replicas round alike."""
+    return (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            and "intel" not in cpu_vendor().lower())
 
 
 def _onednn_route(t: torch.Tensor) -> bool:

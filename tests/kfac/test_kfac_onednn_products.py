@@ -8,6 +8,8 @@ any CPU: they check its sums and where it applies, not its speed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -213,9 +215,14 @@ def test_trainer_fit_of_lightnings_boring_model_takes_the_route_and_equals_blas(
     assert dist(routed) <= 4 * dist(blas), (dist(routed), dist(blas))
 
 
-@pytest.mark.parametrize(("capability", "convs"), [("AVX2", 0), ("DEFAULT", 0), ("AVX512", 4)])
-def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(monkeypatch, capability, convs):
+@pytest.mark.parametrize(("capability", "vendor", "convs"), [
+    ("AVX2", "AuthenticAMD", 0), ("DEFAULT", "AuthenticAMD", 0), ("AVX512", "AuthenticAMD", 4),
+    ("AVX512", "GenuineIntel", 0), ("AVX2", "GenuineIntel", 0), ("AVX512", "", 4)])
+def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(monkeypatch, capability, vendor, convs):
+    """oneDNN's route where torch reports AVX-512 on a CPU that is not Intel's (MKL runs 256-bit code there); BLAS
+    on AVX2-only CPUs and on Intel's AVX-512 CPUs, where MKL runs code as wide as oneDNN's."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(linalg, "cpu_vendor", lambda: vendor)
     linalg.onednn_outruns_blas.cache_clear()
     try:
         big = [t.float() for t in _operands(384, 257)]
@@ -223,3 +230,12 @@ def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(monke
         assert linalg.keeps_transposes(big[1]) == (convs > 0)
     finally:
         linalg.onednn_outruns_blas.cache_clear()
+
+
+def test_the_cpu_vendor_is_the_one_the_operating_system_reports():
+    info = Path("/proc/cpuinfo")
+    lines = [ln for ln in info.read_text(errors="replace").splitlines() if ln.startswith("vendor_id")] \
+        if info.exists() else []
+    if not lines:
+        pytest.skip("no vendor_id in /proc/cpuinfo on this system")
+    assert linalg.cpu_vendor() == lines[0].partition(":")[2].strip() != ""
