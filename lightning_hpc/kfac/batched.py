@@ -117,12 +117,21 @@ class _Stack:
     so a replaced decomposition is seen by identity, never by a reused id); for row concatenations, the layer of
     each row."""
 
-    __slots__ = ("damping", "layer_of_row", "sources", "stacked")
+    __slots__ = ("damped", "damped_at", "damping", "layer_of_row", "sources", "stacked")
 
     def __init__(self, sources: list[tuple[torch.Tensor, ...]], stacked: dict[str, torch.Tensor],
                  layer_of_row: torch.Tensor | None = None, damping: float = 0.0) -> None:
         self.sources, self.stacked, self.layer_of_row = sources, stacked, layer_of_row
         self.damping = damping  # the padding blocks' (the inverse route's identity block depends on it)
+        self.damped: dict[str, torch.Tensor] | None = None  # stacked + the method's damped operands
+        self.damped_at: float | None = None  # ... at this damping
+
+    def operands(self, method: ComputeMethod, damping: float) -> dict[str, torch.Tensor]:
+        """:attr:`stacked` with ``method``'s :meth:`~lightning_hpc.kfac.methods.ComputeMethod.damped_operands` at
+        ``damping``, derived once per damping (a damping schedule changes it every step at most)."""
+        if self.damped is None or self.damped_at != damping:
+            self.damped, self.damped_at = method.damped_operands(self.stacked, damping), damping
+        return self.damped
 
     def current(self, sources: list[tuple[torch.Tensor, ...]]) -> bool:
         return len(sources) == len(self.sources) and all(
@@ -158,6 +167,12 @@ class _Group:
             return [block[: s[0], : s[1]] for block, s in zip(buf.unbind(0), shapes)]
         return list(buf.unbind(0)) if self.kind == "stack" else list(buf.split([s[0] for s in shapes]))
 
+    def target(self, zero: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The output buffer, for the chain's last product to write into, when no entry is masked (``zero`` None)
+        and the buffer holds results in ``dtype`` (from the first step on); else None."""
+        out = self.out
+        return out if zero is None and out is not None and out.dtype == dtype and out.shape == self.inp.shape else None
+
     def output(self, p: torch.Tensor, zero: torch.Tensor | None) -> bool:
         """``p`` with the entries of the mask ``zero`` (None: no entry) set to zero (:func:`keep_zeros`), written
         into the output buffer by one kernel; True when the buffer was made (with its members' views) for it."""
@@ -166,7 +181,8 @@ class _Group:
             self.out, self.zero = torch.empty_like(p), p.new_zeros(())
             self.outs = self._views(self.out, [tuple(m.shape) for m in self.mats])
         if zero is None:
-            self.out.copy_(p)  # type: ignore[union-attr]
+            if p is not self.out:  # not already written there (:meth:`target`)
+                self.out.copy_(p)  # type: ignore[union-attr]
         else:
             torch.where(zero, self.zero, p, out=self.out)  # type: ignore[arg-type]
         return made
@@ -356,20 +372,23 @@ class PreconditionBuckets:
             if kind == "single":
                 h = members[0]  # its decompositions in dtype (LayerHandler.preconditioned's), kept with the plan
                 stack = grp.stack = stack or _Stack([], method.product_operands(h.state.decompositions_in(dtype)))
-                p, zero = h.precondition(g, stack.stacked, method, damping), _zero_mask(g)
+                operands = stack.operands(method, damping) if _generic(h) else stack.stacked
+                p, zero = h.precondition(g, operands, method, damping), _zero_mask(g)
             elif kind in ("stack", "padded"):
                 padded = grp.key[1] if kind == "padded" else None  # type: ignore[index]
                 if stack is None or (padded is not None and stack.damping != damping):
                     stack = grp.stack = self._stacked(grp.key, members, dtype, padded=padded, method=method,
                                                       damping=damping)
-                p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
+                zero = _zero_mask(g)
+                p = method.precondition(g, stack.operands(method, damping), damping, grp.target(zero, dtype))
             else:
                 stack = grp.stack = stack or self._stacked(grp.key, members, dtype, rows=True)
                 assert stack.layer_of_row is not None
                 if kind == "groups":
                     # grouped layers of equal group shape: the compute method's chain over all their groups, each
                     # group's zero rows and columns its own (the mask works per leading index)
-                    p, zero = method.precondition(g, stack.stacked, damping), _zero_mask(g)
+                    zero = _zero_mask(g)
+                    p = method.precondition(g, stack.operands(method, damping), damping, grp.target(zero, dtype))
                 else:
                     # the handler type's own row-by-row preconditioning (row_blocks: it reads only its arguments)
                     p = members[0].precondition(g, stack.stacked, method, damping)

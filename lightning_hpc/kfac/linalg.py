@@ -49,6 +49,7 @@ __all__ = [
     "conv_patch_gram",
     "cpu_vendor",
     "depthwise_patch_gram",
+    "eigen_scale",
     "gram_chunk_elements",
     "group_gram",
     "keeps_transposes",
@@ -658,13 +659,26 @@ def safe_damped_inverse(
     return None if res is None else res[0].to(dtype)
 
 
+def eigen_scale(da: torch.Tensor, dg: torch.Tensor, damping: float) -> torch.Tensor:
+    """Eq 14's element-wise factor ``1 / (v_G v_A^T + damping)`` as a ``(..., g_dim, a_dim)`` tensor: the
+    reciprocal of each damped eigenvalue product, correctly rounded, so that ``V1`` times it rounds alike wherever it
+    is computed (once per decomposition and damping for a bucket, :mod:`lightning_hpc.kfac.batched`; per call for a
+    layer preconditioned alone)."""
+    return torch.reciprocal(dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+
+
 def precondition_eigen(
     grad: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
-    qa_t: torch.Tensor | None = None, qg_t: torch.Tensor | None = None,
+    qa_t: torch.Tensor | None = None, qg_t: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq 13-15 on a ``(g_dim, a_dim)`` gradient matrix; computed in the decomposition dtype. Leading dimensions
     are a batch of independent blocks (a grouped layer's ``(G, g_dim, a_dim)`` gradients with ``(G, n, n)``
-    eigenvectors and ``(G, n)`` eigenvalues): one batched product per side for all of them.
+    eigenvectors and ``(G, n)`` eigenvalues): one batched product per side for all of them. ``scale``, when given,
+    is :func:`eigen_scale` of ``da``, ``dg`` and ``damping``, kept between steps by the caller: Eq 14 is then one
+    in-place multiplication instead of an outer product, a sum and a division over the gradient's size. ``out``, a
+    tensor of the gradient's shape in the decomposition dtype, receives the result when given (the last product
+    writes into it: no copy).
 
     On a CPU, large float32 chains run matrix by matrix through oneDNN's convolution kernels instead
     (:func:`_eigen_onednn`): torch's CPU wheels link MKL, whose ``sgemm`` runs 256-bit vector code on CPUs that are
@@ -675,30 +689,32 @@ def precondition_eigen(
     ``Q_G^T`` kept with the decompositions (:func:`keeps_transposes`), save that chain its two transposes."""
     g = grad.to(qa.dtype)
     g_dim, a_dim = g.shape[-2:]
+    scale = eigen_scale(da, dg, damping) if scale is None else scale
     if g_dim * a_dim * max(g_dim, a_dim) >= ONEDNN_MIN_MACS and _onednn_route(g) and _onednn_route(qg):
-        return _eigen_onednn(g, qa, da, qg, dg, damping, qa_t, qg_t)  # each product decides (_mm_t)
-    v1 = qg.mT @ g @ qa
-    v2 = v1 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
-    return qg @ v2 @ qa.mT
+        return _eigen_onednn(g, qa, qg, scale, qa_t, qg_t, out)  # each product decides (_mm_t)
+    v2 = (qg.mT @ g @ qa).mul_(scale)  # V1, a new tensor, scaled in place
+    if out is None:
+        return qg @ v2 @ qa.mT
+    return torch.matmul(qg @ v2, qa.mT, out=out)
 
 
 def _eigen_onednn(
-    g: torch.Tensor, qa: torch.Tensor, da: torch.Tensor, qg: torch.Tensor, dg: torch.Tensor, damping: float,
-    qa_t: torch.Tensor | None, qg_t: torch.Tensor | None,
+    g: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, scale: torch.Tensor, qa_t: torch.Tensor | None,
+    qg_t: torch.Tensor | None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`precondition_eigen` matrix by matrix as products ``x @ wt^T`` of row-major operands (:func:`_mm_t`):
-    ``V1^T = (Q_A^T grad^T) Q_G``, ``V2^T = V1^T / (v_A v_G^T + damping)``, ``P = (Q_G V2) Q_A^T``, so that the
+    ``V1^T = (Q_A^T grad^T) Q_G``, ``V2^T = V1^T * scale^T`` (:func:`eigen_scale`), ``P = (Q_G V2) Q_A^T``, so that the
     gradient, the intermediate and the result are all row-major and only ``Q_A^T`` and ``Q_G^T`` are copied (unless
     given)."""
     m, n = g.shape[-2:]
     qa_t = qa.mT.contiguous() if qa_t is None else qa_t
     qg_t = qg.mT.contiguous() if qg_t is None else qg_t
-    out = g.new_empty(g.shape)
+    out = g.new_empty(g.shape) if out is None else out
+    scale = scale.expand(g.shape)
     flat = zip(out.view(-1, m, n), g.reshape(-1, m, n), qa.reshape(-1, n, n), qa_t.reshape(-1, n, n),
-               da.reshape(-1, n), qg.reshape(-1, m, m), qg_t.reshape(-1, m, m), dg.reshape(-1, m), strict=True)
-    for o, gi, qai, qati, dai, qgi, qgti, dgi in flat:
-        v1t = _mm_t(_mm_t(qati, gi), qgti)
-        v2t = v1t / (dai.unsqueeze(-1) * dgi.unsqueeze(-2) + damping)
+               qg.reshape(-1, m, m), qg_t.reshape(-1, m, m), scale.reshape(-1, m, n), strict=True)
+    for o, gi, qai, qati, qgi, qgti, si in flat:
+        v2t = _mm_t(_mm_t(qati, gi), qgti).mul_(si.mT)  # V1^T, a new tensor, scaled in place
         o.copy_(_mm_t(_mm_t(qgi, v2t), qai))
     return out
 

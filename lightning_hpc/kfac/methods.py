@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lightning_hpc.kfac.linalg import (
+    eigen_scale,
     keeps_transposes,
     precondition_eigen,
     precondition_inverse,
@@ -50,8 +51,11 @@ class ComputeMethod(ABC):
         """The decomposition of an identity factor: used when none ever succeeded (a damped SGD step)."""
 
     @abstractmethod
-    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
-        """Precondition a ``(g_dim, a_dim)`` gradient with the layer's decompositions ``d`` (keys ``k_A``/``k_G``)."""
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """Precondition a ``(g_dim, a_dim)`` gradient with the layer's decompositions ``d`` (keys ``k_A``/``k_G``).
+        ``out``, a tensor of the result's shape and dtype, may receive the result (the returned tensor is then
+        ``out``), saving a copy (:mod:`lightning_hpc.kfac.batched`'s output buffers)."""
 
     def padded(self, d: dict[str, torch.Tensor], sizes: dict[str, int], damping: float) -> dict[str, torch.Tensor]:
         """The decompositions ``d`` (keys ``k_A``/``k_G``) of the factors padded to ``sizes["A"]`` and
@@ -75,6 +79,12 @@ class ComputeMethod(ABC):
     def product_operands(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``d`` with what :meth:`precondition` reads besides the decompositions, derived from them once and kept
         with them (:mod:`lightning_hpc.kfac.batched` keeps them with its stacks): nothing by default."""
+        return d
+
+    def damped_operands(self, d: dict[str, torch.Tensor], damping: float) -> dict[str, torch.Tensor]:
+        """``d`` (already :meth:`product_operands`) with what :meth:`precondition` reads that depends on the
+        damping, derived once per decomposition and damping and kept with them (:mod:`lightning_hpc.kfac.batched`
+        keeps them with its stacks): nothing by default."""
         return d
 
     @abstractmethod
@@ -103,9 +113,10 @@ class EigenMethod(ComputeMethod):
     def identity(self, n: int, damping: float, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         return {"d": torch.ones(n, dtype=dtype, device=device), "q": torch.eye(n, dtype=dtype, device=device)}
 
-    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         return precondition_eigen(grad, d["q_A"], d["d_A"], d["q_G"], d["d_G"], damping, d.get("qT_A"),
-                                  d.get("qT_G"))
+                                  d.get("qT_G"), d.get("scale"), out)
 
     def product_operands(self, d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``d`` with row-major copies of ``Q_A^T`` and ``Q_G^T`` (``qT_A``, ``qT_G``) where Eq 15's products run
@@ -114,6 +125,11 @@ class EigenMethod(ComputeMethod):
         extra = {f"qT_{side}": d[f"q_{side}"].mT.contiguous() for side in ("A", "G")
                  if f"q_{side}" in d and keeps_transposes(d[f"q_{side}"])}  # fmt: skip
         return {**d, **extra} if extra else d
+
+    def damped_operands(self, d: dict[str, torch.Tensor], damping: float) -> dict[str, torch.Tensor]:
+        """``d`` with Eq 14's ``1 / (v_G v_A^T + damping)`` (``scale``, :func:`~lightning_hpc.kfac.linalg.
+        eigen_scale`): one gradient's size in memory, and one multiplication per step instead of three passes."""
+        return {**d, "scale": eigen_scale(d["d_A"], d["d_G"], damping)}
 
     def kronecker_flops(self, g_dim: int, a_dim: int) -> int:
         # four products: Q_G^T grad and Q_G V2 (g^2 a each), then Q_A and Q_A^T (g a^2 each)
@@ -137,7 +153,8 @@ class InverseMethod(ComputeMethod):
     def identity(self, n: int, damping: float, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         return {"inv": torch.eye(n, dtype=dtype, device=device) / (1.0 + damping)}
 
-    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float) -> torch.Tensor:
+    def precondition(self, grad: torch.Tensor, d: dict[str, torch.Tensor], damping: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         return precondition_inverse(grad, d["inv_A"], d["inv_G"])
 
     def kronecker_flops(self, g_dim: int, a_dim: int) -> int:

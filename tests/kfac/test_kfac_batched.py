@@ -98,6 +98,27 @@ def test_the_step_preconditions_through_the_buckets_and_follows_new_decompositio
     assert p._buckets.last_buckets
 
 
+def test_the_kept_damped_operands_follow_the_damping():
+    """Eq 14's ``1 / (v_G v_A^T + damping)`` is kept with each bucket's stacked decompositions (one multiplication
+    per step): a new damping (a damping schedule) is preconditioned with its own, equal to the per-layer products at
+    that damping, on every bucket kind; reusing the kept ones at the old damping is caught (negative control)."""
+    model, p = _fitted("eigen")
+    grads = {h.name: h.grad_matrix() for h in p.handlers}
+    buckets = PreconditionBuckets()
+    buckets.precondition(p.handlers, grads, p.method, 0.03, torch.float64)  # the reciprocals at 0.03 kept
+    got = {k: v.clone() for k, v in buckets.precondition(p.handlers, grads, p.method, 0.5, torch.float64).items()}
+    want = {h.name: keep_zeros(h.preconditioned(grads[h.name], p.method, 0.5, torch.float64), grads[h.name])
+            for h in p.handlers}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-11, atol=1e-11 * float(want[name].abs().max()))
+    for grp in buckets._plans["matrices"].groups:  # the negative control: the kept ones forced to the old damping
+        if grp.stack is not None and grp.stack.damped is not None and "scale" in grp.stack.damped:
+            grp.stack.damped = p.method.damped_operands(grp.stack.stacked, 0.03)
+    stale_got = buckets.precondition(p.handlers, grads, p.method, 0.5, torch.float64)
+    stale = max(float((stale_got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
+    assert stale > 1e-3, stale
+
+
 def test_negative_control_mixed_layers_of_a_bucket_are_caught():
     """The same comparison with two layers' decompositions swapped inside a bucket's stack fails."""
     model, p = _fitted("eigen")
