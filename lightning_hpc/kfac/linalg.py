@@ -402,7 +402,8 @@ def depthwise_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], stride: 
     ``r + d`` (column ``j'``) over the rows ``r = t s + i`` of the output rows ``t``. So the products are formed
     once per pair of input rows ``d < kh`` apart: for each input row, one matrix product of its ``kw`` width
     windows (``kw x N W_out``) with those of the ``kh`` rows from it down (``N W_out x kh kw``), batched over the
-    channels of a cache-sized chunk; each block of the Gram is then a sum over ``H_out`` of them. About ``H / (kh
+    rows and channels of a cache-sized chunk (over its channels alone, row by row, where the image has fewer than
+    ``2 (kh - 1)`` rows); each block of the Gram is then a sum over ``H_out`` of them. About ``H / (kh
     H_out)`` of the multiply-adds of the Gram of the unfolded patches (1/7 for a 7x7 kernel at stride 1), from a
     copy of the input ``kw`` times its size instead of the patches' ``kh kw`` times; padding rows are zero and
     skipped. The blocks below the diagonal are the exact transposes of those above. Equal to the Gram of the
@@ -424,16 +425,28 @@ def depthwise_patch_gram(x: torch.Tensor, kernel_size: tuple[int, int], stride: 
     # channels in chunks whose copy stays cache-sized (as sym_gram's chunks of samples)
     per_chunk = max(1, min(c, gram_chunk_elements(x) // (r * kw * k)))
     buf = x.new_zeros(per_chunk, r, kw, k)  # rows from h on stay zero
-    pairs = x.new_zeros(h + 1, per_chunk, kw, kh * kw)  # row h stays zero
+    # [c, row, j, d kw + j'] = W_row[j] . W_{row + d}[j'] of every channel of the chunk; rows from h on stay zero
+    pairs = x.new_zeros(per_chunk, r, kw, kh * kw)
+    one_product = h >= 2 * (kh - 1)
     for c0 in range(0, c, per_chunk):
         m = min(per_chunk, c - c0)
         chunk = buf[:m]
         chunk[:, :h].view(m, h, kw, n, -1).copy_(win[:, c0 : c0 + m].permute(1, 2, 4, 0, 3))
-        for row in range(h):  # [row, c, j, d kw + j'] = W_row[j] . W_{row + d}[j'] of every channel of the chunk
-            torch.bmm(chunk[:, row], chunk[:, row : row + kh].reshape(m, kh * kw, k).mT, out=pairs[row, :m])
-        # [i, c, j, d, j'] = block (i, i + d) of channel c: the products of output rows' kernel row i, summed
-        block_sums = pairs[:, :m].index_select(0, rows.view(-1)).view(kh, -1, m, kw * kh * kw).sum(dim=1)
-        gram[c0 : c0 + m] = block_sums.movedim(0, 1).reshape(m, -1).index_select(1, blocks).view(m, kh * kw, -1)
+        if one_product:
+            # Every row of the chunk as one batch entry: its kw windows against the kh kw windows of the kh rows from
+            # it down, an overlapping strided view (no copy). An entry starting on a channel's zero rows is zero, one
+            # starting on its last image rows reaches only its own zero rows: kh - 1 wasted entries per channel, at
+            # most half the work where h >= 2 (kh - 1), for one product per chunk instead of one per image row
+            # (measured on one thread at 40 channels of 32 x 32, 7x7: 18 against 31 ms; at 4 x 4, 14 against 10).
+            entries = m * r - kh + 1
+            torch.bmm(chunk.view(m * r, kw, k)[:entries], chunk.as_strided((entries, kh * kw, k), (kw * k, k, 1)).mT,
+                      out=pairs[:m].view(m * r, kw, kh * kw)[:entries])
+        else:
+            for row in range(h):
+                torch.bmm(chunk[:, row], chunk[:, row : row + kh].reshape(m, kh * kw, k).mT, out=pairs[:m, row])
+        # [c, i, j, d, j'] = block (i, i + d) of channel c: the products of output rows' kernel row i, summed
+        block_sums = pairs[:m].index_select(1, rows.view(-1)).view(m, kh, -1, kw * kh * kw).sum(dim=2)
+        gram[c0 : c0 + m] = block_sums.reshape(m, -1).index_select(1, blocks).view(m, kh * kw, -1)
         if sums is not None:  # the window sums, zero from row h on
             row_sums = chunk.sum(dim=-1).index_select(1, rows.view(-1)).view(m, kh, -1, kw)
             sums[c0 : c0 + m] = row_sums.sum(dim=2).reshape(m, kh * kw)
