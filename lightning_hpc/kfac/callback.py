@@ -36,7 +36,6 @@ It translates Lightning hooks, and refuses before the first step what it cannot 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -219,9 +218,13 @@ class KFAC(Callback):
             report = self.preconditioners[0].describe_layers()
         else:
             held = [[p for group in opt.param_groups for p in group["params"]] for opt in optimizers]
-            # a parameter two optimizers step: its layer is left to them (each would precondition its gradient)
-            times = Counter(i for ids in ({id(p) for p in params} for params in held) for i in ids)
-            owned = [[p for p in params if times[id(p)] == 1] for params in held]
+            held_ids = [{id(p) for p in params} for params in held]
+            # a layer whose parameters several optimizers step (one parameter in two, or its weight in one and its
+            # bias in another): left to them, named once below, and none of its parameters offered to any of them
+            split = [(name or "<root>", own) for name, m in pl_module.named_modules() if (own := own_parameters(m))
+                     and sum(any(id(p) in ids for p in own) for ids in held_ids) > 1]
+            split_ids = {id(p) for _, own in split for p in own}
+            owned = [[p for p in params if id(p) not in split_ids] for params in held]
             patterns = compile_skip_patterns(self.options.skip_layers)
             with_layers = [i for i, params in enumerate(owned) if find_layers(
                 pl_module, patterns, self.options.layer_types, contract.kfac_tiled_layers, {id(p) for p in params}
@@ -233,8 +236,7 @@ class KFAC(Callback):
             lines = [f"optimizer {i} ({type(opt).__name__}): "
                      + (self.preconditioners[i].describe_layers() if i in self.preconditioners
                         else "K-FAC preconditions none of its layers") for i, opt in enumerate(optimizers)]
-            shared = [name or "<root>" for name, m in pl_module.named_modules()
-                      if any(times[id(p)] > 1 for p in own_parameters(m))]
+            shared = [name for name, _ in split]
             if shared:
                 lines.append(f"left to the optimizers, whose parameters several optimizers step: {', '.join(shared)}")
             report = "\n".join(lines)

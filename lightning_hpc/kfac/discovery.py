@@ -142,8 +142,8 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]], layer_types: 
     """Handlers for the layers K-FAC preconditions, in model order, and the report of all modules; ``tiled``: the
     layers a spatial strategy runs on tiles (they get tiled handlers, or are left out with the reason); ``owned``:
     the ``id`` of the parameters one of several optimizers steps (None: every parameter), whose layers alone are
-    considered (a layer whose trainable parameters that optimizer and another share is left out, with the reason:
-    its parameters would be stepped with gradients of different backward passes)."""
+    considered (a layer only some of whose trainable parameters are among them is left out, with the reason: its
+    parameters would be stepped with gradients of different backward passes)."""
     report = LayerReport()
     modules = dict(model.named_modules())
     for name, module in modules.items():
@@ -154,8 +154,8 @@ def find_layers(model: nn.Module, patterns: list[re.Pattern[str]], layer_types: 
             if not held:
                 continue  # another optimizer's layer (or nothing to train)
             if len(held) < len(trainable):
-                reason = ("its trainable parameters are stepped by more than one optimizer (K-FAC preconditions a "
-                          "layer whose weight and bias one optimizer steps)")
+                reason = ("only some of its trainable parameters are among the parameters this preconditioner "
+                          "serves (K-FAC preconditions a layer whose weight and bias one optimizer steps)")
         reason = reason or skip_reason(name, module, modules, patterns, layer_types, tiled)
         if reason is None:
             handler = make_handler(name, module, tiled)

@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 __all__ = ["CaptureHooks"]
 
 
+#: the attribute that marks a module hook as a :class:`CaptureHooks` hook (:meth:`CaptureHooks.refuse_hooked_layers`
+#: finds another preconditioner's hooks by it, not by the hook functions' names)
+_MARK = "_lightning_hpc_kfac_capture"
+
+
+def _marked(fn: Callable[..., None]) -> Callable[..., None]:
+    setattr(fn, _MARK, True)
+    return fn
+
+
 class CaptureHooks:
     """The hooks of every layer of a :class:`~lightning_hpc.kfac.preconditioner.KFACPreconditioner`, registered
     at construction, removed by :meth:`remove`."""
@@ -44,9 +54,11 @@ class CaptureHooks:
         self.captured = True
         handlers = pre.handlers
         self.handles: list[Any] = [
-            h.module.register_forward_hook(self._forward_hook(i, h)) for i, h in enumerate(handlers) if not h.traced
+            h.module.register_forward_hook(_marked(self._forward_hook(i, h)))
+            for i, h in enumerate(handlers) if not h.traced
         ]
-        self.handles += [h.module.register_forward_pre_hook(self._pre_hook(h)) for h in handlers if h.records_input]
+        self.handles += [h.module.register_forward_pre_hook(_marked(self._pre_hook(h)))
+                         for h in handlers if h.records_input]
         for i, h in enumerate(handlers):
             if h.traced:
                 self.handles += self._tracer_hooks(i, h)
@@ -56,7 +68,7 @@ class CaptureHooks:
         """Refuse a layer that another preconditioner's hooks capture: both would precondition its gradient (the
         preconditioners of several optimizers given overlapping ``parameters``)."""
         for h in handlers:
-            if any(getattr(fn, "__qualname__", "").startswith("CaptureHooks.") for fn in forward_hooks(h.module)):
+            if any(getattr(fn, _MARK, False) for fn in forward_hooks(h.module)):
                 raise ValueError(
                     f"K-FAC layer {h.name!r} ({type(h.module).__name__}) is already preconditioned by another "
                     "KFACPreconditioner, whose hooks are still registered: one preconditioner per layer. With one "
@@ -177,7 +189,8 @@ class CaptureHooks:
             elif used and handler.left_out is None:
                 self.pre.layer_report.settle(handler.name, None)
 
-        return [module.register_forward_pre_hook(pre_hook), module.register_forward_hook(hook, always_call=True)]
+        return [module.register_forward_pre_hook(_marked(pre_hook)),
+                module.register_forward_hook(_marked(hook), always_call=True)]
 
     def leave_out(self, handler: LayerHandler, reason: str) -> None:
         """Leave a traced layer to the optimizer from now on: it is reported with ``reason``, said once, and keeps

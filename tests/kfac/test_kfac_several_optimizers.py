@@ -144,7 +144,7 @@ def test_a_layer_whose_weight_and_bias_two_optimizers_step_is_left_out() -> None
     pre = KFACPreconditioner(model, parameters=[model[0].weight, model[1].weight, model[1].bias], announce=False,
                              factor_dtype="float64")
     assert [h.name for h in pre.handlers] == ["1"]
-    assert [(n, "stepped by more than one optimizer" in why) for n, _, why in pre.skipped_modules] == [("0", True)]
+    assert [(n, "only some of its trainable parameters" in why) for n, _, why in pre.skipped_modules] == [("0", True)]
     model(torch.randn(5, 3, dtype=torch.float64)).square().sum().backward()
     before = [p.grad.clone() for p in model.parameters()]
     pre.step(lr=0.1)
@@ -430,6 +430,27 @@ def test_a_layer_two_optimizers_step_is_left_to_them_and_overlapping_preconditio
     with pytest.raises(ValueError, match="'generator.2' .* already preconditioned by another KFACPreconditioner"):
         KFACPreconditioner(gan, parameters=[*gan.discriminator.parameters(), *gan.generator[2].parameters()],
                            announce=False)
+
+
+@pytest.mark.parametrize("split", ["weight_in_both", "weight_and_bias_apart"])
+def test_a_layer_whose_parameters_several_optimizers_step_is_named_once(split: str) -> None:
+    """The generator's last layer with its weight in both optimizers and its bias in the generator's only, or its
+    weight in one and its bias in the other: left to the optimizers and named once, in the line that says why, not
+    also among either optimizer's left-out layers."""
+    class SplitLayer(LightningGan):
+        def configure_optimizers(self) -> Any:
+            last = self.generator[2]
+            g_params = [p for p in self.generator.parameters() if split == "weight_in_both" or p is not last.bias]
+            d_params = [*self.discriminator.parameters(), last.weight if split == "weight_in_both" else last.bias]
+            return [torch.optim.SGD(g_params, lr=0.05), torch.optim.SGD(d_params, lr=0.05)]
+
+    kfac = KFAC(**OPTIONS)
+    run = fit(SplitLayer(), loader(), max_epochs=1, callbacks=[kfac], record_warnings=True)
+    assert [h.name for h in kfac.preconditioners[0].handlers] == ["generator.0"]
+    assert [h.name for h in kfac.preconditioners[1].handlers] == ["discriminator.0", "discriminator.2"]
+    assert all(name != "generator.2" for pre in kfac.preconditioners.values() for name, _, _ in pre.skipped_modules)
+    reports = run.warned("left to the optimizers, whose parameters several optimizers step: generator.2")
+    assert len(reports) == 1 and reports[0].count("generator.2") == 1, reports
 
 
 def test_a_step_the_grad_scaler_skips_drops_only_its_optimizers_statistics() -> None:
