@@ -694,9 +694,10 @@ def precondition_eigen(
     writes into it: no copy).
 
     On a CPU where oneDNN runs wider code than BLAS (:func:`onednn_outruns_blas`), large float32 chains run matrix
-    by matrix through oneDNN's convolution kernels instead (:func:`_eigen_onednn`): torch's CPU wheels link MKL, whose ``sgemm`` runs 256-bit vector code on CPUs that are
-    not Intel's, while oneDNN uses every vector unit the CPU has (on an AMD EPYC with AVX-512, one thread: about
-    100 GFLOP/s against 190-230, the rate of the SGD step's own convolutions; report
+    by matrix through oneDNN's convolution kernels instead (:func:`_eigen_onednn`): torch's CPU wheels link MKL,
+    whose ``sgemm`` runs 256-bit vector code on CPUs that are not Intel's, while oneDNN uses every vector unit the
+    CPU has (on an AMD EPYC with AVX-512, one thread: about 100 GFLOP/s against 190-230, the rate of the SGD step's
+    own convolutions; report
     ``bench/reports/2026-11-29-kfac-onednn-products.md``). Each matrix is then its own chain on both the batched
     and the per-layer path, so the two agree bit for bit. ``qa_t`` and ``qg_t``, row-major copies of ``Q_A^T`` and
     ``Q_G^T`` kept with the decompositions (:func:`keeps_transposes`), save that chain its two transposes."""
