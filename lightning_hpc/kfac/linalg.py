@@ -20,7 +20,8 @@ For stride-1 zero-padded convolutions (most of a ResNet), :func:`conv_patch_gram
 
 On a CPU, large float32 products (Eq 13-15's, and the Grams of Linear layers that syrk does not take) run through
 oneDNN's convolution kernels rather than torch's BLAS (:func:`precondition_eigen`, :func:`product`) where oneDNN
-runs wider code (:func:`onednn_outruns_blas`): MKL's ``sgemm`` runs 256-bit code on CPUs that are not Intel's.
+runs wider code (:func:`onednn_outruns_blas`): MKL's ``sgemm`` runs 256-bit code on CPUs that are not Intel's, and
+AMD's cores from Zen 5 on execute oneDNN's 512-bit code on full-width units.
 """
 
 from __future__ import annotations
@@ -122,19 +123,46 @@ def cpu_vendor() -> str:
     return platform.processor()
 
 
+def cpu_family() -> int | None:
+    """The CPU's family number as the operating system reports it (the ``cpu family`` line of ``/proc/cpuinfo``:
+    25 for AMD's Zen 3 and Zen 4, 26 for Zen 5); ``None`` where it does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("cpu family"):
+                    return int(line.partition(":")[2])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+#: the first AMD CPU family whose cores execute 512-bit instructions on full-width units (Zen 5); Zen 4 (family 25)
+#: splits each into two 256-bit halves
+AMD_FULL_WIDTH_AVX512_FAMILY = 26
+
+
 @functools.cache
 def onednn_outruns_blas() -> bool:
     """Whether this CPU runs oneDNN's float32 kernels wider than torch's BLAS: where torch reports AVX-512
-    (``torch.backends.cpu.get_cpu_capability()``) on a CPU that is not Intel's. MKL's ``sgemm`` runs 256-bit code on
-    CPUs that are not Intel's, oneDNN 512-bit code (measured on an AMD EPYC with AVX-512, one thread: 85-104
-    against 190-230 GFLOP/s). On an Intel CPU with AVX-512 MKL runs 512-bit code too and oneDNN gains nothing
-    (measured on an Intel Xeon with AVX-512 and AMX, one thread: BLAS 128-160 against oneDNN 108-156 GFLOP/s, and
-    110 against 42 at 64 x 4096 x 4096); on an AVX2-only CPU both run 256-bit code and oneDNN gains nothing either
-    (measured on an AMD EPYC with AVX2, one thread: 79-90 against 84-92 GFLOP/s, and 31 against 64 at
-    64 x 4096 x 4096). There the products stay with BLAS. The answer is the same on every rank of a cluster of one
-    CPU model, so replicas round alike."""
+    (``torch.backends.cpu.get_cpu_capability()``) on an AMD CPU whose cores execute 512-bit instructions on
+    full-width units (family :data:`AMD_FULL_WIDTH_AVX512_FAMILY` and later). MKL's ``sgemm`` runs 256-bit code on
+    CPUs that are not Intel's, oneDNN 512-bit code: measured on an AMD EPYC with AVX-512, one thread, 85-104
+    against 190-230 GFLOP/s (a rate above the 32 float32 flops per cycle that a core with 256-bit units issues, so
+    a full-width core). Elsewhere oneDNN gains little or nothing and the products stay with BLAS:
+
+    * on an AMD EPYC of family 25 (Zen 4, whose cores split each 512-bit instruction into two 256-bit halves), one
+      thread: BLAS 91-98 against oneDNN 89-106 GFLOP/s, and 70-78 against 32 at 64 x 4096 x 4096;
+    * on an Intel CPU with AVX-512, where MKL runs 512-bit code too (an Intel Xeon with AVX-512 and AMX, one
+      thread: 128-160 against 108-156 GFLOP/s, and 110 against 42 at 64 x 4096 x 4096);
+    * on an AVX2-only CPU, where both run 256-bit code (an AMD EPYC with AVX2, one thread: 79-90 against 84-92
+      GFLOP/s, and 31 against 64 at 64 x 4096 x 4096);
+    * on a CPU whose vendor or family the operating system does not report.
+
+    The answer is the same on every rank of a cluster of one CPU model, so replicas round alike."""
+    family = cpu_family()
     return (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-            and "intel" not in cpu_vendor().lower())
+            and cpu_vendor() == "AuthenticAMD"
+            and family is not None and family >= AMD_FULL_WIDTH_AVX512_FAMILY)
 
 
 def _onednn_route(t: torch.Tensor) -> bool:
@@ -696,8 +724,8 @@ def precondition_eigen(
     On a CPU where oneDNN runs wider code than BLAS (:func:`onednn_outruns_blas`), large float32 chains run matrix
     by matrix through oneDNN's convolution kernels instead (:func:`_eigen_onednn`): torch's CPU wheels link MKL,
     whose ``sgemm`` runs 256-bit vector code on CPUs that are not Intel's, while oneDNN uses every vector unit the
-    CPU has (on an AMD EPYC with AVX-512, one thread: about 100 GFLOP/s against 190-230, the rate of the SGD step's
-    own convolutions; report
+    CPU has (on an AMD EPYC with full-width AVX-512, one thread: about 100 GFLOP/s against 190-230, the rate of the
+    SGD step's own convolutions; report
     ``bench/reports/2026-11-29-kfac-onednn-products.md``). Each matrix is then its own chain on both the batched
     and the per-layer path, so the two agree bit for bit. ``qa_t`` and ``qg_t``, row-major copies of ``Q_A^T`` and
     ``Q_G^T`` kept with the decompositions (:func:`keeps_transposes`), save that chain its two transposes."""

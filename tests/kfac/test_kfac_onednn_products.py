@@ -215,14 +215,18 @@ def test_trainer_fit_of_lightnings_boring_model_takes_the_route_and_equals_blas(
     assert dist(routed) <= 4 * dist(blas), (dist(routed), dist(blas))
 
 
-@pytest.mark.parametrize(("capability", "vendor", "convs"), [
-    ("AVX2", "AuthenticAMD", 0), ("DEFAULT", "AuthenticAMD", 0), ("AVX512", "AuthenticAMD", 4),
-    ("AVX512", "GenuineIntel", 0), ("AVX2", "GenuineIntel", 0), ("AVX512", "", 4)])
-def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(monkeypatch, capability, vendor, convs):
-    """oneDNN's route where torch reports AVX-512 on a CPU that is not Intel's (MKL runs 256-bit code there); BLAS
-    on AVX2-only CPUs and on Intel's AVX-512 CPUs, where MKL runs code as wide as oneDNN's."""
+@pytest.mark.parametrize(("capability", "vendor", "family", "convs"), [
+    ("AVX2", "AuthenticAMD", 26, 0), ("DEFAULT", "AuthenticAMD", 26, 0), ("AVX512", "AuthenticAMD", 26, 4),
+    ("AVX512", "AuthenticAMD", 27, 4), ("AVX512", "AuthenticAMD", 25, 0), ("AVX512", "AuthenticAMD", None, 0),
+    ("AVX512", "GenuineIntel", 6, 0), ("AVX2", "GenuineIntel", 6, 0), ("AVX512", "", 26, 0)])
+def test_the_route_is_taken_only_where_the_cpu_runs_onednn_wider_than_blas(
+        monkeypatch, capability, vendor, family, convs):
+    """oneDNN's route where torch reports AVX-512 on an AMD CPU with full-width 512-bit units (family 26 on: MKL
+    runs 256-bit code there); BLAS on AVX2-only CPUs, on Zen 4 (family 25, 512-bit instructions in two halves), on
+    Intel's AVX-512 CPUs, where MKL runs code as wide as oneDNN's, and where the vendor or family is unknown."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(linalg, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linalg, "cpu_family", lambda: family)
     linalg.onednn_outruns_blas.cache_clear()
     try:
         big = [t.float() for t in _operands(384, 257)]
@@ -239,3 +243,13 @@ def test_the_cpu_vendor_is_the_one_the_operating_system_reports():
     if not lines:
         pytest.skip("no vendor_id in /proc/cpuinfo on this system")
     assert linalg.cpu_vendor() == lines[0].partition(":")[2].strip() != ""
+
+
+def test_the_cpu_family_is_the_one_the_operating_system_reports():
+    info = Path("/proc/cpuinfo")
+    lines = [ln for ln in info.read_text(errors="replace").splitlines() if ln.startswith("cpu family")] \
+        if info.exists() else []
+    if not lines:
+        assert linalg.cpu_family() is None
+        return
+    assert linalg.cpu_family() == int(lines[0].partition(":")[2]) > 0
