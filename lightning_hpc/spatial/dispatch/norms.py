@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hpc.spatial.dispatch.autograd import _replicated_operands, _tile_index
+from lightning_hpc.spatial.dispatch.autograd import _replicated_operand, _replicated_operands, _tile_index
 from lightning_hpc.spatial.dispatch.registry import _handles
 from lightning_hpc.spatial.dispatch.tensor import SpatialTensor, _fresh, _plain, _wrap_like
 from lightning_hpc.spatial.kernels.normalization import aggregated_batch_norm, aggregated_row_norm
@@ -159,11 +159,26 @@ def _batch_norm(func, a, args, kwargs):
         return NotImplemented
     x, rm, rv, weight, bias = a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"]
     training, momentum, eps = a["training"], a["momentum"], a["eps"]
-    weight, bias = _replicated_operands(x._grid, weight, bias)
+    grid, gshape = x._grid, x._gshape
+    # F.batch_norm's own checks, against the global shape (the split call returned to the dispatch before them), so
+    # that one tile runs torch.batch_norm itself: every batch norm's per-call path, and its operands inline below
+    if training:
+        if gshape[0] * math.prod(gshape[2:]) == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {torch.Size(gshape)}")
+        if eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    elif eps < 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
+    if weight is not None:
+        weight = _replicated_operand(weight, grid)
+    if bias is not None:
+        bias = _replicated_operand(bias, grid)
     local = _plain(x)
-    if not training or x._grid.group is None:
-        return _fresh(F.batch_norm(local, rm, rv, weight, bias, training, momentum, eps), x._grid, x._gshape, x._sdims)
-    y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, x._grid.group)
+    if not training or grid.group is None:
+        y = torch.batch_norm(local, weight, bias, rm, rv, training, momentum, eps, torch.backends.cudnn.enabled)
+        return _fresh(y, grid, gshape, x._sdims)
+    y, mean64, var64, n = aggregated_batch_norm(local, weight, bias, eps, grid.group)
     if rm is not None and rv is not None:
         _update_running(rm, rv, mean64, var64 * (n / (n - 1.0).clamp_min(1.0)), momentum)  # n: on the device
-    return _fresh(y, x._grid, x._gshape, x._sdims)
+    return _fresh(y, grid, gshape, x._sdims)
