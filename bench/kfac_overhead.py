@@ -20,7 +20,9 @@ configuration (f=10, d=100; target <= 1.15x at the default thread count) and the
 
 Both thread counts are measured in one run (``--threads 1,default``: one intra-op thread, then torch's default
 count), each with its own SGD baseline; ratios use process CPU time at one thread and wall time at several
-(CPU time then sums the threads' spinning), and both are reported.
+(CPU time then sums the threads' spinning), and both are reported. Each step kind's row also gives
+``sample_range``: how far that kind's samples in this run lie apart ((max - min) / median, on the time its ratio
+uses), so a figure is read against its own run's spread.
 
     flock LOCKFILE python bench/kfac_overhead.py [--repeats 3] [--rounds 4] [--batch 128] [--threads 1,default]
 
@@ -148,10 +150,10 @@ def main() -> None:
     for threads in dict.fromkeys(counts):
         if args.processes > 1:
             # rank 0's medians (every step kind synchronises the ranks through its collectives)
-            t, t_wall = run_in_processes(_measure_rank, args.processes, args, modes, timeout_s=3600,
-                                         collective_timeout_s=600)[0]  # fmt: skip
+            t, t_wall, sample_range = run_in_processes(_measure_rank, args.processes, args, modes, timeout_s=3600,
+                                                       collective_timeout_s=600)[0]  # fmt: skip
         else:
-            t, t_wall = measure(args, threads, modes)
+            t, t_wall, sample_range = measure(args, threads, modes)
         # waiting for the other ranks is not CPU time: with several processes only wall time counts it
         ratio_on = "cpu_s_per_step" if threads == 1 and args.processes == 1 else "wall_s_per_step"
         rate = product_rate(threads)
@@ -169,6 +171,7 @@ def main() -> None:
                 cpu_s_per_step=v,
                 wall_s_per_step=t_wall[k],
                 ratio_on=ratio_on,
+                sample_range=sample_range[k],
             )
         for f, d in ((10, 100), (1, 10), (1, 100), (10, 1000)):
             for mode in modes:
@@ -304,13 +307,14 @@ class _PerLayer(PreconditionBuckets):
             h.set_grad_matrix(p)
 
 
-def _measure_rank(rank: int, world_size: int, args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
+def _measure_rank(rank: int, world_size: int, args: argparse.Namespace,
+                  modes: list[str]) -> tuple[dict, dict, dict]:
     return measure(args, 1, modes)
 
 
 def measure(
     args: argparse.Namespace, threads: int, modes: list[str] | None = None
-) -> tuple[dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Median CPU and wall seconds per step of each step kind at ``threads`` intra-op threads (on every rank of
     the process group when there is one: each rank takes its share of the batch, DDP averages the gradients)."""
     modes = modes or ["sync"]
@@ -412,8 +416,11 @@ def measure(
     # process CPU time is the work of the step itself. Both are reported; ratios use CPU time.
     t = {k: statistics.median(v) for k, v in cpu.items()}
     t_wall = {k: statistics.median(v) for k, v in wall.items()}
-
-    return t, t_wall
+    # how far this run's samples of each kind lie apart, relative to their median, on the timing the ratios use: a
+    # figure is no steadier than that
+    samples = cpu if threads == 1 and world == 1 else wall
+    sample_range = {k: (max(v) - min(v)) / statistics.median(v) for k, v in samples.items()}
+    return t, t_wall, sample_range
 
 
 if __name__ == "__main__":
