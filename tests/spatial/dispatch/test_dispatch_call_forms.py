@@ -130,3 +130,35 @@ def test_reductions_and_layer_norm_over_one_of_two_split_dimensions_equal_one_pr
     for res in run_in_processes(_run_partial, 4, timeout_s=300):
         bad = [name for name in PARTIAL_CASES if not _close(res[name], refs[name])]
         assert not bad, bad
+
+
+def _batch_norm_refusals(rank, world, parts):
+    grid = create_hybrid_layout(parts).grid
+    x = _data()
+    rs, cs = tile_slices((H, W), parts, grid.index)
+    xs = split_tensor(x[..., rs, cs].clone(), grid, x.shape)
+    stats = (torch.zeros(C, dtype=x.dtype), torch.ones(C, dtype=x.dtype))
+    messages = []
+    for training, eps in ((True, 0.0), (False, -1e-5)):
+        try:
+            F.batch_norm(xs, *stats, training=training, eps=eps)
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append(None)
+    return messages
+
+
+def test_batch_norm_on_several_tiles_refuses_what_the_serial_op_refuses():
+    """The several-tile batch norm (statistics aggregated over the spatial group) makes ``F.batch_norm``'s checks,
+    with its messages: a positive ``eps`` in training, a non-negative one otherwise."""
+    serial = []
+    for training, eps in ((True, 0.0), (False, -1e-5)):
+        try:
+            F.batch_norm(_data(), torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64),
+                         training=training, eps=eps)
+        except ValueError as e:
+            serial.append(str(e))
+    assert len(serial) == 2
+    for res in run_in_processes(_batch_norm_refusals, 2, (2, 1), timeout_s=120):
+        assert res == serial
