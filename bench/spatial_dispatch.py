@@ -9,6 +9,7 @@ Beside them, the same step on a *protocol floor*: the input re-classed as a ``to
 decision, no alias, no wrap checks). Any split tensor that dispatches through ``__torch_function__`` pays at least
 that much (torch's C++ to Python round trip per op, the functionals' ``handle_torch_function``), so the floor's
 ratio is what the eager dispatch can approach, and ``added_over_floor_ms`` is the dispatch's own work above it.
+``plain_sample_range`` is how far the plain step's samples lie apart in the run ((max - min) / median).
 
 Also counts what stands for the GPU cost independently of the machine's load: the ops dispatched per step
 (``__torch_function__`` calls), the Python function calls per step (cProfile) of the split and the plain step,
@@ -133,7 +134,10 @@ def measure(size: int, repeats: int) -> dict[str, float | int]:
             kinds[k]()
             times[k].append(time.perf_counter() - t0)
     plain, dispatched, floor = (statistics.median(times[k]) for k in ("plain", "split", "floor"))
-    return {"size": size, "plain_s": plain, "split_s": dispatched, "ratio": dispatched / plain,
+    # how far the plain step's samples lie apart in this run ((max - min) / median): a ratio is no steadier
+    plain_range = (max(times["plain"]) - min(times["plain"])) / plain
+    return {"size": size, "plain_s": plain, "plain_sample_range": plain_range, "split_s": dispatched,
+            "ratio": dispatched / plain,
             "added_ms": (dispatched - plain) * 1e3, "floor_ratio": floor / plain,
             "added_over_floor_ms": (dispatched - floor) * 1e3, "ops_per_step": ops[0], "py_calls_split": calls_split,
             "py_calls_plain": calls_plain, "py_calls_per_op": (calls_split - calls_plain) / max(ops[0], 1),
