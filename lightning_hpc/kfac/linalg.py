@@ -109,31 +109,31 @@ ONEDNN_MIN_MACS = 1 << 23
 ONEDNN_GRAM_MAX_ROWS_PER_COLUMN = 8
 
 
+def _cpuinfo_field(key: str) -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (Linux), or None where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith(key):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_vendor() -> str:
     """The CPU's vendor string as the operating system reports it (``GenuineIntel``, ``AuthenticAMD``, ...): the
     ``vendor_id`` line of ``/proc/cpuinfo`` on Linux, else :func:`platform.processor` (which names the vendor on
     Windows); empty where neither says."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    vendor = _cpuinfo_field("vendor_id")
+    return platform.processor() if vendor is None else vendor
 
 
 def cpu_family() -> int | None:
     """The CPU's family number as the operating system reports it (the ``cpu family`` line of ``/proc/cpuinfo``:
     25 for AMD's Zen 3 and Zen 4, 26 for Zen 5); ``None`` where it does not say."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("cpu family"):
-                    return int(line.partition(":")[2])
-    except (OSError, ValueError):
-        pass
-    return None
+    family = _cpuinfo_field("cpu family")
+    return int(family) if family is not None and family.isdigit() else None
 
 
 #: the first AMD CPU family whose cores execute 512-bit instructions on full-width units (Zen 5); Zen 4 (family 25)
@@ -159,10 +159,9 @@ def onednn_outruns_blas() -> bool:
     * on a CPU whose vendor or family the operating system does not report.
 
     The answer is the same on every rank of a cluster of one CPU model, so replicas round alike."""
-    family = cpu_family()
     return (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
             and cpu_vendor() == "AuthenticAMD"
-            and family is not None and family >= AMD_FULL_WIDTH_AVX512_FAMILY)
+            and (cpu_family() or 0) >= AMD_FULL_WIDTH_AVX512_FAMILY)
 
 
 def _onednn_route(t: torch.Tensor) -> bool:
